@@ -1,0 +1,43 @@
+"""kvflow: an asyncio KV-cache transfer engine for prefill/decode
+disaggregated LLM serving."""
+from kvflow.engine import Engine
+from kvflow.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    KVFlowError,
+    PeerLostError,
+    PeerUnreachableError,
+    ProtocolError,
+    ProviderUnavailableError,
+    RemoteAccessError,
+    TransferCancelledError,
+    TransferTimeoutError,
+    UnregisteredMemoryError,
+)
+from kvflow.features import features
+from kvflow.memory import Access, Region, RemoteRegion
+from kvflow.peer import Peer
+from kvflow.transfer import Transfer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Access",
+    "AuthenticationError",
+    "Engine",
+    "InvalidArgumentError",
+    "KVFlowError",
+    "Peer",
+    "PeerLostError",
+    "PeerUnreachableError",
+    "ProtocolError",
+    "ProviderUnavailableError",
+    "Region",
+    "RemoteAccessError",
+    "RemoteRegion",
+    "Transfer",
+    "TransferCancelledError",
+    "TransferTimeoutError",
+    "UnregisteredMemoryError",
+    "features",
+]

@@ -1,0 +1,276 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The native core's Python face: one `Core` per engine, one channel per peer.
+
+Everything here is thin: arguments are checked and handed to C with the GIL
+released; results come back as plain status codes, which kvflow.errors maps
+to exceptions in one place.
+"""
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+import weakref
+
+from kvflow._native cimport *
+
+OK = KVF_OK
+OP_WRITE = KVF_OP_WRITE
+OP_READ = KVF_OP_READ
+
+cdef enum:
+    DRAIN_BATCH = 512
+
+
+cdef class Core:
+    """The native context of one engine: its region table, batch pool,
+    completion ring (readable through `fileno()`), local workers and the
+    tcp server's connection threads."""
+
+    cdef kvf_ctx *ctx
+    cdef uint32_t next_region_id
+    cdef object channels          # weakref.WeakSet of channels, closed first
+    cdef kvf_completion comp[DRAIN_BATCH]
+
+    def __cinit__(self, int local_workers=2):
+        with nogil:
+            self.ctx = kvf_ctx_new(local_workers)
+        if self.ctx == NULL:
+            raise MemoryError("kvflow: cannot create the native context")
+        self.next_region_id = 1
+        self.channels = weakref.WeakSet()
+
+    def __dealloc__(self):
+        if self.ctx != NULL:
+            with nogil:
+                kvf_ctx_free(self.ctx)
+            self.ctx = NULL
+
+    cdef inline kvf_ctx *_ctx(self) except NULL:
+        if self.ctx == NULL:
+            raise RuntimeError("kvflow: the engine is closed")
+        return self.ctx
+
+    def fileno(self):
+        return self._ctx().efd
+
+    def add_region(self, uint64_t addr, uint64_t length, uint32_t access):
+        """Adds a region to the local table; returns its id, or 0 when it
+        overlaps a registered one."""
+        cdef kvf_ctx *c = self._ctx()
+        cdef uint32_t rid = self.next_region_id
+        cdef int rc
+        with nogil:
+            rc = kvf_rt_add(&c.local, addr, length, access, rid)
+        if rc != KVF_OK:
+            return 0
+        self.next_region_id += 1
+        return rid
+
+    def remove_region(self, uint32_t rid):
+        """Removes a region; returns once no receiver is writing into it."""
+        cdef kvf_ctx *c = self._ctx()
+        cdef int rc
+        with nogil:
+            rc = kvf_rt_remove(&c.local, rid)
+        return rc == KVF_OK
+
+    def drain(self):
+        """Finished batches since the last call: a list of (id, status, entry)."""
+        cdef kvf_ctx *c = self.ctx
+        cdef size_t n, i
+        out = []
+        if c == NULL:
+            return out
+        while True:
+            n = kvf_drain(c, self.comp, DRAIN_BATCH)
+            for i in range(n):
+                out.append((self.comp[i].id, self.comp[i].status, self.comp[i].entry))
+            if n < DRAIN_BATCH:
+                return out
+
+    def cancel(self, uint64_t batch_id):
+        if self.ctx != NULL:
+            kvf_batch_cancel(self.ctx, batch_id)
+
+    def add_token(self, bytes token):
+        if len(token) != 16:
+            raise ValueError("session tokens are 16 bytes")
+        return kvf_srv_add_token(self._ctx(), <const uint8_t *><char *>token) == KVF_OK
+
+    def remove_token(self, bytes token):
+        if self.ctx != NULL and len(token) == 16:
+            kvf_srv_remove_token(self.ctx, <const uint8_t *><char *>token)
+
+    def serve(self, int fd):
+        """Hands an accepted data connection to a native server thread (which
+        owns the descriptor from now on)."""
+        cdef kvf_ctx *c = self._ctx()
+        cdef int rc
+        with nogil:
+            rc = kvf_srv_serve(c, fd)
+        return rc
+
+    def counters(self):
+        """Live native resources: the debug balance the tests check."""
+        cdef kvf_ctx *c = self.ctx
+        if c == NULL:
+            return {"sockets": 0, "slices_inflight": 0, "threads": 0, "batches": 0}
+        return {"sockets": c.n_sockets, "slices_inflight": c.n_slices_inflight,
+                "threads": c.n_threads, "batches": c.in_use}
+
+    def close(self):
+        """Closes every channel, stops the server threads and workers, frees
+        the context. Idempotent."""
+        if self.ctx == NULL:
+            return
+        for ch in list(self.channels):
+            ch.close()
+        with nogil:
+            kvf_srv_shutdown(self.ctx)
+            kvf_ctx_free(self.ctx)
+        self.ctx = NULL
+
+    def __repr__(self):
+        return f"<kvflow._core.Core {'closed' if self.ctx == NULL else 'open'}>"
+
+
+cdef class RemoteTable:
+    """A peer's regions as last described by its handshake server; batches are
+    checked against it before anything is sent."""
+
+    cdef kvf_region_table t
+    cdef readonly uint64_t version
+
+    def __cinit__(self):
+        kvf_rt_init(&self.t)
+
+    def __dealloc__(self):
+        kvf_rt_destroy(&self.t)
+
+    def update(self, regions):
+        """regions: sequence of (addr, length, access). Returns False when the
+        peer sent overlapping or empty regions."""
+        cdef size_t n = len(regions), i = 0
+        cdef kvf_region *v = <kvf_region *>malloc((n if n else 1) * sizeof(kvf_region))
+        cdef int rc
+        if v == NULL:
+            raise MemoryError()
+        try:
+            for addr, length, access in regions:
+                v[i].addr = addr
+                v[i].len = length
+                v[i].access = access
+                v[i].id = <uint32_t>i
+                i += 1
+            with nogil:
+                rc = kvf_rt_replace(&self.t, v, n)
+        finally:
+            free(v)
+        self.version += 1
+        return rc == KVF_OK
+
+
+cdef class LocalChannel:
+    """The local provider toward one peer: memcpy (pid 0, same process) or
+    process_vm_writev/readv into process `pid`."""
+
+    cdef object __weakref__
+    cdef Core core
+    cdef RemoteTable table
+    cdef int pid
+    cdef uint64_t inline_limit
+    cdef bint closed
+
+    def __cinit__(self, Core core, RemoteTable table, int pid, uint64_t inline_limit):
+        self.core = core
+        self.table = table
+        self.pid = pid
+        self.inline_limit = inline_limit
+        core.channels.add(self)
+
+    def submit(self, int op, const uint64_t[::1] la, const uint64_t[::1] ra, const uint64_t[::1] ln):
+        """Returns (status, batch_id, bad_entry); batch_id 0 means the batch
+        already completed inline."""
+        cdef kvf_ctx *c = self.core._ctx()
+        cdef uint64_t bid = 0
+        cdef size_t bad = 0
+        cdef int rc
+        if self.closed:
+            return KVF_ECLOSED, 0, 0
+        with nogil:
+            rc = kvf_local_submit(c, &self.table.t, self.pid, op, &la[0], &ra[0], &ln[0],
+                                  la.shape[0], self.inline_limit, &bid, &bad)
+        return rc, bid, bad
+
+    @property
+    def alive(self):
+        return not self.closed
+
+    def close(self):
+        self.closed = True
+
+
+def probe_process(int pid, uint64_t addr, size_t length):
+    """Reads `length` bytes at `addr` in process `pid` (process_vm_readv):
+    returns the bytes, or the errno as an int when not permitted."""
+    cdef bytes buf = bytes(length)
+    cdef int rc
+    rc = kvf_local_probe(pid, addr, <char *>buf, length)
+    return rc if rc else buf
+
+
+cdef class TcpChannel:
+    """The tcp provider toward one peer: several connected data sockets, each
+    with a native sender and receiver thread."""
+
+    cdef object __weakref__
+    cdef Core core
+    cdef RemoteTable table
+    cdef kvf_tcp_channel *ch
+
+    def __cinit__(self, Core core, RemoteTable table, fds, uint64_t slice_size):
+        cdef int n = len(fds), i
+        cdef int *v = <int *>malloc(n * sizeof(int))
+        if v == NULL:
+            raise MemoryError()
+        for i in range(n):
+            v[i] = fds[i]
+        cdef kvf_ctx *c = core._ctx()
+        with nogil:
+            self.ch = kvf_tcp_channel_new(c, v, n, slice_size)
+        free(v)
+        if self.ch == NULL:
+            raise MemoryError()
+        self.core = core
+        self.table = table
+        core.channels.add(self)
+
+    def __dealloc__(self):
+        if self.ch != NULL:
+            with nogil:
+                kvf_tcp_channel_free(self.ch)
+            self.ch = NULL
+
+    def submit(self, int op, const uint64_t[::1] la, const uint64_t[::1] ra, const uint64_t[::1] ln):
+        """Returns (status, batch_id, bad_entry)."""
+        cdef kvf_ctx *c = self.core._ctx()
+        cdef uint64_t bid = 0
+        cdef size_t bad = 0
+        cdef int rc
+        if self.ch == NULL:
+            return KVF_ECLOSED, 0, 0
+        with nogil:
+            rc = kvf_tcp_submit(self.ch, &self.table.t, op, &la[0], &ra[0], &ln[0],
+                                la.shape[0], &bid, &bad)
+        return rc, bid, bad
+
+    @property
+    def alive(self):
+        return self.ch != NULL and kvf_tcp_channel_alive(self.ch)
+
+    def close(self):
+        """Fails what is still queued or in flight, joins the threads, closes
+        the sockets. Idempotent."""
+        if self.ch != NULL:
+            with nogil:
+                kvf_tcp_channel_free(self.ch)
+            self.ch = NULL

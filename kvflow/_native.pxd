@@ -1,0 +1,70 @@
+# C declarations of the native core (kvflow/_native/kvf.h).
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+
+cdef extern from "_native/kvf.h" nogil:
+    enum:
+        KVF_OK
+        KVF_EINVAL
+        KVF_EUNREG
+        KVF_EREMOTE
+        KVF_ELOST
+        KVF_ECANCELLED
+        KVF_EPROTO
+        KVF_ENOMEM
+        KVF_EIO
+        KVF_ECLOSED
+        KVF_OP_WRITE
+        KVF_OP_READ
+
+    ctypedef struct kvf_region:
+        uint64_t addr
+        uint64_t len
+        uint32_t access
+        uint32_t id
+
+    ctypedef struct kvf_region_table:
+        uint64_t generation
+
+    ctypedef struct kvf_completion:
+        uint64_t id
+        int status
+        uint64_t entry
+
+    ctypedef struct kvf_ctx:
+        kvf_region_table local
+        int efd
+        int64_t n_sockets
+        int64_t n_slices_inflight
+        int64_t n_threads
+        uint32_t in_use
+
+    int kvf_rt_init(kvf_region_table *t)
+    void kvf_rt_destroy(kvf_region_table *t)
+    int kvf_rt_add(kvf_region_table *t, uint64_t addr, uint64_t len, uint32_t access, uint32_t id)
+    int kvf_rt_remove(kvf_region_table *t, uint32_t id)
+    int kvf_rt_replace(kvf_region_table *t, const kvf_region *v, size_t n)
+
+    kvf_ctx *kvf_ctx_new(int local_workers)
+    void kvf_ctx_free(kvf_ctx *c)
+    int kvf_batch_cancel(kvf_ctx *c, uint64_t id)
+    size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap)
+
+    int kvf_local_submit(kvf_ctx *c, kvf_region_table *remote, int pid, int op,
+                         const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                         size_t n, uint64_t inline_limit, uint64_t *id_out, size_t *bad)
+    int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len)
+
+    ctypedef struct kvf_tcp_channel:
+        pass
+    kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, uint64_t slice_size)
+    int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
+                       const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                       size_t n, uint64_t *id_out, size_t *bad)
+    int kvf_tcp_channel_alive(kvf_tcp_channel *ch)
+    void kvf_tcp_channel_close(kvf_tcp_channel *ch)
+    void kvf_tcp_channel_free(kvf_tcp_channel *ch)
+
+    int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token)
+    void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token)
+    int kvf_srv_serve(kvf_ctx *c, int fd)
+    void kvf_srv_shutdown(kvf_ctx *c)

@@ -1,0 +1,370 @@
+/* Region tables, the batch pool, the completion ring, batch planning and
+ * slice queues: everything the providers share. */
+#define _GNU_SOURCE
+#include "kvf.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- regions */
+
+int kvf_rt_init(kvf_region_table *t) {
+    pthread_rwlockattr_t a;
+    pthread_rwlockattr_init(&a);
+    /* Writer preference: see kvf.h. Readers never take the lock recursively. */
+    pthread_rwlockattr_setkind_np(&a, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    int rc = pthread_rwlock_init(&t->lock, &a);
+    pthread_rwlockattr_destroy(&a);
+    t->v = NULL;
+    t->n = t->cap = 0;
+    t->generation = 0;
+    return rc ? KVF_ENOMEM : KVF_OK;
+}
+
+void kvf_rt_destroy(kvf_region_table *t) {
+    free(t->v);
+    t->v = NULL;
+    t->n = t->cap = 0;
+    pthread_rwlock_destroy(&t->lock);
+}
+
+/* Index of the first region whose addr > a (upper bound). */
+static size_t rt_upper(const kvf_region_table *t, uint64_t a) {
+    size_t lo = 0, hi = t->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (t->v[mid].addr <= a) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+const kvf_region *kvf_rt_find_locked(const kvf_region_table *t, uint64_t addr, uint64_t len) {
+    size_t i = rt_upper(t, addr);
+    if (i == 0) return NULL;
+    const kvf_region *r = &t->v[i - 1];
+    /* addr >= r->addr here; compare lengths, not end addresses, so that a
+     * region ending at 2^64 cannot overflow. */
+    uint64_t off = addr - r->addr;
+    if (off >= r->len || len > r->len - off) return NULL;
+    return r;
+}
+
+int kvf_rt_add(kvf_region_table *t, uint64_t addr, uint64_t len, uint32_t access, uint32_t id) {
+    if (len == 0 || addr + len < addr) return KVF_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    size_t i = rt_upper(t, addr);
+    int overlap = (i > 0 && t->v[i - 1].addr + t->v[i - 1].len > addr) ||
+                  (i < t->n && t->v[i].addr < addr + len);
+    if (overlap) { pthread_rwlock_unlock(&t->lock); return KVF_EINVAL; }
+    if (t->n == t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 16;
+        kvf_region *v = realloc(t->v, cap * sizeof(*v));
+        if (!v) { pthread_rwlock_unlock(&t->lock); return KVF_ENOMEM; }
+        t->v = v;
+        t->cap = cap;
+    }
+    memmove(&t->v[i + 1], &t->v[i], (t->n - i) * sizeof(kvf_region));
+    t->v[i] = (kvf_region){addr, len, access, id};
+    t->n++;
+    t->generation++;
+    pthread_rwlock_unlock(&t->lock);
+    return KVF_OK;
+}
+
+int kvf_rt_remove(kvf_region_table *t, uint32_t id) {
+    int rc = KVF_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    for (size_t i = 0; i < t->n; i++) {
+        if (t->v[i].id == id) {
+            memmove(&t->v[i], &t->v[i + 1], (t->n - i - 1) * sizeof(kvf_region));
+            t->n--;
+            t->generation++;
+            rc = KVF_OK;
+            break;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return rc;
+}
+
+static int region_cmp(const void *a, const void *b) {
+    uint64_t x = ((const kvf_region *)a)->addr, y = ((const kvf_region *)b)->addr;
+    return x < y ? -1 : x > y;
+}
+
+int kvf_rt_replace(kvf_region_table *t, const kvf_region *v, size_t n) {
+    kvf_region *copy = malloc((n ? n : 1) * sizeof(*copy));
+    if (!copy) return KVF_ENOMEM;
+    memcpy(copy, v, n * sizeof(*copy));
+    qsort(copy, n, sizeof(*copy), region_cmp);
+    for (size_t i = 0; i < n; i++) {
+        if (copy[i].len == 0 || copy[i].addr + copy[i].len < copy[i].addr ||
+            (i && copy[i - 1].addr + copy[i - 1].len > copy[i].addr)) {
+            free(copy);
+            return KVF_EINVAL;   /* a peer sent overlapping or empty regions */
+        }
+    }
+    pthread_rwlock_wrlock(&t->lock);
+    free(t->v);
+    t->v = copy;
+    t->n = t->cap = n;
+    t->generation++;
+    pthread_rwlock_unlock(&t->lock);
+    return KVF_OK;
+}
+
+/* ------------------------------------------------------------ batch pool */
+
+kvf_ctx *kvf_ctx_new(int local_workers);   /* defined in local.c (needs the pool) */
+
+int kvf_ctx_init_common(kvf_ctx *c) {
+    if (kvf_rt_init(&c->local)) return KVF_ENOMEM;
+    c->batches = calloc(KVF_MAX_BATCHES, sizeof(kvf_batch));
+    if (!c->batches) return KVF_ENOMEM;
+    for (uint32_t i = 0; i < KVF_MAX_BATCHES; i++) c->batches[i].next_free = i + 1;
+    c->free_head = 0;
+    pthread_mutex_init(&c->pool_mu, NULL);
+    pthread_mutex_init(&c->comp_mu, NULL);
+    pthread_mutex_init(&c->srv_mu, NULL);
+    c->comp_cap = 256;
+    c->comp = malloc(c->comp_cap * sizeof(kvf_completion));
+    if (!c->comp) return KVF_ENOMEM;
+    c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (c->efd < 0) return KVF_EIO;
+    return KVF_OK;
+}
+
+void kvf_ctx_free_common(kvf_ctx *c) {
+    if (c->efd >= 0) close(c->efd);
+    free(c->comp);
+    free(c->batches);
+    free(c->tokens);
+    kvf_rt_destroy(&c->local);
+    pthread_mutex_destroy(&c->pool_mu);
+    pthread_mutex_destroy(&c->comp_mu);
+    pthread_mutex_destroy(&c->srv_mu);
+}
+
+static inline uint32_t id_slot(uint64_t id) { return (uint32_t)id; }
+static inline uint32_t id_gen(uint64_t id) { return (uint32_t)(id >> 32); }
+
+int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out) {
+    pthread_mutex_lock(&c->pool_mu);
+    if (c->free_head >= KVF_MAX_BATCHES) {
+        pthread_mutex_unlock(&c->pool_mu);
+        return KVF_ENOMEM;
+    }
+    uint32_t slot = c->free_head;
+    kvf_batch *b = &c->batches[slot];
+    c->free_head = b->next_free;
+    c->in_use++;
+    b->gen++;
+    pthread_mutex_unlock(&c->pool_mu);
+    /* +1: the submitter's guard, dropped once every slice is queued, so that
+     * workers cannot complete the batch while it is still being queued. */
+    atomic_store_explicit(&b->remaining, nslices + 1, memory_order_relaxed);
+    atomic_store_explicit(&b->status, KVF_OK, memory_order_relaxed);
+    atomic_store_explicit(&b->cancelled, 0, memory_order_relaxed);
+    atomic_store_explicit(&b->err_entry, 0, memory_order_relaxed);
+    /* The release in the queue's mutex publishes these stores to workers. */
+    *id_out = ((uint64_t)b->gen << 32) | slot;
+    return KVF_OK;
+}
+
+void kvf_batch_release_guard(kvf_ctx *c, uint64_t id) {
+    kvf_slice_done(c, id_slot(id), KVF_OK, 0);
+}
+
+int kvf_batch_cancel(kvf_ctx *c, uint64_t id) {
+    uint32_t slot = id_slot(id);
+    if (slot >= KVF_MAX_BATCHES) return KVF_EINVAL;
+    kvf_batch *b = &c->batches[slot];
+    if (b->gen != id_gen(id)) return KVF_EINVAL;   /* already drained */
+    atomic_store_explicit(&b->cancelled, 1, memory_order_relaxed);
+    int expected = KVF_OK;
+    atomic_compare_exchange_strong(&b->status, &expected, KVF_ECANCELLED);
+    return KVF_OK;
+}
+
+int kvf_batch_cancelled(kvf_ctx *c, uint32_t slot) {
+    return atomic_load_explicit(&c->batches[slot].cancelled, memory_order_relaxed);
+}
+
+static void completion_push(kvf_ctx *c, uint32_t slot) {
+    kvf_batch *b = &c->batches[slot];
+    kvf_completion e = {
+        ((uint64_t)b->gen << 32) | slot,
+        atomic_load_explicit(&b->status, memory_order_acquire), 0,
+        atomic_load_explicit(&b->err_entry, memory_order_relaxed)};
+    pthread_mutex_lock(&c->comp_mu);
+    if (c->comp_n == c->comp_cap) {
+        size_t cap = c->comp_cap * 2;
+        kvf_completion *v = realloc(c->comp, cap * sizeof(*v));
+        if (v) { c->comp = v; c->comp_cap = cap; }
+        /* On ENOMEM we cannot drop a completion (its future would hang), so
+         * spin on the allocation; this is effectively unreachable. */
+        while (c->comp_n == c->comp_cap) {
+            pthread_mutex_unlock(&c->comp_mu);
+            usleep(1000);
+            pthread_mutex_lock(&c->comp_mu);
+            v = realloc(c->comp, c->comp_cap * 2 * sizeof(*v));
+            if (v) { c->comp = v; c->comp_cap *= 2; }
+        }
+    }
+    c->comp[c->comp_n++] = e;
+    int wake = !c->comp_signaled;
+    c->comp_signaled = 1;
+    pthread_mutex_unlock(&c->comp_mu);
+    if (wake) {
+        uint64_t one = 1;
+        ssize_t r = write(c->efd, &one, sizeof(one));
+        (void)r;   /* EAGAIN only if the counter is saturated: already readable */
+    }
+}
+
+void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry) {
+    kvf_batch *b = &c->batches[slot];
+    if (status != KVF_OK) {
+        int expected = KVF_OK;
+        if (atomic_compare_exchange_strong(&b->status, &expected, status))
+            atomic_store_explicit(&b->err_entry, entry, memory_order_relaxed);
+    }
+    /* acq_rel: the last decrementer sees every other slice's status store. */
+    if (atomic_fetch_sub_explicit(&b->remaining, 1, memory_order_acq_rel) == 1)
+        completion_push(c, slot);
+}
+
+size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap) {
+    /* Reset the eventfd before taking the list: a completion pushed after we
+     * take the list sees comp_signaled == 0 and writes the eventfd again;
+     * one pushed between the read and the take is taken now (no lost wake-up). */
+    uint64_t v;
+    ssize_t r = read(c->efd, &v, sizeof(v));
+    (void)r;
+    pthread_mutex_lock(&c->comp_mu);
+    size_t n = c->comp_n < cap ? c->comp_n : cap;
+    memcpy(out, c->comp, n * sizeof(*out));
+    memmove(c->comp, c->comp + n, (c->comp_n - n) * sizeof(*out));
+    c->comp_n -= n;
+    if (c->comp_n == 0) c->comp_signaled = 0;
+    else {
+        /* more than cap were waiting: keep the eventfd readable */
+        uint64_t one = 1;
+        r = write(c->efd, &one, sizeof(one));
+    }
+    pthread_mutex_unlock(&c->comp_mu);
+    pthread_mutex_lock(&c->pool_mu);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t slot = id_slot(out[i].id);
+        c->batches[slot].next_free = c->free_head;
+        c->free_head = slot;
+        c->in_use--;
+    }
+    pthread_mutex_unlock(&c->pool_mu);
+    return n;
+}
+
+/* ------------------------------------------------------------------ plan */
+
+int kvf_validate(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la,
+                 const uint64_t *ra, const uint64_t *len, size_t n, size_t *bad) {
+    for (size_t i = 0; i < n; i++) {
+        if (len[i] == 0 || la[i] + len[i] < la[i] || ra[i] + len[i] < ra[i]) {
+            *bad = i;
+            return KVF_EINVAL;
+        }
+    }
+    int rc = KVF_OK;
+    pthread_rwlock_rdlock(&c->local.lock);
+    for (size_t i = 0; i < n; i++) {
+        if (!kvf_rt_find_locked(&c->local, la[i], len[i])) { *bad = i; rc = KVF_EUNREG; break; }
+    }
+    pthread_rwlock_unlock(&c->local.lock);
+    if (rc) return rc;
+    uint32_t need = op == KVF_OP_WRITE ? KVF_ACCESS_WRITE : KVF_ACCESS_READ;
+    pthread_rwlock_rdlock(&remote->lock);
+    for (size_t i = 0; i < n; i++) {
+        const kvf_region *r = kvf_rt_find_locked(remote, ra[i], len[i]);
+        if (!r || !(r->access & need)) { *bad = i; rc = KVF_EREMOTE; break; }
+    }
+    pthread_rwlock_unlock(&remote->lock);
+    return rc;
+}
+
+size_t kvf_plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                size_t n, uint64_t slice_size, kvf_slice **out) {
+    /* Upper bound on the slice count, so one allocation serves the batch. */
+    size_t cap = 0;
+    for (size_t i = 0; i < n; i++) cap += (len[i] + slice_size - 1) / slice_size;
+    kvf_slice *s = malloc((cap ? cap : 1) * sizeof(*s));
+    if (!s) { *out = NULL; return 0; }
+    size_t k = 0;
+    size_t i = 0;
+    while (i < n) {
+        uint64_t l0 = la[i], r0 = ra[i], total = len[i];
+        size_t first = i++;
+        /* Coalesce entries adjacent on both sides: one frame / one iovec
+         * instead of many, up to the slice size. */
+        while (i < n && la[i] == l0 + total && ra[i] == r0 + total && total + len[i] <= slice_size) {
+            total += len[i];
+            i++;
+        }
+        for (uint64_t off = 0; off < total; off += slice_size) {
+            uint64_t l = total - off < slice_size ? total - off : slice_size;
+            s[k++] = (kvf_slice){l0 + off, r0 + off, l, first, 0, (uint32_t)op, 0, 0};
+        }
+    }
+    *out = s;
+    return k;
+}
+
+/* ----------------------------------------------------------------- queue */
+
+int kvf_queue_init(kvf_queue *q) {
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    q->cap = 256;
+    q->ring = malloc(q->cap * sizeof(kvf_slice));
+    q->head = q->count = 0;
+    q->bytes = 0;
+    q->closed = 0;
+    return q->ring ? KVF_OK : KVF_ENOMEM;
+}
+
+void kvf_queue_destroy(kvf_queue *q) {
+    free(q->ring);
+    q->ring = NULL;
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+}
+
+int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s) {
+    if (q->count == q->cap) {
+        size_t cap = q->cap * 2;
+        kvf_slice *v = malloc(cap * sizeof(*v));
+        if (!v) return KVF_ENOMEM;
+        for (size_t i = 0; i < q->count; i++) v[i] = q->ring[(q->head + i) % q->cap];
+        free(q->ring);
+        q->ring = v;
+        q->cap = cap;
+        q->head = 0;
+    }
+    q->ring[(q->head + q->count) % q->cap] = *s;
+    q->count++;
+    q->bytes += s->len;
+    return KVF_OK;
+}
+
+size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max) {
+    size_t n = q->count < max ? q->count : max;
+    for (size_t i = 0; i < n; i++) {
+        out[i] = q->ring[q->head];
+        q->head = (q->head + 1) % q->cap;
+        q->bytes -= out[i].len;
+    }
+    q->count -= n;
+    return n;
+}

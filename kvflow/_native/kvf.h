@@ -1,0 +1,186 @@
+/* kvflow native core: shared declarations.
+ *
+ * The hot path lives here, in plain C, so that it runs with the GIL released:
+ * region tables, the batch pool, the completion ring (eventfd to asyncio),
+ * slice queues, and the providers' worker threads (tcp, local).
+ * Python (Cython, kvflow/_core.pyx) only submits batches and drains completions.
+ */
+#ifndef KVF_H
+#define KVF_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Status codes: mapped to exceptions in one place (kvflow/errors.py). */
+enum {
+    KVF_OK = 0,
+    KVF_EINVAL = 1,          /* bad argument (zero length, overflow, ...) */
+    KVF_EUNREG = 2,          /* local range not inside a registered region */
+    KVF_EREMOTE = 3,         /* remote range outside the peer's regions / no access */
+    KVF_ELOST = 4,           /* connection to the peer lost */
+    KVF_ECANCELLED = 5,      /* cancelled (or timed out) by the user */
+    KVF_EPROTO = 6,          /* malformed frame */
+    KVF_ENOMEM = 7,          /* out of batch slots or memory */
+    KVF_EIO = 8,             /* system call failed (errno in the detail) */
+    KVF_ECLOSED = 9,         /* engine or channel closed */
+};
+
+enum { KVF_OP_WRITE = 0, KVF_OP_READ = 1 };
+enum { KVF_ACCESS_READ = 1, KVF_ACCESS_WRITE = 2 };
+
+/* ---------------------------------------------------------------- regions */
+
+typedef struct {
+    uint64_t addr;
+    uint64_t len;
+    uint32_t access;
+    uint32_t id;
+} kvf_region;
+
+/* Sorted by addr, non-overlapping; lookups are binary searches under a read
+ * lock. The lock prefers writers so that deregister() is not starved by a
+ * stream of receivers; receivers hold the read lock while data lands in a
+ * region, so deregister() returns only once nobody writes into it. */
+typedef struct {
+    pthread_rwlock_t lock;
+    kvf_region *v;
+    size_t n, cap;
+    uint64_t generation;
+} kvf_region_table;
+
+int kvf_rt_init(kvf_region_table *t);
+void kvf_rt_destroy(kvf_region_table *t);
+int kvf_rt_add(kvf_region_table *t, uint64_t addr, uint64_t len, uint32_t access, uint32_t id);
+int kvf_rt_remove(kvf_region_table *t, uint32_t id);
+int kvf_rt_replace(kvf_region_table *t, const kvf_region *v, size_t n);
+/* Caller holds the read lock. Returns the region holding [addr, addr+len) or NULL. */
+const kvf_region *kvf_rt_find_locked(const kvf_region_table *t, uint64_t addr, uint64_t len);
+
+/* ------------------------------------------------------------ batch pool */
+
+#define KVF_MAX_BATCHES (1u << 16)
+
+typedef struct {
+    _Atomic uint64_t remaining;  /* slices not yet finished (+1 held by the submitter) */
+    _Atomic int32_t status;      /* first error wins (CAS from KVF_OK) */
+    _Atomic int32_t cancelled;   /* set by cancel(); workers drop queued slices */
+    _Atomic uint64_t err_entry;  /* entry index of the first failed slice */
+    uint32_t gen;
+    uint32_t next_free;
+} kvf_batch;
+
+typedef struct {
+    uint64_t id;
+    int32_t status;
+    int32_t pad;
+    uint64_t entry;
+} kvf_completion;
+
+typedef struct kvf_ctx {
+    kvf_region_table local;        /* this engine's registered memory */
+    kvf_batch *batches;
+    pthread_mutex_t pool_mu;
+    uint32_t free_head;
+    uint32_t in_use;
+
+    /* Completion ring: workers append under a mutex; the first append after
+     * the loop drained writes the eventfd, so asyncio wakes once per burst of
+     * completions, never once per slice. A mutex (not a lock-free ring) is
+     * enough: it is taken once per finished batch, not per slice. */
+    pthread_mutex_t comp_mu;
+    kvf_completion *comp;
+    size_t comp_n, comp_cap;
+    int comp_signaled;
+    int efd;
+
+    /* tcp server side: authenticated session tokens and served connections */
+    pthread_mutex_t srv_mu;
+    uint8_t (*tokens)[16];
+    size_t ntokens, tokens_cap;
+    struct kvf_srv_conn *srv_conns;
+    _Atomic int closing;
+
+    struct kvf_local_pool *local_pool;
+
+    /* debug counters (resource balance checked by the tests) */
+    _Atomic int64_t n_sockets;
+    _Atomic int64_t n_slices_inflight;
+    _Atomic int64_t n_threads;
+} kvf_ctx;
+
+kvf_ctx *kvf_ctx_new(int local_workers);
+void kvf_ctx_free(kvf_ctx *c);
+int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out);
+void kvf_batch_release_guard(kvf_ctx *c, uint64_t id);
+int kvf_batch_cancel(kvf_ctx *c, uint64_t id);
+int kvf_batch_cancelled(kvf_ctx *c, uint32_t slot);
+/* A slice finished (status KVF_OK or an error); may complete its batch. */
+void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry);
+/* Drain finished batches into out (at most cap); frees their slots. */
+size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap);
+
+/* ------------------------------------------------------------------ plan */
+
+typedef struct {
+    uint64_t local;
+    uint64_t remote;
+    uint64_t len;
+    uint64_t entry;      /* index of the first batch entry in this slice */
+    uint32_t slot;       /* batch slot */
+    uint32_t op;
+    int32_t pid;         /* local provider: target pid, 0 = this process */
+    uint32_t tag;        /* tcp: in-flight tag */
+} kvf_slice;
+
+/* Validates a batch against the local table and the peer's table (one lock
+ * each for the whole batch) and returns the first bad entry's index in *bad. */
+int kvf_validate(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la,
+                 const uint64_t *ra, const uint64_t *len, size_t n, size_t *bad);
+/* Coalesces adjacent entries and cuts them into slices of at most slice_size.
+ * Returns the number of slices written to *out (malloc'd, caller frees). */
+size_t kvf_plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                size_t n, uint64_t slice_size, kvf_slice **out);
+
+/* ----------------------------------------------------------------- queue */
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    kvf_slice *ring;
+    size_t head, count, cap;
+    uint64_t bytes;      /* queued bytes, for least-loaded placement */
+    int closed;
+} kvf_queue;
+
+int kvf_queue_init(kvf_queue *q);
+void kvf_queue_destroy(kvf_queue *q);
+/* Caller holds q->mu. */
+int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s);
+size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max);
+
+/* ----------------------------------------------------------------- local */
+
+int kvf_local_submit(kvf_ctx *c, kvf_region_table *remote, int pid, int op,
+                     const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                     size_t n, uint64_t inline_limit, uint64_t *id_out, size_t *bad);
+int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len);
+
+/* ------------------------------------------------------------------- tcp */
+
+typedef struct kvf_tcp_channel kvf_tcp_channel;
+kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, uint64_t slice_size);
+int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
+                   const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                   size_t n, uint64_t *id_out, size_t *bad);
+int kvf_tcp_channel_alive(kvf_tcp_channel *ch);
+void kvf_tcp_channel_close(kvf_tcp_channel *ch);
+void kvf_tcp_channel_free(kvf_tcp_channel *ch);
+
+int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token);
+void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token);
+int kvf_srv_serve(kvf_ctx *c, int fd);
+void kvf_srv_shutdown(kvf_ctx *c);
+
+#endif

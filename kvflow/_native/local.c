@@ -1,0 +1,235 @@
+/* The local provider: same process (memcpy) and same host
+ * (process_vm_writev/readv, cross-memory attach).
+ *
+ * Small batches run inline in the caller's thread (no thread hop, no
+ * wake-up: a same-host 4 KiB write costs one system call); larger ones are
+ * cut into slices that a small pool of workers drains, so the event loop is
+ * never blocked by a big copy. */
+#define _GNU_SOURCE
+#include "kvf.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define LOCAL_SLICE (1u << 20)
+#define LOCAL_POP 64
+#define LOCAL_IOV 512
+/* One worker takes at most this many bytes per wake-up, so a big batch is
+ * shared between the workers instead of drained by the first one. */
+#define LOCAL_POP_BYTES (4u << 20)
+
+int kvf_ctx_init_common(kvf_ctx *c);
+void kvf_ctx_free_common(kvf_ctx *c);
+
+typedef struct kvf_local_pool {
+    kvf_queue q;
+    pthread_t *threads;
+    int nthreads;
+    kvf_ctx *ctx;
+} kvf_local_pool;
+
+static int errno_status(int e) {
+    switch (e) {
+    case ESRCH: return KVF_ELOST;      /* the peer process is gone */
+    case EFAULT: return KVF_EREMOTE;   /* remote range not mapped any more */
+    case ENOMEM: return KVF_ENOMEM;
+    default: return KVF_EIO;
+    }
+}
+
+/* Moves one run of slices with the same pid and op. Returns KVF_OK or the
+ * error of the first slice that failed; *failed is its index in s. */
+static int xfer_run(const kvf_slice *s, size_t n, size_t *failed) {
+    if (s[0].pid == 0) {
+        for (size_t i = 0; i < n; i++) {
+            if (s[i].op == KVF_OP_WRITE)
+                memcpy((void *)(uintptr_t)s[i].remote, (const void *)(uintptr_t)s[i].local, s[i].len);
+            else
+                memcpy((void *)(uintptr_t)s[i].local, (const void *)(uintptr_t)s[i].remote, s[i].len);
+        }
+        return KVF_OK;
+    }
+    struct iovec lv[LOCAL_IOV], rv[LOCAL_IOV];
+    size_t i = 0;
+    while (i < n) {
+        size_t k = 0;
+        uint64_t want = 0;
+        for (; k < LOCAL_IOV && i + k < n; k++) {
+            lv[k].iov_base = (void *)(uintptr_t)s[i + k].local;
+            lv[k].iov_len = s[i + k].len;
+            rv[k] = lv[k];
+            rv[k].iov_base = (void *)(uintptr_t)s[i + k].remote;
+            want += s[i + k].len;
+        }
+        ssize_t got = s[0].op == KVF_OP_WRITE
+                          ? process_vm_writev(s[0].pid, lv, k, rv, k, 0)
+                          : process_vm_readv(s[0].pid, lv, k, rv, k, 0);
+        if (got == (ssize_t)want) { i += k; continue; }
+        /* Partial or failed: the kernel stops at the first bad iovec. Find
+         * it, and retry the rest one slice at a time to attribute errors. */
+        int e = got < 0 ? errno : EFAULT;
+        uint64_t done = got < 0 ? 0 : (uint64_t)got;
+        size_t j = 0;
+        while (j < k && done >= s[i + j].len) done -= s[i + j].len, j++;
+        if (j < k && done > 0) {
+            /* the kernel moved part of this slice: finish it alone */
+            kvf_slice rest = s[i + j];
+            rest.local += done; rest.remote += done; rest.len -= done;
+            size_t f;
+            if (xfer_run(&rest, 1, &f) != KVF_OK) { *failed = i + j; return errno_status(e); }
+            j++;
+        } else if (j < k) {
+            if (got < 0 && e != EFAULT) { *failed = i + j; return errno_status(e); }
+            /* retry this slice alone: if it fails alone, it is the culprit */
+            struct iovec a = {(void *)(uintptr_t)s[i + j].local, s[i + j].len};
+            struct iovec b = {(void *)(uintptr_t)s[i + j].remote, s[i + j].len};
+            ssize_t g = s[0].op == KVF_OP_WRITE ? process_vm_writev(s[0].pid, &a, 1, &b, 1, 0)
+                                                : process_vm_readv(s[0].pid, &a, 1, &b, 1, 0);
+            if (g != (ssize_t)s[i + j].len) {
+                *failed = i + j;
+                return errno_status(g < 0 ? errno : EFAULT);
+            }
+            j++;
+        }
+        i += j;
+    }
+    return KVF_OK;
+}
+
+static void run_and_complete(kvf_ctx *c, kvf_slice *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        /* skip slices of cancelled batches without touching memory */
+        if (kvf_batch_cancelled(c, s[i].slot)) {
+            kvf_slice_done(c, s[i].slot, KVF_ECANCELLED, s[i].entry);
+            i++;
+            continue;
+        }
+        size_t j = i + 1;
+        while (j < n && s[j].pid == s[i].pid && s[j].op == s[i].op &&
+               !kvf_batch_cancelled(c, s[j].slot)) j++;
+        size_t failed = SIZE_MAX;
+        int rc = xfer_run(&s[i], j - i, &failed);
+        for (size_t k = i; k < j; k++) {
+            int st = KVF_OK;
+            if (rc != KVF_OK && k == i + failed) st = rc;
+            else if (rc != KVF_OK && k > i + failed) {
+                /* not attempted: retry alone so only the culprit fails */
+                size_t f;
+                st = xfer_run(&s[k], 1, &f);
+            }
+            kvf_slice_done(c, s[k].slot, st, s[k].entry);
+        }
+        i = j;
+    }
+}
+
+static void *local_worker(void *arg) {
+    kvf_local_pool *p = arg;
+    kvf_slice buf[LOCAL_POP];
+    for (;;) {
+        pthread_mutex_lock(&p->q.mu);
+        while (p->q.count == 0 && !p->q.closed) pthread_cond_wait(&p->q.cv, &p->q.mu);
+        if (p->q.count == 0 && p->q.closed) { pthread_mutex_unlock(&p->q.mu); break; }
+        size_t n = 0;
+        uint64_t bytes = 0;
+        while (n < LOCAL_POP && p->q.count && bytes < LOCAL_POP_BYTES) {
+            n += kvf_queue_pop_locked(&p->q, &buf[n], 1);
+            bytes += buf[n - 1].len;
+        }
+        int more = p->q.count > 0;
+        pthread_mutex_unlock(&p->q.mu);
+        if (more) pthread_cond_signal(&p->q.cv);   /* let another worker share */
+        run_and_complete(p->ctx, buf, n);
+    }
+    return NULL;
+}
+
+kvf_ctx *kvf_ctx_new(int local_workers) {
+    kvf_ctx *c = calloc(1, sizeof(*c));
+    if (!c) return NULL;
+    c->efd = -1;
+    if (kvf_ctx_init_common(c) != KVF_OK) { kvf_ctx_free_common(c); free(c); return NULL; }
+    kvf_local_pool *p = calloc(1, sizeof(*p));
+    if (!p || kvf_queue_init(&p->q) != KVF_OK) { kvf_ctx_free_common(c); free(p); free(c); return NULL; }
+    p->ctx = c;
+    p->threads = calloc(local_workers > 0 ? local_workers : 1, sizeof(pthread_t));
+    for (int i = 0; i < local_workers; i++) {
+        if (pthread_create(&p->threads[i], NULL, local_worker, p) == 0) {
+            p->nthreads++;
+            atomic_fetch_add(&c->n_threads, 1);
+        }
+    }
+    c->local_pool = p;
+    return c;
+}
+
+void kvf_ctx_free(kvf_ctx *c) {
+    if (!c) return;
+    kvf_srv_shutdown(c);
+    kvf_local_pool *p = c->local_pool;
+    if (p) {
+        pthread_mutex_lock(&p->q.mu);
+        p->q.closed = 1;
+        pthread_cond_broadcast(&p->q.cv);
+        pthread_mutex_unlock(&p->q.mu);
+        for (int i = 0; i < p->nthreads; i++) {
+            pthread_join(p->threads[i], NULL);
+            atomic_fetch_sub(&c->n_threads, 1);
+        }
+        free(p->threads);
+        kvf_queue_destroy(&p->q);
+        free(p);
+    }
+    kvf_ctx_free_common(c);
+    free(c);
+}
+
+int kvf_local_submit(kvf_ctx *c, kvf_region_table *remote, int pid, int op,
+                     const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                     size_t n, uint64_t inline_limit, uint64_t *id_out, size_t *bad) {
+    *id_out = 0;
+    int rc = kvf_validate(c, remote, op, la, ra, len, n, bad);
+    if (rc) return rc;
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) total += len[i];
+    kvf_slice *s;
+    uint64_t slice = total <= inline_limit ? UINT64_MAX / 2 : LOCAL_SLICE;
+    size_t k = kvf_plan(op, la, ra, len, n, slice, &s);
+    if (!s) return KVF_ENOMEM;
+    for (size_t i = 0; i < k; i++) s[i].pid = pid;
+    if (total <= inline_limit) {
+        size_t failed = SIZE_MAX;
+        rc = xfer_run(s, k, &failed);
+        if (rc) *bad = s[failed].entry;
+        free(s);
+        return rc;
+    }
+    rc = kvf_batch_alloc(c, k, id_out);
+    if (rc) { free(s); return rc; }
+    uint32_t slot = (uint32_t)*id_out;
+    kvf_queue *q = &c->local_pool->q;
+    pthread_mutex_lock(&q->mu);
+    size_t pushed = 0;
+    for (; pushed < k; pushed++) {
+        s[pushed].slot = slot;
+        if (kvf_queue_push_locked(q, &s[pushed]) != KVF_OK) break;
+    }
+    pthread_mutex_unlock(&q->mu);
+    pthread_cond_broadcast(&q->cv);
+    for (size_t i = pushed; i < k; i++) kvf_slice_done(c, slot, KVF_ENOMEM, s[i].entry);
+    free(s);
+    kvf_batch_release_guard(c, *id_out);
+    return KVF_OK;
+}
+
+int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len) {
+    struct iovec l = {out, len}, r = {(void *)(uintptr_t)addr, len};
+    ssize_t g = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (g == (ssize_t)len) return 0;
+    return g < 0 ? errno : EFAULT;
+}

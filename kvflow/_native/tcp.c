@@ -1,0 +1,569 @@
+/* The tcp provider: several connections per peer, each with one sender and
+ * one receiver thread; a server thread per accepted data connection.
+ *
+ * Initiator: slices are queued per connection (least queued bytes first); the
+ * sender pops a run of them, gives each an in-flight tag and sends headers
+ * and payloads in one sendmsg() straight from registered memory. The receiver
+ * reads acks and read responses (payload straight into the destination) and
+ * finishes slices by tag.
+ *
+ * Target: after the session token of an authenticated handshake, each WRITE
+ * is checked against the local region table (whole range inside one region
+ * with WRITE access) before its payload is received straight into place;
+ * acks are coalesced and flushed whenever the receiver would block. */
+#define _GNU_SOURCE
+#include "kvf.h"
+#include "wire.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
+#define TCP_POP 64           /* slices per sendmsg */
+#define RD_BUF (256u << 10)
+#define ACK_BATCH 256
+
+/* ------------------------------------------------------------ io helpers */
+
+static int send_iov(int fd, struct iovec *iov, int n) {
+    while (n > 0) {
+        struct msghdr m = {0};
+        m.msg_iov = iov;
+        m.msg_iovlen = n > IOV_MAX ? IOV_MAX : n;
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
+        if (n > 0) { iov->iov_base = (char *)iov->iov_base + w; iov->iov_len -= w; }
+    }
+    return 0;
+}
+
+static int send_all(int fd, const void *p, size_t n) {
+    struct iovec v = {(void *)p, n};
+    return send_iov(fd, &v, 1);
+}
+
+typedef void (*flush_fn)(void *);
+
+/* A buffered reader: small frames come out of one big recv(); large payloads
+ * are received straight into their destination. Before any recv() that may
+ * block, `flush` runs (the server sends its pending acks then). */
+typedef struct {
+    int fd;
+    char *buf;
+    size_t pos, end;
+    flush_fn flush;
+    void *arg;
+} reader;
+
+static ssize_t rd_recv(reader *r, void *dst, size_t n, int flags) {
+    if (r->flush) r->flush(r->arg);
+    for (;;) {
+        ssize_t g = recv(r->fd, dst, n, flags);
+        if (g < 0 && errno == EINTR) continue;
+        return g;
+    }
+}
+
+static int rd_fill(reader *r) {
+    if (r->pos == r->end) r->pos = r->end = 0;
+    else if (r->pos > RD_BUF / 2) {
+        memmove(r->buf, r->buf + r->pos, r->end - r->pos);
+        r->end -= r->pos;
+        r->pos = 0;
+    }
+    ssize_t g = rd_recv(r, r->buf + r->end, RD_BUF - r->end, 0);
+    if (g <= 0) return -1;
+    r->end += g;
+    return 0;
+}
+
+/* Reads exactly n bytes into dst (dst NULL: discard them). */
+static int rd_exact(reader *r, void *dst, size_t n) {
+    char *d = dst;
+    while (n > 0) {
+        size_t avail = r->end - r->pos;
+        if (avail) {
+            size_t k = avail < n ? avail : n;
+            if (d) { memcpy(d, r->buf + r->pos, k); d += k; }
+            r->pos += k;
+            n -= k;
+            continue;
+        }
+        if (d && n >= RD_BUF / 4) {
+            /* large remainder: straight into place, no copy */
+            ssize_t g = rd_recv(r, d, n, MSG_WAITALL);
+            if (g <= 0) return -1;
+            d += g;
+            n -= g;
+            continue;
+        }
+        if (rd_fill(r)) return -1;
+    }
+    return 0;
+}
+
+static void set_nodelay(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+/* ------------------------------------------------------------- initiator */
+
+typedef struct tcp_conn {
+    kvf_tcp_channel *ch;
+    int fd;
+    kvf_queue q;              /* q.mu also guards the in-flight table */
+    kvf_slice inflight[TCP_WINDOW];
+    /* 0 free; 1 posted (completable by an ack or by conn_fail); 2 owned by the
+     * receiver while a read payload lands (only the receiver completes it) */
+    uint8_t state[TCP_WINDOW];
+    uint32_t free_tags[TCP_WINDOW];
+    uint32_t nfree;
+    int dead;
+    int fail_status;
+    pthread_t tx, rx;
+    int tx_started, rx_started;
+} tcp_conn;
+
+struct kvf_tcp_channel {
+    kvf_ctx *ctx;
+    int n;
+    tcp_conn *conns;
+    uint64_t slice_size;
+    _Atomic int alive;
+};
+
+/* Marks the connection dead and fails every slice it still owns. */
+static void conn_fail(tcp_conn *c, int status) {
+    kvf_ctx *ctx = c->ch->ctx;
+    pthread_mutex_lock(&c->q.mu);
+    if (c->dead) { pthread_mutex_unlock(&c->q.mu); return; }
+    c->dead = 1;
+    c->fail_status = status;
+    atomic_store(&c->ch->alive, 0);
+    size_t nq = c->q.count, k = 0;
+    kvf_slice *fail = malloc((nq + TCP_WINDOW) * sizeof(kvf_slice));
+    if (fail) {
+        k = kvf_queue_pop_locked(&c->q, fail, nq);
+        for (uint32_t t = 0; t < TCP_WINDOW; t++) {
+            if (c->state[t] == 1) {
+                fail[k++] = c->inflight[t];
+                c->state[t] = 0;
+                c->free_tags[c->nfree++] = t;
+            }
+        }
+    }
+    pthread_cond_broadcast(&c->q.cv);
+    pthread_mutex_unlock(&c->q.mu);
+    shutdown(c->fd, SHUT_RDWR);   /* wakes the other thread out of send/recv */
+    for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, fail[i].slot, status, fail[i].entry);
+    atomic_fetch_sub(&ctx->n_slices_inflight, (int64_t)k);
+    free(fail);
+}
+
+static void *tcp_tx(void *arg) {
+    tcp_conn *c = arg;
+    kvf_ctx *ctx = c->ch->ctx;
+    kvf_slice s[TCP_POP];
+    kvf_hdr h[TCP_POP];
+    struct iovec iov[2 * TCP_POP];
+    for (;;) {
+        pthread_mutex_lock(&c->q.mu);
+        while (!c->dead && (c->q.count == 0 || c->nfree == 0)) pthread_cond_wait(&c->q.cv, &c->q.mu);
+        if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
+        size_t max = c->nfree < TCP_POP ? c->nfree : TCP_POP;
+        size_t n = kvf_queue_pop_locked(&c->q, s, max);
+        size_t k = 0, ncancel = 0;
+        kvf_slice cancelled[TCP_POP];
+        for (size_t i = 0; i < n; i++) {
+            if (kvf_batch_cancelled(ctx, s[i].slot)) { cancelled[ncancel++] = s[i]; continue; }
+            uint32_t tag = c->free_tags[--c->nfree];
+            s[i].tag = tag;
+            c->inflight[tag] = s[i];
+            c->state[tag] = 1;
+            s[k++] = s[i];
+        }
+        pthread_mutex_unlock(&c->q.mu);
+        for (size_t i = 0; i < ncancel; i++) {
+            kvf_slice_done(ctx, cancelled[i].slot, KVF_ECANCELLED, cancelled[i].entry);
+            atomic_fetch_sub(&ctx->n_slices_inflight, 1);
+        }
+        int niov = 0;
+        for (size_t i = 0; i < k; i++) {
+            int w = s[i].op == KVF_OP_WRITE;
+            h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ, 0, s[i].tag,
+                             s[i].remote, s[i].len, 0};
+            iov[niov++] = (struct iovec){&h[i], sizeof(kvf_hdr)};
+            if (w) iov[niov++] = (struct iovec){(void *)(uintptr_t)s[i].local, s[i].len};
+        }
+        if (niov && send_iov(c->fd, iov, niov)) { conn_fail(c, KVF_ELOST); break; }
+    }
+    return NULL;
+}
+
+/* Takes a tag's slice; want_state 1 frees the tag, 2 keeps it owned by rx. */
+static int take_tag(tcp_conn *c, uint32_t tag, kvf_slice *out, int keep) {
+    int ok = 0;
+    pthread_mutex_lock(&c->q.mu);
+    if (tag < TCP_WINDOW && c->state[tag] == 1) {
+        *out = c->inflight[tag];
+        ok = 1;
+        if (keep) c->state[tag] = 2;
+        else {
+            c->state[tag] = 0;
+            if (c->nfree++ == 0) pthread_cond_signal(&c->q.cv);
+            c->free_tags[c->nfree - 1] = tag;
+        }
+    }
+    pthread_mutex_unlock(&c->q.mu);
+    return ok;
+}
+
+static void release_tag(tcp_conn *c, uint32_t tag) {
+    pthread_mutex_lock(&c->q.mu);
+    c->state[tag] = 0;
+    if (c->nfree++ == 0) pthread_cond_signal(&c->q.cv);
+    c->free_tags[c->nfree - 1] = tag;
+    pthread_mutex_unlock(&c->q.mu);
+}
+
+static void *tcp_rx(void *arg) {
+    tcp_conn *c = arg;
+    kvf_ctx *ctx = c->ch->ctx;
+    reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL};
+    int status = KVF_ELOST;
+    if (!r.buf) { conn_fail(c, KVF_ENOMEM); return NULL; }
+    for (;;) {
+        kvf_hdr h;
+        if (rd_exact(&r, &h, sizeof(h))) break;
+        if (h.magic != KVF_MAGIC) { status = KVF_EPROTO; break; }
+        kvf_slice s;
+        if (h.type == KVF_F_WRITE_ACK) {
+            if (!take_tag(c, h.tag, &s, 0)) { status = KVF_EPROTO; break; }
+            kvf_slice_done(ctx, s.slot, h.status, s.entry);
+            atomic_fetch_sub(&ctx->n_slices_inflight, 1);
+        } else if (h.type == KVF_F_READ_RESP) {
+            if (!take_tag(c, h.tag, &s, 1)) { status = KVF_EPROTO; break; }
+            int st = h.status;
+            /* a response whose length disagrees with the request cannot be
+             * placed safely: drop the connection */
+            int fatal = h.len > KVF_MAX_PAYLOAD || (st == KVF_OK && h.len != s.len);
+            if (!fatal && h.len) {
+                /* a cancelled read's bytes go nowhere: the caller may already
+                 * have reused or released the destination */
+                void *dst = (st == KVF_OK && !kvf_batch_cancelled(ctx, s.slot))
+                                ? (void *)(uintptr_t)s.local : NULL;
+                if (rd_exact(&r, dst, h.len)) { fatal = 1; status = KVF_ELOST; }
+            } else if (fatal) status = KVF_EPROTO;
+            release_tag(c, h.tag);
+            kvf_slice_done(ctx, s.slot, fatal ? status : st, s.entry);
+            atomic_fetch_sub(&ctx->n_slices_inflight, 1);
+            if (fatal) break;
+        } else {
+            status = KVF_EPROTO;
+            break;
+        }
+    }
+    free(r.buf);
+    conn_fail(c, status);
+    return NULL;
+}
+
+kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, uint64_t slice_size) {
+    kvf_tcp_channel *ch = calloc(1, sizeof(*ch));
+    if (!ch) return NULL;
+    ch->ctx = ctx;
+    ch->slice_size = slice_size;
+    ch->conns = calloc(nfds, sizeof(tcp_conn));
+    if (!ch->conns) { free(ch); return NULL; }
+    ch->n = nfds;
+    atomic_store(&ch->alive, 1);
+    for (int i = 0; i < nfds; i++) {
+        tcp_conn *c = &ch->conns[i];
+        c->ch = ch;
+        c->fd = fds[i];
+        kvf_queue_init(&c->q);
+        for (uint32_t t = 0; t < TCP_WINDOW; t++) c->free_tags[t] = TCP_WINDOW - 1 - t;
+        c->nfree = TCP_WINDOW;
+        set_nodelay(c->fd);
+        atomic_fetch_add(&ctx->n_sockets, 1);
+        c->tx_started = pthread_create(&c->tx, NULL, tcp_tx, c) == 0;
+        c->rx_started = pthread_create(&c->rx, NULL, tcp_rx, c) == 0;
+        atomic_fetch_add(&ctx->n_threads, c->tx_started + c->rx_started);
+        if (!c->tx_started || !c->rx_started) conn_fail(c, KVF_ENOMEM);
+    }
+    return ch;
+}
+
+int kvf_tcp_channel_alive(kvf_tcp_channel *ch) { return atomic_load(&ch->alive); }
+
+int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
+                   const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                   size_t n, uint64_t *id_out, size_t *bad) {
+    kvf_ctx *ctx = ch->ctx;
+    *id_out = 0;
+    int rc = kvf_validate(ctx, remote, op, la, ra, len, n, bad);
+    if (rc) return rc;
+    if (!atomic_load(&ch->alive)) { *bad = 0; return KVF_ELOST; }
+    kvf_slice *s;
+    size_t k = kvf_plan(op, la, ra, len, n, ch->slice_size, &s);
+    if (!s) return KVF_ENOMEM;
+    rc = kvf_batch_alloc(ctx, k, id_out);
+    if (rc) { free(s); return rc; }
+    uint32_t slot = (uint32_t)*id_out;
+    /* Least-queued-bytes placement. The loads are read without the locks: a
+     * stale value only makes placement slightly less even. */
+    uint64_t load[64];
+    int nc = ch->n < 64 ? ch->n : 64;
+    for (int i = 0; i < nc; i++) load[i] = __atomic_load_n(&ch->conns[i].q.bytes, __ATOMIC_RELAXED);
+    int *dest = malloc(k * sizeof(int));
+    if (!dest) { free(s); for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, slot, KVF_ENOMEM, 0); kvf_batch_release_guard(ctx, *id_out); return KVF_OK; }
+    for (size_t i = 0; i < k; i++) {
+        int best = 0;
+        for (int j = 1; j < nc; j++) if (load[j] < load[best]) best = j;
+        dest[i] = best;
+        load[best] += s[i].len + 4096;   /* per-slice cost, so tiny slices spread too */
+        s[i].slot = slot;
+    }
+    atomic_fetch_add(&ctx->n_slices_inflight, (int64_t)k);
+    for (int j = 0; j < nc; j++) {
+        tcp_conn *c = &ch->conns[j];
+        int any = 0;
+        pthread_mutex_lock(&c->q.mu);
+        for (size_t i = 0; i < k; i++) {
+            if (dest[i] != j) continue;
+            if (c->dead || kvf_queue_push_locked(&c->q, &s[i]) != KVF_OK) {
+                dest[i] = -1;   /* fail it below, outside the lock */
+                continue;
+            }
+            any = 1;
+        }
+        int status = c->dead ? c->fail_status : KVF_ENOMEM;
+        pthread_mutex_unlock(&c->q.mu);
+        if (any) pthread_cond_signal(&c->q.cv);
+        for (size_t i = 0; i < k; i++) {
+            if (dest[i] == -1) {
+                kvf_slice_done(ctx, slot, status, s[i].entry);
+                atomic_fetch_sub(&ctx->n_slices_inflight, 1);
+                dest[i] = -2;
+            }
+        }
+    }
+    free(dest);
+    free(s);
+    kvf_batch_release_guard(ctx, *id_out);
+    return KVF_OK;
+}
+
+void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
+    if (!ch) return;
+    for (int i = 0; i < ch->n; i++) conn_fail(&ch->conns[i], KVF_ECLOSED);
+    for (int i = 0; i < ch->n; i++) {
+        tcp_conn *c = &ch->conns[i];
+        if (c->tx_started) { pthread_join(c->tx, NULL); c->tx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
+        if (c->rx_started) { pthread_join(c->rx, NULL); c->rx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
+        if (c->fd >= 0) { close(c->fd); c->fd = -1; atomic_fetch_sub(&ch->ctx->n_sockets, 1); }
+    }
+}
+
+void kvf_tcp_channel_free(kvf_tcp_channel *ch) {
+    if (!ch) return;
+    kvf_tcp_channel_close(ch);
+    for (int i = 0; i < ch->n; i++) kvf_queue_destroy(&ch->conns[i].q);
+    free(ch->conns);
+    free(ch);
+}
+
+/* ---------------------------------------------------------------- target */
+
+typedef struct kvf_srv_conn {
+    kvf_ctx *ctx;
+    int fd;
+    pthread_t th;
+    _Atomic int done;
+    struct kvf_srv_conn *next;
+    kvf_hdr acks[ACK_BATCH];
+    int nacks;
+    int broken;
+} kvf_srv_conn;
+
+static void srv_flush(void *arg) {
+    kvf_srv_conn *s = arg;
+    if (s->nacks == 0 || s->broken) return;
+    if (send_all(s->fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
+    s->nacks = 0;
+}
+
+static void srv_ack(kvf_srv_conn *s, uint32_t tag, int status) {
+    s->acks[s->nacks++] = (kvf_hdr){KVF_MAGIC, KVF_F_WRITE_ACK, (uint8_t)status, tag, 0, 0, 0};
+    if (s->nacks == ACK_BATCH) srv_flush(s);
+}
+
+static int token_known(kvf_ctx *c, const uint8_t *tok) {
+    int ok = 0;
+    pthread_mutex_lock(&c->srv_mu);
+    for (size_t i = 0; i < c->ntokens && !ok; i++) ok = memcmp(c->tokens[i], tok, 16) == 0;
+    pthread_mutex_unlock(&c->srv_mu);
+    return ok;
+}
+
+static void srv_loop(kvf_srv_conn *s) {
+    kvf_ctx *ctx = s->ctx;
+    /* The hello must arrive promptly; a silent client is dropped. */
+    struct timeval tv = {10, 0};
+    setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    kvf_hdr h;
+    reader r = {s->fd, NULL, 0, 0, NULL, NULL};
+    char hb[sizeof(kvf_hdr)];
+    size_t got = 0;
+    while (got < sizeof(hb)) {
+        ssize_t g = recv(s->fd, hb + got, sizeof(hb) - got, 0);
+        if (g <= 0) return;
+        got += g;
+    }
+    memcpy(&h, hb, sizeof(h));
+    uint8_t tok[16];
+    memcpy(tok, &h.addr, 8);
+    memcpy(tok + 8, &h.aux, 8);
+    /* Nothing of this engine's memory is touched before the token matches a
+     * session that passed the handshake (and its authentication). */
+    int ok = h.magic == KVF_MAGIC && h.type == KVF_F_HELLO && h.len == KVF_WIRE_VERSION && token_known(ctx, tok);
+    kvf_hdr ack = {KVF_MAGIC, KVF_F_HELLO_ACK, ok ? KVF_OK : KVF_EPROTO, 0, 0, 0, 0};
+    if (send_all(s->fd, &ack, sizeof(ack)) || !ok) return;
+    tv.tv_sec = 0;
+    setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    set_nodelay(s->fd);
+    r.buf = malloc(RD_BUF);
+    r.flush = srv_flush;
+    r.arg = s;
+    if (!r.buf) return;
+    while (!s->broken && !atomic_load(&ctx->closing)) {
+        if (rd_exact(&r, &h, sizeof(h))) break;
+        if (h.magic != KVF_MAGIC || h.len > KVF_MAX_PAYLOAD) break;   /* garbage: drop the peer */
+        if (h.type == KVF_F_WRITE) {
+            int st = KVF_OK, io = 0;
+            /* The read lock is held while the payload lands, so deregister()
+             * cannot return while bytes are still being written into it. */
+            pthread_rwlock_rdlock(&ctx->local.lock);
+            const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h.addr, h.len);
+            if (rg && (rg->access & KVF_ACCESS_WRITE))
+                io = rd_exact(&r, (void *)(uintptr_t)h.addr, h.len);
+            else st = KVF_EREMOTE;
+            pthread_rwlock_unlock(&ctx->local.lock);
+            if (st != KVF_OK) io = rd_exact(&r, NULL, h.len);   /* keep the stream in sync */
+            if (io) break;
+            srv_ack(s, h.tag, st);
+        } else if (h.type == KVF_F_READ_REQ) {
+            srv_flush(s);
+            pthread_rwlock_rdlock(&ctx->local.lock);
+            const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h.addr, h.len);
+            int ok2 = rg && (rg->access & KVF_ACCESS_READ);
+            kvf_hdr resp = {KVF_MAGIC, KVF_F_READ_RESP, ok2 ? KVF_OK : KVF_EREMOTE, h.tag, 0, ok2 ? h.len : 0, 0};
+            struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h.addr, ok2 ? h.len : 0}};
+            int bad = send_iov(s->fd, v, ok2 ? 2 : 1);
+            pthread_rwlock_unlock(&ctx->local.lock);
+            if (bad) break;
+        } else {
+            break;
+        }
+    }
+    srv_flush(s);
+    free(r.buf);
+}
+
+static void *srv_thread(void *arg) {
+    kvf_srv_conn *s = arg;
+    srv_loop(s);
+    shutdown(s->fd, SHUT_RDWR);
+    atomic_store(&s->done, 1);
+    return NULL;
+}
+
+/* Joins the finished connection threads of a list (all: every one, after
+ * shutting its socket down). */
+static void srv_reap(kvf_ctx *c, kvf_srv_conn **head, int all) {
+    kvf_srv_conn **pp = head;
+    while (*pp) {
+        kvf_srv_conn *s = *pp;
+        if (all) shutdown(s->fd, SHUT_RDWR);
+        if (all || atomic_load(&s->done)) {
+            pthread_join(s->th, NULL);
+            close(s->fd);
+            atomic_fetch_sub(&c->n_sockets, 1);
+            atomic_fetch_sub(&c->n_threads, 1);
+            *pp = s->next;
+            free(s);
+        } else pp = &s->next;
+    }
+}
+
+int kvf_srv_serve(kvf_ctx *c, int fd) {
+    if (atomic_load(&c->closing)) { close(fd); return KVF_ECLOSED; }
+    kvf_srv_conn *s = calloc(1, sizeof(*s));
+    if (!s) { close(fd); return KVF_ENOMEM; }
+    s->ctx = c;
+    s->fd = fd;
+    pthread_mutex_lock(&c->srv_mu);
+    srv_reap(c, &c->srv_conns, 0);   /* only threads that ended: no lock taken by them */
+    if (pthread_create(&s->th, NULL, srv_thread, s) != 0) {
+        pthread_mutex_unlock(&c->srv_mu);
+        close(fd);
+        free(s);
+        return KVF_ENOMEM;
+    }
+    atomic_fetch_add(&c->n_sockets, 1);
+    atomic_fetch_add(&c->n_threads, 1);
+    s->next = c->srv_conns;
+    c->srv_conns = s;
+    pthread_mutex_unlock(&c->srv_mu);
+    return KVF_OK;
+}
+
+void kvf_srv_shutdown(kvf_ctx *c) {
+    atomic_store(&c->closing, 1);
+    /* Detach the list, then join without srv_mu: a thread still in its hello
+     * takes srv_mu to look up its token. */
+    pthread_mutex_lock(&c->srv_mu);
+    kvf_srv_conn *list = c->srv_conns;
+    c->srv_conns = NULL;
+    pthread_mutex_unlock(&c->srv_mu);
+    srv_reap(c, &list, 1);
+}
+
+int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token) {
+    pthread_mutex_lock(&c->srv_mu);
+    if (c->ntokens == c->tokens_cap) {
+        size_t cap = c->tokens_cap ? c->tokens_cap * 2 : 16;
+        void *v = realloc(c->tokens, cap * 16);
+        if (!v) { pthread_mutex_unlock(&c->srv_mu); return KVF_ENOMEM; }
+        c->tokens = v;
+        c->tokens_cap = cap;
+    }
+    memcpy(c->tokens[c->ntokens++], token, 16);
+    pthread_mutex_unlock(&c->srv_mu);
+    return KVF_OK;
+}
+
+void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token) {
+    pthread_mutex_lock(&c->srv_mu);
+    for (size_t i = 0; i < c->ntokens; i++) {
+        if (memcmp(c->tokens[i], token, 16) == 0) {
+            memmove(c->tokens[i], c->tokens[i + 1], (c->ntokens - i - 1) * 16);
+            c->ntokens--;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&c->srv_mu);
+}

@@ -1,0 +1,38 @@
+/* The tcp data-connection wire format.
+ *
+ * Every frame starts with one fixed 32-byte little-endian header; WRITE and
+ * READ_RESP carry `len` payload bytes right after it. A fixed header lets the
+ * sender put header and payload in one sendmsg() straight from registered
+ * memory, and lets the receiver check the destination range before a single
+ * payload byte is read. */
+#ifndef KVF_WIRE_H
+#define KVF_WIRE_H
+#include <stdint.h>
+
+#define KVF_MAGIC 0x464b        /* "KF" */
+#define KVF_WIRE_VERSION 1
+/* Largest payload one frame may carry; a larger length is a protocol error
+ * (it guards the receiver against garbage that parses as a header). */
+#define KVF_MAX_PAYLOAD (64ull << 20)
+
+enum {
+    KVF_F_HELLO = 1,      /* client -> server: addr,aux = session token; len = version */
+    KVF_F_HELLO_ACK = 2,  /* server -> client: status 0 = accepted */
+    KVF_F_WRITE = 3,      /* addr,len + payload: land it at addr */
+    KVF_F_WRITE_ACK = 4,  /* tag, status */
+    KVF_F_READ_REQ = 5,   /* tag, addr, len: send me these bytes */
+    KVF_F_READ_RESP = 6,  /* tag, status, len + payload */
+};
+
+typedef struct {
+    uint16_t magic;
+    uint8_t type;
+    uint8_t status;       /* KVF_* status code for acks and responses */
+    uint32_t tag;         /* the initiator's in-flight slot */
+    uint64_t addr;
+    uint64_t len;
+    uint64_t aux;
+} kvf_hdr;
+
+_Static_assert(sizeof(kvf_hdr) == 32, "wire header must be 32 bytes");
+#endif

@@ -1,0 +1,552 @@
+"""Engine: this process's end of kvflow. It owns the native core, the
+handshake server (peer-to-peer metadata: each engine serves its own
+descriptor), the tcp data listener, registered memory, peers and
+notifications."""
+from __future__ import annotations
+
+import asyncio
+import errno as errno_mod
+import logging
+import os
+import socket
+from typing import Any, AsyncIterator, Sequence
+
+import numpy as np
+
+from kvflow import _core
+from kvflow.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    KVFlowError,
+    PeerLostError,
+    PeerUnreachableError,
+    ProtocolError,
+    ProviderUnavailableError,
+)
+from kvflow.handshake import (
+    DATA_HEADER,
+    DATA_HELLO,
+    DATA_HELLO_ACK,
+    DATA_MAGIC,
+    DATA_WIRE_VERSION,
+    NONCE_BYTES,
+    Descriptor,
+    check_proof,
+    encode,
+    field,
+    proof,
+    read_message,
+    regions_to_wire,
+)
+from kvflow.memory import Access, Region, RemoteRegion, buffer_span
+from kvflow.peer import Peer
+
+__all__ = ["Engine", "PROVIDERS"]
+
+log = logging.getLogger("kvflow")
+
+PROVIDERS = ("local", "tcp")
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def _host_identity() -> str:
+    """Same string on two engines iff they share a kernel and a pid namespace
+    (so that a pid names the same process for process_vm_writev)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return f"{boot}/{ns}"
+
+
+class _ProcessIdentity:
+    """Per-process token and a probe cookie in this process's memory: a peer
+    on the same host proves it may use process_vm_readv on us by reading the
+    cookie back."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.token = os.urandom(16)
+        self.cookie = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        self.host = _host_identity()
+
+    @property
+    def probe_addr(self) -> int:
+        return int(self.cookie.__array_interface__["data"][0])
+
+
+_identity: _ProcessIdentity | None = None
+
+
+def _process_identity() -> _ProcessIdentity:
+    global _identity
+    if _identity is None or _identity.pid != os.getpid():   # new after fork
+        _identity = _ProcessIdentity()
+    return _identity
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InvalidArgumentError(f"address {address!r} is not host:port")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class Engine:
+    """kvflow's engine. Use as `async with Engine(...) as engine:`.
+
+    listen: "host:port" of the handshake server (port 0 picks one);
+    protocols: provider names to allow ("local", "tcp"); None chooses
+    automatically (local where the peer is on this host and permits it, else
+    tcp); secret: shared secret, required of every peer when set;
+    tcp_connections: data connections per tcp peer.
+    """
+
+    def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
+                 secret: bytes | str | None = None, tcp_connections: int = 2,
+                 local_workers: int = 2, slice_size: int = 1 << 20,
+                 inline_limit: int = 64 << 10, advertise: str | None = None) -> None:
+        if protocols is not None:
+            protocols = tuple(protocols)
+            unknown = [p for p in protocols if p not in PROVIDERS]
+            if unknown or not protocols:
+                raise InvalidArgumentError(
+                    f"unknown protocol(s) {unknown or protocols!r}; available: {', '.join(PROVIDERS)}")
+        if tcp_connections < 1 or slice_size < 4096:
+            raise InvalidArgumentError("tcp_connections >= 1 and slice_size >= 4096 required")
+        self._listen = listen
+        self.protocols = protocols
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._tcp_connections = tcp_connections
+        self._local_workers = local_workers
+        self._slice_size = slice_size
+        self._inline_limit = inline_limit
+        self._advertise = advertise
+        self._core: Any = None
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._server: asyncio.base_events.Server | None = None
+        self._data_sock: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._regions: dict[int, Region] = {}
+        self._peers: dict[str, Peer] = {}
+        self._connecting: dict[str, asyncio.Future[Peer]] = {}
+        self._sessions: set[asyncio.StreamWriter] = set()
+        self._session_tasks: set[asyncio.Task[None]] = set()
+        self._pending: dict[int, Any] = {}
+        self._notifications: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        self._generation = 0
+        self._incarnation = int.from_bytes(os.urandom(8), "little") >> 1
+        self.address = ""
+        self.data_address = ""
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "Engine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Starts the native core, the handshake server and the data listener."""
+        if self._started:
+            return
+        self._loop = asyncio.get_running_loop()
+        host, port = _split_address(self._listen)
+        self._core = _core.Core(self._local_workers)
+        try:
+            self._server = await asyncio.start_server(self._serve_control, host, port)
+            bound = self._server.sockets[0].getsockname()
+            adv = self._advertise or (host if host not in ("0.0.0.0", "::") else socket.gethostname())
+            self.address = f"{adv}:{bound[1]}"
+            self._data_sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            self._data_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._data_sock.bind((host, 0))
+            self._data_sock.listen(256)
+            self._data_sock.setblocking(False)
+            self.data_address = f"{adv}:{self._data_sock.getsockname()[1]}"
+            self._accept_task = self._loop.create_task(self._accept_data())
+            self._loop.add_reader(self._core.fileno(), self._on_completions)
+        except OSError as e:
+            await self._teardown()
+            raise KVFlowError(f"cannot listen on {self._listen}: {e}", errno=e.errno) from e
+        self._started = True
+
+    async def close(self) -> None:
+        """Closes peers (their in-flight transfers fail with PeerLostError),
+        servers and the native core. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._peers.values()):
+            await peer.close()
+        await self._teardown()
+        self._notifications.put_nowait(None)
+
+    async def _teardown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._sessions):
+            w.close()
+        for t in list(self._session_tasks):
+            t.cancel()
+        if self._session_tasks:
+            await asyncio.gather(*self._session_tasks, return_exceptions=True)
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            try:
+                await self._accept_task
+            except BaseException:
+                pass
+        if self._data_sock is not None:
+            self._data_sock.close()
+        if self._core is not None:
+            for peer in list(self._peers.values()):
+                await peer.close()
+            self._core.close()      # closes channels: their batches complete with errors
+            try:
+                self._loop.remove_reader(self._core.fileno())
+            except Exception:
+                pass
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        pending, self._pending = self._pending, {}
+        for t in pending.values():
+            if not t.done():
+                t._future.set_exception(PeerLostError(f"engine {self.address} closed", peer=t._peer))
+                t._future.exception()
+
+    # ------------------------------------------------------------ memory
+    def register(self, buffer: Any, *, name: str | None = None,
+                 access: Access = Access.READ | Access.WRITE) -> Region:
+        """Makes `buffer` reachable by peers (with `access`) and usable as
+        the local side of transfers. Raises InvalidArgumentError for a buffer
+        that is not contiguous memory, overlaps a registered region, or is
+        read-only while WRITE access is asked."""
+        self._check_open()
+        addr, length, writable, keep = buffer_span(buffer)
+        access = Access(access)
+        if (access & Access.WRITE) and not writable:
+            raise InvalidArgumentError("buffer is read-only: register it with access=Access.READ")
+        if name is not None and any(r.name == name for r in self._regions.values()):
+            raise InvalidArgumentError(f"a region named {name!r} is already registered")
+        rid = self._core.add_region(addr, length, int(access))
+        if not rid:
+            raise InvalidArgumentError(
+                f"region {addr:#x}+{length} overlaps a registered region or overflows")
+        region = Region(addr, length, name, access, rid, keep)
+        self._regions[rid] = region
+        self._regions_changed()
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Removes a region; returns once no peer is writing into it."""
+        self._check_open()
+        if self._regions.pop(region.id, None) is None:
+            raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
+        self._core.remove_region(region.id)
+        self._regions_changed()
+
+    @property
+    def regions(self) -> list[Region]:
+        return sorted(self._regions.values(), key=lambda r: r.addr)
+
+    def _remote_regions(self) -> list[RemoteRegion]:
+        return [RemoteRegion(r.addr, r.length, r.name, r.access) for r in self.regions]
+
+    def _regions_changed(self) -> None:
+        self._generation += 1
+        if not self._sessions:
+            return
+        frame = encode({"t": "regions", "generation": self._generation,
+                        "regions": regions_to_wire(self._remote_regions())})
+        for w in list(self._sessions):
+            if not w.is_closing():
+                w.write(frame)
+
+    def descriptor(self) -> Descriptor:
+        ident = _process_identity()
+        host, port = _split_address(self.data_address)
+        return Descriptor(
+            address=self.address, incarnation=self._incarnation, host=ident.host, pid=ident.pid,
+            process=ident.token, probe_addr=ident.probe_addr, probe_cookie=ident.cookie.tobytes(),
+            data=[(host, port)], regions=self._remote_regions(), generation=self._generation)
+
+    # ------------------------------------------------------------ completions
+    def _on_completions(self) -> None:
+        # One wake-up per burst of finished batches (see kvf.h).
+        pending = self._pending
+        for batch_id, status, entry in self._core.drain():
+            t = pending.pop(batch_id, None)
+            if t is not None:
+                t._finish(status, entry)
+
+    def _core_cancel(self, batch_id: int) -> None:
+        if self._core is not None:
+            self._core.cancel(batch_id)
+
+    def counters(self) -> dict[str, int]:
+        """Live native resources (sockets, threads, slices, batches in flight)."""
+        return self._core.counters() if self._core is not None else {}
+
+    # ------------------------------------------------------------ notifications
+    async def notifications(self) -> AsyncIterator[tuple[str, bytes]]:
+        """Yields (peer_address, data) for every peer.notify(); ends when the
+        engine closes."""
+        while True:
+            item = await self._notifications.get()
+            if item is None:
+                self._notifications.put_nowait(None)   # let other iterators end too
+                return
+            yield item
+
+    # ------------------------------------------------------------ server side
+    async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._session_tasks.add(task)
+        token = b""
+        try:
+            hello = await asyncio.wait_for(read_message(reader), HANDSHAKE_TIMEOUT)
+            if hello["t"] != "hello":
+                raise ProtocolError(f"expected hello, got {hello['t']!r}")
+            cnonce = field(hello, "nonce", bytes)
+            peer_addr = field(hello, "address", str)
+            if len(cnonce) != NONCE_BYTES:
+                raise ProtocolError("hello: bad nonce")
+            snonce = os.urandom(NONCE_BYTES)
+            sproof = proof(self._secret, b"server", cnonce, snonce) if self._secret else b""
+            writer.write(encode({"t": "challenge", "nonce": snonce, "auth": bool(self._secret),
+                                 "proof": sproof}))
+            auth = await asyncio.wait_for(read_message(reader), HANDSHAKE_TIMEOUT)
+            if auth["t"] != "auth":
+                raise ProtocolError(f"expected auth, got {auth['t']!r}")
+            if self._secret:
+                try:
+                    check_proof(self._secret, b"client", snonce, cnonce, auth.get("proof"))
+                except AuthenticationError:
+                    writer.write(encode({"t": "error", "code": "auth", "message": "secret mismatch"}))
+                    await writer.drain()
+                    log.warning("kvflow: %s failed authentication", peer_addr)
+                    return
+            token = os.urandom(16)
+            self._core.add_token(token)
+            writer.write(encode({"t": "welcome", "token": token,
+                                 "descriptor": self.descriptor().to_wire()}))
+            self._sessions.add(writer)
+            while True:
+                msg = await read_message(reader)
+                t = msg["t"]
+                if t == "notify":
+                    self._notifications.put_nowait((peer_addr, field(msg, "data", bytes)))
+                elif t == "describe":
+                    writer.write(encode({"t": "descriptor", "descriptor": self.descriptor().to_wire()}))
+                elif t == "bye":
+                    break
+                else:
+                    raise ProtocolError(f"unexpected message {t!r}")
+        except ProtocolError as e:
+            log.info("kvflow: dropping control connection: %s", e)
+            try:
+                writer.write(encode({"t": "error", "code": "protocol", "message": str(e)}))
+            except Exception:
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._session_tasks.discard(task)
+            self._sessions.discard(writer)
+            if token and self._core is not None:
+                self._core.remove_token(token)
+            writer.close()
+
+    async def _accept_data(self) -> None:
+        assert self._data_sock is not None
+        while True:
+            try:
+                conn, _ = await self._loop.sock_accept(self._data_sock)
+            except asyncio.CancelledError:
+                return
+            except OSError as e:
+                if e.errno in (errno_mod.EMFILE, errno_mod.ENFILE, errno_mod.ENOBUFS, errno_mod.ENOMEM):
+                    await asyncio.sleep(0.1)
+                    continue
+                return
+            conn.setblocking(True)
+            # The native thread checks the session token before touching memory.
+            self._core.serve(conn.detach())
+
+    # ------------------------------------------------------------ client side
+    async def connect(self, address: str, *, timeout: float = 10.0) -> Peer:
+        """Connects to the engine at `address` ("host:port"); cached per
+        address. Raises PeerUnreachableError, AuthenticationError,
+        ProtocolError, ProviderUnavailableError."""
+        self._check_open()
+        peer = self._peers.get(address)
+        if peer is not None and peer.alive:
+            return peer
+        if peer is not None:
+            await peer.close()
+        pending = self._connecting.get(address)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Peer] = self._loop.create_future()
+        self._connecting[address] = fut
+        try:
+            peer = await asyncio.wait_for(self._connect(address), timeout)
+        except asyncio.TimeoutError:
+            err = PeerUnreachableError(f"connect to {address} timed out after {timeout:g} s", peer=address)
+            fut.set_exception(err)
+            fut.exception()
+            raise err from None
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()
+            raise
+        finally:
+            self._connecting.pop(address, None)
+        fut.set_result(peer)
+        self._peers[address] = peer
+        return peer
+
+    async def _connect(self, address: str) -> Peer:
+        host, port = _split_address(address)
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as e:
+            raise PeerUnreachableError(f"cannot reach {address}: {e.strerror or e}", peer=address,
+                                       errno=e.errno) from None
+        try:
+            desc, token = await self._handshake(address, reader, writer)
+            peer = Peer(self, address, reader, writer, desc)
+            channel, transport = await self._open_channel(peer, desc, token)
+            peer._start(channel, transport)
+            log.info("kvflow: connected to %s via %s", address, transport)
+            return peer
+        except BaseException:
+            writer.close()
+            raise
+
+    async def _handshake(self, address: str, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> tuple[Descriptor, bytes]:
+        cnonce = os.urandom(NONCE_BYTES)
+        writer.write(encode({"t": "hello", "nonce": cnonce, "address": self.address}))
+        try:
+            ch = await read_message(reader)
+            if ch["t"] == "error":
+                raise ProtocolError(f"{address} refused the handshake: {ch.get('message')}", peer=address)
+            if ch["t"] != "challenge":
+                raise ProtocolError(f"{address}: expected challenge, got {ch['t']!r}", peer=address)
+            snonce = field(ch, "nonce", bytes)
+            if bool(ch.get("auth")) != bool(self._secret):
+                raise AuthenticationError(
+                    f"{address}: " + ("the peer requires a secret and none was set" if ch.get("auth")
+                                      else "a secret is set but the peer has none"), peer=address)
+            if self._secret:
+                try:
+                    check_proof(self._secret, b"server", cnonce, snonce, ch.get("proof"))
+                except AuthenticationError:
+                    raise AuthenticationError(f"{address}: secret mismatch", peer=address) from None
+            writer.write(encode({"t": "auth", "proof": proof(self._secret, b"client", snonce, cnonce)
+                                 if self._secret else b""}))
+            welcome = await read_message(reader)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise PeerUnreachableError(f"{address} closed the handshake ({e.__class__.__name__}); "
+                                       "is it a kvflow engine?", peer=address) from None
+        except ProtocolError as e:
+            if e.peer is None:
+                raise ProtocolError(f"{address}: {e}", peer=address) from None
+            raise
+        if welcome["t"] == "error":
+            if welcome.get("code") == "auth":
+                raise AuthenticationError(f"{address}: secret mismatch", peer=address)
+            raise ProtocolError(f"{address} refused the handshake: {welcome.get('message')}", peer=address)
+        if welcome["t"] != "welcome":
+            raise ProtocolError(f"{address}: expected welcome, got {welcome['t']!r}", peer=address)
+        token = field(welcome, "token", bytes)
+        desc = Descriptor.from_wire(welcome.get("descriptor"))
+        return desc, token
+
+    async def _open_channel(self, peer: Peer, desc: Descriptor, token: bytes) -> tuple[Any, str]:
+        allowed = self.protocols or PROVIDERS
+        ident = _process_identity()
+        reason = ""
+        if "local" in allowed:
+            if desc.host != ident.host:
+                reason = "the peer is on another host"
+            elif desc.pid == ident.pid and desc.process == ident.token:
+                return _core.LocalChannel(self._core, peer._table, 0, self._inline_limit), "local"
+            else:
+                got = _core.probe_process(desc.pid, desc.probe_addr, len(desc.probe_cookie))
+                if got == desc.probe_cookie:
+                    return (_core.LocalChannel(self._core, peer._table, desc.pid, self._inline_limit),
+                            "local")
+                reason = (f"process_vm_readv on pid {desc.pid} not permitted ({os.strerror(got)})"
+                          if isinstance(got, int) else "cross-memory probe mismatch")
+            if "tcp" in allowed:
+                log.info("kvflow: %s: local provider unavailable (%s); using tcp", peer.address, reason)
+        if "tcp" in allowed:
+            return await self._open_tcp(peer, desc, token), "tcp"
+        raise ProviderUnavailableError(
+            f"{peer.address}: no allowed provider reaches the peer ({reason})", peer=peer.address)
+
+    async def _open_tcp(self, peer: Peer, desc: Descriptor, token: bytes) -> Any:
+        if not desc.data:
+            raise ProviderUnavailableError(f"{peer.address} publishes no tcp endpoint", peer=peer.address)
+        host, port = desc.data[0]
+        hello = DATA_HEADER.pack(DATA_MAGIC, DATA_HELLO, 0, 0, int.from_bytes(token[:8], "little"),
+                                 DATA_WIRE_VERSION, int.from_bytes(token[8:], "little"))
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(self._tcp_connections):
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                s = socket.socket(family, socket.SOCK_STREAM)
+                socks.append(s)
+                s.setblocking(False)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await self._loop.sock_connect(s, (host, port))
+                await self._loop.sock_sendall(s, hello)
+                ack = b""
+                while len(ack) < DATA_HEADER.size:
+                    chunk = await self._loop.sock_recv(s, DATA_HEADER.size - len(ack))
+                    if not chunk:
+                        raise ConnectionError("data connection closed during hello")
+                    ack += chunk
+                magic, kind, status = DATA_HEADER.unpack(ack)[:3]
+                if magic != DATA_MAGIC or kind != DATA_HELLO_ACK or status != 0:
+                    raise ProtocolError(f"{peer.address}: data connection refused", peer=peer.address)
+        except OSError as e:
+            for s in socks:
+                s.close()
+            raise PeerUnreachableError(f"cannot open a data connection to {host}:{port}: {e}",
+                                       peer=peer.address) from None
+        except BaseException:
+            for s in socks:
+                s.close()
+            raise
+        fds = []
+        for s in socks:
+            s.setblocking(True)
+            fds.append(s.detach())
+        return _core.TcpChannel(self._core, peer._table, fds, self._slice_size)
+
+    def _forget_peer(self, peer: Peer) -> None:
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+
+    def _check_open(self) -> None:
+        if not self._started or self._closed:
+            raise KVFlowError("engine is not running (use `async with Engine(...)` or await start())")
+
+    def __repr__(self) -> str:
+        return f"<kvflow.Engine {self.address or self._listen} peers={len(self._peers)}>"

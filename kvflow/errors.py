@@ -1,0 +1,108 @@
+"""kvflow's exception tree, and the one place where native status codes
+become exceptions."""
+from __future__ import annotations
+
+__all__ = [
+    "KVFlowError",
+    "InvalidArgumentError",
+    "UnregisteredMemoryError",
+    "RemoteAccessError",
+    "PeerUnreachableError",
+    "PeerLostError",
+    "TransferTimeoutError",
+    "TransferCancelledError",
+    "ProtocolError",
+    "AuthenticationError",
+    "ProviderUnavailableError",
+]
+
+
+class KVFlowError(Exception):
+    """Base of every kvflow error. `peer` is the peer's address and `index`
+    the offending batch entry, where there is one; `errno` where a system
+    call failed."""
+
+    def __init__(self, message: str, *, peer: str | None = None, index: int | None = None,
+                 errno: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.index = index
+        self.errno = errno
+
+
+class InvalidArgumentError(KVFlowError, ValueError):
+    """A batch or buffer that cannot be valid: zero or overflowing lengths,
+    arrays of different lengths, an empty batch, an unusable buffer."""
+
+
+class UnregisteredMemoryError(KVFlowError):
+    """A local range is not inside one region registered with this engine."""
+
+
+class RemoteAccessError(KVFlowError):
+    """A remote range is outside the peer's regions or lacks the access the
+    operation needs (WRITE for writes, READ for reads)."""
+
+
+class PeerUnreachableError(KVFlowError):
+    """Nobody answers at the peer's address, or it does not speak kvflow."""
+
+
+class PeerLostError(KVFlowError):
+    """The connection to the peer broke while transfers were in flight."""
+
+
+class TransferTimeoutError(KVFlowError, TimeoutError):
+    """The transfer's timeout elapsed before every byte landed."""
+
+
+class TransferCancelledError(KVFlowError):
+    """The transfer was cancelled with Transfer.cancel()."""
+
+
+class ProtocolError(KVFlowError):
+    """A peer sent a malformed, oversized or unexpected message."""
+
+
+class AuthenticationError(KVFlowError):
+    """The peers' secrets do not match (or only one side has one)."""
+
+
+class ProviderUnavailableError(KVFlowError):
+    """No requested provider can reach the peer, or it was not built."""
+
+
+# Native status codes (kvflow/_native/kvf.h).
+OK, EINVAL, EUNREG, EREMOTE, ELOST, ECANCELLED, EPROTO, ENOMEM, EIO, ECLOSED = range(10)
+
+_OPS = {0: "write", 1: "read"}
+
+
+def status_error(status: int, *, peer: str, index: int | None, op: int) -> KVFlowError:
+    """Maps a native status to the exception a caller sees."""
+    what = _OPS.get(op, "transfer")
+    at = f" (entry {index})" if index is not None else ""
+    if status == EINVAL:
+        return InvalidArgumentError(
+            f"{what} to {peer}: zero length or address overflow{at}", peer=peer, index=index)
+    if status == EUNREG:
+        return UnregisteredMemoryError(
+            f"{what} to {peer}: local range is not inside a registered region{at}",
+            peer=peer, index=index)
+    if status == EREMOTE:
+        need = "WRITE" if op == 0 else "READ"
+        return RemoteAccessError(
+            f"{what} to {peer}: remote range is outside the peer's regions or lacks {need} access{at}",
+            peer=peer, index=index)
+    if status in (ELOST, EIO):
+        return PeerLostError(f"{what} to {peer}: connection to the peer lost{at}", peer=peer, index=index)
+    if status == ECANCELLED:
+        return TransferCancelledError(f"{what} to {peer} cancelled", peer=peer, index=index)
+    if status == EPROTO:
+        return ProtocolError(f"{what} to {peer}: malformed frame from the peer{at}", peer=peer, index=index)
+    if status == ENOMEM:
+        return KVFlowError(f"{what} to {peer}: out of memory or batch slots (too many batches in flight)",
+                           peer=peer, index=index)
+    if status == ECLOSED:
+        return PeerLostError(f"{what} to {peer}: the peer or engine was closed", peer=peer, index=index)
+    return KVFlowError(f"{what} to {peer}: native status {status}{at}", peer=peer, index=index)

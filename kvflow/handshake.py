@@ -1,0 +1,137 @@
+"""The handshake/control protocol: msgpack frames over asyncio streams.
+
+Frame: a 4-byte big-endian length, then a msgpack map with "v" (protocol
+version) and "t" (message type). Lengths above the limit, undecodable bodies,
+non-map bodies and unknown versions raise ProtocolError before anything else
+is looked at, so a garbage client costs one short read and a closed socket.
+
+Authentication (when the engines share a secret) is a mutual
+challenge-response with HMAC-SHA256 over both nonces: the secret never
+crosses the wire, and each side proves itself before the other hands out a
+session token or a descriptor.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvflow.errors import AuthenticationError, ProtocolError
+from kvflow.memory import Access, RemoteRegion
+
+VERSION = 1
+MAX_FRAME = 8 << 20          # a descriptor with ~200k regions still fits
+NONCE_BYTES = 32
+_LEN = struct.Struct(">I")
+
+# Data-connection hello (kvflow/_native/wire.h): magic, type, status, tag, addr, len, aux.
+DATA_HEADER = struct.Struct("<HBBIQQQ")
+DATA_MAGIC = 0x464B
+DATA_HELLO, DATA_HELLO_ACK = 1, 2
+DATA_WIRE_VERSION = 1
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = msgpack.packb({"v": VERSION, **msg}, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+async def read_message(reader: asyncio.StreamReader, *, max_size: int = MAX_FRAME) -> dict[str, Any]:
+    """Reads one frame. Raises ProtocolError for malformed input and
+    asyncio.IncompleteReadError / ConnectionError when the stream ends."""
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if n > max_size:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_size}")
+    body = await reader.readexactly(n)
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable frame: {e}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise ProtocolError("frame is not a kvflow message")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r} (this side speaks {VERSION})")
+    return msg
+
+
+def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """msg[name], checked to be of `kind`; ProtocolError otherwise."""
+    v = msg.get(name)
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise ProtocolError(f"message {msg.get('t')!r}: field {name!r} missing or malformed")
+    return v
+
+
+def proof(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, label + first + second, hashlib.sha256).digest()
+
+
+def check_proof(secret: bytes, label: bytes, first: bytes, second: bytes, got: Any) -> None:
+    if not isinstance(got, bytes) or not hmac.compare_digest(proof(secret, label, first, second), got):
+        raise AuthenticationError("secret mismatch: the peer could not prove it knows the secret")
+
+
+@dataclass
+class Descriptor:
+    """What an engine tells its peers about itself (its "segment")."""
+
+    address: str
+    incarnation: int
+    host: str
+    pid: int
+    process: bytes
+    probe_addr: int
+    probe_cookie: bytes
+    data: list[tuple[str, int]]
+    regions: list[RemoteRegion]
+    generation: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "address": self.address, "incarnation": self.incarnation, "host": self.host,
+            "pid": self.pid, "process": self.process, "probe": [self.probe_addr, self.probe_cookie],
+            "data": [list(d) for d in self.data], "generation": self.generation,
+            "regions": regions_to_wire(self.regions),
+        }
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Descriptor":
+        if not isinstance(d, dict):
+            raise ProtocolError("descriptor is not a map")
+        probe = field(d, "probe", list)
+        data = field(d, "data", list)
+        try:
+            probe_addr, cookie = int(probe[0]), bytes(probe[1])
+            endpoints = [(str(h), int(p)) for h, p in data]
+        except (TypeError, ValueError, IndexError):
+            raise ProtocolError("descriptor: malformed probe or data endpoints") from None
+        return cls(
+            address=field(d, "address", str), incarnation=field(d, "incarnation", int),
+            host=field(d, "host", str), pid=field(d, "pid", int), process=field(d, "process", bytes),
+            probe_addr=probe_addr, probe_cookie=cookie, data=endpoints,
+            regions=regions_from_wire(field(d, "regions", list)),
+            generation=field(d, "generation", int),
+        )
+
+
+def regions_to_wire(regions: list[RemoteRegion]) -> list[list[Any]]:
+    return [[r.addr, r.length, int(r.access), r.name] for r in regions]
+
+
+def regions_from_wire(v: Any) -> list[RemoteRegion]:
+    out = []
+    try:
+        for addr, length, access, name in v:
+            if not (isinstance(addr, int) and isinstance(length, int) and isinstance(access, int)):
+                raise TypeError
+            if name is not None and not isinstance(name, str):
+                raise TypeError
+            out.append(RemoteRegion(addr, length, name, Access(access & 3)))
+    except (TypeError, ValueError):
+        raise ProtocolError("descriptor: malformed region list") from None
+    return out

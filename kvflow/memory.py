@@ -1,0 +1,100 @@
+"""Registered memory: access rights, local and remote regions, and turning
+what users hand to register() into an address and a length."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvflow.errors import InvalidArgumentError
+
+__all__ = ["Access", "Region", "RemoteRegion", "buffer_span"]
+
+
+class Access(enum.IntFlag):
+    """What peers may do to a region."""
+
+    READ = 1
+    WRITE = 2
+
+
+@dataclass(frozen=True)
+class Region:
+    """A range of this engine's memory that peers may reach."""
+
+    addr: int
+    length: int
+    name: str | None
+    access: Access
+    id: int = field(repr=False, compare=False, default=0)
+    _owner: Any = field(repr=False, compare=False, default=None)
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A region of a peer, as its descriptor tells it."""
+
+    addr: int
+    length: int
+    name: str | None
+    access: Access
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+
+def buffer_span(buffer: Any) -> tuple[int, int, bool, Any]:
+    """Returns (address, length, writable, keepalive) for a buffer.
+
+    Accepts numpy arrays, bytearray, memoryview, objects exposing
+    __array_interface__, objects with data_ptr() and nbytes (or numel() and
+    element_size(), as torch tensors) and (ptr, length) tuples. `keepalive`
+    must live as long as the registration: for bytearray it holds a buffer
+    export, which also stops the bytearray from being resized (and moved).
+    Raises InvalidArgumentError for anything else.
+    """
+    if isinstance(buffer, tuple):
+        if len(buffer) != 2 or not all(isinstance(v, (int, np.integer)) for v in buffer):
+            raise InvalidArgumentError("a raw buffer is a (ptr, length) tuple of ints")
+        ptr, length = int(buffer[0]), int(buffer[1])
+        if ptr <= 0 or length <= 0 or ptr + length > 1 << 64:
+            raise InvalidArgumentError(f"invalid raw buffer (ptr={ptr:#x}, length={length})")
+        return ptr, length, True, None
+    if hasattr(buffer, "data_ptr") and not isinstance(buffer, np.ndarray):
+        if getattr(buffer, "is_contiguous", None) is not None and not buffer.is_contiguous():
+            raise InvalidArgumentError("tensor must be contiguous to be registered")
+        ptr = int(buffer.data_ptr())
+        if hasattr(buffer, "nbytes"):
+            length = int(buffer.nbytes)
+        elif hasattr(buffer, "numel") and hasattr(buffer, "element_size"):
+            length = int(buffer.numel()) * int(buffer.element_size())
+        else:
+            raise InvalidArgumentError("an object with data_ptr() needs nbytes or numel()/element_size()")
+        if ptr <= 0 or length <= 0:
+            raise InvalidArgumentError("cannot register an empty buffer")
+        return ptr, length, True, buffer
+    try:
+        if isinstance(buffer, np.ndarray):
+            arr = buffer
+        elif isinstance(buffer, (bytearray, memoryview, bytes)):
+            arr = np.frombuffer(buffer, dtype=np.uint8)
+        elif hasattr(buffer, "__array_interface__"):
+            arr = np.asarray(buffer)
+        else:
+            raise InvalidArgumentError(f"cannot register a {type(buffer).__name__}")
+    except (TypeError, ValueError, BufferError) as e:
+        if isinstance(e, InvalidArgumentError):
+            raise
+        raise InvalidArgumentError(f"cannot register a {type(buffer).__name__}: {e}") from e
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        raise InvalidArgumentError("buffer must be contiguous to be registered")
+    if arr.nbytes == 0:
+        raise InvalidArgumentError("cannot register an empty buffer")
+    return int(arr.__array_interface__["data"][0]), int(arr.nbytes), bool(arr.flags.writeable), (buffer, arr)

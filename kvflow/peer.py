@@ -1,0 +1,267 @@
+"""Peer: a connected remote engine (its segment), and the batch API."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from kvflow import _core
+from kvflow.errors import (
+    EREMOTE,
+    InvalidArgumentError,
+    PeerLostError,
+    ProtocolError,
+    status_error,
+)
+from kvflow.handshake import Descriptor, encode, field, read_message, regions_from_wire
+from kvflow.memory import RemoteRegion
+from kvflow.transfer import Transfer
+
+if TYPE_CHECKING:
+    from kvflow.engine import Engine
+
+__all__ = ["Peer"]
+
+log = logging.getLogger("kvflow")
+_U64 = np.dtype(np.uint64)
+
+Addrs = "np.ndarray | Sequence[int]"
+
+
+def as_u64(values: Any, what: str) -> np.ndarray:
+    """One batch column as a contiguous uint64 array; InvalidArgumentError
+    for negative, too large, or non-integer input."""
+    if type(values) is np.ndarray and values.dtype == _U64 and values.flags.c_contiguous:
+        arr = values
+    else:
+        try:
+            if isinstance(values, np.ndarray):
+                if values.dtype.kind not in "ui":
+                    raise TypeError(f"dtype {values.dtype}")
+                if values.dtype.kind == "i" and values.size and values.min() < 0:
+                    raise ValueError("negative value")
+                arr = np.ascontiguousarray(values, dtype=_U64)
+            else:
+                arr = np.array(values, dtype=_U64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidArgumentError(f"{what}: not a sequence of unsigned 64-bit ints ({e})") from None
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{what}: expected a one-dimensional array")
+    return arr
+
+
+class Peer:
+    """A remote engine this engine is connected to.
+
+    `transport` says which provider moves the bytes ("local" or "tcp");
+    `regions` lists the peer's memory as its descriptor says, refreshed when
+    the peer registers or deregisters memory.
+    """
+
+    def __init__(self, engine: "Engine", address: str, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, descriptor: Descriptor) -> None:
+        self._engine = engine
+        self.address = address
+        self._reader = reader
+        self._writer = writer
+        self.descriptor = descriptor
+        self._table = _core.RemoteTable()
+        self._set_regions(descriptor.regions)
+        self._channel: Any = None
+        self.transport = ""
+        self._refresh_waiters: list[asyncio.Future[None]] = []
+        self._closed = False
+        self._control_lost = False
+        self._reader_task: asyncio.Task[None] | None = None
+
+    def _start(self, channel: Any, transport: str) -> None:
+        self._channel = channel
+        self.transport = transport
+        self._reader_task = self._engine._loop.create_task(self._read_control())
+
+    # ------------------------------------------------------------ regions
+    @property
+    def regions(self) -> list[RemoteRegion]:
+        return list(self._regions)
+
+    def region(self, name: str) -> RemoteRegion:
+        """The peer's region called `name`; KeyError if it has none."""
+        for r in self._regions:
+            if r.name == name:
+                return r
+        raise KeyError(f"peer {self.address} has no region named {name!r}")
+
+    def _set_regions(self, regions: list[RemoteRegion]) -> None:
+        if not self._table.update([(r.addr, r.length, int(r.access)) for r in regions]):
+            raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
+                                peer=self.address)
+        self._regions = regions
+
+    async def refresh(self, *, timeout: float = 10.0) -> None:
+        """Fetches the peer's descriptor again (regions)."""
+        fut = self._engine._loop.create_future()
+        self._refresh_waiters.append(fut)
+        self._send({"t": "describe"})
+        await asyncio.wait_for(fut, timeout)
+
+    # ------------------------------------------------------------ transfers
+    @property
+    def alive(self) -> bool:
+        return not self._closed and not self._control_lost and self._channel is not None and self._channel.alive
+
+    def _submit(self, op: int, local_addrs: Any, remote_addrs: Any, lengths: Any,
+                timeout: float | None) -> tuple[int, Transfer | None, int]:
+        la = as_u64(local_addrs, "local_addrs")
+        ra = as_u64(remote_addrs, "remote_addrs")
+        ln = as_u64(lengths, "lengths")
+        n = la.shape[0]
+        if n == 0:
+            raise InvalidArgumentError(f"empty batch for {self.address}", peer=self.address)
+        if ra.shape[0] != n or ln.shape[0] != n:
+            raise InvalidArgumentError(
+                f"batch for {self.address}: local_addrs, remote_addrs and lengths differ in length "
+                f"({n}, {ra.shape[0]}, {ln.shape[0]})", peer=self.address)
+        if self._closed or self._channel is None:
+            raise PeerLostError(f"peer {self.address} is closed", peer=self.address)
+        status, batch_id, bad = self._channel.submit(op, la, ra, ln)
+        if status:
+            return status, None, bad
+        if batch_id == 0:
+            return 0, None, 0
+        t = Transfer(self._engine, batch_id, self.address, op, int(ln.sum()), timeout)
+        self._engine._pending[batch_id] = t
+        return 0, t, 0
+
+    def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> Transfer:
+        status, t, bad = self._submit(op, la, ra, ln, timeout)
+        if status:
+            raise status_error(status, peer=self.address, index=bad, op=op)
+        return t if t is not None else Transfer(self._engine, 0, self.address, op, 0, None)
+
+    async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
+        status, t, bad = self._submit(op, la, ra, ln, timeout)
+        if status == EREMOTE and not self._control_lost:
+            # The peer may have registered memory we have not heard of yet.
+            await self.refresh()
+            status, t, bad = self._submit(op, la, ra, ln, timeout)
+        if status:
+            raise status_error(status, peer=self.address, index=bad, op=op)
+        if t is not None:
+            await t
+
+    async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                    timeout: float | None = None) -> None:
+        """Writes one batch: entry i copies lengths[i] bytes from local_addrs[i]
+        (this engine's registered memory) to remote_addrs[i] (the peer's).
+        Returns once every byte has landed in the peer's memory.
+
+        Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
+        PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
+        """
+        await self._run(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout)
+
+    async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                   timeout: float | None = None) -> None:
+        """Reads one batch: entry i copies lengths[i] bytes from the peer's
+        remote_addrs[i] into local_addrs[i]. Raises as write()."""
+        await self._run(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout)
+
+    def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                     timeout: float | None = None) -> Transfer:
+        """Starts a write and returns its Transfer (awaitable, cancellable).
+        Argument and validation errors raise here; transfer errors on await."""
+        return self._nowait(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout)
+
+    def read_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                    timeout: float | None = None) -> Transfer:
+        """Starts a read and returns its Transfer."""
+        return self._nowait(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout)
+
+    # ------------------------------------------------------------ notifications
+    async def notify(self, data: bytes) -> None:
+        """Sends `data` to the peer's engine.notifications(). Every write to
+        this peer that completed before the call has landed before the peer
+        sees the notification. Raises PeerLostError if the peer is gone."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError("notify() takes bytes", peer=self.address)
+        if self._closed or self._control_lost:
+            raise PeerLostError(f"peer {self.address} is gone", peer=self.address)
+        self._send({"t": "notify", "data": bytes(data)})
+        try:
+            await self._writer.drain()
+        except (ConnectionError, RuntimeError) as e:
+            raise PeerLostError(f"notify to {self.address}: {e}", peer=self.address) from None
+
+    # ------------------------------------------------------------ control stream
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._writer.is_closing():
+            raise PeerLostError(f"control connection to {self.address} is closed", peer=self.address)
+        self._writer.write(encode(msg))
+
+    async def _read_control(self) -> None:
+        try:
+            while True:
+                msg = await read_message(self._reader)
+                t = msg["t"]
+                if t == "regions":
+                    self._set_regions(regions_from_wire(field(msg, "regions", list)))
+                elif t == "descriptor":
+                    d = Descriptor.from_wire(msg.get("descriptor"))
+                    self.descriptor = d
+                    self._set_regions(d.regions)
+                    waiters, self._refresh_waiters = self._refresh_waiters, []
+                    for w in waiters:
+                        if not w.done():
+                            w.set_result(None)
+                elif t == "bye":
+                    break
+                else:
+                    raise ProtocolError(f"unexpected message {t!r} from {self.address}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except ProtocolError as e:
+            log.warning("kvflow: dropping control connection to %s: %s", self.address, e)
+        except asyncio.CancelledError:
+            return
+        finally:
+            self._control_lost = True
+            for w in self._refresh_waiters:
+                if not w.done():
+                    w.set_exception(PeerLostError(f"peer {self.address} is gone", peer=self.address))
+            self._refresh_waiters = []
+        # The control connection is the peer's lifeline for the local
+        # provider (no data sockets to notice a death).
+        if self.transport == "local" and self._channel is not None:
+            self._channel.close()
+
+    async def close(self) -> None:
+        """Closes the connection to the peer; in-flight transfers fail with
+        PeerLostError. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._forget_peer(self)
+        if self._channel is not None:
+            self._channel.close()
+        if not self._writer.is_closing():
+            try:
+                self._writer.write(encode({"t": "bye"}))
+            except Exception:
+                pass
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            try:
+                await self._reader_task
+            except BaseException:
+                pass
+        try:
+            await self._writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("alive" if self.alive else "lost")
+        return f"<kvflow.Peer {self.address} via {self.transport or '?'} {state}>"

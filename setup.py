@@ -1,0 +1,27 @@
+"""Builds kvflow's native core (Cython over plain C)."""
+import os
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+NATIVE = ["kvflow/_native/core.c", "kvflow/_native/local.c", "kvflow/_native/tcp.c"]
+debug = os.environ.get("KVFLOW_DEBUG") == "1"
+cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]
+if debug:
+    cflags = ["-O0", "-g", "-std=gnu11", "-Wall", "-pthread", "-DKVF_DEBUG=1"]
+
+extensions = [
+    Extension(
+        "kvflow._core",
+        ["kvflow/_core.pyx", *NATIVE],
+        include_dirs=["kvflow"],
+        extra_compile_args=cflags,
+        extra_link_args=["-pthread"],
+        depends=["kvflow/_native/kvf.h", "kvflow/_native/wire.h", "kvflow/_native.pxd"],
+    )
+]
+
+setup(
+    ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"},
+                          compile_time_env={"KVFLOW_DEBUG": int(debug)}),
+)
