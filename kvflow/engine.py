@@ -465,7 +465,8 @@ class Engine:
                                        "is it a kvflow engine?", peer=address) from None
         except ProtocolError as e:
             if e.peer is None:
-                raise ProtocolError(f"{address}: {e}", peer=address) from None
+                # The first reply was not a kvflow frame at all.
+                raise PeerUnreachableError(f"{address} does not speak kvflow ({e})", peer=address) from None
             raise
         if welcome["t"] == "error":
             if welcome.get("code") == "auth":

@@ -112,7 +112,7 @@ class Peer:
         return not self._closed and not self._control_lost and self._channel is not None and self._channel.alive
 
     def _submit(self, op: int, local_addrs: Any, remote_addrs: Any, lengths: Any,
-                timeout: float | None) -> tuple[int, Transfer | None, int]:
+                timeout: float | None) -> tuple[int, Transfer | None, int, np.ndarray]:
         la = as_u64(local_addrs, "local_addrs")
         ra = as_u64(remote_addrs, "remote_addrs")
         ln = as_u64(lengths, "lengths")
@@ -127,29 +127,35 @@ class Peer:
             raise PeerLostError(f"peer {self.address} is closed", peer=self.address)
         status, batch_id, bad = self._channel.submit(op, la, ra, ln)
         if status:
-            return status, None, bad
+            return status, None, bad, ln
         if batch_id == 0:
-            return 0, None, 0
+            return 0, None, 0, ln
         t = Transfer(self._engine, batch_id, self.address, op, int(ln.sum()), timeout)
         self._engine._pending[batch_id] = t
-        return 0, t, 0
+        return 0, t, 0, ln
 
     def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> Transfer:
-        status, t, bad = self._submit(op, la, ra, ln, timeout)
+        status, t, bad, lens = self._submit(op, la, ra, ln, timeout)
         if status:
             raise status_error(status, peer=self.address, index=bad, op=op)
-        return t if t is not None else Transfer(self._engine, 0, self.address, op, 0, None)
+        return t if t is not None else Transfer(self._engine, 0, self.address, op, int(lens.sum()), None)
 
     async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
-        status, t, bad = self._submit(op, la, ra, ln, timeout)
+        status, t, bad, _ = self._submit(op, la, ra, ln, timeout)
         if status == EREMOTE and not self._control_lost:
             # The peer may have registered memory we have not heard of yet.
             await self.refresh()
-            status, t, bad = self._submit(op, la, ra, ln, timeout)
+            status, t, bad, _ = self._submit(op, la, ra, ln, timeout)
         if status:
             raise status_error(status, peer=self.address, index=bad, op=op)
         if t is not None:
-            await t
+            try:
+                await t
+            except asyncio.CancelledError:
+                # Cancelled by the caller (asyncio.timeout, task.cancel): do
+                # not return while bytes of this batch may still land.
+                await t._wait_drained()
+                raise
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None) -> None:

@@ -3,25 +3,34 @@
 Per-batch state lives in C; a Transfer holds only the batch id and one
 future (the asyncpg waiter pattern): its timeout is armed with call_later,
 and cancelling the awaiting task cancels the batch in a done-callback.
+
+Timeout and cancel() resolve the future only once the native batch has
+drained (queued slices dropped, slices already on the wire finished), so
+when `await` raises, no byte of that batch can land afterwards and overwrite
+a later transfer to the same range. A peer that stops reading cannot hold
+the caller past DRAIN_GRACE seconds.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING, Any, Generator
 
-from kvflow.errors import TransferCancelledError, TransferTimeoutError, status_error
+from kvflow.errors import KVFlowError, TransferCancelledError, TransferTimeoutError, status_error
 
 if TYPE_CHECKING:
     from kvflow.engine import Engine
 
 __all__ = ["Transfer"]
 
+DRAIN_GRACE = 2.0
+
 
 class Transfer:
     """One batch in flight. Await it (returns None when every byte landed,
     raises a KVFlowError otherwise); cancel() it; check done()."""
 
-    __slots__ = ("_engine", "_id", "_future", "_peer", "_op", "nbytes", "_timer")
+    __slots__ = ("_engine", "_id", "_future", "_peer", "_op", "nbytes", "_timer", "_abort_exc",
+                 "_drained", "_drain_waiter")
 
     def __init__(self, engine: "Engine", batch_id: int, peer: str, op: int, nbytes: int,
                  timeout: float | None) -> None:
@@ -32,6 +41,9 @@ class Transfer:
         self.nbytes = nbytes
         self._future: asyncio.Future[None] = engine._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
+        self._abort_exc: KVFlowError | None = None
+        self._drained = batch_id == 0
+        self._drain_waiter: asyncio.Future[None] | None = None
         if batch_id == 0:               # completed inline
             self._future.set_result(None)
             return
@@ -46,40 +58,63 @@ class Transfer:
         return self._future.done()
 
     def cancel(self) -> bool:
-        """Cancels the batch: queued slices are dropped, posted ones are
-        awaited and ignored. Awaiting it then raises TransferCancelledError.
-        Returns False if it had already finished."""
-        if self._future.done():
+        """Cancels the batch: queued slices are dropped, slices on the wire
+        finish and are ignored. Awaiting it raises TransferCancelledError
+        (once nothing of it is in flight). Returns False if it had already
+        finished."""
+        if self._future.done() or self._abort_exc is not None:
             return False
-        self._abort(TransferCancelledError(f"transfer to {self._peer} cancelled", peer=self._peer))
-        self._future.exception()    # the caller abandoned it: nobody must retrieve this
+        self._abort(TransferCancelledError(f"transfer to {self._peer} cancelled", peer=self._peer),
+                    retrieved=True)
         return True
 
-    def _abort(self, exc: BaseException) -> None:
-        self._engine._core_cancel(self._id)
+    def _abort(self, exc: KVFlowError, *, retrieved: bool = False) -> None:
+        self._abort_exc = exc
         if self._timer is not None:
             self._timer.cancel()
-        self._future.set_exception(exc)
+        self._engine._core_cancel(self._id)
+        self._timer = self._engine._loop.call_later(DRAIN_GRACE, self._give_up, retrieved)
+        if retrieved:
+            # The caller abandoned it: a failure nobody awaits must not be
+            # reported as "exception never retrieved".
+            self._future.add_done_callback(_silence)
+
+    def _give_up(self, retrieved: bool) -> None:
+        if not self._future.done() and self._abort_exc is not None:
+            self._future.set_exception(self._abort_exc)
 
     def _on_timeout(self, timeout: float) -> None:
-        if not self._future.done():
+        if not self._future.done() and self._abort_exc is None:
             self._abort(TransferTimeoutError(
                 f"transfer to {self._peer} timed out after {timeout:g} s", peer=self._peer))
 
     def _on_future_done(self, fut: asyncio.Future[None]) -> None:
         # The awaiting task was cancelled: stop the batch too.
-        if fut.cancelled():
+        if fut.cancelled() and not self._drained:
             self._engine._core_cancel(self._id)
             if self._timer is not None:
                 self._timer.cancel()
 
+    async def _wait_drained(self, timeout: float = DRAIN_GRACE) -> None:
+        """Waits (bounded) until no slice of this batch is in flight."""
+        if self._drained:
+            return
+        if self._drain_waiter is None:
+            self._drain_waiter = self._engine._loop.create_future()
+        await asyncio.wait([self._drain_waiter], timeout=timeout)
+
     def _finish(self, status: int, entry: int) -> None:
         """Called on the loop thread when the native batch completed."""
+        self._drained = True
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
         if self._timer is not None:
             self._timer.cancel()
         if self._future.done():
             return
-        if status == 0:
+        if self._abort_exc is not None:
+            self._future.set_exception(self._abort_exc)
+        elif status == 0:
             self._future.set_result(None)
         else:
             self._future.set_exception(status_error(status, peer=self._peer, index=entry, op=self._op))
@@ -88,3 +123,8 @@ class Transfer:
         state = "done" if self._future.done() else "pending"
         op = "write" if self._op == 0 else "read"
         return f"<kvflow.Transfer {op} {self.nbytes} B to {self._peer} {state}>"
+
+
+def _silence(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()

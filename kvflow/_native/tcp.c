@@ -28,6 +28,9 @@
 
 #define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
 #define TCP_POP 64           /* slices per sendmsg */
+/* Bytes per sendmsg: bounds what is already "on the wire" when a batch is
+ * cancelled (its queued slices are dropped, these are not). */
+#define TCP_POP_BYTES (4u << 20)
 #define RD_BUF (256u << 10)
 #define ACK_BATCH 256
 
@@ -184,7 +187,12 @@ static void *tcp_tx(void *arg) {
         while (!c->dead && (c->q.count == 0 || c->nfree == 0)) pthread_cond_wait(&c->q.cv, &c->q.mu);
         if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
         size_t max = c->nfree < TCP_POP ? c->nfree : TCP_POP;
-        size_t n = kvf_queue_pop_locked(&c->q, s, max);
+        size_t n = 0;
+        uint64_t bytes = 0;
+        while (n < max && c->q.count && bytes < TCP_POP_BYTES) {
+            n += kvf_queue_pop_locked(&c->q, &s[n], 1);
+            bytes += s[n - 1].len;
+        }
         size_t k = 0, ncancel = 0;
         kvf_slice cancelled[TCP_POP];
         for (size_t i = 0; i < n; i++) {

@@ -1,0 +1,495 @@
+"""Fixtures for the kvflow test suite.
+
+Everything here is real: engines listen on loopback sockets, cross-process targets
+are child processes (``tests/_target.py``), nothing is mocked.
+
+* ``loop_exception_guard`` (autouse): a test fails if anything reached the event
+  loop's exception handler (an unretrieved task exception, an exception in a
+  callback, ...), the way asyncpg's test base does it.
+* ``provider``: parametrises a test over "tcp", "local", "local-xproc", "tcp-xproc".
+* ``make_engine``, ``make_target``, ``make_pair``, ``local_mem``: factories whose
+  teardown closes what they made and checks the guard bytes around every
+  registered region, local and remote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import faulthandler
+import gc
+import json
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:  # so that ``import _target`` works under any import mode
+    sys.path.insert(0, TESTS_DIR)
+
+from _batches import Pair, bounded  # noqa: E402
+from _target import MARK, GuardedBuffer, TargetCore  # noqa: E402
+
+TARGET_SCRIPT = os.path.join(TESTS_DIR, "_target.py")
+
+# Upper bound for one test; past it faulthandler dumps every thread's stack and
+# exits, so a hang in the engine shows where it hangs instead of stalling CI.
+TEST_WATCHDOG_S = float(os.environ.get("KVFLOW_TEST_WATCHDOG_S", "150"))
+
+# Regions every target registers unless a test asks for others.
+DEFAULT_REGIONS = (
+    {"name": "rw", "length": 4 << 20, "access": 3},
+    {"name": "ro", "length": 64 << 10, "access": 1},
+    {"name": "wo", "length": 64 << 10, "access": 2},
+)
+
+
+
+# ---------------------------------------------------------------- asyncio hygiene
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    faulthandler.dump_traceback_later(TEST_WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+async def loop_exception_guard():
+    """Fail the test if the loop's exception handler fired during it.
+
+    Autouse fixtures are set up first and torn down last, so this also sees what
+    goes wrong while the other fixtures close engines and peers.
+    """
+    loop = asyncio.get_running_loop()
+    calls: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: calls.append(ctx))
+    try:
+        yield calls
+        # Let pending callbacks run, and collect garbage so that "Task exception
+        # was never retrieved" (reported from __del__) is reported now.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    if calls:
+        lines = []
+        for ctx in calls:
+            exc = ctx.get("exception")
+            lines.append(f"{ctx.get('message')!r} exception={exc!r} ctx={ {k: v for k, v in ctx.items() if k not in ('message', 'exception')} }")
+        pytest.fail("event loop exception handler fired:\n  " + "\n  ".join(lines))
+
+
+# ---------------------------------------------------------------- providers
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    name: str
+    protocol: str  # what the engines are restricted to, and what peer.transport must say
+    xproc: bool  # target Engine in a child process
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        return (self.protocol,)
+
+
+PROVIDERS = {
+    "tcp": Provider("tcp", "tcp", False),
+    "local": Provider("local", "local", False),
+    "local-xproc": Provider("local-xproc", "local", True),
+    "tcp-xproc": Provider("tcp-xproc", "tcp", True),
+}
+
+
+@lru_cache(maxsize=None)
+def xproc_vm_probe() -> tuple[bool, str]:
+    """Can this process process_vm_readv from a child? (seccomp, Yama, containers)."""
+    code = (
+        "import ctypes,sys\n"
+        "b=ctypes.create_string_buffer(b'kvflow-probe',16)\n"
+        "print(ctypes.addressof(b),flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        addr = int(proc.stdout.readline())
+
+        class iovec(ctypes.Structure):
+            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        dst = ctypes.create_string_buffer(16)
+        local = iovec(ctypes.addressof(dst), 12)
+        remote = iovec(addr, 12)
+        n = libc.process_vm_readv(proc.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if n != 12 or dst.raw[:12] != b"kvflow-probe":
+            return False, f"process_vm_readv from a child failed: errno {ctypes.get_errno()}"
+        return True, ""
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(params=list(PROVIDERS), ids=list(PROVIDERS))
+def provider(request) -> Provider:
+    import kvflow
+
+    p = PROVIDERS[request.param]
+    if not kvflow.features.get(p.protocol, False):
+        pytest.skip(f"kvflow built without the {p.protocol!r} provider")
+    if p.xproc and p.protocol == "local":
+        ok, why = xproc_vm_probe()
+        if not ok:
+            pytest.skip(why)
+    return p
+
+
+@pytest.fixture(params=[n for n in PROVIDERS if PROVIDERS[n].xproc])
+def xproc_provider(request) -> Provider:
+    """Only the providers whose target is a separate process (kill tests)."""
+    import kvflow
+
+    p = PROVIDERS[request.param]
+    if not kvflow.features.get(p.protocol, False):
+        pytest.skip(f"kvflow built without the {p.protocol!r} provider")
+    if p.protocol == "local":
+        ok, why = xproc_vm_probe()
+        if not ok:
+            pytest.skip(why)
+    return p
+
+
+# ---------------------------------------------------------------- targets
+
+
+class RegionInfo(NamedTuple):
+    name: str
+    addr: int
+    length: int
+    access: int
+
+
+class TargetError(Exception):
+    """An operation of the target failed (its type and message are in the text)."""
+
+
+class Target:
+    """What a test may do with the other side. Same methods in-process and cross-process."""
+
+    xproc: bool
+    address: str
+    pid: int
+    regions: dict[str, RegionInfo]
+    data_ports: list[int]
+
+    def raddr(self, name: str, offset: int = 0) -> int:
+        return self.regions[name].addr + offset
+
+    def _set_info(self, info: dict) -> None:
+        self.address = info["address"]
+        self.pid = info["pid"]
+        self.regions = {n: RegionInfo(**r) for n, r in info["regions"].items()}
+        self.data_ports = list(info.get("data_ports", []))
+
+    async def register(self, name: str, length: int, access: int = 3) -> RegionInfo:
+        info = RegionInfo(**await self._op("register", name=name, length=length, access=int(access)))
+        self.regions[name] = info
+        return info
+
+    async def deregister(self, name: str) -> None:
+        await self._op("deregister", name=name)
+        del self.regions[name]
+
+    async def fill(self, name: str, seed: int, offset: int = 0, length: int | None = None) -> None:
+        await self._op("fill", name=name, seed=seed, offset=offset, length=length)
+
+    async def sha(self, name: str, offset: int = 0, length: int | None = None) -> str:
+        return await self._op("sha", name=name, offset=offset, length=length)
+
+    async def sha_many(self, name: str, ranges) -> list[str]:
+        return await self._op("sha_many", name=name, ranges=[[int(o), int(n)] for o, n in ranges])
+
+    async def get(self, name: str, offset: int, length: int) -> bytes:
+        return bytes.fromhex(await self._op("get", name=name, offset=offset, length=length))
+
+    async def guards(self) -> list[str]:
+        return await self._op("guards")
+
+    async def watch(self) -> None:
+        await self._op("watch")
+
+    async def notifications(self) -> list[dict]:
+        return await self._op("notifications")
+
+    async def notify(self, address: str, data: bytes) -> None:
+        await self._op("notify", address=address, data_hex=data.hex())
+
+    async def loop_errors(self) -> list[str]:
+        return await self._op("loop_errors")
+
+    async def _op(self, op: str, **args) -> Any:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+
+class InprocTarget(Target):
+    xproc = False
+
+    def __init__(self, core: TargetCore):
+        self.core = core
+
+    @classmethod
+    async def start(cls, *, protocols, secret, regions) -> "InprocTarget":
+        core = TargetCore(protocols=protocols, secret=secret)
+        self = cls(core)
+        await core.start()
+        try:
+            for spec in regions:
+                core.register(spec["name"], spec["length"], spec.get("access", 3))
+        except BaseException:
+            await core.close()
+            raise
+        self._set_info(core.info())
+        return self
+
+    async def _op(self, op: str, **args) -> Any:
+        fn = {"loop_errors": self.core.get_loop_errors}.get(op) or getattr(self.core, op)
+        try:
+            res = fn(**args)
+            if asyncio.iscoroutine(res):
+                res = await res
+        except (KeyError, IndexError) as e:
+            raise TargetError(f"{type(e).__name__}: {e}") from e
+        return json.loads(json.dumps(res))  # same shapes as across the pipe
+
+    async def close(self) -> None:
+        await self.core.close()
+
+    def kill(self) -> None:
+        raise RuntimeError("an in-process target cannot be killed")
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports the very kvflow this process imported (an in-place
+    build is not on the child's sys.path otherwise: its sys.path[0] is tests/)."""
+    import kvflow
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvflow.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+class XprocTarget(Target):
+    xproc = True
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        self._lock = asyncio.Lock()
+        self._id = 0
+        self.killed = False
+
+    @classmethod
+    async def start(cls, *, protocols, secret, regions) -> "XprocTarget":
+        cfg = {
+            "protocols": list(protocols) if protocols is not None else None,
+            "secret": secret.decode() if isinstance(secret, bytes) else secret,
+            "secret_is_bytes": isinstance(secret, bytes),
+            "regions": list(regions),
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            TARGET_SCRIPT,
+            json.dumps(cfg),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=1 << 26,
+            env=_child_env(),
+        )
+        self = cls(proc)
+        try:
+            hello = await bounded(self._read_msg(), 60)
+        except BaseException:
+            await self._reap(force=True)
+            raise
+        self._set_info(hello["hello"])
+        return self
+
+    async def _read_msg(self) -> dict:
+        while True:
+            line = await self.proc.stdout.readline()
+            if not line:
+                rc = await bounded(self.proc.wait(), 10)
+                raise TargetError(f"target process exited (rc={rc})")
+            text = line.decode(errors="replace")
+            if text.startswith(MARK):
+                return json.loads(text[len(MARK) :])
+            sys.stderr.write("[target stdout] " + text)
+
+    async def _op(self, op: str, **args) -> Any:
+        async with self._lock:
+            self._id += 1
+            req = {"id": self._id, "op": op, "args": args}
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            await self.proc.stdin.drain()
+            msg = await bounded(self._read_msg(), 60)
+            assert msg.get("id") == self._id, msg
+            if not msg["ok"]:
+                raise TargetError(f"{msg['type']}: {msg['error']}")
+            return msg["result"]
+
+    def kill(self) -> None:
+        self.killed = True
+        self.proc.kill()  # SIGKILL
+
+    async def _reap(self, force: bool = False) -> None:
+        if self.proc.returncode is None and force:
+            self.proc.kill()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 10)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await asyncio.wait_for(self.proc.wait(), 10)
+
+    async def close(self) -> None:
+        if self.proc.returncode is None and not self.killed:
+            try:
+                await self._op("exit")
+            except Exception:
+                self.proc.kill()
+            try:
+                self.proc.stdin.close()
+            except Exception:
+                pass
+        await self._reap(force=self.killed)
+
+
+@pytest.fixture
+async def make_target(request):
+    """``await make_target(regions=..., secret=..., protocols=...)`` -> Target.
+
+    The target lives in this process or in a child, per ``provider`` (or, without
+    a provider, in this process speaking tcp). Teardown fails the test when guard
+    bytes were overwritten or the target's loop exception handler fired.
+    """
+    targets: list[Target] = []
+    default: Provider = (
+        request.getfixturevalue("provider")
+        if "provider" in request.fixturenames
+        else request.getfixturevalue("xproc_provider")
+        if "xproc_provider" in request.fixturenames
+        else PROVIDERS["tcp"]
+    )
+
+    async def make(*, regions=DEFAULT_REGIONS, secret=None, protocols=None, xproc=None) -> Target:
+        # protocols: None = the provider's; "auto" = let the engine choose (protocols=None)
+        protocols = default.protocols if protocols is None else None if protocols == "auto" else protocols
+        xproc = default.xproc if xproc is None else xproc
+        cls = XprocTarget if xproc else InprocTarget
+        t = await bounded(cls.start(protocols=protocols, secret=secret, regions=regions), 60)
+        targets.append(t)
+        return t
+
+    yield make
+
+    problems = []
+    for t in reversed(targets):
+        if t.xproc and (t.killed or t.proc.returncode is not None):
+            await t.close()
+            continue
+        try:
+            bad = await bounded(t.guards())
+            if bad:
+                problems.append(f"target {t.address}: guard bytes overwritten around {bad}")
+            errs = await bounded(t.loop_errors())
+            if errs:
+                problems.append(f"target {t.address}: loop exception handler fired: {errs}")
+        finally:
+            await bounded(t.close())
+    if problems:
+        pytest.fail("\n".join(problems))
+
+
+@pytest.fixture
+async def make_engine(request):
+    """``await make_engine(protocols=..., secret=...)`` -> started kvflow.Engine."""
+    import kvflow
+
+    engines = []
+    default: Provider = (
+        request.getfixturevalue("provider")
+        if "provider" in request.fixturenames
+        else request.getfixturevalue("xproc_provider")
+        if "xproc_provider" in request.fixturenames
+        else PROVIDERS["tcp"]
+    )
+
+    async def make(*, protocols=None, secret=None, **kw):
+        # protocols: None = the provider's; "auto" = let the engine choose (protocols=None)
+        protocols = default.protocols if protocols is None else None if protocols == "auto" else protocols
+        eng = kvflow.Engine(listen="127.0.0.1:0", protocols=protocols, secret=secret, **kw)
+        await bounded(eng.start())
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in reversed(engines):
+        await bounded(eng.close())
+
+
+@pytest.fixture
+def local_mem():
+    """``local_mem(eng, length, name=None, access=None)`` -> GuardedBuffer registered
+    on ``eng`` (``.region`` set). Teardown checks every buffer's guard bytes."""
+    bufs: list[GuardedBuffer] = []
+
+    def make(eng, length: int, *, name=None, access=None, shift: int = 0) -> GuardedBuffer:
+        buf = GuardedBuffer(length, shift=shift)
+        kw = {} if access is None else {"access": access}
+        buf.region = eng.register(buf.view, name=name, **kw)
+        bufs.append(buf)
+        return buf
+
+    yield make
+    bad = [i for i, b in enumerate(bufs) if not b.guards_ok()]
+    if bad:
+        pytest.fail(f"guard bytes overwritten around local buffers #{bad}")
+
+
+@pytest.fixture
+async def make_pair(provider, make_engine, make_target):
+    """``await make_pair(regions=..., target_secret=..., local_secret=...)`` -> Pair."""
+    pairs: list[Pair] = []
+
+    async def make(*, regions=DEFAULT_REGIONS, target_secret=None, local_secret=None) -> Pair:
+        target = await make_target(regions=regions, secret=target_secret)
+        eng = await make_engine(secret=local_secret)
+        peer = await bounded(eng.connect(target.address))
+        p = Pair(provider, eng, target, peer)
+        pairs.append(p)
+        return p
+
+    yield make
+    for p in reversed(pairs):
+        await bounded(p.peer.close())
+
+
+@pytest.fixture
+async def pair(make_pair) -> Pair:
+    return await make_pair()
