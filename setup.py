@@ -1,6 +1,7 @@
 """Builds kvflow's native core (Cython over plain C)."""
 import os
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -14,7 +15,8 @@ extensions = [
     Extension(
         "kvflow._core",
         ["kvflow/_core.pyx", *NATIVE],
-        include_dirs=["kvflow"],
+        include_dirs=["kvflow", numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
         extra_link_args=["-pthread"],
         depends=["kvflow/_native/kvf.h", "kvflow/_native/wire.h", "kvflow/_native.pxd"],

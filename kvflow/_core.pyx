@@ -8,7 +8,14 @@ to exceptions in one place.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
+from cpython.long cimport PyLong_AsUnsignedLongLong
+cimport numpy as cnp
 import weakref
+
+from kvflow.arrays import as_u64
+from kvflow.errors import InvalidArgumentError
+
+cnp.import_array()
 
 from kvflow._native cimport *
 
@@ -18,6 +25,7 @@ OP_READ = KVF_OP_READ
 
 cdef enum:
     DRAIN_BATCH = 512
+    SMALL = 16          # columns up to this long are converted without numpy
 
 
 cdef class Core:
@@ -169,37 +177,109 @@ cdef class RemoteTable:
         return rc == KVF_OK
 
 
-cdef class LocalChannel:
-    """The local provider toward one peer: memcpy (pid 0, same process) or
-    process_vm_writev/readv into process `pid`."""
+cdef object column(object values, uint64_t *small, const uint64_t **out, Py_ssize_t *n, str what):
+    """Points *out at `values` as uint64s. Fast paths: a contiguous uint64
+    ndarray (no copy) and a short list/tuple of ints (into `small`); anything
+    else goes through kvflow.arrays.as_u64. Returns what must stay alive."""
+    cdef cnp.ndarray arr
+    cdef Py_ssize_t i, k
+    if isinstance(values, cnp.ndarray):
+        arr = <cnp.ndarray>values
+        if cnp.PyArray_TYPE(arr) != cnp.NPY_UINT64 or cnp.PyArray_NDIM(arr) != 1 \
+                or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+            arr = as_u64(values, what)
+        out[0] = <const uint64_t *>cnp.PyArray_DATA(arr)
+        n[0] = cnp.PyArray_DIM(arr, 0)
+        return arr
+    if type(values) is list or type(values) is tuple:
+        k = len(values)
+        if k <= SMALL:
+            for i in range(k):
+                v = values[i]
+                if type(v) is not int:
+                    break
+                try:
+                    small[i] = PyLong_AsUnsignedLongLong(v)
+                except OverflowError:
+                    raise InvalidArgumentError(
+                        f"{what}[{i}] = {v} is not an unsigned 64-bit int", index=i) from None
+            else:
+                out[0] = small
+                n[0] = k
+                return None
+    arr = as_u64(values, what)
+    out[0] = <const uint64_t *>cnp.PyArray_DATA(arr)
+    n[0] = cnp.PyArray_DIM(arr, 0)
+    return arr
+
+
+cdef class Channel:
+    """A provider's connection to one peer. submit() takes the three batch
+    columns and returns (status, batch_id, aux): on failure aux is the first
+    bad entry; on success it is the batch's byte count, and batch_id 0 means
+    the batch already completed inline."""
 
     cdef object __weakref__
     cdef Core core
     cdef RemoteTable table
+    cdef readonly str peer
+
+    def __cinit__(self, Core core, RemoteTable table, str peer, *args):
+        self.core = core
+        self.table = table
+        self.peer = peer
+        core.channels.add(self)
+
+    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
+        return KVF_ECLOSED
+
+    def submit(self, int op, local_addrs, remote_addrs, lengths):
+        cdef uint64_t small[3][SMALL]
+        cdef const uint64_t *la
+        cdef const uint64_t *ra
+        cdef const uint64_t *ln
+        cdef Py_ssize_t n1, n2, n3, i
+        cdef uint64_t bid = 0, total = 0
+        cdef size_t bad = 0
+        cdef int rc
+        cdef kvf_ctx *c = self.core._ctx()
+        k1 = column(local_addrs, small[0], &la, &n1, "local_addrs")
+        k2 = column(remote_addrs, small[1], &ra, &n2, "remote_addrs")
+        k3 = column(lengths, small[2], &ln, &n3, "lengths")
+        if n1 == 0:
+            raise InvalidArgumentError(f"empty batch for {self.peer}", peer=self.peer)
+        if n2 != n1 or n3 != n1:
+            raise InvalidArgumentError(
+                f"batch for {self.peer}: local_addrs, remote_addrs and lengths differ in length "
+                f"({n1}, {n2}, {n3})", peer=self.peer)
+        with nogil:
+            rc = self._post(c, op, la, ra, ln, n1, &bid, &bad)
+        if rc:
+            return rc, 0, bad
+        for i in range(n1):
+            total += ln[i]
+        return 0, bid, total
+
+
+cdef class LocalChannel(Channel):
+    """The local provider toward one peer: memcpy (pid 0, same process) or
+    process_vm_writev/readv into process `pid`."""
+
     cdef int pid
     cdef uint64_t inline_limit
     cdef bint closed
 
-    def __cinit__(self, Core core, RemoteTable table, int pid, uint64_t inline_limit):
-        self.core = core
-        self.table = table
+    def __init__(self, Core core, RemoteTable table, str peer, int pid, uint64_t inline_limit):
         self.pid = pid
         self.inline_limit = inline_limit
-        core.channels.add(self)
 
-    def submit(self, int op, const uint64_t[::1] la, const uint64_t[::1] ra, const uint64_t[::1] ln):
-        """Returns (status, batch_id, bad_entry); batch_id 0 means the batch
-        already completed inline."""
-        cdef kvf_ctx *c = self.core._ctx()
-        cdef uint64_t bid = 0
-        cdef size_t bad = 0
-        cdef int rc
+    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
         if self.closed:
-            return KVF_ECLOSED, 0, 0
-        with nogil:
-            rc = kvf_local_submit(c, &self.table.t, self.pid, op, &la[0], &ra[0], &ln[0],
-                                  la.shape[0], self.inline_limit, &bid, &bad)
-        return rc, bid, bad
+            return KVF_ECLOSED
+        return kvf_local_submit(c, &self.table.t, self.pid, op, la, ra, ln, n,
+                                self.inline_limit, bid, bad)
 
     @property
     def alive(self):
@@ -218,16 +298,13 @@ def probe_process(int pid, uint64_t addr, size_t length):
     return rc if rc else buf
 
 
-cdef class TcpChannel:
+cdef class TcpChannel(Channel):
     """The tcp provider toward one peer: several connected data sockets, each
     with a native sender and receiver thread."""
 
-    cdef object __weakref__
-    cdef Core core
-    cdef RemoteTable table
     cdef kvf_tcp_channel *ch
 
-    def __cinit__(self, Core core, RemoteTable table, fds, uint64_t slice_size):
+    def __init__(self, Core core, RemoteTable table, str peer, fds, uint64_t slice_size):
         cdef int n = len(fds), i
         cdef int *v = <int *>malloc(n * sizeof(int))
         if v == NULL:
@@ -240,9 +317,6 @@ cdef class TcpChannel:
         free(v)
         if self.ch == NULL:
             raise MemoryError()
-        self.core = core
-        self.table = table
-        core.channels.add(self)
 
     def __dealloc__(self):
         if self.ch != NULL:
@@ -250,18 +324,11 @@ cdef class TcpChannel:
                 kvf_tcp_channel_free(self.ch)
             self.ch = NULL
 
-    def submit(self, int op, const uint64_t[::1] la, const uint64_t[::1] ra, const uint64_t[::1] ln):
-        """Returns (status, batch_id, bad_entry)."""
-        cdef kvf_ctx *c = self.core._ctx()
-        cdef uint64_t bid = 0
-        cdef size_t bad = 0
-        cdef int rc
+    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
         if self.ch == NULL:
-            return KVF_ECLOSED, 0, 0
-        with nogil:
-            rc = kvf_tcp_submit(self.ch, &self.table.t, op, &la[0], &ra[0], &ln[0],
-                                la.shape[0], &bid, &bad)
-        return rc, bid, bad
+            return KVF_ECLOSED
+        return kvf_tcp_submit(self.ch, &self.table.t, op, la, ra, ln, n, bid, bad)
 
     @property
     def alive(self):

@@ -486,11 +486,11 @@ class Engine:
             if desc.host != ident.host:
                 reason = "the peer is on another host"
             elif desc.pid == ident.pid and desc.process == ident.token:
-                return _core.LocalChannel(self._core, peer._table, 0, self._inline_limit), "local"
+                return _core.LocalChannel(self._core, peer._table, peer.address, 0, self._inline_limit), "local"
             else:
                 got = _core.probe_process(desc.pid, desc.probe_addr, len(desc.probe_cookie))
                 if got == desc.probe_cookie:
-                    return (_core.LocalChannel(self._core, peer._table, desc.pid, self._inline_limit),
+                    return (_core.LocalChannel(self._core, peer._table, peer.address, desc.pid, self._inline_limit),
                             "local")
                 reason = (f"process_vm_readv on pid {desc.pid} not permitted ({os.strerror(got)})"
                           if isinstance(got, int) else "cross-memory probe mismatch")
@@ -539,7 +539,7 @@ class Engine:
         for s in socks:
             s.setblocking(True)
             fds.append(s.detach())
-        return _core.TcpChannel(self._core, peer._table, fds, self._slice_size)
+        return _core.TcpChannel(self._core, peer._table, peer.address, fds, self._slice_size)
 
     def _forget_peer(self, peer: Peer) -> None:
         if self._peers.get(peer.address) is peer:

@@ -5,10 +5,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
-
 from kvflow import _core
 from kvflow.errors import (
+    ECLOSED,
     EREMOTE,
     InvalidArgumentError,
     PeerLostError,
@@ -25,31 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["Peer"]
 
 log = logging.getLogger("kvflow")
-_U64 = np.dtype(np.uint64)
-
-Addrs = "np.ndarray | Sequence[int]"
-
-
-def as_u64(values: Any, what: str) -> np.ndarray:
-    """One batch column as a contiguous uint64 array; InvalidArgumentError
-    for negative, too large, or non-integer input."""
-    if type(values) is np.ndarray and values.dtype == _U64 and values.flags.c_contiguous:
-        arr = values
-    else:
-        try:
-            if isinstance(values, np.ndarray):
-                if values.dtype.kind not in "ui":
-                    raise TypeError(f"dtype {values.dtype}")
-                if values.dtype.kind == "i" and values.size and values.min() < 0:
-                    raise ValueError("negative value")
-                arr = np.ascontiguousarray(values, dtype=_U64)
-            else:
-                arr = np.array(values, dtype=_U64)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidArgumentError(f"{what}: not a sequence of unsigned 64-bit ints ({e})") from None
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"{what}: expected a one-dimensional array")
-    return arr
 
 
 class Peer:
@@ -69,7 +43,7 @@ class Peer:
         self.descriptor = descriptor
         self._table = _core.RemoteTable()
         self._set_regions(descriptor.regions)
-        self._channel: Any = None
+        self._channel: Any = _ClosedChannel(address)
         self.transport = ""
         self._refresh_waiters: list[asyncio.Future[None]] = []
         self._closed = False
@@ -109,53 +83,51 @@ class Peer:
     # ------------------------------------------------------------ transfers
     @property
     def alive(self) -> bool:
-        return not self._closed and not self._control_lost and self._channel is not None and self._channel.alive
+        return not self._closed and not self._control_lost and self._channel.alive
 
-    def _submit(self, op: int, local_addrs: Any, remote_addrs: Any, lengths: Any,
-                timeout: float | None) -> tuple[int, Transfer | None, int, np.ndarray]:
-        la = as_u64(local_addrs, "local_addrs")
-        ra = as_u64(remote_addrs, "remote_addrs")
-        ln = as_u64(lengths, "lengths")
-        n = la.shape[0]
-        if n == 0:
-            raise InvalidArgumentError(f"empty batch for {self.address}", peer=self.address)
-        if ra.shape[0] != n or ln.shape[0] != n:
-            raise InvalidArgumentError(
-                f"batch for {self.address}: local_addrs, remote_addrs and lengths differ in length "
-                f"({n}, {ra.shape[0]}, {ln.shape[0]})", peer=self.address)
-        if self._closed or self._channel is None:
-            raise PeerLostError(f"peer {self.address} is closed", peer=self.address)
-        status, batch_id, bad = self._channel.submit(op, la, ra, ln)
+    def _submit(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> Transfer | None:
+        """Posts a batch; returns its Transfer, or None if it completed
+        inline. Raises the batch's error."""
+        status, batch_id, aux = self._channel.submit(op, la, ra, ln)
         if status:
-            return status, None, bad, ln
+            raise status_error(status, peer=self.address, index=aux, op=op)
         if batch_id == 0:
-            return 0, None, 0, ln
-        t = Transfer(self._engine, batch_id, self.address, op, int(ln.sum()), timeout)
+            return None
+        t = Transfer(self._engine, batch_id, self.address, op, aux, timeout)
         self._engine._pending[batch_id] = t
-        return 0, t, 0, ln
+        return t
 
     def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> Transfer:
-        status, t, bad, lens = self._submit(op, la, ra, ln, timeout)
+        status, batch_id, aux = self._channel.submit(op, la, ra, ln)
         if status:
-            raise status_error(status, peer=self.address, index=bad, op=op)
-        return t if t is not None else Transfer(self._engine, 0, self.address, op, int(lens.sum()), None)
+            raise status_error(status, peer=self.address, index=aux, op=op)
+        t = Transfer(self._engine, batch_id, self.address, op, aux, timeout)
+        if batch_id:
+            self._engine._pending[batch_id] = t
+        return t
 
     async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
-        status, t, bad, _ = self._submit(op, la, ra, ln, timeout)
-        if status == EREMOTE and not self._control_lost:
-            # The peer may have registered memory we have not heard of yet.
-            await self.refresh()
-            status, t, bad, _ = self._submit(op, la, ra, ln, timeout)
-        if status:
-            raise status_error(status, peer=self.address, index=bad, op=op)
-        if t is not None:
-            try:
-                await t
-            except asyncio.CancelledError:
-                # Cancelled by the caller (asyncio.timeout, task.cancel): do
-                # not return while bytes of this batch may still land.
-                await t._wait_drained()
-                raise
+        status, batch_id, aux = self._channel.submit(op, la, ra, ln)
+        if batch_id == 0:
+            if status == 0:
+                return                     # completed inline: no future, no wake-up
+            if status == EREMOTE and not self._control_lost:
+                # The peer may have registered memory we have not heard of yet.
+                await self.refresh()
+                status, batch_id, aux = self._channel.submit(op, la, ra, ln)
+                if batch_id == 0 and status == 0:
+                    return
+            if status:
+                raise status_error(status, peer=self.address, index=aux, op=op)
+        t = Transfer(self._engine, batch_id, self.address, op, aux, timeout)
+        self._engine._pending[batch_id] = t
+        try:
+            await t
+        except asyncio.CancelledError:
+            # Cancelled by the caller (asyncio.timeout, task.cancel): do not
+            # return while bytes of this batch may still land.
+            await t._wait_drained()
+            raise
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None) -> None:
@@ -239,7 +211,7 @@ class Peer:
             self._refresh_waiters = []
         # The control connection is the peer's lifeline for the local
         # provider (no data sockets to notice a death).
-        if self.transport == "local" and self._channel is not None:
+        if self.transport == "local":
             self._channel.close()
 
     async def close(self) -> None:
@@ -249,8 +221,8 @@ class Peer:
             return
         self._closed = True
         self._engine._forget_peer(self)
-        if self._channel is not None:
-            self._channel.close()
+        self._channel.close()
+        self._channel = _ClosedChannel(self.address)
         if not self._writer.is_closing():
             try:
                 self._writer.write(encode({"t": "bye"}))
@@ -271,3 +243,19 @@ class Peer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("alive" if self.alive else "lost")
         return f"<kvflow.Peer {self.address} via {self.transport or '?'} {state}>"
+
+
+class _ClosedChannel:
+    """Stands in for the provider channel before connect() finished and after
+    close(): every submission fails with PeerLostError."""
+
+    alive = False
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    def submit(self, op: int, *columns: Any) -> tuple[int, int, int]:
+        return ECLOSED, 0, 0
+
+    def close(self) -> None:
+        pass

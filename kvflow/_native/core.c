@@ -129,6 +129,7 @@ int kvf_ctx_init_common(kvf_ctx *c) {
     pthread_mutex_init(&c->pool_mu, NULL);
     pthread_mutex_init(&c->comp_mu, NULL);
     pthread_mutex_init(&c->srv_mu, NULL);
+    pthread_cond_init(&c->srv_cv, NULL);
     c->comp_cap = 256;
     c->comp = malloc(c->comp_cap * sizeof(kvf_completion));
     if (!c->comp) return KVF_ENOMEM;
@@ -146,6 +147,7 @@ void kvf_ctx_free_common(kvf_ctx *c) {
     pthread_mutex_destroy(&c->pool_mu);
     pthread_mutex_destroy(&c->comp_mu);
     pthread_mutex_destroy(&c->srv_mu);
+    pthread_cond_destroy(&c->srv_cv);
 }
 
 static inline uint32_t id_slot(uint64_t id) { return (uint32_t)id; }

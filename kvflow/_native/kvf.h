@@ -97,6 +97,7 @@ typedef struct kvf_ctx {
 
     /* tcp server side: authenticated session tokens and served connections */
     pthread_mutex_t srv_mu;
+    pthread_cond_t srv_cv;     /* signalled when a connection thread leaves */
     uint8_t (*tokens)[16];
     size_t ntokens, tokens_cap;
     struct kvf_srv_conn *srv_conns;

@@ -32,6 +32,8 @@
  * cancelled (its queued slices are dropped, these are not). */
 #define TCP_POP_BYTES (4u << 20)
 #define RD_BUF (256u << 10)
+/* A submitter sends at most this much itself on an idle connection. */
+#define TCP_INLINE_BYTES (64u << 10)
 #define ACK_BATCH 256
 
 /* ------------------------------------------------------------ io helpers */
@@ -68,6 +70,7 @@ typedef struct {
     size_t pos, end;
     flush_fn flush;
     void *arg;
+    int big;       /* the last payload was large: the next one likely is too */
 } reader;
 
 static ssize_t rd_recv(reader *r, void *dst, size_t n, int flags) {
@@ -117,6 +120,17 @@ static int rd_exact(reader *r, void *dst, size_t n) {
     return 0;
 }
 
+/* Reads a frame header. After a large payload, an empty buffer is refilled
+ * with exactly one header: filling it would pull the next payload's first
+ * quarter-megabyte through the staging buffer (one extra copy). */
+static int rd_header(reader *r, kvf_hdr *h) {
+    if (r->big && r->pos == r->end) {
+        ssize_t g = rd_recv(r, h, sizeof(*h), MSG_WAITALL);
+        return g == (ssize_t)sizeof(*h) ? 0 : -1;
+    }
+    return rd_exact(r, h, sizeof(*h));
+}
+
 static void set_nodelay(int fd) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -136,6 +150,7 @@ typedef struct tcp_conn {
     uint32_t nfree;
     int dead;
     int fail_status;
+    int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
     pthread_t tx, rx;
     int tx_started, rx_started;
 } tcp_conn;
@@ -176,47 +191,68 @@ static void conn_fail(tcp_conn *c, int status) {
     free(fail);
 }
 
-static void *tcp_tx(void *arg) {
-    tcp_conn *c = arg;
+/* Pops up to TCP_POP slices / TCP_POP_BYTES and gives each an in-flight tag;
+ * slices of cancelled batches go to `cancelled` instead. Caller holds q.mu
+ * and owns c->sending. Returns the number of slices to send. */
+static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size_t *ncancel) {
     kvf_ctx *ctx = c->ch->ctx;
-    kvf_slice s[TCP_POP];
+    size_t max = c->nfree < TCP_POP ? c->nfree : TCP_POP;
+    size_t k = 0;
+    uint64_t bytes = 0;
+    *ncancel = 0;
+    while (k < max && c->q.count && bytes < TCP_POP_BYTES) {
+        kvf_slice x;
+        kvf_queue_pop_locked(&c->q, &x, 1);
+        if (kvf_batch_cancelled(ctx, x.slot)) { cancelled[(*ncancel)++] = x; continue; }
+        uint32_t tag = c->free_tags[--c->nfree];
+        x.tag = tag;
+        c->inflight[tag] = x;
+        c->state[tag] = 1;
+        s[k++] = x;
+        bytes += x.len;
+    }
+    return k;
+}
+
+/* Sends claimed slices (headers and payloads straight from registered
+ * memory, one sendmsg) and finishes the cancelled ones. Called without q.mu. */
+static int send_claimed(tcp_conn *c, const kvf_slice *s, size_t k, const kvf_slice *cancelled,
+                        size_t ncancel) {
+    kvf_ctx *ctx = c->ch->ctx;
     kvf_hdr h[TCP_POP];
     struct iovec iov[2 * TCP_POP];
+    for (size_t i = 0; i < ncancel; i++) {
+        kvf_slice_done(ctx, cancelled[i].slot, KVF_ECANCELLED, cancelled[i].entry);
+        atomic_fetch_sub(&ctx->n_slices_inflight, 1);
+    }
+    int niov = 0;
+    for (size_t i = 0; i < k; i++) {
+        int w = s[i].op == KVF_OP_WRITE;
+        h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ, 0, s[i].tag,
+                         s[i].remote, s[i].len, 0};
+        iov[niov++] = (struct iovec){&h[i], sizeof(kvf_hdr)};
+        if (w) iov[niov++] = (struct iovec){(void *)(uintptr_t)s[i].local, s[i].len};
+    }
+    return niov ? send_iov(c->fd, iov, niov) : 0;
+}
+
+static void *tcp_tx(void *arg) {
+    tcp_conn *c = arg;
+    kvf_slice s[TCP_POP], cancelled[TCP_POP];
     for (;;) {
         pthread_mutex_lock(&c->q.mu);
-        while (!c->dead && (c->q.count == 0 || c->nfree == 0)) pthread_cond_wait(&c->q.cv, &c->q.mu);
+        while (!c->dead && (c->q.count == 0 || c->nfree == 0 || c->sending))
+            pthread_cond_wait(&c->q.cv, &c->q.mu);
         if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
-        size_t max = c->nfree < TCP_POP ? c->nfree : TCP_POP;
-        size_t n = 0;
-        uint64_t bytes = 0;
-        while (n < max && c->q.count && bytes < TCP_POP_BYTES) {
-            n += kvf_queue_pop_locked(&c->q, &s[n], 1);
-            bytes += s[n - 1].len;
-        }
-        size_t k = 0, ncancel = 0;
-        kvf_slice cancelled[TCP_POP];
-        for (size_t i = 0; i < n; i++) {
-            if (kvf_batch_cancelled(ctx, s[i].slot)) { cancelled[ncancel++] = s[i]; continue; }
-            uint32_t tag = c->free_tags[--c->nfree];
-            s[i].tag = tag;
-            c->inflight[tag] = s[i];
-            c->state[tag] = 1;
-            s[k++] = s[i];
-        }
+        c->sending = 1;
+        size_t ncancel;
+        size_t k = claim_locked(c, s, cancelled, &ncancel);
         pthread_mutex_unlock(&c->q.mu);
-        for (size_t i = 0; i < ncancel; i++) {
-            kvf_slice_done(ctx, cancelled[i].slot, KVF_ECANCELLED, cancelled[i].entry);
-            atomic_fetch_sub(&ctx->n_slices_inflight, 1);
-        }
-        int niov = 0;
-        for (size_t i = 0; i < k; i++) {
-            int w = s[i].op == KVF_OP_WRITE;
-            h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ, 0, s[i].tag,
-                             s[i].remote, s[i].len, 0};
-            iov[niov++] = (struct iovec){&h[i], sizeof(kvf_hdr)};
-            if (w) iov[niov++] = (struct iovec){(void *)(uintptr_t)s[i].local, s[i].len};
-        }
-        if (niov && send_iov(c->fd, iov, niov)) { conn_fail(c, KVF_ELOST); break; }
+        int bad = send_claimed(c, s, k, cancelled, ncancel);
+        pthread_mutex_lock(&c->q.mu);
+        c->sending = 0;
+        pthread_mutex_unlock(&c->q.mu);
+        if (bad) { conn_fail(c, KVF_ELOST); break; }
     }
     return NULL;
 }
@@ -250,13 +286,14 @@ static void release_tag(tcp_conn *c, uint32_t tag) {
 static void *tcp_rx(void *arg) {
     tcp_conn *c = arg;
     kvf_ctx *ctx = c->ch->ctx;
-    reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL};
+    reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0};
     int status = KVF_ELOST;
     if (!r.buf) { conn_fail(c, KVF_ENOMEM); return NULL; }
     for (;;) {
         kvf_hdr h;
-        if (rd_exact(&r, &h, sizeof(h))) break;
+        if (rd_header(&r, &h)) break;
         if (h.magic != KVF_MAGIC) { status = KVF_EPROTO; break; }
+        r.big = h.len >= RD_BUF / 4;
         kvf_slice s;
         if (h.type == KVF_F_WRITE_ACK) {
             if (!take_tag(c, h.tag, &s, 0)) { status = KVF_EPROTO; break; }
@@ -349,6 +386,7 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
     for (int j = 0; j < nc; j++) {
         tcp_conn *c = &ch->conns[j];
         int any = 0;
+        uint64_t bytes = 0;
         pthread_mutex_lock(&c->q.mu);
         for (size_t i = 0; i < k; i++) {
             if (dest[i] != j) continue;
@@ -357,10 +395,30 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
                 continue;
             }
             any = 1;
+            bytes += s[i].len;
         }
         int status = c->dead ? c->fail_status : KVF_ENOMEM;
-        pthread_mutex_unlock(&c->q.mu);
-        if (any) pthread_cond_signal(&c->q.cv);
+        if (any && !c->sending && bytes <= TCP_INLINE_BYTES && c->q.count <= TCP_POP && c->nfree >= c->q.count) {
+            /* Small work on an idle connection: send it from this thread
+             * instead of waking the sender (saves a thread hop per batch).
+             * The connection is idle, so its socket buffer has room and the
+             * send does not block. */
+            kvf_slice mine[TCP_POP], cancelled[TCP_POP];
+            size_t ncancel;
+            c->sending = 1;
+            size_t m = claim_locked(c, mine, cancelled, &ncancel);
+            pthread_mutex_unlock(&c->q.mu);
+            int bad = send_claimed(c, mine, m, cancelled, ncancel);
+            pthread_mutex_lock(&c->q.mu);
+            c->sending = 0;
+            int more = c->q.count > 0;
+            pthread_mutex_unlock(&c->q.mu);
+            if (bad) conn_fail(c, KVF_ELOST);
+            else if (more) pthread_cond_signal(&c->q.cv);
+        } else {
+            pthread_mutex_unlock(&c->q.mu);
+            if (any) pthread_cond_signal(&c->q.cv);
+        }
         for (size_t i = 0; i < k; i++) {
             if (dest[i] == -1) {
                 kvf_slice_done(ctx, slot, status, s[i].entry);
@@ -400,7 +458,6 @@ typedef struct kvf_srv_conn {
     kvf_ctx *ctx;
     int fd;
     pthread_t th;
-    _Atomic int done;
     struct kvf_srv_conn *next;
     kvf_hdr acks[ACK_BATCH];
     int nacks;
@@ -433,7 +490,7 @@ static void srv_loop(kvf_srv_conn *s) {
     struct timeval tv = {10, 0};
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     kvf_hdr h;
-    reader r = {s->fd, NULL, 0, 0, NULL, NULL};
+    reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0};
     char hb[sizeof(kvf_hdr)];
     size_t got = 0;
     while (got < sizeof(hb)) {
@@ -458,8 +515,9 @@ static void srv_loop(kvf_srv_conn *s) {
     r.arg = s;
     if (!r.buf) return;
     while (!s->broken && !atomic_load(&ctx->closing)) {
-        if (rd_exact(&r, &h, sizeof(h))) break;
+        if (rd_header(&r, &h)) break;
         if (h.magic != KVF_MAGIC || h.len > KVF_MAX_PAYLOAD) break;   /* garbage: drop the peer */
+        r.big = h.type == KVF_F_WRITE && h.len >= RD_BUF / 4;
         if (h.type == KVF_F_WRITE) {
             int st = KVF_OK, io = 0;
             /* The read lock is held while the payload lands, so deregister()
@@ -491,30 +549,27 @@ static void srv_loop(kvf_srv_conn *s) {
     free(r.buf);
 }
 
+/* A connection thread cleans up after itself: under srv_mu it leaves the
+ * list, closes its socket and detaches, so resources return as soon as a
+ * peer goes away. The socket is closed only under srv_mu and only after
+ * leaving the list, so kvf_srv_shutdown() never shuts down a descriptor
+ * number that was already reused. */
 static void *srv_thread(void *arg) {
     kvf_srv_conn *s = arg;
+    kvf_ctx *c = s->ctx;
     srv_loop(s);
-    shutdown(s->fd, SHUT_RDWR);
-    atomic_store(&s->done, 1);
-    return NULL;
-}
-
-/* Joins the finished connection threads of a list (all: every one, after
- * shutting its socket down). */
-static void srv_reap(kvf_ctx *c, kvf_srv_conn **head, int all) {
-    kvf_srv_conn **pp = head;
-    while (*pp) {
-        kvf_srv_conn *s = *pp;
-        if (all) shutdown(s->fd, SHUT_RDWR);
-        if (all || atomic_load(&s->done)) {
-            pthread_join(s->th, NULL);
-            close(s->fd);
-            atomic_fetch_sub(&c->n_sockets, 1);
-            atomic_fetch_sub(&c->n_threads, 1);
-            *pp = s->next;
-            free(s);
-        } else pp = &s->next;
+    pthread_mutex_lock(&c->srv_mu);
+    for (kvf_srv_conn **pp = &c->srv_conns; *pp; pp = &(*pp)->next) {
+        if (*pp == s) { *pp = s->next; break; }
     }
+    close(s->fd);
+    atomic_fetch_sub(&c->n_sockets, 1);
+    atomic_fetch_sub(&c->n_threads, 1);
+    pthread_detach(pthread_self());
+    pthread_cond_broadcast(&c->srv_cv);
+    pthread_mutex_unlock(&c->srv_mu);
+    free(s);
+    return NULL;   /* touches nothing of ctx after the unlock: ctx may be freed now */
 }
 
 int kvf_srv_serve(kvf_ctx *c, int fd) {
@@ -524,7 +579,6 @@ int kvf_srv_serve(kvf_ctx *c, int fd) {
     s->ctx = c;
     s->fd = fd;
     pthread_mutex_lock(&c->srv_mu);
-    srv_reap(c, &c->srv_conns, 0);   /* only threads that ended: no lock taken by them */
     if (pthread_create(&s->th, NULL, srv_thread, s) != 0) {
         pthread_mutex_unlock(&c->srv_mu);
         close(fd);
@@ -541,13 +595,10 @@ int kvf_srv_serve(kvf_ctx *c, int fd) {
 
 void kvf_srv_shutdown(kvf_ctx *c) {
     atomic_store(&c->closing, 1);
-    /* Detach the list, then join without srv_mu: a thread still in its hello
-     * takes srv_mu to look up its token. */
     pthread_mutex_lock(&c->srv_mu);
-    kvf_srv_conn *list = c->srv_conns;
-    c->srv_conns = NULL;
+    for (kvf_srv_conn *s = c->srv_conns; s; s = s->next) shutdown(s->fd, SHUT_RDWR);
+    while (c->srv_conns) pthread_cond_wait(&c->srv_cv, &c->srv_mu);
     pthread_mutex_unlock(&c->srv_mu);
-    srv_reap(c, &list, 1);
 }
 
 int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token) {
