@@ -51,7 +51,10 @@ def place(rng: np.random.Generator, lengths: np.ndarray, span: int) -> np.ndarra
 def split(rng: np.random.Generator, length: int, pieces: int) -> np.ndarray:
     """Cut ``length`` bytes into at most ``pieces`` non-empty consecutive parts."""
     pieces = max(1, min(pieces, length))
-    cuts = np.sort(rng.choice(np.arange(1, length, dtype=np.int64), size=pieces - 1, replace=False)) if pieces > 1 else np.array([], np.int64)
+    if pieces > 1:
+        cuts = np.sort(rng.choice(np.arange(1, length, dtype=np.int64), size=pieces - 1, replace=False))
+    else:
+        cuts = np.array([], np.int64)
     bounds = np.concatenate([[0], cuts, [length]]).astype(np.uint64)
     return np.diff(bounds).astype(np.uint64)
 
@@ -92,7 +95,7 @@ class Pair:
         return self.target.raddr(name, offset)
 
 
-async def assert_still_works(p, local_mem, *, region: str = "rw", seed: int = 99) -> None:
+async def assert_still_works(p, local_mem, *, region: str = "rw", seed: int = 99, timeout: float = OP_TIMEOUT) -> None:
     """A random write and read-back over ``p.peer`` (a conftest ``Pair``), both
     verified: the proof that an engine and peer are usable after an error."""
     rng = np.random.default_rng(seed)
@@ -104,9 +107,9 @@ async def assert_still_works(p, local_mem, *, region: str = "rw", seed: int = 99
     loff = place(rng, lengths, span)
     roff = place(rng, lengths, span)
     raddrs = np.uint64(p.raddr(region)) + roff
-    await bounded(p.peer.write(np.uint64(src.addr) + loff, raddrs, lengths))
+    await bounded(p.peer.write(np.uint64(src.addr) + loff, raddrs, lengths), timeout)
     shas = await bounded(p.target.sha_many(region, zip(roff.tolist(), lengths.tolist())))
     want = [sha256(src.view[o : o + n]) for o, n in zip(loff.tolist(), lengths.tolist())]
     assert shas == want, "write after the error did not land correctly"
-    await bounded(p.peer.read(np.uint64(dst.addr) + loff, raddrs, lengths))
+    await bounded(p.peer.read(np.uint64(dst.addr) + loff, raddrs, lengths), timeout)
     assert first_bad_entry(dst.view, loff, src.view, loff, lengths).startswith("every"), "read after the error wrong"

@@ -116,6 +116,8 @@ class TargetCore:
         self.notes: list[dict] = []
         self.loop_errors: list[str] = []
         self._watch_task: asyncio.Task | None = None
+        self._hammer_task: asyncio.Task | None = None
+        self._out_peers: list = []  # peers this target opened itself (notify, hammer)
 
     async def start(self) -> None:
         import kvflow
@@ -222,12 +224,49 @@ class TargetCore:
 
     async def notify(self, address: str, data_hex: str) -> None:
         peer = await self.eng.connect(address)
+        self._out_peers.append(peer)
         await peer.notify(bytes.fromhex(data_hex))
+
+    async def close_peers(self) -> None:
+        """Stop acting as an initiator: end hammer() and close the peers this
+        target connected to (so that its resources can return to baseline)."""
+        if self._hammer_task is not None:
+            self._hammer_task.cancel()
+            try:
+                await self._hammer_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._hammer_task = None
+        peers, self._out_peers = self._out_peers, []
+        for peer in {id(p): p for p in peers}.values():
+            await peer.close()
+
+    async def hammer(self, address: str, remote_addr: int, length: int, region: str = "rw") -> None:
+        """Act as an initiator: connect to ``address`` and write ``length`` bytes
+        of our ``region`` to ``remote_addr`` over and over, in the background
+        (until this process dies). Returns once the first write has landed."""
+        peer = await self.eng.connect(address)
+        self._out_peers.append(peer)
+        src = self.regions[region]
+        await peer.write([src.addr], [remote_addr], [length])
+
+        async def loop() -> None:
+            while True:
+                await peer.write([src.addr], [remote_addr], [length])
+
+        self._hammer_task = asyncio.get_running_loop().create_task(loop())
+
+    def counters(self) -> dict:
+        """The engine's live native resources, if it reports them (not in the
+        contract; STYLE rule 7: the teardown checks that they balance)."""
+        fn = getattr(self.eng, "counters", None)
+        return {k: int(v) for k, v in fn().items()} if callable(fn) else {}
 
     def get_loop_errors(self) -> list[str]:
         return list(self.loop_errors)
 
     async def close(self) -> None:
+        await self.close_peers()
         if self._watch_task is not None:
             self._watch_task.cancel()
             try:
@@ -266,6 +305,9 @@ async def _serve(core: TargetCore) -> None:
         "notifications": core.notifications,
         "notify": core.notify,
         "loop_errors": core.get_loop_errors,
+        "counters": core.counters,
+        "hammer": core.hammer,
+        "close_peers": core.close_peers,
     }
     while True:
         line = await reader.readline()

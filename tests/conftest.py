@@ -9,7 +9,10 @@ are child processes (``tests/_target.py``), nothing is mocked.
 * ``provider``: parametrises a test over "tcp", "local", "local-xproc", "tcp-xproc".
 * ``make_engine``, ``make_target``, ``make_pair``, ``local_mem``: factories whose
   teardown closes what they made and checks the guard bytes around every
-  registered region, local and remote.
+  registered region, local and remote, and (where the engine has counters())
+  that no batch or slice is left in flight and that a target's sockets and
+  threads return to their value after start() once its initiators closed
+  (KVFLOW_TEST_BALANCE=0 skips the latter).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-import numpy as np
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -86,7 +89,8 @@ async def loop_exception_guard():
         lines = []
         for ctx in calls:
             exc = ctx.get("exception")
-            lines.append(f"{ctx.get('message')!r} exception={exc!r} ctx={ {k: v for k, v in ctx.items() if k not in ('message', 'exception')} }")
+            rest = {k: v for k, v in ctx.items() if k not in ("message", "exception")}
+            lines.append(f"{ctx.get('message')!r} exception={exc!r} ctx={rest}")
         pytest.fail("event loop exception handler fired:\n  " + "\n  ".join(lines))
 
 
@@ -238,6 +242,12 @@ class Target:
     async def loop_errors(self) -> list[str]:
         return await self._op("loop_errors")
 
+    async def counters(self) -> dict[str, int]:
+        return await self._op("counters")
+
+    async def hammer(self, address: str, remote_addr: int, length: int, region: str = "rw") -> None:
+        await self._op("hammer", address=address, remote_addr=int(remote_addr), length=int(length), region=region)
+
     async def _op(self, op: str, **args) -> Any:
         raise NotImplementedError
 
@@ -380,6 +390,27 @@ class XprocTarget(Target):
         await self._reap(force=self.killed)
 
 
+# Counters (Engine.counters(), where the engine has it) that must drop to zero
+# once nothing is in flight, and those that must return to their value right
+# after start() once every peer has gone.
+# KVFLOW_TEST_BALANCE=0 turns the baseline part off (to look past a known leak).
+IDLE_ZERO = ("batches", "slices_inflight")
+AT_BASELINE = ("sockets", "threads") if os.environ.get("KVFLOW_TEST_BALANCE", "1") != "0" else ()
+
+
+async def _unbalanced(read_counters, baseline: dict, wait_s: float = 3.0) -> dict:
+    """Poll the counters for up to ``wait_s``; return the ones still off ({} when balanced)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = await bounded(read_counters()) if asyncio.iscoroutinefunction(read_counters) else read_counters()
+        off = {k: now[k] for k in IDLE_ZERO if now.get(k, 0) != 0}
+        off.update({k: f"{now[k]} (baseline {baseline[k]})" for k in AT_BASELINE
+                    if k in now and k in baseline and now[k] > baseline[k]})
+        if not off or time.monotonic() > deadline:
+            return off
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 async def make_target(request):
     """``await make_target(regions=..., secret=..., protocols=...)`` -> Target.
@@ -404,6 +435,7 @@ async def make_target(request):
         cls = XprocTarget if xproc else InprocTarget
         t = await bounded(cls.start(protocols=protocols, secret=secret, regions=regions), 60)
         targets.append(t)
+        t.baseline = await bounded(t.counters())
         return t
 
     yield make
@@ -420,6 +452,11 @@ async def make_target(request):
             errs = await bounded(t.loop_errors())
             if errs:
                 problems.append(f"target {t.address}: loop exception handler fired: {errs}")
+            await bounded(t._op("close_peers"))
+            leak = await _unbalanced(t.counters, t.baseline)
+            if leak:
+                problems.append(f"target {t.address}: native resources did not return to baseline "
+                                f"after every initiator closed: {leak}")
         finally:
             await bounded(t.close())
     if problems:
@@ -427,8 +464,12 @@ async def make_target(request):
 
 
 @pytest.fixture
-async def make_engine(request):
-    """``await make_engine(protocols=..., secret=...)`` -> started kvflow.Engine."""
+async def make_engine(request, make_target):
+    """``await make_engine(protocols=..., secret=...)`` -> started kvflow.Engine.
+
+    Depends on make_target so that it is torn down first: initiators close
+    before the targets check that their resources returned to baseline.
+    Teardown fails when batches or slices are still in flight."""
     import kvflow
 
     engines = []
@@ -449,8 +490,17 @@ async def make_engine(request):
         return eng
 
     yield make
+    problems = []
     for eng in reversed(engines):
-        await bounded(eng.close())
+        try:
+            if callable(getattr(eng, "counters", None)):
+                leak = await _unbalanced(lambda e=eng: {k: int(v) for k, v in e.counters().items()}, {})
+                if leak:
+                    problems.append(f"engine {eng.address}: still in flight at teardown: {leak}")
+        finally:
+            await bounded(eng.close())
+    if problems:
+        pytest.fail("\n".join(problems))
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import socket
 import time
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvflow
-from _batches import KiB, MiB, Pair, assert_still_works, bounded, log_uniform, place, sha256
+from _batches import KiB, MiB, Pair, assert_still_works, bounded, place, sha256
 from _target import find_data_ports, pattern
 
 U64 = 2**64
@@ -384,7 +383,7 @@ async def test_wrong_secret(provider, make_engine, make_target, local_mem):
     for secret in ("s3cret-B", None):
         eng = await make_engine(secret=secret)
         for _ in range(2):  # not cached as a success
-            e = await expect(kvflow.AuthenticationError, lambda: eng.connect(target.address))
+            e = await expect(kvflow.AuthenticationError, lambda en=eng: en.connect(target.address))
             assert target.address in str(e)
     eng = await make_engine(secret="s3cret-A")
     peer = await bounded(eng.connect(target.address))
@@ -517,3 +516,62 @@ async def test_peer_killed_mid_transfer(xproc_provider, make_engine, make_target
     target2 = await make_target()
     peer2 = await bounded(eng.connect(target2.address))
     await assert_still_works(Pair(xproc_provider, eng, target2, peer2), local_mem)
+
+
+async def test_initiator_killed_mid_transfer(xproc_provider, make_engine, make_target, local_mem):
+    """The other way round: a child process writes into this engine in a loop
+    and is SIGKILLed. This engine stays up, its memory outside the region is
+    intact, and it serves a new initiator."""
+    victim = await make_engine()
+    dst = local_mem(victim, 8 * MiB, name="rw")
+    child = await make_target(regions=[{"name": "rw", "length": 8 * MiB, "access": 3}])
+    await bounded(child.hammer(victim.address, dst.addr, 8 * MiB), 30)
+    await asyncio.sleep(0.05)
+    child.kill()
+    await asyncio.sleep(0.5)
+
+    target = await make_target()  # a new initiator for the victim: any target-shaped child works
+    await bounded(target.fill("rw", 17))
+    await bounded(target.notify(victim.address, b"still there?"))
+    it = victim.notifications().__aiter__()
+    got = await bounded(it.__anext__(), 15)
+    while bytes(got[1]) != b"still there?":  # skip anything else queued
+        got = await bounded(it.__anext__(), 15)
+    assert got[0] == target.address
+    await bounded(target.hammer(victim.address, dst.addr + 1, 1 * MiB), 30)
+    await asyncio.sleep(0.1)
+    expected = pattern(17, target.regions["rw"].length)[: 1 * MiB]
+    assert np.array_equal(dst.view[1 : 1 + MiB], expected)
+
+
+async def test_target_serves_initiators_one_after_another(provider, make_engine, make_target, local_mem):
+    """Initiator engines come and go (prefill workers restart): after each one
+    closes, the target serves the next, and its sockets/threads do not grow."""
+    target = await make_target()
+    for i in range(3):
+        eng = await make_engine()
+        peer = await bounded(eng.connect(target.address))
+        await assert_still_works(Pair(provider, eng, target, peer), local_mem, seed=200 + i, timeout=10)
+        await bounded(eng.close())
+    if target.baseline:
+        deadline = time.monotonic() + 3
+        while True:
+            now = await bounded(target.counters())
+            grown = {k: (now[k], target.baseline[k]) for k in ("sockets", "threads") if now.get(k, 0) > target.baseline.get(k, 0)}
+            if not grown or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert not grown, f"target resources (now, after start) with no initiator left: {grown}"
+
+
+async def test_peer_close_then_reconnect(pair, local_mem):
+    """peer.close() drops it from the connect() cache: connecting again gives a
+    working peer; the closed one raises a KVFlowError instead of hanging."""
+    p = pair
+    src = local_mem(p.eng, 64 * KiB)
+    await bounded(p.peer.close())
+    await bounded(p.peer.close())  # idempotent
+    await expect(kvflow.KVFlowError, lambda: p.peer.write([src.addr], [p.raddr("rw")], [100]), timeout=10)
+    peer = await bounded(p.eng.connect(p.target.address))
+    assert peer is not p.peer
+    await assert_still_works(Pair(p.provider, p.eng, p.target, peer), local_mem)

@@ -81,7 +81,8 @@ async def test_random_batches(make_pair, local_mem, direction):
             got = await bounded(p.target.sha("rw"), 60)
             if got != sha256(remote_expected):
                 shas = await p.target.sha_many("rw", zip(roff.tolist(), lengths.tolist()))
-                bad = [i for i, (o, n) in enumerate(zip(roff.tolist(), lengths.tolist())) if shas[i] != sha256(remote_expected[o : o + n])]
+                bad = [i for i, (o, n) in enumerate(zip(roff.tolist(), lengths.tolist()))
+                       if shas[i] != sha256(remote_expected[o : o + n])]
                 pytest.fail(f"{plan_id}: remote region wrong after write; bad entries {bad[:10]} of {len(lengths)}"
                             + ("" if bad else " (bytes outside the entries changed)"))
         else:

@@ -1,0 +1,126 @@
+"""Mooncake Transfer Engine baseline: one point, two processes, TCP transport.
+
+    python tools/baselines/mooncake_bench.py --block-size 65536 --batch 64 \
+        --duration 3 --concurrency 2
+
+This process is the initiator; it starts the target as a child process.  Both
+use metadata "P2PHANDSHAKE" (no etcd: the segment is looked up from the
+target's RPC port) and protocol "tcp" on 127.0.0.1.  The target registers one
+buffer and idles; the initiator registers its source buffer and writes.
+
+API used (see --api):
+  * batch 1, concurrency 1: transfer_sync_write (the single-write latency).
+  * concurrency 1: batch_transfer_sync_write, one call per batch.
+  * concurrency > 1: batch_transfer_async_write + get_batch_transfer_status,
+    keeping `concurrency` batches in flight (same window as kvflow's bench).
+Config: Mooncake's TCP transport runs its own asio worker threads in each
+process; nothing here adds threads.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import common
+
+HOST = "127.0.0.1"
+
+
+def make_engine():
+    from mooncake.engine import TransferEngine
+
+    eng = TransferEngine()
+    # local_hostname without a port: with P2PHANDSHAKE the engine picks a free
+    # RPC port itself, which get_rpc_port() reports.
+    rc = eng.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.initialize failed: {rc}")
+    return eng
+
+
+def target(args) -> None:
+    eng = make_engine()
+    offs, region = common.layout(args.block_size, args.batch, args.scatter,
+                                 args.max_region)
+    buf = common.alloc(region)
+    if eng.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise RuntimeError("register_memory failed on target")
+    common.ready({"session": f"{HOST}:{eng.get_rpc_port()}", "addr": buf.ctypes.data})
+    common.wait_for_stdin_eof()
+    common.ready({"verified": common.verify(buf, offs, args.block_size)})
+    eng.unregister_memory(buf.ctypes.data)
+
+
+def initiator(args) -> None:
+    peer, info = common.spawn_peer(
+        [__file__, "--role", "target", "--block-size", str(args.block_size),
+         "--batch", str(args.batch), "--max-region", str(args.max_region)]
+        + (["--scatter"] if args.scatter else []))
+    try:
+        eng = make_engine()
+        offs, region = common.layout(args.block_size, args.batch, args.scatter,
+                                     args.max_region)
+        src = common.alloc(region, fill=0xAB)
+        if eng.register_memory(src.ctypes.data, src.nbytes) != 0:
+            raise RuntimeError("register_memory failed on initiator")
+        session = info["session"]
+        # Plain Python int lists: that is what the pybind11 binding takes.
+        local = [src.ctypes.data + int(o) for o in offs]
+        remote = [info["addr"] + int(o) for o in offs]
+        lengths = [args.block_size] * args.batch
+
+        api = args.api
+        if api == "auto":
+            if args.batch == 1 and args.concurrency == 1:
+                api = "single"
+            else:
+                api = "async" if args.concurrency > 1 else "sync"
+
+        if api == "single":
+            def submit():
+                if eng.transfer_sync_write(session, local[0], remote[0], lengths[0]) != 0:
+                    raise RuntimeError("transfer_sync_write failed")
+            wait = lambda tok: None
+        elif api == "sync":
+            def submit():
+                if eng.batch_transfer_sync_write(session, local, remote, lengths) != 0:
+                    raise RuntimeError("batch_transfer_sync_write failed")
+            wait = lambda tok: None
+        else:
+            def submit():
+                bid = eng.batch_transfer_async_write(session, local, remote, lengths)
+                if not bid:
+                    raise RuntimeError("batch_transfer_async_write failed")
+                return bid
+
+            def wait(bid):
+                if eng.get_batch_transfer_status([bid]) != 0:
+                    raise RuntimeError("batch transfer failed")
+
+        batches, secs, lats = common.run_window(submit, wait, args.duration,
+                                                args.concurrency)
+        entries = batches * args.batch
+        res = common.result("mooncake", "tcp", args, entries * args.block_size, secs,
+                            lats, entries)
+        res["api"] = api
+        res["concurrency"] = args.concurrency
+        res["scatter"] = args.scatter
+        eng.unregister_memory(src.ctypes.data)
+        common.emit(common.finish_peer(peer, res))
+        peer = None
+    finally:
+        if peer is not None:
+            common.stop_peer(peer)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_point_args(p)
+    p.add_argument("--api", default="auto", choices=["auto", "single", "sync", "async"])
+    p.add_argument("--role", default="initiator", choices=["initiator", "target"])
+    args = p.parse_args()
+    (target if args.role == "target" else initiator)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Run the same benchmark points through kvflow and other engines; print one table.
+
+    python tools/compare.py                      # everything, 3 s per point
+    python tools/compare.py --duration 1 --sizes 4K,1M --only kvflow,ceilings
+    python tools/compare.py --repeat 3 --markdown --json results.json
+
+Every measurement runs in its own subprocess(es) and prints one JSON object
+(engine, protocol, op, block_size, batch, bytes, seconds, gbps, latency_p50_us,
+latency_p99_us, entries_per_s):
+  kvflow    python -m kvflow.bench pair ... --json   (the project's own CLI)
+  mooncake  tools/baselines/mooncake_bench.py       (Mooncake TE, tcp)
+  nixl      tools/baselines/nixl_bench.py           (NIXL, UCX tcp / cma)
+  ceilings  tools/baselines/ceilings.py             (socket, process_vm_writev, memcpy)
+See tools/baselines/README.md for what each row measures and how to install.
+
+Groups (rows that are compared with each other):
+  tcp        write, batch 64, per block size: kvflow tcp, Mooncake tcp,
+             NIXL UCX-tcp; ceiling: raw Python sockets (2 connections).
+  local      write, batch 64, per block size: kvflow local, NIXL UCX-cma and
+             UCX-sm (two same-host UCX configs; the better one counts);
+             ceilings: process_vm_writev, memcpy.
+  lat-tcp /  one 4 KiB write at a time (batch 1, concurrency 1), p50 latency:
+  lat-local  kvflow tcp vs Mooncake / NIXL tcp; kvflow local vs NIXL cma/sm.
+  scatter    4 KiB entries at non-adjacent addresses, batch 64, several
+             batches in flight, same host: kvflow local --scatter vs NIXL.
+The "kvflow / best alt" column divides kvflow's metric by the best other
+engine's (ceilings excluded): >1 is better for GB/s and entries/s, <1 is better
+for latency.  "of ceiling" divides by the group's first ceiling.
+An engine whose Python package is missing is shown as "not installed"; a run
+that fails or times out is shown as "error" (its message is in --json).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(ROOT, "tools", "baselines")
+ENGINES = ("kvflow", "mooncake", "nixl", "ceilings")
+CEILINGS = {"socket", "process_vm_writev", "memcpy"}
+
+# metric per group, and whether higher is better
+METRIC = {"tcp": ("gbps", True), "local": ("gbps", True),
+          "lat-tcp": ("latency_p50_us", False), "lat-local": ("latency_p50_us", False),
+          "scatter": ("entries_per_s", True)}
+TITLE = {"tcp": "write b64 over TCP (GB/s)", "local": "write b64 same host (GB/s)",
+         "lat-tcp": "one 4 KiB write, TCP (p50 us)",
+         "lat-local": "one 4 KiB write, same host (p50 us)",
+         "scatter": "scattered 4 KiB entries, same host (entries/s)"}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def installed(engine: str) -> bool:
+    """Is the engine's Python package present at all?  (If it is present but
+    fails to load, the run itself reports the error.)"""
+    if engine == "kvflow":
+        return True  # the project itself: a failure is an "error" row
+    if engine == "mooncake":
+        return importlib.util.find_spec("mooncake") is not None
+    if engine == "nixl":
+        return any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12", "nixl_cu13"))
+    return True
+
+
+# --------------------------------------------------------------------------- points
+def point_args(bs: int, batch: int, duration: float, conc: int, scatter: bool) -> list[str]:
+    a = ["--op", "write", "--block-size", str(bs), "--batch", str(batch),
+         "--duration", str(duration), "--concurrency", str(conc)]
+    return a + (["--scatter"] if scatter else [])
+
+
+def kvflow_cmd(protocol: str, pa: list[str]) -> list[str]:
+    return [sys.executable, "-m", "kvflow.bench", "pair", "--protocol", protocol] + pa + \
+           ["--json", "--no-progress"]
+
+
+def base_cmd(script: str, pa: list[str], *extra: str) -> list[str]:
+    return [sys.executable, os.path.join(BASE, script)] + list(extra) + pa
+
+
+def plan(args) -> list[dict]:
+    """All (group, point, engine) measurements, in run order."""
+    out = []
+
+    def add(group, label, family, engine, protocol, cmd):
+        out.append({"group": group, "point": label, "family": family, "engine": engine,
+                    "protocol": protocol, "cmd": cmd})
+
+    d, c = args.duration, args.concurrency
+    for bs in args.sizes:
+        pa = point_args(bs, args.batch, d, c, False)
+        label = fmt_size(bs)
+        add("tcp", label, "kvflow", "kvflow", "tcp", kvflow_cmd("tcp", pa))
+        add("tcp", label, "mooncake", "mooncake", "tcp", base_cmd("mooncake_bench.py", pa))
+        add("tcp", label, "nixl", "nixl", "ucx-tcp", base_cmd("nixl_bench.py", pa, "--transport", "tcp"))
+        add("tcp", label, "ceilings", "socket", "tcp", base_cmd("ceilings.py", pa, "--kind", "socket"))
+    for bs in args.sizes:
+        pa = point_args(bs, args.batch, d, c, False)
+        label = fmt_size(bs)
+        add("local", label, "kvflow", "kvflow", "local", kvflow_cmd("local", pa))
+        add("local", label, "nixl", "nixl", "ucx-cma", base_cmd("nixl_bench.py", pa, "--transport", "cma"))
+        add("local", label, "nixl", "nixl", "ucx-sm", base_cmd("nixl_bench.py", pa, "--transport", "sm"))
+        add("local", label, "ceilings", "process_vm_writev", "local", base_cmd("ceilings.py", pa, "--kind", "pvm"))
+        add("local", label, "ceilings", "memcpy", "local", base_cmd("ceilings.py", pa, "--kind", "memcpy"))
+    pa = point_args(4096, 1, d, 1, False)
+    add("lat-tcp", "4 KiB x1", "kvflow", "kvflow", "tcp", kvflow_cmd("tcp", pa))
+    add("lat-tcp", "4 KiB x1", "mooncake", "mooncake", "tcp", base_cmd("mooncake_bench.py", pa))
+    add("lat-tcp", "4 KiB x1", "nixl", "nixl", "ucx-tcp", base_cmd("nixl_bench.py", pa, "--transport", "tcp"))
+    add("lat-tcp", "4 KiB x1", "ceilings", "socket", "tcp", base_cmd("ceilings.py", pa, "--kind", "socket"))
+    add("lat-local", "4 KiB x1", "kvflow", "kvflow", "local", kvflow_cmd("local", pa))
+    add("lat-local", "4 KiB x1", "nixl", "nixl", "ucx-cma", base_cmd("nixl_bench.py", pa, "--transport", "cma"))
+    add("lat-local", "4 KiB x1", "nixl", "nixl", "ucx-sm", base_cmd("nixl_bench.py", pa, "--transport", "sm"))
+    add("lat-local", "4 KiB x1", "ceilings", "process_vm_writev", "local", base_cmd("ceilings.py", pa, "--kind", "pvm"))
+    pa = point_args(4096, args.batch, d, args.scatter_concurrency, True)
+    label = f"4 KiB b{args.batch} c{args.scatter_concurrency}"
+    add("scatter", label, "kvflow", "kvflow", "local", kvflow_cmd("local", pa))
+    add("scatter", label, "nixl", "nixl", "ucx-cma", base_cmd("nixl_bench.py", pa, "--transport", "cma"))
+    add("scatter", label, "nixl", "nixl", "ucx-sm", base_cmd("nixl_bench.py", pa, "--transport", "sm"))
+    add("scatter", label, "ceilings", "process_vm_writev", "local", base_cmd("ceilings.py", pa, "--kind", "pvm"))
+    return [p for p in out if p["family"] in args.only]
+
+
+# --------------------------------------------------------------------------- running
+def run_once(p: dict, timeout: float) -> dict:
+    try:
+        cp = subprocess.run(p["cmd"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+    lines = [ln for ln in cp.stdout.splitlines() if ln.startswith("{")]
+    if cp.returncode != 0 or not lines:
+        tail = [ln for ln in (cp.stderr or cp.stdout).strip().splitlines() if ln.strip()]
+        return {"status": "error", "error": f"exit {cp.returncode}: "
+                + (tail[-1][:300] if tail else "no output")}
+    res = json.loads(lines[-1])
+    res["status"] = "ok" if res.get("verified") is not False else "error"
+    if res["status"] == "error":
+        res["error"] = "data did not land (verification failed)"
+    return res
+
+
+def measure(p: dict, args) -> dict:
+    row = {k: p[k] for k in ("group", "point", "engine", "protocol")}
+    row["cmd"] = " ".join(p["cmd"])
+    if not installed(p["family"]):
+        row["status"] = "not installed"
+        return row
+    metric, higher = METRIC[p["group"]]
+    best, runs = None, []
+    for _ in range(args.repeat):
+        r = run_once(p, timeout=args.duration * 3 + 90)
+        runs.append(r.get(metric) if r["status"] == "ok" else r["status"])
+        if best is None or (r["status"] == "ok" and (
+                best["status"] != "ok" or (r[metric] > best[metric]) == higher)):
+            best = r
+    r = dict(best)
+    r.pop("engine", None), r.pop("protocol", None)  # keep the plan's labels
+    row.update(r)
+    if args.repeat > 1:
+        row["runs"] = runs
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """kvflow / best alternative engine, and kvflow / first ceiling, per point."""
+    by_point: dict = {}
+    for r in rows:
+        by_point.setdefault((r["group"], r["point"]), []).append(r)
+    for (group, _), rs in by_point.items():
+        metric, higher = METRIC[group]
+        ok = [r for r in rs if r.get("status") == "ok" and r.get(metric)]
+        alts = [r for r in ok if r["engine"] not in CEILINGS and r["engine"] != "kvflow"]
+        ceil = [r for r in ok if r["engine"] in CEILINGS][:1]
+        pick = max if higher else min
+        for k in (r for r in ok if r["engine"] == "kvflow"):
+            if alts:
+                b = pick(alts, key=lambda r: r[metric])
+                k["vs_best_alt"] = round(k[metric] / b[metric], 3)
+                k["best_alt"] = f"{b['engine']} {b['protocol']}"
+            if ceil:
+                k["of_ceiling"] = round(k[metric] / ceil[0][metric], 3)
+                k["ceiling"] = ceil[0]["engine"]
+
+
+# --------------------------------------------------------------------------- output
+LEGEND = ("Ratios: kvflow's metric / the best other engine's and / the group's first "
+          "ceiling; GB/s and entries/s: >1 favours kvflow; lat-* rows compare p50 "
+          "latency: <1 favours kvflow.")
+COLS = ("group", "point", "engine", "protocol", "GB/s", "entries/s", "p50 us",
+        "p99 us", "kvflow / best alt", "of ceiling")
+
+
+def cells(r: dict) -> list[str]:
+    def num(key, fmt):
+        v = r.get(key)
+        return fmt.format(v) if isinstance(v, (int, float)) else ""
+
+    if r.get("status") != "ok":
+        vals = [r.get("status", "error")] + [""] * 3
+    else:
+        vals = [num("gbps", "{:.3f}"), num("entries_per_s", "{:,.0f}"),
+                num("latency_p50_us", "{:.1f}"), num("latency_p99_us", "{:.1f}")]
+    alt = f"{r['vs_best_alt']:.2f}x {r['best_alt']}" if "vs_best_alt" in r else ""
+    ceil = f"{r['of_ceiling']:.2f}x {r['ceiling']}" if "of_ceiling" in r else ""
+    return [r["group"], r["point"], r["engine"], r["protocol"]] + vals + [alt, ceil]
+
+
+def render(rows: list[dict], markdown: bool) -> str:
+    table = [cells(r) for r in rows]
+    if markdown:
+        out = ["| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+        out += ["| " + " | ".join(c) + " |" for c in table]
+        return "\n".join(out)
+    widths = [max(len(x) for x in col) for col in zip(COLS, *table)]
+    line = lambda cs: "  ".join(c.ljust(w) for c, w in zip(cs, widths)).rstrip()
+    out, last = [line(COLS), line(["-" * w for w in widths])], None
+    for r, c in zip(rows, table):
+        if last is not None and r["group"] != last:
+            out.append("")
+        last = r["group"]
+        out.append(line(c))
+    return "\n".join(out)
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    v = {"python": platform.python_version(), "cpus": os.cpu_count(),
+         "machine": platform.machine(), "kernel": platform.release()}
+    for dist in ("numpy", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine",
+                 "nixl-cu12", "nixl-cu13", "nixl"):
+        try:
+            v[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return v
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per point (3)")
+    p.add_argument("--sizes", default="4K,64K,1M,16M",
+                   type=lambda s: [parse_size(x) for x in s.split(",") if x.strip()],
+                   help="block sizes for the tcp/local throughput groups")
+    p.add_argument("--batch", type=int, default=64, help="entries per batch (64)")
+    p.add_argument("--concurrency", type=int, default=2,
+                   help="batches in flight for the throughput groups (2)")
+    p.add_argument("--scatter-concurrency", type=int, default=4,
+                   help="batches in flight for the scatter group (4)")
+    p.add_argument("--only", default=",".join(ENGINES),
+                   type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   help="comma list of: " + ", ".join(ENGINES))
+    p.add_argument("--groups", default=",".join(METRIC),
+                   type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   help="comma list of: " + ", ".join(METRIC))
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each point N times and keep the best (noisy shared cores)")
+    p.add_argument("--json", metavar="FILE", help="write all rows (and versions) as JSON")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    args = p.parse_args(argv)
+    bad = [x for x in args.only if x not in ENGINES] + [g for g in args.groups if g not in METRIC]
+    if bad:
+        p.error(f"unknown --only/--groups value(s): {', '.join(bad)}")
+
+    points = [x for x in plan(args) if x["group"] in args.groups]
+    rows = []
+    t0 = time.monotonic()
+    for i, pt in enumerate(points, 1):
+        r = measure(pt, args)
+        rows.append(r)
+        metric = METRIC[pt["group"]][0]
+        shown = r.get(metric) if r.get("status") == "ok" else r.get("status")
+        print(f"[{i}/{len(points)} {time.monotonic() - t0:5.0f}s] {pt['group']:9} "
+              f"{pt['point']:14} {pt['engine']:17} {pt['protocol']:8} {metric}={shown}"
+              + (f"  ({r['error']})" if r.get("error") else ""), file=sys.stderr, flush=True)
+    add_ratios(rows)
+    print(render(rows, args.markdown))
+    print(("\n" if args.markdown else "") + LEGEND)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"versions": versions(), "args": {k: v for k, v in vars(args).items()
+                                                        if k != "json"}, "rows": rows},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
