@@ -303,8 +303,9 @@ cdef class TcpChannel(Channel):
     with a native sender and receiver thread."""
 
     cdef kvf_tcp_channel *ch
+    cdef readonly int ack_fd
 
-    def __init__(self, Core core, RemoteTable table, str peer, fds, uint64_t slice_size):
+    def __init__(self, Core core, RemoteTable table, str peer, fds, int ack_fd, uint64_t slice_size):
         cdef int n = len(fds), i
         cdef int *v = <int *>malloc(n * sizeof(int))
         if v == NULL:
@@ -313,10 +314,11 @@ cdef class TcpChannel(Channel):
             v[i] = fds[i]
         cdef kvf_ctx *c = core._ctx()
         with nogil:
-            self.ch = kvf_tcp_channel_new(c, v, n, slice_size)
+            self.ch = kvf_tcp_channel_new(c, v, n, ack_fd, slice_size)
         free(v)
         if self.ch == NULL:
             raise MemoryError()
+        self.ack_fd = ack_fd
 
     def __dealloc__(self):
         if self.ch != NULL:
@@ -329,6 +331,19 @@ cdef class TcpChannel(Channel):
         if self.ch == NULL:
             return KVF_ECLOSED
         return kvf_tcp_submit(self.ch, &self.table.t, op, la, ra, ln, n, bid, bad)
+
+    def poll_acks(self):
+        """Reads waiting write acks (event loop thread; never blocks). Their
+        completions skip the eventfd: the caller drains the core right
+        after. Returns False once the ack connection is gone."""
+        cdef int rc
+        if self.ch == NULL:
+            return False
+        with nogil:
+            kvf_set_loop_thread(1)
+            rc = kvf_tcp_poll_acks(self.ch)
+            kvf_set_loop_thread(0)
+        return rc == 0
 
     @property
     def alive(self):

@@ -56,7 +56,10 @@ cdef extern from "_native/kvf.h" nogil:
 
     ctypedef struct kvf_tcp_channel:
         pass
-    kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, uint64_t slice_size)
+    kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, int ack_fd,
+                                         uint64_t slice_size)
+    int kvf_tcp_poll_acks(kvf_tcp_channel *ch)
+    void kvf_set_loop_thread(int on)
     int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
                        const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                        size_t n, uint64_t *id_out, size_t *bad)

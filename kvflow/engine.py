@@ -28,6 +28,8 @@ from kvflow.handshake import (
     DATA_HELLO,
     DATA_HELLO_ACK,
     DATA_MAGIC,
+    DATA_ROLE_ACK,
+    DATA_ROLE_DATA,
     DATA_WIRE_VERSION,
     NONCE_BYTES,
     Descriptor,
@@ -128,6 +130,7 @@ class Engine:
         self._inline_limit = inline_limit
         self._advertise = advertise
         self._core: Any = None
+        self._completion_fd = -1
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._server: asyncio.base_events.Server | None = None
         self._data_sock: socket.socket | None = None
@@ -173,7 +176,8 @@ class Engine:
             self._data_sock.setblocking(False)
             self.data_address = f"{adv}:{self._data_sock.getsockname()[1]}"
             self._accept_task = self._loop.create_task(self._accept_data())
-            self._loop.add_reader(self._core.fileno(), self._on_completions)
+            self._completion_fd = self._core.fileno()
+            self._loop.add_reader(self._completion_fd, self._on_completions)
         except OSError as e:
             await self._teardown()
             raise KVFlowError(f"cannot listen on {self._listen}: {e}", errno=e.errno) from e
@@ -210,11 +214,13 @@ class Engine:
         if self._core is not None:
             for peer in list(self._peers.values()):
                 await peer.close()
+            # Unregister before the eventfd is closed: a closed descriptor
+            # silently leaves epoll, and the next engine's eventfd may reuse
+            # its number while the selector still maps it to us.
+            if self._completion_fd >= 0:
+                self._loop.remove_reader(self._completion_fd)
+                self._completion_fd = -1
             self._core.close()      # closes channels: their batches complete with errors
-            try:
-                self._loop.remove_reader(self._core.fileno())
-            except Exception:
-                pass
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -505,18 +511,24 @@ class Engine:
         if not desc.data:
             raise ProviderUnavailableError(f"{peer.address} publishes no tcp endpoint", peer=peer.address)
         host, port = desc.data[0]
-        hello = DATA_HEADER.pack(DATA_MAGIC, DATA_HELLO, 0, 0, int.from_bytes(token[:8], "little"),
-                                 DATA_WIRE_VERSION, int.from_bytes(token[8:], "little"))
+        def hello(role: int, index: int) -> bytes:
+            return DATA_HEADER.pack(DATA_MAGIC, DATA_HELLO, index, role,
+                                    int.from_bytes(token[:8], "little"), DATA_WIRE_VERSION,
+                                    int.from_bytes(token[8:], "little"))
+
         socks: list[socket.socket] = []
         try:
-            for _ in range(self._tcp_connections):
+            # The ack connection first: the target sends write acks on it
+            # once it exists, and this loop reads them directly.
+            for role, index in [(DATA_ROLE_ACK, 0)] + [(DATA_ROLE_DATA, i)
+                                                      for i in range(self._tcp_connections)]:
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
                 s = socket.socket(family, socket.SOCK_STREAM)
                 socks.append(s)
                 s.setblocking(False)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await self._loop.sock_connect(s, (host, port))
-                await self._loop.sock_sendall(s, hello)
+                await self._loop.sock_sendall(s, hello(role, index))
                 ack = b""
                 while len(ack) < DATA_HEADER.size:
                     chunk = await self._loop.sock_recv(s, DATA_HEADER.size - len(ack))
@@ -535,11 +547,14 @@ class Engine:
             for s in socks:
                 s.close()
             raise
+        ack_sock, data_socks = socks[0], socks[1:]
         fds = []
-        for s in socks:
+        for s in data_socks:
             s.setblocking(True)
             fds.append(s.detach())
-        return _core.TcpChannel(self._core, peer._table, peer.address, fds, self._slice_size)
+        # The ack socket stays non-blocking: only the loop reads it.
+        return _core.TcpChannel(self._core, peer._table, peer.address, fds, ack_sock.detach(),
+                                self._slice_size)
 
     def _forget_peer(self, peer: Peer) -> None:
         if self._peers.get(peer.address) is peer:

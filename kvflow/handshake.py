@@ -29,10 +29,12 @@ MAX_FRAME = 8 << 20          # a descriptor with ~200k regions still fits
 NONCE_BYTES = 32
 _LEN = struct.Struct(">I")
 
-# Data-connection hello (kvflow/_native/wire.h): magic, type, status, tag, addr, len, aux.
+# Data-connection hello (kvflow/_native/wire.h): magic, type, status (= data
+# connection index), tag (= role), addr, len (= wire version), aux.
 DATA_HEADER = struct.Struct("<HBBIQQQ")
 DATA_MAGIC = 0x464B
 DATA_HELLO, DATA_HELLO_ACK = 1, 2
+DATA_ROLE_DATA, DATA_ROLE_ACK = 0, 1
 DATA_WIRE_VERSION = 1
 
 

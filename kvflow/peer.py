@@ -49,11 +49,26 @@ class Peer:
         self._closed = False
         self._control_lost = False
         self._reader_task: asyncio.Task[None] | None = None
+        self._ack_fd = -1
 
     def _start(self, channel: Any, transport: str) -> None:
         self._channel = channel
         self.transport = transport
         self._reader_task = self._engine._loop.create_task(self._read_control())
+        self._ack_fd = getattr(channel, "ack_fd", -1)
+        if self._ack_fd >= 0:
+            self._engine._loop.add_reader(self._ack_fd, self._on_acks)
+
+    def _on_acks(self) -> None:
+        # Write acks read on the loop thread; their batches finish right here.
+        if not self._channel.poll_acks():
+            self._stop_acks()
+        self._engine._on_completions()
+
+    def _stop_acks(self) -> None:
+        if self._ack_fd >= 0:
+            self._engine._loop.remove_reader(self._ack_fd)
+            self._ack_fd = -1
 
     # ------------------------------------------------------------ regions
     @property
@@ -221,6 +236,7 @@ class Peer:
             return
         self._closed = True
         self._engine._forget_peer(self)
+        self._stop_acks()
         self._channel.close()
         self._channel = _ClosedChannel(self.address)
         if not self._writer.is_closing():

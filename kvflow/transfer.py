@@ -2,7 +2,7 @@
 
 Per-batch state lives in C; a Transfer holds only the batch id and one
 future (the asyncpg waiter pattern): its timeout is armed with call_later,
-and cancelling the awaiting task cancels the batch in a done-callback.
+and cancelling the awaiting task cancels the batch.
 
 Timeout and cancel() resolve the future only once the native batch has
 drained (queued slices dropped, slices already on the wire finished), so
@@ -49,10 +49,19 @@ class Transfer:
             return
         if timeout is not None:
             self._timer = engine._loop.call_later(timeout, self._on_timeout, timeout)
-        self._future.add_done_callback(self._on_future_done)
 
     def __await__(self) -> Generator[Any, None, None]:
-        return self._future.__await__()
+        try:
+            return (yield from self._future.__await__())
+        except asyncio.CancelledError:
+            # The awaiting task was cancelled: stop the batch too (queued
+            # slices are dropped). A generator, not a done-callback, so that
+            # a completed transfer costs no extra loop callback.
+            if not self._drained:
+                self._engine._core_cancel(self._id)
+                if self._timer is not None:
+                    self._timer.cancel()
+            raise
 
     def done(self) -> bool:
         return self._future.done()
@@ -87,13 +96,6 @@ class Transfer:
         if not self._future.done() and self._abort_exc is None:
             self._abort(TransferTimeoutError(
                 f"transfer to {self._peer} timed out after {timeout:g} s", peer=self._peer))
-
-    def _on_future_done(self, fut: asyncio.Future[None]) -> None:
-        # The awaiting task was cancelled: stop the batch too.
-        if fut.cancelled() and not self._drained:
-            self._engine._core_cancel(self._id)
-            if self._timer is not None:
-                self._timer.cancel()
 
     async def _wait_drained(self, timeout: float = DRAIN_GRACE) -> None:
         """Waits (bounded) until no slice of this batch is in flight."""

@@ -142,7 +142,6 @@ void kvf_ctx_free_common(kvf_ctx *c) {
     if (c->efd >= 0) close(c->efd);
     free(c->comp);
     free(c->batches);
-    free(c->tokens);
     kvf_rt_destroy(&c->local);
     pthread_mutex_destroy(&c->pool_mu);
     pthread_mutex_destroy(&c->comp_mu);
@@ -195,6 +194,10 @@ int kvf_batch_cancelled(kvf_ctx *c, uint32_t slot) {
     return atomic_load_explicit(&c->batches[slot].cancelled, memory_order_relaxed);
 }
 
+static __thread int tls_loop_thread;
+
+void kvf_set_loop_thread(int on) { tls_loop_thread = on; }
+
 static void completion_push(kvf_ctx *c, uint32_t slot) {
     kvf_batch *b = &c->batches[slot];
     kvf_completion e = {
@@ -217,7 +220,9 @@ static void completion_push(kvf_ctx *c, uint32_t slot) {
         }
     }
     c->comp[c->comp_n++] = e;
-    int wake = !c->comp_signaled;
+    /* The loop thread drains right after polling: it needs no wake-up, and
+     * leaving comp_signaled set makes other threads skip theirs until then. */
+    int wake = !c->comp_signaled && !tls_loop_thread;
     c->comp_signaled = 1;
     pthread_mutex_unlock(&c->comp_mu);
     if (wake) {

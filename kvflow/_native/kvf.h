@@ -98,8 +98,7 @@ typedef struct kvf_ctx {
     /* tcp server side: authenticated session tokens and served connections */
     pthread_mutex_t srv_mu;
     pthread_cond_t srv_cv;     /* signalled when a connection thread leaves */
-    uint8_t (*tokens)[16];
-    size_t ntokens, tokens_cap;
+    struct kvf_session *sessions;   /* guarded by srv_mu */
     struct kvf_srv_conn *srv_conns;
     _Atomic int closing;
 
@@ -171,7 +170,15 @@ int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len);
 /* ------------------------------------------------------------------- tcp */
 
 typedef struct kvf_tcp_channel kvf_tcp_channel;
-kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, uint64_t slice_size);
+kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, int ack_fd,
+                                     uint64_t slice_size);
+/* Reads the write acks waiting on the channel's ack connection (never
+ * blocks; called by the event loop when that socket is readable). Returns
+ * -1 once the connection is gone (the channel is failed then). */
+int kvf_tcp_poll_acks(kvf_tcp_channel *ch);
+/* Set by the event-loop thread around work whose completions it drains
+ * itself right after: those completions need no eventfd wake-up. */
+void kvf_set_loop_thread(int on);
 int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
                    const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                    size_t n, uint64_t *id_out, size_t *bad);
@@ -183,5 +190,6 @@ int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token);
 void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token);
 int kvf_srv_serve(kvf_ctx *c, int fd);
 void kvf_srv_shutdown(kvf_ctx *c);
+void kvf_srv_free_sessions(kvf_ctx *c);
 
 #endif

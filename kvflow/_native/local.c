@@ -171,6 +171,7 @@ kvf_ctx *kvf_ctx_new(int local_workers) {
 void kvf_ctx_free(kvf_ctx *c) {
     if (!c) return;
     kvf_srv_shutdown(c);
+    kvf_srv_free_sessions(c);
     kvf_local_pool *p = c->local_pool;
     if (p) {
         pthread_mutex_lock(&p->q.mu);

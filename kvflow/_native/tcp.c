@@ -161,6 +161,9 @@ struct kvf_tcp_channel {
     tcp_conn *conns;
     uint64_t slice_size;
     _Atomic int alive;
+    int ack_fd;               /* -1: acks come back on each data connection */
+    char *ack_buf;            /* partial ack frames between polls */
+    size_t ack_len;
 };
 
 /* Marks the connection dead and fails every slice it still owns. */
@@ -326,10 +329,20 @@ static void *tcp_rx(void *arg) {
     return NULL;
 }
 
-kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, uint64_t slice_size) {
+#define ACK_BUF (64u << 10)
+
+kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int ack_fd,
+                                     uint64_t slice_size) {
     kvf_tcp_channel *ch = calloc(1, sizeof(*ch));
     if (!ch) return NULL;
     ch->ctx = ctx;
+    ch->ack_fd = ack_fd;
+    if (ack_fd >= 0) {
+        ch->ack_buf = malloc(ACK_BUF);
+        if (!ch->ack_buf) { free(ch); return NULL; }
+        set_nodelay(ack_fd);
+        atomic_fetch_add(&ctx->n_sockets, 1);
+    }
     ch->slice_size = slice_size;
     ch->conns = calloc(nfds, sizeof(tcp_conn));
     if (!ch->conns) { free(ch); return NULL; }
@@ -353,6 +366,41 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, uin
 }
 
 int kvf_tcp_channel_alive(kvf_tcp_channel *ch) { return atomic_load(&ch->alive); }
+
+static void channel_fail(kvf_tcp_channel *ch, int status) {
+    for (int i = 0; i < ch->n; i++) conn_fail(&ch->conns[i], status);
+}
+
+/* Finishes one write ack: `aux` names the data connection whose tag it is. */
+static int ack_one(kvf_tcp_channel *ch, const kvf_hdr *h) {
+    if (h->magic != KVF_MAGIC || h->type != KVF_F_WRITE_ACK || h->aux >= (uint64_t)ch->n) return -1;
+    tcp_conn *c = &ch->conns[h->aux];
+    kvf_slice s;
+    if (!take_tag(c, h->tag, &s, 0)) return -1;
+    kvf_slice_done(ch->ctx, s.slot, h->status, s.entry);
+    atomic_fetch_sub(&ch->ctx->n_slices_inflight, 1);
+    return 0;
+}
+
+int kvf_tcp_poll_acks(kvf_tcp_channel *ch) {
+    if (ch->ack_fd < 0) return -1;
+    for (;;) {
+        ssize_t g = recv(ch->ack_fd, ch->ack_buf + ch->ack_len, ACK_BUF - ch->ack_len, MSG_DONTWAIT);
+        if (g < 0 && errno == EINTR) continue;
+        if (g < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+        if (g <= 0) { channel_fail(ch, KVF_ELOST); return -1; }
+        ch->ack_len += g;
+        size_t off = 0;
+        for (; off + sizeof(kvf_hdr) <= ch->ack_len; off += sizeof(kvf_hdr)) {
+            kvf_hdr h;
+            memcpy(&h, ch->ack_buf + off, sizeof(h));
+            if (ack_one(ch, &h)) { channel_fail(ch, KVF_EPROTO); return -1; }
+        }
+        memmove(ch->ack_buf, ch->ack_buf + off, ch->ack_len - off);
+        ch->ack_len -= off;
+        if ((size_t)g < ACK_BUF / 2) return 0;   /* drained what was there */
+    }
+}
 
 int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
                    const uint64_t *la, const uint64_t *ra, const uint64_t *len,
@@ -435,7 +483,12 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
 
 void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
     if (!ch) return;
-    for (int i = 0; i < ch->n; i++) conn_fail(&ch->conns[i], KVF_ECLOSED);
+    channel_fail(ch, KVF_ECLOSED);
+    if (ch->ack_fd >= 0) {
+        close(ch->ack_fd);
+        ch->ack_fd = -1;
+        atomic_fetch_sub(&ch->ctx->n_sockets, 1);
+    }
     for (int i = 0; i < ch->n; i++) {
         tcp_conn *c = &ch->conns[i];
         if (c->tx_started) { pthread_join(c->tx, NULL); c->tx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
@@ -449,13 +502,28 @@ void kvf_tcp_channel_free(kvf_tcp_channel *ch) {
     kvf_tcp_channel_close(ch);
     for (int i = 0; i < ch->n; i++) kvf_queue_destroy(&ch->conns[i].q);
     free(ch->conns);
+    free(ch->ack_buf);
     free(ch);
 }
 
 /* ---------------------------------------------------------------- target */
 
+/* An authenticated handshake session: its token, and the ack connection
+ * that its data connections' server threads send write acks on. Freed when
+ * the last of (registration, connection threads) lets go. */
+typedef struct kvf_session {
+    uint8_t token[16];
+    pthread_mutex_t mu;       /* serialises writers of ack_fd */
+    int ack_fd;               /* -1 until (or after) the ack connection */
+    int refs;                 /* guarded by ctx->srv_mu */
+    int registered;
+    struct kvf_session *next;
+} kvf_session;
+
 typedef struct kvf_srv_conn {
     kvf_ctx *ctx;
+    kvf_session *session;
+    int index;                /* the initiator's data connection index */
     int fd;
     pthread_t th;
     struct kvf_srv_conn *next;
@@ -467,21 +535,44 @@ typedef struct kvf_srv_conn {
 static void srv_flush(void *arg) {
     kvf_srv_conn *s = arg;
     if (s->nacks == 0 || s->broken) return;
-    if (send_all(s->fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
+    kvf_session *se = s->session;
+    int sent = 0;
+    pthread_mutex_lock(&se->mu);
+    if (se->ack_fd >= 0) {
+        /* a broken ack connection is noticed by the initiator (its loop
+         * sees the close and fails the channel) */
+        if (send_all(se->ack_fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
+        sent = 1;
+    }
+    pthread_mutex_unlock(&se->mu);
+    if (!sent && send_all(s->fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
     s->nacks = 0;
 }
 
 static void srv_ack(kvf_srv_conn *s, uint32_t tag, int status) {
-    s->acks[s->nacks++] = (kvf_hdr){KVF_MAGIC, KVF_F_WRITE_ACK, (uint8_t)status, tag, 0, 0, 0};
+    s->acks[s->nacks++] = (kvf_hdr){KVF_MAGIC, KVF_F_WRITE_ACK, (uint8_t)status, tag, 0, 0,
+                                    (uint64_t)s->index};
     if (s->nacks == ACK_BATCH) srv_flush(s);
 }
 
-static int token_known(kvf_ctx *c, const uint8_t *tok) {
-    int ok = 0;
+/* Caller holds srv_mu. */
+static void session_put_locked(kvf_ctx *c, kvf_session *se) {
+    if (--se->refs > 0) return;
+    for (kvf_session **pp = &c->sessions; *pp; pp = &(*pp)->next) {
+        if (*pp == se) { *pp = se->next; break; }
+    }
+    pthread_mutex_destroy(&se->mu);
+    free(se);
+}
+
+static kvf_session *session_get(kvf_ctx *c, const uint8_t *tok) {
+    kvf_session *found = NULL;
     pthread_mutex_lock(&c->srv_mu);
-    for (size_t i = 0; i < c->ntokens && !ok; i++) ok = memcmp(c->tokens[i], tok, 16) == 0;
+    for (kvf_session *se = c->sessions; se && !found; se = se->next) {
+        if (se->registered && memcmp(se->token, tok, 16) == 0) { found = se; se->refs++; }
+    }
     pthread_mutex_unlock(&c->srv_mu);
-    return ok;
+    return found;
 }
 
 static void srv_loop(kvf_srv_conn *s) {
@@ -504,12 +595,34 @@ static void srv_loop(kvf_srv_conn *s) {
     memcpy(tok + 8, &h.aux, 8);
     /* Nothing of this engine's memory is touched before the token matches a
      * session that passed the handshake (and its authentication). */
-    int ok = h.magic == KVF_MAGIC && h.type == KVF_F_HELLO && h.len == KVF_WIRE_VERSION && token_known(ctx, tok);
+    int ok = h.magic == KVF_MAGIC && h.type == KVF_F_HELLO && h.len == KVF_WIRE_VERSION &&
+             (h.tag == KVF_ROLE_DATA || h.tag == KVF_ROLE_ACK);
+    if (ok) s->session = session_get(ctx, tok);
+    ok = ok && s->session;
     kvf_hdr ack = {KVF_MAGIC, KVF_F_HELLO_ACK, ok ? KVF_OK : KVF_EPROTO, 0, 0, 0, 0};
+    if (ok && h.tag == KVF_ROLE_ACK) {
+        /* Publish the ack connection before answering: the initiator opens
+         * its data connections only after this hello is acknowledged. */
+        pthread_mutex_lock(&s->session->mu);
+        if (s->session->ack_fd < 0) s->session->ack_fd = s->fd;
+        else ok = 0;                               /* one per session */
+        pthread_mutex_unlock(&s->session->mu);
+        ack.status = ok ? KVF_OK : KVF_EPROTO;
+    }
     if (send_all(s->fd, &ack, sizeof(ack)) || !ok) return;
     tv.tv_sec = 0;
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     set_nodelay(s->fd);
+    if (h.tag == KVF_ROLE_ACK) {
+        /* Nothing ever arrives on it; wait for the initiator to close it. */
+        char sink[256];
+        while (!atomic_load(&ctx->closing) && recv(s->fd, sink, sizeof(sink), 0) > 0) {}
+        pthread_mutex_lock(&s->session->mu);
+        if (s->session->ack_fd == s->fd) s->session->ack_fd = -1;
+        pthread_mutex_unlock(&s->session->mu);
+        return;
+    }
+    s->index = h.status;
     r.buf = malloc(RD_BUF);
     r.flush = srv_flush;
     r.arg = s;
@@ -559,6 +672,7 @@ static void *srv_thread(void *arg) {
     kvf_ctx *c = s->ctx;
     srv_loop(s);
     pthread_mutex_lock(&c->srv_mu);
+    if (s->session) session_put_locked(c, s->session);
     for (kvf_srv_conn **pp = &c->srv_conns; *pp; pp = &(*pp)->next) {
         if (*pp == s) { *pp = s->next; break; }
     }
@@ -602,27 +716,39 @@ void kvf_srv_shutdown(kvf_ctx *c) {
 }
 
 int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token) {
+    kvf_session *se = calloc(1, sizeof(*se));
+    if (!se) return KVF_ENOMEM;
+    memcpy(se->token, token, 16);
+    pthread_mutex_init(&se->mu, NULL);
+    se->ack_fd = -1;
+    se->refs = 1;
+    se->registered = 1;
     pthread_mutex_lock(&c->srv_mu);
-    if (c->ntokens == c->tokens_cap) {
-        size_t cap = c->tokens_cap ? c->tokens_cap * 2 : 16;
-        void *v = realloc(c->tokens, cap * 16);
-        if (!v) { pthread_mutex_unlock(&c->srv_mu); return KVF_ENOMEM; }
-        c->tokens = v;
-        c->tokens_cap = cap;
-    }
-    memcpy(c->tokens[c->ntokens++], token, 16);
+    se->next = c->sessions;
+    c->sessions = se;
     pthread_mutex_unlock(&c->srv_mu);
     return KVF_OK;
 }
 
 void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token) {
     pthread_mutex_lock(&c->srv_mu);
-    for (size_t i = 0; i < c->ntokens; i++) {
-        if (memcmp(c->tokens[i], token, 16) == 0) {
-            memmove(c->tokens[i], c->tokens[i + 1], (c->ntokens - i - 1) * 16);
-            c->ntokens--;
+    for (kvf_session *se = c->sessions; se; se = se->next) {
+        if (se->registered && memcmp(se->token, token, 16) == 0) {
+            se->registered = 0;
+            session_put_locked(c, se);
             break;
         }
     }
     pthread_mutex_unlock(&c->srv_mu);
+}
+
+/* Frees what is left of the session table (every connection thread has
+ * ended). */
+void kvf_srv_free_sessions(kvf_ctx *c) {
+    while (c->sessions) {
+        kvf_session *se = c->sessions;
+        c->sessions = se->next;
+        pthread_mutex_destroy(&se->mu);
+        free(se);
+    }
 }

@@ -16,13 +16,19 @@
 #define KVF_MAX_PAYLOAD (64ull << 20)
 
 enum {
-    KVF_F_HELLO = 1,      /* client -> server: addr,aux = session token; len = version */
+    KVF_F_HELLO = 1,      /* client -> server: addr,aux = session token; len = version;
+                           * tag = role (KVF_ROLE_*), status = data connection index */
     KVF_F_HELLO_ACK = 2,  /* server -> client: status 0 = accepted */
     KVF_F_WRITE = 3,      /* addr,len + payload: land it at addr */
-    KVF_F_WRITE_ACK = 4,  /* tag, status */
+    KVF_F_WRITE_ACK = 4,  /* tag, status; aux = index of the data connection it answers */
     KVF_F_READ_REQ = 5,   /* tag, addr, len: send me these bytes */
     KVF_F_READ_RESP = 6,  /* tag, status, len + payload */
 };
+
+/* Roles of a connection. Write acks travel on the session's ack connection
+ * (when it has one), which the initiator's event loop reads directly: one
+ * thread wake-up less per small write than a receiver thread plus eventfd. */
+enum { KVF_ROLE_DATA = 0, KVF_ROLE_ACK = 1 };
 
 typedef struct {
     uint16_t magic;
