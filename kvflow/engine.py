@@ -119,8 +119,8 @@ class Engine:
             if unknown or not protocols:
                 raise InvalidArgumentError(
                     f"unknown protocol(s) {unknown or protocols!r}; available: {', '.join(PROVIDERS)}")
-        if tcp_connections < 1 or slice_size < 4096:
-            raise InvalidArgumentError("tcp_connections >= 1 and slice_size >= 4096 required")
+        if not 1 <= tcp_connections <= 64 or slice_size < 4096:
+            raise InvalidArgumentError("tcp_connections must be 1..64 and slice_size >= 4096")
         self._listen = listen
         self.protocols = protocols
         self._secret = secret.encode() if isinstance(secret, str) else secret

@@ -16,6 +16,7 @@
 #include "wire.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -23,6 +24,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <poll.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -35,6 +37,10 @@
 /* A submitter sends at most this much itself on an idle connection. */
 #define TCP_INLINE_BYTES (64u << 10)
 #define ACK_BATCH 256
+#define FRAME_TIMEOUT_S 10
+#define SPLICE_MIN (64u << 10)   /* write payloads from this size are spliced */
+#define PIPE_BYTES (1u << 20)
+#define KVF_OP_FLUSH 0x100u  /* slice flag (in op): ask the target for its acks now */
 
 /* ------------------------------------------------------------ io helpers */
 
@@ -46,6 +52,42 @@ static int send_iov(int fd, struct iovec *iov, int n) {
         ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
         if (w < 0) {
             if (errno == EINTR) continue;
+            return -1;
+        }
+        while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
+        if (n > 0) { iov->iov_base = (char *)iov->iov_base + w; iov->iov_len -= w; }
+    }
+    return 0;
+}
+
+/* send_iov with MSG_MORE: more bytes of the same frame follow at once. */
+static int send_iov_more(int fd, struct iovec *iov, int n) {
+    while (n > 0) {
+        struct msghdr m = {0};
+        m.msg_iov = iov;
+        m.msg_iovlen = n > IOV_MAX ? IOV_MAX : n;
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_MORE);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
+        if (n > 0) { iov->iov_base = (char *)iov->iov_base + w; iov->iov_len -= w; }
+    }
+    return 0;
+}
+
+/* Sends what the socket takes now. Returns the number of iovecs still
+ * (partly) unsent, iov advanced past what went out; -1 on error. */
+static int send_iov_nb(int fd, struct iovec *iov, int n) {
+    while (n > 0) {
+        struct msghdr m = {0};
+        m.msg_iov = iov;
+        m.msg_iovlen = n > IOV_MAX ? IOV_MAX : n;
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return n;
             return -1;
         }
         while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
@@ -71,10 +113,10 @@ typedef struct {
     flush_fn flush;
     void *arg;
     int big;       /* the last payload was large: the next one likely is too */
+    int idle_poll; /* wait for a frame with poll(): SO_RCVTIMEO then bounds a frame */
 } reader;
 
 static ssize_t rd_recv(reader *r, void *dst, size_t n, int flags) {
-    if (r->flush) r->flush(r->arg);
     for (;;) {
         ssize_t g = recv(r->fd, dst, n, flags);
         if (g < 0 && errno == EINTR) continue;
@@ -124,9 +166,39 @@ static int rd_exact(reader *r, void *dst, size_t n) {
  * with exactly one header: filling it would pull the next payload's first
  * quarter-megabyte through the staging buffer (one extra copy). */
 static int rd_header(reader *r, kvf_hdr *h) {
-    if (r->big && r->pos == r->end) {
-        ssize_t g = rd_recv(r, h, sizeof(*h), MSG_WAITALL);
-        return g == (ssize_t)sizeof(*h) ? 0 : -1;
+    if (r->pos == r->end && (r->big || r->idle_poll)) {
+        /* After a large payload, read exactly one header: filling the
+         * buffer would pull the next payload's first quarter-megabyte
+         * through it (one extra copy). On the server, first try without
+         * blocking: a peer that is silent between frames is idle (flush the
+         * acks it may be waiting for, then wait as long as it likes), one
+         * that stops inside a frame is dropped by the receive timeout,
+         * because the server holds the region table's read lock while a
+         * payload lands. */
+        char *dst = r->big ? (char *)h : r->buf;
+        size_t want = r->big ? sizeof(*h) : RD_BUF;
+        ssize_t g = r->idle_poll ? rd_recv(r, dst, want, MSG_DONTWAIT) : -1;
+        if (g < 0 && r->idle_poll && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+        if (g < 0) {
+            if (r->flush) r->flush(r->arg);
+            if (r->idle_poll) {
+                struct pollfd p = {r->fd, POLLIN, 0};
+                while (poll(&p, 1, -1) < 0 && errno == EINTR) {}
+            }
+            g = 0;
+        } else if (g == 0) {
+            return -1;   /* orderly close */
+        }
+        if (!r->big) {
+            r->pos = 0;
+            r->end = (size_t)g;
+            return rd_exact(r, h, sizeof(*h));
+        }
+        if ((size_t)g < sizeof(*h)) {
+            ssize_t k = rd_recv(r, (char *)h + g, sizeof(*h) - g, MSG_WAITALL);
+            if (k != (ssize_t)(sizeof(*h) - g)) return -1;
+        }
+        return 0;
     }
     return rd_exact(r, h, sizeof(*h));
 }
@@ -151,6 +223,17 @@ typedef struct tcp_conn {
     int dead;
     int fail_status;
     int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
+    /* What an inline submitter could not send without blocking: the tx
+     * thread sends it before anything else (frames must not interleave). */
+    kvf_hdr pend_h[TCP_POP];
+    struct iovec pend_iov[2 * TCP_POP];
+    struct iovec *pend;
+    int pend_n;
+    /* A pipe for vmsplice()+splice(): large write payloads go to the socket
+     * by page reference instead of being copied into it (the target's ack,
+     * which completes the slice, proves the pages were read). -1: none. */
+    int pipe_r, pipe_w;
+    size_t pipe_cap;
     pthread_t tx, rx;
     int tx_started, rx_started;
 } tcp_conn;
@@ -217,41 +300,98 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
     return k;
 }
 
-/* Sends claimed slices (headers and payloads straight from registered
- * memory, one sendmsg) and finishes the cancelled ones. Called without q.mu. */
-static int send_claimed(tcp_conn *c, const kvf_slice *s, size_t k, const kvf_slice *cancelled,
-                        size_t ncancel) {
-    kvf_ctx *ctx = c->ch->ctx;
-    kvf_hdr h[TCP_POP];
-    struct iovec iov[2 * TCP_POP];
+/* Finishes the slices of cancelled batches that were popped instead of sent. */
+static void finish_cancelled(kvf_ctx *ctx, const kvf_slice *cancelled, size_t ncancel) {
     for (size_t i = 0; i < ncancel; i++) {
         kvf_slice_done(ctx, cancelled[i].slot, KVF_ECANCELLED, cancelled[i].entry);
         atomic_fetch_sub(&ctx->n_slices_inflight, 1);
     }
+}
+
+/* Frames claimed slices: one header each, and for writes the payload
+ * straight from registered memory. Returns the iovec count. */
+static int frame_slices(const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov) {
     int niov = 0;
     for (size_t i = 0; i < k; i++) {
-        int w = s[i].op == KVF_OP_WRITE;
-        h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ, 0, s[i].tag,
+        int w = (s[i].op & 0xff) == KVF_OP_WRITE;
+        h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ,
+                         (s[i].op & KVF_OP_FLUSH) ? KVF_HDR_FLUSH : 0, s[i].tag,
                          s[i].remote, s[i].len, 0};
         iov[niov++] = (struct iovec){&h[i], sizeof(kvf_hdr)};
         if (w) iov[niov++] = (struct iovec){(void *)(uintptr_t)s[i].local, s[i].len};
     }
-    return niov ? send_iov(c->fd, iov, niov) : 0;
+    return niov;
+}
+
+/* Moves len bytes at p into the socket by page reference. */
+static int splice_payload(tcp_conn *c, const char *p, size_t len, int more) {
+    while (len > 0) {
+        struct iovec v = {(void *)p, len < c->pipe_cap ? len : c->pipe_cap};
+        ssize_t k = vmsplice(c->pipe_w, &v, 1, 0);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += k;
+        len -= k;
+        for (ssize_t done = 0; done < k;) {
+            ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, k - done,
+                               SPLICE_F_MOVE | ((more || len) ? SPLICE_F_MORE : 0));
+            if (m < 0 && errno == EINTR) continue;
+            if (m <= 0) return -1;
+            done += m;
+        }
+    }
+    return 0;
+}
+
+/* Sends framed slices (blocking): runs of headers and small payloads in one
+ * sendmsg each, large write payloads spliced. */
+static int send_frames(tcp_conn *c, struct iovec *iov, int niov) {
+    if (c->pipe_w < 0) return niov ? send_iov(c->fd, iov, niov) : 0;
+    int start = 0;
+    for (int i = 0; i < niov; i++) {
+        if (iov[i].iov_len < SPLICE_MIN || i == 0 || iov[i - 1].iov_len != sizeof(kvf_hdr))
+            continue;
+        /* iov[i] is a large payload: its header and everything before it
+         * go first (MSG_MORE: the payload follows at once) */
+        if (send_iov_more(c->fd, iov + start, i - start)) return -1;
+        if (splice_payload(c, iov[i].iov_base, iov[i].iov_len, i + 1 < niov)) return -1;
+        start = i + 1;
+    }
+    return start < niov ? send_iov(c->fd, iov + start, niov - start) : 0;
 }
 
 static void *tcp_tx(void *arg) {
     tcp_conn *c = arg;
     kvf_slice s[TCP_POP], cancelled[TCP_POP];
+    kvf_hdr h[TCP_POP];
+    struct iovec iov[2 * TCP_POP];
     for (;;) {
         pthread_mutex_lock(&c->q.mu);
-        while (!c->dead && (c->q.count == 0 || c->nfree == 0 || c->sending))
+        while (!c->dead && !c->pend_n && (c->q.count == 0 || c->nfree == 0 || c->sending))
             pthread_cond_wait(&c->q.cv, &c->q.mu);
         if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
         c->sending = 1;
+        int bad = 0;
+        if (c->pend_n) {
+            /* the rest of an inline submitter's frames goes first */
+            int n = c->pend_n;
+            pthread_mutex_unlock(&c->q.mu);
+            bad = send_iov(c->fd, c->pend, n);
+            pthread_mutex_lock(&c->q.mu);
+            c->pend_n = 0;
+            c->sending = 0;
+            pthread_mutex_unlock(&c->q.mu);
+            if (bad) { conn_fail(c, KVF_ELOST); break; }
+            continue;
+        }
         size_t ncancel;
         size_t k = claim_locked(c, s, cancelled, &ncancel);
         pthread_mutex_unlock(&c->q.mu);
-        int bad = send_claimed(c, s, k, cancelled, ncancel);
+        finish_cancelled(c->ch->ctx, cancelled, ncancel);
+        int niov = frame_slices(s, k, h, iov);
+        bad = send_frames(c, iov, niov);
         pthread_mutex_lock(&c->q.mu);
         c->sending = 0;
         pthread_mutex_unlock(&c->q.mu);
@@ -289,7 +429,7 @@ static void release_tag(tcp_conn *c, uint32_t tag) {
 static void *tcp_rx(void *arg) {
     tcp_conn *c = arg;
     kvf_ctx *ctx = c->ch->ctx;
-    reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0};
+    reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0};
     int status = KVF_ELOST;
     if (!r.buf) { conn_fail(c, KVF_ENOMEM); return NULL; }
     for (;;) {
@@ -355,6 +495,15 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int
         kvf_queue_init(&c->q);
         for (uint32_t t = 0; t < TCP_WINDOW; t++) c->free_tags[t] = TCP_WINDOW - 1 - t;
         c->nfree = TCP_WINDOW;
+        c->pipe_r = c->pipe_w = -1;
+        int pfd[2];
+        if (pipe2(pfd, O_CLOEXEC) == 0) {
+            c->pipe_r = pfd[0];
+            c->pipe_w = pfd[1];
+            int cap = fcntl(pfd[1], F_SETPIPE_SZ, PIPE_BYTES);
+            if (cap < 0) cap = fcntl(pfd[1], F_GETPIPE_SZ);
+            c->pipe_cap = cap > 0 ? (size_t)cap : 65536;
+        }
         set_nodelay(c->fd);
         atomic_fetch_add(&ctx->n_sockets, 1);
         c->tx_started = pthread_create(&c->tx, NULL, tcp_tx, c) == 0;
@@ -431,6 +580,17 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
         s[i].slot = slot;
     }
     atomic_fetch_add(&ctx->n_slices_inflight, (int64_t)k);
+    /* The last slice of this batch on each connection asks the target to
+     * send its acks now; the others' acks wait for it (or for the target's
+     * connection to go idle, or a full ack buffer): one ack flush and one
+     * event-loop wake-up per batch and connection instead of per slice. */
+    uint8_t marked[64] = {0};
+    for (size_t i = k; i-- > 0;) {
+        if (!marked[dest[i]]) {
+            s[i].op |= KVF_OP_FLUSH;
+            marked[dest[i]] = 1;
+        }
+    }
     for (int j = 0; j < nc; j++) {
         tcp_conn *c = &ch->conns[j];
         int any = 0;
@@ -446,22 +606,30 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
             bytes += s[i].len;
         }
         int status = c->dead ? c->fail_status : KVF_ENOMEM;
-        if (any && !c->sending && bytes <= TCP_INLINE_BYTES && c->q.count <= TCP_POP && c->nfree >= c->q.count) {
+        if (any && !c->sending && !c->pend_n && bytes <= TCP_INLINE_BYTES && c->q.count <= TCP_POP &&
+            c->nfree >= c->q.count) {
             /* Small work on an idle connection: send it from this thread
              * instead of waking the sender (saves a thread hop per batch).
-             * The connection is idle, so its socket buffer has room and the
-             * send does not block. */
+             * Never blocks: what the socket does not take now is left to
+             * the sender thread, so a stalled peer cannot stall the loop. */
             kvf_slice mine[TCP_POP], cancelled[TCP_POP];
             size_t ncancel;
             c->sending = 1;
             size_t m = claim_locked(c, mine, cancelled, &ncancel);
             pthread_mutex_unlock(&c->q.mu);
-            int bad = send_claimed(c, mine, m, cancelled, ncancel);
+            finish_cancelled(ctx, cancelled, ncancel);
+            int niov = frame_slices(mine, m, c->pend_h, c->pend_iov);
+            int left = niov ? send_iov_nb(c->fd, c->pend_iov, niov) : 0;
             pthread_mutex_lock(&c->q.mu);
             c->sending = 0;
-            int more = c->q.count > 0;
+            if (left > 0) {
+                /* the last `left` iovecs (the first one partly sent) */
+                c->pend = c->pend_iov + (niov - left);
+                c->pend_n = left;
+            }
+            int more = c->q.count > 0 || c->pend_n;
             pthread_mutex_unlock(&c->q.mu);
-            if (bad) conn_fail(c, KVF_ELOST);
+            if (left < 0) conn_fail(c, KVF_ELOST);
             else if (more) pthread_cond_signal(&c->q.cv);
         } else {
             pthread_mutex_unlock(&c->q.mu);
@@ -494,6 +662,7 @@ void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
         if (c->tx_started) { pthread_join(c->tx, NULL); c->tx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
         if (c->rx_started) { pthread_join(c->rx, NULL); c->rx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
         if (c->fd >= 0) { close(c->fd); c->fd = -1; atomic_fetch_sub(&ch->ctx->n_sockets, 1); }
+        if (c->pipe_r >= 0) { close(c->pipe_r); close(c->pipe_w); c->pipe_r = c->pipe_w = -1; }
     }
 }
 
@@ -581,7 +750,7 @@ static void srv_loop(kvf_srv_conn *s) {
     struct timeval tv = {10, 0};
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     kvf_hdr h;
-    reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0};
+    reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1};
     char hb[sizeof(kvf_hdr)];
     size_t got = 0;
     while (got < sizeof(hb)) {
@@ -610,13 +779,17 @@ static void srv_loop(kvf_srv_conn *s) {
         ack.status = ok ? KVF_OK : KVF_EPROTO;
     }
     if (send_all(s->fd, &ack, sizeof(ack)) || !ok) return;
-    tv.tv_sec = 0;
+    /* From now on the timeout bounds one frame: a peer that stops in the
+     * middle of a payload is dropped after it (see rd_header). */
+    tv.tv_sec = FRAME_TIMEOUT_S;
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     set_nodelay(s->fd);
     if (h.tag == KVF_ROLE_ACK) {
         /* Nothing ever arrives on it; wait for the initiator to close it. */
         char sink[256];
-        while (!atomic_load(&ctx->closing) && recv(s->fd, sink, sizeof(sink), 0) > 0) {}
+        ssize_t g;
+        while (!atomic_load(&ctx->closing) &&
+               ((g = recv(s->fd, sink, sizeof(sink), 0)) > 0 || (g < 0 && (errno == EAGAIN || errno == EINTR)))) {}
         pthread_mutex_lock(&s->session->mu);
         if (s->session->ack_fd == s->fd) s->session->ack_fd = -1;
         pthread_mutex_unlock(&s->session->mu);
@@ -644,6 +817,7 @@ static void srv_loop(kvf_srv_conn *s) {
             if (st != KVF_OK) io = rd_exact(&r, NULL, h.len);   /* keep the stream in sync */
             if (io) break;
             srv_ack(s, h.tag, st);
+            if (h.status & KVF_HDR_FLUSH) srv_flush(s);
         } else if (h.type == KVF_F_READ_REQ) {
             srv_flush(s);
             pthread_rwlock_rdlock(&ctx->local.lock);

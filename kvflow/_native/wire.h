@@ -19,7 +19,8 @@ enum {
     KVF_F_HELLO = 1,      /* client -> server: addr,aux = session token; len = version;
                            * tag = role (KVF_ROLE_*), status = data connection index */
     KVF_F_HELLO_ACK = 2,  /* server -> client: status 0 = accepted */
-    KVF_F_WRITE = 3,      /* addr,len + payload: land it at addr */
+    KVF_F_WRITE = 3,      /* addr,len + payload: land it at addr; status KVF_HDR_FLUSH:
+                           * the last of its batch here, send the pending acks now */
     KVF_F_WRITE_ACK = 4,  /* tag, status; aux = index of the data connection it answers */
     KVF_F_READ_REQ = 5,   /* tag, addr, len: send me these bytes */
     KVF_F_READ_RESP = 6,  /* tag, status, len + payload */
@@ -29,6 +30,8 @@ enum {
  * (when it has one), which the initiator's event loop reads directly: one
  * thread wake-up less per small write than a receiver thread plus eventfd. */
 enum { KVF_ROLE_DATA = 0, KVF_ROLE_ACK = 1 };
+
+#define KVF_HDR_FLUSH 1
 
 typedef struct {
     uint16_t magic;
