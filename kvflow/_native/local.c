@@ -20,7 +20,7 @@
 #define LOCAL_IOV 512
 /* One worker takes at most this many bytes per wake-up, so a big batch is
  * shared between the workers instead of drained by the first one. */
-#define LOCAL_POP_BYTES (4u << 20)
+#define LOCAL_POP_BYTES (1u << 20)
 
 int kvf_ctx_init_common(kvf_ctx *c);
 void kvf_ctx_free_common(kvf_ctx *c);
