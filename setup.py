@@ -5,7 +5,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-NATIVE = ["kvflow/_native/core.c", "kvflow/_native/local.c", "kvflow/_native/tcp.c"]
+NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "local", "sockio", "tcp_client", "tcp_server")]
 debug = os.environ.get("KVFLOW_DEBUG") == "1"
 cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]
 if debug:
@@ -19,7 +19,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
         extra_link_args=["-pthread"],
-        depends=["kvflow/_native/kvf.h", "kvflow/_native/wire.h", "kvflow/_native.pxd"],
+        depends=["kvflow/_native/kvf.h", "kvflow/_native/wire.h", "kvflow/_native/sockio.h", "kvflow/_native.pxd"],
     )
 ]
 

@@ -1,0 +1,138 @@
+/* Socket helpers shared by the tcp initiator and target (sockio.h). */
+#define _GNU_SOURCE
+#include "kvf.h"
+#include "sockio.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* Sends iov[0..n) with sendmsg `flags` (MSG_NOSIGNAL always), advancing
+ * iov past what went out. With MSG_DONTWAIT it stops when the socket is
+ * full and returns the number of iovecs still (partly) unsent; otherwise it
+ * returns 0 once everything is sent. -1 on error. */
+int sk_send_iov_flags(int fd, struct iovec *iov, int n, int flags) {
+    while (n > 0) {
+        struct msghdr m = {0};
+        m.msg_iov = iov;
+        m.msg_iovlen = n > IOV_MAX ? IOV_MAX : n;
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL | flags);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if ((flags & MSG_DONTWAIT) && (errno == EAGAIN || errno == EWOULDBLOCK)) return n;
+            return -1;
+        }
+        while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
+        if (n > 0) { iov->iov_base = (char *)iov->iov_base + w; iov->iov_len -= w; }
+    }
+    return 0;
+}
+
+int sk_send_iov(int fd, struct iovec *iov, int n) { return sk_send_iov_flags(fd, iov, n, 0); }
+
+int sk_send_all(int fd, const void *p, size_t n) {
+    struct iovec v = {(void *)p, n};
+    return sk_send_iov(fd, &v, 1);
+}
+
+
+static ssize_t sk_recv(sk_reader *r, void *dst, size_t n, int flags) {
+    for (;;) {
+        ssize_t g = recv(r->fd, dst, n, flags);
+        if (g < 0 && errno == EINTR) continue;
+        return g;
+    }
+}
+
+static int sk_fill(sk_reader *r) {
+    if (r->pos == r->end) r->pos = r->end = 0;
+    else if (r->pos > RD_BUF / 2) {
+        memmove(r->buf, r->buf + r->pos, r->end - r->pos);
+        r->end -= r->pos;
+        r->pos = 0;
+    }
+    ssize_t g = sk_recv(r, r->buf + r->end, RD_BUF - r->end, 0);
+    if (g <= 0) return -1;
+    r->end += g;
+    return 0;
+}
+
+/* Reads exactly n bytes into dst (dst NULL: discard them). */
+int sk_read_exact(sk_reader *r, void *dst, size_t n) {
+    char *d = dst;
+    while (n > 0) {
+        size_t avail = r->end - r->pos;
+        if (avail) {
+            size_t k = avail < n ? avail : n;
+            if (d) { memcpy(d, r->buf + r->pos, k); d += k; }
+            r->pos += k;
+            n -= k;
+            continue;
+        }
+        if (d && n >= RD_BUF / 4) {
+            /* large remainder: straight into place, no copy */
+            ssize_t g = sk_recv(r, d, n, MSG_WAITALL);
+            if (g <= 0) return -1;
+            d += g;
+            n -= g;
+            continue;
+        }
+        if (sk_fill(r)) return -1;
+    }
+    return 0;
+}
+
+/* Reads a frame header. After a large payload, an empty buffer is refilled
+ * with exactly one header: filling it would pull the next payload's first
+ * quarter-megabyte through the staging buffer (one extra copy). */
+int sk_read_header(sk_reader *r, kvf_hdr *h) {
+    if (r->pos == r->end && (r->big || r->idle_poll)) {
+        /* After a large payload, read exactly one header: filling the
+         * buffer would pull the next payload's first quarter-megabyte
+         * through it (one extra copy). On the server, first try without
+         * blocking: a peer that is silent between frames is idle (flush the
+         * acks it may be waiting for, then wait as long as it likes), one
+         * that stops inside a frame is dropped by the receive timeout,
+         * because the server holds the region table's read lock while a
+         * payload lands. */
+        char *dst = r->big ? (char *)h : r->buf;
+        size_t want = r->big ? sizeof(*h) : RD_BUF;
+        ssize_t g = r->idle_poll ? sk_recv(r, dst, want, MSG_DONTWAIT) : -1;
+        if (g < 0 && r->idle_poll && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+        if (g < 0) {
+            if (r->flush) r->flush(r->arg);
+            if (r->idle_poll) {
+                struct pollfd p = {r->fd, POLLIN, 0};
+                while (poll(&p, 1, -1) < 0 && errno == EINTR) {}
+            }
+            g = 0;
+        } else if (g == 0) {
+            return -1;   /* orderly close */
+        }
+        if (!r->big) {
+            r->pos = 0;
+            r->end = (size_t)g;
+            return sk_read_exact(r, h, sizeof(*h));
+        }
+        if ((size_t)g < sizeof(*h)) {
+            ssize_t k = sk_recv(r, (char *)h + g, sizeof(*h) - g, MSG_WAITALL);
+            if (k != (ssize_t)(sizeof(*h) - g)) return -1;
+        }
+        return 0;
+    }
+    return sk_read_exact(r, h, sizeof(*h));
+}
+
+void sk_nodelay(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}

@@ -1,0 +1,34 @@
+/* Socket helpers shared by the tcp initiator and target: gathered sends
+ * and a buffered frame reader. */
+#ifndef KVF_SOCKIO_H
+#define KVF_SOCKIO_H
+#include <stddef.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include "wire.h"
+
+#define RD_BUF (256u << 10)
+
+typedef void (*sk_flush_fn)(void *);
+
+/* A buffered sk_reader: small frames come out of one big recv(); large payloads
+ * are received straight into their destination. When the peer is idle
+ * between frames, `flush` runs (the server sends its pending acks then). */
+typedef struct {
+    int fd;
+    char *buf;
+    size_t pos, end;
+    sk_flush_fn flush;
+    void *arg;
+    int big;       /* the last payload was large: the next one likely is too */
+    int idle_poll; /* wait for a frame with poll(): SO_RCVTIMEO then bounds a frame */
+} sk_reader;
+
+int sk_send_iov_flags(int fd, struct iovec *iov, int n, int flags);
+int sk_send_iov(int fd, struct iovec *iov, int n);
+int sk_send_all(int fd, const void *p, size_t n);
+/* Reads exactly n bytes into dst (dst NULL: discard them). */
+int sk_read_exact(sk_reader *r, void *dst, size_t n);
+int sk_read_header(sk_reader *r, kvf_hdr *h);
+void sk_nodelay(int fd);
+#endif

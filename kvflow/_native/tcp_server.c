@@ -1,0 +1,277 @@
+/* The tcp provider, target side: a thread per accepted data connection.
+ *
+ * After the session token of an authenticated handshake, each WRITE is
+ * checked against the local region table (whole range inside one region
+ * with WRITE access) before its payload is received straight into place;
+ * acks are coalesced and sent on the session's ack connection. */
+#define _GNU_SOURCE
+#include "kvf.h"
+#include "sockio.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define ACK_BATCH 256
+#define FRAME_TIMEOUT_S 10
+
+/* ---------------------------------------------------------------- target */
+
+/* An authenticated handshake session: its token, and the ack connection
+ * that its data connections' server threads send write acks on. Freed when
+ * the last of (registration, connection threads) lets go. */
+typedef struct kvf_session {
+    uint8_t token[16];
+    pthread_mutex_t mu;       /* serialises writers of ack_fd */
+    int ack_fd;               /* -1 until (or after) the ack connection */
+    int refs;                 /* guarded by ctx->srv_mu */
+    int registered;
+    struct kvf_session *next;
+} kvf_session;
+
+typedef struct kvf_srv_conn {
+    kvf_ctx *ctx;
+    kvf_session *session;
+    int index;                /* the initiator's data connection index */
+    int fd;
+    pthread_t th;
+    struct kvf_srv_conn *next;
+    kvf_hdr acks[ACK_BATCH];
+    int nacks;
+    int broken;
+} kvf_srv_conn;
+
+static void srv_flush(void *arg) {
+    kvf_srv_conn *s = arg;
+    if (s->nacks == 0 || s->broken) return;
+    kvf_session *se = s->session;
+    int sent = 0;
+    pthread_mutex_lock(&se->mu);
+    if (se->ack_fd >= 0) {
+        /* a broken ack connection is noticed by the initiator (its loop
+         * sees the close and fails the channel) */
+        if (sk_send_all(se->ack_fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
+        sent = 1;
+    }
+    pthread_mutex_unlock(&se->mu);
+    if (!sent && sk_send_all(s->fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
+    s->nacks = 0;
+}
+
+static void srv_ack(kvf_srv_conn *s, uint32_t tag, int status) {
+    s->acks[s->nacks++] = (kvf_hdr){KVF_MAGIC, KVF_F_WRITE_ACK, (uint8_t)status, tag, 0, 0,
+                                    (uint64_t)s->index};
+    if (s->nacks == ACK_BATCH) srv_flush(s);
+}
+
+/* Caller holds srv_mu. */
+static void session_put_locked(kvf_ctx *c, kvf_session *se) {
+    if (--se->refs > 0) return;
+    for (kvf_session **pp = &c->sessions; *pp; pp = &(*pp)->next) {
+        if (*pp == se) { *pp = se->next; break; }
+    }
+    pthread_mutex_destroy(&se->mu);
+    free(se);
+}
+
+static kvf_session *session_get(kvf_ctx *c, const uint8_t *tok) {
+    kvf_session *found = NULL;
+    pthread_mutex_lock(&c->srv_mu);
+    for (kvf_session *se = c->sessions; se && !found; se = se->next) {
+        if (se->registered && memcmp(se->token, tok, 16) == 0) { found = se; se->refs++; }
+    }
+    pthread_mutex_unlock(&c->srv_mu);
+    return found;
+}
+
+static void srv_loop(kvf_srv_conn *s) {
+    kvf_ctx *ctx = s->ctx;
+    /* The hello must arrive promptly; a silent client is dropped. */
+    struct timeval tv = {10, 0};
+    setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    kvf_hdr h;
+    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1};
+    char hb[sizeof(kvf_hdr)];
+    size_t got = 0;
+    while (got < sizeof(hb)) {
+        ssize_t g = recv(s->fd, hb + got, sizeof(hb) - got, 0);
+        if (g <= 0) return;
+        got += g;
+    }
+    memcpy(&h, hb, sizeof(h));
+    uint8_t tok[16];
+    memcpy(tok, &h.addr, 8);
+    memcpy(tok + 8, &h.aux, 8);
+    /* Nothing of this engine's memory is touched before the token matches a
+     * session that passed the handshake (and its authentication). */
+    int ok = h.magic == KVF_MAGIC && h.type == KVF_F_HELLO && h.len == KVF_WIRE_VERSION &&
+             (h.tag == KVF_ROLE_DATA || h.tag == KVF_ROLE_ACK);
+    if (ok) s->session = session_get(ctx, tok);
+    ok = ok && s->session;
+    kvf_hdr ack = {KVF_MAGIC, KVF_F_HELLO_ACK, ok ? KVF_OK : KVF_EPROTO, 0, 0, 0, 0};
+    if (ok && h.tag == KVF_ROLE_ACK) {
+        /* Publish the ack connection before answering: the initiator opens
+         * its data connections only after this hello is acknowledged. */
+        pthread_mutex_lock(&s->session->mu);
+        if (s->session->ack_fd < 0) s->session->ack_fd = s->fd;
+        else ok = 0;                               /* one per session */
+        pthread_mutex_unlock(&s->session->mu);
+        ack.status = ok ? KVF_OK : KVF_EPROTO;
+    }
+    if (sk_send_all(s->fd, &ack, sizeof(ack)) || !ok) return;
+    /* From now on the timeout bounds one frame: a peer that stops in the
+     * middle of a payload is dropped after it (see sk_read_header). */
+    tv.tv_sec = FRAME_TIMEOUT_S;
+    setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    sk_nodelay(s->fd);
+    if (h.tag == KVF_ROLE_ACK) {
+        /* Nothing ever arrives on it; wait for the initiator to close it. */
+        char sink[256];
+        ssize_t g;
+        while (!atomic_load(&ctx->closing) &&
+               ((g = recv(s->fd, sink, sizeof(sink), 0)) > 0 || (g < 0 && (errno == EAGAIN || errno == EINTR)))) {}
+        pthread_mutex_lock(&s->session->mu);
+        if (s->session->ack_fd == s->fd) s->session->ack_fd = -1;
+        pthread_mutex_unlock(&s->session->mu);
+        return;
+    }
+    s->index = h.status;
+    r.buf = malloc(RD_BUF);
+    r.flush = srv_flush;
+    r.arg = s;
+    if (!r.buf) return;
+    while (!s->broken && !atomic_load(&ctx->closing)) {
+        if (sk_read_header(&r, &h)) break;
+        if (h.magic != KVF_MAGIC || h.len > KVF_MAX_PAYLOAD) break;   /* garbage: drop the peer */
+        r.big = h.type == KVF_F_WRITE && h.len >= RD_BUF / 4;
+        if (h.type == KVF_F_WRITE) {
+            int st = KVF_OK, io = 0;
+            /* The read lock is held while the payload lands, so deregister()
+             * cannot return while bytes are still being written into it. */
+            pthread_rwlock_rdlock(&ctx->local.lock);
+            const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h.addr, h.len);
+            if (rg && (rg->access & KVF_ACCESS_WRITE))
+                io = sk_read_exact(&r, (void *)(uintptr_t)h.addr, h.len);
+            else st = KVF_EREMOTE;
+            pthread_rwlock_unlock(&ctx->local.lock);
+            if (st != KVF_OK) io = sk_read_exact(&r, NULL, h.len);   /* keep the stream in sync */
+            if (io) break;
+            srv_ack(s, h.tag, st);
+            if (h.status & KVF_HDR_FLUSH) srv_flush(s);
+        } else if (h.type == KVF_F_READ_REQ) {
+            srv_flush(s);
+            pthread_rwlock_rdlock(&ctx->local.lock);
+            const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h.addr, h.len);
+            int ok2 = rg && (rg->access & KVF_ACCESS_READ);
+            kvf_hdr resp = {KVF_MAGIC, KVF_F_READ_RESP, ok2 ? KVF_OK : KVF_EREMOTE, h.tag, 0, ok2 ? h.len : 0, 0};
+            struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h.addr, ok2 ? h.len : 0}};
+            int bad = sk_send_iov(s->fd, v, ok2 ? 2 : 1);
+            pthread_rwlock_unlock(&ctx->local.lock);
+            if (bad) break;
+        } else {
+            break;
+        }
+    }
+    srv_flush(s);
+    free(r.buf);
+}
+
+/* A connection thread cleans up after itself: under srv_mu it leaves the
+ * list, closes its socket and detaches, so resources return as soon as a
+ * peer goes away. The socket is closed only under srv_mu and only after
+ * leaving the list, so kvf_srv_shutdown() never shuts down a descriptor
+ * number that was already reused. */
+static void *srv_thread(void *arg) {
+    kvf_srv_conn *s = arg;
+    kvf_ctx *c = s->ctx;
+    srv_loop(s);
+    pthread_mutex_lock(&c->srv_mu);
+    if (s->session) session_put_locked(c, s->session);
+    for (kvf_srv_conn **pp = &c->srv_conns; *pp; pp = &(*pp)->next) {
+        if (*pp == s) { *pp = s->next; break; }
+    }
+    close(s->fd);
+    atomic_fetch_sub(&c->n_sockets, 1);
+    atomic_fetch_sub(&c->n_threads, 1);
+    pthread_detach(pthread_self());
+    pthread_cond_broadcast(&c->srv_cv);
+    pthread_mutex_unlock(&c->srv_mu);
+    free(s);
+    return NULL;   /* touches nothing of ctx after the unlock: ctx may be freed now */
+}
+
+int kvf_srv_serve(kvf_ctx *c, int fd) {
+    if (atomic_load(&c->closing)) { close(fd); return KVF_ECLOSED; }
+    kvf_srv_conn *s = calloc(1, sizeof(*s));
+    if (!s) { close(fd); return KVF_ENOMEM; }
+    s->ctx = c;
+    s->fd = fd;
+    pthread_mutex_lock(&c->srv_mu);
+    if (pthread_create(&s->th, NULL, srv_thread, s) != 0) {
+        pthread_mutex_unlock(&c->srv_mu);
+        close(fd);
+        free(s);
+        return KVF_ENOMEM;
+    }
+    atomic_fetch_add(&c->n_sockets, 1);
+    atomic_fetch_add(&c->n_threads, 1);
+    s->next = c->srv_conns;
+    c->srv_conns = s;
+    pthread_mutex_unlock(&c->srv_mu);
+    return KVF_OK;
+}
+
+void kvf_srv_shutdown(kvf_ctx *c) {
+    atomic_store(&c->closing, 1);
+    pthread_mutex_lock(&c->srv_mu);
+    for (kvf_srv_conn *s = c->srv_conns; s; s = s->next) shutdown(s->fd, SHUT_RDWR);
+    while (c->srv_conns) pthread_cond_wait(&c->srv_cv, &c->srv_mu);
+    pthread_mutex_unlock(&c->srv_mu);
+}
+
+int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token) {
+    kvf_session *se = calloc(1, sizeof(*se));
+    if (!se) return KVF_ENOMEM;
+    memcpy(se->token, token, 16);
+    pthread_mutex_init(&se->mu, NULL);
+    se->ack_fd = -1;
+    se->refs = 1;
+    se->registered = 1;
+    pthread_mutex_lock(&c->srv_mu);
+    se->next = c->sessions;
+    c->sessions = se;
+    pthread_mutex_unlock(&c->srv_mu);
+    return KVF_OK;
+}
+
+void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token) {
+    pthread_mutex_lock(&c->srv_mu);
+    for (kvf_session *se = c->sessions; se; se = se->next) {
+        if (se->registered && memcmp(se->token, token, 16) == 0) {
+            se->registered = 0;
+            session_put_locked(c, se);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&c->srv_mu);
+}
+
+/* Frees what is left of the session table (every connection thread has
+ * ended). */
+void kvf_srv_free_sessions(kvf_ctx *c) {
+    while (c->sessions) {
+        kvf_session *se = c->sessions;
+        c->sessions = se->next;
+        pthread_mutex_destroy(&se->mu);
+        free(se);
+    }
+}
