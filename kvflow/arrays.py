@@ -21,6 +21,12 @@ def as_u64(values: Any, what: str) -> np.ndarray:
                 raise ValueError("negative value")
             arr = np.ascontiguousarray(values, dtype=_U64)
         else:
+            values = list(values)
+            # Python ints only: numpy would silently truncate 1.9 or parse "12"
+            if not all(type(v) is int or isinstance(v, np.integer) for v in values):
+                raise TypeError("entries must be ints")
+            if any(v < 0 for v in values):
+                raise ValueError("negative value")
             arr = np.array(values, dtype=_U64)
     except (TypeError, ValueError, OverflowError) as e:
         raise InvalidArgumentError(f"{what}: not a sequence of unsigned 64-bit ints ({e})") from None

@@ -9,6 +9,7 @@ import errno as errno_mod
 import logging
 import os
 import socket
+import weakref
 from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
@@ -49,6 +50,8 @@ log = logging.getLogger("kvflow")
 
 PROVIDERS = ("local", "tcp")
 HANDSHAKE_TIMEOUT = 10.0
+PRE_AUTH_FRAME = 64 << 10          # hello and auth frames are small
+SESSION_BUFFER_LIMIT = 64 << 20    # unread control data after which a session is dropped
 
 
 def _host_identity() -> str:
@@ -83,6 +86,8 @@ class _ProcessIdentity:
 
 
 _identity: _ProcessIdentity | None = None
+# This process's running engines by address (for the same-process check).
+_live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
 
 
 def _process_identity() -> _ProcessIdentity:
@@ -176,6 +181,7 @@ class Engine:
             self._data_sock.setblocking(False)
             self.data_address = f"{adv}:{self._data_sock.getsockname()[1]}"
             self._accept_task = self._loop.create_task(self._accept_data())
+            _live_engines[self.address] = self
             self._completion_fd = self._core.fileno()
             self._loop.add_reader(self._completion_fd, self._on_completions)
         except OSError as e:
@@ -189,6 +195,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if _live_engines.get(self.address) is self:
+            del _live_engines[self.address]
         for peer in list(self._peers.values()):
             await peer.close()
         await self._teardown()
@@ -244,7 +252,8 @@ class Engine:
             raise InvalidArgumentError("buffer is read-only: register it with access=Access.READ")
         if name is not None and any(r.name == name for r in self._regions.values()):
             raise InvalidArgumentError(f"a region named {name!r} is already registered")
-        rid = self._core.add_region(addr, length, int(access))
+        # Bit 4 (local table only): the memory is writable, so reads may land in it.
+        rid = self._core.add_region(addr, length, int(access) | (4 if writable else 0))
         if not rid:
             raise InvalidArgumentError(
                 f"region {addr:#x}+{length} overlaps a registered region or overflows")
@@ -275,8 +284,14 @@ class Engine:
         frame = encode({"t": "regions", "generation": self._generation,
                         "regions": regions_to_wire(self._remote_regions())})
         for w in list(self._sessions):
-            if not w.is_closing():
-                w.write(frame)
+            if w.is_closing():
+                continue
+            if w.transport.get_write_buffer_size() > SESSION_BUFFER_LIMIT:
+                # a peer that stopped reading its control connection
+                log.warning("kvflow: dropping a control session that does not read its updates")
+                w.close()
+                continue
+            w.write(frame)
 
     def descriptor(self) -> Descriptor:
         ident = _process_identity()
@@ -321,7 +336,7 @@ class Engine:
         self._session_tasks.add(task)
         token = b""
         try:
-            hello = await asyncio.wait_for(read_message(reader), HANDSHAKE_TIMEOUT)
+            hello = await asyncio.wait_for(read_message(reader, max_size=PRE_AUTH_FRAME), HANDSHAKE_TIMEOUT)
             if hello["t"] != "hello":
                 raise ProtocolError(f"expected hello, got {hello['t']!r}")
             cnonce = field(hello, "nonce", bytes)
@@ -332,7 +347,7 @@ class Engine:
             sproof = proof(self._secret, b"server", cnonce, snonce) if self._secret else b""
             writer.write(encode({"t": "challenge", "nonce": snonce, "auth": bool(self._secret),
                                  "proof": sproof}))
-            auth = await asyncio.wait_for(read_message(reader), HANDSHAKE_TIMEOUT)
+            auth = await asyncio.wait_for(read_message(reader, max_size=PRE_AUTH_FRAME), HANDSHAKE_TIMEOUT)
             if auth["t"] != "auth":
                 raise ProtocolError(f"expected auth, got {auth['t']!r}")
             if self._secret:
@@ -355,6 +370,7 @@ class Engine:
                     self._notifications.put_nowait((peer_addr, field(msg, "data", bytes)))
                 elif t == "describe":
                     writer.write(encode({"t": "descriptor", "descriptor": self.descriptor().to_wire()}))
+                    await writer.drain()      # a peer that asks but never reads gets no more
                 elif t == "bye":
                     break
                 else:
@@ -384,10 +400,14 @@ class Engine:
             except asyncio.CancelledError:
                 return
             except OSError as e:
-                if e.errno in (errno_mod.EMFILE, errno_mod.ENFILE, errno_mod.ENOBUFS, errno_mod.ENOMEM):
-                    await asyncio.sleep(0.1)
-                    continue
-                return
+                if e.errno in (errno_mod.EBADF, errno_mod.EINVAL):
+                    return                      # the listener was closed
+                # out of descriptors or memory, or a connection that died in
+                # the accept queue: keep serving
+                log.warning("kvflow: accept on %s failed: %s", self.data_address, e)
+                await asyncio.sleep(0.1 if e.errno in (errno_mod.EMFILE, errno_mod.ENFILE,
+                                                       errno_mod.ENOBUFS, errno_mod.ENOMEM) else 0)
+                continue
             conn.setblocking(True)
             # The native thread checks the session token before touching memory.
             self._core.serve(conn.detach())
@@ -491,8 +511,10 @@ class Engine:
         if "local" in allowed:
             if desc.host != ident.host:
                 reason = "the peer is on another host"
-            elif desc.pid == ident.pid and desc.process == ident.token:
+            elif self._same_process(peer.address, desc):
                 return _core.LocalChannel(self._core, peer._table, peer.address, 0, self._inline_limit), "local"
+            elif desc.pid == ident.pid:
+                reason = "the peer claims this process's pid but is not one of its engines"
             else:
                 got = _core.probe_process(desc.pid, desc.probe_addr, len(desc.probe_cookie))
                 if got == desc.probe_cookie:
@@ -555,6 +577,14 @@ class Engine:
         # The ack socket stays non-blocking: only the loop reads it.
         return _core.TcpChannel(self._core, peer._table, peer.address, fds, ack_sock.detach(),
                                 self._slice_size)
+
+    @staticmethod
+    def _same_process(address: str, desc: Descriptor) -> bool:
+        """True only if `address` is an engine of this very process: decided
+        from our own registry, never from what the descriptor claims (a
+        peer could replay another engine's identity)."""
+        other = _live_engines.get(address)
+        return other is not None and not other._closed and other._incarnation == desc.incarnation
 
     def _forget_peer(self, peer: Peer) -> None:
         if self._peers.get(peer.address) is peer:

@@ -86,8 +86,9 @@ def status_error(status: int, *, peer: str, index: int | None, op: int) -> KVFlo
         return InvalidArgumentError(
             f"{what} to {peer}: zero length or address overflow{at}", peer=peer, index=index)
     if status == EUNREG:
+        extra = " (or, for a read, its memory is read-only)" if op == 1 else ""
         return UnregisteredMemoryError(
-            f"{what} to {peer}: local range is not inside a registered region{at}",
+            f"{what} to {peer}: local range is not inside a registered region{extra}{at}",
             peer=peer, index=index)
     if status == EREMOTE:
         need = "WRITE" if op == 0 else "READ"

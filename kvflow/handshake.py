@@ -108,9 +108,14 @@ class Descriptor:
         probe = field(d, "probe", list)
         data = field(d, "data", list)
         try:
-            probe_addr, cookie = int(probe[0]), bytes(probe[1])
-            endpoints = [(str(h), int(p)) for h, p in data]
-        except (TypeError, ValueError, IndexError):
+            probe_addr, cookie = probe
+            endpoints = [(h, p) for h, p in data]
+            if not (isinstance(probe_addr, int) and 0 < probe_addr < 1 << 64 and isinstance(cookie, bytes)
+                    and len(cookie) <= 64):
+                raise ValueError
+            if not all(isinstance(h, str) and isinstance(p, int) and 0 < p < 65536 for h, p in endpoints):
+                raise ValueError
+        except (TypeError, ValueError):
             raise ProtocolError("descriptor: malformed probe or data endpoints") from None
         return cls(
             address=field(d, "address", str), incarnation=field(d, "incarnation", int),
@@ -131,6 +136,8 @@ def regions_from_wire(v: Any) -> list[RemoteRegion]:
         for addr, length, access, name in v:
             if not (isinstance(addr, int) and isinstance(length, int) and isinstance(access, int)):
                 raise TypeError
+            if not (0 < addr < 1 << 64 and 0 < length < 1 << 64 and addr + length <= 1 << 64):
+                raise ValueError
             if name is not None and not isinstance(name, str):
                 raise TypeError
             out.append(RemoteRegion(addr, length, name, Access(access & 3)))

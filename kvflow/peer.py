@@ -136,13 +136,7 @@ class Peer:
                 raise status_error(status, peer=self.address, index=aux, op=op)
         t = Transfer(self._engine, batch_id, self.address, op, aux, timeout)
         self._engine._pending[batch_id] = t
-        try:
-            await t
-        except asyncio.CancelledError:
-            # Cancelled by the caller (asyncio.timeout, task.cancel): do not
-            # return while bytes of this batch may still land.
-            await t._wait_drained()
-            raise
+        await t
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None) -> None:
@@ -214,7 +208,7 @@ class Peer:
                     raise ProtocolError(f"unexpected message {t!r} from {self.address}")
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        except ProtocolError as e:
+        except (ProtocolError, ValueError, OverflowError) as e:
             log.warning("kvflow: dropping control connection to %s: %s", self.address, e)
         except asyncio.CancelledError:
             return

@@ -54,13 +54,16 @@ class Transfer:
         try:
             return (yield from self._future.__await__())
         except asyncio.CancelledError:
-            # The awaiting task was cancelled: stop the batch too (queued
-            # slices are dropped). A generator, not a done-callback, so that
-            # a completed transfer costs no extra loop callback.
+            # The awaiting task was cancelled (task.cancel, asyncio.timeout):
+            # stop the batch too, and do not let the cancellation through
+            # while bytes of it may still land (bounded by DRAIN_GRACE). A
+            # generator, not a done-callback, so that a completed transfer
+            # costs no extra loop callback.
             if not self._drained:
                 self._engine._core_cancel(self._id)
                 if self._timer is not None:
                     self._timer.cancel()
+                yield from self._wait_drained().__await__()
             raise
 
     def done(self) -> bool:

@@ -162,7 +162,9 @@ int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out) {
     kvf_batch *b = &c->batches[slot];
     c->free_head = b->next_free;
     c->in_use++;
-    b->gen++;
+    /* id 0 means "completed inline": never hand it out, even after the
+     * generation wraps */
+    if (++b->gen == 0) b->gen = 1;
     pthread_mutex_unlock(&c->pool_mu);
     /* +1: the submitter's guard, dropped once every slice is queued, so that
      * workers cannot complete the batch while it is still being queued. */
@@ -276,8 +278,12 @@ size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap) {
 
 /* ------------------------------------------------------------------ plan */
 
-int kvf_validate(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la,
-                 const uint64_t *ra, const uint64_t *len, size_t n, size_t *bad) {
+/* Checks every entry (one lock per table for the whole batch) and records
+ * the pair of regions it lies in, as key[i]. Local ranges must be
+ * registered, and writable by us when a read lands in them; remote ranges
+ * must lie in one region of the peer with the access the op needs. */
+static int validate(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la,
+                    const uint64_t *ra, const uint64_t *len, size_t n, uint64_t *key, size_t *bad) {
     for (size_t i = 0; i < n; i++) {
         if (len[i] == 0 || la[i] + len[i] < la[i] || ra[i] + len[i] < ra[i]) {
             *bad = i;
@@ -285,9 +291,12 @@ int kvf_validate(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *l
         }
     }
     int rc = KVF_OK;
+    uint32_t need_local = op == KVF_OP_READ ? KVF_ACCESS_LOCAL_WRITE : 0;
     pthread_rwlock_rdlock(&c->local.lock);
     for (size_t i = 0; i < n; i++) {
-        if (!kvf_rt_find_locked(&c->local, la[i], len[i])) { *bad = i; rc = KVF_EUNREG; break; }
+        const kvf_region *r = kvf_rt_find_locked(&c->local, la[i], len[i]);
+        if (!r || (r->access & need_local) != need_local) { *bad = i; rc = KVF_EUNREG; break; }
+        key[i] = (uint64_t)r->id << 32;
     }
     pthread_rwlock_unlock(&c->local.lock);
     if (rc) return rc;
@@ -296,13 +305,17 @@ int kvf_validate(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *l
     for (size_t i = 0; i < n; i++) {
         const kvf_region *r = kvf_rt_find_locked(remote, ra[i], len[i]);
         if (!r || !(r->access & need)) { *bad = i; rc = KVF_EREMOTE; break; }
+        key[i] |= r->id;
     }
     pthread_rwlock_unlock(&remote->lock);
     return rc;
 }
 
-size_t kvf_plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                size_t n, uint64_t slice_size, kvf_slice **out) {
+/* Coalesces entries adjacent on both sides and inside the same pair of
+ * regions (a frame must land in one region), then cuts runs into slices of
+ * at most slice_size. */
+static size_t plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                   const uint64_t *key, size_t n, uint64_t slice_size, kvf_slice **out) {
     /* Upper bound on the slice count, so one allocation serves the batch. */
     size_t cap = 0;
     for (size_t i = 0; i < n; i++) cap += (len[i] + slice_size - 1) / slice_size;
@@ -311,11 +324,10 @@ size_t kvf_plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_t *
     size_t k = 0;
     size_t i = 0;
     while (i < n) {
-        uint64_t l0 = la[i], r0 = ra[i], total = len[i];
+        uint64_t l0 = la[i], r0 = ra[i], total = len[i], k0 = key[i];
         size_t first = i++;
-        /* Coalesce entries adjacent on both sides: one frame / one iovec
-         * instead of many, up to the slice size. */
-        while (i < n && la[i] == l0 + total && ra[i] == r0 + total && total + len[i] <= slice_size) {
+        while (i < n && key[i] == k0 && la[i] == l0 + total && ra[i] == r0 + total &&
+               total + len[i] <= slice_size) {
             total += len[i];
             i++;
         }
@@ -326,6 +338,22 @@ size_t kvf_plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_t *
     }
     *out = s;
     return k;
+}
+
+int kvf_prepare(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la,
+                const uint64_t *ra, const uint64_t *len, size_t n, uint64_t slice_size,
+                kvf_slice **out, size_t *nslices, size_t *bad) {
+    *out = NULL;
+    *nslices = 0;
+    uint64_t *key = malloc((n ? n : 1) * sizeof(*key));
+    if (!key) return KVF_ENOMEM;
+    int rc = validate(c, remote, op, la, ra, len, n, key, bad);
+    if (rc == KVF_OK) {
+        *nslices = plan(op, la, ra, len, key, n, slice_size, out);
+        if (!*out) rc = KVF_ENOMEM;
+    }
+    free(key);
+    return rc;
 }
 
 /* ----------------------------------------------------------------- queue */

@@ -28,7 +28,9 @@ enum {
 };
 
 enum { KVF_OP_WRITE = 0, KVF_OP_READ = 1 };
-enum { KVF_ACCESS_READ = 1, KVF_ACCESS_WRITE = 2 };
+/* READ/WRITE: what peers may do to a region. LOCAL_WRITE (local table
+ * only): the memory itself is writable, so reads may land in it. */
+enum { KVF_ACCESS_READ = 1, KVF_ACCESS_WRITE = 2, KVF_ACCESS_LOCAL_WRITE = 4 };
 
 /* ---------------------------------------------------------------- regions */
 
@@ -101,6 +103,7 @@ typedef struct kvf_ctx {
     struct kvf_session *sessions;   /* guarded by srv_mu */
     struct kvf_srv_conn *srv_conns;
     _Atomic int closing;
+    _Atomic int n_pre_auth;    /* server connections still before their hello */
 
     struct kvf_local_pool *local_pool;
 
@@ -134,14 +137,12 @@ typedef struct {
     uint32_t tag;        /* tcp: in-flight tag */
 } kvf_slice;
 
-/* Validates a batch against the local table and the peer's table (one lock
- * each for the whole batch) and returns the first bad entry's index in *bad. */
-int kvf_validate(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la,
-                 const uint64_t *ra, const uint64_t *len, size_t n, size_t *bad);
-/* Coalesces adjacent entries and cuts them into slices of at most slice_size.
- * Returns the number of slices written to *out (malloc'd, caller frees). */
-size_t kvf_plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                size_t n, uint64_t slice_size, kvf_slice **out);
+/* Validates a batch against the local table and the peer's table (the
+ * first bad entry's index goes to *bad), then coalesces and slices it into
+ * *out (malloc'd, caller frees; *nslices entries). */
+int kvf_prepare(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la,
+                const uint64_t *ra, const uint64_t *len, size_t n, uint64_t slice_size,
+                kvf_slice **out, size_t *nslices, size_t *bad);
 
 /* ----------------------------------------------------------------- queue */
 

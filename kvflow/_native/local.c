@@ -194,14 +194,13 @@ int kvf_local_submit(kvf_ctx *c, kvf_region_table *remote, int pid, int op,
                      const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                      size_t n, uint64_t inline_limit, uint64_t *id_out, size_t *bad) {
     *id_out = 0;
-    int rc = kvf_validate(c, remote, op, la, ra, len, n, bad);
-    if (rc) return rc;
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++) total += len[i];
     kvf_slice *s;
+    size_t k;
     uint64_t slice = total <= inline_limit ? UINT64_MAX / 2 : LOCAL_SLICE;
-    size_t k = kvf_plan(op, la, ra, len, n, slice, &s);
-    if (!s) return KVF_ENOMEM;
+    int rc = kvf_prepare(c, remote, op, la, ra, len, n, slice, &s, &k, bad);
+    if (rc) return rc;
     for (size_t i = 0; i < k; i++) s[i].pid = pid;
     if (total <= inline_limit) {
         size_t failed = SIZE_MAX;

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -39,6 +40,29 @@ int sk_send_iov_flags(int fd, struct iovec *iov, int n, int flags) {
 
 int sk_send_iov(int fd, struct iovec *iov, int n) { return sk_send_iov_flags(fd, iov, n, 0); }
 
+uint64_t sk_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+int sk_send_iov_until(int fd, struct iovec *iov, int n, uint64_t deadline_ns) {
+    while (n > 0) {
+        if (sk_now_ns() > deadline_ns) return -1;
+        struct msghdr m = {0};
+        m.msg_iov = iov;
+        m.msg_iovlen = n > IOV_MAX ? IOV_MAX : n;
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;      /* EAGAIN: SO_SNDTIMEO expired */
+        }
+        while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
+        if (n > 0) { iov->iov_base = (char *)iov->iov_base + w; iov->iov_len -= w; }
+    }
+    return 0;
+}
+
 int sk_send_all(int fd, const void *p, size_t n) {
     struct iovec v = {(void *)p, n};
     return sk_send_iov(fd, &v, 1);
@@ -46,6 +70,9 @@ int sk_send_all(int fd, const void *p, size_t n) {
 
 
 static ssize_t sk_recv(sk_reader *r, void *dst, size_t n, int flags) {
+    /* a frame that takes longer than its deadline is dropped, however the
+     * peer trickles it (SO_RCVTIMEO bounds one call only) */
+    if (r->deadline_ns && sk_now_ns() > r->deadline_ns) { errno = ETIMEDOUT; return -1; }
     for (;;) {
         ssize_t g = recv(r->fd, dst, n, flags);
         if (g < 0 && errno == EINTR) continue;

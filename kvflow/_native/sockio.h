@@ -3,6 +3,7 @@
 #ifndef KVF_SOCKIO_H
 #define KVF_SOCKIO_H
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include "wire.h"
@@ -22,9 +23,15 @@ typedef struct {
     void *arg;
     int big;       /* the last payload was large: the next one likely is too */
     int idle_poll; /* wait for a frame with poll(): SO_RCVTIMEO then bounds a frame */
+    uint64_t deadline_ns;  /* CLOCK_MONOTONIC; 0: none. Past it, reads fail */
 } sk_reader;
 
+uint64_t sk_now_ns(void);
+
 int sk_send_iov_flags(int fd, struct iovec *iov, int n, int flags);
+/* sk_send_iov that gives up (-1) once CLOCK_MONOTONIC passes deadline_ns;
+ * the socket needs SO_SNDTIMEO so that one call cannot outlast it much. */
+int sk_send_iov_until(int fd, struct iovec *iov, int n, uint64_t deadline_ns);
 int sk_send_iov(int fd, struct iovec *iov, int n);
 int sk_send_all(int fd, const void *p, size_t n);
 /* Reads exactly n bytes into dst (dst NULL: discard them). */

@@ -30,8 +30,10 @@
 /* Bytes per sendmsg: bounds what is already "on the wire" when a batch is
  * cancelled (its queued slices are dropped, these are not). */
 #define TCP_POP_BYTES (4u << 20)
-/* A submitter sends at most this much itself on an idle connection. */
+/* A submitter sends at most this much itself on an idle connection: copied
+ * (small payloads), and in all (large payloads are spliced: no copy). */
 #define TCP_INLINE_BYTES (64u << 10)
+#define TCP_INLINE_SPLICE_BYTES (1u << 20)
 #define SPLICE_MIN (64u << 10)   /* write payloads from this size are spliced */
 #define PIPE_BYTES (1u << 20)
 #define KVF_OP_FLUSH 0x100u  /* slice flag (in op): ask the target for its acks now */
@@ -62,6 +64,7 @@ typedef struct tcp_conn {
      * which completes the slice, proves the pages were read). -1: none. */
     int pipe_r, pipe_w;
     size_t pipe_cap;
+    size_t pipe_pending;      /* bytes an inline submitter left in the pipe */
     pthread_t tx, rx;
     int tx_started, rx_started;
 } tcp_conn;
@@ -151,6 +154,11 @@ static int frame_slices(const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *
     return niov;
 }
 
+/* iov[i] is a write payload (it follows a header) large enough to splice. */
+static int is_spliced(const struct iovec *iov, int i) {
+    return i > 0 && iov[i].iov_len >= SPLICE_MIN && iov[i - 1].iov_len == sizeof(kvf_hdr);
+}
+
 /* Moves len bytes at p into the socket by page reference. */
 static int splice_payload(tcp_conn *c, const char *p, size_t len, int more) {
     while (len > 0) {
@@ -179,8 +187,7 @@ static int send_frames(tcp_conn *c, struct iovec *iov, int niov) {
     if (c->pipe_w < 0) return niov ? sk_send_iov(c->fd, iov, niov) : 0;
     int start = 0;
     for (int i = 0; i < niov; i++) {
-        if (iov[i].iov_len < SPLICE_MIN || i == 0 || iov[i - 1].iov_len != sizeof(kvf_hdr))
-            continue;
+        if (!is_spliced(iov, i)) continue;
         /* iov[i] is a large payload: its header and everything before it
          * go first (MSG_MORE: the payload follows at once) */
         if (sk_send_iov_flags(c->fd, iov + start, i - start, MSG_MORE)) return -1;
@@ -190,6 +197,49 @@ static int send_frames(tcp_conn *c, struct iovec *iov, int niov) {
     return start < niov ? sk_send_iov(c->fd, iov + start, niov - start) : 0;
 }
 
+/* send_frames without blocking, for the inline path. Returns how many of
+ * the last iovecs are left (the first of them possibly partly sent), -1 on
+ * error; *in_pipe gets the bytes left in the pipe, which must reach the
+ * socket before those iovecs. */
+static int send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe) {
+    *in_pipe = 0;
+    int start = 0;
+    for (int i = 0; c->pipe_w >= 0 && i < niov; i++) {
+        if (!is_spliced(iov, i)) continue;
+        int left = sk_send_iov_flags(c->fd, iov + start, i - start, MSG_DONTWAIT | MSG_MORE);
+        if (left) return left < 0 ? -1 : left + (niov - i);
+        /* the pipe is empty here: the inline path runs only then */
+        struct iovec v = {iov[i].iov_base, iov[i].iov_len < c->pipe_cap ? iov[i].iov_len : c->pipe_cap};
+        ssize_t k = vmsplice(c->pipe_w, &v, 1, SPLICE_F_NONBLOCK);
+        if (k < 0) return (errno == EAGAIN || errno == EINTR) ? niov - i : -1;
+        iov[i].iov_base = (char *)iov[i].iov_base + k;
+        iov[i].iov_len -= k;
+        ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, k,
+                           SPLICE_F_MOVE | SPLICE_F_NONBLOCK | SPLICE_F_MORE);
+        if (m < 0) {
+            if (errno != EAGAIN && errno != EINTR) return -1;
+            m = 0;
+        }
+        if (m < k || iov[i].iov_len) {
+            *in_pipe = (size_t)(k - m);
+            return iov[i].iov_len ? niov - i : niov - i - 1;
+        }
+        start = i + 1;
+    }
+    return start < niov ? sk_send_iov_flags(c->fd, iov + start, niov - start, MSG_DONTWAIT) : 0;
+}
+
+/* Moves `n` bytes already in the pipe to the socket (blocking). */
+static int drain_pipe(tcp_conn *c, size_t n) {
+    while (n > 0) {
+        ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, n, SPLICE_F_MOVE | SPLICE_F_MORE);
+        if (m < 0 && errno == EINTR) continue;
+        if (m <= 0) return -1;
+        n -= m;
+    }
+    return 0;
+}
+
 static void *tcp_tx(void *arg) {
     tcp_conn *c = arg;
     kvf_slice s[TCP_POP], cancelled[TCP_POP];
@@ -197,18 +247,21 @@ static void *tcp_tx(void *arg) {
     struct iovec iov[2 * TCP_POP];
     for (;;) {
         pthread_mutex_lock(&c->q.mu);
-        while (!c->dead && !c->pend_n && (c->q.count == 0 || c->nfree == 0 || c->sending))
+        while (!c->dead && !c->pend_n && !c->pipe_pending &&
+               (c->q.count == 0 || c->nfree == 0 || c->sending))
             pthread_cond_wait(&c->q.cv, &c->q.mu);
         if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
         c->sending = 1;
         int bad = 0;
-        if (c->pend_n) {
+        if (c->pend_n || c->pipe_pending) {
             /* the rest of an inline submitter's frames goes first */
             int n = c->pend_n;
+            size_t in_pipe = c->pipe_pending;
             pthread_mutex_unlock(&c->q.mu);
-            bad = sk_send_iov(c->fd, c->pend, n);
+            bad = drain_pipe(c, in_pipe) || (n && send_frames(c, c->pend, n));
             pthread_mutex_lock(&c->q.mu);
             c->pend_n = 0;
+            c->pipe_pending = 0;
             c->sending = 0;
             pthread_mutex_unlock(&c->q.mu);
             if (bad) { conn_fail(c, KVF_ELOST); break; }
@@ -257,7 +310,7 @@ static void release_tag(tcp_conn *c, uint32_t tag) {
 static void *tcp_rx(void *arg) {
     tcp_conn *c = arg;
     kvf_ctx *ctx = c->ch->ctx;
-    sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0};
+    sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0, 0};
     int status = KVF_ELOST;
     if (!r.buf) { conn_fail(c, KVF_ENOMEM); return NULL; }
     for (;;) {
@@ -268,6 +321,12 @@ static void *tcp_rx(void *arg) {
         kvf_slice s;
         if (h.type == KVF_F_WRITE_ACK) {
             if (!take_tag(c, h.tag, &s, 0)) { status = KVF_EPROTO; break; }
+            if ((s.op & 0xff) != KVF_OP_WRITE) {
+                kvf_slice_done(ctx, s.slot, KVF_EPROTO, s.entry);
+                atomic_fetch_sub(&ctx->n_slices_inflight, 1);
+                status = KVF_EPROTO;
+                break;
+            }
             kvf_slice_done(ctx, s.slot, h.status, s.entry);
             atomic_fetch_sub(&ctx->n_slices_inflight, 1);
         } else if (h.type == KVF_F_READ_RESP) {
@@ -275,7 +334,8 @@ static void *tcp_rx(void *arg) {
             int st = h.status;
             /* a response whose length disagrees with the request cannot be
              * placed safely: drop the connection */
-            int fatal = h.len > KVF_MAX_PAYLOAD || (st == KVF_OK && h.len != s.len);
+            int fatal = h.len > KVF_MAX_PAYLOAD || (s.op & 0xff) != KVF_OP_READ ||
+                        (st == KVF_OK && h.len != s.len);
             if (!fatal && h.len) {
                 /* a cancelled read's bytes go nowhere: the caller may already
                  * have reused or released the destination */
@@ -354,9 +414,10 @@ static int ack_one(kvf_tcp_channel *ch, const kvf_hdr *h) {
     tcp_conn *c = &ch->conns[h->aux];
     kvf_slice s;
     if (!take_tag(c, h->tag, &s, 0)) return -1;
-    kvf_slice_done(ch->ctx, s.slot, h->status, s.entry);
+    int bad = (s.op & 0xff) != KVF_OP_WRITE;   /* an ack for a read's tag */
+    kvf_slice_done(ch->ctx, s.slot, bad ? KVF_EPROTO : h->status, s.entry);
     atomic_fetch_sub(&ch->ctx->n_slices_inflight, 1);
-    return 0;
+    return bad ? -1 : 0;
 }
 
 int kvf_tcp_poll_acks(kvf_tcp_channel *ch) {
@@ -384,12 +445,11 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
                    size_t n, uint64_t *id_out, size_t *bad) {
     kvf_ctx *ctx = ch->ctx;
     *id_out = 0;
-    int rc = kvf_validate(ctx, remote, op, la, ra, len, n, bad);
-    if (rc) return rc;
-    if (!atomic_load(&ch->alive)) { *bad = 0; return KVF_ELOST; }
     kvf_slice *s;
-    size_t k = kvf_plan(op, la, ra, len, n, ch->slice_size, &s);
-    if (!s) return KVF_ENOMEM;
+    size_t k;
+    int rc = kvf_prepare(ctx, remote, op, la, ra, len, n, ch->slice_size, &s, &k, bad);
+    if (rc) return rc;
+    if (!atomic_load(&ch->alive)) { free(s); *bad = 0; return KVF_ELOST; }
     rc = kvf_batch_alloc(ctx, k, id_out);
     if (rc) { free(s); return rc; }
     uint32_t slot = (uint32_t)*id_out;
@@ -422,7 +482,7 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
     for (int j = 0; j < nc; j++) {
         tcp_conn *c = &ch->conns[j];
         int any = 0;
-        uint64_t bytes = 0;
+        uint64_t bytes = 0, copied = 0;
         pthread_mutex_lock(&c->q.mu);
         for (size_t i = 0; i < k; i++) {
             if (dest[i] != j) continue;
@@ -432,14 +492,18 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
             }
             any = 1;
             bytes += s[i].len;
+            /* payloads below SPLICE_MIN would be copied by this thread */
+            if ((s[i].op & 0xff) == KVF_OP_WRITE && (s[i].len < SPLICE_MIN || c->pipe_w < 0))
+                copied += s[i].len;
         }
         int status = c->dead ? c->fail_status : KVF_ENOMEM;
-        if (any && !c->sending && !c->pend_n && bytes <= TCP_INLINE_BYTES && c->q.count <= TCP_POP &&
-            c->nfree >= c->q.count) {
+        if (any && !c->sending && !c->pend_n && !c->pipe_pending && copied <= TCP_INLINE_BYTES &&
+            bytes <= TCP_INLINE_SPLICE_BYTES && c->q.count <= TCP_POP && c->nfree >= c->q.count) {
             /* Small work on an idle connection: send it from this thread
              * instead of waking the sender (saves a thread hop per batch).
-             * Never blocks: what the socket does not take now is left to
-             * the sender thread, so a stalled peer cannot stall the loop. */
+             * Never blocks: what the socket (or pipe) does not take now is
+             * left to the sender thread, so a stalled peer cannot stall the
+             * loop. */
             kvf_slice mine[TCP_POP], cancelled[TCP_POP];
             size_t ncancel;
             c->sending = 1;
@@ -447,7 +511,8 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
             pthread_mutex_unlock(&c->q.mu);
             finish_cancelled(ctx, cancelled, ncancel);
             int niov = frame_slices(mine, m, c->pend_h, c->pend_iov);
-            int left = niov ? sk_send_iov_flags(c->fd, c->pend_iov, niov, MSG_DONTWAIT) : 0;
+            size_t in_pipe = 0;
+            int left = niov ? send_frames_nb(c, c->pend_iov, niov, &in_pipe) : 0;
             pthread_mutex_lock(&c->q.mu);
             c->sending = 0;
             if (left > 0) {
@@ -455,7 +520,8 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
                 c->pend = c->pend_iov + (niov - left);
                 c->pend_n = left;
             }
-            int more = c->q.count > 0 || c->pend_n;
+            if (left >= 0) c->pipe_pending = in_pipe;
+            int more = c->q.count > 0 || c->pend_n || c->pipe_pending;
             pthread_mutex_unlock(&c->q.mu);
             if (left < 0) conn_fail(c, KVF_ELOST);
             else if (more) pthread_cond_signal(&c->q.cv);

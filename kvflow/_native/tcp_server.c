@@ -22,7 +22,12 @@
 #include <unistd.h>
 
 #define ACK_BATCH 256
+/* Longest a frame (hello, payload, read response) may take: the server
+ * holds the region table's read lock while a payload moves. */
 #define FRAME_TIMEOUT_S 10
+/* Connections still before their hello: each holds a thread, so a flood
+ * of idle or trickling clients is refused past this many. */
+#define MAX_PRE_AUTH 64
 
 /* ---------------------------------------------------------------- target */
 
@@ -42,6 +47,7 @@ typedef struct kvf_srv_conn {
     kvf_ctx *ctx;
     kvf_session *session;
     int index;                /* the initiator's data connection index */
+    int pre_auth;             /* counted in ctx->n_pre_auth until its hello is read */
     int fd;
     pthread_t th;
     struct kvf_srv_conn *next;
@@ -93,20 +99,27 @@ static kvf_session *session_get(kvf_ctx *c, const uint8_t *tok) {
     return found;
 }
 
+static void srv_hello_done(kvf_srv_conn *s) {
+    if (s->pre_auth) { atomic_fetch_sub(&s->ctx->n_pre_auth, 1); s->pre_auth = 0; }
+}
+
 static void srv_loop(kvf_srv_conn *s) {
     kvf_ctx *ctx = s->ctx;
     /* The hello must arrive promptly; a silent client is dropped. */
     struct timeval tv = {10, 0};
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     kvf_hdr h;
-    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1};
+    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0};
     char hb[sizeof(kvf_hdr)];
     size_t got = 0;
+    uint64_t hello_deadline = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
     while (got < sizeof(hb)) {
+        if (sk_now_ns() > hello_deadline) return;   /* a trickled hello */
         ssize_t g = recv(s->fd, hb + got, sizeof(hb) - got, 0);
         if (g <= 0) return;
         got += g;
     }
+    srv_hello_done(s);
     memcpy(&h, hb, sizeof(h));
     uint8_t tok[16];
     memcpy(tok, &h.addr, 8);
@@ -127,11 +140,21 @@ static void srv_loop(kvf_srv_conn *s) {
         pthread_mutex_unlock(&s->session->mu);
         ack.status = ok ? KVF_OK : KVF_EPROTO;
     }
-    if (sk_send_all(s->fd, &ack, sizeof(ack)) || !ok) return;
+    if (sk_send_all(s->fd, &ack, sizeof(ack)) || !ok) {
+        if (ok && h.tag == KVF_ROLE_ACK) {
+            /* never leave a descriptor number that is about to be closed
+             * (and reused) published as the session's ack connection */
+            pthread_mutex_lock(&s->session->mu);
+            if (s->session->ack_fd == s->fd) s->session->ack_fd = -1;
+            pthread_mutex_unlock(&s->session->mu);
+        }
+        return;
+    }
     /* From now on the timeout bounds one frame: a peer that stops in the
      * middle of a payload is dropped after it (see sk_read_header). */
     tv.tv_sec = FRAME_TIMEOUT_S;
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(s->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     sk_nodelay(s->fd);
     if (h.tag == KVF_ROLE_ACK) {
         /* Nothing ever arrives on it; wait for the initiator to close it. */
@@ -157,12 +180,14 @@ static void srv_loop(kvf_srv_conn *s) {
             int st = KVF_OK, io = 0;
             /* The read lock is held while the payload lands, so deregister()
              * cannot return while bytes are still being written into it. */
+            r.deadline_ns = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
             pthread_rwlock_rdlock(&ctx->local.lock);
             const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h.addr, h.len);
             if (rg && (rg->access & KVF_ACCESS_WRITE))
                 io = sk_read_exact(&r, (void *)(uintptr_t)h.addr, h.len);
             else st = KVF_EREMOTE;
             pthread_rwlock_unlock(&ctx->local.lock);
+            r.deadline_ns = 0;
             if (st != KVF_OK) io = sk_read_exact(&r, NULL, h.len);   /* keep the stream in sync */
             if (io) break;
             srv_ack(s, h.tag, st);
@@ -174,7 +199,9 @@ static void srv_loop(kvf_srv_conn *s) {
             int ok2 = rg && (rg->access & KVF_ACCESS_READ);
             kvf_hdr resp = {KVF_MAGIC, KVF_F_READ_RESP, ok2 ? KVF_OK : KVF_EREMOTE, h.tag, 0, ok2 ? h.len : 0, 0};
             struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h.addr, ok2 ? h.len : 0}};
-            int bad = sk_send_iov(s->fd, v, ok2 ? 2 : 1);
+            /* bounded: the region table's read lock is held meanwhile */
+            int bad = sk_send_iov_until(s->fd, v, ok2 ? 2 : 1,
+                                        sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull);
             pthread_rwlock_unlock(&ctx->local.lock);
             if (bad) break;
         } else {
@@ -194,6 +221,7 @@ static void *srv_thread(void *arg) {
     kvf_srv_conn *s = arg;
     kvf_ctx *c = s->ctx;
     srv_loop(s);
+    srv_hello_done(s);
     pthread_mutex_lock(&c->srv_mu);
     if (s->session) session_put_locked(c, s->session);
     for (kvf_srv_conn **pp = &c->srv_conns; *pp; pp = &(*pp)->next) {
@@ -211,13 +239,20 @@ static void *srv_thread(void *arg) {
 
 int kvf_srv_serve(kvf_ctx *c, int fd) {
     if (atomic_load(&c->closing)) { close(fd); return KVF_ECLOSED; }
+    if (atomic_fetch_add(&c->n_pre_auth, 1) >= MAX_PRE_AUTH) {
+        atomic_fetch_sub(&c->n_pre_auth, 1);
+        close(fd);
+        return KVF_ENOMEM;
+    }
     kvf_srv_conn *s = calloc(1, sizeof(*s));
-    if (!s) { close(fd); return KVF_ENOMEM; }
+    if (!s) { atomic_fetch_sub(&c->n_pre_auth, 1); close(fd); return KVF_ENOMEM; }
     s->ctx = c;
     s->fd = fd;
+    s->pre_auth = 1;
     pthread_mutex_lock(&c->srv_mu);
     if (pthread_create(&s->th, NULL, srv_thread, s) != 0) {
         pthread_mutex_unlock(&c->srv_mu);
+        atomic_fetch_sub(&c->n_pre_auth, 1);
         close(fd);
         free(s);
         return KVF_ENOMEM;
