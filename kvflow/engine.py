@@ -570,11 +570,9 @@ class Engine:
                 s.close()
             raise
         ack_sock, data_socks = socks[0], socks[1:]
-        fds = []
-        for s in data_socks:
-            s.setblocking(True)
-            fds.append(s.detach())
-        # The ack socket stays non-blocking: only the loop reads it.
+        # All stay non-blocking: the loop reads the ack socket and may splice
+        # small batches into a data socket; the native threads poll().
+        fds = [s.detach() for s in data_socks]
         return _core.TcpChannel(self._core, peer._table, peer.address, fds, ack_sock.detach(),
                                 self._slice_size)
 

@@ -29,7 +29,12 @@ int sk_send_iov_flags(int fd, struct iovec *iov, int n, int flags) {
         ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL | flags);
         if (w < 0) {
             if (errno == EINTR) continue;
-            if ((flags & MSG_DONTWAIT) && (errno == EAGAIN || errno == EWOULDBLOCK)) return n;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (flags & MSG_DONTWAIT) return n;
+                int fl = fcntl(fd, F_GETFL);
+                /* a blocking socket's EAGAIN is its SO_SNDTIMEO expiring */
+                if (fl >= 0 && (fl & O_NONBLOCK) && sk_wait(fd, POLLOUT) == 0) continue;
+            }
             return -1;
         }
         while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
@@ -76,7 +81,19 @@ static ssize_t sk_recv(sk_reader *r, void *dst, size_t n, int flags) {
     for (;;) {
         ssize_t g = recv(r->fd, dst, n, flags);
         if (g < 0 && errno == EINTR) continue;
+        if (g < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && r->nonblocking &&
+            !(flags & MSG_DONTWAIT) && sk_wait(r->fd, POLLIN) == 0)
+            continue;
         return g;
+    }
+}
+
+int sk_wait(int fd, short events) {
+    struct pollfd p = {fd, events, 0};
+    for (;;) {
+        int k = poll(&p, 1, -1);
+        if (k > 0) return 0;    /* ready, or an error/hang-up the next call reports */
+        if (k < 0 && errno != EINTR) return -1;
     }
 }
 
@@ -150,9 +167,10 @@ int sk_read_header(sk_reader *r, kvf_hdr *h) {
             r->end = (size_t)g;
             return sk_read_exact(r, h, sizeof(*h));
         }
-        if ((size_t)g < sizeof(*h)) {
-            ssize_t k = sk_recv(r, (char *)h + g, sizeof(*h) - g, MSG_WAITALL);
-            if (k != (ssize_t)(sizeof(*h) - g)) return -1;
+        for (size_t got = (size_t)g; got < sizeof(*h);) {
+            ssize_t k = sk_recv(r, (char *)h + got, sizeof(*h) - got, MSG_WAITALL);
+            if (k <= 0) return -1;
+            got += (size_t)k;
         }
         return 0;
     }

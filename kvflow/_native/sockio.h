@@ -24,10 +24,17 @@ typedef struct {
     int big;       /* the last payload was large: the next one likely is too */
     int idle_poll; /* wait for a frame with poll(): SO_RCVTIMEO then bounds a frame */
     uint64_t deadline_ns;  /* CLOCK_MONOTONIC; 0: none. Past it, reads fail */
+    int nonblocking;       /* fd is O_NONBLOCK: wait in poll() instead of failing on EAGAIN */
 } sk_reader;
+
+/* Waits until fd is readable/writable (`events`); -1 on error. */
+int sk_wait(int fd, short events);
 
 uint64_t sk_now_ns(void);
 
+/* On an O_NONBLOCK socket without MSG_DONTWAIT, it waits in poll() when the
+ * socket is full (the initiator's sockets are non-blocking so that its
+ * event loop can splice into them without ever blocking). */
 int sk_send_iov_flags(int fd, struct iovec *iov, int n, int flags);
 /* sk_send_iov that gives up (-1) once CLOCK_MONOTONIC passes deadline_ns;
  * the socket needs SO_SNDTIMEO so that one call cannot outlast it much. */

@@ -1,5 +1,7 @@
 /* The tcp provider, initiator side: several connections per peer, each
- * with one sender and one receiver thread.
+ * with one sender and one receiver thread. The sockets are non-blocking
+ * (splice() honours only the socket's own O_NONBLOCK, and the event loop
+ * splices small batches itself); the threads wait in poll().
  *
  * Slices are queued per connection (least queued bytes first); the sender
  * pops a run of them, gives each an in-flight tag and sends headers and
@@ -174,6 +176,7 @@ static int splice_payload(tcp_conn *c, const char *p, size_t len, int more) {
             ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, k - done,
                                SPLICE_F_MOVE | ((more || len) ? SPLICE_F_MORE : 0));
             if (m < 0 && errno == EINTR) continue;
+            if (m < 0 && errno == EAGAIN && sk_wait(c->fd, POLLOUT) == 0) continue;
             if (m <= 0) return -1;
             done += m;
         }
@@ -234,6 +237,7 @@ static int drain_pipe(tcp_conn *c, size_t n) {
     while (n > 0) {
         ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, n, SPLICE_F_MOVE | SPLICE_F_MORE);
         if (m < 0 && errno == EINTR) continue;
+        if (m < 0 && errno == EAGAIN && sk_wait(c->fd, POLLOUT) == 0) continue;
         if (m <= 0) return -1;
         n -= m;
     }
@@ -310,7 +314,7 @@ static void release_tag(tcp_conn *c, uint32_t tag) {
 static void *tcp_rx(void *arg) {
     tcp_conn *c = arg;
     kvf_ctx *ctx = c->ch->ctx;
-    sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0, 0};
+    sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0, 0, 1};
     int status = KVF_ELOST;
     if (!r.buf) { conn_fail(c, KVF_ENOMEM); return NULL; }
     for (;;) {

@@ -109,7 +109,7 @@ static void srv_loop(kvf_srv_conn *s) {
     struct timeval tv = {10, 0};
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     kvf_hdr h;
-    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0};
+    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0};
     char hb[sizeof(kvf_hdr)];
     size_t got = 0;
     uint64_t hello_deadline = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
