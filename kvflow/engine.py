@@ -279,6 +279,16 @@ class Engine:
 
     def _regions_changed(self) -> None:
         self._generation += 1
+        # Peers in this process copy with memcpy and check only their copy
+        # of our table: update it now, not when the pushed frame arrives, so
+        # that nothing submitted after deregister() returns can reach the
+        # region. (Batches already queued to their workers are not fenced.)
+        mine = None
+        for other in list(_live_engines.values()):
+            peer = other._peers.get(self.address)
+            if peer is not None and peer.transport == "local" and other._same_process(self.address, peer.descriptor):
+                mine = mine if mine is not None else self._remote_regions()
+                peer._set_regions(mine)
         if not self._sessions:
             return
         frame = encode({"t": "regions", "generation": self._generation,
