@@ -64,7 +64,6 @@ cdef extern from "_native/kvf.h" nogil:
                        const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                        size_t n, uint64_t *id_out, size_t *bad)
     int kvf_tcp_channel_alive(kvf_tcp_channel *ch)
-    void kvf_tcp_channel_close(kvf_tcp_channel *ch)
     void kvf_tcp_channel_free(kvf_tcp_channel *ch)
 
     int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token)

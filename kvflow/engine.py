@@ -220,9 +220,7 @@ class Engine:
         if self._data_sock is not None:
             self._data_sock.close()
         if self._core is not None:
-            for peer in list(self._peers.values()):
-                await peer.close()
-            # Unregister before the eventfd is closed: a closed descriptor
+            # (close() has closed the peers already.) Unregister before the eventfd is closed: a closed descriptor
             # silently leaves epoll, and the next engine's eventfd may reuse
             # its number while the selector still maps it to us.
             if self._completion_fd >= 0:

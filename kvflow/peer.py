@@ -100,26 +100,18 @@ class Peer:
     def alive(self) -> bool:
         return not self._closed and not self._control_lost and self._channel.alive
 
-    def _submit(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> Transfer | None:
-        """Posts a batch; returns its Transfer, or None if it completed
-        inline. Raises the batch's error."""
-        status, batch_id, aux = self._channel.submit(op, la, ra, ln)
-        if status:
-            raise status_error(status, peer=self.address, index=aux, op=op)
-        if batch_id == 0:
-            return None
-        t = Transfer(self._engine, batch_id, self.address, op, aux, timeout)
-        self._engine._pending[batch_id] = t
+    def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:
+        """The Transfer of a posted batch (batch_id 0: completed inline)."""
+        t = Transfer(self._engine, batch_id, self.address, op, nbytes, timeout)
+        if batch_id:
+            self._engine._pending[batch_id] = t
         return t
 
     def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> Transfer:
         status, batch_id, aux = self._channel.submit(op, la, ra, ln)
         if status:
             raise status_error(status, peer=self.address, index=aux, op=op)
-        t = Transfer(self._engine, batch_id, self.address, op, aux, timeout)
-        if batch_id:
-            self._engine._pending[batch_id] = t
-        return t
+        return self._track(batch_id, op, aux, timeout)
 
     async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
         status, batch_id, aux = self._channel.submit(op, la, ra, ln)
@@ -134,9 +126,7 @@ class Peer:
                     return
             if status:
                 raise status_error(status, peer=self.address, index=aux, op=op)
-        t = Transfer(self._engine, batch_id, self.address, op, aux, timeout)
-        self._engine._pending[batch_id] = t
-        await t
+        await self._track(batch_id, op, aux, timeout)
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None) -> None:

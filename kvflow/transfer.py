@@ -85,13 +85,13 @@ class Transfer:
         if self._timer is not None:
             self._timer.cancel()
         self._engine._core_cancel(self._id)
-        self._timer = self._engine._loop.call_later(DRAIN_GRACE, self._give_up, retrieved)
+        self._timer = self._engine._loop.call_later(DRAIN_GRACE, self._give_up)
         if retrieved:
             # The caller abandoned it: a failure nobody awaits must not be
             # reported as "exception never retrieved".
             self._future.add_done_callback(_silence)
 
-    def _give_up(self, retrieved: bool) -> None:
+    def _give_up(self) -> None:
         if not self._future.done() and self._abort_exc is not None:
             self._future.set_exception(self._abort_exc)
 
