@@ -6,7 +6,7 @@ released; results come back as plain status codes, which kvflow.errors maps
 to exceptions in one place.
 """
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy
 from cpython.long cimport PyLong_AsUnsignedLongLong
 cimport numpy as cnp
@@ -33,11 +33,6 @@ cdef class Core:
     completion ring (readable through `fileno()`), local workers and the
     tcp server's connection threads."""
 
-    cdef kvf_ctx *ctx
-    cdef uint32_t next_region_id
-    cdef object channels          # weakref.WeakSet of channels, closed first
-    cdef kvf_completion comp[DRAIN_BATCH]
-
     def __cinit__(self, int local_workers=2):
         with nogil:
             self.ctx = kvf_ctx_new(local_workers)
@@ -52,7 +47,7 @@ cdef class Core:
                 kvf_ctx_free(self.ctx)
             self.ctx = NULL
 
-    cdef inline kvf_ctx *_ctx(self) except NULL:
+    cdef kvf_ctx *_ctx(self) except NULL:
         if self.ctx == NULL:
             raise RuntimeError("kvflow: the engine is closed")
         return self.ctx
@@ -72,6 +67,16 @@ cdef class Core:
             return 0
         self.next_region_id += 1
         return rid
+
+    def set_keys(self, uint32_t rid, keys):
+        """Sets a region's rdma lkeys (one per device)."""
+        cdef uint32_t kv[KVF_MAX_DEVS]
+        cdef size_t nk = len(keys), i
+        if nk > KVF_MAX_DEVS:
+            raise ValueError(f"at most {KVF_MAX_DEVS} rdma devices")
+        for i in range(nk):
+            kv[i] = keys[i]
+        return kvf_rt_set_keys(&self._ctx().local, rid, kv, nk) == KVF_OK
 
     def remove_region(self, uint32_t rid):
         """Removes a region; returns once no receiver is writing into it."""
@@ -145,9 +150,6 @@ cdef class RemoteTable:
     """A peer's regions as last described by its handshake server; batches are
     checked against it before anything is sent."""
 
-    cdef kvf_region_table t
-    cdef readonly uint64_t version
-
     def __cinit__(self):
         kvf_rt_init(&self.t)
 
@@ -155,19 +157,22 @@ cdef class RemoteTable:
         kvf_rt_destroy(&self.t)
 
     def update(self, regions):
-        """regions: sequence of (addr, length, access). Returns False when the
-        peer sent overlapping or empty regions."""
-        cdef size_t n = len(regions), i = 0
-        cdef kvf_region *v = <kvf_region *>malloc((n if n else 1) * sizeof(kvf_region))
+        """regions: sequence of (addr, length, access, rkeys), rkeys being
+        the region's rdma keys per device of the peer (may be empty).
+        Returns False when the peer sent overlapping or empty regions."""
+        cdef size_t n = len(regions), i = 0, j
+        cdef kvf_region *v = <kvf_region *>calloc((n if n else 1), sizeof(kvf_region))
         cdef int rc
         if v == NULL:
             raise MemoryError()
         try:
-            for addr, length, access in regions:
+            for addr, length, access, rkeys in regions:
                 v[i].addr = addr
                 v[i].len = length
                 v[i].access = access
                 v[i].id = <uint32_t>i
+                for j in range(min(len(rkeys), KVF_MAX_DEVS)):
+                    v[i].keys[j] = rkeys[j]
                 i += 1
             with nogil:
                 rc = kvf_rt_replace(&self.t, v, n)
@@ -218,11 +223,6 @@ cdef class Channel:
     columns and returns (status, batch_id, aux): on failure aux is the first
     bad entry; on success it is the batch's byte count, and batch_id 0 means
     the batch already completed inline."""
-
-    cdef object __weakref__
-    cdef Core core
-    cdef RemoteTable table
-    cdef readonly str peer
 
     def __cinit__(self, Core core, RemoteTable table, str peer, *args):
         self.core = core

@@ -15,15 +15,20 @@ cdef extern from "_native/kvf.h" nogil:
         KVF_ECLOSED
         KVF_OP_WRITE
         KVF_OP_READ
+        KVF_MAX_DEVS
 
     ctypedef struct kvf_region:
         uint64_t addr
         uint64_t len
         uint32_t access
         uint32_t id
+        uint32_t keys[8]
 
     ctypedef struct kvf_region_table:
         uint64_t generation
+
+    ctypedef struct kvf_slice:
+        pass
 
     ctypedef struct kvf_completion:
         uint64_t id
@@ -43,6 +48,7 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_rt_add(kvf_region_table *t, uint64_t addr, uint64_t len, uint32_t access, uint32_t id)
     int kvf_rt_remove(kvf_region_table *t, uint32_t id)
     int kvf_rt_replace(kvf_region_table *t, const kvf_region *v, size_t n)
+    int kvf_rt_set_keys(kvf_region_table *t, uint32_t id, const uint32_t *keys, size_t n)
 
     kvf_ctx *kvf_ctx_new(int local_workers)
     void kvf_ctx_free(kvf_ctx *c)

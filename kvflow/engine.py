@@ -43,12 +43,16 @@ from kvflow.handshake import (
 )
 from kvflow.memory import Access, Region, RemoteRegion, buffer_span
 from kvflow.peer import Peer
+from kvflow.transfer import Transfer
+from kvflow import rdma as rdma_provider
 
 __all__ = ["Engine", "PROVIDERS"]
 
 log = logging.getLogger("kvflow")
 
-PROVIDERS = ("local", "tcp")
+# In the order protocols=None tries them: same host first (memcpy or
+# cross-memory attach beat any NIC loopback), then rdma, then tcp.
+PROVIDERS = ("local", "rdma", "tcp")
 HANDSHAKE_TIMEOUT = 10.0
 PRE_AUTH_FRAME = 64 << 10          # hello and auth frames are small
 SESSION_BUFFER_LIMIT = 64 << 20    # unread control data after which a session is dropped
@@ -108,16 +112,22 @@ class Engine:
     """kvflow's engine. Use as `async with Engine(...) as engine:`.
 
     listen: "host:port" of the handshake server (port 0 picks one);
-    protocols: provider names to allow ("local", "tcp"); None chooses
-    automatically (local where the peer is on this host and permits it, else
+    protocols: provider names to allow ("local", "rdma", "tcp"); None
+    chooses automatically (local where the peer is on this host and permits
+    it, else rdma where both ends have devices that reach each other, else
     tcp); secret: shared secret, required of every peer when set;
-    tcp_connections: data connections per tcp peer.
+    tcp_connections: data connections per tcp peer; rdma_devices: RDMA
+    device names to use (default: env KVFLOW_RDMA_DEVICES, else all);
+    rdma_gid_index: GID index override (default: env KVFLOW_GID_INDEX, else
+    a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair.
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
                  secret: bytes | str | None = None, tcp_connections: int = 2,
                  local_workers: int = 2, slice_size: int = 1 << 20,
-                 inline_limit: int = 64 << 10, advertise: str | None = None) -> None:
+                 inline_limit: int = 64 << 10, advertise: str | None = None,
+                 rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
+                 rdma_qps: int = 2, rdma_slice_size: int = 256 << 10) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -134,6 +144,11 @@ class Engine:
         self._slice_size = slice_size
         self._inline_limit = inline_limit
         self._advertise = advertise
+        self._rdma_options = {"devices": list(rdma_devices) if rdma_devices is not None else None,
+                              "gid_index": rdma_gid_index, "qps_per_pair": rdma_qps,
+                              "slice_size": rdma_slice_size}
+        self._rdma: Any = None
+        self._rdma_reason = "not started"
         self._core: Any = None
         self._completion_fd = -1
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -184,10 +199,26 @@ class Engine:
             _live_engines[self.address] = self
             self._completion_fd = self._core.fileno()
             self._loop.add_reader(self._completion_fd, self._on_completions)
+            self._start_rdma()
         except OSError as e:
             await self._teardown()
             raise KVFlowError(f"cannot listen on {self._listen}: {e}", errno=e.errno) from e
         self._started = True
+
+    def _start_rdma(self) -> None:
+        if self.protocols is not None and "rdma" not in self.protocols:
+            self._rdma_reason = "rdma is not among this engine's protocols"
+            return
+        try:
+            self._rdma = rdma_provider.RdmaProvider(self, **self._rdma_options)
+            self._rdma_reason = ""
+        except ProviderUnavailableError as e:
+            self._rdma_reason = str(e)
+            level = logging.WARNING if self.protocols is not None else logging.DEBUG
+            log.log(level, "kvflow: rdma unavailable: %s", e)
+
+    def _rdma_device_names(self) -> list[str] | None:
+        return self._rdma.device_names() if self._rdma is not None else None
 
     async def close(self) -> None:
         """Closes peers (their in-flight transfers fail with PeerLostError),
@@ -226,6 +257,11 @@ class Engine:
             if self._completion_fd >= 0:
                 self._loop.remove_reader(self._completion_fd)
                 self._completion_fd = -1
+            if self._rdma is not None:
+                # after the peers (their QPs) and before the core: the
+                # device workers complete batches in the core's pool
+                self._rdma.close()
+                self._rdma = None
             self._core.close()      # closes channels: their batches complete with errors
         self._fail_pending()
 
@@ -255,7 +291,17 @@ class Engine:
         if not rid:
             raise InvalidArgumentError(
                 f"region {addr:#x}+{length} overlaps a registered region or overflows")
-        region = Region(addr, length, name, access, rid, keep)
+        rkeys: tuple[int, ...] = ()
+        took = 0.0
+        if self._rdma is not None:
+            try:
+                lkeys, rk, took = self._rdma.register(rid, addr, length, access, writable)
+            except BaseException:
+                self._core.remove_region(rid)
+                raise
+            self._core.set_keys(rid, lkeys)
+            rkeys = tuple(rk)
+        region = Region(addr, length, name, access, rid, keep, rkeys, took)
         self._regions[rid] = region
         self._regions_changed()
         return region
@@ -266,6 +312,8 @@ class Engine:
         if self._regions.pop(region.id, None) is None:
             raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
         self._core.remove_region(region.id)
+        if self._rdma is not None:
+            self._rdma.deregister(region.id)     # the NICs refuse its keys from now on
         self._regions_changed()
 
     @property
@@ -273,7 +321,7 @@ class Engine:
         return sorted(self._regions.values(), key=lambda r: r.addr)
 
     def _remote_regions(self) -> list[RemoteRegion]:
-        return [RemoteRegion(r.addr, r.length, r.name, r.access) for r in self.regions]
+        return [RemoteRegion(r.addr, r.length, r.name, r.access, r.rkeys) for r in self.regions]
 
     def _regions_changed(self) -> None:
         self._generation += 1
@@ -307,7 +355,8 @@ class Engine:
         return Descriptor(
             address=self.address, incarnation=self._incarnation, host=ident.host, pid=ident.pid,
             process=ident.token, probe_addr=ident.probe_addr, probe_cookie=ident.cookie.tobytes(),
-            data=[(host, port)], regions=self._remote_regions(), generation=self._generation)
+            data=[(host, port)], regions=self._remote_regions(), generation=self._generation,
+            rdma=self._rdma.describe() if self._rdma is not None else None)
 
     # ------------------------------------------------------------ completions
     def _on_completions(self) -> None:
@@ -317,6 +366,14 @@ class Engine:
             t = pending.pop(batch_id, None)
             if t is not None:
                 t._finish(status, entry)
+
+    def _track_batch(self, batch_id: int, peer: str, op: int, nbytes: int,
+                     timeout: float | None) -> Transfer:
+        """The Transfer of a posted batch (batch_id 0: completed inline)."""
+        t = Transfer(self, batch_id, peer, op, nbytes, timeout)
+        if batch_id:
+            self._pending[batch_id] = t
+        return t
 
     def _core_cancel(self, batch_id: int) -> None:
         if self._core is not None:
@@ -379,6 +436,13 @@ class Engine:
                 elif t == "describe":
                     writer.write(encode({"t": "descriptor", "descriptor": self.descriptor().to_wire()}))
                     await writer.drain()      # a peer that asks but never reads gets no more
+                elif t == "rdma_connect":
+                    if self._rdma is None:
+                        reply = {"t": "rdma_error", "message": f"no rdma on {self.address}: {self._rdma_reason}"}
+                    else:
+                        reply = self._rdma.accept(peer_addr, writer, msg)
+                    writer.write(encode({**reply, "rid": msg.get("rid")}))
+                    await writer.drain()
                 elif t == "bye":
                     break
                 else:
@@ -396,6 +460,8 @@ class Engine:
         finally:
             self._session_tasks.discard(task)
             self._sessions.discard(writer)
+            if self._rdma is not None:
+                self._rdma.drop_session(writer)
             if token and self._core is not None:
                 self._core.remove_token(token)
             writer.close()
@@ -530,8 +596,21 @@ class Engine:
                             "local")
                 reason = (f"process_vm_readv on pid {desc.pid} not permitted ({os.strerror(got)})"
                           if isinstance(got, int) else "cross-memory probe mismatch")
+            nxt = "rdma" if "rdma" in allowed else "tcp"
+            if nxt in allowed:
+                log.info("kvflow: %s: local provider unavailable (%s); trying %s", peer.address, reason, nxt)
+        if "rdma" in allowed:
+            if self._rdma is None:
+                reason = f"rdma unavailable here: {self._rdma_reason}"
+            elif desc.rdma is None:
+                reason = "the peer has no rdma devices"
+            else:
+                try:
+                    return await self._rdma.connect(peer, desc.rdma, peer._first_request), "rdma"
+                except ProviderUnavailableError as e:
+                    reason = str(e)
             if "tcp" in allowed:
-                log.info("kvflow: %s: local provider unavailable (%s); using tcp", peer.address, reason)
+                log.info("kvflow: %s: rdma unavailable (%s); using tcp", peer.address, reason)
         if "tcp" in allowed:
             return await self._open_tcp(peer, desc, token), "tcp"
         raise ProviderUnavailableError(

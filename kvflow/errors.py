@@ -78,10 +78,28 @@ OK, EINVAL, EUNREG, EREMOTE, ELOST, ECANCELLED, EPROTO, ENOMEM, EIO, ECLOSED = r
 _OPS = {0: "write", 1: "read"}
 
 
-def status_error(status: int, *, peer: str, index: int | None, op: int) -> KVFlowError:
-    """Maps a native status to the exception a caller sees."""
+# ibv_wc_status values (infiniband/verbs.h), for messages.
+WC_STATUS = (
+    "SUCCESS", "LOC_LEN_ERR", "LOC_QP_OP_ERR", "LOC_EEC_OP_ERR", "LOC_PROT_ERR", "WR_FLUSH_ERR",
+    "MW_BIND_ERR", "BAD_RESP_ERR", "LOC_ACCESS_ERR", "REM_INV_REQ_ERR", "REM_ACCESS_ERR",
+    "REM_OP_ERR", "RETRY_EXC_ERR", "RNR_RETRY_EXC_ERR", "LOC_RDD_VIOL_ERR", "REM_INV_RD_REQ_ERR",
+    "REM_ABORT_ERR", "INV_EECN_ERR", "INV_EEC_STATE_ERR", "FATAL_ERR", "RESP_TIMEOUT_ERR", "GENERAL_ERR",
+)
+
+
+def status_error(status: int, *, peer: str, index: int | None, op: int,
+                 devices: list[str] | None = None) -> KVFlowError:
+    """Maps a native status to the exception a caller sees. An rdma
+    completion error carries the verbs status in bits 8-15 and the device
+    (index + 1) in bits 16-22; `devices` names them."""
     what = _OPS.get(op, "transfer")
     at = f" (entry {index})" if index is not None else ""
+    wc, dev = (status >> 8) & 0xFF, (status >> 16) & 0x7F
+    status &= 0xFF
+    if dev:
+        name = devices[dev - 1] if devices and dev - 1 < len(devices) else f"#{dev - 1}"
+        wc_name = WC_STATUS[wc] if wc < len(WC_STATUS) else str(wc)
+        at += f" [rdma device {name}, verbs status IBV_WC_{wc_name} ({wc})]"
     if status == EINVAL:
         return InvalidArgumentError(
             f"{what} to {peer}: zero length or address overflow{at}", peer=peer, index=index)

@@ -92,13 +92,14 @@ class Descriptor:
     data: list[tuple[str, int]]
     regions: list[RemoteRegion]
     generation: int
+    rdma: dict[str, Any] | None = None     # devices and probe, when the engine has rdma
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "address": self.address, "incarnation": self.incarnation, "host": self.host,
             "pid": self.pid, "process": self.process, "probe": [self.probe_addr, self.probe_cookie],
             "data": [list(d) for d in self.data], "generation": self.generation,
-            "regions": regions_to_wire(self.regions),
+            "regions": regions_to_wire(self.regions), "rdma": self.rdma,
         }
 
     @classmethod
@@ -122,25 +123,53 @@ class Descriptor:
             host=field(d, "host", str), pid=field(d, "pid", int), process=field(d, "process", bytes),
             probe_addr=probe_addr, probe_cookie=cookie, data=endpoints,
             regions=regions_from_wire(field(d, "regions", list)),
-            generation=field(d, "generation", int),
+            generation=field(d, "generation", int), rdma=rdma_from_wire(d.get("rdma")),
         )
 
 
+def rdma_from_wire(v: Any) -> dict[str, Any] | None:
+    """The rdma part of a descriptor: {"devices": [{name, gid, lid, mtu,
+    link, port}], "probe": [addr, [rkey per device], cookie]}, checked."""
+    if v is None:
+        return None
+    try:
+        devices = v["devices"]
+        addr, rkeys, cookie = v["probe"]
+        ok = (isinstance(devices, list) and 0 < len(devices) <= 8 and isinstance(addr, int)
+              and 0 < addr < 1 << 64 and isinstance(rkeys, list) and len(rkeys) == len(devices)
+              and all(isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys)
+              and isinstance(cookie, bytes) and 0 < len(cookie) <= 64)
+        for d in devices:
+            ok = ok and (isinstance(d.get("name"), str) and isinstance(d.get("gid"), bytes)
+                         and len(d["gid"]) == 16 and isinstance(d.get("lid"), int)
+                         and isinstance(d.get("mtu"), int) and 1 <= d["mtu"] <= 5)
+        if not ok:
+            raise ValueError
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ProtocolError("descriptor: malformed rdma section") from None
+    return {"devices": devices, "probe": [addr, rkeys, cookie]}
+
+
 def regions_to_wire(regions: list[RemoteRegion]) -> list[list[Any]]:
-    return [[r.addr, r.length, int(r.access), r.name] for r in regions]
+    return [[r.addr, r.length, int(r.access), r.name, list(r.rkeys)] for r in regions]
 
 
 def regions_from_wire(v: Any) -> list[RemoteRegion]:
     out = []
     try:
-        for addr, length, access, name in v:
+        for item in v:
+            addr, length, access, name, *rest = item
+            rkeys = rest[0] if rest else []
+            if len(rest) > 1 or not isinstance(rkeys, list) or len(rkeys) > 8 or not all(
+                    isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys):
+                raise ValueError
             if not (isinstance(addr, int) and isinstance(length, int) and isinstance(access, int)):
                 raise TypeError
             if not (0 < addr < 1 << 64 and 0 < length < 1 << 64 and addr + length <= 1 << 64):
                 raise ValueError
             if name is not None and not isinstance(name, str):
                 raise TypeError
-            out.append(RemoteRegion(addr, length, name, Access(access & 3)))
+            out.append(RemoteRegion(addr, length, name, Access(access & 3), tuple(rkeys)))
     except (TypeError, ValueError):
         raise ProtocolError("descriptor: malformed region list") from None
     return out

@@ -30,6 +30,9 @@ class Region:
     access: Access
     id: int = field(repr=False, compare=False, default=0)
     _owner: Any = field(repr=False, compare=False, default=None)
+    # rdma: memory keys per device, and how long registering took (s)
+    rkeys: tuple[int, ...] = field(repr=False, compare=False, default=())
+    rdma_reg_seconds: float = field(repr=False, compare=False, default=0.0)
 
     @property
     def end(self) -> int:
@@ -44,6 +47,7 @@ class RemoteRegion:
     length: int
     name: str | None
     access: Access
+    rkeys: tuple[int, ...] = field(repr=False, compare=False, default=())
 
     @property
     def end(self) -> int:

@@ -50,6 +50,9 @@ class Peer:
         self._control_lost = False
         self._reader_task: asyncio.Task[None] | None = None
         self._ack_fd = -1
+        self._rid = 0
+        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._rdma_remote_qpns: list[int] = []
 
     def _start(self, channel: Any, transport: str) -> None:
         self._channel = channel
@@ -83,7 +86,7 @@ class Peer:
         raise KeyError(f"peer {self.address} has no region named {name!r}")
 
     def _set_regions(self, regions: list[RemoteRegion]) -> None:
-        if not self._table.update([(r.addr, r.length, int(r.access)) for r in regions]):
+        if not self._table.update([(r.addr, r.length, int(r.access), r.rkeys) for r in regions]):
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
         self._regions = regions
@@ -160,11 +163,18 @@ class Peer:
     async def notify(self, data: bytes) -> None:
         """Sends `data` to the peer's engine.notifications(). Every write to
         this peer that completed before the call has landed before the peer
-        sees the notification. Raises PeerLostError if the peer is gone."""
+        sees the notification. Raises PeerLostError if the peer is gone.
+
+        Over rdma, a notification up to 4 KiB is an RDMA SEND on the data
+        path (no TCP hop); larger ones use the control connection."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError("notify() takes bytes", peer=self.address)
         if self._closed or self._control_lost:
             raise PeerLostError(f"peer {self.address} is gone", peer=self.address)
+        rdma = self._engine._rdma
+        if self.transport == "rdma" and rdma is not None:
+            if await rdma.notify(self, self._channel, bytes(data)):
+                return
         self._send({"t": "notify", "data": bytes(data)})
         try:
             await self._writer.drain()
@@ -172,6 +182,41 @@ class Peer:
             raise PeerLostError(f"notify to {self.address}: {e}", peer=self.address) from None
 
     # ------------------------------------------------------------ control stream
+    async def _request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """Sends a request on the control connection and waits for the
+        reply with the same "rid" (read by the control reader)."""
+        self._rid += 1
+        rid = self._rid
+        fut: asyncio.Future[dict[str, Any]] = self._engine._loop.create_future()
+        self._replies[rid] = fut
+        try:
+            self._send({**msg, "rid": rid})
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._replies.pop(rid, None)
+
+    async def _first_request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """A request made while connecting, before the control reader runs:
+        reads the reply itself (applying region updates that come first)."""
+        self._rid += 1
+        self._send({**msg, "rid": self._rid})
+
+        async def reply() -> dict[str, Any]:
+            while True:
+                m = await read_message(self._reader)
+                if m.get("rid") == self._rid:
+                    return m
+                if m["t"] == "regions":
+                    self._set_regions(regions_from_wire(field(m, "regions", list)))
+                else:
+                    raise ProtocolError(f"{self.address}: unexpected {m['t']!r} while connecting",
+                                        peer=self.address)
+        try:
+            return await asyncio.wait_for(reply(), timeout)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise PeerLostError(f"{self.address} closed the control connection ({e.__class__.__name__})",
+                                peer=self.address) from None
+
     def _send(self, msg: dict[str, Any]) -> None:
         if self._writer.is_closing():
             raise PeerLostError(f"control connection to {self.address} is closed", peer=self.address)
@@ -192,6 +237,10 @@ class Peer:
                     for w in waiters:
                         if not w.done():
                             w.set_result(None)
+                elif t in ("rdma_accept", "rdma_error"):
+                    w = self._replies.get(msg.get("rid"))   # type: ignore[arg-type]
+                    if w is not None and not w.done():
+                        w.set_result(msg)
                 elif t == "bye":
                     break
                 else:
@@ -204,13 +253,16 @@ class Peer:
             return
         finally:
             self._control_lost = True
+            for w in list(self._replies.values()):
+                if not w.done():
+                    w.set_exception(PeerLostError(f"peer {self.address} is gone", peer=self.address))
             for w in self._refresh_waiters:
                 if not w.done():
                     w.set_exception(PeerLostError(f"peer {self.address} is gone", peer=self.address))
             self._refresh_waiters = []
-        # The control connection is the peer's lifeline for the local
-        # provider (no data sockets to notice a death).
-        if self.transport == "local":
+        # The control connection is the peer's lifeline for the local and
+        # rdma providers (no data sockets to notice a death).
+        if self.transport in ("local", "rdma"):
             self._channel.close()
 
     async def close(self) -> None:
@@ -222,6 +274,8 @@ class Peer:
         self._engine._forget_peer(self)
         self._stop_acks()
         self._channel.close()
+        if self._engine._rdma is not None:
+            self._engine._rdma.forget_channel(self._channel)
         self._channel = _ClosedChannel(self.address)
         if not self._writer.is_closing():
             try:

@@ -122,7 +122,8 @@ class Transfer:
         elif status == 0:
             self._future.set_result(None)
         else:
-            self._future.set_exception(status_error(status, peer=self._peer, index=entry, op=self._op))
+            self._future.set_exception(status_error(status, peer=self._peer, index=entry, op=self._op,
+                                                    devices=self._engine._rdma_device_names()))
 
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "pending"

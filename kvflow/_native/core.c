@@ -67,7 +67,7 @@ int kvf_rt_add(kvf_region_table *t, uint64_t addr, uint64_t len, uint32_t access
         t->cap = cap;
     }
     memmove(&t->v[i + 1], &t->v[i], (t->n - i) * sizeof(kvf_region));
-    t->v[i] = (kvf_region){addr, len, access, id};
+    t->v[i] = (kvf_region){addr, len, access, id, {0}};
     t->n++;
     t->generation++;
     pthread_rwlock_unlock(&t->lock);
@@ -82,6 +82,21 @@ int kvf_rt_remove(kvf_region_table *t, uint32_t id) {
             memmove(&t->v[i], &t->v[i + 1], (t->n - i - 1) * sizeof(kvf_region));
             t->n--;
             t->generation++;
+            rc = KVF_OK;
+            break;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return rc;
+}
+
+int kvf_rt_set_keys(kvf_region_table *t, uint32_t id, const uint32_t *keys, size_t n) {
+    if (n > KVF_MAX_DEVS) return KVF_EINVAL;
+    int rc = KVF_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    for (size_t i = 0; i < t->n; i++) {
+        if (t->v[i].id == id) {
+            memcpy(t->v[i].keys, keys, n * sizeof(*keys));
             rc = KVF_OK;
             break;
         }
@@ -333,7 +348,7 @@ static size_t plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_
         }
         for (uint64_t off = 0; off < total; off += slice_size) {
             uint64_t l = total - off < slice_size ? total - off : slice_size;
-            s[k++] = (kvf_slice){l0 + off, r0 + off, l, first, 0, (uint32_t)op, 0, 0};
+            s[k++] = (kvf_slice){l0 + off, r0 + off, l, first, 0, (uint32_t)op, 0, 0, 0, 0, 0, 0};
         }
     }
     *out = s;

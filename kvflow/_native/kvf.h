@@ -34,11 +34,15 @@ enum { KVF_ACCESS_READ = 1, KVF_ACCESS_WRITE = 2, KVF_ACCESS_LOCAL_WRITE = 4 };
 
 /* ---------------------------------------------------------------- regions */
 
+/* RDMA devices an engine may use at once (memory keys per region). */
+#define KVF_MAX_DEVS 8
+
 typedef struct {
     uint64_t addr;
     uint64_t len;
     uint32_t access;
     uint32_t id;
+    uint32_t keys[KVF_MAX_DEVS];  /* rdma: lkey (local table) or rkey (peer's) per device */
 } kvf_region;
 
 /* Sorted by addr, non-overlapping; lookups are binary searches under a read
@@ -57,6 +61,7 @@ void kvf_rt_destroy(kvf_region_table *t);
 int kvf_rt_add(kvf_region_table *t, uint64_t addr, uint64_t len, uint32_t access, uint32_t id);
 int kvf_rt_remove(kvf_region_table *t, uint32_t id);
 int kvf_rt_replace(kvf_region_table *t, const kvf_region *v, size_t n);
+int kvf_rt_set_keys(kvf_region_table *t, uint32_t id, const uint32_t *keys, size_t n);
 /* Caller holds the read lock. Returns the region holding [addr, addr+len) or NULL. */
 const kvf_region *kvf_rt_find_locked(const kvf_region_table *t, uint64_t addr, uint64_t len);
 
@@ -135,6 +140,9 @@ typedef struct {
     uint32_t op;
     int32_t pid;         /* local provider: target pid, 0 = this process */
     uint32_t tag;        /* tcp: in-flight tag */
+    uint32_t lkey, rkey; /* rdma: memory keys on the slice's device pair */
+    uint32_t attempts;   /* rdma: times the slice was posted */
+    uint32_t pad;
 } kvf_slice;
 
 /* Validates a batch against the local table and the peer's table (the

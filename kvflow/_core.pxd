@@ -1,0 +1,27 @@
+# The native core's Cython classes, shared with kvflow._verbs (the rdma
+# provider's channel is a Channel too).
+from libc.stdint cimport uint32_t, uint64_t
+
+from kvflow._native cimport kvf_ctx, kvf_region_table, kvf_completion
+
+
+cdef class Core:
+    cdef kvf_ctx *ctx
+    cdef uint32_t next_region_id
+    cdef object channels          # weakref.WeakSet of channels, closed first
+    cdef kvf_completion comp[512]
+    cdef kvf_ctx *_ctx(self) except NULL
+
+
+cdef class RemoteTable:
+    cdef kvf_region_table t
+    cdef readonly uint64_t version
+
+
+cdef class Channel:
+    cdef object __weakref__
+    cdef Core core
+    cdef RemoteTable table
+    cdef readonly str peer
+    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil

@@ -1,0 +1,747 @@
+/* The rdma provider's data path (see rdma.h for the design). */
+#define _GNU_SOURCE
+#include "rdma.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#define SIGNAL_EVERY 16      /* one signalled work request per this many */
+#define CHAIN 32             /* work requests per ibv_post_send */
+#define MAX_SLOTS 4096       /* QPs per device (slot is 12 bits of wr_id) */
+#define MAX_QPS 64           /* QPs per channel */
+#define MAX_ATTEMPTS 3       /* posts of one slice before its batch fails */
+#define POLL_BATCH 64
+#define RECV_FLAG (1ull << 63)
+
+enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1 };
+
+/* ------------------------------------------------------------------ events */
+
+struct kvf_rdma_events {
+    pthread_mutex_t mu;
+    kvf_rdma_event *v;
+    size_t n, cap;
+    int efd;
+    int signaled;
+};
+
+kvf_rdma_events *kvf_rdma_events_new(void) {
+    kvf_rdma_events *q = calloc(1, sizeof(*q));
+    if (!q) return NULL;
+    q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (q->efd < 0) { free(q); return NULL; }
+    pthread_mutex_init(&q->mu, NULL);
+    return q;
+}
+
+int kvf_rdma_events_fd(kvf_rdma_events *q) { return q->efd; }
+
+static void events_push(kvf_rdma_events *q, const kvf_rdma_event *e) {
+    pthread_mutex_lock(&q->mu);
+    if (q->n == q->cap) {
+        size_t cap = q->cap ? q->cap * 2 : 64;
+        kvf_rdma_event *v = realloc(q->v, cap * sizeof(*v));
+        if (!v) {            /* drop it: a notification is lost, never memory */
+            pthread_mutex_unlock(&q->mu);
+            free(e->data);
+            return;
+        }
+        q->v = v;
+        q->cap = cap;
+    }
+    q->v[q->n++] = *e;
+    int wake = !q->signaled;
+    q->signaled = 1;
+    pthread_mutex_unlock(&q->mu);
+    if (wake) {
+        uint64_t one = 1;
+        ssize_t r = write(q->efd, &one, sizeof(one));
+        (void)r;
+    }
+}
+
+size_t kvf_rdma_events_take(kvf_rdma_events *q, kvf_rdma_event *out, size_t cap) {
+    uint64_t v;
+    ssize_t r = read(q->efd, &v, sizeof(v));
+    (void)r;
+    pthread_mutex_lock(&q->mu);
+    size_t n = q->n < cap ? q->n : cap;
+    memcpy(out, q->v, n * sizeof(*out));
+    memmove(q->v, q->v + n, (q->n - n) * sizeof(*out));
+    q->n -= n;
+    if (q->n == 0) q->signaled = 0;
+    else {
+        uint64_t one = 1;
+        r = write(q->efd, &one, sizeof(one));
+    }
+    pthread_mutex_unlock(&q->mu);
+    return n;
+}
+
+void kvf_rdma_events_free(kvf_rdma_events *q) {
+    if (!q) return;
+    for (size_t i = 0; i < q->n; i++) free(q->v[i].data);
+    free(q->v);
+    close(q->efd);
+    pthread_mutex_destroy(&q->mu);
+    free(q);
+}
+
+/* ---------------------------------------------------------------- structs */
+
+typedef struct rqp {
+    pthread_mutex_t mu;
+    struct ibv_qp *qp;
+    kvf_rdma_dev *dev;
+    kvf_rdma_chan *ch;
+    uint32_t slot;
+    uint32_t gen;            /* 16 bits: bumped when the QP breaks or is replaced */
+    int index;
+    uint32_t rdev;
+    _Atomic int state;
+    uint32_t depth;
+    kvf_slice *ring;         /* posted slices, ring[seq % depth] */
+    uint64_t head, tail;     /* next sequence to post; oldest not retired */
+    kvf_queue backlog;       /* waiting for send-queue room (guarded by mu) */
+    uint64_t wrs, bytes;
+} rqp;
+
+struct kvf_rdma_dev {
+    kvf_ctx *c;
+    kvf_rdma_events *ev;
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+    struct ibv_comp_channel *chan;
+    struct ibv_cq *cq;
+    struct ibv_srq *srq;
+    struct ibv_mr *recv_mr;
+    uint8_t *recv_buf;
+    int recv_bufs;
+    uint32_t index;
+    pthread_mutex_t mu;      /* guards slots */
+    rqp *slots[MAX_SLOTS];
+    pthread_t worker;
+    int stop_fd;
+    int started;
+};
+
+struct kvf_rdma_chan {
+    kvf_ctx *c;
+    kvf_region_table *remote;
+    uint64_t slice_size;
+    uint64_t token;
+    pthread_mutex_t mu;      /* guards qps, nqps, parked, rr, closed */
+    rqp *qps[MAX_QPS];
+    int nqps;
+    kvf_queue parked;        /* slices waiting for any QP to come back */
+    uint32_t rr;
+    int closed;
+    _Atomic int refs;        /* the owner's + workers' re-dispatching */
+};
+
+static inline uint64_t wr_id(const rqp *q, uint64_t seq) {
+    return ((uint64_t)q->slot << 48) | ((uint64_t)(q->gen & 0xffff) << 32) | (uint32_t)seq;
+}
+
+int kvf_rdma_wc_status(int s) {
+    switch (s) {
+    case IBV_WC_SUCCESS: return KVF_OK;
+    case IBV_WC_REM_ACCESS_ERR:
+    case IBV_WC_REM_INV_REQ_ERR: return KVF_EREMOTE;
+    case IBV_WC_LOC_PROT_ERR:
+    case IBV_WC_LOC_ACCESS_ERR:
+    case IBV_WC_MW_BIND_ERR: return KVF_EUNREG;
+    case IBV_WC_LOC_LEN_ERR: return KVF_EINVAL;
+    default: return KVF_ELOST;   /* retry exceeded, flush, fatal, ... */
+    }
+}
+
+/* The status a batch fails with: kvflow's code, plus the verbs status and
+ * the device (index + 1) for the error message (kvflow/errors.py). */
+static int verbs_status(int wc_status, const kvf_rdma_dev *d) {
+    return kvf_rdma_wc_status(wc_status) | ((wc_status & 0xff) << 8) | ((int)((d->index + 1) & 0x7f) << 16);
+}
+
+static int retryable(int s) {
+    return s == IBV_WC_WR_FLUSH_ERR || s == IBV_WC_RETRY_EXC_ERR || s == IBV_WC_RNR_RETRY_EXC_ERR ||
+           s == IBV_WC_GENERAL_ERR || s == IBV_WC_FATAL_ERR || s == IBV_WC_REM_OP_ERR ||
+           s == IBV_WC_RESP_TIMEOUT_ERR || s == IBV_WC_BAD_RESP_ERR;
+}
+
+static void slice_finish(kvf_ctx *c, const kvf_slice *s, int status) {
+    atomic_fetch_sub_explicit(&c->n_slices_inflight, 1, memory_order_relaxed);
+    kvf_slice_done(c, s->slot, status, s->entry);
+}
+
+static void chan_ref(kvf_rdma_chan *ch) { atomic_fetch_add(&ch->refs, 1); }
+static void chan_destroy(kvf_rdma_chan *ch);
+static void chan_unref(kvf_rdma_chan *ch) {
+    if (atomic_fetch_sub(&ch->refs, 1) == 1) chan_destroy(ch);
+}
+
+/* ------------------------------------------------------------------ posting */
+
+/* Posts backlog slices while the send queue has room. Caller holds q->mu.
+ * On a post failure the QP is broken: *retry gets what must go elsewhere. */
+static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry);
+
+static void qp_post_locked(rqp *q, kvf_queue *retry) {
+    kvf_ctx *c = q->ch->c;
+    while (q->state == QP_UP && q->backlog.count && q->head - q->tail < q->depth) {
+        size_t room = q->depth - (size_t)(q->head - q->tail);
+        kvf_slice tmp[CHAIN];
+        size_t k = kvf_queue_pop_locked(&q->backlog, tmp, room < CHAIN ? room : CHAIN);
+        struct ibv_send_wr wr[CHAIN];
+        struct ibv_sge sge[CHAIN];
+        size_t m = 0;
+        for (size_t i = 0; i < k; i++) {
+            kvf_slice *s = &tmp[i];
+            if (s->op <= KVF_OP_READ && kvf_batch_cancelled(c, s->slot)) {
+                slice_finish(c, s, KVF_ECANCELLED);
+                continue;
+            }
+            s->attempts++;
+            sge[m] = (struct ibv_sge){s->local, (uint32_t)s->len, s->lkey};
+            memset(&wr[m], 0, sizeof(wr[m]));
+            wr[m].wr_id = wr_id(q, q->head + m);
+            wr[m].sg_list = &sge[m];
+            wr[m].num_sge = 1;
+            if (s->op == KVF_OP_SEND) {
+                wr[m].opcode = IBV_WR_SEND;
+            } else {
+                wr[m].opcode = s->op == KVF_OP_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
+                wr[m].wr.rdma.remote_addr = s->remote;
+                wr[m].wr.rdma.rkey = s->rkey;
+            }
+            q->ring[(q->head + m) % q->depth] = *s;
+            m++;
+        }
+        if (m == 0) continue;
+        for (size_t j = 0; j < m; j++) {
+            wr[j].next = j + 1 < m ? &wr[j + 1] : NULL;
+            /* signalled: every SIGNAL_EVERY-th, and the chain's last, so
+             * that the oldest posted slice always has a signalled one after it */
+            if ((q->head + j + 1) % SIGNAL_EVERY == 0 || j + 1 == m) wr[j].send_flags = IBV_SEND_SIGNALED;
+        }
+        struct ibv_send_wr *bad = NULL;
+        int rc = ibv_post_send(q->qp, wr, &bad);
+        size_t posted = rc ? (size_t)(bad - wr) : m;
+        for (size_t j = 0; j < posted; j++) q->bytes += sge[j].length;
+        q->wrs += posted;
+        if (rc) {
+            /* Unposted slices go back to the backlog; the QP cannot be
+             * trusted (a posted but unsignalled tail would never retire). */
+            q->head += posted;
+            for (size_t j = posted; j < m; j++) {
+                kvf_slice s = q->ring[(q->head + j - posted) % q->depth];
+                s.attempts--;
+                kvf_queue_push_locked(&q->backlog, &s);
+            }
+            qp_break_locked(q, IBV_WC_GENERAL_ERR, retry);
+            return;
+        }
+        q->head += m;
+    }
+}
+
+static void events_broken(rqp *q, int wc_status) {
+    kvf_rdma_event e = {KVF_RDMA_EV_BROKEN, q->dev->index, 0, (uint32_t)q->index, q->ch->token,
+                        wc_status, 0, NULL};
+    events_push(q->dev->ev, &e);
+}
+
+/* The QP failed: everything posted and queued on it moves to *retry, the
+ * QP goes to the error state (no more memory access), and the event loop is
+ * told to connect a new one. Caller holds q->mu. */
+static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
+    if (q->state != QP_UP) return;
+    q->state = QP_BROKEN;
+    q->gen = (q->gen + 1) & 0xffff;     /* completions still in the CQ are stale now */
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
+    ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
+    for (uint64_t s = q->tail; s < q->head; s++) kvf_queue_push_locked(retry, &q->ring[s % q->depth]);
+    q->tail = q->head;
+    kvf_slice tmp[64];
+    size_t k;
+    while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)
+        for (size_t i = 0; i < k; i++) kvf_queue_push_locked(retry, &tmp[i]);
+    events_broken(q, wc_status);
+}
+
+/* Keys for slices bound to (local device dev, remote device rdev): looked
+ * up again each time a slice is placed, so a region deregistered meanwhile
+ * fails the slice instead of being written with a stale key. */
+static int resolve_keys(kvf_rdma_chan *ch, kvf_slice *s, uint32_t dev, uint32_t rdev) {
+    if (s->op > KVF_OP_READ) return KVF_OK;     /* SEND/PROBE carry their keys */
+    kvf_ctx *c = ch->c;
+    int rc = KVF_OK;
+    pthread_rwlock_rdlock(&c->local.lock);
+    const kvf_region *r = kvf_rt_find_locked(&c->local, s->local, s->len);
+    if (r && r->keys[dev]) s->lkey = r->keys[dev]; else rc = KVF_EUNREG;
+    pthread_rwlock_unlock(&c->local.lock);
+    if (rc) return rc;
+    pthread_rwlock_rdlock(&ch->remote->lock);
+    r = kvf_rt_find_locked(ch->remote, s->remote, s->len);
+    if (r && rdev < KVF_MAX_DEVS && r->keys[rdev]) s->rkey = r->keys[rdev]; else rc = KVF_EREMOTE;
+    pthread_rwlock_unlock(&ch->remote->lock);
+    return rc;
+}
+
+static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
+
+/* Places slices on the channel's live QPs, round-robin (striping them over
+ * devices), and posts what fits. With no live QP they wait in `parked`. */
+static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n) {
+    kvf_ctx *c = ch->c;
+    if (n) {
+        rqp *up[MAX_QPS];
+        int nup = 0;
+        pthread_mutex_lock(&ch->mu);
+        if (ch->closed) {
+            pthread_mutex_unlock(&ch->mu);
+            for (size_t i = 0; i < n; i++) slice_finish(c, &s[i], KVF_ELOST);
+            return;
+        }
+        for (int i = 0; i < ch->nqps; i++)
+            if (ch->qps[i]->state == QP_UP) up[nup++] = ch->qps[i];
+        if (nup == 0) {
+            for (size_t i = 0; i < n; i++) kvf_queue_push_locked(&ch->parked, &s[i]);
+            pthread_mutex_unlock(&ch->mu);
+            return;
+        }
+        uint32_t rr = ch->rr;
+        ch->rr += (uint32_t)n;
+        pthread_mutex_unlock(&ch->mu);
+
+        kvf_queue bounced;
+        kvf_queue_init(&bounced);
+        for (int qi = 0; qi < nup; qi++) {
+            rqp *q = up[qi];
+            kvf_queue retry;
+            kvf_queue_init(&retry);
+            pthread_mutex_lock(&q->mu);
+            for (size_t i = (size_t)((qi - (int)(rr % (uint32_t)nup) + nup) % nup); i < n; i += (size_t)nup) {
+                if (q->state != QP_UP) { kvf_queue_push_locked(&bounced, &s[i]); continue; }
+                int rc = resolve_keys(ch, &s[i], q->dev->index, q->rdev);
+                if (rc) { slice_finish(c, &s[i], rc); continue; }
+                if (kvf_queue_push_locked(&q->backlog, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
+            }
+            qp_post_locked(q, &retry);
+            pthread_mutex_unlock(&q->mu);
+            kvf_slice tmp[64];
+            size_t k;
+            while ((k = kvf_queue_pop_locked(&retry, tmp, 64)) > 0)
+                for (size_t i = 0; i < k; i++) kvf_queue_push_locked(&bounced, &tmp[i]);
+            kvf_queue_destroy(&retry);
+        }
+        /* what bounced off a QP that broke meanwhile goes round again */
+        dispatch_queue(ch, &bounced);
+        kvf_queue_destroy(&bounced);
+        return;
+    }
+}
+
+static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry) {
+    if (!retry->count) return;
+    size_t n = retry->count;
+    kvf_slice *v = malloc(n * sizeof(*v));
+    if (!v) {
+        kvf_slice tmp[64];
+        size_t k;
+        while ((k = kvf_queue_pop_locked(retry, tmp, 64)) > 0)
+            for (size_t i = 0; i < k; i++) slice_finish(ch->c, &tmp[i], KVF_ENOMEM);
+        return;
+    }
+    n = kvf_queue_pop_locked(retry, v, n);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (v[i].attempts >= MAX_ATTEMPTS || v[i].op > KVF_OP_READ) slice_finish(ch->c, &v[i], KVF_ELOST);
+        else v[k++] = v[i];
+    }
+    chan_dispatch(ch, v, k);
+    free(v);
+}
+
+/* ------------------------------------------------------------------ worker */
+
+static void post_recv(kvf_rdma_dev *d, int i) {
+    struct ibv_sge sge = {(uint64_t)(uintptr_t)(d->recv_buf + (size_t)i * KVF_RDMA_RECV_BYTES),
+                          KVF_RDMA_RECV_BYTES, d->recv_mr->lkey};
+    struct ibv_recv_wr wr = {.wr_id = RECV_FLAG | (uint64_t)i, .sg_list = &sge, .num_sge = 1}, *bad;
+    ibv_post_srq_recv(d->srq, &wr, &bad);
+}
+
+static void on_recv(kvf_rdma_dev *d, const struct ibv_wc *wc) {
+    int i = (int)(wc->wr_id & 0xffffffffu);
+    if (i < 0 || i >= d->recv_bufs) return;
+    if (wc->status == IBV_WC_SUCCESS && wc->opcode == IBV_WC_RECV) {
+        uint32_t len = wc->byte_len <= KVF_RDMA_RECV_BYTES ? wc->byte_len : KVF_RDMA_RECV_BYTES;
+        uint8_t *data = malloc(len ? len : 1);
+        if (data) {
+            memcpy(data, d->recv_buf + (size_t)i * KVF_RDMA_RECV_BYTES, len);
+            kvf_rdma_event e = {KVF_RDMA_EV_NOTIFY, d->index, wc->qp_num, 0, 0, 0, len, data};
+            events_push(d->ev, &e);
+        }
+    }
+    post_recv(d, i);
+}
+
+static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
+    uint32_t slot = (uint32_t)(wc->wr_id >> 48) & (MAX_SLOTS - 1);
+    uint32_t gen = (uint32_t)(wc->wr_id >> 32) & 0xffff;
+    uint32_t seq32 = (uint32_t)wc->wr_id;
+    pthread_mutex_lock(&d->mu);
+    rqp *q = d->slots[slot];
+    if (!q) { pthread_mutex_unlock(&d->mu); return; }
+    pthread_mutex_lock(&q->mu);
+    pthread_mutex_unlock(&d->mu);
+    if (q->state != QP_UP || q->gen != gen) { pthread_mutex_unlock(&q->mu); return; }
+    uint64_t seq = q->tail + (uint32_t)(seq32 - (uint32_t)q->tail);
+    if (seq >= q->head) { pthread_mutex_unlock(&q->mu); return; }
+    kvf_ctx *c = q->ch->c;
+    /* RC completes in order: everything before seq succeeded */
+    for (uint64_t x = q->tail; x < seq; x++) slice_finish(c, &q->ring[x % q->depth], KVF_OK);
+    kvf_queue retry;
+    kvf_queue_init(&retry);
+    if (wc->status == IBV_WC_SUCCESS) {
+        slice_finish(c, &q->ring[seq % q->depth], KVF_OK);
+        q->tail = seq + 1;
+    } else {
+        kvf_slice failed = q->ring[seq % q->depth];
+        q->tail = seq + 1;
+        if (retryable(wc->status) && failed.op <= KVF_OP_READ && failed.attempts < MAX_ATTEMPTS)
+            kvf_queue_push_locked(&retry, &failed);
+        else
+            slice_finish(c, &failed, verbs_status(wc->status, d));
+        qp_break_locked(q, wc->status, &retry);
+    }
+    qp_post_locked(q, &retry);
+    kvf_rdma_chan *ch = q->ch;
+    if (retry.count) chan_ref(ch);
+    pthread_mutex_unlock(&q->mu);
+    if (retry.count) {
+        dispatch_queue(ch, &retry);
+        chan_unref(ch);
+    }
+    kvf_queue_destroy(&retry);
+}
+
+static void *dev_worker(void *arg) {
+    kvf_rdma_dev *d = arg;
+    struct ibv_wc wc[POLL_BATCH];
+    for (;;) {
+        int n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
+        if (n == 0) {
+            /* arm, then poll once more: a completion that raced the arming
+             * is seen now rather than after the next event */
+            ibv_req_notify_cq(d->cq, 0);
+            n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
+        }
+        if (n > 0) {
+            for (int i = 0; i < n; i++) {
+                if (wc[i].wr_id & RECV_FLAG) on_recv(d, &wc[i]);
+                else on_send(d, &wc[i]);
+            }
+            continue;
+        }
+        if (n < 0) usleep(1000);     /* device trouble: do not spin */
+        struct pollfd p[2] = {{d->chan->fd, POLLIN, 0}, {d->stop_fd, POLLIN, 0}};
+        if (poll(p, 2, -1) < 0 && errno != EINTR) usleep(1000);
+        if (p[1].revents) break;
+        if (p[0].revents) {
+            struct ibv_cq *cq;
+            void *cq_ctx;
+            if (ibv_get_cq_event(d->chan, &cq, &cq_ctx) == 0) ibv_ack_cq_events(cq, 1);
+        }
+    }
+    atomic_fetch_sub(&d->c->n_threads, 1);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ device */
+
+kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_context *ctx,
+                               struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs) {
+    kvf_rdma_dev *d = calloc(1, sizeof(*d));
+    if (!d) return NULL;
+    d->c = c;
+    d->ev = ev;
+    d->ctx = ctx;
+    d->pd = pd;
+    d->index = index;
+    d->stop_fd = -1;
+    pthread_mutex_init(&d->mu, NULL);
+    d->chan = ibv_create_comp_channel(ctx);
+    if (!d->chan) goto fail;
+    fcntl(d->chan->fd, F_SETFL, fcntl(d->chan->fd, F_GETFL) | O_NONBLOCK);
+    d->cq = ibv_create_cq(ctx, cq_size, NULL, d->chan, 0);
+    if (!d->cq) goto fail;
+    struct ibv_srq_init_attr sa = {.attr = {.max_wr = (uint32_t)recv_bufs, .max_sge = 1}};
+    d->srq = ibv_create_srq(pd, &sa);
+    if (!d->srq) goto fail;
+    d->recv_bufs = recv_bufs;
+    d->recv_buf = aligned_alloc(4096, (size_t)recv_bufs * KVF_RDMA_RECV_BYTES);
+    if (!d->recv_buf) goto fail;
+    d->recv_mr = ibv_reg_mr(pd, d->recv_buf, (size_t)recv_bufs * KVF_RDMA_RECV_BYTES,
+                            IBV_ACCESS_LOCAL_WRITE);
+    if (!d->recv_mr) goto fail;
+    for (int i = 0; i < recv_bufs; i++) post_recv(d, i);
+    d->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (d->stop_fd < 0) goto fail;
+    if (ibv_req_notify_cq(d->cq, 0)) goto fail;
+    atomic_fetch_add(&c->n_threads, 1);
+    if (pthread_create(&d->worker, NULL, dev_worker, d)) {
+        atomic_fetch_sub(&c->n_threads, 1);
+        goto fail;
+    }
+    d->started = 1;
+    return d;
+fail: {
+        int e = errno;
+        kvf_rdma_dev_free(d);
+        errno = e;
+        return NULL;
+    }
+}
+
+struct ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d) { return d->cq; }
+struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d) { return d->srq; }
+
+void kvf_rdma_dev_free(kvf_rdma_dev *d) {
+    if (!d) return;
+    if (d->started) {
+        uint64_t one = 1;
+        ssize_t r = write(d->stop_fd, &one, sizeof(one));
+        (void)r;
+        pthread_join(d->worker, NULL);
+    }
+    if (d->stop_fd >= 0) close(d->stop_fd);
+    if (d->srq) ibv_destroy_srq(d->srq);
+    if (d->recv_mr) ibv_dereg_mr(d->recv_mr);
+    free(d->recv_buf);
+    if (d->cq) ibv_destroy_cq(d->cq);
+    if (d->chan) ibv_destroy_comp_channel(d->chan);
+    pthread_mutex_destroy(&d->mu);
+    free(d);
+}
+
+/* ----------------------------------------------------------------- channel */
+
+kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t slice_size,
+                                 uint64_t token) {
+    kvf_rdma_chan *ch = calloc(1, sizeof(*ch));
+    if (!ch) return NULL;
+    ch->c = c;
+    ch->remote = remote;
+    ch->slice_size = slice_size;
+    ch->token = token;
+    pthread_mutex_init(&ch->mu, NULL);
+    if (kvf_queue_init(&ch->parked)) { free(ch); return NULL; }
+    atomic_store(&ch->refs, 1);
+    return ch;
+}
+
+int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
+                         uint32_t depth) {
+    rqp *q = calloc(1, sizeof(*q));
+    if (!q) return -1;
+    q->ring = calloc(depth, sizeof(kvf_slice));
+    if (!q->ring || kvf_queue_init(&q->backlog)) { free(q->ring); free(q); return -1; }
+    pthread_mutex_init(&q->mu, NULL);
+    q->qp = qp;
+    q->dev = dev;
+    q->ch = ch;
+    q->rdev = rdev;
+    q->depth = depth;
+    q->state = QP_UP;
+    pthread_mutex_lock(&dev->mu);
+    uint32_t slot = MAX_SLOTS;
+    for (uint32_t i = 0; i < MAX_SLOTS; i++) if (!dev->slots[i]) { slot = i; break; }
+    if (slot < MAX_SLOTS) dev->slots[slot] = q;
+    pthread_mutex_unlock(&dev->mu);
+    if (slot == MAX_SLOTS) goto fail;
+    q->slot = slot;
+    pthread_mutex_lock(&ch->mu);
+    if (ch->closed || ch->nqps == MAX_QPS) {
+        pthread_mutex_unlock(&ch->mu);
+        pthread_mutex_lock(&dev->mu);
+        dev->slots[slot] = NULL;
+        pthread_mutex_unlock(&dev->mu);
+        goto fail;
+    }
+    q->index = ch->nqps;
+    ch->qps[ch->nqps++] = q;
+    pthread_mutex_unlock(&ch->mu);
+    return q->index;
+fail:
+    kvf_queue_destroy(&q->backlog);
+    free(q->ring);
+    pthread_mutex_destroy(&q->mu);
+    free(q);
+    return -1;
+}
+
+static rqp *chan_qp(kvf_rdma_chan *ch, int index) {
+    pthread_mutex_lock(&ch->mu);
+    rqp *q = index >= 0 && index < ch->nqps ? ch->qps[index] : NULL;
+    pthread_mutex_unlock(&ch->mu);
+    return q;
+}
+
+int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp) {
+    rqp *q = chan_qp(ch, index);
+    if (!q) return KVF_EINVAL;
+    pthread_mutex_lock(&q->mu);
+    if (q->state != QP_BROKEN) { pthread_mutex_unlock(&q->mu); return KVF_EINVAL; }
+    ibv_destroy_qp(q->qp);
+    q->qp = qp;
+    q->gen = (q->gen + 1) & 0xffff;
+    q->head = q->tail = 0;
+    q->state = QP_UP;
+    pthread_mutex_unlock(&q->mu);
+    /* what waited for a live QP goes out now */
+    pthread_mutex_lock(&ch->mu);
+    kvf_queue parked = ch->parked;
+    int ok = kvf_queue_init(&ch->parked) == KVF_OK;
+    if (!ok) ch->parked = parked;
+    pthread_mutex_unlock(&ch->mu);
+    if (ok) {
+        dispatch_queue(ch, &parked);
+        kvf_queue_destroy(&parked);
+    }
+    return KVF_OK;
+}
+
+int kvf_rdma_chan_qp_state(kvf_rdma_chan *ch, int index) {
+    rqp *q = chan_qp(ch, index);
+    return q ? q->state : -1;
+}
+
+int kvf_rdma_chan_nqps(kvf_rdma_chan *ch) {
+    pthread_mutex_lock(&ch->mu);
+    int n = ch->nqps;
+    pthread_mutex_unlock(&ch->mu);
+    return n;
+}
+
+int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
+                           uint64_t *wrs, uint64_t *bytes) {
+    rqp *q = chan_qp(ch, index);
+    if (!q) return -1;
+    pthread_mutex_lock(&q->mu);
+    *dev = q->dev->index;
+    *rdev = q->rdev;
+    *wrs = q->wrs;
+    *bytes = q->bytes;
+    int st = q->state;
+    pthread_mutex_unlock(&q->mu);
+    return st;
+}
+
+int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
+                    const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad) {
+    if (ch->closed) return KVF_ECLOSED;
+    kvf_slice *s;
+    size_t ns;
+    uint64_t slice = ch->slice_size < (1u << 30) ? ch->slice_size : (1u << 30);
+    int rc = kvf_prepare(ch->c, ch->remote, op, la, ra, len, n, slice, &s, &ns, bad);
+    if (rc) return rc;
+    uint64_t id;
+    rc = kvf_batch_alloc(ch->c, ns, &id);
+    if (rc) { free(s); return rc; }
+    for (size_t i = 0; i < ns; i++) s[i].slot = (uint32_t)id;
+    atomic_fetch_add_explicit(&ch->c->n_slices_inflight, (int64_t)ns, memory_order_relaxed);
+    chan_dispatch(ch, s, ns);
+    free(s);
+    kvf_batch_release_guard(ch->c, id);
+    *id_out = id;
+    return KVF_OK;
+}
+
+int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
+                      uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out) {
+    rqp *q = chan_qp(ch, index);
+    if (!q || ch->closed) return KVF_ECLOSED;
+    uint64_t id;
+    int rc = kvf_batch_alloc(ch->c, 1, &id);
+    if (rc) return rc;
+    kvf_slice s = {laddr, raddr, len, 0, (uint32_t)id, (uint32_t)op, 0, 0, lkey, rkey, 0, 0};
+    atomic_fetch_add_explicit(&ch->c->n_slices_inflight, 1, memory_order_relaxed);
+    kvf_queue retry;
+    kvf_queue_init(&retry);
+    pthread_mutex_lock(&q->mu);
+    if (q->state != QP_UP || kvf_queue_push_locked(&q->backlog, &s)) {
+        pthread_mutex_unlock(&q->mu);
+        slice_finish(ch->c, &s, KVF_ELOST);
+    } else {
+        qp_post_locked(q, &retry);
+        pthread_mutex_unlock(&q->mu);
+    }
+    dispatch_queue(ch, &retry);
+    kvf_queue_destroy(&retry);
+    kvf_batch_release_guard(ch->c, id);
+    *id_out = id;
+    return KVF_OK;
+}
+
+void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
+    pthread_mutex_lock(&ch->mu);
+    if (ch->closed) { pthread_mutex_unlock(&ch->mu); return; }
+    ch->closed = 1;
+    int nqps = ch->nqps;
+    pthread_mutex_unlock(&ch->mu);
+    kvf_ctx *c = ch->c;
+    for (int i = 0; i < nqps; i++) {
+        rqp *q = ch->qps[i];
+        /* off the device first: the worker cannot find it any more, and
+         * taking q->mu below waits for a worker that already did */
+        pthread_mutex_lock(&q->dev->mu);
+        q->dev->slots[q->slot] = NULL;
+        pthread_mutex_unlock(&q->dev->mu);
+        pthread_mutex_lock(&q->mu);
+        if (q->qp) {
+            struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
+            ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
+            ibv_destroy_qp(q->qp);     /* synchronous: no more memory access */
+            q->qp = NULL;
+        }
+        q->state = QP_CLOSED;
+        for (uint64_t s = q->tail; s < q->head; s++) slice_finish(c, &q->ring[s % q->depth], KVF_ELOST);
+        q->tail = q->head;
+        kvf_slice tmp[64];
+        size_t k;
+        while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)
+            for (size_t j = 0; j < k; j++) slice_finish(c, &tmp[j], KVF_ELOST);
+        pthread_mutex_unlock(&q->mu);
+    }
+    pthread_mutex_lock(&ch->mu);
+    kvf_slice tmp[64];
+    size_t k;
+    while ((k = kvf_queue_pop_locked(&ch->parked, tmp, 64)) > 0)
+        for (size_t j = 0; j < k; j++) slice_finish(c, &tmp[j], KVF_ELOST);
+    pthread_mutex_unlock(&ch->mu);
+}
+
+static void chan_destroy(kvf_rdma_chan *ch) {
+    for (int i = 0; i < ch->nqps; i++) {
+        rqp *q = ch->qps[i];
+        kvf_queue_destroy(&q->backlog);
+        free(q->ring);
+        pthread_mutex_destroy(&q->mu);
+        free(q);
+    }
+    kvf_queue_destroy(&ch->parked);
+    pthread_mutex_destroy(&ch->mu);
+    free(ch);
+}
+
+void kvf_rdma_chan_free(kvf_rdma_chan *ch) {
+    if (!ch) return;
+    kvf_rdma_chan_close(ch);
+    chan_unref(ch);
+}

@@ -1,0 +1,99 @@
+/* The rdma provider's data path: per-device workers over libibverbs.
+ *
+ * The control path (devices, GIDs, PDs, MRs, QP creation and the
+ * RESET→INIT→RTR→RTS moves) is Cython (kvflow/_verbs.pyx); it hands the
+ * objects it made to this file, which posts and polls with no Python and
+ * no GIL:
+ *
+ *   - one worker thread per device owns that device's CQ (every QP of the
+ *     engine on that device, initiator and target side, completes there)
+ *     and sleeps on its completion channel when idle;
+ *   - the submitting thread posts directly while a QP has send-queue room
+ *     (a 4 KiB write costs no thread hop); the rest waits in the QP's
+ *     backlog, which the worker posts as completions free room;
+ *   - work requests go out in chains (one ibv_post_send per chain), only
+ *     every SIGNAL_EVERY-th and the last of a chain signalled; an RC send
+ *     queue completes in order, so one signalled completion retires every
+ *     slice posted before it;
+ *   - wr_id = QP slot | QP generation | sequence: a completion is mapped to
+ *     its slice with no lookup structure and no Python object, and stale
+ *     completions of a QP that was reset are recognised and dropped.
+ */
+#ifndef KVF_RDMA_H
+#define KVF_RDMA_H
+
+#include <infiniband/verbs.h>
+
+#include "kvf.h"
+
+/* Ops beyond KVF_OP_WRITE/READ that only the rdma provider posts. */
+enum { KVF_OP_SEND = 2, KVF_OP_PROBE = 3 };
+
+/* Events for the event loop (kvf_rdma_events): notifications that arrived
+ * over the data path, and QPs that need a new connection. */
+enum { KVF_RDMA_EV_NOTIFY = 1, KVF_RDMA_EV_BROKEN = 2 };
+
+typedef struct {
+    uint32_t kind;
+    uint32_t dev;          /* device index */
+    uint32_t qpn;          /* NOTIFY: the target QP it arrived on */
+    uint32_t qp_index;     /* BROKEN: index of the QP in its channel */
+    uint64_t chan;         /* BROKEN: the channel's token */
+    int32_t wc_status;     /* BROKEN: the verbs status that broke it */
+    uint32_t len;          /* NOTIFY: payload length */
+    uint8_t *data;         /* NOTIFY: payload (freed by kvf_rdma_events_free) */
+} kvf_rdma_event;
+
+typedef struct kvf_rdma_dev kvf_rdma_dev;
+typedef struct kvf_rdma_chan kvf_rdma_chan;
+typedef struct kvf_rdma_events kvf_rdma_events;
+
+/* Events: one queue per engine, readable through an eventfd. */
+kvf_rdma_events *kvf_rdma_events_new(void);
+int kvf_rdma_events_fd(kvf_rdma_events *q);
+size_t kvf_rdma_events_take(kvf_rdma_events *q, kvf_rdma_event *out, size_t cap);
+void kvf_rdma_events_free(kvf_rdma_events *q);
+
+/* A device: creates its completion channel, CQ (cq_size entries), a shared
+ * receive queue with `recv_bufs` buffers of KVF_RDMA_RECV_BYTES for
+ * notifications, and starts its worker. NULL on failure (errno set). */
+#define KVF_RDMA_RECV_BYTES 4096
+kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_context *ctx,
+                               struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs);
+struct ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d);
+struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d);
+/* Stops the worker and frees the device's CQ, SRQ and buffers (the QPs on it
+ * must be gone). */
+void kvf_rdma_dev_free(kvf_rdma_dev *d);
+
+/* An initiator channel toward one peer. `remote` is the peer's region table
+ * (with its rkeys per device); QPs are added by the control path. */
+kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t slice_size,
+                                 uint64_t token);
+/* Adds a connected (RTS) QP on local device `dev` toward the peer's device
+ * `rdev`, with `depth` send-queue entries. Returns its index or -1. */
+int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
+                         uint32_t depth);
+/* Swaps a broken QP's verbs QP for a newly connected one (the old one is
+ * destroyed) and posts what waited for it. */
+int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp);
+int kvf_rdma_chan_qp_state(kvf_rdma_chan *ch, int index);   /* 1 up, 0 broken, -1 none */
+int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
+                    const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad);
+/* One work request with explicit keys on QP `index` (KVF_OP_SEND for a
+ * notification, KVF_OP_PROBE for a reachability read); a batch of one. */
+int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
+                      uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out);
+/* Per-QP counters: device, remote device, state, work requests and bytes posted. */
+int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
+                           uint64_t *wrs, uint64_t *bytes);
+int kvf_rdma_chan_nqps(kvf_rdma_chan *ch);
+/* Fails everything queued or in flight (KVF_ELOST) after destroying the QPs,
+ * so nothing more touches memory. Idempotent. */
+void kvf_rdma_chan_close(kvf_rdma_chan *ch);
+void kvf_rdma_chan_free(kvf_rdma_chan *ch);
+
+/* verbs work-completion status → kvflow status */
+int kvf_rdma_wc_status(int wc_status);
+
+#endif

@@ -1,0 +1,465 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The rdma provider's control path, in Cython over libibverbs: devices and
+ports, GID choice, protection domains, memory registration on every device,
+queue pairs and their RESET→INIT→RTR→RTS moves. The data path (posting,
+polling, completions) is C: kvflow/_native/rdma.c.
+
+Nothing here is on the hot path except RdmaChannel._post, which hands a
+batch to C with the GIL released.
+"""
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free
+from libc.string cimport memcpy, memset
+from libc.errno cimport errno
+import os
+
+from kvflow._core cimport Core, RemoteTable, Channel
+from kvflow._native cimport kvf_ctx, KVF_OK, KVF_ECLOSED
+
+RECV_BYTES = KVF_RDMA_RECV_BYTES
+OP_SEND = KVF_OP_SEND
+OP_PROBE = KVF_OP_PROBE
+EV_NOTIFY = KVF_RDMA_EV_NOTIFY
+EV_BROKEN = KVF_RDMA_EV_BROKEN
+ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
+ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
+ACCESS_REMOTE_READ = IBV_ACCESS_REMOTE_READ
+
+SYSFS = "/sys/class/infiniband"
+MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+
+# RC transport: 4.096 us * 2^14 = 67 ms ack timeout, 7 retries (a dead
+# path fails a work request in about half a second); receiver-not-ready
+# retries are infinite (7), so a notification waits for a receive buffer.
+ACK_TIMEOUT = 14
+RETRY_COUNT = 7
+RNR_RETRY = 7
+MIN_RNR_TIMER = 12
+RD_ATOMIC = 16
+
+
+class VerbsError(OSError):
+    """A verbs call failed; carries the device and errno."""
+
+
+def device_names():
+    """Names of the RDMA devices this host has (empty when none)."""
+    cdef int n = 0, i
+    cdef ibv_device **lst = ibv_get_device_list(&n)
+    out = []
+    if lst == NULL:
+        return out
+    for i in range(n):
+        out.append(ibv_get_device_name(lst[i]).decode())
+    ibv_free_device_list(lst)
+    return out
+
+
+def _gid_type(str name, int port, int index):
+    try:
+        with open(f"{SYSFS}/{name}/ports/{port}/gid_attrs/types/{index}") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _gid_netdev(str name, int port, int index):
+    try:
+        with open(f"{SYSFS}/{name}/ports/{port}/gid_attrs/ndevs/{index}") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def choose_gid(str name, int port, list gids, int link_layer):
+    """Picks the GID index to use: on RoCE, a RoCE v2 IPv4-mapped GID first,
+    then another RoCE v2 global one; link-local (fe80::) and zero GIDs are
+    skipped. On InfiniBand, index 0. Returns -1 when none is usable."""
+    if link_layer != IBV_LINK_LAYER_ETHERNET:
+        return 0 if gids and any(gids[0]) else -1
+    best, best_rank = -1, 0
+    for i, g in enumerate(gids):
+        if not any(g) or g[:2] == b"\xfe\x80":
+            continue
+        v2 = _gid_type(name, port, i).lower() == "roce v2"
+        mapped = g[:10] == bytes(10) and g[10:12] == b"\xff\xff"
+        rank = (2 if v2 else 0) + (1 if mapped else 0) + 1
+        if rank > best_rank:
+            best, best_rank = i, rank
+    return best
+
+
+cdef class Device:
+    """One opened RDMA device (port 1 unless told): context, PD, and the
+    native half (CQ with completion channel, notification SRQ, worker)."""
+
+    cdef ibv_context *ctx
+    cdef ibv_pd *pd
+    cdef kvf_rdma_dev *dev
+    cdef ibv_gid sgid
+    cdef readonly str name
+    cdef readonly int index, port, gid_index, lid, mtu, link_layer
+    cdef readonly int max_qp_wr, max_rd_atom, max_init_rd_atom, cq_size
+    cdef readonly bytes gid
+    cdef readonly str netdev
+    cdef public int qps_used
+
+    def __cinit__(self, Core core, object events, str name, int index, int port=1,
+                  gid_index=None, int recv_bufs=256):
+        cdef int n = 0, i
+        cdef ibv_device **lst = ibv_get_device_list(&n)
+        cdef ibv_device_attr da
+        cdef ibv_port_attr pa
+        cdef ibv_gid g
+        cdef Events ev = <Events>events
+        self.name = name
+        self.index = index
+        self.port = port
+        if lst == NULL:
+            raise VerbsError(f"{name}: cannot list RDMA devices")
+        try:
+            for i in range(n):
+                if ibv_get_device_name(lst[i]).decode() == name:
+                    self.ctx = ibv_open_device(lst[i])
+                    break
+        finally:
+            ibv_free_device_list(lst)
+        if self.ctx == NULL:
+            raise VerbsError(f"{name}: no such RDMA device or cannot open it")
+        memset(&da, 0, sizeof(da))
+        memset(&pa, 0, sizeof(pa))
+        if ibv_query_device(self.ctx, &da) or ibv_query_port(self.ctx, <uint8_t>port, &pa):
+            raise VerbsError(f"{name}: cannot query the device or port {port}")
+        if pa.state != IBV_PORT_ACTIVE:
+            raise VerbsError(f"{name} port {port} is not active (state {pa.state})")
+        self.lid = pa.lid
+        self.mtu = pa.active_mtu
+        self.link_layer = pa.link_layer
+        self.max_qp_wr = da.max_qp_wr
+        self.max_rd_atom = min(da.max_qp_rd_atom, RD_ATOMIC) or 1
+        self.max_init_rd_atom = min(da.max_qp_init_rd_atom, RD_ATOMIC) or 1
+        gids = []
+        for i in range(min(pa.gid_tbl_len, 256)):
+            if ibv_query_gid(self.ctx, <uint8_t>port, i, &g):
+                break
+            gids.append(bytes(g.raw[:16]))
+        env = os.environ.get("KVFLOW_GID_INDEX")
+        if gid_index is None and env not in (None, ""):
+            gid_index = int(env)
+        if gid_index is not None:
+            if not 0 <= gid_index < len(gids) or not any(gids[gid_index]):
+                raise VerbsError(f"{name}: GID index {gid_index} is not usable")
+            self.gid_index = gid_index
+        else:
+            self.gid_index = choose_gid(name, port, gids, pa.link_layer)
+            if self.gid_index < 0:
+                raise VerbsError(f"{name}: no usable GID (no RoCE v2 address on its netdev?)")
+        self.gid = gids[self.gid_index] if gids else bytes(16)
+        memcpy(self.sgid.raw, <const char *>self.gid, 16)
+        self.netdev = _gid_netdev(name, port, self.gid_index)
+        self.pd = ibv_alloc_pd(self.ctx)
+        if self.pd == NULL:
+            raise VerbsError(f"{name}: cannot allocate a protection domain")
+        self.cq_size = min(da.max_cqe, 32767)
+        cdef kvf_ctx *kc = core._ctx()
+        cdef int cq_size = self.cq_size
+        with nogil:
+            self.dev = kvf_rdma_dev_new(kc, ev.q, self.ctx, self.pd, <uint32_t>index,
+                                        cq_size, recv_bufs)
+        if self.dev == NULL:
+            raise VerbsError(errno, f"{name}: cannot create its completion queue or worker "
+                             f"({os.strerror(errno)})")
+        self.qps_used = recv_bufs
+
+    def info(self):
+        """What peers need to reach this device (goes into the descriptor)."""
+        return {"name": self.name, "gid": self.gid, "lid": self.lid, "mtu": self.mtu,
+                "link": self.link_layer, "port": self.port}
+
+    def reserve(self, int depth):
+        """Accounts `depth` completion-queue entries for a new QP; False when
+        the CQ could overflow (a QP in error completes every posted WR)."""
+        if self.qps_used + depth + 1 > self.cq_size:
+            return False
+        self.qps_used += depth + 1
+        return True
+
+    def release(self, int depth):
+        self.qps_used -= depth + 1
+
+    def create_qp(self, int depth, bint target=False):
+        """A new RC QP in INIT. Target QPs receive notifications through the
+        device's SRQ and never send."""
+        cdef ibv_qp_init_attr ia
+        cdef ibv_qp_attr a
+        memset(&ia, 0, sizeof(ia))
+        ia.send_cq = kvf_rdma_dev_cq(self.dev)
+        ia.recv_cq = ia.send_cq
+        ia.srq = kvf_rdma_dev_srq(self.dev) if target else NULL
+        ia.cap.max_send_wr = depth
+        ia.cap.max_recv_wr = 0 if target else 1
+        ia.cap.max_send_sge = 1
+        ia.cap.max_recv_sge = 1
+        ia.qp_type = IBV_QPT_RC
+        ia.sq_sig_all = 0
+        cdef ibv_qp *qp = ibv_create_qp(self.pd, &ia)
+        if qp == NULL:
+            raise VerbsError(f"{self.name}: cannot create a queue pair (depth {depth})")
+        memset(&a, 0, sizeof(a))
+        a.qp_state = IBV_QPS_INIT
+        a.pkey_index = 0
+        a.port_num = <uint8_t>self.port
+        a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
+        if ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS):
+            ibv_destroy_qp(qp)
+            raise VerbsError(f"{self.name}: cannot move a queue pair to INIT")
+        q = Qp()
+        q.qp = qp
+        q.dev = self
+        q.depth = depth
+        q.psn = int.from_bytes(os.urandom(3), "little")
+        return q
+
+    def register(self, uintptr_t addr, size_t length, int flags):
+        """ibv_reg_mr; returns (handle, lkey, rkey)."""
+        cdef ibv_mr *mr
+        with nogil:
+            mr = ibv_reg_mr(self.pd, <void *>addr, length, flags)
+        if mr == NULL:
+            raise VerbsError(errno, f"{self.name}: cannot register {length} bytes at {addr:#x} "
+                                    f"({os.strerror(errno)})")
+        return <uintptr_t>mr, mr.lkey, mr.rkey
+
+    def deregister(self, uintptr_t handle):
+        cdef ibv_mr *mr = <ibv_mr *>handle
+        with nogil:
+            ibv_dereg_mr(mr)
+
+    def close(self):
+        """Stops the worker and frees everything (QPs must be gone)."""
+        if self.dev != NULL:
+            with nogil:
+                kvf_rdma_dev_free(self.dev)
+            self.dev = NULL
+        if self.pd != NULL:
+            ibv_dealloc_pd(self.pd)
+            self.pd = NULL
+        if self.ctx != NULL:
+            ibv_close_device(self.ctx)
+            self.ctx = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+    def __repr__(self):
+        return f"<kvflow rdma device {self.name} gid[{self.gid_index}] mtu {MTU_BYTES.get(self.mtu)}>"
+
+
+cdef class Qp:
+    """A queue pair made by Device.create_qp, until a channel takes it over
+    (then the native side owns and destroys it)."""
+
+    cdef ibv_qp *qp
+    cdef readonly Device dev
+    cdef readonly uint32_t psn
+    cdef readonly int depth
+
+    @property
+    def qpn(self):
+        return self.qp.qp_num if self.qp != NULL else 0
+
+    def connect(self, uint32_t qpn, uint32_t psn, bytes gid, int lid, int mtu):
+        """INIT → RTR → RTS toward the remote QP `qpn`."""
+        cdef ibv_qp_attr a
+        if self.qp == NULL:
+            raise VerbsError("queue pair already handed over")
+        if len(gid) != 16:
+            raise ValueError("a GID is 16 bytes")
+        memset(&a, 0, sizeof(a))
+        a.qp_state = IBV_QPS_RTR
+        a.path_mtu = <ibv_mtu>min(mtu, self.dev.mtu)
+        a.dest_qp_num = qpn
+        a.rq_psn = psn
+        a.max_dest_rd_atomic = <uint8_t>self.dev.max_rd_atom
+        a.min_rnr_timer = MIN_RNR_TIMER
+        a.ah_attr.port_num = <uint8_t>self.dev.port
+        a.ah_attr.dlid = <uint16_t>lid
+        if any(gid):
+            a.ah_attr.is_global = 1
+            memcpy(a.ah_attr.grh.dgid.raw, <const char *>gid, 16)
+            a.ah_attr.grh.sgid_index = <uint8_t>self.dev.gid_index
+            a.ah_attr.grh.hop_limit = 64
+        if ibv_modify_qp(self.qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                         IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER):
+            raise VerbsError(f"{self.dev.name}: cannot move QP {self.qpn} to RTR toward QP {qpn}")
+        memset(&a, 0, sizeof(a))
+        a.qp_state = IBV_QPS_RTS
+        a.timeout = ACK_TIMEOUT
+        a.retry_cnt = RETRY_COUNT
+        a.rnr_retry = RNR_RETRY
+        a.sq_psn = self.psn
+        a.max_rd_atomic = <uint8_t>self.dev.max_init_rd_atom
+        if ibv_modify_qp(self.qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                         IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC):
+            raise VerbsError(f"{self.dev.name}: cannot move QP {self.qpn} to RTS")
+
+    cdef ibv_qp *take(self) except NULL:
+        if self.qp == NULL:
+            raise VerbsError("queue pair already handed over")
+        cdef ibv_qp *qp = self.qp
+        self.qp = NULL
+        return qp
+
+    def destroy(self):
+        if self.qp != NULL:
+            ibv_destroy_qp(self.qp)
+            self.qp = NULL
+
+    def __dealloc__(self):
+        if self.qp != NULL:
+            ibv_destroy_qp(self.qp)
+
+
+cdef class Events:
+    """Notifications that arrived over the data path and QPs that broke,
+    readable through `fileno()` (an eventfd)."""
+
+    cdef kvf_rdma_events *q
+
+    def __cinit__(self):
+        self.q = kvf_rdma_events_new()
+        if self.q == NULL:
+            raise MemoryError()
+
+    def fileno(self):
+        return kvf_rdma_events_fd(self.q)
+
+    def take(self):
+        """[(kind, dev, qpn, qp_index, chan_token, wc_status, data)]"""
+        cdef kvf_rdma_event ev[64]
+        cdef size_t n, i
+        out = []
+        if self.q == NULL:
+            return out
+        while True:
+            n = kvf_rdma_events_take(self.q, ev, 64)
+            for i in range(n):
+                data = ev[i].data[:ev[i].len] if ev[i].data != NULL else b""
+                free(ev[i].data)
+                out.append((ev[i].kind, ev[i].dev, ev[i].qpn, ev[i].qp_index, ev[i].chan,
+                            ev[i].wc_status, data))
+            if n < 64:
+                return out
+
+    def close(self):
+        if self.q != NULL:
+            kvf_rdma_events_free(self.q)
+            self.q = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+
+cdef class RdmaChannel(Channel):
+    """The rdma provider toward one peer: its QPs (several per device pair)
+    and the native channel that stripes slices over them."""
+
+    cdef kvf_rdma_chan *ch
+    cdef readonly uint64_t token
+    cdef list devs                 # Device per QP index (keeps them alive)
+    cdef list depths
+
+    def __init__(self, Core core, RemoteTable table, str peer, uint64_t slice_size, uint64_t token):
+        cdef kvf_ctx *c = core._ctx()
+        self.ch = kvf_rdma_chan_new(c, &table.t, slice_size, token)
+        if self.ch == NULL:
+            raise MemoryError()
+        self.token = token
+        self.devs = []
+        self.depths = []
+
+    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
+        if self.ch == NULL:
+            return KVF_ECLOSED
+        return kvf_rdma_submit(self.ch, op, la, ra, ln, n, bid, bad)
+
+    def add_qp(self, Qp qp, int rdev):
+        """Hands a connected QP to the native channel; returns its index."""
+        if self.ch == NULL:
+            raise VerbsError("channel closed")
+        cdef Device d = qp.dev
+        cdef int depth = qp.depth
+        cdef ibv_qp *q = qp.take()
+        cdef int index = kvf_rdma_chan_add_qp(self.ch, d.dev, <uint32_t>rdev, q, <uint32_t>depth)
+        if index < 0:
+            ibv_destroy_qp(q)
+            raise VerbsError(f"{self.peer}: too many queue pairs")
+        self.devs.append(d)
+        self.depths.append(depth)
+        return index
+
+    def replace_qp(self, int index, Qp qp):
+        """Puts a newly connected QP in place of broken QP `index`."""
+        if self.ch == NULL:
+            raise VerbsError("channel closed")
+        cdef ibv_qp *q = qp.take()
+        if kvf_rdma_chan_replace_qp(self.ch, index, q) != KVF_OK:
+            ibv_destroy_qp(q)
+            return False
+        return True
+
+    def qp_state(self, int index):
+        """1 up, 0 broken (waiting for a new connection), -1 none."""
+        return kvf_rdma_chan_qp_state(self.ch, index) if self.ch != NULL else -1
+
+    def qp_device(self, int index):
+        return self.devs[index]
+
+    def post_one(self, int index, int op, uint64_t laddr, uint32_t lkey, uint64_t raddr,
+                 uint32_t rkey, uint32_t length):
+        """One work request with explicit keys (notify SEND, probe READ);
+        returns (status, batch_id)."""
+        cdef uint64_t bid = 0
+        cdef int rc
+        if self.ch == NULL:
+            return KVF_ECLOSED, 0
+        with nogil:
+            rc = kvf_rdma_post_one(self.ch, index, op, laddr, lkey, raddr, rkey, length, &bid)
+        return rc, bid
+
+    def stats(self):
+        """Per QP: device index, remote device index, state, work requests
+        and bytes posted."""
+        cdef uint32_t dev, rdev
+        cdef uint64_t wrs, nbytes
+        cdef int i, st
+        out = []
+        if self.ch == NULL:
+            return out
+        for i in range(kvf_rdma_chan_nqps(self.ch)):
+            st = kvf_rdma_chan_qp_stats(self.ch, i, &dev, &rdev, &wrs, &nbytes)
+            out.append({"dev": dev, "rdev": rdev, "state": st, "wrs": wrs, "bytes": nbytes})
+        return out
+
+    @property
+    def alive(self):
+        return self.ch != NULL
+
+    def close(self):
+        """Destroys the QPs (nothing touches memory after this returns) and
+        fails what was queued or in flight. Idempotent."""
+        if self.ch != NULL:
+            with nogil:
+                kvf_rdma_chan_free(self.ch)
+            self.ch = NULL
+            for d, depth in zip(self.devs, self.depths):
+                (<Device>d).release(depth)
+            self.devs = []
+            self.depths = []
+
+    def __dealloc__(self):
+        if self.ch != NULL:
+            kvf_rdma_chan_free(self.ch)
+            self.ch = NULL
+

@@ -1,0 +1,409 @@
+"""The rdma provider's Python side: which devices an engine uses, memory
+registration on every one of them, connecting queue pairs through the
+handshake server (both ends), the reachability probe, notifications over
+the data path, and reconnecting a QP that broke.
+
+Hot-path work is native (kvflow/_native/rdma.c); everything here runs once
+per connection, registration or failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import numpy as np
+
+from kvflow.errors import (
+    InvalidArgumentError,
+    PeerLostError,
+    ProtocolError,
+    ProviderUnavailableError,
+    WC_STATUS,
+)
+from kvflow.memory import Access
+
+try:
+    from kvflow import _verbs
+except ImportError:          # built without libibverbs headers
+    _verbs = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from kvflow.engine import Engine
+    from kvflow.peer import Peer
+
+__all__ = ["RdmaProvider", "available", "device_names"]
+
+log = logging.getLogger("kvflow")
+
+QP_DEPTH = 128                 # send-queue entries per QP
+PROBE_TIMEOUT = 5.0            # reachability read per QP
+MAX_TARGET_QPS = 256           # per control session
+REPAIR_ATTEMPTS = 3
+NOTIFY_SLOTS = 64              # registered send buffers for notifications
+LARGE_REGION = 64 << 20        # registrations at least this big are logged with their time
+
+
+def available() -> bool:
+    return _verbs is not None
+
+
+def device_names() -> list[str]:
+    """RDMA devices on this host ([] when none or not built)."""
+    return _verbs.device_names() if _verbs is not None else []
+
+
+def _pairs(nl: int, nr: int) -> list[tuple[int, int]]:
+    """Device pairs (local, remote): rail i to rail i; the larger side's
+    extra devices share the other side's round-robin."""
+    return [(i % nl, i % nr) for i in range(max(nl, nr))]
+
+
+class RdmaProvider:
+    """The rdma provider of one engine."""
+
+    def __init__(self, engine: "Engine", *, devices: list[str] | None = None, gid_index: int | None = None,
+                 qps_per_pair: int = 2, slice_size: int = 256 << 10) -> None:
+        if _verbs is None:
+            raise ProviderUnavailableError("kvflow was built without libibverbs (install libibverbs-dev "
+                                           "and reinstall kvflow)")
+        names = devices
+        if names is None:
+            env = os.environ.get("KVFLOW_RDMA_DEVICES", "")
+            names = [n for n in env.split(",") if n] or _verbs.device_names()
+        if not names:
+            raise ProviderUnavailableError("no RDMA device on this host")
+        self._engine = engine
+        self.events = _verbs.Events()
+        self.devices: list[Any] = []
+        problems = []
+        for name in names[:8]:
+            try:
+                self.devices.append(_verbs.Device(engine._core, self.events, name, len(self.devices),
+                                                  gid_index=gid_index))
+            except (OSError, ValueError) as e:
+                problems.append(str(e))
+        if not self.devices:
+            self.events.close()
+            raise ProviderUnavailableError("no usable RDMA device: " + "; ".join(problems))
+        for p in problems:
+            log.warning("kvflow: rdma device skipped: %s", p)
+        self.qps_per_pair = qps_per_pair
+        self.slice_size = slice_size
+        self._mrs: dict[int, list[int]] = {}             # region id -> MR handle per device
+        self._targets: dict[tuple[int, int], tuple[str, Any]] = {}   # (dev, qpn) -> (peer, Qp)
+        self._session_qps: dict[Any, list[tuple[int, int]]] = {}
+        self._channels: dict[int, tuple["Peer", Any]] = {}            # token -> (peer, channel)
+        self._next_token = 1
+        self._repairs: set[asyncio.Task[None]] = set()
+        # The reachability probe: peers read this cookie back over each QP.
+        self._probe = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()
+        self._probe_landing = np.zeros(MAX_TARGET_QPS * 64, dtype=np.uint8)
+        self._notify_buf = np.zeros(NOTIFY_SLOTS * _verbs.RECV_BYTES, dtype=np.uint8)
+        self._notify_free = list(range(NOTIFY_SLOTS))
+        self._notify_sem = asyncio.Semaphore(NOTIFY_SLOTS)
+        self._internal: list[tuple[list[int], list[int], list[int]]] = []
+        self.probe_keys = self._register_internal(self._probe, Access.READ)
+        self.landing_keys = self._register_internal(self._probe_landing, Access.READ | Access.WRITE)
+        self.notify_keys = self._register_internal(self._notify_buf, Access.READ)
+        engine._loop.add_reader(self.events.fileno(), self._on_events)
+        log.info("kvflow: rdma devices %s", ", ".join(repr(d) for d in self.devices))
+
+    # ------------------------------------------------------------ memory
+    @staticmethod
+    def _flags(access: Access, writable: bool) -> int:
+        flags = 0
+        if writable:
+            flags |= _verbs.ACCESS_LOCAL_WRITE
+        if access & Access.WRITE:
+            flags |= _verbs.ACCESS_REMOTE_WRITE
+        if access & Access.READ:
+            flags |= _verbs.ACCESS_REMOTE_READ
+        return flags
+
+    def _reg_all(self, addr: int, length: int, flags: int) -> tuple[list[int], list[int], list[int]]:
+        handles: list[int] = []
+        lkeys: list[int] = []
+        rkeys: list[int] = []
+        try:
+            for d in self.devices:
+                h, lkey, rkey = d.register(addr, length, flags)
+                handles.append(h)
+                lkeys.append(lkey)
+                rkeys.append(rkey)
+        except OSError as e:
+            for d, h in zip(self.devices, handles):
+                d.deregister(h)
+            raise InvalidArgumentError(f"rdma cannot register {length} bytes at {addr:#x}: {e}") from None
+        return handles, lkeys, rkeys
+
+    def _register_internal(self, arr: np.ndarray, access: Access) -> tuple[list[int], list[int]]:
+        addr = int(arr.__array_interface__["data"][0])
+        handles, lkeys, rkeys = self._reg_all(addr, arr.nbytes, self._flags(access, True))
+        self._internal.append((handles, lkeys, rkeys))
+        return lkeys, rkeys
+
+    def register(self, rid: int, addr: int, length: int, access: Access, writable: bool
+                 ) -> tuple[list[int], list[int], float]:
+        """Registers a region on every device: (lkeys, rkeys, seconds)."""
+        t0 = time.perf_counter()
+        handles, lkeys, rkeys = self._reg_all(addr, length, self._flags(access, writable))
+        took = time.perf_counter() - t0
+        self._mrs[rid] = handles
+        if length >= LARGE_REGION:
+            log.info("kvflow: rdma registration of %d MiB on %d device(s) took %.3f s (%.2f GB/s)",
+                     length >> 20, len(self.devices), took, length / max(took, 1e-9) / 1e9)
+        return lkeys, rkeys, took
+
+    def deregister(self, rid: int) -> None:
+        for d, h in zip(self.devices, self._mrs.pop(rid, [])):
+            d.deregister(h)
+
+    def describe(self) -> dict[str, Any]:
+        return {"devices": [d.info() for d in self.devices],
+                "probe": [int(self._probe.__array_interface__["data"][0]), self.probe_keys[1],
+                          self._probe.tobytes()[:16]]}
+
+    def device_names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    # ------------------------------------------------------------ initiator
+    def _qp_wire(self, dev: Any, qp: Any, rdev: int) -> list[Any]:
+        return [rdev, qp.qpn, qp.psn, dev.gid, dev.lid, dev.mtu]
+
+    async def connect(self, peer: "Peer", remote: dict[str, Any],
+                      request: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
+        """Connects QPs to the peer's devices (a pair of devices per rail,
+        qps_per_pair QPs each), probes each QP with a read of the peer's
+        cookie, and returns the channel. Raises ProviderUnavailableError
+        when the devices do not reach each other."""
+        rdevs = remote["devices"]
+        pairs = _pairs(len(self.devices), len(rdevs))
+        token = self._next_token
+        self._next_token += 1
+        ch = _verbs.RdmaChannel(self._engine._core, peer._table, peer.address, self.slice_size, token)
+        qps = []
+        try:
+            for ldev, rdev in pairs:
+                dev = self.devices[ldev]
+                for _ in range(self.qps_per_pair):
+                    if not dev.reserve(QP_DEPTH):
+                        raise ProviderUnavailableError(f"{dev.name}: completion queue full (too many QPs)")
+                    qps.append((dev, dev.create_qp(QP_DEPTH), rdev))
+            reply = await request({"t": "rdma_connect", "qps": [self._qp_wire(d, q, r) for d, q, r in qps]})
+            answers = _accepted(reply, len(qps), peer.address)
+            remote_qpns = []
+            for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps, answers):
+                qp.connect(qpn, psn, gid, lid, mtu)
+                remote_qpns.append(qpn)
+            for dev, qp, rdev in qps:
+                ch.add_qp(qp, rdev)
+            self._channels[token] = (peer, ch)
+            peer._rdma_remote_qpns = remote_qpns
+            await self._probe_all(peer, ch, remote["probe"], len(qps))
+        except BaseException:
+            ch.close()
+            self._channels.pop(token, None)
+            for dev, qp, rdev in qps:
+                qp.destroy()
+            raise
+        return ch
+
+    async def _probe_all(self, peer: "Peer", ch: Any, probe: list[Any], n: int) -> None:
+        raddr, rkeys, cookie = probe
+        waits = []
+        for i in range(n):
+            dev = ch.qp_device(i)
+            rdev = ch.stats()[i]["rdev"]
+            landing = int(self._probe_landing.__array_interface__["data"][0]) + (i % MAX_TARGET_QPS) * 64
+            self._probe_landing[(i % MAX_TARGET_QPS) * 64:(i % MAX_TARGET_QPS) * 64 + 16] = 0
+            status, bid = ch.post_one(i, _verbs.OP_PROBE, landing, self.landing_keys[0][dev.index],
+                                      raddr, rkeys[rdev], len(cookie))
+            if status:
+                raise ProviderUnavailableError(f"{peer.address}: rdma probe could not be posted", peer=peer.address)
+            waits.append(self._engine._track_batch(bid, peer.address, 1, len(cookie), PROBE_TIMEOUT))
+        for i, w in enumerate(waits):
+            dev = ch.qp_device(i)
+            try:
+                await w
+            except Exception as e:
+                raise ProviderUnavailableError(
+                    f"{peer.address}: rdma device {dev.name} does not reach the peer's device "
+                    f"({e}); check GIDs/routes with ibv_devinfo -v and `rdma link`", peer=peer.address) from None
+            got = self._probe_landing[(i % MAX_TARGET_QPS) * 64:(i % MAX_TARGET_QPS) * 64 + len(cookie)].tobytes()
+            if got != cookie:
+                raise ProviderUnavailableError(f"{peer.address}: rdma probe read back the wrong bytes over "
+                                               f"{dev.name}", peer=peer.address)
+
+    async def notify(self, peer: "Peer", ch: Any, data: bytes) -> bool:
+        """Sends a notification as an RDMA SEND on a live QP: it lands
+        after every write that completed before. False when it does not fit
+        a receive buffer (the caller uses the control connection)."""
+        if len(data) > _verbs.RECV_BYTES:
+            return False
+        async with self._notify_sem:
+            slot = self._notify_free.pop()
+            try:
+                base = slot * _verbs.RECV_BYTES
+                self._notify_buf[base:base + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                addr = int(self._notify_buf.__array_interface__["data"][0]) + base
+                for i, st in enumerate(ch.stats()):
+                    if st["state"] == 1:
+                        dev = ch.qp_device(i)
+                        status, bid = ch.post_one(i, _verbs.OP_SEND, addr, self.notify_keys[0][dev.index],
+                                                  0, 0, len(data))
+                        if status:
+                            break
+                        await self._engine._track_batch(bid, peer.address, 0, len(data), None)
+                        return True
+                raise PeerLostError(f"notify to {peer.address}: no live rdma queue pair", peer=peer.address)
+            finally:
+                self._notify_free.append(slot)
+
+    # ------------------------------------------------------------ target
+    def accept(self, peer_address: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        """Creates and connects this side's QPs for a peer's rdma_connect."""
+        qps = msg.get("qps")
+        if not isinstance(qps, list) or not qps or len(qps) > MAX_TARGET_QPS:
+            raise ProtocolError("rdma_connect: bad QP list")
+        mine = self._session_qps.setdefault(session, [])
+        if len(mine) + len(qps) > MAX_TARGET_QPS:
+            raise ProtocolError(f"rdma_connect: more than {MAX_TARGET_QPS} QPs for one peer")
+        for old in msg.get("replace") or []:
+            self._drop_target(session, old)
+        out = []
+        made = []
+        try:
+            for item in qps:
+                try:
+                    rdev, qpn, psn, gid, lid, mtu = item
+                    ok = (isinstance(rdev, int) and 0 <= rdev < len(self.devices) and isinstance(qpn, int)
+                          and 0 < qpn < 1 << 24 and isinstance(psn, int) and 0 <= psn < 1 << 24
+                          and isinstance(gid, bytes) and len(gid) == 16 and isinstance(lid, int)
+                          and 0 <= lid < 1 << 16 and isinstance(mtu, int) and 1 <= mtu <= 5)
+                except (TypeError, ValueError):
+                    ok = False
+                if not ok:
+                    raise ProtocolError("rdma_connect: malformed QP entry")
+                dev = self.devices[rdev]
+                qp = dev.create_qp(1, target=True)
+                made.append(qp)
+                qp.connect(qpn, psn, gid, lid, mtu)
+                out.append([qp.qpn, qp.psn, dev.gid, dev.lid, dev.mtu])
+        except OSError as e:
+            for qp in made:
+                qp.destroy()
+            return {"t": "rdma_error", "message": str(e)}
+        except BaseException:
+            for qp in made:
+                qp.destroy()
+            raise
+        for qp in made:
+            key = (qp.dev.index, qp.qpn)
+            self._targets[key] = (peer_address, qp)
+            mine.append(key)
+        return {"t": "rdma_accept", "qps": out}
+
+    def _drop_target(self, session: Any, qpn: Any) -> None:
+        mine = self._session_qps.get(session, [])
+        for key in list(mine):
+            if key[1] == qpn:
+                mine.remove(key)
+                _, qp = self._targets.pop(key)
+                qp.destroy()
+
+    def drop_session(self, session: Any) -> None:
+        for key in self._session_qps.pop(session, []):
+            entry = self._targets.pop(key, None)
+            if entry is not None:
+                entry[1].destroy()
+
+    # ------------------------------------------------------------ events
+    def _on_events(self) -> None:
+        for kind, dev, qpn, qp_index, token, wc_status, data in self.events.take():
+            if kind == _verbs.EV_NOTIFY:
+                entry = self._targets.get((dev, qpn))
+                if entry is not None:
+                    self._engine._notifications.put_nowait((entry[0], data))
+            elif kind == _verbs.EV_BROKEN:
+                entry = self._channels.get(token)
+                if entry is None:
+                    continue
+                peer, ch = entry
+                name = WC_STATUS[wc_status] if 0 <= wc_status < len(WC_STATUS) else str(wc_status)
+                log.warning("kvflow: rdma QP %d to %s on %s broke (verbs status IBV_WC_%s); reconnecting",
+                            qp_index, peer.address, self.devices[dev].name, name)
+                task = self._engine._loop.create_task(self._repair(peer, ch, qp_index))
+                self._repairs.add(task)
+                task.add_done_callback(self._repairs.discard)
+
+    async def _repair(self, peer: "Peer", ch: Any, index: int) -> None:
+        """Connects a new QP in place of broken QP `index` (the old pair is
+        replaced on both ends); after REPAIR_ATTEMPTS failures the peer is
+        closed and what waited fails with PeerLostError."""
+        dev = ch.qp_device(index)
+        rdev = ch.stats()[index]["rdev"]
+        for attempt in range(REPAIR_ATTEMPTS):
+            if not ch.alive or not peer.alive:
+                return
+            qp = dev.create_qp(QP_DEPTH)
+            try:
+                old = peer._rdma_remote_qpns[index]
+                reply = await peer._request({"t": "rdma_connect", "qps": [self._qp_wire(dev, qp, rdev)],
+                                             "replace": [old]})
+                (qpn, psn, gid, lid, mtu), = _accepted(reply, 1, peer.address)
+                qp.connect(qpn, psn, gid, lid, mtu)
+                if ch.replace_qp(index, qp):
+                    peer._rdma_remote_qpns[index] = qpn
+                    log.info("kvflow: rdma QP %d to %s reconnected", index, peer.address)
+                    return
+            except (OSError, ProtocolError, PeerLostError, asyncio.TimeoutError) as e:
+                log.warning("kvflow: reconnecting rdma QP %d to %s failed: %s", index, peer.address, e)
+            finally:
+                qp.destroy()
+            await asyncio.sleep(0.2 * (attempt + 1))
+        log.warning("kvflow: rdma to %s cannot be repaired; closing the peer", peer.address)
+        await peer.close()
+
+    def forget_channel(self, ch: Any) -> None:
+        self._channels.pop(getattr(ch, "token", -1), None)
+
+    def close(self) -> None:
+        for t in list(self._repairs):
+            t.cancel()
+        try:
+            self._engine._loop.remove_reader(self.events.fileno())
+        except Exception:
+            pass
+        for session in list(self._session_qps):
+            self.drop_session(session)
+        for rid in list(self._mrs):
+            self.deregister(rid)
+        for handles, _, _ in self._internal:
+            for d, h in zip(self.devices, handles):
+                d.deregister(h)
+        self._internal = []
+        for d in self.devices:
+            d.close()
+        self.events.close()
+
+
+def _accepted(reply: dict[str, Any], n: int, peer: str) -> list[tuple[int, int, bytes, int, int]]:
+    if reply.get("t") == "rdma_error":
+        raise ProviderUnavailableError(f"{peer} could not set up rdma: {reply.get('message')}", peer=peer)
+    qps = reply.get("qps")
+    if reply.get("t") != "rdma_accept" or not isinstance(qps, list) or len(qps) != n:
+        raise ProtocolError(f"{peer}: malformed rdma_accept", peer=peer)
+    out = []
+    for item in qps:
+        try:
+            qpn, psn, gid, lid, mtu = item
+            if not (isinstance(qpn, int) and isinstance(psn, int) and isinstance(gid, bytes) and len(gid) == 16
+                    and isinstance(lid, int) and isinstance(mtu, int)):
+                raise TypeError
+        except (TypeError, ValueError):
+            raise ProtocolError(f"{peer}: malformed rdma_accept entry", peer=peer) from None
+        out.append((qpn, psn, gid, lid, mtu))
+    return out
