@@ -966,7 +966,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine = argparse.ArgumentParser(add_help=False)
     group = engine.add_argument_group("engine")
-    group.add_argument("--protocol", choices=("auto", "tcp", "local"), default="auto",
+    group.add_argument("--protocol", choices=("auto", "tcp", "local", "rdma"), default="auto",
                        help="transport to allow (auto: the engine picks; default %(default)s)")
     group.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                        help="this engine's listen address (default %(default)s); an initiator "

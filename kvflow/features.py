@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from kvflow import _core
 
+try:
+    from kvflow import _verbs  # noqa: F401
+    _HAVE_VERBS = True
+except ImportError:             # built without libibverbs headers
+    _HAVE_VERBS = False
+
 features: dict[str, bool] = {
     "tcp": True,
     "local": True,
-    "verbs": False,     # RDMA provider: not built yet (issue 3)
+    "verbs": _HAVE_VERBS,       # the rdma provider was built (devices are found at run time)
+    "rdma": _HAVE_VERBS,
     "cuda": False,      # CUDA module: not built yet
     "debug": bool(getattr(_core, "DEBUG", False)),
 }

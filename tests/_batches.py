@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -12,11 +13,14 @@ from _target import pattern, sha256
 
 # Default bound for awaits inside tests: generous; it only turns a hang into a failure.
 OP_TIMEOUT = 30.0
+# Under full emulation (the Soft-RoCE VM runs on TCG) everything is several
+# times slower: every bound is stretched by this factor there.
+TIME_SCALE = float(os.environ.get("KVFLOW_TEST_TIME_SCALE", "4" if os.environ.get("KVFLOW_IN_VM") else "1"))
 
 
 async def bounded(aw, timeout: float = OP_TIMEOUT):
     """``await aw``, but fail instead of hanging."""
-    return await asyncio.wait_for(aw, timeout)
+    return await asyncio.wait_for(aw, timeout * TIME_SCALE)
 
 KiB = 1 << 10
 MiB = 1 << 20

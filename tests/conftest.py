@@ -6,7 +6,11 @@ are child processes (``tests/_target.py``), nothing is mocked.
 * ``loop_exception_guard`` (autouse): a test fails if anything reached the event
   loop's exception handler (an unretrieved task exception, an exception in a
   callback, ...), the way asyncpg's test base does it.
-* ``provider``: parametrises a test over "tcp", "local", "local-xproc", "tcp-xproc".
+* ``provider``: parametrises a test over "tcp", "local", "local-xproc", "tcp-xproc",
+  "rdma" (marked ``rdma``: it skips without an RDMA device and runs inside the
+  Soft-RoCE VM, see tests/test_rdma_vm.py). Cross-process rdma ("rdma-xproc") is
+  in ``xproc_provider`` only (the kill tests): the verbs path is the same in
+  one process, and a child interpreter costs ~20 s to start under emulation.
 * ``make_engine``, ``make_target``, ``make_pair``, ``local_mem``: factories whose
   teardown closes what they made and checks the guard bytes around every
   registered region, local and remote, and (where the engine has counters())
@@ -36,14 +40,14 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:  # so that ``import _target`` works under any import mode
     sys.path.insert(0, TESTS_DIR)
 
-from _batches import Pair, bounded  # noqa: E402
+from _batches import TIME_SCALE, Pair, bounded  # noqa: E402
 from _target import MARK, GuardedBuffer, TargetCore  # noqa: E402
 
 TARGET_SCRIPT = os.path.join(TESTS_DIR, "_target.py")
 
 # Upper bound for one test; past it faulthandler dumps every thread's stack and
 # exits, so a hang in the engine shows where it hangs instead of stalling CI.
-TEST_WATCHDOG_S = float(os.environ.get("KVFLOW_TEST_WATCHDOG_S", "150"))
+TEST_WATCHDOG_S = float(os.environ.get("KVFLOW_TEST_WATCHDOG_S", str(150 * TIME_SCALE)))
 
 # Regions every target registers unless a test asks for others.
 DEFAULT_REGIONS = (
@@ -113,7 +117,34 @@ PROVIDERS = {
     "local": Provider("local", "local", False),
     "local-xproc": Provider("local-xproc", "local", True),
     "tcp-xproc": Provider("tcp-xproc", "tcp", True),
+    "rdma": Provider("rdma", "rdma", False),
+    "rdma-xproc": Provider("rdma-xproc", "rdma", True),
 }
+
+
+def _param(name: str):
+    return pytest.param(name, id=name, marks=[pytest.mark.rdma] if PROVIDERS[name].protocol == "rdma" else [])
+
+
+@lru_cache(maxsize=None)
+def rdma_devices() -> list[str]:
+    from kvflow import rdma
+
+    return rdma.device_names()
+
+
+def _skip_unavailable(p: Provider) -> None:
+    import kvflow
+
+    if not kvflow.features.get(p.protocol, False):
+        pytest.skip(f"kvflow built without the {p.protocol!r} provider")
+    if p.protocol == "rdma" and not rdma_devices():
+        pytest.skip("no RDMA device on this host (the rdma suite runs in the Soft-RoCE VM: "
+                    "tests/test_rdma_vm.py, or python3 tools/rdma_vm.py -- python3 -m pytest -m rdma)")
+    if p.xproc and p.protocol == "local":
+        ok, why = xproc_vm_probe()
+        if not ok:
+            pytest.skip(why)
 
 
 @lru_cache(maxsize=None)
@@ -145,32 +176,18 @@ def xproc_vm_probe() -> tuple[bool, str]:
         proc.wait(timeout=10)
 
 
-@pytest.fixture(params=list(PROVIDERS), ids=list(PROVIDERS))
+@pytest.fixture(params=[_param(n) for n in PROVIDERS if n != "rdma-xproc"])
 def provider(request) -> Provider:
-    import kvflow
-
     p = PROVIDERS[request.param]
-    if not kvflow.features.get(p.protocol, False):
-        pytest.skip(f"kvflow built without the {p.protocol!r} provider")
-    if p.xproc and p.protocol == "local":
-        ok, why = xproc_vm_probe()
-        if not ok:
-            pytest.skip(why)
+    _skip_unavailable(p)
     return p
 
 
-@pytest.fixture(params=[n for n in PROVIDERS if PROVIDERS[n].xproc])
+@pytest.fixture(params=[_param(n) for n in PROVIDERS if PROVIDERS[n].xproc])
 def xproc_provider(request) -> Provider:
     """Only the providers whose target is a separate process (kill tests)."""
-    import kvflow
-
     p = PROVIDERS[request.param]
-    if not kvflow.features.get(p.protocol, False):
-        pytest.skip(f"kvflow built without the {p.protocol!r} provider")
-    if p.protocol == "local":
-        ok, why = xproc_vm_probe()
-        if not ok:
-            pytest.skip(why)
+    _skip_unavailable(p)
     return p
 
 

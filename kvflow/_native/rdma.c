@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #define SIGNAL_EVERY 16      /* one signalled work request per this many */
-#define CHAIN 32             /* work requests per ibv_post_send */
+#define CHAIN 64             /* work requests per ibv_post_send */
 #define MAX_SLOTS 4096       /* QPs per device (slot is 12 bits of wr_id) */
 #define MAX_QPS 64           /* QPs per channel */
 #define MAX_ATTEMPTS 3       /* posts of one slice before its batch fails */

@@ -1,0 +1,201 @@
+"""The rdma provider on real verbs (Soft-RoCE in the VM, or a real NIC).
+
+Beyond the shared parametrised suite (conftest's "rdma" and "rdma-xproc"
+providers): automatic selection, a remote access error that fails only its
+batch and leaves the endpoint usable after the QP is reconnected, two
+devices with slices striped over both (checked with the devices' own
+packet counters), notifications over the data path, and registration time.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow import rdma
+
+from _batches import bounded
+
+pytestmark = [
+    pytest.mark.rdma,
+    pytest.mark.skipif(not kvflow.features["rdma"], reason="kvflow built without libibverbs"),
+    pytest.mark.skipif(not rdma.device_names(), reason="no RDMA device on this host (run in the Soft-RoCE VM)"),
+]
+
+
+def rxe_counter(dev: str, name: str) -> int:
+    """A device's own counter (sysfs hw_counters): independent of kvflow."""
+    with open(f"/sys/class/infiniband/{dev}/ports/1/hw_counters/{name}") as f:
+        return int(f.read())
+
+
+async def rdma_pair(**kw):
+    a = kvflow.Engine(protocols=("rdma",), **kw)
+    b = kvflow.Engine(protocols=("rdma",), **kw)
+    await a.start()
+    await b.start()
+    return a, b
+
+
+async def test_remote_access_error_then_endpoint_works(caplog):
+    a, b = await rdma_pair()
+    try:
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        src = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
+        r = b.register(dst, name="kv")
+        l = a.register(src)
+        peer = await bounded(a.connect(b.address))
+        assert peer.transport == "rdma"
+        await bounded(peer.write([l.addr], [r.addr], [4096]))
+        # Deregister and write before A hears of it: A's table still allows
+        # the range, so only the NIC can refuse it.
+        b.deregister(r)
+        with caplog.at_level(logging.WARNING, logger="kvflow"):
+            with pytest.raises(kvflow.RemoteAccessError) as ei:
+                await bounded(peer.write([l.addr], [r.addr], [8192], timeout=20))
+        msg = str(ei.value)
+        assert b.address in msg and "REM_ACCESS_ERR" in msg and a._rdma.devices[0].name in msg, msg
+        assert ei.value.peer == b.address and ei.value.index == 0
+        assert bytes(dst[4096:8192]) == bytes(4096), "a refused write must not land"
+        # the same endpoint works again once the QP is reconnected
+        r2 = b.register(dst, name="kv2")
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            try:
+                await bounded(peer.write([l.addr], [r2.addr], [1 << 20], timeout=10))
+                break
+            except kvflow.RemoteAccessError:
+                # our copy of B's regions may lag; refresh() is what a user does
+                await peer.refresh()
+            assert asyncio.get_running_loop().time() < deadline
+        assert np.array_equal(dst, src)
+        for _ in range(100):
+            if all(s["state"] == 1 for s in peer._channel.stats()):
+                break
+            await asyncio.sleep(0.1)
+        assert all(s["state"] == 1 for s in peer._channel.stats()), peer._channel.stats()
+        assert any("broke" in r.getMessage() for r in caplog.records)
+        assert a.counters()["slices_inflight"] == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_notify_over_the_data_path_after_the_data():
+    a, b = await rdma_pair()
+    try:
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        src = np.random.default_rng(2).integers(0, 255, 1 << 20, dtype=np.uint8)
+        r = b.register(dst, name="kv")
+        l = a.register(src)
+        peer = await bounded(a.connect(b.address))
+        it = b.notifications().__aiter__()
+        before = sum(s["wrs"] for s in peer._channel.stats())
+        for i in range(5):
+            await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
+            await bounded(peer.notify(b"layer %d" % i))
+            who, data = await bounded(it.__anext__())
+            assert (who, data) == (a.address, b"layer %d" % i)
+            assert np.array_equal(dst, src)     # the data was there when the notification came
+            src[:] = np.roll(src, 1)
+        # each small notification was one work request on a QP (a SEND)
+        assert sum(s["wrs"] for s in peer._channel.stats()) - before >= 5 + 5
+        big = os.urandom(3 * rdma._verbs.RECV_BYTES)   # too big for a receive buffer: control path
+        await bounded(peer.notify(big))
+        assert await bounded(it.__anext__()) == (a.address, big)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_registration_time_is_reported(caplog):
+    async with kvflow.Engine(protocols=("rdma",)) as e:
+        buf = np.zeros(rdma.LARGE_REGION, dtype=np.uint8)
+        with caplog.at_level(logging.INFO, logger="kvflow"):
+            region = e.register(buf)
+        assert region.rdma_reg_seconds > 0
+        assert len(region.rkeys) == len(e._rdma.devices)
+        assert any("rdma registration of 64 MiB" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+async def test_two_devices_slices_striped_over_both():
+    names = rdma.device_names()[:2]
+    a, b = await rdma_pair(rdma_devices=names)
+    try:
+        n = 8 << 20
+        dst = np.zeros(n, dtype=np.uint8)
+        src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+        r = b.register(dst, name="kv")
+        l = a.register(src)
+        peer = await bounded(a.connect(b.address))
+        sent0 = {d: rxe_counter(d, "sent_pkts") for d in names}
+        await bounded(peer.write([l.addr], [r.addr], [n]), 120)
+        assert np.array_equal(dst, src)
+        per_dev = {0: 0, 1: 0}
+        for s in peer._channel.stats():
+            per_dev[s["dev"]] += s["bytes"]
+        # kvflow's own accounting: both devices carried a fair share
+        assert min(per_dev.values()) >= n // 4, per_dev
+        # the devices' counters agree (each packet carries at most one MTU)
+        for d in names:
+            assert rxe_counter(d, "sent_pkts") - sent0[d] >= (n // 4) // 4096, d
+        # reads stripe too
+        back = np.zeros(n, dtype=np.uint8)
+        lb = a.register(back)
+        await bounded(peer.read([lb.addr], [r.addr], [n]), 120)
+        assert np.array_equal(back, src)
+    finally:
+        await a.close()
+        await b.close()
+
+
+TARGET = r"""
+import asyncio, sys, numpy as np, kvflow
+async def main():
+    async with kvflow.Engine() as e:
+        buf = np.zeros(1 << 16, dtype=np.uint8)
+        r = e.register(buf, name="kv")
+        print(e.address, r.addr, flush=True)
+        sys.stdin.readline()
+        print(bytes(buf[:16]).hex(), flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare(1) and root for a separate pid namespace")
+async def test_auto_selection_picks_rdma_for_another_host(caplog):
+    """protocols=None: a peer that is not on this host (here: another pid
+    namespace, so no cross-memory attach) is reached over rdma."""
+    proc = await asyncio.create_subprocess_exec(
+        "unshare", "--pid", "--fork", sys.executable, "-c", TARGET,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        address, raddr = (await bounded(proc.stdout.readline(), 60)).decode().split()
+        with caplog.at_level(logging.INFO, logger="kvflow"):
+            async with kvflow.Engine() as e:
+                src = np.frombuffer(b"picked rdma!!!!!", dtype=np.uint8).copy()
+                s = e.register(src)
+                peer = await bounded(e.connect(address))
+                assert peer.transport == "rdma"
+                await bounded(peer.write([s.addr], [int(raddr)], [16]))
+        assert any("another host" in r.getMessage() and "trying rdma" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert any(f"connected to {address} via rdma" in r.getMessage() for r in caplog.records)
+        proc.stdin.write(b"\n")
+        await proc.stdin.drain()
+        landed = (await bounded(proc.stdout.readline(), 30)).decode().strip()
+        assert bytes.fromhex(landed) == b"picked rdma!!!!!"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()

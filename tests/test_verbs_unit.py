@@ -1,0 +1,51 @@
+"""Pieces of the rdma provider that need no device: GID choice, descriptor
+parsing of the rdma section, and errors naming the device and verbs status."""
+from __future__ import annotations
+
+import pytest
+
+import kvflow
+from kvflow.errors import RemoteAccessError, status_error
+from kvflow.handshake import rdma_from_wire
+from kvflow.errors import ProtocolError
+
+verbs = pytest.importorskip("kvflow._verbs", reason="kvflow built without libibverbs")
+
+ZERO = bytes(16)
+LINK_LOCAL = bytes.fromhex("fe800000000000000200aafffe000001")
+MAPPED = bytes(10) + b"\xff\xff" + bytes([198, 18, 0, 1])
+GLOBAL6 = bytes.fromhex("20010db8000000000000000000000001")
+
+
+def test_gid_choice_skips_link_local_and_zero():
+    # no sysfs type information for this made-up device: prefer IPv4-mapped
+    assert verbs.choose_gid("nodev", 1, [LINK_LOCAL, ZERO, GLOBAL6, MAPPED], 2) == 3
+    assert verbs.choose_gid("nodev", 1, [LINK_LOCAL, GLOBAL6], 2) == 1
+    assert verbs.choose_gid("nodev", 1, [LINK_LOCAL, ZERO], 2) == -1
+    # InfiniBand link layer: index 0 (addressed by LID)
+    assert verbs.choose_gid("nodev", 1, [GLOBAL6, MAPPED], 1) == 0
+
+
+def test_rdma_section_of_descriptor_is_checked():
+    good = {"devices": [{"name": "rxe0", "gid": MAPPED, "lid": 0, "mtu": 5, "link": 2, "port": 1}],
+            "probe": [4096, [7], b"x" * 16]}
+    assert rdma_from_wire(good)["devices"][0]["name"] == "rxe0"
+    assert rdma_from_wire(None) is None
+    for bad in ({}, {"devices": [], "probe": [4096, [], b"x"]},
+                {**good, "probe": [4096, [7, 8], b"x"]},
+                {**good, "devices": [{**good["devices"][0], "gid": b"short"}]},
+                {**good, "devices": [{**good["devices"][0], "mtu": 9}]},
+                {**good, "probe": [0, [7], b"x"]}, "garbage"):
+        with pytest.raises(ProtocolError):
+            rdma_from_wire(bad)
+
+
+def test_verbs_error_names_device_and_status():
+    # what a failed completion carries: status | wc_status << 8 | (device + 1) << 16
+    err = status_error(3 | (10 << 8) | (1 << 16), peer="p:1", index=4, op=0, devices=["rxe0"])
+    assert isinstance(err, RemoteAccessError)
+    assert "rxe0" in str(err) and "IBV_WC_REM_ACCESS_ERR" in str(err) and "entry 4" in str(err)
+
+
+def test_features_report_verbs():
+    assert kvflow.features["verbs"] and kvflow.features["rdma"]
