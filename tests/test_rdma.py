@@ -164,7 +164,8 @@ async def main():
         buf = np.zeros(1 << 16, dtype=np.uint8)
         r = e.register(buf, name="kv")
         print(e.address, r.addr, flush=True)
-        sys.stdin.readline()
+        # wait for the test without blocking this engine's event loop
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         print(bytes(buf[:16]).hex(), flush=True)
 asyncio.run(main())
 """
@@ -176,7 +177,7 @@ async def test_auto_selection_picks_rdma_for_another_host(caplog):
     """protocols=None: a peer that is not on this host (here: another pid
     namespace, so no cross-memory attach) is reached over rdma."""
     proc = await asyncio.create_subprocess_exec(
-        "unshare", "--pid", "--fork", sys.executable, "-c", TARGET,
+        "unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", TARGET,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
@@ -198,4 +199,4 @@ async def test_auto_selection_picks_rdma_for_another_host(caplog):
     finally:
         if proc.returncode is None:
             proc.kill()
-        await proc.wait()
+        await bounded(proc.wait(), 30)

@@ -17,6 +17,11 @@
 #define MAX_ATTEMPTS 3       /* posts of one slice before its batch fails */
 #define POLL_BATCH 64
 #define RECV_FLAG (1ull << 63)
+/* Bytes posted and not yet completed, per QP. Enough to keep a NIC busy
+ * (4 MiB is ~160 us at 200 Gb/s, and several QPs run at once), small enough
+ * that a cancelled or timed-out batch stops quickly: only what is posted
+ * must still complete, the rest is dropped from the backlog. */
+#define MAX_INFLIGHT_BYTES (4u << 20)
 
 enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1 };
 
@@ -107,6 +112,7 @@ typedef struct rqp {
     uint32_t depth;
     kvf_slice *ring;         /* posted slices, ring[seq % depth] */
     uint64_t head, tail;     /* next sequence to post; oldest not retired */
+    uint64_t inflight;       /* bytes posted, not retired */
     kvf_queue backlog;       /* waiting for send-queue room (guarded by mu) */
     uint64_t wrs, bytes;
 } rqp;
@@ -192,10 +198,21 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry);
 
 static void qp_post_locked(rqp *q, kvf_queue *retry) {
     kvf_ctx *c = q->ch->c;
-    while (q->state == QP_UP && q->backlog.count && q->head - q->tail < q->depth) {
+    while (q->state == QP_UP && q->backlog.count && q->head - q->tail < q->depth &&
+           (q->inflight < MAX_INFLIGHT_BYTES || q->head == q->tail)) {
         size_t room = q->depth - (size_t)(q->head - q->tail);
+        if (room > CHAIN) room = CHAIN;
+        /* take slices while the byte budget lasts (at least one) */
+        size_t want = 0;
+        uint64_t budget = q->inflight < MAX_INFLIGHT_BYTES ? MAX_INFLIGHT_BYTES - q->inflight : 0;
+        for (size_t i = 0; i < room && i < q->backlog.count; i++) {
+            uint64_t l = q->backlog.ring[(q->backlog.head + i) % q->backlog.cap].len;
+            if (want && l > budget) break;
+            budget = l > budget ? 0 : budget - l;
+            want++;
+        }
         kvf_slice tmp[CHAIN];
-        size_t k = kvf_queue_pop_locked(&q->backlog, tmp, room < CHAIN ? room : CHAIN);
+        size_t k = kvf_queue_pop_locked(&q->backlog, tmp, want);
         struct ibv_send_wr wr[CHAIN];
         struct ibv_sge sge[CHAIN];
         size_t m = 0;
@@ -231,7 +248,10 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
         struct ibv_send_wr *bad = NULL;
         int rc = ibv_post_send(q->qp, wr, &bad);
         size_t posted = rc ? (size_t)(bad - wr) : m;
-        for (size_t j = 0; j < posted; j++) q->bytes += sge[j].length;
+        for (size_t j = 0; j < posted; j++) {
+            q->bytes += sge[j].length;
+            q->inflight += sge[j].length;
+        }
         q->wrs += posted;
         if (rc) {
             /* Unposted slices go back to the backlog; the QP cannot be
@@ -247,6 +267,13 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
         }
         q->head += m;
     }
+}
+
+/* Retires posted slice `seq` with `status`. Caller holds q->mu. */
+static void retire(rqp *q, uint64_t seq, int status) {
+    kvf_slice *s = &q->ring[seq % q->depth];
+    q->inflight -= s->len;
+    slice_finish(q->ch->c, s, status);
 }
 
 static void events_broken(rqp *q, int wc_status) {
@@ -266,6 +293,7 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
     ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
     for (uint64_t s = q->tail; s < q->head; s++) kvf_queue_push_locked(retry, &q->ring[s % q->depth]);
     q->tail = q->head;
+    q->inflight = 0;
     kvf_slice tmp[64];
     size_t k;
     while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)
@@ -405,14 +433,15 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     if (seq >= q->head) { pthread_mutex_unlock(&q->mu); return; }
     kvf_ctx *c = q->ch->c;
     /* RC completes in order: everything before seq succeeded */
-    for (uint64_t x = q->tail; x < seq; x++) slice_finish(c, &q->ring[x % q->depth], KVF_OK);
+    for (uint64_t x = q->tail; x < seq; x++) retire(q, x, KVF_OK);
     kvf_queue retry;
     kvf_queue_init(&retry);
     if (wc->status == IBV_WC_SUCCESS) {
-        slice_finish(c, &q->ring[seq % q->depth], KVF_OK);
+        retire(q, seq, KVF_OK);
         q->tail = seq + 1;
     } else {
         kvf_slice failed = q->ring[seq % q->depth];
+        q->inflight -= failed.len;
         q->tail = seq + 1;
         if (retryable(wc->status) && failed.op <= KVF_OP_READ && failed.attempts < MAX_ATTEMPTS)
             kvf_queue_push_locked(&retry, &failed);
@@ -602,6 +631,7 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp) {
     q->qp = qp;
     q->gen = (q->gen + 1) & 0xffff;
     q->head = q->tail = 0;
+    q->inflight = 0;
     q->state = QP_UP;
     pthread_mutex_unlock(&q->mu);
     /* what waited for a live QP goes out now */
