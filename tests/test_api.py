@@ -87,7 +87,8 @@ def test_exception_special_bases():
 def test_features():
     f = kvflow.features
     assert isinstance(f, dict)
-    assert set(f) == {"tcp", "local", "verbs", "cuda", "debug"}, sorted(f)
+    assert set(f) == {"tcp", "local", "verbs", "rdma", "cuda", "debug"}, sorted(f)
+    assert f["rdma"] == f["verbs"]
     assert all(isinstance(v, bool) for v in f.values()), f
     assert f["tcp"] is True and f["local"] is True
 

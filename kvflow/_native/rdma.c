@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -132,7 +134,10 @@ struct kvf_rdma_dev {
     pthread_mutex_t mu;      /* guards slots */
     rqp *slots[MAX_SLOTS];
     pthread_t worker;
-    int stop_fd;
+    int wake_fd;             /* eventfd: work was posted, or stop */
+    _Atomic int stop;
+    _Atomic int sleeping;    /* the worker waits in poll() */
+    _Atomic int64_t posted;  /* WRs posted on this device and not retired */
     int started;
 };
 
@@ -191,6 +196,19 @@ static void chan_unref(kvf_rdma_chan *ch) {
 }
 
 /* ------------------------------------------------------------------ posting */
+
+/* Work was posted on the device: if its worker sleeps, wake it now, so that
+ * it is up and polling while the work requests are on the wire (the wake-up
+ * overlaps the round trip instead of following it). */
+static void dev_posted(kvf_rdma_dev *d, int64_t n) {
+    atomic_fetch_add_explicit(&d->posted, n, memory_order_relaxed);
+    if (atomic_load_explicit(&d->sleeping, memory_order_acquire) &&
+        atomic_exchange_explicit(&d->sleeping, 0, memory_order_acq_rel)) {
+        uint64_t one = 1;
+        ssize_t r = write(d->wake_fd, &one, sizeof(one));
+        (void)r;
+    }
+}
 
 /* Posts backlog slices while the send queue has room. Caller holds q->mu.
  * On a post failure the QP is broken: *retry gets what must go elsewhere. */
@@ -252,6 +270,7 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
             q->bytes += sge[j].length;
             q->inflight += sge[j].length;
         }
+        dev_posted(q->dev, (int64_t)posted);
         q->wrs += posted;
         if (rc) {
             /* Unposted slices go back to the backlog; the QP cannot be
@@ -273,6 +292,7 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
 static void retire(rqp *q, uint64_t seq, int status) {
     kvf_slice *s = &q->ring[seq % q->depth];
     q->inflight -= s->len;
+    atomic_fetch_sub_explicit(&q->dev->posted, 1, memory_order_relaxed);
     slice_finish(q->ch->c, s, status);
 }
 
@@ -292,6 +312,7 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
     ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
     for (uint64_t s = q->tail; s < q->head; s++) kvf_queue_push_locked(retry, &q->ring[s % q->depth]);
+    atomic_fetch_sub_explicit(&q->dev->posted, (int64_t)(q->head - q->tail), memory_order_relaxed);
     q->tail = q->head;
     q->inflight = 0;
     kvf_slice tmp[64];
@@ -442,6 +463,7 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     } else {
         kvf_slice failed = q->ring[seq % q->depth];
         q->inflight -= failed.len;
+        atomic_fetch_sub_explicit(&q->dev->posted, 1, memory_order_relaxed);
         q->tail = seq + 1;
         if (retryable(wc->status) && failed.op <= KVF_OP_READ && failed.attempts < MAX_ATTEMPTS)
             kvf_queue_push_locked(&retry, &failed);
@@ -460,33 +482,67 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     kvf_queue_destroy(&retry);
 }
 
+static inline uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static void handle(kvf_rdma_dev *d, struct ibv_wc *wc, int n) {
+    for (int i = 0; i < n; i++) {
+        if (wc[i].wr_id & RECV_FLAG) on_recv(d, &wc[i]);
+        else on_send(d, &wc[i]);
+    }
+}
+
+/* A worker polls its CQ while work requests of its device are on the wire
+ * (for at most SPIN_NS since the last completion or wake-up), and sleeps on
+ * the completion channel otherwise: busy only while there is something to
+ * wait for, never when idle. */
+#define SPIN_NS 200000ull
+
 static void *dev_worker(void *arg) {
     kvf_rdma_dev *d = arg;
     struct ibv_wc wc[POLL_BATCH];
-    for (;;) {
+    uint64_t last = now_ns();
+    while (!atomic_load_explicit(&d->stop, memory_order_relaxed)) {
         int n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
-        if (n == 0) {
-            /* arm, then poll once more: a completion that raced the arming
-             * is seen now rather than after the next event */
-            ibv_req_notify_cq(d->cq, 0);
-            n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
-        }
         if (n > 0) {
-            for (int i = 0; i < n; i++) {
-                if (wc[i].wr_id & RECV_FLAG) on_recv(d, &wc[i]);
-                else on_send(d, &wc[i]);
-            }
+            handle(d, wc, n);
+            last = now_ns();
+            continue;
+        }
+        if (n == 0 && atomic_load_explicit(&d->posted, memory_order_relaxed) > 0 &&
+            now_ns() - last < SPIN_NS) {
+            sched_yield();
+            continue;
+        }
+        /* arm, then poll once more: a completion that raced the arming is
+         * seen now rather than after the next event */
+        atomic_store_explicit(&d->sleeping, 1, memory_order_release);
+        ibv_req_notify_cq(d->cq, 0);
+        n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
+        if (n > 0) {
+            atomic_store_explicit(&d->sleeping, 0, memory_order_release);
+            handle(d, wc, n);
+            last = now_ns();
             continue;
         }
         if (n < 0) usleep(1000);     /* device trouble: do not spin */
-        struct pollfd p[2] = {{d->chan->fd, POLLIN, 0}, {d->stop_fd, POLLIN, 0}};
+        struct pollfd p[2] = {{d->chan->fd, POLLIN, 0}, {d->wake_fd, POLLIN, 0}};
         if (poll(p, 2, -1) < 0 && errno != EINTR) usleep(1000);
-        if (p[1].revents) break;
+        atomic_store_explicit(&d->sleeping, 0, memory_order_release);
+        if (p[1].revents) {
+            uint64_t v;
+            ssize_t r = read(d->wake_fd, &v, sizeof(v));
+            (void)r;
+        }
         if (p[0].revents) {
             struct ibv_cq *cq;
             void *cq_ctx;
             if (ibv_get_cq_event(d->chan, &cq, &cq_ctx) == 0) ibv_ack_cq_events(cq, 1);
         }
+        last = now_ns();
     }
     atomic_fetch_sub(&d->c->n_threads, 1);
     return NULL;
@@ -503,7 +559,7 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     d->ctx = ctx;
     d->pd = pd;
     d->index = index;
-    d->stop_fd = -1;
+    d->wake_fd = -1;
     pthread_mutex_init(&d->mu, NULL);
     d->chan = ibv_create_comp_channel(ctx);
     if (!d->chan) goto fail;
@@ -520,8 +576,8 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
                             IBV_ACCESS_LOCAL_WRITE);
     if (!d->recv_mr) goto fail;
     for (int i = 0; i < recv_bufs; i++) post_recv(d, i);
-    d->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (d->stop_fd < 0) goto fail;
+    d->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (d->wake_fd < 0) goto fail;
     if (ibv_req_notify_cq(d->cq, 0)) goto fail;
     atomic_fetch_add(&c->n_threads, 1);
     if (pthread_create(&d->worker, NULL, dev_worker, d)) {
@@ -544,12 +600,13 @@ struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d) { return d->srq; }
 void kvf_rdma_dev_free(kvf_rdma_dev *d) {
     if (!d) return;
     if (d->started) {
+        atomic_store(&d->stop, 1);
         uint64_t one = 1;
-        ssize_t r = write(d->stop_fd, &one, sizeof(one));
+        ssize_t r = write(d->wake_fd, &one, sizeof(one));
         (void)r;
         pthread_join(d->worker, NULL);
     }
-    if (d->stop_fd >= 0) close(d->stop_fd);
+    if (d->wake_fd >= 0) close(d->wake_fd);
     if (d->srq) ibv_destroy_srq(d->srq);
     if (d->recv_mr) ibv_dereg_mr(d->recv_mr);
     free(d->recv_buf);
@@ -742,6 +799,7 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
         }
         q->state = QP_CLOSED;
         for (uint64_t s = q->tail; s < q->head; s++) slice_finish(c, &q->ring[s % q->depth], KVF_ELOST);
+        atomic_fetch_sub_explicit(&q->dev->posted, (int64_t)(q->head - q->tail), memory_order_relaxed);
         q->tail = q->head;
         kvf_slice tmp[64];
         size_t k;
