@@ -272,7 +272,8 @@ class RdmaProvider:
         if len(mine) + len(qps) > MAX_TARGET_QPS:
             raise ProtocolError(f"rdma_connect: more than {MAX_TARGET_QPS} QPs for one peer")
         for old in msg.get("replace") or []:
-            self._drop_target(session, old)
+            if isinstance(old, list) and len(old) == 2:
+                self._drop_target(session, tuple(old))
         out = []
         made = []
         try:
@@ -306,13 +307,14 @@ class RdmaProvider:
             mine.append(key)
         return {"t": "rdma_accept", "qps": out}
 
-    def _drop_target(self, session: Any, qpn: Any) -> None:
+    def _drop_target(self, session: Any, key: tuple[Any, ...]) -> None:
+        """Destroys this session's target QP `key` = (device index, qpn):
+        QP numbers are per device, so both are needed."""
         mine = self._session_qps.get(session, [])
-        for key in list(mine):
-            if key[1] == qpn:
-                mine.remove(key)
-                _, qp = self._targets.pop(key)
-                qp.destroy()
+        if key in mine:
+            mine.remove(key)
+            _, qp = self._targets.pop(key)
+            qp.destroy()
 
     def drop_session(self, session: Any) -> None:
         for key in self._session_qps.pop(session, []):
@@ -352,7 +354,7 @@ class RdmaProvider:
             try:
                 old = peer._rdma_remote_qpns[index]
                 reply = await peer._request({"t": "rdma_connect", "qps": [self._qp_wire(dev, qp, rdev)],
-                                             "replace": [old]})
+                                             "replace": [[rdev, old]]})
                 (qpn, psn, gid, lid, mtu), = _accepted(reply, 1, peer.address)
                 qp.connect(qpn, psn, gid, lid, mtu)
                 if ch.replace_qp(index, qp):
