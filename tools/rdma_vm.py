@@ -19,11 +19,15 @@ netdevs kvfd0..kvfd<N-1> with 198.18.<i>.1/24, and rxe<i> on each; every rxe
 device loops back to itself, so two engines in the VM can pair rxe0<->rxe0
 and rxe1<->rxe1 as two rails.
 
-In the guest: KVFLOW_IN_VM=1, KVFLOW_RDMA_DEVICES=rxe0[,rxe1...], and
-PYTHONPATH, PYTHONDONTWRITEBYTECODE=1, PYTEST_ADDOPTS="-p no:cacheprovider"
-(the root filesystem is read-only there; /tmp is a guest-private overlay).
-Host paths the guest must write go in ``--rwdir``. ``python3`` in the guest's
-PATH is the harness's interpreter (its directory is put first).
+In the guest: KVFLOW_IN_VM=1, KVFLOW_RDMA_DEVICES=rxe0[,rxe1...], PYTHONPATH,
+PYTEST_ADDOPTS="-p no:cacheprovider" and PYTHONPYCACHEPREFIX (byte code goes to
+a writable cache kept in KVFLOW_VM_DIR/pycache; with KVFLOW_VM_PYCACHE=0,
+PYTHONDONTWRITEBYTECODE=1 instead), plus CI, HYPOTHESIS_* and the other
+KVFLOW_* variables of the caller. The root filesystem is read-only there;
+/tmp is a guest-private overlay; host paths the guest must write go in
+``--rwdir``. ``python3`` in the guest's PATH is the harness's interpreter (its
+directory is put first); the interpreter's prefix and the working directory are
+re-mounted from a cached 9p export (much faster lookups, still read-only).
 
 Exit status: the command's; 124 when --timeout expired (the VM is killed);
 97 when the harness could not set up, the VM did not boot, or rxe setup failed
@@ -31,7 +35,8 @@ Exit status: the command's; 124 when --timeout expired (the VM is killed);
 
 Environment: KVFLOW_VM_DIR (cache directory, default /opt/kvflow-vm; must not
 be under /tmp or /var/cache, which the guest mounts over), KVFLOW_VM_KVM
-(auto|on|off, default auto: KVM when a one-time probe boot succeeded, else TCG).
+(auto|on|off, default auto: KVM when a one-time probe boot succeeded, else TCG),
+KVFLOW_VM_PYCACHE (see above).
 
 Stdlib only; also importable: ``ensure_setup()``, ``run_vm()``, ``run_in_vm()``.
 """
@@ -63,6 +68,7 @@ APT_PACKAGES = (
     "kmod",
     "busybox-static",
     "rdma-core",
+    "ibverbs-providers",  # librxe, the Soft-RoCE userspace provider
     "ibverbs-utils",
     "perftest",
     "libibverbs-dev",
@@ -77,6 +83,22 @@ DEFAULT_VM_DIR = "/opt/kvflow-vm"
 # visible at the same path in the guest, so its modules symlink breaks.
 _GUEST_MASKED = ("/tmp", "/var/cache", "/var/tmp", "/var/log", "/var/lib/apt", "/run", "/lib/modules",
                  "/usr/lib/modules")
+
+# Modules udev would load at coldplug for QEMU's emulated hardware. Under TCG each
+# costs seconds (kvm alone ~20 s), and none is needed: blacklisting them (kmod honours
+# modprobe.blacklist= on the kernel command line) roughly halves the boot.
+UDEV_BLACKLIST = (
+    "kvm", "kvm_amd", "kvm_intel", "irqbypass", "ccp",
+    "aesni_intel", "crypto_simd", "cryptd", "ghash_clmulni_intel", "sha1_ssse3", "sha256_ssse3",
+    "sha512_ssse3", "sha512_generic", "crct10dif_pclmul", "crct10dif_common",
+    "ahci", "libahci", "libata", "scsi_mod", "scsi_common", "sr_mod", "cdrom", "sg",
+    "iTCO_wdt", "iTCO_vendor_support", "intel_pmc_bxt", "lpc_ich", "i2c_i801", "i2c_smbus",
+    "evdev", "psmouse", "serio_raw", "pcspkr", "button", "joydev", "snd_pcsp",
+)
+
+HOST_TAG = "kvflowhost"  # our second, cached 9p export of the host root
+PYC_TAG = "kvflowpyc"  # pycache_dir(), writable
+GUEST_PYCACHE = "/run/kvflow-pycache"
 
 DUMMY_PREFIX = "kvfd"
 DUMMY_NET = "198.18.{i}.1/24"
@@ -148,7 +170,8 @@ def _ensure_apt(sudo: list[str] | None) -> str | None:
     why = _apt_update(sudo)
     if why:
         return why
-    rc, _ = _run([*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", *missing])
+    rc, _ = _run([*sudo, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
+                  "--no-install-recommends", *missing])
     if rc != 0:
         return f"apt-get install {' '.join(missing)} failed"
     still = _missing_apt()
@@ -353,8 +376,25 @@ def ensure_setup(*, kvm_probe: bool = True) -> str | None:
 # ------------------------------------------------------------------ guest script
 
 
-def _guest_script(*, ctl: str, cmd: list[str], cwd: str, env: dict[str, str], devices: int, netdev: str) -> str:
-    names = [f"rxe{i}" for i in range(devices)]
+def _cached_paths(cwd: str) -> list[str]:
+    """Host directories to re-mount from the cached 9p export in the guest: the interpreter's
+    prefixes and the working directory (where nearly all of the command's file lookups go)."""
+    cands = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, cwd)}
+    out = []
+    for p in sorted(cands, key=len):
+        # "/" cannot be re-mounted; the guest's own mounts live under /usr, /etc, /var, /run, /proc...
+        if p == "/" or any(p == m or p.startswith(m + "/") for m in ("/usr", "/etc", "/var", "/run", "/proc",
+                                                                       "/sys", "/dev", "/boot", "/lib")) \
+                or p in ("/root", "/home", "/opt", "/tmp", "/srv"):
+            continue
+        if any(p.startswith(q + "/") for q in out):
+            continue  # inside one already listed
+        out.append(p)
+    return out
+
+
+def _guest_script(*, ctl: str, cmd: list[str], cwd: str, env: dict[str, str], devices: int, netdev: str,
+                  fast_fs: bool = False, cached: list[str] = ()) -> str:
     q = shlex.quote
     lines = [
         "#!/bin/sh",
@@ -368,7 +408,11 @@ def _guest_script(*, ctl: str, cmd: list[str], cwd: str, env: dict[str, str], de
         "}",
         "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "ip link set lo up || fail 'ip link set lo up failed'",
-        "modprobe rdma_rxe || fail \"modprobe rdma_rxe failed (kernel $(uname -r))\"",
+        # ib_uverbs (/dev/infiniband/uverbsN, libibverbs) and rdma_ucm (/dev/infiniband/rdma_cm,
+        # librdmacm) are loaded here rather than left to udev's rdma-core rules, which race the command.
+        "for m in rdma_rxe ib_uverbs rdma_ucm; do",
+        "  modprobe $m || fail \"modprobe $m failed (kernel $(uname -r))\"",
+        "done",
     ]
     if netdev == "lo":
         pairs = [("rxe0", "lo", "127.0.0.1")]
@@ -406,13 +450,14 @@ def _guest_script(*, ctl: str, cmd: list[str], cwd: str, env: dict[str, str], de
         lines += [
             f"  rdma link show {dev}/1 2>/dev/null | grep -q 'state ACTIVE' || ok=0",
             f"  gid_index {dev} {ip} >/dev/null || ok=0",
+            f"  grep -qx {dev} /sys/class/infiniband_verbs/uverbs*/ibdev 2>/dev/null || ok=0",
         ]
     lines += [
         '  [ "$ok" = 1 ] && break',
         "  i=$((i+1))",
         '  if [ "$i" -ge 150 ]; then',
         '    echo "kvflow-vm: rdma link:" >&2; rdma link >&2',
-        "    fail 'not every rxe device became ACTIVE with its IPv4-mapped RoCE v2 GID within 30 s: "
+        "    fail 'not every rxe device became ACTIVE with its IPv4-mapped RoCE v2 GID and a uverbs node within 30 s: "
         + " ".join(d for d, _, _ in pairs) + "'",
         "  fi",
         "  sleep 0.2",
@@ -422,8 +467,34 @@ def _guest_script(*, ctl: str, cmd: list[str], cwd: str, env: dict[str, str], de
         lines.append(f'echo "kvflow-vm: $(rdma link show {dev}/1) gid[$(gid_index {dev} {ip})]=::ffff:{ip} RoCE v2" >&2')
     lines += [
         'cat /proc/uptime > "$CTL/ready"',
+    ]
+    if fast_fs:
+        # virtme's root export is 9p without caching: every path component of every lookup is a
+        # round trip through the emulated virtio device (python3 -c pass took ~18 s under TCG).
+        # A second export of / mounted cache=loose, bound over the interpreter's prefix and the
+        # working directory, caches dentries and pages. Skipped for a path that has mounts
+        # (e.g. an --rwdir) inside it, which the bind would hide; read-only either way.
+        # Byte code: PYTHONPYCACHEPREFIX points at a writable cached mount of pycache_dir(),
+        # so what one run (or a host-side warm-up, see pycache_env) compiled, the next reuses.
+        lines += [
+            f"mkdir -p /run/kvflow-host {GUEST_PYCACHE}",
+            f"mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,cache=loose {PYC_TAG} {GUEST_PYCACHE} || "
+            f"echo 'kvflow-vm: byte-code cache not mounted; Python compiles into the guest-private {GUEST_PYCACHE}' >&2",
+            f"if mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,cache=loose,ro {HOST_TAG} /run/kvflow-host; then",
+            "  for p in " + " ".join(q(p) for p in cached or ["/nonexistent-kvflow"]) + "; do",
+            '    [ -d "$p" ] || continue',
+            '    if awk -v p="$p" \'$2 == p || index($2, p "/") == 1 {f=1} END {exit !f}\' /proc/self/mounts; then',
+            '      echo "kvflow-vm: $p holds mounts; not caching it" >&2; continue',
+            "    fi",
+            '    mount --bind "/run/kvflow-host$p" "$p" || echo "kvflow-vm: cannot cache $p" >&2',
+            "  done",
+            "else",
+            "  echo 'kvflow-vm: cached 9p export not mounted; file access stays slow' >&2",
+            "fi",
+        ]
+    lines += [
         "ulimit -l unlimited 2>/dev/null",
-        f"cd {q(cwd)} || fail 'cannot cd to {cwd} in the guest'",
+        f"cd {q(cwd)} || fail {q(f'cannot cd to {cwd} in the guest')}",
     ]
     for k in sorted(env):
         lines.append(f"export {k}={q(env[k])}")
@@ -437,16 +508,36 @@ def _guest_script(*, ctl: str, cmd: list[str], cwd: str, env: dict[str, str], de
     return "\n".join(lines)
 
 
-def _guest_env(devices: int, extra: dict[str, str] | None) -> dict[str, str]:
+def pycache_dir() -> str:
+    """Where the guest's Python byte code lives (PYTHONPYCACHEPREFIX in the guest), kept between runs."""
+    return os.path.join(vm_dir(), "pycache")
+
+
+def pycache_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment for a host-side warm-up run (e.g. ``pytest --co`` of what the VM will run):
+    it writes the byte code of everything it imports where the guest looks for it, so that the
+    guest, where compiling is ~20x slower, does not have to."""
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = pycache_dir()
+    return env
+
+
+def _guest_env(devices: int, extra: dict[str, str] | None, pycache: bool = False) -> dict[str, str]:
     env = {
         "KVFLOW_IN_VM": "1",
         "KVFLOW_RDMA_DEVICES": ",".join(f"rxe{i}" for i in range(devices)),
-        "PYTHONDONTWRITEBYTECODE": "1",
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/sbin", "/usr/local/bin",
                                  "/usr/sbin", "/usr/bin", "/sbin", "/bin"]),
         # Hypothesis' default database is ./.hypothesis, unwritable on the read-only root.
         "HYPOTHESIS_STORAGE_DIRECTORY": "/tmp/kvflow-hypothesis",
     }
+    if pycache:
+        # Byte code goes to a writable, cached mount of pycache_dir() (kept between runs):
+        # nothing is written next to the sources, so writing it is safe.
+        env["PYTHONPYCACHEPREFIX"] = GUEST_PYCACHE
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # the root filesystem is read-only in the guest
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
@@ -541,11 +632,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_vm(cmd: list[str], *, devices: int = 1, netdev: str = "lo", rwdir=None, timeout: float = 3600,
            cpus: int = 2, memory: str = "4G", cwd: str | None = None, env: dict[str, str] | None = None,
-           output=None, verbose: bool = False, quiet: bool = False) -> VMResult:
+           output=None, verbose: bool = False, quiet: bool = False, fast_fs: bool = True,
+           pycache: bool | None = None) -> VMResult:
     """Boot the VM, set up rxe, run ``cmd`` in ``cwd`` (default: this process's). ``rwdir``: a path
     or a list of host paths the guest may write (created if missing). ``output``: a file object
     (with a fileno) that gets the guest's stdout and stderr, default: inherited."""
     t0 = time.monotonic()
+    if pycache is None:
+        pycache = fast_fs and os.environ.get("KVFLOW_VM_PYCACHE", "1") != "0"
     msgs = output if output is not None else sys.stderr
 
     def say(m):
@@ -574,10 +668,17 @@ def run_vm(cmd: list[str], *, devices: int = 1, netdev: str = "lo", rwdir=None, 
     try:
         script = os.path.join(ctl, "guest.sh")
         with open(script, "w") as f:
-            f.write(_guest_script(ctl=ctl, cmd=list(cmd), cwd=cwd, env=_guest_env(devices, env),
-                                  devices=devices, netdev=netdev))
+            f.write(_guest_script(ctl=ctl, cmd=list(cmd), cwd=cwd, env=_guest_env(devices, env, pycache=pycache),
+                                  devices=devices, netdev=netdev, fast_fs=fast_fs,
+                                  cached=_cached_paths(cwd) if fast_fs else []))
         vcmd = [vng, "-r", kernel.image, "--cpus", str(cpus), "--memory", str(memory),
-                f"--rwdir={ctl}", *[f"--rwdir={p}" for p in rwdirs], "--exec", f"sh {shlex.quote(script)}"]
+                f"--rwdir={ctl}", *[f"--rwdir={p}" for p in rwdirs],
+                "--append", "modprobe.blacklist=" + ",".join(UDEV_BLACKLIST), "--exec", f"sh {shlex.quote(script)}"]
+        if fast_fs:  # must stay last: vng appends --qemu-opts at the end of qemu's command line
+            os.makedirs(pycache_dir(), exist_ok=True)
+            vcmd.append(f"--qemu-opts=-virtfs local,path=/,mount_tag={HOST_TAG},security_model=none,"
+                        f"readonly=on,multidevs=remap -virtfs local,path={pycache_dir()},mount_tag={PYC_TAG},"
+                        "security_model=none")
         if not kvm:
             vcmd.insert(1, "--disable-kvm")
         if verbose:
@@ -626,7 +727,7 @@ def run_vm(cmd: list[str], *, devices: int = 1, netdev: str = "lo", rwdir=None, 
                 res.rc = int(f.read().strip() or SETUP_FAILED)
         elif os.path.exists(os.path.join(ctl, "setup_error")):
             with open(os.path.join(ctl, "setup_error")) as f:
-                res.rc, res.reason = SETUP_FAILED, "rxe setup failed in the guest: " + f.read().strip()
+                res.rc, res.reason = SETUP_FAILED, "guest setup failed: " + f.read().strip()
         elif s is None:
             res.rc, res.reason = SETUP_FAILED, f"the VM did not boot (vng exited {vrc} before the guest ran anything)"
         else:
