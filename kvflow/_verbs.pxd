@@ -210,6 +210,9 @@ cdef extern from "_native/rdma.h" nogil:
     int kvf_rdma_chan_qp_state(kvf_rdma_chan *ch, int index)
     int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
                         const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad)
+    int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
+                             const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
+                             size_t *bad, int *finished)
     int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
                           uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out)
     int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,

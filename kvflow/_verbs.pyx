@@ -12,8 +12,21 @@ from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 from libc.errno cimport errno
 import os
+import time
 
+cimport numpy as cnp
 from kvflow._core cimport Core, RemoteTable, Channel
+from kvflow.arrays import as_u64
+from kvflow.errors import InvalidArgumentError
+
+cnp.import_array()
+
+# Small awaited batches: the caller polls the CQ itself for about this many
+# times the recent completion time (bounds below), instead of sleeping until
+# the worker wakes the event loop: no thread hop on the latency path.
+POLL_MAX_BYTES = 64 << 10
+POLL_MIN_NS = 20_000
+POLL_MAX_NS = 2_000_000
 from kvflow._native cimport kvf_ctx, KVF_OK, KVF_ECLOSED
 
 RECV_BYTES = KVF_RDMA_RECV_BYTES
@@ -368,6 +381,8 @@ cdef class RdmaChannel(Channel):
     cdef readonly uint64_t token
     cdef list devs                 # Device per QP index (keeps them alive)
     cdef list depths
+    cdef public double poll_ewma_ns    # recent time to a polled completion
+    cdef public uint64_t poll_max_ns   # 0: never poll on the caller's thread
 
     def __init__(self, Core core, RemoteTable table, str peer, uint64_t slice_size, uint64_t token):
         cdef kvf_ctx *c = core._ctx()
@@ -377,12 +392,51 @@ cdef class RdmaChannel(Channel):
         self.token = token
         self.devs = []
         self.depths = []
+        self.poll_ewma_ns = 100_000
+        self.poll_max_ns = POLL_MAX_NS
 
     cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
                    const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
         if self.ch == NULL:
             return KVF_ECLOSED
         return kvf_rdma_submit(self.ch, op, la, ra, ln, n, bid, bad)
+
+    def submit_poll(self, int op, local_addrs, remote_addrs, lengths):
+        """Like submit(), and for a batch of at most POLL_MAX_BYTES also
+        polls for its completion on this thread for a bounded time. Returns
+        (status, batch_id, aux, finished)."""
+        cdef cnp.ndarray a1 = as_u64(local_addrs, "local_addrs")
+        cdef cnp.ndarray a2 = as_u64(remote_addrs, "remote_addrs")
+        cdef cnp.ndarray a3 = as_u64(lengths, "lengths")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(a1, 0), i
+        cdef const uint64_t *ln = <const uint64_t *>cnp.PyArray_DATA(a3)
+        cdef uint64_t total = 0, bid = 0, budget = 0, t0, took
+        cdef size_t bad = 0
+        cdef int rc, finished = 0
+        if n == 0:
+            raise InvalidArgumentError(f"empty batch for {self.peer}", peer=self.peer)
+        if cnp.PyArray_DIM(a2, 0) != n or cnp.PyArray_DIM(a3, 0) != n:
+            raise InvalidArgumentError(
+                f"batch for {self.peer}: local_addrs, remote_addrs and lengths differ in length "
+                f"({n}, {cnp.PyArray_DIM(a2, 0)}, {cnp.PyArray_DIM(a3, 0)})", peer=self.peer)
+        if self.ch == NULL:
+            return KVF_ECLOSED, 0, 0, 0
+        for i in range(n):
+            total += ln[i]
+        if total <= POLL_MAX_BYTES and self.poll_max_ns:
+            budget = <uint64_t>min(max(3 * self.poll_ewma_ns, POLL_MIN_NS), self.poll_max_ns)
+        t0 = time.perf_counter_ns()
+        with nogil:
+            rc = kvf_rdma_submit_poll(self.ch, op, <const uint64_t *>cnp.PyArray_DATA(a1),
+                                      <const uint64_t *>cnp.PyArray_DATA(a2), ln, n, budget,
+                                      &bid, &bad, &finished)
+        if rc:
+            return rc, 0, bad, 0
+        if budget:
+            took = time.perf_counter_ns() - t0
+            # a miss counts as the whole budget, so a slow path widens it
+            self.poll_ewma_ns = 0.8 * self.poll_ewma_ns + 0.2 * took
+        return 0, bid, total, finished
 
     def add_qp(self, Qp qp, int rdev):
         """Hands a connected QP to the native channel; returns its index."""

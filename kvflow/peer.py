@@ -117,6 +117,8 @@ class Peer:
         return self._track(batch_id, op, aux, timeout)
 
     async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
+        if self.transport == "rdma":
+            return await self._run_polled(op, la, ra, ln, timeout)
         status, batch_id, aux = self._channel.submit(op, la, ra, ln)
         if batch_id == 0:
             if status == 0:
@@ -130,6 +132,22 @@ class Peer:
             if status:
                 raise status_error(status, peer=self.address, index=aux, op=op)
         await self._track(batch_id, op, aux, timeout)
+
+    async def _run_polled(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
+        # rdma: a small batch is polled for on this thread for a bounded
+        # time (see RdmaChannel.submit_poll), so its completion needs no
+        # worker-to-loop wake-up; a larger one is awaited as usual.
+        ch = self._channel
+        status, batch_id, aux, finished = ch.submit_poll(op, la, ra, ln)
+        if status == EREMOTE and not self._control_lost:
+            await self.refresh()
+            status, batch_id, aux, finished = ch.submit_poll(op, la, ra, ln)
+        if status:
+            raise status_error(status, peer=self.address, index=aux, op=op)
+        t = self._track(batch_id, op, aux, timeout)
+        if finished:
+            self._engine._on_completions()     # resolves t now: the await below does not suspend
+        await t
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None) -> None:

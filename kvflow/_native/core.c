@@ -211,6 +211,11 @@ int kvf_batch_cancelled(kvf_ctx *c, uint32_t slot) {
     return atomic_load_explicit(&c->batches[slot].cancelled, memory_order_relaxed);
 }
 
+int kvf_batch_finished(kvf_ctx *c, uint64_t id) {
+    kvf_batch *b = &c->batches[id_slot(id)];
+    return b->gen == id_gen(id) && atomic_load_explicit(&b->remaining, memory_order_acquire) == 0;
+}
+
 static __thread int tls_loop_thread;
 
 void kvf_set_loop_thread(int on) { tls_loop_thread = on; }

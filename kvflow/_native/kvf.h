@@ -124,6 +124,8 @@ int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out);
 void kvf_batch_release_guard(kvf_ctx *c, uint64_t id);
 int kvf_batch_cancel(kvf_ctx *c, uint64_t id);
 int kvf_batch_cancelled(kvf_ctx *c, uint32_t slot);
+/* 1 once every slice of batch `id` finished (until the loop drains it). */
+int kvf_batch_finished(kvf_ctx *c, uint64_t id);
 /* A slice finished (status KVF_OK or an error); may complete its batch. */
 void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry);
 /* Drain finished batches into out (at most cap); frees their slots. */

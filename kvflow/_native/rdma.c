@@ -200,9 +200,12 @@ static void chan_unref(kvf_rdma_chan *ch) {
 /* Work was posted on the device: if its worker sleeps, wake it now, so that
  * it is up and polling while the work requests are on the wire (the wake-up
  * overlaps the round trip instead of following it). */
+/* Set while the posting thread polls for the completion itself. */
+static __thread int tls_polling;
+
 static void dev_posted(kvf_rdma_dev *d, int64_t n) {
     atomic_fetch_add_explicit(&d->posted, n, memory_order_relaxed);
-    if (atomic_load_explicit(&d->sleeping, memory_order_acquire) &&
+    if (!tls_polling && atomic_load_explicit(&d->sleeping, memory_order_acquire) &&
         atomic_exchange_explicit(&d->sleeping, 0, memory_order_acq_rel)) {
         uint64_t one = 1;
         ssize_t r = write(d->wake_fd, &one, sizeof(one));
@@ -499,7 +502,7 @@ static void handle(kvf_rdma_dev *d, struct ibv_wc *wc, int n) {
  * (for at most SPIN_NS since the last completion or wake-up), and sleeps on
  * the completion channel otherwise: busy only while there is something to
  * wait for, never when idle. */
-#define SPIN_NS 200000ull
+static uint64_t spin_ns = 200000;    /* KVFLOW_RDMA_SPIN_NS overrides */
 
 static void *dev_worker(void *arg) {
     kvf_rdma_dev *d = arg;
@@ -513,7 +516,7 @@ static void *dev_worker(void *arg) {
             continue;
         }
         if (n == 0 && atomic_load_explicit(&d->posted, memory_order_relaxed) > 0 &&
-            now_ns() - last < SPIN_NS) {
+            now_ns() - last < spin_ns) {
             sched_yield();
             continue;
         }
@@ -554,6 +557,8 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
                                struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs) {
     kvf_rdma_dev *d = calloc(1, sizeof(*d));
     if (!d) return NULL;
+    const char *env = getenv("KVFLOW_RDMA_SPIN_NS");
+    if (env && *env) spin_ns = strtoull(env, NULL, 10);
     d->c = c;
     d->ev = ev;
     d->ctx = ctx;
@@ -747,6 +752,43 @@ int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_
     free(s);
     kvf_batch_release_guard(ch->c, id);
     *id_out = id;
+    return KVF_OK;
+}
+
+int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
+                         const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
+                         size_t *bad, int *finished) {
+    *finished = 0;
+    tls_polling = 1;
+    int rc = kvf_rdma_submit(ch, op, la, ra, len, n, id_out, bad);
+    tls_polling = 0;
+    if (rc) return rc;
+    kvf_rdma_dev *devs[MAX_QPS];
+    int nd = 0;
+    pthread_mutex_lock(&ch->mu);
+    for (int i = 0; i < ch->nqps; i++) {
+        int seen = 0;
+        for (int j = 0; j < nd; j++) seen |= devs[j] == ch->qps[i]->dev;
+        if (!seen) devs[nd++] = ch->qps[i]->dev;
+    }
+    pthread_mutex_unlock(&ch->mu);
+    /* completions found here need no eventfd: the caller drains next */
+    kvf_set_loop_thread(1);
+    struct ibv_wc wc[POLL_BATCH];
+    uint64_t deadline = now_ns() + budget_ns;
+    while (!(*finished = kvf_batch_finished(ch->c, *id_out))) {
+        int got = 0;
+        for (int j = 0; j < nd; j++) {
+            int k = ibv_poll_cq(devs[j]->cq, POLL_BATCH, wc);
+            if (k > 0) { handle(devs[j], wc, k); got = 1; }
+        }
+        if (!got && now_ns() > deadline) break;
+    }
+    kvf_set_loop_thread(0);
+    if (!*finished) {
+        /* the worker takes over: make sure it is awake or armed */
+        for (int j = 0; j < nd; j++) dev_posted(devs[j], 0);
+    }
     return KVF_OK;
 }
 

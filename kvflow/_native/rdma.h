@@ -84,6 +84,14 @@ int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_
  * notification, KVF_OP_PROBE for a reachability read); a batch of one. */
 int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
                       uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out);
+/* Posts a batch and then polls the CQs of the channel's devices on the
+ * calling thread until the batch finished or `budget_ns` passed: for small
+ * awaited batches, whose completion then needs no thread wake-up at all.
+ * *finished says which; completions found meanwhile are handled as the
+ * worker would (the caller drains the completion ring right after). */
+int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
+                         const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
+                         size_t *bad, int *finished);
 /* Per-QP counters: device, remote device, state, work requests and bytes posted. */
 int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
                            uint64_t *wrs, uint64_t *bytes);
