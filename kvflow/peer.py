@@ -118,7 +118,8 @@ class Peer:
 
     async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
         if self.transport == "rdma":
-            return await self._run_polled(op, la, ra, ln, timeout)
+            await self._run_polled(op, la, ra, ln, timeout)
+            return
         status, batch_id, aux = self._channel.submit(op, la, ra, ln)
         if batch_id == 0:
             if status == 0:
@@ -328,6 +329,9 @@ class _ClosedChannel:
 
     def submit(self, op: int, *columns: Any) -> tuple[int, int, int]:
         return ECLOSED, 0, 0
+
+    def submit_poll(self, op: int, *columns: Any) -> tuple[int, int, int, int]:
+        return ECLOSED, 0, 0, 0
 
     def close(self) -> None:
         pass

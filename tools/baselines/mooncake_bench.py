@@ -1,12 +1,19 @@
-"""Mooncake Transfer Engine baseline: one point, two processes, TCP transport.
+"""Mooncake Transfer Engine baseline: one point, two processes, TCP (or RDMA) transport.
 
     python tools/baselines/mooncake_bench.py --block-size 65536 --batch 64 \
         --duration 3 --concurrency 2
+    python tools/baselines/mooncake_bench.py --protocol rdma --device rxe0 ...   # in the RDMA VM
 
 This process is the initiator; it starts the target as a child process.  Both
 use metadata "P2PHANDSHAKE" (no etcd: the segment is looked up from the
-target's RPC port) and protocol "tcp" on 127.0.0.1.  The target registers one
-buffer and idles; the initiator registers its source buffer and writes.
+target's RPC port) and protocol "tcp" (default) or "rdma" on 127.0.0.1.  The
+target registers one buffer and idles; the initiator registers its source
+buffer and writes.
+
+--protocol rdma: both engines open --device (default: the first name in
+$KVFLOW_RDMA_DEVICES, else rxe0); Mooncake's MC_* environment knobs
+(MC_WORKERS_PER_CTX, MC_GID_INDEX, ...) reach both processes unchanged and are
+echoed in the result as "mc_env".
 
 API used (see --api):
   * batch 1, concurrency 1: transfer_sync_write (the single-write latency).
@@ -19,6 +26,7 @@ process; nothing here adds threads.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import common
@@ -26,20 +34,25 @@ import common
 HOST = "127.0.0.1"
 
 
-def make_engine():
+def default_device() -> str:
+    names = [d.strip() for d in os.environ.get("KVFLOW_RDMA_DEVICES", "").split(",") if d.strip()]
+    return names[0] if names else "rxe0"
+
+
+def make_engine(protocol: str = "tcp", device: str = ""):
     from mooncake.engine import TransferEngine
 
     eng = TransferEngine()
     # local_hostname without a port: with P2PHANDSHAKE the engine picks a free
-    # RPC port itself, which get_rpc_port() reports.
-    rc = eng.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+    # RPC port itself, which get_rpc_port() reports.  tcp takes no device name.
+    rc = eng.initialize(HOST, "P2PHANDSHAKE", protocol, device if protocol != "tcp" else "")
     if rc != 0:
-        raise RuntimeError(f"TransferEngine.initialize failed: {rc}")
+        raise RuntimeError(f"TransferEngine.initialize({protocol!r}, device={device!r}) failed: {rc}")
     return eng
 
 
 def target(args) -> None:
-    eng = make_engine()
+    eng = make_engine(args.protocol, args.device)
     offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                  args.max_region)
     buf = common.alloc(region)
@@ -54,10 +67,11 @@ def target(args) -> None:
 def initiator(args) -> None:
     peer, info = common.spawn_peer(
         [__file__, "--role", "target", "--block-size", str(args.block_size),
-         "--batch", str(args.batch), "--max-region", str(args.max_region)]
+         "--batch", str(args.batch), "--max-region", str(args.max_region),
+         "--protocol", args.protocol, "--device", args.device]
         + (["--scatter"] if args.scatter else []))
     try:
-        eng = make_engine()
+        eng = make_engine(args.protocol, args.device)
         offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                      args.max_region)
         src = common.alloc(region, fill=0xAB)
@@ -100,9 +114,12 @@ def initiator(args) -> None:
         batches, secs, lats = common.run_window(submit, wait, args.duration,
                                                 args.concurrency)
         entries = batches * args.batch
-        res = common.result("mooncake", "tcp", args, entries * args.block_size, secs,
+        res = common.result("mooncake", args.protocol, args, entries * args.block_size, secs,
                             lats, entries)
         res["api"] = api
+        if args.protocol != "tcp":
+            res["device"] = args.device
+            res["mc_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MC_")}
         res["concurrency"] = args.concurrency
         res["scatter"] = args.scatter
         eng.unregister_memory(src.ctypes.data)
@@ -118,7 +135,14 @@ def main() -> None:
     common.add_point_args(p)
     p.add_argument("--api", default="auto", choices=["auto", "single", "sync", "async"])
     p.add_argument("--role", default="initiator", choices=["initiator", "target"])
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],
+                   help="Mooncake transport (default tcp; rdma needs an RDMA device)")
+    p.add_argument("--device", default=None,
+                   help="RDMA device for --protocol rdma (default: first of "
+                        "$KVFLOW_RDMA_DEVICES, else rxe0); ignored for tcp")
     args = p.parse_args()
+    if args.device is None:
+        args.device = default_device() if args.protocol == "rdma" else ""
     (target if args.role == "target" else initiator)(args)
 
 
