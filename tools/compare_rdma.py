@@ -412,6 +412,15 @@ def versions(device: str) -> dict:
             v[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
+    try:  # which kvflow was measured: the commit, and whether kvflow/ differs from it
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=20).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kvflow"], cwd=ROOT,
+                               capture_output=True, timeout=20).returncode
+        if head:
+            v["kvflow_commit"] = head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
     try:
         p = subprocess.run(["ib_write_bw", "--version"], capture_output=True, text=True, timeout=10)
         v["perftest"] = (p.stdout + p.stderr).strip().splitlines()[-1][:80]
