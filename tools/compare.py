@@ -225,21 +225,25 @@ def cells(r: dict) -> list[str]:
     return [r["group"], r["point"], r["engine"], r["protocol"]] + vals + [alt, ceil]
 
 
-def render(rows: list[dict], markdown: bool) -> str:
-    table = [cells(r) for r in rows]
+def format_table(cols, table: list[list[str]], markdown: bool, blocks: list | None = None) -> list[str]:
+    """Rows of cells as markdown, or as aligned text with a blank line
+    wherever `blocks` (one key per row) changes. Shared with compare_rdma."""
     if markdown:
-        out = ["| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
-        out += ["| " + " | ".join(c) + " |" for c in table]
-        return "\n".join(out)
-    widths = [max(len(x) for x in col) for col in zip(COLS, *table)]
+        out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        return out + ["| " + " | ".join(c.replace("|", "\\|") for c in cs) + " |" for cs in table]
+    widths = [max(len(x) for x in col) for col in zip(cols, *table)]
     line = lambda cs: "  ".join(c.ljust(w) for c, w in zip(cs, widths)).rstrip()
-    out, last = [line(COLS), line(["-" * w for w in widths])], None
-    for r, c in zip(rows, table):
-        if last is not None and r["group"] != last:
+    out, last = [line(cols), line(["-" * w for w in widths])], None
+    for key, c in zip(blocks or [None] * len(table), table):
+        if last is not None and key != last:
             out.append("")
-        last = r["group"]
+        last = key
         out.append(line(c))
-    return "\n".join(out)
+    return out
+
+
+def render(rows: list[dict], markdown: bool) -> str:
+    return "\n".join(format_table(COLS, [cells(r) for r in rows], markdown, [r["group"] for r in rows]))
 
 
 def versions() -> dict:

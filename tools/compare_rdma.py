@@ -46,6 +46,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import fmt_size, format_table, parse_size, point_args  # noqa: E402  (shared with the host comparison)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "tools", "baselines")
 
@@ -56,20 +59,6 @@ METRIC = {"bw": ("gbps", True), "lat": ("latency_p50_us", False)}
 
 def log(msg: str) -> None:
     print(f"compare_rdma: {msg}", file=sys.stderr, flush=True)
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
-
-
-def fmt_size(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def default_device() -> str:
@@ -85,12 +74,6 @@ def rdma_devices() -> list[str]:
 
 
 # --------------------------------------------------------------------------- plan
-def point_args(bs: int, batch: int, duration: float, conc: int, scatter: bool) -> list[str]:
-    a = ["--op", "write", "--block-size", str(bs), "--batch", str(batch),
-         "--duration", str(duration), "--concurrency", str(conc)]
-    return a + (["--scatter"] if scatter else [])
-
-
 def plan(args) -> list[dict]:
     """Every measurement, in run order.  kind: json (prints a JSON row), bw/lat (perftest)."""
     out: list[dict] = []
@@ -379,19 +362,7 @@ def cells(r: dict) -> list[str]:
 
 
 def render(rows: list[dict], markdown: bool) -> str:
-    table = [cells(r) for r in rows]
-    if markdown:
-        out = ["| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
-        out += ["| " + " | ".join(c.replace("|", "\\|") for c in cs) + " |" for cs in table]
-    else:
-        widths = [max(len(x) for x in col) for col in zip(COLS, *table)]
-        line = lambda cs: "  ".join(c.ljust(w) for c, w in zip(cs, widths)).rstrip()
-        out, last = [line(COLS), line(["-" * w for w in widths])], None
-        for r, c in zip(rows, table):
-            if last is not None and r["point"] != last:
-                out.append("")
-            last = r["point"]
-            out.append(line(c))
+    out = format_table(COLS, [cells(r) for r in rows], markdown, [r["point"] for r in rows])
     notes = [f"- {r['point']} {r['engine']} {r['config']}: {r['error']}"
              for r in rows if r.get("status") != "ok" and r.get("error")]
     notes += [f"- {r['point']} {r['engine']}: first try failed ({r['retried']}), "
