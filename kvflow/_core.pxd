@@ -25,3 +25,8 @@ cdef class Channel:
     cdef readonly str peer
     cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
                    const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil
+    cdef uint64_t _poll_budget(self, uint64_t total)
+    cdef int _post_poll(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                        const uint64_t *ln, size_t n, uint64_t budget, uint64_t *bid, size_t *bad,
+                        int *finished) noexcept nogil
+    cdef _polled(self, uint64_t budget, uint64_t took)

@@ -11,6 +11,7 @@ from libc.string cimport memcpy
 from cpython.long cimport PyLong_AsUnsignedLongLong
 cimport numpy as cnp
 import weakref
+from time import perf_counter_ns
 
 from kvflow.arrays import as_u64
 from kvflow.errors import InvalidArgumentError
@@ -222,7 +223,9 @@ cdef class Channel:
     """A provider's connection to one peer. submit() takes the three batch
     columns and returns (status, batch_id, aux): on failure aux is the first
     bad entry; on success it is the batch's byte count, and batch_id 0 means
-    the batch already completed inline."""
+    the batch already completed inline. submit_poll() also returns
+    `finished`: a provider may poll for a small batch's completion on the
+    caller's thread (_poll_budget), which then needs no wake-up."""
 
     def __cinit__(self, Core core, RemoteTable table, str peer, *args):
         self.core = core
@@ -234,15 +237,32 @@ cdef class Channel:
                    const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
         return KVF_ECLOSED
 
+    cdef uint64_t _poll_budget(self, uint64_t total):
+        """Nanoseconds to poll for a batch of `total` bytes (0: never)."""
+        return 0
+
+    cdef int _post_poll(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                        const uint64_t *ln, size_t n, uint64_t budget, uint64_t *bid, size_t *bad,
+                        int *finished) noexcept nogil:
+        return self._post(c, op, la, ra, ln, n, bid, bad)
+
+    cdef _polled(self, uint64_t budget, uint64_t took):
+        """Told how long a poll with `budget` took (adaptive providers)."""
+        pass
+
     def submit(self, int op, local_addrs, remote_addrs, lengths):
+        status, bid, aux, _ = self.submit_poll(op, local_addrs, remote_addrs, lengths)
+        return status, bid, aux
+
+    def submit_poll(self, int op, local_addrs, remote_addrs, lengths):
         cdef uint64_t small[3][SMALL]
         cdef const uint64_t *la
         cdef const uint64_t *ra
         cdef const uint64_t *ln
         cdef Py_ssize_t n1, n2, n3, i
-        cdef uint64_t bid = 0, total = 0
+        cdef uint64_t bid = 0, total = 0, budget, t0 = 0
         cdef size_t bad = 0
-        cdef int rc
+        cdef int rc, finished = 0
         cdef kvf_ctx *c = self.core._ctx()
         k1 = column(local_addrs, small[0], &la, &n1, "local_addrs")
         k2 = column(remote_addrs, small[1], &ra, &n2, "remote_addrs")
@@ -253,13 +273,18 @@ cdef class Channel:
             raise InvalidArgumentError(
                 f"batch for {self.peer}: local_addrs, remote_addrs and lengths differ in length "
                 f"({n1}, {n2}, {n3})", peer=self.peer)
-        with nogil:
-            rc = self._post(c, op, la, ra, ln, n1, &bid, &bad)
-        if rc:
-            return rc, 0, bad
         for i in range(n1):
             total += ln[i]
-        return 0, bid, total
+        budget = self._poll_budget(total)
+        if budget:
+            t0 = perf_counter_ns()
+        with nogil:
+            rc = self._post_poll(c, op, la, ra, ln, n1, budget, &bid, &bad, &finished)
+        if rc:
+            return rc, 0, bad, 0
+        if budget:
+            self._polled(budget, perf_counter_ns() - t0)
+        return 0, bid, total, finished
 
 
 cdef class LocalChannel(Channel):

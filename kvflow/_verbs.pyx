@@ -12,14 +12,8 @@ from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 from libc.errno cimport errno
 import os
-import time
 
-cimport numpy as cnp
 from kvflow._core cimport Core, RemoteTable, Channel
-from kvflow.arrays import as_u64
-from kvflow.errors import InvalidArgumentError
-
-cnp.import_array()
 
 # Small awaited batches: the caller polls the CQ itself for about this many
 # times the recent completion time (bounds below), instead of sleeping until
@@ -401,42 +395,23 @@ cdef class RdmaChannel(Channel):
             return KVF_ECLOSED
         return kvf_rdma_submit(self.ch, op, la, ra, ln, n, bid, bad)
 
-    def submit_poll(self, int op, local_addrs, remote_addrs, lengths):
-        """Like submit(), and for a batch of at most POLL_MAX_BYTES also
-        polls for its completion on this thread for a bounded time. Returns
-        (status, batch_id, aux, finished)."""
-        cdef cnp.ndarray a1 = as_u64(local_addrs, "local_addrs")
-        cdef cnp.ndarray a2 = as_u64(remote_addrs, "remote_addrs")
-        cdef cnp.ndarray a3 = as_u64(lengths, "lengths")
-        cdef Py_ssize_t n = cnp.PyArray_DIM(a1, 0), i
-        cdef const uint64_t *ln = <const uint64_t *>cnp.PyArray_DATA(a3)
-        cdef uint64_t total = 0, bid = 0, budget = 0, t0, took
-        cdef size_t bad = 0
-        cdef int rc, finished = 0
-        if n == 0:
-            raise InvalidArgumentError(f"empty batch for {self.peer}", peer=self.peer)
-        if cnp.PyArray_DIM(a2, 0) != n or cnp.PyArray_DIM(a3, 0) != n:
-            raise InvalidArgumentError(
-                f"batch for {self.peer}: local_addrs, remote_addrs and lengths differ in length "
-                f"({n}, {cnp.PyArray_DIM(a2, 0)}, {cnp.PyArray_DIM(a3, 0)})", peer=self.peer)
+    cdef uint64_t _poll_budget(self, uint64_t total):
+        if total > POLL_MAX_BYTES or not self.poll_max_ns or self.ch == NULL:
+            return 0
+        return <uint64_t>min(max(3 * self.poll_ewma_ns, POLL_MIN_NS), self.poll_max_ns)
+
+    cdef int _post_poll(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
+                        const uint64_t *ln, size_t n, uint64_t budget, uint64_t *bid, size_t *bad,
+                        int *finished) noexcept nogil:
         if self.ch == NULL:
-            return KVF_ECLOSED, 0, 0, 0
-        for i in range(n):
-            total += ln[i]
-        if total <= POLL_MAX_BYTES and self.poll_max_ns:
-            budget = <uint64_t>min(max(3 * self.poll_ewma_ns, POLL_MIN_NS), self.poll_max_ns)
-        t0 = time.perf_counter_ns()
-        with nogil:
-            rc = kvf_rdma_submit_poll(self.ch, op, <const uint64_t *>cnp.PyArray_DATA(a1),
-                                      <const uint64_t *>cnp.PyArray_DATA(a2), ln, n, budget,
-                                      &bid, &bad, &finished)
-        if rc:
-            return rc, 0, bad, 0
-        if budget:
-            took = time.perf_counter_ns() - t0
-            # a miss counts as the whole budget, so a slow path widens it
-            self.poll_ewma_ns = 0.8 * self.poll_ewma_ns + 0.2 * took
-        return 0, bid, total, finished
+            return KVF_ECLOSED
+        if budget == 0:
+            return kvf_rdma_submit(self.ch, op, la, ra, ln, n, bid, bad)
+        return kvf_rdma_submit_poll(self.ch, op, la, ra, ln, n, budget, bid, bad, finished)
+
+    cdef _polled(self, uint64_t budget, uint64_t took):
+        # a miss counts as the whole budget, so a slow path widens it
+        self.poll_ewma_ns = 0.8 * self.poll_ewma_ns + 0.2 * took
 
     def add_qp(self, Qp qp, int rdev):
         """Hands a connected QP to the native channel; returns its index."""

@@ -117,37 +117,20 @@ class Peer:
         return self._track(batch_id, op, aux, timeout)
 
     async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
-        if self.transport == "rdma":
-            await self._run_polled(op, la, ra, ln, timeout)
-            return
-        status, batch_id, aux = self._channel.submit(op, la, ra, ln)
-        if batch_id == 0:
-            if status == 0:
-                return                     # completed inline: no future, no wake-up
-            if status == EREMOTE and not self._control_lost:
-                # The peer may have registered memory we have not heard of yet.
-                await self.refresh()
-                status, batch_id, aux = self._channel.submit(op, la, ra, ln)
-                if batch_id == 0 and status == 0:
-                    return
-            if status:
-                raise status_error(status, peer=self.address, index=aux, op=op)
-        await self._track(batch_id, op, aux, timeout)
-
-    async def _run_polled(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
-        # rdma: a small batch is polled for on this thread for a bounded
-        # time (see RdmaChannel.submit_poll), so its completion needs no
-        # worker-to-loop wake-up; a larger one is awaited as usual.
-        ch = self._channel
-        status, batch_id, aux, finished = ch.submit_poll(op, la, ra, ln)
+        status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
         if status == EREMOTE and not self._control_lost:
+            # The peer may have registered memory we have not heard of yet.
             await self.refresh()
-            status, batch_id, aux, finished = ch.submit_poll(op, la, ra, ln)
+            status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
         if status:
             raise status_error(status, peer=self.address, index=aux, op=op)
+        if batch_id == 0:
+            return                     # completed inline: no future, no wake-up
         t = self._track(batch_id, op, aux, timeout)
         if finished:
-            self._engine._on_completions()     # resolves t now: the await below does not suspend
+            # polled to completion on this thread (rdma, small batch): resolve
+            # it now, so that the await below does not suspend
+            self._engine._on_completions()
         await t
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
