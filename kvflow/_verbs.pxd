@@ -207,7 +207,6 @@ cdef extern from "_native/rdma.h" nogil:
     int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, ibv_qp *qp,
                              uint32_t depth)
     int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, ibv_qp *qp)
-    int kvf_rdma_chan_qp_state(kvf_rdma_chan *ch, int index)
     int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
                         const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad)
     int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
@@ -220,4 +219,3 @@ cdef extern from "_native/rdma.h" nogil:
     int kvf_rdma_chan_nqps(kvf_rdma_chan *ch)
     void kvf_rdma_chan_close(kvf_rdma_chan *ch)
     void kvf_rdma_chan_free(kvf_rdma_chan *ch)
-    int kvf_rdma_wc_status(int wc_status)

@@ -438,10 +438,6 @@ cdef class RdmaChannel(Channel):
             return False
         return True
 
-    def qp_state(self, int index):
-        """1 up, 0 broken (waiting for a new connection), -1 none."""
-        return kvf_rdma_chan_qp_state(self.ch, index) if self.ch != NULL else -1
-
     def qp_device(self, int index):
         return self.devs[index]
 

@@ -159,7 +159,8 @@ static inline uint64_t wr_id(const rqp *q, uint64_t seq) {
     return ((uint64_t)q->slot << 48) | ((uint64_t)(q->gen & 0xffff) << 32) | (uint32_t)seq;
 }
 
-int kvf_rdma_wc_status(int s) {
+/* verbs work-completion status → kvflow status */
+static int wc_kvf_status(int s) {
     switch (s) {
     case IBV_WC_SUCCESS: return KVF_OK;
     case IBV_WC_REM_ACCESS_ERR:
@@ -175,7 +176,7 @@ int kvf_rdma_wc_status(int s) {
 /* The status a batch fails with: kvflow's code, plus the verbs status and
  * the device (index + 1) for the error message (kvflow/errors.py). */
 static int verbs_status(int wc_status, const kvf_rdma_dev *d) {
-    return kvf_rdma_wc_status(wc_status) | ((wc_status & 0xff) << 8) | ((int)((d->index + 1) & 0x7f) << 16);
+    return wc_kvf_status(wc_status) | ((wc_status & 0xff) << 8) | ((int)((d->index + 1) & 0x7f) << 16);
 }
 
 static int retryable(int s) {
@@ -327,21 +328,17 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
 
 /* Keys for slices bound to (local device dev, remote device rdev): looked
  * up again each time a slice is placed, so a region deregistered meanwhile
- * fails the slice instead of being written with a stale key. */
-static int resolve_keys(kvf_rdma_chan *ch, kvf_slice *s, uint32_t dev, uint32_t rdev) {
+ * fails the slice instead of being written with a stale key. The caller
+ * holds both tables' read locks (taken once per group of slices). */
+static int resolve_keys_locked(kvf_rdma_chan *ch, kvf_slice *s, uint32_t dev, uint32_t rdev) {
     if (s->op > KVF_OP_READ) return KVF_OK;     /* SEND/PROBE carry their keys */
-    kvf_ctx *c = ch->c;
-    int rc = KVF_OK;
-    pthread_rwlock_rdlock(&c->local.lock);
-    const kvf_region *r = kvf_rt_find_locked(&c->local, s->local, s->len);
-    if (r && r->keys[dev]) s->lkey = r->keys[dev]; else rc = KVF_EUNREG;
-    pthread_rwlock_unlock(&c->local.lock);
-    if (rc) return rc;
-    pthread_rwlock_rdlock(&ch->remote->lock);
+    const kvf_region *r = kvf_rt_find_locked(&ch->c->local, s->local, s->len);
+    if (!r || !r->keys[dev]) return KVF_EUNREG;
+    s->lkey = r->keys[dev];
     r = kvf_rt_find_locked(ch->remote, s->remote, s->len);
-    if (r && rdev < KVF_MAX_DEVS && r->keys[rdev]) s->rkey = r->keys[rdev]; else rc = KVF_EREMOTE;
-    pthread_rwlock_unlock(&ch->remote->lock);
-    return rc;
+    if (!r || rdev >= KVF_MAX_DEVS || !r->keys[rdev]) return KVF_EREMOTE;
+    s->rkey = r->keys[rdev];
+    return KVF_OK;
 }
 
 static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
@@ -377,12 +374,16 @@ static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n) {
             kvf_queue retry;
             kvf_queue_init(&retry);
             pthread_mutex_lock(&q->mu);
+            pthread_rwlock_rdlock(&c->local.lock);
+            pthread_rwlock_rdlock(&ch->remote->lock);
             for (size_t i = (size_t)((qi - (int)(rr % (uint32_t)nup) + nup) % nup); i < n; i += (size_t)nup) {
                 if (q->state != QP_UP) { kvf_queue_push_locked(&bounced, &s[i]); continue; }
-                int rc = resolve_keys(ch, &s[i], q->dev->index, q->rdev);
+                int rc = resolve_keys_locked(ch, &s[i], q->dev->index, q->rdev);
                 if (rc) { slice_finish(c, &s[i], rc); continue; }
                 if (kvf_queue_push_locked(&q->backlog, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
             }
+            pthread_rwlock_unlock(&ch->remote->lock);
+            pthread_rwlock_unlock(&c->local.lock);
             qp_post_locked(q, &retry);
             pthread_mutex_unlock(&q->mu);
             kvf_slice tmp[64];
@@ -707,11 +708,6 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp) {
         kvf_queue_destroy(&parked);
     }
     return KVF_OK;
-}
-
-int kvf_rdma_chan_qp_state(kvf_rdma_chan *ch, int index) {
-    rqp *q = chan_qp(ch, index);
-    return q ? q->state : -1;
 }
 
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch) {

@@ -77,7 +77,6 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
 /* Swaps a broken QP's verbs QP for a newly connected one (the old one is
  * destroyed) and posts what waited for it. */
 int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp);
-int kvf_rdma_chan_qp_state(kvf_rdma_chan *ch, int index);   /* 1 up, 0 broken, -1 none */
 int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
                     const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad);
 /* One work request with explicit keys on QP `index` (KVF_OP_SEND for a
@@ -100,8 +99,5 @@ int kvf_rdma_chan_nqps(kvf_rdma_chan *ch);
  * so nothing more touches memory. Idempotent. */
 void kvf_rdma_chan_close(kvf_rdma_chan *ch);
 void kvf_rdma_chan_free(kvf_rdma_chan *ch);
-
-/* verbs work-completion status → kvflow status */
-int kvf_rdma_wc_status(int wc_status);
 
 #endif
