@@ -214,9 +214,10 @@ class RdmaProvider:
     async def _probe_all(self, peer: "Peer", ch: Any, probe: list[Any], n: int) -> None:
         raddr, rkeys, cookie = probe
         waits = []
+        stats = ch.stats()
         for i in range(n):
             dev = ch.qp_device(i)
-            rdev = ch.stats()[i]["rdev"]
+            rdev = stats[i]["rdev"]
             landing = int(self._probe_landing.__array_interface__["data"][0]) + (i % MAX_TARGET_QPS) * 64
             self._probe_landing[(i % MAX_TARGET_QPS) * 64:(i % MAX_TARGET_QPS) * 64 + 16] = 0
             status, bid = ch.post_one(i, _verbs.OP_PROBE, landing, self.landing_keys[0][dev.index],

@@ -44,14 +44,21 @@ async def rdma_pair(**kw):
     return a, b
 
 
+async def connected(a, b, n: int, seed: int):
+    """B registers n zero bytes as "kv", A registers n random bytes; A
+    connects to B. Returns (dst, src, remote region, local region, peer)."""
+    dst = np.zeros(n, dtype=np.uint8)
+    src = np.random.default_rng(seed).integers(0, 255, n, dtype=np.uint8)
+    r = b.register(dst, name="kv")
+    l = a.register(src)
+    peer = await bounded(a.connect(b.address))
+    return dst, src, r, l, peer
+
+
 async def test_remote_access_error_then_endpoint_works(caplog):
     a, b = await rdma_pair()
     try:
-        dst = np.zeros(1 << 20, dtype=np.uint8)
-        src = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
-        r = b.register(dst, name="kv")
-        l = a.register(src)
-        peer = await bounded(a.connect(b.address))
+        dst, src, r, l, peer = await connected(a, b, 1 << 20, 1)
         assert peer.transport == "rdma"
         await bounded(peer.write([l.addr], [r.addr], [4096]))
         # Deregister and write before A hears of it: A's table still allows
@@ -92,11 +99,7 @@ async def test_remote_access_error_then_endpoint_works(caplog):
 async def test_notify_over_the_data_path_after_the_data():
     a, b = await rdma_pair()
     try:
-        dst = np.zeros(1 << 20, dtype=np.uint8)
-        src = np.random.default_rng(2).integers(0, 255, 1 << 20, dtype=np.uint8)
-        r = b.register(dst, name="kv")
-        l = a.register(src)
-        peer = await bounded(a.connect(b.address))
+        dst, src, r, l, peer = await connected(a, b, 1 << 20, 2)
         it = b.notifications().__aiter__()
         before = sum(s["wrs"] for s in peer._channel.stats())
         for i in range(5):
@@ -132,11 +135,7 @@ async def test_two_devices_slices_striped_over_both():
     a, b = await rdma_pair(rdma_devices=names)
     try:
         n = 8 << 20
-        dst = np.zeros(n, dtype=np.uint8)
-        src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
-        r = b.register(dst, name="kv")
-        l = a.register(src)
-        peer = await bounded(a.connect(b.address))
+        dst, src, r, l, peer = await connected(a, b, n, 3)
         sent0 = {d: rxe_counter(d, "sent_pkts") for d in names}
         await bounded(peer.write([l.addr], [r.addr], [n]), 120)
         assert np.array_equal(dst, src)
