@@ -9,7 +9,6 @@ packet counters), notifications over the data path, and registration time.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
