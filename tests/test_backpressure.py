@@ -9,7 +9,6 @@ import os
 import signal
 import time
 
-import numpy as np
 
 from _batches import bounded, pattern, sha256
 

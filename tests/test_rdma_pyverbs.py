@@ -110,16 +110,23 @@ def assert_outside_unchanged(buf: np.ndarray, background: np.ndarray, start: int
         f"{what}: bytes after the range changed ({first_diff(buf[end:], background[end:])})"
 
 
-async def test_kvflow_writes_pyverbs_reads(make_engine, local_mem, tmp_path):
+async def rdma_setup(make_engine, local_mem, seed: int):
+    """Engines A and B over rdma; B's region "kv" and a buffer of A, both
+    filled with patterns (seed, seed + 1); A connected to B."""
     a = await make_engine(protocols=("rdma",))
     b = await make_engine(protocols=("rdma",))
     kv = local_mem(b, REGION, name="kv")
-    background = pattern(101, REGION)
+    background = pattern(seed, REGION)
     kv.view[:] = background
-    src = local_mem(a, REGION)
-    src.view[:] = pattern(102, REGION)
-
+    mine = local_mem(a, REGION)
+    mine_background = pattern(seed + 1, REGION)
+    mine.view[:] = mine_background
     peer = await bounded(a.connect(b.address), 60)
+    return a, b, kv, background, mine, mine_background, peer
+
+
+async def test_kvflow_writes_pyverbs_reads(make_engine, local_mem, tmp_path):
+    a, b, kv, background, src, _, peer = await rdma_setup(make_engine, local_mem, 101)
     assert peer.transport == "rdma"
 
     # The range [off, off + span) of "kv": a 4 KiB entry at each end of it,
@@ -160,16 +167,8 @@ async def test_kvflow_writes_pyverbs_reads(make_engine, local_mem, tmp_path):
 
 
 async def test_pyverbs_writes_kvflow_reads(make_engine, local_mem, tmp_path):
-    a = await make_engine(protocols=("rdma",))
-    b = await make_engine(protocols=("rdma",))
-    kv = local_mem(b, REGION, name="kv")
-    background = pattern(201, REGION)
-    kv.view[:] = background
-    dst = local_mem(a, REGION)
-    dst_background = pattern(202, REGION)
-    dst.view[:] = dst_background
-
-    peer = await bounded(a.connect(b.address), 60)     # A's QPs exist while the foreign one writes
+    # A's QPs exist while the foreign one writes
+    a, b, kv, background, dst, dst_background, peer = await rdma_setup(make_engine, local_mem, 201)
     assert peer.transport == "rdma"
 
     seed, off, length = 4242, MiB + 777, 3 * MiB // 2 + 333
