@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvflow import _core
 from kvflow.errors import (
@@ -53,6 +53,23 @@ class Peer:
         self._rid = 0
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._rdma_remote_qpns: list[int] = []
+        self._lost_callbacks: list[Callable[["Peer"], None]] = []
+
+    def on_lost(self, callback: Callable[["Peer"], None]) -> None:
+        """Calls `callback(peer)` once, on the loop, when the peer is lost
+        (its control connection ends) or closed; at once if it already is."""
+        if self._closed or self._control_lost:
+            self._engine._loop.call_soon(callback, self)
+        else:
+            self._lost_callbacks.append(callback)
+
+    def _fire_lost(self) -> None:
+        callbacks, self._lost_callbacks = self._lost_callbacks, []
+        for cb in callbacks:
+            try:
+                cb(self)
+            except Exception:   # a user callback must not break teardown
+                log.exception("kvflow: peer-lost callback for %s failed", self.address)
 
     def _start(self, channel: Any, transport: str) -> None:
         self._channel = channel
@@ -266,6 +283,7 @@ class Peer:
         # rdma providers (no data sockets to notice a death).
         if self.transport in ("local", "rdma"):
             self._channel.close()
+        self._fire_lost()
 
     async def close(self) -> None:
         """Closes the connection to the peer; in-flight transfers fail with
@@ -274,6 +292,7 @@ class Peer:
             return
         self._closed = True
         self._engine._forget_peer(self)
+        self._fire_lost()
         self._stop_acks()
         self._channel.close()
         if self._engine._rdma is not None:
