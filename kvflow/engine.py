@@ -101,6 +101,11 @@ def _process_identity() -> _ProcessIdentity:
     return _identity
 
 
+def _retrieve(task: "asyncio.Task[Any]") -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -157,7 +162,7 @@ class Engine:
         self._accept_task: asyncio.Task[None] | None = None
         self._regions: dict[int, Region] = {}
         self._peers: dict[str, Peer] = {}
-        self._connecting: dict[str, asyncio.Future[Peer]] = {}
+        self._connecting: dict[str, asyncio.Task[Peer]] = {}
         self._sessions: set[asyncio.StreamWriter] = set()
         self._session_tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[int, Any] = {}
@@ -228,6 +233,8 @@ class Engine:
         self._closed = True
         if _live_engines.get(self.address) is self:
             del _live_engines[self.address]
+        for task in list(self._connecting.values()):
+            task.cancel()
         for peer in list(self._peers.values()):
             await peer.close()
         await self._teardown()
@@ -497,25 +504,27 @@ class Engine:
             return peer
         if peer is not None:
             await peer.close()
+        # One connection attempt per address, shared by every caller: it
+        # runs as its own task so that a caller that is cancelled (a request
+        # aborted mid-connect) does not cancel it for the others.
         pending = self._connecting.get(address)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[Peer] = self._loop.create_future()
-        self._connecting[address] = fut
+        if pending is None:
+            pending = self._loop.create_task(self._connect_shared(address, timeout))
+            pending.add_done_callback(_retrieve)      # every waiter may have gone
+            self._connecting[address] = pending
+        return await asyncio.shield(pending)
+
+    async def _connect_shared(self, address: str, timeout: float) -> Peer:
         try:
             peer = await asyncio.wait_for(self._connect(address), timeout)
         except asyncio.TimeoutError:
-            err = PeerUnreachableError(f"connect to {address} timed out after {timeout:g} s", peer=address)
-            fut.set_exception(err)
-            fut.exception()
-            raise err from None
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()
-            raise
+            raise PeerUnreachableError(f"connect to {address} timed out after {timeout:g} s",
+                                       peer=address) from None
         finally:
             self._connecting.pop(address, None)
-        fut.set_result(peer)
+        if self._closed:
+            await peer.close()
+            raise PeerLostError(f"engine {self.address} closed while connecting to {address}", peer=address)
         self._peers[address] = peer
         return peer
 

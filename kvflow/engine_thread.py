@@ -37,6 +37,7 @@ class EngineThread:
         self.engine: Engine | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.loop_errors: list[dict[str, Any]] = []
 
     def start(self, timeout: float = 30.0) -> Engine:
         if self.engine is not None:
@@ -50,6 +51,7 @@ class EngineThread:
     def _run(self, ready: concurrent.futures.Future[Engine]) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
+        loop.set_exception_handler(self._on_loop_error)
         self.loop = loop
         engine = Engine(**self._options)
         try:
@@ -69,6 +71,12 @@ class EngineThread:
             if pending:
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # Kept for tests (asyncpg-style hygiene: nothing may reach the handler)
+        # and logged as the default handler would.
+        self.loop_errors.append(context)
+        loop.default_exception_handler(context)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedules `coro` on the engine's loop; returns a concurrent future."""

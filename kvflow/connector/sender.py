@@ -89,7 +89,6 @@ class KVSender(Request):
         if self._finish_requested:
             return
         self._finish_requested = True
-        self.metric.exposed_s = None
         self.mgr.call_soon(self._enqueue, (_FINISH, time.time()))
 
     def abort(self) -> None:
@@ -222,6 +221,7 @@ class KVSender(Request):
     def _write(self, peer: "Peer", la: Any, ra: Any, ln: Any) -> None:
         t = peer.write_nowait(la, ra, ln)
         self._transfers.append(t)
+        self.metric.entries += len(ln)
         self.metric.transfer_total_bytes = (self.metric.transfer_total_bytes or 0) + t.nbytes
         self.mgr.peer_stats[peer.address].bytes += t.nbytes
 

@@ -88,5 +88,6 @@ class KVTransferMetric:
     kvflow's finer fields). Times in seconds; None where not measured."""
     transfer_latency_s: float | None = None
     transfer_total_bytes: int | None = None
-    batches: int = 0
-    exposed_s: float | None = None
+    batches: int = 0       # kvflow batches posted (prefill side)
+    entries: int = 0       # (address, length) entries in them: one per run of pages per buffer
+    exposed_s: float | None = None   # decode side: prefill's finish() → decode knows all landed
