@@ -14,6 +14,7 @@ from kvflow.errors import (
     ProtocolError,
     status_error,
 )
+from kvflow.arrays import entry_of, expand_strided
 from kvflow.handshake import Descriptor, encode, field, read_message, regions_from_wire
 from kvflow.memory import RemoteRegion
 from kvflow.transfer import Transfer
@@ -127,23 +128,36 @@ class Peer:
             self._engine._pending[batch_id] = t
         return t
 
-    def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> Transfer:
+    def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
+                strides: tuple[Any, Any, Any] | None = None) -> Transfer:
+        first = None
+        if strides is not None:
+            la, ra, ln, first = expand_strided(la, ra, ln, *strides)
         status, batch_id, aux = self._channel.submit(op, la, ra, ln)
         if status:
-            raise status_error(status, peer=self.address, index=aux, op=op)
-        return self._track(batch_id, op, aux, timeout)
+            raise status_error(status, peer=self.address, op=op,
+                               index=aux if first is None else entry_of(first, aux))
+        t = self._track(batch_id, op, aux, timeout)
+        t._first_piece = first
+        return t
 
-    async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
+    async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
+                   strides: tuple[Any, Any, Any] | None = None) -> None:
+        first = None
+        if strides is not None:
+            la, ra, ln, first = expand_strided(la, ra, ln, *strides)
         status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
         if status == EREMOTE and not self._control_lost:
             # The peer may have registered memory we have not heard of yet.
             await self.refresh()
             status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
         if status:
-            raise status_error(status, peer=self.address, index=aux, op=op)
+            raise status_error(status, peer=self.address, op=op,
+                               index=aux if first is None else entry_of(first, aux))
         if batch_id == 0:
             return                     # completed inline: no future, no wake-up
         t = self._track(batch_id, op, aux, timeout)
+        t._first_piece = first
         if finished:
             # polled to completion on this thread (rdma, small batch): resolve
             # it now, so that the await below does not suspend
@@ -151,32 +165,47 @@ class Peer:
         await t
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                    timeout: float | None = None) -> None:
+                    timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                    remote_strides: Any = None) -> None:
         """Writes one batch: entry i copies lengths[i] bytes from local_addrs[i]
         (this engine's registered memory) to remote_addrs[i] (the peer's).
         Returns once every byte has landed in the peer's memory.
 
+        Strided entries (counts, local_strides, remote_strides, all or none):
+        entry i moves counts[i] pieces of lengths[i] bytes, piece k from
+        local_addrs[i] + k*local_strides[i] to remote_addrs[i] +
+        k*remote_strides[i] (e.g. a head slice of every token of a run of
+        pages). The engine expands them (vectorised); each piece is its own
+        slice on the wire, and errors name the strided entry.
+
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
-        await self._run(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout)
+        await self._run(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
+                        _strides(counts, local_strides, remote_strides))
 
     async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                   remote_strides: Any = None) -> None:
         """Reads one batch: entry i copies lengths[i] bytes from the peer's
-        remote_addrs[i] into local_addrs[i]. Raises as write()."""
-        await self._run(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout)
+        remote_addrs[i] into local_addrs[i]. Strided entries and errors as write()."""
+        await self._run(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout,
+                        _strides(counts, local_strides, remote_strides))
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                     timeout: float | None = None) -> Transfer:
+                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                     remote_strides: Any = None) -> Transfer:
         """Starts a write and returns its Transfer (awaitable, cancellable).
         Argument and validation errors raise here; transfer errors on await."""
-        return self._nowait(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout)
+        return self._nowait(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
+                            _strides(counts, local_strides, remote_strides))
 
     def read_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                    timeout: float | None = None) -> Transfer:
+                    timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                    remote_strides: Any = None) -> Transfer:
         """Starts a read and returns its Transfer."""
-        return self._nowait(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout)
+        return self._nowait(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout,
+                            _strides(counts, local_strides, remote_strides))
 
     # ------------------------------------------------------------ notifications
     async def notify(self, data: bytes) -> None:
@@ -318,6 +347,15 @@ class Peer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("alive" if self.alive else "lost")
         return f"<kvflow.Peer {self.address} via {self.transport or '?'} {state}>"
+
+
+def _strides(counts: Any, local_strides: Any, remote_strides: Any) -> tuple[Any, Any, Any] | None:
+    given = (counts is not None, local_strides is not None, remote_strides is not None)
+    if not any(given):
+        return None
+    if not all(given):
+        raise InvalidArgumentError("strided entries need counts, local_strides and remote_strides together")
+    return counts, local_strides, remote_strides
 
 
 class _ClosedChannel:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Generator
 
+from kvflow.arrays import entry_of
 from kvflow.errors import KVFlowError, TransferCancelledError, TransferTimeoutError, status_error
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class Transfer:
     raises a KVFlowError otherwise); cancel() it; check done()."""
 
     __slots__ = ("_engine", "_id", "_future", "_peer", "_op", "nbytes", "_timer", "_abort_exc",
-                 "_drained", "_drain_waiter")
+                 "_drained", "_drain_waiter", "_first_piece")
 
     def __init__(self, engine: "Engine", batch_id: int, peer: str, op: int, nbytes: int,
                  timeout: float | None) -> None:
@@ -44,6 +45,7 @@ class Transfer:
         self._abort_exc: KVFlowError | None = None
         self._drained = batch_id == 0
         self._drain_waiter: asyncio.Future[None] | None = None
+        self._first_piece: Any = None       # strided batch: first piece of each entry
         if batch_id == 0:               # completed inline
             self._future.set_result(None)
             return
@@ -122,6 +124,8 @@ class Transfer:
         elif status == 0:
             self._future.set_result(None)
         else:
+            if self._first_piece is not None:
+                entry = entry_of(self._first_piece, entry)
             self._future.set_exception(status_error(status, peer=self._peer, index=entry, op=self._op,
                                                     devices=self._engine._rdma_device_names()))
 

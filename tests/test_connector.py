@@ -31,23 +31,36 @@ PROTOCOLS = ["local", "tcp", pytest.param("rdma", marks=pytest.mark.rdma)]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+HEAD_BYTES = 64      # one KV head of one token
+TOTAL_HEADS = 2
+
+
 class Pool:
-    """A rank's KV pool in numpy: 2*LAYERS buffers (MHA) or LAYERS (MLA)."""
+    """A rank's KV pool in numpy: 2*LAYERS buffers (MHA, NHD pages of
+    [16 tokens, heads, HEAD_BYTES]) or LAYERS (MLA)."""
 
     def __init__(self, mla: bool = False, seed: int | None = None, rank: int = 0, tp: int = 1) -> None:
         n = LAYERS if mla else 2 * LAYERS
+        self.heads = layout.rank_heads(rank, tp, TOTAL_HEADS) if not mla else (0, TOTAL_HEADS)
+        self.item = ITEM if mla else 16 * self.heads[1] * HEAD_BYTES
         rng = np.random.default_rng(seed)
-        self.bufs = [rng.integers(0, 255, PAGES * ITEM, dtype=np.uint8) if seed is not None
-                     else np.zeros(PAGES * ITEM, np.uint8) for _ in range(n)]
+        self.bufs = [rng.integers(0, 255, PAGES * self.item, dtype=np.uint8) if seed is not None
+                     else np.zeros(PAGES * self.item, np.uint8) for _ in range(n)]
         self.aux = np.zeros(AUX_SLOTS * AUX_ITEM, np.uint8)
         self.args = KVArgs(engine_rank=rank, tp_size=tp,
                            kv_data_ptrs=[b.ctypes.data for b in self.bufs],
-                           kv_data_lens=[b.nbytes for b in self.bufs], kv_item_lens=[ITEM] * n,
+                           kv_data_lens=[b.nbytes for b in self.bufs], kv_item_lens=[self.item] * n,
                            aux_data_ptrs=[self.aux.ctypes.data], aux_data_lens=[self.aux.nbytes],
-                           aux_item_lens=[AUX_ITEM], page_size=16)
+                           aux_item_lens=[AUX_ITEM], page_size=16, kv_head_num=self.heads[1],
+                           total_kv_head_num=TOTAL_HEADS)
 
     def page(self, buf: int, p: int) -> np.ndarray:
-        return self.bufs[buf][p * ITEM:(p + 1) * ITEM]
+        return self.bufs[buf][p * self.item:(p + 1) * self.item]
+
+    def head(self, buf: int, p: int, token: int, h: int) -> np.ndarray:
+        """Head h (a model-wide index) of one token of page p."""
+        off = p * self.item + (token * self.heads[1] + h - self.heads[0]) * HEAD_BYTES
+        return self.bufs[buf][off:off + HEAD_BYTES]
 
 
 def assert_moved(src: Pool, dst: Pool, src_pages, dst_pages, buffers=None) -> None:
@@ -113,11 +126,25 @@ def test_kv_entries_are_one_per_run_per_buffer():
 
 
 def test_tp_mapping():
-    assert layout.source_ranks(3, 4, 2, mla=True) == [1]
+    assert layout.source_ranks(3, 4, 2, mla=True) == [(1, 0, 0)]
     assert layout.target_count(0, 1, 4, mla=True) == 4
-    assert layout.source_ranks(1, 2, 2, mla=False) == [1]
-    with pytest.raises(Exception, match="head slicing"):
-        layout.source_ranks(0, 2, 1, mla=False)
+    assert layout.source_ranks(1, 2, 2, mla=False, total_heads=8) == [(1, 4, 4)]
+    assert layout.source_ranks(0, 1, 2, mla=False, total_heads=8) == [(0, 0, 4), (1, 4, 4)]
+    assert layout.source_ranks(3, 4, 2, mla=False, total_heads=8) == [(1, 6, 2)]
+    assert layout.target_count(1, 2, 4, mla=False, total_heads=8) == 2
+    # 2 KV heads over prefill TP 4 (each head on two ranks): decode ranks spread over the copies
+    assert layout.source_ranks(0, 1, 4, mla=False, total_heads=2) == [(0, 0, 1), (2, 1, 1)]
+    assert layout.source_ranks(1, 2, 4, mla=False, total_heads=2) == [(3, 1, 1)]
+    with pytest.raises(Exception, match="do not split"):
+        layout.rank_heads(0, 3, 8)
+
+
+def test_head_sliced_entries_are_strided_not_per_token():
+    runs = layout.page_runs(np.arange(4), np.arange(4) + 10)
+    la, ra, ln, cnt, ls, rs = layout.head_sliced_entries(
+        [0], [16 * 2 * 64], [1 << 20], [16 * 1 * 64], [0], runs, 16, (0, 2), (1, 1), (1, 1))
+    assert la.tolist() == [64] and ra.tolist() == [(1 << 20) + 10 * 16 * 64]
+    assert ln.tolist() == [64] and cnt.tolist() == [4 * 16] and ls.tolist() == [128] and rs.tolist() == [64]
 
 
 def test_messages_reject_malformed():
@@ -203,14 +230,44 @@ async def test_mla_prefill_tp1_feeds_decode_tp2(bootstrap, managers):
     assert_moved(src, dsts[1], [10, 11, 12], [7, 8, 9])
 
 
-async def test_mha_with_different_tp_fails_with_a_clear_error(bootstrap, managers):
-    src = Pool(seed=3)
-    managers(src, DisaggregationMode.PREFILL, bootstrap_addr=bootstrap.address)
-    d = managers(Pool(rank=1, tp=2), DisaggregationMode.DECODE)
-    r = KVReceiver(d, bootstrap.address, 1004, prefill_dp_rank=0)
-    assert await r.wait(10) == KVPoll.Failed
-    with pytest.raises(KVTransferError, match="head slicing"):
-        r.failure_exception()
+def assert_heads_moved(srcs: list[Pool], dst: Pool, src_pages, dst_pages) -> None:
+    for b in range(len(dst.bufs)):
+        for sp, dp in zip(src_pages, dst_pages):
+            for t in range(16):
+                for h in range(dst.heads[0], dst.heads[0] + dst.heads[1]):
+                    src = next(x for x in srcs if x.heads[0] <= h < x.heads[0] + x.heads[1])
+                    assert np.array_equal(src.head(b, sp, t, h), dst.head(b, dp, t, h)), (b, sp, t, h)
+    moved = {(b, p) for b in range(len(dst.bufs)) for p in dst_pages}
+    for b in range(len(dst.bufs)):
+        for p in range(PAGES):
+            if (b, p) not in moved:
+                assert not dst.page(b, p).any(), f"stray bytes in buffer {b} page {p}"
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+async def test_mha_different_tp_moves_head_slices(bootstrap, managers, prefill_tp, decode_tp):
+    srcs = [Pool(seed=10 + i, rank=i, tp=prefill_tp) for i in range(prefill_tp)]
+    ps = [managers(x, DisaggregationMode.PREFILL, bootstrap_addr=bootstrap.address, protocols=("tcp",))
+          for x in srcs]
+    dsts = [Pool(rank=i, tp=decode_tp) for i in range(decode_tp)]
+    ds = [managers(x, DisaggregationMode.DECODE, protocols=("tcp",)) for x in dsts]
+    room = 1004
+    src_pages, dst_pages = [5, 6, 7, 20], [30, 31, 32, 33]
+    rs = [KVReceiver(d, bootstrap.address, room, prefill_dp_rank=0) for d in ds]
+    for r in rs:
+        r.send_metadata(dst_pages, aux_index=0)
+    ss = [KVSender(p, bootstrap.address, room) for p in ps]
+    for s in ss:
+        s.init(len(src_pages), aux_index=0)
+        s.send(src_pages)
+    for r in rs:
+        assert await r.wait(10) == KVPoll.Success
+    for s in ss:
+        assert await s.wait(10) == KVPoll.Success
+        # runs [5,6,7]->[30..32] and [20]->[33]: 2 strided entries per buffer, plus aux, per decode rank fed
+        assert s.metric.entries == max(1, decode_tp // prefill_tp) * (2 * 2 * LAYERS + 1)
+    for d in dsts:
+        assert_heads_moved(srcs, d, src_pages, dst_pages)
 
 
 # ---------------------------------------------------------------- failures

@@ -5,7 +5,13 @@ run of pages that is contiguous on both sides becomes ONE entry per buffer:
 `base[b] + first_page * item_len[b]`, `count * item_len[b]` bytes. A request
 whose pages were handed out in order on both sides costs one entry per
 buffer, however long the prompt (SGLang's Mooncake connector groups the
-same way; per-token entries are never produced here).
+same way).
+
+When prefill and decode split an MHA model's KV heads over different TP
+sizes, a decode rank takes a head range of every token from each prefill
+rank that holds it. That is still one entry per run of pages per buffer, a
+strided one (a piece per token, Peer.write's counts/strides), where SGLang
+builds one descriptor per token in Python.
 """
 from __future__ import annotations
 
@@ -69,29 +75,79 @@ def num_layers(num_buffers: int, mla: bool) -> int:
     return num_buffers if mla else num_buffers // 2
 
 
-def source_ranks(decode_rank: int, decode_tp: int, prefill_tp: int, mla: bool) -> list[int]:
-    """The prefill ranks whose data a decode rank needs.
+def rank_heads(rank: int, tp: int, total: int) -> tuple[int, int]:
+    """(first head, head count) that TP rank `rank` holds of `total` KV heads.
+    With more ranks than heads, each head is replicated on tp/total ranks."""
+    if tp <= total:
+        if total % tp:
+            raise KVFlowError(f"{total} KV heads do not split over TP {tp}")
+        per = total // tp
+        return rank * per, per
+    if tp % total:
+        raise KVFlowError(f"TP {tp} is not a multiple of the {total} KV heads")
+    return rank * total // tp, 1
 
-    MLA keeps the whole latent on every rank: one source, spread round-robin.
-    MHA splits heads over TP; with equal TP sizes rank i feeds rank i.
-    Different MHA TP sizes need head slicing, which is not built (see
-    check_tp)."""
+
+def head_plan(decode_rank: int, decode_tp: int, prefill_tp: int, total: int) -> list[tuple[int, int, int]]:
+    """For an MHA pool: [(prefill rank, first head, head count)] that feed
+    `decode_rank`, one per prefill rank, each a contiguous head range. A
+    head replicated on several prefill ranks is taken from one of them,
+    chosen by the decode rank so that the load spreads."""
+    d0, dn = rank_heads(decode_rank, decode_tp, total)
+    plan: list[tuple[int, int, int]] = []
+    for h in range(d0, d0 + dn):
+        holders = [i for i in range(prefill_tp) if rank_heads(i, prefill_tp, total)[0] <= h
+                   < sum(rank_heads(i, prefill_tp, total))]
+        src = holders[decode_rank % len(holders)]
+        if plan and plan[-1][0] == src and plan[-1][1] + plan[-1][2] == h:
+            plan[-1] = (src, plan[-1][1], plan[-1][2] + 1)
+        else:
+            plan.append((src, h, 1))
+    return plan
+
+
+def source_ranks(decode_rank: int, decode_tp: int, prefill_tp: int, mla: bool,
+                 total_heads: int = 1) -> list[tuple[int, int, int]]:
+    """The prefill ranks a decode rank needs, as (rank, first head, head count).
+
+    MLA keeps the whole latent on every rank: one source, spread
+    round-robin (heads are not sliced: (rank, 0, 0)). MHA: head_plan."""
     if mla:
-        return [decode_rank % prefill_tp]
-    check_tp(decode_tp, prefill_tp, mla)
-    return [decode_rank]
+        return [(decode_rank % prefill_tp, 0, 0)]
+    return head_plan(decode_rank, decode_tp, prefill_tp, total_heads)
 
 
-def target_count(prefill_rank: int, prefill_tp: int, decode_tp: int, mla: bool) -> int:
+def target_count(prefill_rank: int, prefill_tp: int, decode_tp: int, mla: bool, total_heads: int = 1) -> int:
     """How many decode ranks will ask a prefill rank for one request."""
-    if mla:
-        return len([d for d in range(decode_tp) if d % prefill_tp == prefill_rank])
-    check_tp(decode_tp, prefill_tp, mla)
-    return 1
+    return sum(any(src == prefill_rank for src, _, _ in
+                   source_ranks(d, decode_tp, prefill_tp, mla, total_heads)) for d in range(decode_tp))
 
 
-def check_tp(decode_tp: int, prefill_tp: int, mla: bool) -> None:
-    if not mla and decode_tp != prefill_tp:
-        raise KVFlowError(
-            f"prefill TP {prefill_tp} != decode TP {decode_tp} for an MHA pool needs head slicing, "
-            "which this connector does not build yet (MLA pools work with any TP sizes)")
+def head_sliced_entries(src_ptrs: list[int], src_item_lens: list[int], dst_ptrs: list[int],
+                        dst_item_lens: list[int], buffers: list[int],
+                        runs: tuple[np.ndarray, np.ndarray, np.ndarray], page_size: int,
+                        src_heads: tuple[int, int], dst_heads: tuple[int, int],
+                        heads: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Strided entries moving KV heads [h0, h0+hn) of `runs` of NHD pages
+    ([page_size, heads, head_dim]) from a rank holding src_heads to one
+    holding dst_heads ((first, count) each): one entry per run per buffer,
+    a piece per token (counts, local_strides, remote_strides as
+    Peer.write takes them)."""
+    src_first, dst_first, count = runs
+    (s0, sn), (d0, dn), (h0, hn) = src_heads, dst_heads, heads
+    n = count.size
+    cols = [np.empty(n * len(buffers), dtype=np.uint64) for _ in range(6)]
+    la, ra, ln, cnt, ls, rs = cols
+    for j, b in enumerate(buffers):
+        head_bytes, rem = divmod(src_item_lens[b], page_size * sn)
+        if rem or dst_item_lens[b] != page_size * dn * head_bytes:
+            raise KVFlowError(f"KV buffer {b}: pages of {src_item_lens[b]} and {dst_item_lens[b]} bytes do not "
+                              f"hold {sn} and {dn} heads of one size ({page_size} tokens per page)")
+        sl = slice(j * n, (j + 1) * n)
+        la[sl] = np.uint64(src_ptrs[b] + (h0 - s0) * head_bytes) + src_first * np.uint64(src_item_lens[b])
+        ra[sl] = np.uint64(dst_ptrs[b] + (h0 - d0) * head_bytes) + dst_first * np.uint64(dst_item_lens[b])
+        ln[sl] = hn * head_bytes
+        cnt[sl] = count * np.uint64(page_size)
+        ls[sl] = sn * head_bytes
+        rs[sl] = dn * head_bytes
+    return la, ra, ln, cnt, ls, rs

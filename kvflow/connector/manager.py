@@ -21,7 +21,7 @@ from kvflow.connector import messages
 from kvflow.connector.bootstrap import BootstrapClient
 from kvflow.connector.types import DisaggregationMode, KVArgs
 from kvflow.engine_thread import EngineThread
-from kvflow.errors import KVFlowError, ProtocolError
+from kvflow.errors import KVFlowError, PeerUnreachableError, ProtocolError
 from kvflow.memory import Access
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ class KVManager:
             if self.mode is DisaggregationMode.PREFILL and bootstrap_addr:
                 self.register_to_bootstrap()
         except BaseException:
+            self._thread.call(self._client.close())
             self._thread.close()
             raise
 
@@ -114,7 +115,21 @@ class KVManager:
         """Publishes this prefill rank in the bootstrap server (blocking)."""
         if not self.bootstrap_addr:
             raise KVFlowError("register_to_bootstrap: no bootstrap_addr was given")
-        self._thread.call(self._client.register(self.bootstrap_addr, self.rank_record()))
+        self._thread.call(self._register(self.bootstrap_addr))
+
+    async def _register(self, bootstrap_addr: str) -> None:
+        # A rank may come up before its bootstrap server: keep trying for
+        # bootstrap_timeout before giving up.
+        deadline = time.monotonic() + self.bootstrap_timeout
+        delay = 0.05
+        while True:
+            try:
+                return await self._client.register(bootstrap_addr, self.rank_record())
+            except PeerUnreachableError:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def prefill_group(self, bootstrap_addr: str, dp_rank: int) -> dict[str, Any]:
         """The prefill dp group's ranks, polling the bootstrap server until

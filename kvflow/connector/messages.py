@@ -7,7 +7,9 @@ the decode side after the bytes have landed, with no extra round trip.
   decode → prefill   meta   room, decode engine address, decode rank, the
                             number of decode ranks this prefill rank serves
                             for the room, decode page indices, aux index,
-                            decode pool layout (ptrs, item lengths)
+                            decode pool layout (ptrs, item lengths), the KV
+                            heads wanted from this rank and those the decode
+                            rank holds ([first, count]; MLA: [0, 0])
                      abort  room, reason
   prefill → decode   done   room, prefill rank, bytes, prefill wall clock at finish ("at")
                      fail   room, prefill rank, reason
@@ -49,12 +51,14 @@ def decode(data: bytes) -> dict[str, Any] | None:
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             raise ProtocolError(f"connector {kind} message: field {key!r} must be {typ.__name__}")
     if kind == "meta":
-        for key in ("kv_ptrs", "kv_item_lens", "aux_ptrs", "aux_item_lens"):
+        for key in ("kv_ptrs", "kv_item_lens", "aux_ptrs", "aux_item_lens", "heads", "dst_heads"):
             if not all(isinstance(x, int) and x >= 0 for x in msg[key]):
                 raise ProtocolError(f"connector meta message: {key} must be non-negative integers")
         if len(msg["kv_ptrs"]) != len(msg["kv_item_lens"]) or \
                 len(msg["aux_ptrs"]) != len(msg["aux_item_lens"]):
             raise ProtocolError("connector meta message: pointer and item-length lists differ")
+        if len(msg["heads"]) != 2 or len(msg["dst_heads"]) != 2:
+            raise ProtocolError("connector meta message: heads and dst_heads are [first, count]")
         if len(msg["pages"]) % 4 or len(msg["pages"]) // 4 > MAX_PAGES:
             raise ProtocolError("connector meta message: bad page list")
     return msg
@@ -70,7 +74,8 @@ def unpack_pages(raw: bytes) -> np.ndarray:
 
 _CHECKS: dict[str, dict[str, type]] = {
     "meta": {"addr": str, "rank": int, "expected": int, "pages": bytes, "aux": int,
-             "kv_ptrs": list, "kv_item_lens": list, "aux_ptrs": list, "aux_item_lens": list},
+             "kv_ptrs": list, "kv_item_lens": list, "aux_ptrs": list, "aux_item_lens": list,
+             "heads": list, "dst_heads": list, "total_heads": int},
     "abort": {"addr": str, "reason": str},
     "done": {"rank": int, "bytes": int, "at": float},
     "fail": {"rank": int, "reason": str},

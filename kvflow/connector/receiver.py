@@ -130,8 +130,12 @@ class KVReceiver(Request):
         if any(r["mla"] != mgr.is_mla for r in ranks.values()):
             raise KVFlowError("prefill and decode disagree on the pool kind (MLA vs MHA)")
         prefill_tp = group["tp_size"]
-        for rank in layout.source_ranks(a.engine_rank, a.tp_size, prefill_tp, mgr.is_mla):
+        heads: dict[str, list[int]] = {}
+        for rank, h0, hn in layout.source_ranks(a.engine_rank, a.tp_size, prefill_tp, mgr.is_mla,
+                                                a.total_kv_head_num):
             self._sources[ranks[rank]["address"]] = rank
+            heads[ranks[rank]["address"]] = [h0, hn]
+        own = [0, 0] if mgr.is_mla else list(layout.rank_heads(a.engine_rank, a.tp_size, a.total_kv_head_num))
         try:
             peers = {addr: await mgr.peer(addr) for addr in self._sources}
         except KVFlowError:
@@ -142,12 +146,14 @@ class KVReceiver(Request):
         assert self._metadata is not None and self._finished is not None
         pages, aux = await self._metadata
         for addr, peer in peers.items():
-            expected = layout.target_count(self._sources[addr], prefill_tp, a.tp_size, mgr.is_mla)
+            expected = layout.target_count(self._sources[addr], prefill_tp, a.tp_size, mgr.is_mla,
+                                           a.total_kv_head_num)
             meta = messages.encode(
                 "meta", self.room, addr=mgr.address, rank=a.engine_rank, expected=expected,
                 pages=messages.pack_pages(pages), aux=aux, kv_ptrs=list(a.kv_data_ptrs),
                 kv_item_lens=list(a.kv_item_lens), aux_ptrs=list(a.aux_data_ptrs),
-                aux_item_lens=list(a.aux_item_lens))
+                aux_item_lens=list(a.aux_item_lens), heads=heads[addr], dst_heads=own,
+                total_heads=a.total_kv_head_num)
             self._meta_sent = True
             await peer.notify(meta)
         self._set_state(KVPoll.Transferring)

@@ -194,16 +194,39 @@ class KVSender(Request):
             for layer in layers:
                 by_offset.setdefault(int(offsets[layer]), []).extend(
                     layout.layer_buffers(layer, len(a.kv_data_ptrs), self.mgr.is_mla))
+            sliced = self._head_slice(meta)
             for off, buffers in by_offset.items():
                 if off + n > dst_all.size:
                     raise KVFlowError(f"room {self.room}: decode {addr} gave {dst_all.size} pages, "
                                       f"prefill sends {off + n}")
                 runs = layout.page_runs(pages, dst_all[off:off + n])
-                la, ra, ln = layout.kv_entries(a.kv_data_ptrs, a.kv_item_lens, meta["kv_ptrs"],
-                                               meta["kv_item_lens"], buffers, runs)
-                self._write(peers[addr], la, ra, ln)
+                if sliced is None:
+                    self._write(peers[addr], *layout.kv_entries(a.kv_data_ptrs, a.kv_item_lens, meta["kv_ptrs"],
+                                                                meta["kv_item_lens"], buffers, runs))
+                else:
+                    la, ra, ln, *strides = layout.head_sliced_entries(
+                        a.kv_data_ptrs, a.kv_item_lens, meta["kv_ptrs"], meta["kv_item_lens"], buffers, runs,
+                        a.page_size, *sliced)
+                    self._write(peers[addr], la, ra, ln, strides)
         for layer in layers:
             offsets[layer] += n
+
+    def _head_slice(self, meta: dict[str, Any]) -> tuple[tuple[int, int], ...] | None:
+        """(own heads, decode heads, heads sent) when only some KV heads of
+        each token go to this decode rank; None when pages move whole."""
+        a = self.mgr.kv_args
+        if self.mgr.is_mla:
+            return None
+        if meta["total_heads"] != a.total_kv_head_num:
+            raise KVFlowError(f"room {self.room}: decode has {meta['total_heads']} KV heads in all, "
+                              f"prefill {a.total_kv_head_num}")
+        own = layout.rank_heads(a.engine_rank, a.tp_size, a.total_kv_head_num)
+        dst, heads = tuple(meta["dst_heads"]), tuple(meta["heads"])
+        if not (own[0] <= heads[0] and heads[0] + heads[1] <= own[0] + own[1]):
+            raise KVFlowError(f"room {self.room}: decode asks for heads {heads} but this rank holds {own}")
+        if own == dst == heads:
+            return None
+        return own, dst, heads
 
     def _post_aux(self, peers: dict[str, "Peer"]) -> None:
         a = self.mgr.kv_args
@@ -218,8 +241,12 @@ class KVSender(Request):
             ln = [min(x, y) for x, y in zip(a.aux_item_lens, meta["aux_item_lens"])]
             self._write(peers[addr], la, ra, ln)
 
-    def _write(self, peer: "Peer", la: Any, ra: Any, ln: Any) -> None:
-        t = peer.write_nowait(la, ra, ln)
+    def _write(self, peer: "Peer", la: Any, ra: Any, ln: Any, strides: Any = None) -> None:
+        if strides is None:
+            t = peer.write_nowait(la, ra, ln)
+        else:
+            t = peer.write_nowait(la, ra, ln, counts=strides[0], local_strides=strides[1],
+                                  remote_strides=strides[2])
         self._transfers.append(t)
         self.metric.entries += len(ln)
         self.metric.transfer_total_bytes = (self.metric.transfer_total_bytes or 0) + t.nbytes

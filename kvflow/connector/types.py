@@ -76,6 +76,12 @@ class KVArgs:
             raise KVFlowError(f"KVArgs: engine_rank {self.engine_rank} is outside tp_size {self.tp_size}")
         if self.page_size < 1 or self.kv_head_num < 1 or self.total_kv_head_num < 1:
             raise KVFlowError("KVArgs: page_size and head counts must be positive")
+        if not mla:
+            from kvflow.connector.layout import rank_heads
+            held = rank_heads(self.engine_rank, self.tp_size, self.total_kv_head_num)[1]
+            if held != self.kv_head_num:
+                raise KVFlowError(f"KVArgs: TP rank {self.engine_rank}/{self.tp_size} holds {held} of "
+                                  f"{self.total_kv_head_num} KV heads, kv_head_num says {self.kv_head_num}")
 
     @property
     def num_pages(self) -> int:
