@@ -435,3 +435,25 @@ async def test_prefill_killed_fails_decode_promptly(bootstrap, managers):
     finally:
         child.kill()
         child.wait()
+
+
+async def test_prometheus_metrics(bootstrap, managers):
+    prometheus_client = pytest.importorskip("prometheus_client", reason="optional: pip install prometheus-client")
+    from kvflow.connector.prometheus import register
+    src, dst, p, d = pair(bootstrap, managers, "tcp")
+    registry = prometheus_client.CollectorRegistry()
+    register(p, registry)
+    register(d, registry)
+    r = KVReceiver(d, bootstrap.address, 1013, prefill_dp_rank=0)
+    s = KVSender(p, bootstrap.address, 1013)
+    s.init(2, aux_index=0)
+    r.send_metadata([3, 4], aux_index=1)
+    s.send([0, 1])
+    assert await r.wait(10) == KVPoll.Success
+    assert await s.wait(10) == KVPoll.Success
+    want = 2 * ITEM * 2 * LAYERS + AUX_ITEM
+    labels = {"role": "prefill", "peer": d.address}
+    assert registry.get_sample_value("kvflow_connector_bytes_total", labels) == want
+    assert registry.get_sample_value("kvflow_connector_requests_total", labels) == 1
+    assert registry.get_sample_value("kvflow_connector_bytes_total", {"role": "decode", "peer": p.address}) == want
+    assert b"kvflow_connector_failures_total" in prometheus_client.generate_latest(registry)

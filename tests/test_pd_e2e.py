@@ -28,7 +28,7 @@ from examples.pd.model import KVPool, Model  # noqa: E402
 
 def options(protocol: str, **kw) -> argparse.Namespace:
     ns = dict(host="127.0.0.1", port=0, protocol=protocol, layers=3, hidden=64, seed=7, pages=1024,
-              page_size=16, slots=16, threads=1, requests=4, prompt_tokens=600, max_new_tokens=6, check=False)
+              page_size=16, slots=16, threads=1, requests=4, prompt_tokens=600, max_new_tokens=6, check=False, rounds=1)
     ns.update(kw)
     return argparse.Namespace(**ns)
 

@@ -276,3 +276,46 @@ async def test_region_registered_after_connect(pair, local_mem):
     dst = local_mem(p.eng, info.length)
     await bounded(p.peer.read([dst.addr], [info.addr], [info.length]))
     assert np.array_equal(dst.view, expected)
+
+
+@pytest.mark.parametrize("direction", ["write", "read"])
+async def test_strided_entries(make_pair, local_mem, direction):
+    """Strided entries (a head slice of every token, both ways of TP
+    mismatch) land exactly where the expanded plain entries would; an entry
+    that strays outside the peer's regions is named by its strided index."""
+    p = await make_pair()
+    n = 1 << 20
+    local = local_mem(p.eng, n)
+    local.view[:] = pattern(3, n)
+    await bounded(p.target.fill("rw", 4))
+    remote = pattern(4, p.target.regions["rw"].length).copy()
+    # entry 0: 100 tokens × 4 heads × 64 B, take heads 1..2 → contiguous; entry 1: the reverse
+    la = np.array([local.addr + 64, local.addr + 300_000], np.uint64)
+    ra = np.array([p.raddr("rw", 1000), p.raddr("rw", 200_000 + 128)], np.uint64)
+    ln = np.array([128, 128], np.uint64)
+    counts = np.array([100, 50], np.uint64)
+    ls = np.array([256, 128], np.uint64)
+    rs = np.array([128, 256], np.uint64)
+    op = p.peer.write if direction == "write" else p.peer.read
+    await bounded(op(la, ra, ln, counts=counts, local_strides=ls, remote_strides=rs))
+    lo, ro = la - np.uint64(local.addr), ra - np.uint64(p.raddr("rw"))
+    src_l, src_r = local.view.copy(), remote.copy()
+    for i in range(2):
+        for k in range(int(counts[i])):
+            a, b = int(lo[i] + k * ls[i]), int(ro[i] + k * rs[i])
+            if direction == "write":
+                remote[b:b + 128] = src_l[a:a + 128]
+            else:
+                src_l[a:a + 128] = src_r[b:b + 128]
+    if direction == "write":
+        assert await bounded(p.target.sha("rw")) == sha256(remote)
+    else:
+        assert np.array_equal(local.view, src_l)
+    far = np.array([p.raddr("rw"), p.raddr("rw", p.target.regions["rw"].length - 1024)], np.uint64)
+    with pytest.raises(kvflow.RemoteAccessError) as e:
+        await bounded(op(la, far, ln, counts=counts, local_strides=ls, remote_strides=rs))
+    assert e.value.index == 1
+    with pytest.raises(kvflow.InvalidArgumentError):
+        await op(la, ra, ln, counts=counts, local_strides=ls)          # strides come together
+    with pytest.raises(kvflow.InvalidArgumentError):
+        await op(la, ra, ln, counts=[1, 0], local_strides=ls, remote_strides=rs)

@@ -119,8 +119,10 @@ async def prefill_server(args: argparse.Namespace) -> None:
             print(f"prefill room {room}: {e!r}", file=sys.stderr)
         finally:
             sender.clear()
+        layer_s = sorted(sender.batch_seconds[:-1] or sender.batch_seconds)   # the last batch is the aux record
         reply = {"room": room, "state": state.name, "first_token": first, "prefill_compute_s": compute_s,
-                 "bytes": sender.metric.transfer_total_bytes, "entries": sender.metric.entries}
+                 "bytes": sender.metric.transfer_total_bytes, "entries": sender.metric.entries,
+                 "layer_transfer_s": layer_s[len(layer_s) // 2] if layer_s else None}
         if state is KVPoll.Failed:
             reply["error"] = str(sender.error)
         w.pool.free(pages)
@@ -173,7 +175,8 @@ async def decode_server(args: argparse.Namespace) -> None:
             reply = {"room": room, "tokens": [first, *rest], "prompt_tokens": len(tokens),
                      "ttft_s": t_landed - t_arrival, "prefill_compute_s": pinfo["prefill_compute_s"],
                      "exposed_s": receiver.metric.exposed_s, "bytes": receiver.metric.transfer_total_bytes,
-                     "entries": pinfo["entries"], "total_s": time.perf_counter() - t_arrival}
+                     "entries": pinfo["entries"], "layer_transfer_s": pinfo["layer_transfer_s"],
+                     "total_s": time.perf_counter() - t_arrival}
             return web.json_response(reply)
         finally:
             if not prefill.done():
@@ -199,7 +202,15 @@ async def serve(args: argparse.Namespace, routes: list[tuple[str, str, Any]], mg
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="OK")
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics(request: web.Request) -> web.Response:
+        if request.query.get("format") == "prometheus":     # needs prometheus-client
+            from prometheus_client import CollectorRegistry, generate_latest
+
+            from kvflow.connector.prometheus import register
+            registry = CollectorRegistry()
+            register(mgr, registry)
+            return web.Response(body=await asyncio.to_thread(generate_latest, registry),
+                                content_type="text/plain")
         return web.json_response(await asyncio.to_thread(mgr.metrics))
 
     app = web.Application()
@@ -328,14 +339,24 @@ async def run(args: argparse.Namespace) -> int:
         await cluster.wait_ready()
         reqs = prompts(args)
         await cluster.generate(reqs[0][:8], 2)         # warm up: connections, torch kernels
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(cluster.generate(p, args.max_new_tokens) for p in reqs))
+        rounds = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(cluster.generate(p, args.max_new_tokens) for p in reqs))
+            rounds.append(results)
         wall = time.perf_counter() - t0
-        print(f"\n{len(reqs)} concurrent requests over {args.protocol} in {wall:.2f} s")
-        print(f"{'prompt':>7} {'ttft ms':>8} {'prefill ms':>10} {'exposed ms':>10} {'KV MiB':>7} {'entries':>7}  tokens")
+        print(f"\n{len(reqs)} concurrent requests over {args.protocol} in {wall:.2f} s (last of {args.rounds} rounds)")
+        print(f"{'prompt':>7} {'ttft ms':>8} {'prefill ms':>10} {'exposed ms':>10} {'layer xfer ms':>13} "
+              f"{'KV MiB':>7} {'entries':>7}  tokens")
         for p, r in zip(reqs, results):
             print(f"{len(p):>7} {r['ttft_s'] * 1e3:>8.1f} {r['prefill_compute_s'] * 1e3:>10.1f} "
-                  f"{r['exposed_s'] * 1e3:>10.2f} {r['bytes'] / 2**20:>7.2f} {r['entries']:>7}  {r['tokens'][:8]}")
+                  f"{r['exposed_s'] * 1e3:>10.2f} {(r['layer_transfer_s'] or 0) * 1e3:>13.2f} "
+                  f"{r['bytes'] / 2**20:>7.2f} {r['entries']:>7}  {r['tokens'][:8]}")
+        if args.rounds > 1:
+            first = sorted(rs[0]["exposed_s"] for rs in rounds)
+            layer = sorted(rs[0]["layer_transfer_s"] or 0 for rs in rounds)
+            print(f"prompt of {len(reqs[0])} tokens over {args.rounds} rounds: exposed p50 "
+                  f"{first[len(first) // 2] * 1e3:.2f} ms, one layer's transfer p50 {layer[len(layer) // 2] * 1e3:.2f} ms")
         print("metrics:", json.dumps(await cluster.metrics()))
         if args.check:
             import torch
@@ -374,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="run: concurrent requests")
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="run: the longest prompt")
     ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="run: repeat the requests (p50 of the first one's times)")
     ap.add_argument("--check", action="store_true", help="run: compare with single-process generation")
     args = ap.parse_args(argv)
     role = {"bootstrap": bootstrap_server, "prefill": prefill_server, "decode": decode_server, "run": run}

@@ -45,7 +45,7 @@ class PeerStats:
     def as_dict(self) -> dict[str, Any]:
         mean = self.latency_s / self.requests if self.requests else None
         return {"bytes": self.bytes, "requests": self.requests, "failures": self.failures,
-                "mean_latency_s": mean}
+                "latency_s": self.latency_s, "mean_latency_s": mean}
 
 
 class KVManager:

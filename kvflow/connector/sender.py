@@ -48,6 +48,7 @@ class KVSender(Request):
         self._targets: dict[str, dict[str, Any]] = {}
         self._transfers: list["Transfer"] = []
         self._meta_ready: asyncio.Future[None] | None = None
+        self.batch_seconds: list[float] = []     # post → completion of each batch (one per layer when streaming)
         mgr.call_soon(self._attach)
 
     # ------------------------------------------------------------ server's thread
@@ -249,6 +250,8 @@ class KVSender(Request):
                                   remote_strides=strides[2])
         self._transfers.append(t)
         self.metric.entries += len(ln)
+        posted = time.perf_counter()
+        t._future.add_done_callback(lambda _, posted=posted: self.batch_seconds.append(time.perf_counter() - posted))
         self.metric.transfer_total_bytes = (self.metric.transfer_total_bytes or 0) + t.nbytes
         self.mgr.peer_stats[peer.address].bytes += t.nbytes
 
