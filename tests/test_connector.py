@@ -21,6 +21,7 @@ pytest.importorskip("aiohttp", reason="the connector's bootstrap server needs ai
 from kvflow.connector import (BootstrapServer, DisaggregationMode, KVArgs, KVManager, KVPoll,  # noqa: E402
                               KVReceiver, KVSender, KVTransferError)
 from kvflow.connector import layout, messages  # noqa: E402
+from _batches import TIME_SCALE  # noqa: E402
 
 LAYERS = 4
 PAGES = 64
@@ -29,6 +30,7 @@ AUX_ITEM = 64
 AUX_SLOTS = 8
 PROTOCOLS = ["local", "tcp", pytest.param("rdma", marks=pytest.mark.rdma)]
 HERE = os.path.dirname(os.path.abspath(__file__))
+T = 10 * TIME_SCALE      # seconds a step may take (stretched under the VM's emulation)
 
 
 HEAD_BYTES = 64      # one KV head of one token
@@ -172,8 +174,8 @@ async def test_chunked_send_moves_pages_and_aux(bootstrap, managers, protocol):
     s.send(src_pages[:3])
     assert s.poll() != KVPoll.Success               # not the last chunk
     s.send(src_pages[3:])
-    assert await r.wait(10) == KVPoll.Success
-    assert await s.wait(10) == KVPoll.Success
+    assert await r.wait(T) == KVPoll.Success
+    assert await s.wait(T) == KVPoll.Success
     assert_moved(src, dst, src_pages, dst_pages)
     assert (dst.aux[5 * AUX_ITEM:6 * AUX_ITEM] == 42).all() and dst.aux[:5 * AUX_ITEM].sum() == 0
     # runs contiguous on both sides: [3,4,5]->[20..22], [9]->[23], [10,11]->[40,41], [12]->[2]
@@ -198,16 +200,16 @@ async def test_layerwise_send_streams_each_layer(bootstrap, managers, protocol):
         s.send_layer(layer, pages)
         # each layer lands on its own, before the request finishes
         k = layout.layer_buffers(layer, 2 * LAYERS, False)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + T
         while not np.array_equal(dst.page(k[1], 61), src.page(k[1], 39)):
             assert time.monotonic() < deadline, f"layer {layer} did not land"
             await asyncio.sleep(0.005)
         assert r.poll() != KVPoll.Success
     s.finish()
-    assert await r.wait(10) == KVPoll.Success
+    assert await r.wait(T) == KVPoll.Success
     assert_moved(src, dst, pages, dpages)
     assert s.metric.entries == 2 * LAYERS + 1       # one run per buffer, plus aux
-    assert r.metric.exposed_s is not None and r.metric.exposed_s < 5
+    assert r.metric.exposed_s is not None and r.metric.exposed_s < 5 * TIME_SCALE
 
 
 async def test_mla_prefill_tp1_feeds_decode_tp2(bootstrap, managers):
@@ -225,7 +227,7 @@ async def test_mla_prefill_tp1_feeds_decode_tp2(bootstrap, managers):
     assert s.poll() == KVPoll.Bootstrapping
     rs[1].send_metadata([7, 8, 9], aux_index=0)
     for r in rs:
-        assert await r.wait(10) == KVPoll.Success
+        assert await r.wait(T) == KVPoll.Success
     assert_moved(src, dsts[0], [10, 11, 12], [1, 2, 3])
     assert_moved(src, dsts[1], [10, 11, 12], [7, 8, 9])
 
@@ -261,9 +263,9 @@ async def test_mha_different_tp_moves_head_slices(bootstrap, managers, prefill_t
         s.init(len(src_pages), aux_index=0)
         s.send(src_pages)
     for r in rs:
-        assert await r.wait(10) == KVPoll.Success
+        assert await r.wait(T) == KVPoll.Success
     for s in ss:
-        assert await s.wait(10) == KVPoll.Success
+        assert await s.wait(T) == KVPoll.Success
         # runs [5,6,7]->[30..32] and [20]->[33]: 2 strided entries per buffer, plus aux, per decode rank fed
         assert s.metric.entries == max(1, decode_tp // prefill_tp) * (2 * 2 * LAYERS + 1)
     for d in dsts:
@@ -280,7 +282,7 @@ async def test_decode_abort_reaches_prefill_and_room_can_be_retried(bootstrap, m
     s = KVSender(p, bootstrap.address, room)
     s.init(16, aux_index=0)
     s.send_layer(0, np.arange(16))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + T
     while r.poll() != KVPoll.Transferring:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
@@ -302,7 +304,7 @@ async def test_decode_abort_reaches_prefill_and_room_can_be_retried(bootstrap, m
     s2.init(16, aux_index=0)
     r2.send_metadata(np.arange(16, 32), aux_index=0)
     s2.send(np.arange(16))
-    assert await r2.wait(10) == KVPoll.Success
+    assert await r2.wait(T) == KVPoll.Success
     assert np.array_equal(dst.bufs[1][16 * ITEM:32 * ITEM], src.bufs[1][:16 * ITEM])
 
 
@@ -312,7 +314,7 @@ async def test_prefill_abort_reaches_decode(bootstrap, managers):
     r.send_metadata([0, 1], aux_index=0)
     s = KVSender(p, bootstrap.address, 1006)
     s.init(2, aux_index=0)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + T
     while s.poll() == KVPoll.Bootstrapping:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
@@ -358,7 +360,7 @@ async def test_unknown_prefill_group_fails_after_bootstrap_timeout(bootstrap, ma
 async def test_bootstrap_server_unreachable_fails_cleanly(managers):
     d = managers(Pool(), DisaggregationMode.DECODE)
     r = KVReceiver(d, "127.0.0.1:1", 1010, prefill_dp_rank=0)
-    assert await r.wait(10) == KVPoll.Failed
+    assert await r.wait(T) == KVPoll.Failed
     with pytest.raises(KVTransferError, match="unreachable"):
         r.failure_exception()
 
@@ -377,7 +379,7 @@ async def test_garbage_connector_message_is_dropped(bootstrap, managers):
     s.init(1, aux_index=0)
     r.send_metadata([9], aux_index=0)
     s.send([4])
-    assert await r.wait(10) == KVPoll.Success
+    assert await r.wait(T) == KVPoll.Success
     assert_moved(src, dst, [4], [9])
 
 
@@ -421,13 +423,13 @@ async def test_prefill_killed_fails_decode_promptly(bootstrap, managers):
         assert child.stdout.readline().strip() == "ready"
         r = KVReceiver(d, bootstrap.address, 1012, prefill_dp_rank=0)
         r.send_metadata(np.arange(16), aux_index=0)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + T
         while r.poll() != KVPoll.Transferring:
             assert time.monotonic() < deadline and r.poll() != KVPoll.Failed
             await asyncio.sleep(0.01)
         child.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
-        assert await r.wait(10) == KVPoll.Failed
+        assert await r.wait(T) == KVPoll.Failed
         assert time.monotonic() - t0 < 3
         with pytest.raises(KVTransferError, match="was lost"):
             r.failure_exception()
@@ -449,8 +451,8 @@ async def test_prometheus_metrics(bootstrap, managers):
     s.init(2, aux_index=0)
     r.send_metadata([3, 4], aux_index=1)
     s.send([0, 1])
-    assert await r.wait(10) == KVPoll.Success
-    assert await s.wait(10) == KVPoll.Success
+    assert await r.wait(T) == KVPoll.Success
+    assert await s.wait(T) == KVPoll.Success
     want = 2 * ITEM * 2 * LAYERS + AUX_ITEM
     labels = {"role": "prefill", "peer": d.address}
     assert registry.get_sample_value("kvflow_connector_bytes_total", labels) == want

@@ -199,11 +199,19 @@ class KVManager:
                     # Nothing was written for this room: say so at once.
                     self.early_aborts[room] = msg["reason"]
                     self.metas.pop(room, None)
+                    self._prune_early_aborts()
                     asyncio.get_running_loop().create_task(self._ack(msg["addr"], room))
         else:
             receiver = self.receivers.get(room)
             if receiver is not None and kind in ("done", "fail", "ack"):
                 receiver._on_message(msg)
+
+    def _prune_early_aborts(self, keep: int = 4096) -> None:
+        # Aborts of requests this rank never saw (the prefill request was
+        # dropped upstream) would pile up: keep the newest `keep` (dicts
+        # iterate in insertion order).
+        while len(self.early_aborts) > keep:
+            del self.early_aborts[next(iter(self.early_aborts))]
 
     async def _ack(self, address: str, room: int) -> None:
         try:
