@@ -22,13 +22,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from _batches import TIME_SCALE  # noqa: E402
 from examples.pd import serve  # noqa: E402
 from examples.pd.model import KVPool, Model  # noqa: E402
 
 
 def options(protocol: str, **kw) -> argparse.Namespace:
     ns = dict(host="127.0.0.1", port=0, protocol=protocol, layers=3, hidden=64, seed=7, pages=1024,
-              page_size=16, slots=16, threads=1, requests=4, prompt_tokens=600, max_new_tokens=6, check=False, rounds=1)
+              page_size=16, slots=16, threads=1, requests=4, prompt_tokens=600, max_new_tokens=6, check=False, rounds=1,
+              transfer_timeout=60.0 * TIME_SCALE)
     ns.update(kw)
     return argparse.Namespace(**ns)
 
@@ -41,27 +43,32 @@ def reference(args: argparse.Namespace, prompt: list[int]) -> list[int]:
     return Model(cfg, seed=args.seed).generate(prompt, args.max_new_tokens, pool, pages)
 
 
-@pytest.mark.parametrize("protocol", ["local", "tcp"])
+@pytest.mark.parametrize("protocol", ["local", "tcp", pytest.param("rdma", marks=pytest.mark.rdma)])
 async def test_disaggregated_generation_matches_single_process(protocol):
+    if protocol == "rdma":
+        from conftest import rdma_devices
+        if not rdma_devices():
+            pytest.skip("no RDMA device on this host (runs in the Soft-RoCE VM: tests/test_rdma_vm.py)")
     args = options(protocol)
     cluster = serve.Cluster(args)
     try:
-        await cluster.wait_ready()
+        await cluster.wait_ready(300 * TIME_SCALE)     # torch imports take minutes under the VM's emulation
         prompts = serve.prompts(args)
         prompts.append([5])                                     # a one-token prompt
+        await asyncio.wait_for(cluster.generate([1, 2, 3], 2), 120 * TIME_SCALE)   # warm-up: torch, connections
         results = await asyncio.wait_for(
-            asyncio.gather(*(cluster.generate(p, args.max_new_tokens) for p in prompts)), 120)
+            asyncio.gather(*(cluster.generate(p, args.max_new_tokens) for p in prompts)), 120 * TIME_SCALE)
         for p, r in zip(prompts, results):
             assert r["tokens"] == reference(args, p), f"prompt of {len(p)} tokens"
             pages = -(-len(p) // args.page_size)
             assert r["entries"] <= 2 * args.layers * pages + 1   # never per token
             assert r["exposed_s"] is not None and r["ttft_s"] > 0
         # a second round reuses the freed pages and slots
-        again = await asyncio.wait_for(cluster.generate(prompts[1], args.max_new_tokens), 60)
+        again = await asyncio.wait_for(cluster.generate(prompts[1], args.max_new_tokens), 60 * TIME_SCALE)
         assert again["tokens"] == results[1]["tokens"]
         m = await cluster.metrics()
         assert sum(v["failures"] for v in m["decode"].values()) == 0
-        assert sum(v["requests"] for v in m["prefill"].values()) == len(prompts) + 1
+        assert sum(v["requests"] for v in m["prefill"].values()) == len(prompts) + 2
     finally:
         cluster.close()
 

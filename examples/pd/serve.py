@@ -139,7 +139,7 @@ async def decode_server(args: argparse.Namespace) -> None:
     from aiohttp import web
     w = Worker(args)
     mgr = KVManager(pool_args(w.pool), DisaggregationMode.DECODE, listen=f"{args.host}:0",
-                    protocols=protocols(args.protocol))
+                    protocols=protocols(args.protocol), transfer_timeout=args.transfer_timeout)
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT))
 
     async def generate(request: web.Request) -> web.Response:
@@ -256,7 +256,8 @@ def free_port() -> int:
 def model_flags(args: argparse.Namespace) -> list[str]:
     return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--seed", str(args.seed),
             "--pages", str(args.pages), "--page-size", str(args.page_size), "--slots", str(args.slots),
-            "--threads", str(args.threads), "--protocol", args.protocol]
+            "--threads", str(args.threads), "--protocol", args.protocol,
+            "--transfer-timeout", str(args.transfer_timeout)]
 
 
 class Cluster:
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--transfer-timeout", type=float, default=60.0,
+                    help="decode: seconds a request may wait for its KV once its metadata is sent "
+                         "(prefill queueing included)")
     ap.add_argument("--requests", type=int, default=4, help="run: concurrent requests")
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="run: the longest prompt")
     ap.add_argument("--max-new-tokens", type=int, default=8)
