@@ -9,13 +9,16 @@ Every measurement runs in its own subprocess(es) and prints one JSON object
 latency_p99_us, entries_per_s):
   kvflow    python -m kvflow.bench pair ... --json   (the project's own CLI)
   mooncake  tools/baselines/mooncake_bench.py       (Mooncake TE, tcp)
+  mooncake-compat  mooncake_bench.py --impl kvflow   (the same script on
+            kvflow.compat.mooncake: Mooncake's API backed by kvflow)
   nixl      tools/baselines/nixl_bench.py           (NIXL, UCX tcp / cma)
   ceilings  tools/baselines/ceilings.py             (socket, process_vm_writev, memcpy)
 See tools/baselines/README.md for what each row measures and how to install.
 
 Groups (rows that are compared with each other):
   tcp        write, batch 64, per block size: kvflow tcp, Mooncake tcp,
-             NIXL UCX-tcp; ceiling: raw Python sockets (2 connections).
+             kvflow's Mooncake-compatible API (mooncake-compat), NIXL UCX-tcp;
+             ceiling: raw Python sockets (2 connections).
   local      write, batch 64, per block size: kvflow local, NIXL UCX-cma and
              UCX-sm (two same-host UCX configs; the better one counts);
              ceilings: process_vm_writev, memcpy.
@@ -24,8 +27,9 @@ Groups (rows that are compared with each other):
   scatter    4 KiB entries at non-adjacent addresses, batch 64, several
              batches in flight, same host: kvflow local --scatter vs NIXL.
 The "kvflow / best alt" column divides kvflow's metric by the best other
-engine's (ceilings excluded): >1 is better for GB/s and entries/s, <1 is better
-for latency.  "of ceiling" divides by the group's first ceiling.
+engine's (ceilings and mooncake-compat excluded: that is kvflow too); on a
+mooncake-compat row it divides by Mooncake's, same calls, same point: >1 is
+better for GB/s and entries/s, <1 is better for latency.  "of ceiling" divides by the group's first ceiling.
 An engine whose Python package is missing is shown as "not installed"; a run
 that fails or times out is shown as "error" (its message is in --json).
 """
@@ -43,7 +47,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "tools", "baselines")
-ENGINES = ("kvflow", "mooncake", "nixl", "ceilings")
+ENGINES = ("kvflow", "mooncake", "mooncake-compat", "nixl", "ceilings")
+# kvflow behind another engine's API: compared with that engine, not an alternative to kvflow
+COMPAT = {"mooncake-compat": "mooncake"}
 CEILINGS = {"socket", "process_vm_writev", "memcpy"}
 
 # metric per group, and whether higher is better
@@ -112,6 +118,8 @@ def plan(args) -> list[dict]:
         label = fmt_size(bs)
         add("tcp", label, "kvflow", "kvflow", "tcp", kvflow_cmd("tcp", pa))
         add("tcp", label, "mooncake", "mooncake", "tcp", base_cmd("mooncake_bench.py", pa))
+        add("tcp", label, "mooncake-compat", "mooncake-compat", "tcp",
+            base_cmd("mooncake_bench.py", pa, "--impl", "kvflow"))
         add("tcp", label, "nixl", "nixl", "ucx-tcp", base_cmd("nixl_bench.py", pa, "--transport", "tcp"))
         add("tcp", label, "ceilings", "socket", "tcp", base_cmd("ceilings.py", pa, "--kind", "socket"))
     for bs in args.sizes:
@@ -125,6 +133,8 @@ def plan(args) -> list[dict]:
     pa = point_args(4096, 1, d, 1, False)
     add("lat-tcp", "4 KiB x1", "kvflow", "kvflow", "tcp", kvflow_cmd("tcp", pa))
     add("lat-tcp", "4 KiB x1", "mooncake", "mooncake", "tcp", base_cmd("mooncake_bench.py", pa))
+    add("lat-tcp", "4 KiB x1", "mooncake-compat", "mooncake-compat", "tcp",
+        base_cmd("mooncake_bench.py", pa, "--impl", "kvflow"))
     add("lat-tcp", "4 KiB x1", "nixl", "nixl", "ucx-tcp", base_cmd("nixl_bench.py", pa, "--transport", "tcp"))
     add("lat-tcp", "4 KiB x1", "ceilings", "socket", "tcp", base_cmd("ceilings.py", pa, "--kind", "socket"))
     add("lat-local", "4 KiB x1", "kvflow", "kvflow", "local", kvflow_cmd("local", pa))
@@ -182,14 +192,16 @@ def measure(p: dict, args) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """kvflow / best alternative engine, and kvflow / first ceiling, per point."""
+    """kvflow / best alternative engine, and kvflow / first ceiling, per point;
+    a compat row (kvflow behind another engine's API) / that engine."""
     by_point: dict = {}
     for r in rows:
         by_point.setdefault((r["group"], r["point"]), []).append(r)
     for (group, _), rs in by_point.items():
         metric, higher = METRIC[group]
         ok = [r for r in rs if r.get("status") == "ok" and r.get(metric)]
-        alts = [r for r in ok if r["engine"] not in CEILINGS and r["engine"] != "kvflow"]
+        alts = [r for r in ok if r["engine"] not in CEILINGS and r["engine"] != "kvflow"
+                and r["engine"] not in COMPAT]
         ceil = [r for r in ok if r["engine"] in CEILINGS][:1]
         pick = max if higher else min
         for k in (r for r in ok if r["engine"] == "kvflow"):
@@ -200,12 +212,17 @@ def add_ratios(rows: list[dict]) -> None:
             if ceil:
                 k["of_ceiling"] = round(k[metric] / ceil[0][metric], 3)
                 k["ceiling"] = ceil[0]["engine"]
+        for c in (r for r in ok if r["engine"] in COMPAT):
+            base = [r for r in ok if r["engine"] == COMPAT[c["engine"]]]
+            if base:
+                c["vs_best_alt"] = round(c[metric] / base[0][metric], 3)
+                c["best_alt"] = f"{base[0]['engine']} {base[0]['protocol']}"
 
 
 # --------------------------------------------------------------------------- output
 LEGEND = ("Ratios: kvflow's metric / the best other engine's and / the group's first "
-          "ceiling; GB/s and entries/s: >1 favours kvflow; lat-* rows compare p50 "
-          "latency: <1 favours kvflow.")
+          "ceiling (a mooncake-compat row: kvflow's Mooncake API / Mooncake's); GB/s and "
+          "entries/s: >1 favours kvflow; lat-* rows compare p50 latency: <1 favours kvflow.")
 COLS = ("group", "point", "engine", "protocol", "GB/s", "entries/s", "p50 us",
         "p99 us", "kvflow / best alt", "of ceiling")
 

@@ -3,6 +3,7 @@
     python tools/baselines/mooncake_bench.py --block-size 65536 --batch 64 \
         --duration 3 --concurrency 2
     python tools/baselines/mooncake_bench.py --protocol rdma --device rxe0 ...   # in the RDMA VM
+    python tools/baselines/mooncake_bench.py --impl kvflow ...   # same script, kvflow's Mooncake API
 
 This process is the initiator; it starts the target as a child process.  Both
 use metadata "P2PHANDSHAKE" (no etcd: the segment is looked up from the
@@ -22,6 +23,11 @@ API used (see --api):
     keeping `concurrency` batches in flight (same window as kvflow's bench).
 Config: Mooncake's TCP transport runs its own asio worker threads in each
 process; nothing here adds threads.
+
+--impl kvflow: initiator and target use kvflow.compat.mooncake.TransferEngine
+(Mooncake's API on kvflow: one engine thread per process, protocol "tcp" =
+kvflow's tcp provider only) with the same calls, so the two rows differ only
+in the engine under the API.  The result's "engine" is "mooncake-compat".
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import sys
 import common
 
 HOST = "127.0.0.1"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def default_device() -> str:
@@ -39,9 +46,18 @@ def default_device() -> str:
     return names[0] if names else "rxe0"
 
 
-def make_engine(protocol: str = "tcp", device: str = ""):
-    from mooncake.engine import TransferEngine
+def engine_class(impl: str):
+    if impl == "kvflow":
+        if ROOT not in sys.path:    # run as a script: sys.path[0] is tools/baselines
+            sys.path.insert(0, ROOT)
+        from kvflow.compat.mooncake import TransferEngine
+    else:
+        from mooncake.engine import TransferEngine
+    return TransferEngine
 
+
+def make_engine(protocol: str = "tcp", device: str = "", impl: str = "mooncake"):
+    TransferEngine = engine_class(impl)
     eng = TransferEngine()
     # local_hostname without a port: with P2PHANDSHAKE the engine picks a free
     # RPC port itself, which get_rpc_port() reports.  tcp takes no device name.
@@ -52,7 +68,7 @@ def make_engine(protocol: str = "tcp", device: str = ""):
 
 
 def target(args) -> None:
-    eng = make_engine(args.protocol, args.device)
+    eng = make_engine(args.protocol, args.device, args.impl)
     offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                  args.max_region)
     buf = common.alloc(region)
@@ -68,10 +84,10 @@ def initiator(args) -> None:
     peer, info = common.spawn_peer(
         [__file__, "--role", "target", "--block-size", str(args.block_size),
          "--batch", str(args.batch), "--max-region", str(args.max_region),
-         "--protocol", args.protocol, "--device", args.device]
+         "--protocol", args.protocol, "--device", args.device, "--impl", args.impl]
         + (["--scatter"] if args.scatter else []))
     try:
-        eng = make_engine(args.protocol, args.device)
+        eng = make_engine(args.protocol, args.device, args.impl)
         offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                      args.max_region)
         src = common.alloc(region, fill=0xAB)
@@ -114,7 +130,8 @@ def initiator(args) -> None:
         batches, secs, lats = common.run_window(submit, wait, args.duration,
                                                 args.concurrency)
         entries = batches * args.batch
-        res = common.result("mooncake", args.protocol, args, entries * args.block_size, secs,
+        engine = "mooncake-compat" if args.impl == "kvflow" else "mooncake"
+        res = common.result(engine, args.protocol, args, entries * args.block_size, secs,
                             lats, entries)
         res["api"] = api
         if args.protocol != "tcp":
@@ -135,6 +152,9 @@ def main() -> None:
     common.add_point_args(p)
     p.add_argument("--api", default="auto", choices=["auto", "single", "sync", "async"])
     p.add_argument("--role", default="initiator", choices=["initiator", "target"])
+    p.add_argument("--impl", default="mooncake", choices=["mooncake", "kvflow"],
+                   help="TransferEngine class: Mooncake's (mooncake.engine) or kvflow's "
+                        "Mooncake-compatible one (kvflow.compat.mooncake)")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],
                    help="Mooncake transport (default tcp; rdma needs an RDMA device)")
     p.add_argument("--device", default=None,
