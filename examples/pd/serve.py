@@ -112,7 +112,7 @@ async def prefill_server(args: argparse.Namespace) -> None:
             return first, time.perf_counter() - t0
         try:
             first, compute_s = await w.run(forward)
-            state = await sender.wait(REQUEST_TIMEOUT)
+            state = await sender.wait(args.request_timeout)
         except Exception as e:
             sender.abort()
             state, first, compute_s = KVPoll.Failed, -1, 0.0
@@ -140,7 +140,7 @@ async def decode_server(args: argparse.Namespace) -> None:
     w = Worker(args)
     mgr = KVManager(pool_args(w.pool), DisaggregationMode.DECODE, listen=f"{args.host}:0",
                     protocols=protocols(args.protocol), transfer_timeout=args.transfer_timeout)
-    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT))
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout))
 
     async def generate(request: web.Request) -> web.Response:
         t_arrival = time.perf_counter()
@@ -165,7 +165,7 @@ async def decode_server(args: argparse.Namespace) -> None:
                 return {"error": f"prefill server {args.prefill}: {e!r}"}
         prefill = asyncio.create_task(ask_prefill())
         try:
-            state = await receiver.wait(REQUEST_TIMEOUT)
+            state = await receiver.wait(args.request_timeout)
             t_landed = time.perf_counter()
             pinfo = await prefill
             if state is not KVPoll.Success:
@@ -257,7 +257,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--seed", str(args.seed),
             "--pages", str(args.pages), "--page-size", str(args.page_size), "--slots", str(args.slots),
             "--threads", str(args.threads), "--protocol", args.protocol,
-            "--transfer-timeout", str(args.transfer_timeout)]
+            "--transfer-timeout", str(args.transfer_timeout), "--request-timeout", str(args.request_timeout)]
 
 
 class Cluster:
@@ -298,7 +298,7 @@ class Cluster:
 
     async def generate(self, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
         import aiohttp
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)) as http:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.args.request_timeout)) as http:
             async with http.post(f"http://{self.decode}/generate",
                                  json={"tokens": tokens, "max_new_tokens": max_new_tokens}) as r:
                 body = await r.json()
@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer-timeout", type=float, default=60.0,
                     help="decode: seconds a request may wait for its KV once its metadata is sent "
                          "(prefill queueing included)")
+    ap.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT,
+                    help="seconds one HTTP request may take, end to end")
     ap.add_argument("--requests", type=int, default=4, help="run: concurrent requests")
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="run: the longest prompt")
     ap.add_argument("--max-new-tokens", type=int, default=8)
