@@ -54,6 +54,7 @@ log = logging.getLogger("kvflow")
 # cross-memory attach beat any NIC loopback), then rdma, then tcp.
 PROVIDERS = ("local", "rdma", "tcp")
 HANDSHAKE_TIMEOUT = 10.0
+MAX_KEEPALIVE = 3600.0
 PRE_AUTH_FRAME = 64 << 10          # hello and auth frames are small
 SESSION_BUFFER_LIMIT = 64 << 20    # unread control data after which a session is dropped
 
@@ -124,7 +125,11 @@ class Engine:
     tcp_connections: data connections per tcp peer; rdma_devices: RDMA
     device names to use (default: env KVFLOW_RDMA_DEVICES, else all);
     rdma_gid_index: GID index override (default: env KVFLOW_GID_INDEX, else
-    a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair.
+    a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair;
+    keepalive: seconds of silence on a peer's control connection after
+    which the peer is declared lost and its transfers fail with
+    PeerLostError (pings go every keepalive/3; 0 disables; default: env
+    KVFLOW_KEEPALIVE, else 5).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -132,7 +137,8 @@ class Engine:
                  local_workers: int = 2, slice_size: int = 1 << 20,
                  inline_limit: int = 64 << 10, advertise: str | None = None,
                  rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
-                 rdma_qps: int = 2, rdma_slice_size: int = 256 << 10) -> None:
+                 rdma_qps: int = 2, rdma_slice_size: int = 256 << 10,
+                 keepalive: float | None = None) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -141,6 +147,14 @@ class Engine:
                     f"unknown protocol(s) {unknown or protocols!r}; available: {', '.join(PROVIDERS)}")
         if not 1 <= tcp_connections <= 64 or slice_size < 4096:
             raise InvalidArgumentError("tcp_connections must be 1..64 and slice_size >= 4096")
+        if keepalive is None:
+            try:
+                keepalive = float(os.environ.get("KVFLOW_KEEPALIVE", "5"))
+            except ValueError:
+                raise InvalidArgumentError("KVFLOW_KEEPALIVE must be a number of seconds") from None
+        if not (keepalive == 0 or 0.05 <= keepalive <= MAX_KEEPALIVE):
+            raise InvalidArgumentError(f"keepalive must be 0 (off) or 0.05..{MAX_KEEPALIVE:g} seconds")
+        self.keepalive = float(keepalive)
         self._listen = listen
         self.protocols = protocols
         self._secret = secret.encode() if isinstance(secret, str) else secret
@@ -435,10 +449,25 @@ class Engine:
             writer.write(encode({"t": "welcome", "token": token,
                                  "descriptor": self.descriptor().to_wire()}))
             self._sessions.add(writer)
+            # A client that pings (keepalive > 0) and then falls silent for
+            # that long is gone (stopped, crashed host): drop its session.
+            silence = hello.get("keepalive")
+            if not isinstance(silence, (int, float)) or isinstance(silence, bool) or \
+                    not 0 < silence <= MAX_KEEPALIVE:
+                silence = None
             while True:
-                msg = await read_message(reader)
+                if silence is None:
+                    msg = await read_message(reader)
+                else:
+                    try:
+                        msg = await asyncio.wait_for(read_message(reader), silence)
+                    except asyncio.TimeoutError:
+                        log.warning("kvflow: %s silent for %.3g s: dropping its session", peer_addr, silence)
+                        break
                 t = msg["t"]
-                if t == "notify":
+                if t == "ping":
+                    writer.write(encode({"t": "pong"}))
+                elif t == "notify":
                     self._notifications.put_nowait((peer_addr, field(msg, "data", bytes)))
                 elif t == "describe":
                     writer.write(encode({"t": "descriptor", "descriptor": self.descriptor().to_wire()}))
@@ -549,7 +578,8 @@ class Engine:
     async def _handshake(self, address: str, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> tuple[Descriptor, bytes]:
         cnonce = os.urandom(NONCE_BYTES)
-        writer.write(encode({"t": "hello", "nonce": cnonce, "address": self.address}))
+        writer.write(encode({"t": "hello", "nonce": cnonce, "address": self.address,
+                             "keepalive": self.keepalive}))
         try:
             ch = await read_message(reader)
             if ch["t"] == "error":

@@ -55,6 +55,8 @@ class Peer:
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._rdma_remote_qpns: list[int] = []
         self._lost_callbacks: list[Callable[["Peer"], None]] = []
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._last_heard = 0.0
 
     def on_lost(self, callback: Callable[["Peer"], None]) -> None:
         """Calls `callback(peer)` once, on the loop, when the peer is lost
@@ -76,6 +78,9 @@ class Peer:
         self._channel = channel
         self.transport = transport
         self._reader_task = self._engine._loop.create_task(self._read_control())
+        self._last_heard = self._engine._loop.time()
+        if self._engine.keepalive:
+            self._keepalive_task = self._engine._loop.create_task(self._keepalive(self._engine.keepalive))
         self._ack_fd = getattr(channel, "ack_fd", -1)
         if self._ack_fd >= 0:
             self._engine._loop.add_reader(self._ack_fd, self._on_acks)
@@ -270,11 +275,33 @@ class Peer:
             raise PeerLostError(f"control connection to {self.address} is closed", peer=self.address)
         self._writer.write(encode(msg))
 
+    async def _keepalive(self, deadline: float) -> None:
+        """Pings the peer every deadline/3; a peer not heard from for
+        `deadline` seconds (stopped, its host gone, a cable pulled: nothing
+        closes the sockets) is lost: its transfers fail with PeerLostError."""
+        loop = self._engine._loop
+        while not (self._closed or self._control_lost):
+            await asyncio.sleep(deadline / 3)
+            silent = loop.time() - self._last_heard
+            if silent > deadline:
+                log.warning("kvflow: peer %s silent for %.1f s: declaring it lost", self.address, silent)
+                self._stop_acks()                  # before its fd closes (a reused fd must not keep our reader)
+                self._channel.close()              # in-flight batches fail now
+                self._writer.transport.abort()     # ends _read_control → lost callbacks
+                return
+            try:
+                self._send({"t": "ping"})
+            except PeerLostError:
+                return
+
     async def _read_control(self) -> None:
         try:
             while True:
                 msg = await read_message(self._reader)
+                self._last_heard = self._engine._loop.time()
                 t = msg["t"]
+                if t == "pong":
+                    continue
                 if t == "regions":
                     self._set_regions(regions_from_wire(field(msg, "regions", list)))
                 elif t == "descriptor":
@@ -321,6 +348,8 @@ class Peer:
             return
         self._closed = True
         self._engine._forget_peer(self)
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
         self._fire_lost()
         self._stop_acks()
         self._channel.close()

@@ -19,7 +19,7 @@ netdevs kvfd0..kvfd<N-1> with 198.18.<i>.1/24, and rxe<i> on each; every rxe
 device loops back to itself, so two engines in the VM can pair rxe0<->rxe0
 and rxe1<->rxe1 as two rails.
 
-In the guest: KVFLOW_IN_VM=1, KVFLOW_RDMA_DEVICES=rxe0[,rxe1...], PYTHONPATH,
+In the guest: KVFLOW_IN_VM=1, KVFLOW_KEEPALIVE=60, KVFLOW_RDMA_DEVICES=rxe0[,rxe1...], PYTHONPATH,
 PYTEST_ADDOPTS="-p no:cacheprovider" and PYTHONPYCACHEPREFIX (byte code goes to
 a writable cache kept in KVFLOW_VM_DIR/pycache; with KVFLOW_VM_PYCACHE=0,
 PYTHONDONTWRITEBYTECODE=1 instead), plus CI, HYPOTHESIS_* and the other
@@ -526,6 +526,9 @@ def pycache_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def _guest_env(devices: int, extra: dict[str, str] | None, pycache: bool = False) -> dict[str, str]:
     env = {
         "KVFLOW_IN_VM": "1",
+        # Emulation stalls a loop for seconds at times: a 5 s keepalive would
+        # declare live peers lost.
+        "KVFLOW_KEEPALIVE": "60",
         "KVFLOW_RDMA_DEVICES": ",".join(f"rxe{i}" for i in range(devices)),
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/sbin", "/usr/local/bin",
                                  "/usr/sbin", "/usr/bin", "/sbin", "/bin"]),
