@@ -42,6 +42,7 @@ from kvflow.handshake import (
     regions_to_wire,
 )
 from kvflow.memory import Access, Region, RemoteRegion, buffer_span
+from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.peer import Peer
 from kvflow.transfer import Transfer
 from kvflow import rdma as rdma_provider
@@ -114,6 +115,14 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _is_address(text: str) -> bool:
+    try:
+        _split_address(text)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
 class Engine:
     """kvflow's engine. Use as `async with Engine(...) as engine:`.
 
@@ -129,7 +138,13 @@ class Engine:
     keepalive: seconds of silence on a peer's control connection after
     which the peer is declared lost and its transfers fail with
     PeerLostError (pings go every keepalive/3; 0 disables; default: env
-    KVFLOW_KEEPALIVE, else 5).
+    KVFLOW_KEEPALIVE, else 5);
+    metadata: None or "p2p" (peers connect by address only),
+    "redis://[[user]:password@]host:port[/db]" or "etcd://host:port": at
+    start() the engine publishes a record under kvflow/engines/<name> (name:
+    default the engine's address; not of the form host:port) that expires
+    metadata_ttl seconds after its last refresh (every metadata_ttl/3), and
+    connect() resolves names through that server.
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -138,7 +153,8 @@ class Engine:
                  inline_limit: int = 64 << 10, advertise: str | None = None,
                  rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
                  rdma_qps: int = 2, rdma_slice_size: int = 256 << 10,
-                 keepalive: float | None = None) -> None:
+                 keepalive: float | None = None, metadata: str | None = None,
+                 name: str | None = None, metadata_ttl: float = 10.0) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -155,6 +171,17 @@ class Engine:
         if not (keepalive == 0 or 0.05 <= keepalive <= MAX_KEEPALIVE):
             raise InvalidArgumentError(f"keepalive must be 0 (off) or 0.05..{MAX_KEEPALIVE:g} seconds")
         self.keepalive = float(keepalive)
+        self._store = open_store(metadata)
+        if name is not None:
+            check_name(name)
+            if _is_address(name):
+                raise InvalidArgumentError(f"name {name!r} has the form host:port, which connect() "
+                                           "takes for an address; choose another name")
+        if not 0.2 <= metadata_ttl <= 86400:
+            raise InvalidArgumentError("metadata_ttl must be 0.2..86400 seconds")
+        self.name = name
+        self._metadata_ttl = float(metadata_ttl)
+        self._metadata: MetadataClient | None = None
         self._listen = listen
         self.protocols = protocols
         self._secret = secret.encode() if isinstance(secret, str) else secret
@@ -223,6 +250,10 @@ class Engine:
             await self._teardown()
             raise KVFlowError(f"cannot listen on {self._listen}: {e}", errno=e.errno) from e
         self._started = True
+        if self._store is not None:
+            self.name = self.name or self.address
+            self._metadata = MetadataClient(self._store, self.name, self._metadata_ttl, self._record)
+            await self._metadata.start()
 
     def _start_rdma(self) -> None:
         if self.protocols is not None and "rdma" not in self.protocols:
@@ -247,6 +278,8 @@ class Engine:
         self._closed = True
         if _live_engines.get(self.address) is self:
             del _live_engines[self.address]
+        if self._metadata is not None:
+            await self._metadata.close()     # first: nobody should resolve to a closing engine
         for task in list(self._connecting.values()):
             task.cancel()
         for peer in list(self._peers.values()):
@@ -346,6 +379,8 @@ class Engine:
 
     def _regions_changed(self) -> None:
         self._generation += 1
+        if self._metadata is not None:
+            self._metadata.changed()
         # Peers in this process copy with memcpy and check only their copy
         # of our table: update it now, not when the pushed frame arrives, so
         # that nothing submitted after deregister() returns can reach the
@@ -378,6 +413,50 @@ class Engine:
             process=ident.token, probe_addr=ident.probe_addr, probe_cookie=ident.cookie.tobytes(),
             data=[(host, port)], regions=self._remote_regions(), generation=self._generation,
             rdma=self._rdma.describe() if self._rdma is not None else None)
+
+    def _record(self) -> EngineRecord:
+        return EngineRecord(self.name or self.address, self.address, self._incarnation, self.descriptor())
+
+    # ------------------------------------------------------------ metadata
+    def _metadata_client(self) -> MetadataClient:
+        self._check_open()
+        if self._metadata is None:
+            raise InvalidArgumentError("this engine has no metadata server (Engine(metadata=...))")
+        return self._metadata
+
+    async def lookup(self, name: str) -> EngineRecord:
+        """The record `name` published on the metadata server. Raises
+        PeerUnreachableError (no such name, or the server unreachable: within
+        kvflow.metadata.STORE_TIMEOUT), ProtocolError (a malformed record),
+        InvalidArgumentError (no metadata server configured)."""
+        return await self._metadata_client().lookup(name)
+
+    async def directory(self) -> dict[str, EngineRecord]:
+        """Every engine published on the metadata server, by name (malformed
+        records are logged and left out). Raises as lookup() does."""
+        return await self._metadata_client().directory()
+
+    async def _connect_by_name(self, name: str, timeout: float) -> Peer:
+        deadline = self._loop.time() + timeout
+        try:
+            record = await asyncio.wait_for(self._metadata_client().lookup(name), timeout)
+        except asyncio.TimeoutError:
+            raise PeerUnreachableError(f"resolving {name!r} timed out after {timeout:g} s", peer=name) from None
+        # The record only says where to go: a cached peer whose handshake
+        # saw another incarnation belongs to an engine that has restarted
+        # since (its memory is gone), so it is dropped, not reused. The new
+        # handshake's descriptor is the one transfers use.
+        cached = self._peers.get(record.address)
+        if cached is not None and cached.descriptor.incarnation != record.incarnation:
+            log.info("kvflow: %s (%s) has restarted (incarnation %x, was %x): reconnecting",
+                     name, record.address, record.incarnation, cached.descriptor.incarnation)
+            await cached.close()
+        peer = await self.connect(record.address, timeout=max(0.0, deadline - self._loop.time()))
+        if peer.descriptor.incarnation != record.incarnation:
+            log.info("kvflow: %s (%s): the handshake says incarnation %x, the record %x; "
+                     "using the handshake's", name, record.address, peer.descriptor.incarnation,
+                     record.incarnation)
+        return peer
 
     # ------------------------------------------------------------ completions
     def _on_completions(self) -> None:
@@ -525,9 +604,14 @@ class Engine:
     # ------------------------------------------------------------ client side
     async def connect(self, address: str, *, timeout: float = 10.0) -> Peer:
         """Connects to the engine at `address` ("host:port"); cached per
-        address. Raises PeerUnreachableError, AuthenticationError,
-        ProtocolError, ProviderUnavailableError."""
+        address. With a metadata server, anything not of the form host:port
+        is a name, resolved there first (host:port never is: connecting by
+        address needs no server). Raises PeerUnreachableError (also for an
+        unpublished name or an unreachable metadata server),
+        AuthenticationError, ProtocolError, ProviderUnavailableError."""
         self._check_open()
+        if self._metadata is not None and not _is_address(address):
+            return await self._connect_by_name(address, timeout)
         peer = self._peers.get(address)
         if peer is not None and peer.alive:
             return peer

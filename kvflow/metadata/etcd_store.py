@@ -1,0 +1,193 @@
+"""etcd backend: the v3 API through etcd's HTTP/JSON gateway, over asyncio
+streams (no HTTP library: five POST endpoints, one request per connection).
+
+A record is a key attached to a lease of ceil(ttl) seconds (etcd leases are
+whole seconds); refresh is one lease keep-alive plus a count of the key, so
+that both an expired lease and a key deleted under a live lease (a server
+restarted from an empty data dir, an operator's delete) lead to a fresh
+publish. remove() revokes the lease, which deletes exactly the keys this
+store attached to it and never a successor's record.
+
+The gateway speaks JSON with int64 as strings and bytes as base64; gRPC
+status codes arrive in an error body, {"error", "code"}.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+from typing import Any
+
+from kvflow.errors import AuthenticationError, KVFlowError, PeerUnreachableError, ProtocolError
+from kvflow.metadata.store import KEY_PREFIX, MAX_RECORD, STORE_TIMEOUT, MetadataStore
+
+__all__ = ["EtcdStore"]
+
+MAX_RESPONSE = 2 * MAX_RECORD + (1 << 20)    # base64 of a full record, plus JSON around it
+# gRPC status codes (google.golang.org/grpc/codes) the gateway reports.
+GRPC_DEADLINE, GRPC_NOT_FOUND, GRPC_PERMISSION, GRPC_UNAVAILABLE, GRPC_UNAUTHENTICATED = 4, 5, 7, 14, 16
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range_end that makes [prefix, end) every key starting with prefix."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class _NotFound(KVFlowError):
+    """gRPC NOT_FOUND (an unknown or expired lease)."""
+
+
+def _decode_body(raw: bytes, url: str) -> tuple[int, Any]:
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        raise ProtocolError(f"metadata server {url}: truncated HTTP response")
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        status = int(lines[0].split()[1])
+    except (IndexError, ValueError):
+        raise ProtocolError(f"metadata server {url}: not an HTTP response: {lines[0][:60]!r}") from None
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        out, pos = bytearray(), 0
+        while True:
+            eol = body.find(b"\r\n", pos)
+            try:
+                size = int(body[pos:eol].split(b";")[0], 16)
+            except ValueError:
+                raise ProtocolError(f"metadata server {url}: malformed chunked body") from None
+            if size == 0 or eol < 0:
+                break                    # trailers (grpc-gateway sends some) are ignored
+            out += body[eol + 2:eol + 2 + size]
+            pos = eol + 2 + size + 2
+        body = bytes(out)
+    # A streaming endpoint (lease keep-alive) answers newline-delimited
+    # messages; we send one request and read the first answer.
+    first = body.strip().split(b"\n", 1)[0]
+    try:
+        doc = json.loads(first) if first else {}
+    except ValueError:
+        raise ProtocolError(f"metadata server {url}: answer is not JSON (HTTP {status})") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"metadata server {url}: answer is not a JSON object (HTTP {status})")
+    return status, doc
+
+
+class EtcdStore(MetadataStore):
+    """One lease per store (one store per engine)."""
+
+    def __init__(self, host: str, port: int, *, timeout: float = STORE_TIMEOUT) -> None:
+        self.url = f"etcd://{host}:{port}"
+        self.timeout = timeout
+        self._host, self._port = host, port
+        self._lease: str | None = None
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            raw = await asyncio.wait_for(self._exchange(path, json.dumps(body).encode()), self.timeout)
+        except asyncio.TimeoutError:
+            raise PeerUnreachableError(
+                f"metadata server {self.url} did not answer within {self.timeout:g} s") from None
+        except OSError as e:
+            raise PeerUnreachableError(f"metadata server {self.url} unreachable: {e}", errno=e.errno) from None
+        status, doc = _decode_body(raw, self.url)
+        if "result" in doc and isinstance(doc["result"], dict):
+            doc = doc["result"]
+        elif "error" in doc and isinstance(doc["error"], dict):     # a stream's error
+            doc = doc["error"]
+        code = doc.get("code")
+        if status == 200 and not code:
+            return doc
+        message = f"metadata server {self.url}: {path}: {doc.get('message') or doc.get('error') or status}"
+        if code == GRPC_NOT_FOUND:
+            raise _NotFound(message)
+        if code in (GRPC_UNAUTHENTICATED, GRPC_PERMISSION) or status == 401:
+            raise AuthenticationError(message)
+        if code in (GRPC_DEADLINE, GRPC_UNAVAILABLE) or status >= 500:
+            raise PeerUnreachableError(message)
+        raise ProtocolError(message)
+
+    async def _exchange(self, path: str, payload: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection(self._host, self._port)
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                         "Connection: close\r\n\r\n".encode() + payload)
+            await writer.drain()
+            chunks, size = [], 0
+            while chunk := await reader.read(1 << 16):
+                size += len(chunk)
+                if size > MAX_RESPONSE:
+                    raise ProtocolError(f"metadata server {self.url}: answer exceeds {MAX_RESPONSE} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            writer.close()
+
+    async def _grant(self, ttl: float) -> str:
+        doc = await self._post("/v3/lease/grant", {"TTL": max(1, math.ceil(ttl))})
+        lease = doc.get("ID")
+        if not isinstance(lease, (str, int)) or not str(lease).isdigit():
+            raise ProtocolError(f"metadata server {self.url}: lease grant without an ID")
+        return str(lease)
+
+    async def publish(self, name: str, value: bytes, ttl: float) -> None:
+        if self._lease is None:
+            self._lease = await self._grant(ttl)
+        put = {"key": _b64((KEY_PREFIX + name).encode()), "value": _b64(value)}
+        try:
+            await self._post("/v3/kv/put", {**put, "lease": self._lease})
+        except _NotFound:        # the lease expired (or the server lost it): take a new one
+            self._lease = await self._grant(ttl)
+            await self._post("/v3/kv/put", {**put, "lease": self._lease})
+
+    async def refresh(self, name: str, ttl: float) -> bool:
+        if self._lease is None:
+            return False
+        try:
+            doc = await self._post("/v3/lease/keepalive", {"ID": self._lease})
+        except _NotFound:
+            doc = {}
+        if int(doc.get("TTL") or 0) <= 0:       # expired or unknown: its keys are gone
+            self._lease = None
+            return False
+        doc = await self._post("/v3/kv/range", {"key": _b64((KEY_PREFIX + name).encode()), "count_only": True})
+        return int(doc.get("count") or 0) > 0
+
+    def _values(self, doc: dict[str, Any]) -> dict[str, bytes]:
+        out = {}
+        kvs = doc.get("kvs") or []
+        if not isinstance(kvs, list):
+            raise ProtocolError(f"metadata server {self.url}: malformed range answer")
+        for kv in kvs:
+            try:
+                key = base64.b64decode(kv["key"]).decode()
+                out[key[len(KEY_PREFIX):]] = base64.b64decode(kv.get("value", ""))
+            except (KeyError, TypeError, ValueError):
+                raise ProtocolError(f"metadata server {self.url}: malformed key or value in a range answer") \
+                    from None
+        return out
+
+    async def lookup(self, name: str) -> bytes | None:
+        doc = await self._post("/v3/kv/range", {"key": _b64((KEY_PREFIX + name).encode())})
+        return self._values(doc).get(name)
+
+    async def list(self) -> dict[str, bytes]:
+        prefix = KEY_PREFIX.encode()
+        doc = await self._post("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
+        return self._values(doc)
+
+    async def remove(self, name: str) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                await self._post("/v3/lease/revoke", {"ID": lease})
+            except _NotFound:
+                pass            # expired already: nothing left to delete
+
+    async def close(self) -> None:
+        pass                    # no connection outlives a request
