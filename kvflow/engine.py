@@ -535,14 +535,16 @@ class Engine:
                     not 0 < silence <= MAX_KEEPALIVE:
                 silence = None
             while True:
-                if silence is None:
-                    msg = await read_message(reader)
-                else:
-                    try:
-                        msg = await asyncio.wait_for(read_message(reader), silence)
-                    except asyncio.TimeoutError:
-                        log.warning("kvflow: %s silent for %.3g s: dropping its session", peer_addr, silence)
-                        break
+                waited = self._loop.time()
+                try:
+                    msg = await read_message(reader, idle_timeout=silence)
+                except asyncio.TimeoutError:
+                    # Far longer than asked: this process was stopped or
+                    # starved, not the client silent. Give it a new window.
+                    if self._loop.time() - waited > 1.5 * silence:
+                        continue
+                    log.warning("kvflow: %s silent for %.3g s: dropping its session", peer_addr, silence)
+                    break
                 t = msg["t"]
                 if t == "ping":
                     writer.write(encode({"t": "pong"}))

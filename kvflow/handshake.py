@@ -43,10 +43,18 @@ def encode(msg: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def read_message(reader: asyncio.StreamReader, *, max_size: int = MAX_FRAME) -> dict[str, Any]:
+async def read_message(reader: asyncio.StreamReader, *, max_size: int = MAX_FRAME,
+                       idle_timeout: float | None = None) -> dict[str, Any]:
     """Reads one frame. Raises ProtocolError for malformed input and
-    asyncio.IncompleteReadError / ConnectionError when the stream ends."""
-    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    asyncio.IncompleteReadError / ConnectionError when the stream ends;
+    asyncio.TimeoutError when no frame starts within idle_timeout (only the
+    wait for the length prefix is bounded: readexactly consumes nothing
+    until it has all its bytes, so a timeout never splits a frame)."""
+    if idle_timeout is None:
+        head = await reader.readexactly(_LEN.size)
+    else:
+        head = await asyncio.wait_for(reader.readexactly(_LEN.size), idle_timeout)
+    (n,) = _LEN.unpack(head)
     if n > max_size:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_size}")
     body = await reader.readexactly(n)

@@ -280,9 +280,16 @@ class Peer:
         `deadline` seconds (stopped, its host gone, a cable pulled: nothing
         closes the sockets) is lost: its transfers fail with PeerLostError."""
         loop = self._engine._loop
+        interval = deadline / 3
         while not (self._closed or self._control_lost):
-            await asyncio.sleep(deadline / 3)
-            silent = loop.time() - self._last_heard
+            slept = loop.time()
+            await asyncio.sleep(interval)
+            now = loop.time()
+            if now - slept > interval + deadline / 2:
+                # We overslept by far: this process was stopped or starved,
+                # so the silence is ours, not the peer's. A new window.
+                self._last_heard = now
+            silent = now - self._last_heard
             if silent > deadline:
                 log.warning("kvflow: peer %s silent for %.1f s: declaring it lost", self.address, silent)
                 self._stop_acks()                  # before its fd closes (a reused fd must not keep our reader)
