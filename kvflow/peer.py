@@ -163,9 +163,12 @@ class Peer:
             return                     # completed inline: no future, no wake-up
         t = self._track(batch_id, op, aux, timeout)
         t._first_piece = first
-        if finished:
-            # polled to completion on this thread (rdma, small batch): resolve
-            # it now, so that the await below does not suspend
+        if finished or self.transport == "rdma":
+            # The rdma provider polled the CQ on this thread: whatever it
+            # completed there (this batch, or other batches' slices) went to
+            # the completion ring without an eventfd wake-up, and the ring
+            # stays "signalled" until drained, so drain now. Left undrained,
+            # every later completion of this engine would wait forever.
             self._engine._on_completions()
         await t
 
