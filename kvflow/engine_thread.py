@@ -135,7 +135,3 @@ class EngineThread:
         addr = self.engine.address if self.engine else "-"
         return f"<EngineThread {addr} {state}>"
 
-
-async def wrap(fut: concurrent.futures.Future[T]) -> T:
-    """Awaits a future from EngineThread.submit on the caller's own loop."""
-    return await asyncio.wrap_future(fut)

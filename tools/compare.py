@@ -227,16 +227,20 @@ COLS = ("group", "point", "engine", "protocol", "GB/s", "entries/s", "p50 us",
         "p99 us", "kvflow / best alt", "of ceiling")
 
 
-def cells(r: dict) -> list[str]:
+def metric_cells(r: dict, gbps_fmt: str = "{:.3f}") -> list[str]:
+    """GB/s, entries/s, p50 and p99 of one row, or its status and blanks."""
     def num(key, fmt):
         v = r.get(key)
         return fmt.format(v) if isinstance(v, (int, float)) else ""
 
     if r.get("status") != "ok":
-        vals = [r.get("status", "error")] + [""] * 3
-    else:
-        vals = [num("gbps", "{:.3f}"), num("entries_per_s", "{:,.0f}"),
-                num("latency_p50_us", "{:.1f}"), num("latency_p99_us", "{:.1f}")]
+        return [r.get("status", "error")] + [""] * 3
+    return [num("gbps", gbps_fmt), num("entries_per_s", "{:,.0f}"),
+            num("latency_p50_us", "{:.1f}"), num("latency_p99_us", "{:.1f}")]
+
+
+def cells(r: dict) -> list[str]:
+    vals = metric_cells(r)
     alt = f"{r['vs_best_alt']:.2f}x {r['best_alt']}" if "vs_best_alt" in r else ""
     ceil = f"{r['of_ceiling']:.2f}x {r['ceiling']}" if "of_ceiling" in r else ""
     return [r["group"], r["point"], r["engine"], r["protocol"]] + vals + [alt, ceil]

@@ -47,7 +47,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import fmt_size, format_table, parse_size, point_args  # noqa: E402  (shared with the host comparison)
+from compare import fmt_size, format_table, metric_cells, parse_size, point_args  # noqa: E402  (shared with the host comparison)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "tools", "baselines")
@@ -347,15 +347,7 @@ LEGEND = ("bw: GB/s = 10^9 B/s, batch of 64 writes, ratios >1 favour kvflow; cei
 
 
 def cells(r: dict) -> list[str]:
-    def num(key, fmt):
-        v = r.get(key)
-        return fmt.format(v) if isinstance(v, (int, float)) else ""
-
-    if r.get("status") != "ok":
-        vals = [r.get("status", "error")] + [""] * 3
-    else:
-        vals = [num("gbps", "{:.4f}"), num("entries_per_s", "{:,.0f}"),
-                num("latency_p50_us", "{:.1f}"), num("latency_p99_us", "{:.1f}")]
+    vals = metric_cells(r, "{:.4f}")
     ceil = f"{r['vs_ceiling']:.2f}x" if "vs_ceiling" in r else ""
     mc = f"{r['vs_best_mooncake']:.2f}x ({r['best_mooncake']})" if "vs_best_mooncake" in r else ""
     return [r["group"], r["point"], r["engine"], r["config"]] + vals + [ceil, mc]

@@ -224,9 +224,6 @@ class KVManager:
     def call_soon(self, fn: Any, *args: Any) -> None:
         self._thread.call_soon(fn, *args)
 
-    def submit(self, coro: Any) -> Any:
-        return self._thread.submit(coro)
-
     # ------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, Any]:
         """Totals per peer address (bytes, requests, failures, mean latency)."""
