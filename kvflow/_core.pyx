@@ -251,10 +251,16 @@ cdef class Channel:
         pass
 
     def submit(self, int op, local_addrs, remote_addrs, lengths):
-        status, bid, aux, _ = self.submit_poll(op, local_addrs, remote_addrs, lengths)
+        """Submits without polling: for callers that do not await the batch
+        at once (write_nowait), whose completions must come through the
+        eventfd like any other."""
+        status, bid, aux, _ = self.submit_poll(op, local_addrs, remote_addrs, lengths, False)
         return status, bid, aux
 
-    def submit_poll(self, int op, local_addrs, remote_addrs, lengths):
+    def submit_poll(self, int op, local_addrs, remote_addrs, lengths, bint poll=True):
+        """Submits, and for small batches may poll for the completion on this
+        thread: completions found while polling skip the eventfd, so the
+        caller must drain the core right after (Peer._run does)."""
         cdef uint64_t small[3][SMALL]
         cdef const uint64_t *la
         cdef const uint64_t *ra
@@ -275,7 +281,7 @@ cdef class Channel:
                 f"({n1}, {n2}, {n3})", peer=self.peer)
         for i in range(n1):
             total += ln[i]
-        budget = self._poll_budget(total)
+        budget = self._poll_budget(total) if poll else 0
         if budget:
             t0 = perf_counter_ns()
         with nogil:

@@ -118,6 +118,27 @@ async def test_notify_over_the_data_path_after_the_data():
         await b.close()
 
 
+async def test_small_nowait_batches_mixed_with_awaited_ones_all_complete():
+    """Regression: write_nowait once polled the CQ on the caller's thread
+    like an awaited write, and completions found there skipped the eventfd
+    without anyone draining them: that batch, and every later one of the
+    engine, never completed."""
+    a, b = await rdma_pair()
+    try:
+        dst, src, r, l, peer = await connected(a, b, 1 << 16, 3)
+        for i in range(64):
+            off = (i * 1024) % (1 << 16)
+            t = peer.write_nowait([l.addr + off], [r.addr + off], [1024])
+            if i % 3 == 0:
+                await bounded(peer.write([l.addr + off], [r.addr + off], [512]))
+            await bounded(t, 10)
+        assert np.array_equal(dst, src)
+        assert a.counters()["slices_inflight"] == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_registration_time_is_reported(caplog):
     async with kvflow.Engine(protocols=("rdma",)) as e:
         buf = np.zeros(rdma.LARGE_REGION, dtype=np.uint8)
