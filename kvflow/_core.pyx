@@ -10,6 +10,7 @@ from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy
 from cpython.long cimport PyLong_AsUnsignedLongLong
 cimport numpy as cnp
+import os
 import weakref
 from time import perf_counter_ns
 
@@ -335,6 +336,7 @@ cdef class TcpChannel(Channel):
 
     cdef kvf_tcp_channel *ch
     cdef readonly int ack_fd
+    cdef int nfds
 
     def __init__(self, Core core, RemoteTable table, str peer, fds, int ack_fd, uint64_t slice_size):
         cdef int n = len(fds), i
@@ -350,6 +352,7 @@ cdef class TcpChannel(Channel):
         if self.ch == NULL:
             raise MemoryError()
         self.ack_fd = ack_fd
+        self.nfds = n
 
     def __dealloc__(self):
         if self.ch != NULL:
@@ -379,6 +382,43 @@ cdef class TcpChannel(Channel):
     @property
     def alive(self):
         return self.ch != NULL and kvf_tcp_channel_alive(self.ch)
+
+    @property
+    def nconns(self):
+        return self.nfds
+
+    def dead_conns(self):
+        """Indexes of the data connections that failed (their slices moved
+        to the others) and wait for replace()."""
+        if self.ch == NULL:
+            return []
+        return [i for i in range(self.nfds) if kvf_tcp_channel_conn_dead(self.ch, i) == 1]
+
+    def conn_stats(self):
+        """Per data connection: up, payload bytes sent, slices moved away
+        when it failed, failures."""
+        cdef uint64_t sent = 0, moved = 0, failures = 0
+        cdef int i, dead
+        out = []
+        if self.ch == NULL:
+            return out
+        for i in range(self.nfds):
+            dead = kvf_tcp_channel_conn_stats(self.ch, i, &sent, &moved, &failures)
+            out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures})
+        return out
+
+    def replace(self, int index, int fd):
+        """Hands a new connected socket (hello done) to dead connection
+        `index`; the channel owns fd afterwards (closed on failure too)."""
+        cdef int rc
+        if self.ch == NULL:
+            os.close(fd)
+            return False
+        with nogil:
+            rc = kvf_tcp_channel_replace(self.ch, index, fd)
+        if rc == KVF_EINVAL:
+            os.close(fd)
+        return rc == 0
 
     def close(self):
         """Fails what is still queued or in flight, joins the threads, closes

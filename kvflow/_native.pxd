@@ -70,6 +70,10 @@ cdef extern from "_native/kvf.h" nogil:
                        const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                        size_t n, uint64_t *id_out, size_t *bad)
     int kvf_tcp_channel_alive(kvf_tcp_channel *ch)
+    int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i)
+    int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
+                                   uint64_t *failures)
+    int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd)
     void kvf_tcp_channel_free(kvf_tcp_channel *ch)
 
     int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import errno as errno_mod
+import ipaddress
 import logging
 import os
 import socket
 import weakref
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence
 
 import numpy as np
 
@@ -25,13 +26,8 @@ from kvflow.errors import (
     ProviderUnavailableError,
 )
 from kvflow.handshake import (
-    DATA_HEADER,
-    DATA_HELLO,
-    DATA_HELLO_ACK,
-    DATA_MAGIC,
     DATA_ROLE_ACK,
     DATA_ROLE_DATA,
-    DATA_WIRE_VERSION,
     NONCE_BYTES,
     Descriptor,
     check_proof,
@@ -44,6 +40,7 @@ from kvflow.handshake import (
 from kvflow.memory import Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.peer import Peer
+from kvflow.rails import DataConn, RailWatcher, open_data_socket, tune_data_socket
 from kvflow.transfer import Transfer
 from kvflow import rdma as rdma_provider
 
@@ -123,6 +120,20 @@ def _is_address(text: str) -> bool:
     return True
 
 
+def _check_rails(rails: Sequence[str] | None) -> list[str]:
+    if rails is None:
+        return []
+    out = []
+    for r in rails:
+        try:
+            out.append(str(ipaddress.ip_address(r)))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"rail {r!r} is not an IP address of this host") from None
+    if not 1 <= len(out) <= 64 or len(set(out)) != len(out):
+        raise InvalidArgumentError("rails: 1..64 distinct addresses")
+    return out
+
+
 class Engine:
     """kvflow's engine. Use as `async with Engine(...) as engine:`.
 
@@ -131,7 +142,14 @@ class Engine:
     chooses automatically (local where the peer is on this host and permits
     it, else rdma where both ends have devices that reach each other, else
     tcp); secret: shared secret, required of every peer when set;
-    tcp_connections: data connections per tcp peer; rdma_devices: RDMA
+    tcp_connections: data connections per tcp peer and rail;
+    rails: local IP addresses of this engine's tcp rails (one per NIC;
+    default: env KVFLOW_TCP_RAILS, comma-separated, else one rail on the
+    listen host): each gets a data listener, all are published, and a peer
+    opens tcp_connections to each, its slices spread over all; a connection
+    that fails (rail down: noticed after about `keepalive` seconds without
+    progress) hands its slices to the others and is rebuilt when its rail
+    answers again; rdma_devices: RDMA
     device names to use (default: env KVFLOW_RDMA_DEVICES, else all);
     rdma_gid_index: GID index override (default: env KVFLOW_GID_INDEX, else
     a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair;
@@ -154,7 +172,8 @@ class Engine:
                  rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
                  rdma_qps: int = 2, rdma_slice_size: int = 256 << 10,
                  keepalive: float | None = None, metadata: str | None = None,
-                 name: str | None = None, metadata_ttl: float = 10.0) -> None:
+                 name: str | None = None, metadata_ttl: float = 10.0,
+                 rails: Sequence[str] | None = None) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -186,6 +205,9 @@ class Engine:
         self.protocols = protocols
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._tcp_connections = tcp_connections
+        if rails is None and os.environ.get("KVFLOW_TCP_RAILS"):
+            rails = [r.strip() for r in os.environ["KVFLOW_TCP_RAILS"].split(",") if r.strip()]
+        self._rails = _check_rails(rails)
         self._local_workers = local_workers
         self._slice_size = slice_size
         self._inline_limit = inline_limit
@@ -199,8 +221,9 @@ class Engine:
         self._completion_fd = -1
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._server: asyncio.base_events.Server | None = None
-        self._data_sock: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
+        self._data_socks: list[socket.socket] = []
+        self._data_endpoints: list[tuple[str, int]] = []
+        self._accept_tasks: list[asyncio.Task[None]] = []
         self._regions: dict[int, Region] = {}
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
@@ -235,13 +258,16 @@ class Engine:
             bound = self._server.sockets[0].getsockname()
             adv = self._advertise or (host if host not in ("0.0.0.0", "::") else socket.gethostname())
             self.address = f"{adv}:{bound[1]}"
-            self._data_sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            self._data_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._data_sock.bind((host, 0))
-            self._data_sock.listen(256)
-            self._data_sock.setblocking(False)
-            self.data_address = f"{adv}:{self._data_sock.getsockname()[1]}"
-            self._accept_task = self._loop.create_task(self._accept_data())
+            for rail in self._rails or [host]:
+                ds = socket.socket(socket.AF_INET6 if ":" in rail else socket.AF_INET)
+                self._data_socks.append(ds)
+                ds.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                ds.bind((rail, 0))
+                ds.listen(256)
+                ds.setblocking(False)
+                self._data_endpoints.append((rail if self._rails else adv, ds.getsockname()[1]))
+                self._accept_tasks.append(self._loop.create_task(self._accept_data(ds)))
+            self.data_address = "%s:%d" % self._data_endpoints[0]
             _live_engines[self.address] = self
             self._completion_fd = self._core.fileno()
             self._loop.add_reader(self._completion_fd, self._on_completions)
@@ -296,14 +322,12 @@ class Engine:
             t.cancel()
         if self._session_tasks:
             await asyncio.gather(*self._session_tasks, return_exceptions=True)
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            try:
-                await self._accept_task
-            except BaseException:
-                pass
-        if self._data_sock is not None:
-            self._data_sock.close()
+        for t in self._accept_tasks:
+            t.cancel()
+        if self._accept_tasks:
+            await asyncio.gather(*self._accept_tasks, return_exceptions=True)
+        for ds in self._data_socks:
+            ds.close()
         if self._core is not None:
             # (close() has closed the peers already.) Unregister before the eventfd is closed: a closed descriptor
             # silently leaves epoll, and the next engine's eventfd may reuse
@@ -407,11 +431,10 @@ class Engine:
 
     def descriptor(self) -> Descriptor:
         ident = _process_identity()
-        host, port = _split_address(self.data_address)
         return Descriptor(
             address=self.address, incarnation=self._incarnation, host=ident.host, pid=ident.pid,
             process=ident.token, probe_addr=ident.probe_addr, probe_cookie=ident.cookie.tobytes(),
-            data=[(host, port)], regions=self._remote_regions(), generation=self._generation,
+            data=list(self._data_endpoints), regions=self._remote_regions(), generation=self._generation,
             rdma=self._rdma.describe() if self._rdma is not None else None)
 
     def _record(self) -> EngineRecord:
@@ -583,11 +606,11 @@ class Engine:
                 self._core.remove_token(token)
             writer.close()
 
-    async def _accept_data(self) -> None:
-        assert self._data_sock is not None
+    async def _accept_data(self, listener: socket.socket) -> None:
+        where = "%s:%d" % listener.getsockname()[:2]
         while True:
             try:
-                conn, _ = await self._loop.sock_accept(self._data_sock)
+                conn, _ = await self._loop.sock_accept(listener)
             except asyncio.CancelledError:
                 return
             except OSError as e:
@@ -595,11 +618,12 @@ class Engine:
                     return                      # the listener was closed
                 # out of descriptors or memory, or a connection that died in
                 # the accept queue: keep serving
-                log.warning("kvflow: accept on %s failed: %s", self.data_address, e)
+                log.warning("kvflow: accept on %s failed: %s", where, e)
                 await asyncio.sleep(0.1 if e.errno in (errno_mod.EMFILE, errno_mod.ENFILE,
                                                        errno_mod.ENOBUFS, errno_mod.ENOMEM) else 0)
                 continue
             conn.setblocking(True)
+            tune_data_socket(conn, self.keepalive)
             # The native thread checks the session token before touching memory.
             self._core.serve(conn.detach())
 
@@ -744,49 +768,48 @@ class Engine:
     async def _open_tcp(self, peer: Peer, desc: Descriptor, token: bytes) -> Any:
         if not desc.data:
             raise ProviderUnavailableError(f"{peer.address} publishes no tcp endpoint", peer=peer.address)
-        host, port = desc.data[0]
-        def hello(role: int, index: int) -> bytes:
-            return DATA_HEADER.pack(DATA_MAGIC, DATA_HELLO, index, role,
-                                    int.from_bytes(token[:8], "little"), DATA_WIRE_VERSION,
-                                    int.from_bytes(token[8:], "little"))
+        # tcp_connections per rail (at most 64 in all); with one rail the
+        # target sends write acks on an extra connection that this loop
+        # reads directly, with several each connection carries its own (a
+        # rail that dies takes its acks with it, nobody else's).
+        rails = desc.data[:64]
+        per_rail = max(1, min(self._tcp_connections, 64 // len(rails)))
+        plan = [DataConn(i, host, port)
+                for i, (host, port) in enumerate([ep for ep in rails for _ in range(per_rail)])]
 
-        socks: list[socket.socket] = []
+        def open_one(host: str, port: int, role: int, index: int) -> Awaitable[socket.socket]:
+            return open_data_socket(self._loop, host, port, token, role, index,
+                                    keepalive=self.keepalive, peer=peer.address)
+
+        ack_sock: socket.socket | None = None
+        got: list[Any] = []
         try:
-            # The ack connection first: the target sends write acks on it
-            # once it exists, and this loop reads them directly.
-            for role, index in [(DATA_ROLE_ACK, 0)] + [(DATA_ROLE_DATA, i)
-                                                      for i in range(self._tcp_connections)]:
-                family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                s = socket.socket(family, socket.SOCK_STREAM)
-                socks.append(s)
-                s.setblocking(False)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await self._loop.sock_connect(s, (host, port))
-                await self._loop.sock_sendall(s, hello(role, index))
-                ack = b""
-                while len(ack) < DATA_HEADER.size:
-                    chunk = await self._loop.sock_recv(s, DATA_HEADER.size - len(ack))
-                    if not chunk:
-                        raise ConnectionError("data connection closed during hello")
-                    ack += chunk
-                magic, kind, status = DATA_HEADER.unpack(ack)[:3]
-                if magic != DATA_MAGIC or kind != DATA_HELLO_ACK or status != 0:
-                    raise ProtocolError(f"{peer.address}: data connection refused", peer=peer.address)
-        except OSError as e:
-            for s in socks:
-                s.close()
-            raise PeerUnreachableError(f"cannot open a data connection to {host}:{port}: {e}",
-                                       peer=peer.address) from None
+            if len(rails) == 1:
+                # the ack connection first: the target sends acks on it once it exists
+                ack_sock = await open_one(*rails[0], DATA_ROLE_ACK, 0)
+            got = await asyncio.gather(*(open_one(c.host, c.port, DATA_ROLE_DATA, c.index) for c in plan),
+                                       return_exceptions=True)
+            errors = [g for g in got if isinstance(g, BaseException)]
+            fatal = [g for g in errors if not isinstance(g, (PeerUnreachableError, ProtocolError))]
+            if fatal:
+                raise fatal[0]
+            if errors and (len(rails) == 1 or len(errors) == len(got)):
+                raise errors[0]
         except BaseException:
-            for s in socks:
-                s.close()
+            for s in [ack_sock, *got]:
+                if isinstance(s, socket.socket):
+                    s.close()
             raise
-        ack_sock, data_socks = socks[0], socks[1:]
+        for c, g in zip(plan, got):
+            if isinstance(g, BaseException):
+                log.warning("kvflow: %s: rail %s:%d is down at connect (%s); it is retried in the background",
+                            peer.address, c.host, c.port, g)
         # All stay non-blocking: the loop reads the ack socket and may splice
         # small batches into a data socket; the native threads poll().
-        fds = [s.detach() for s in data_socks]
-        return _core.TcpChannel(self._core, peer._table, peer.address, fds, ack_sock.detach(),
-                                self._slice_size)
+        fds = [g.detach() if isinstance(g, socket.socket) else -1 for g in got]
+        peer._rails = RailWatcher(peer, plan, token, DATA_ROLE_DATA, self.keepalive)
+        return _core.TcpChannel(self._core, peer._table, peer.address, fds,
+                                ack_sock.detach() if ack_sock is not None else -1, self._slice_size)
 
     @staticmethod
     def _same_process(address: str, desc: Descriptor) -> bool:

@@ -21,6 +21,7 @@ from kvflow.transfer import Transfer
 
 if TYPE_CHECKING:
     from kvflow.engine import Engine
+    from kvflow.rails import RailWatcher
 
 __all__ = ["Peer"]
 
@@ -57,6 +58,7 @@ class Peer:
         self._lost_callbacks: list[Callable[["Peer"], None]] = []
         self._keepalive_task: asyncio.Task[None] | None = None
         self._last_heard = 0.0
+        self._rails: RailWatcher | None = None     # tcp: rebuilds failed data connections
 
     def on_lost(self, callback: Callable[["Peer"], None]) -> None:
         """Calls `callback(peer)` once, on the loop, when the peer is lost
@@ -81,6 +83,8 @@ class Peer:
         self._last_heard = self._engine._loop.time()
         if self._engine.keepalive:
             self._keepalive_task = self._engine._loop.create_task(self._keepalive(self._engine.keepalive))
+        if transport == "tcp" and self._rails is not None:
+            self._rails.start()
         self._ack_fd = getattr(channel, "ack_fd", -1)
         if self._ack_fd >= 0:
             self._engine._loop.add_reader(self._ack_fd, self._on_acks)
@@ -125,6 +129,12 @@ class Peer:
     @property
     def alive(self) -> bool:
         return not self._closed and not self._control_lost and self._channel.alive
+
+    def connections(self) -> list[dict[str, Any]]:
+        """tcp: one entry per data connection (index, endpoint: the rail,
+        up, bytes sent, slices moved to other connections when it failed,
+        failures, rebuilds). Empty for the other providers."""
+        return self._rails.stats() if self._rails is not None and self.transport == "tcp" else []
 
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:
         """The Transfer of a posted batch (batch_id 0: completed inline)."""
@@ -360,6 +370,8 @@ class Peer:
         self._engine._forget_peer(self)
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
+        if self._rails is not None:
+            self._rails.stop()
         self._fire_lost()
         self._stop_acks()
         self._channel.close()

@@ -194,6 +194,12 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
                    const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                    size_t n, uint64_t *id_out, size_t *bad);
 int kvf_tcp_channel_alive(kvf_tcp_channel *ch);
+/* Connection i: 1 dead, 0 up, -1 no such connection. */
+int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i);
+int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
+                               uint64_t *failures);
+/* Replaces dead connection i by the connected (hello done) socket fd. */
+int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd);
 void kvf_tcp_channel_close(kvf_tcp_channel *ch);
 void kvf_tcp_channel_free(kvf_tcp_channel *ch);
 

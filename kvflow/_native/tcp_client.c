@@ -9,7 +9,14 @@
  * write payloads by page reference (vmsplice + splice). Write acks come back
  * on the session's ack connection, which the event loop reads
  * (kvf_tcp_poll_acks); read responses land through the receiver thread,
- * payload straight into the destination. */
+ * payload straight into the destination.
+ *
+ * Rails: the connections may run over several address pairs (one per NIC).
+ * A connection that fails with a socket error (its rail went down, a
+ * timeout) hands what it still owned to the live connections: a slice is
+ * sent again up to MAX_ATTEMPTS times (a write or read of the same bytes
+ * to the same place is idempotent), so a dying rail costs throughput, not
+ * data. The event loop rebuilds a dead connection (kvf_tcp_channel_replace). */
 #define _GNU_SOURCE
 #include "kvf.h"
 #include "sockio.h"
@@ -39,6 +46,7 @@
 #define SPLICE_MIN (64u << 10)   /* write payloads from this size are spliced */
 #define PIPE_BYTES (1u << 20)
 #define KVF_OP_FLUSH 0x100u  /* slice flag (in op): ask the target for its acks now */
+#define MAX_ATTEMPTS 3       /* sends of one slice (on any connection) before its batch fails */
 
 /* ------------------------------------------------------------- initiator */
 
@@ -52,8 +60,11 @@ typedef struct tcp_conn {
     uint8_t state[TCP_WINDOW];
     uint32_t free_tags[TCP_WINDOW];
     uint32_t nfree;
-    int dead;
+    _Atomic int dead;
     int fail_status;
+    uint64_t sent_bytes;      /* payload bytes framed on this connection */
+    uint64_t moved;           /* slices handed to other connections when it failed */
+    uint64_t failures;
     int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
     /* What an inline submitter could not send without blocking: the tx
      * thread sends it before anything else (frames must not interleave). */
@@ -76,20 +87,31 @@ struct kvf_tcp_channel {
     int n;
     tcp_conn *conns;
     uint64_t slice_size;
-    _Atomic int alive;
+    _Atomic int alive;        /* some connection is up */
+    _Atomic int closing;      /* close(): fail, never move, what a connection owned */
     int ack_fd;               /* -1: acks come back on each data connection */
     char *ack_buf;            /* partial ack frames between polls */
     size_t ack_len;
 };
 
-/* Marks the connection dead and fails every slice it still owns. */
+static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status);
+
+static int any_alive(kvf_tcp_channel *ch) {
+    for (int i = 0; i < ch->n; i++) if (!atomic_load(&ch->conns[i].dead)) return 1;
+    return 0;
+}
+
+/* Marks the connection dead. What it still owns (queued, or sent and not
+ * answered) moves to the live connections after a socket error, and fails
+ * with `status` otherwise (protocol error, close) or when none is left. */
 static void conn_fail(tcp_conn *c, int status) {
     kvf_ctx *ctx = c->ch->ctx;
     pthread_mutex_lock(&c->q.mu);
     if (c->dead) { pthread_mutex_unlock(&c->q.mu); return; }
     c->dead = 1;
     c->fail_status = status;
-    atomic_store(&c->ch->alive, 0);
+    c->failures++;
+    atomic_store(&c->ch->alive, any_alive(c->ch));
     size_t nq = c->q.count, k = 0;
     kvf_slice *fail = malloc((nq + TCP_WINDOW) * sizeof(kvf_slice));
     if (fail) {
@@ -105,9 +127,44 @@ static void conn_fail(tcp_conn *c, int status) {
     pthread_cond_broadcast(&c->q.cv);
     pthread_mutex_unlock(&c->q.mu);
     shutdown(c->fd, SHUT_RDWR);   /* wakes the other thread out of send/recv */
-    for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, fail[i].slot, status, fail[i].entry);
-    atomic_fetch_sub(&ctx->n_slices_inflight, (int64_t)k);
+    if (status == KVF_ELOST && !atomic_load(&c->ch->closing) && atomic_load(&c->ch->alive)) {
+        c->moved += k;
+        requeue(c->ch, fail, k, status);
+    } else {
+        for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, fail[i].slot, status, fail[i].entry);
+        atomic_fetch_sub(&ctx->n_slices_inflight, (int64_t)k);
+    }
     free(fail);
+}
+
+/* Hands slices of a failed connection to the least-loaded live ones. */
+static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status) {
+    kvf_ctx *ctx = ch->ctx;
+    for (size_t i = 0; i < k; i++) {
+        int placed = 0;
+        if (s[i].attempts + 1 < MAX_ATTEMPTS) {
+            s[i].attempts++;
+            s[i].op |= KVF_OP_FLUSH;       /* its ack must not wait for slices elsewhere */
+            tcp_conn *best = NULL;
+            for (int j = 0; j < ch->n; j++) {
+                tcp_conn *c = &ch->conns[j];
+                if (!atomic_load(&c->dead) &&
+                    (!best || __atomic_load_n(&c->q.bytes, __ATOMIC_RELAXED) <
+                                  __atomic_load_n(&best->q.bytes, __ATOMIC_RELAXED)))
+                    best = c;
+            }
+            if (best) {
+                pthread_mutex_lock(&best->q.mu);
+                placed = !best->dead && kvf_queue_push_locked(&best->q, &s[i]) == KVF_OK;
+                pthread_mutex_unlock(&best->q.mu);
+                if (placed) pthread_cond_signal(&best->q.cv);
+            }
+        }
+        if (!placed) {
+            kvf_slice_done(ctx, s[i].slot, status, s[i].entry);
+            atomic_fetch_sub(&ctx->n_slices_inflight, 1);
+        }
+    }
 }
 
 /* Pops up to TCP_POP slices / TCP_POP_BYTES and gives each an in-flight tag;
@@ -130,6 +187,7 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
         s[k++] = x;
         bytes += x.len;
     }
+    c->sent_bytes += bytes;
     return k;
 }
 
@@ -363,6 +421,22 @@ static void *tcp_rx(void *arg) {
 
 #define ACK_BUF (64u << 10)
 
+/* The connection's splice pipe (none: payloads are copied instead). */
+static void conn_open_pipe(tcp_conn *c) {
+    int pfd[2];
+    if (pipe2(pfd, O_CLOEXEC) == 0) {
+        c->pipe_r = pfd[0];
+        c->pipe_w = pfd[1];
+        int cap = fcntl(pfd[1], F_SETPIPE_SZ, PIPE_BYTES);
+        if (cap < 0) cap = fcntl(pfd[1], F_GETPIPE_SZ);
+        c->pipe_cap = cap > 0 ? (size_t)cap : 65536;
+    }
+}
+
+static void conn_close_pipe(tcp_conn *c) {
+    if (c->pipe_r >= 0) { close(c->pipe_r); close(c->pipe_w); c->pipe_r = c->pipe_w = -1; }
+}
+
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int ack_fd,
                                      uint64_t slice_size) {
     kvf_tcp_channel *ch = calloc(1, sizeof(*ch));
@@ -379,7 +453,6 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int
     ch->conns = calloc(nfds, sizeof(tcp_conn));
     if (!ch->conns) { free(ch); return NULL; }
     ch->n = nfds;
-    atomic_store(&ch->alive, 1);
     for (int i = 0; i < nfds; i++) {
         tcp_conn *c = &ch->conns[i];
         c->ch = ch;
@@ -388,13 +461,11 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int
         for (uint32_t t = 0; t < TCP_WINDOW; t++) c->free_tags[t] = TCP_WINDOW - 1 - t;
         c->nfree = TCP_WINDOW;
         c->pipe_r = c->pipe_w = -1;
-        int pfd[2];
-        if (pipe2(pfd, O_CLOEXEC) == 0) {
-            c->pipe_r = pfd[0];
-            c->pipe_w = pfd[1];
-            int cap = fcntl(pfd[1], F_SETPIPE_SZ, PIPE_BYTES);
-            if (cap < 0) cap = fcntl(pfd[1], F_GETPIPE_SZ);
-            c->pipe_cap = cap > 0 ? (size_t)cap : 65536;
+        conn_open_pipe(c);
+        if (c->fd < 0) {       /* its rail was down at connect: rebuilt later */
+            c->dead = 1;
+            c->fail_status = KVF_ELOST;
+            continue;
         }
         sk_nodelay(c->fd);
         atomic_fetch_add(&ctx->n_sockets, 1);
@@ -402,6 +473,7 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int
         c->rx_started = pthread_create(&c->rx, NULL, tcp_rx, c) == 0;
         atomic_fetch_add(&ctx->n_threads, c->tx_started + c->rx_started);
         if (!c->tx_started || !c->rx_started) conn_fail(c, KVF_ENOMEM);
+        else atomic_store(&ch->alive, 1);
     }
     return ch;
 }
@@ -417,6 +489,8 @@ static int ack_one(kvf_tcp_channel *ch, const kvf_hdr *h) {
     if (h->magic != KVF_MAGIC || h->type != KVF_F_WRITE_ACK || h->aux >= (uint64_t)ch->n) return -1;
     tcp_conn *c = &ch->conns[h->aux];
     kvf_slice s;
+    /* a late ack of a connection that failed: its slices were moved */
+    if (atomic_load(&c->dead)) return 0;
     if (!take_tag(c, h->tag, &s, 0)) return -1;
     int bad = (s.op & 0xff) != KVF_OP_WRITE;   /* an ack for a read's tag */
     kvf_slice_done(ch->ctx, s.slot, bad ? KVF_EPROTO : h->status, s.entry);
@@ -461,14 +535,16 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
      * stale value only makes placement slightly less even. */
     uint64_t load[64];
     int nc = ch->n < 64 ? ch->n : 64;
-    for (int i = 0; i < nc; i++) load[i] = __atomic_load_n(&ch->conns[i].q.bytes, __ATOMIC_RELAXED);
+    for (int i = 0; i < nc; i++)
+        load[i] = atomic_load(&ch->conns[i].dead) ? UINT64_MAX
+                                                   : __atomic_load_n(&ch->conns[i].q.bytes, __ATOMIC_RELAXED);
     int *dest = malloc(k * sizeof(int));
     if (!dest) { free(s); for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, slot, KVF_ENOMEM, 0); kvf_batch_release_guard(ctx, *id_out); return KVF_OK; }
     for (size_t i = 0; i < k; i++) {
         int best = 0;
         for (int j = 1; j < nc; j++) if (load[j] < load[best]) best = j;
         dest[i] = best;
-        load[best] += s[i].len + 4096;   /* per-slice cost, so tiny slices spread too */
+        if (load[best] != UINT64_MAX) load[best] += s[i].len + 4096;   /* per-slice cost, so tiny slices spread too */
         s[i].slot = slot;
     }
     atomic_fetch_add(&ctx->n_slices_inflight, (int64_t)k);
@@ -547,8 +623,63 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
     return KVF_OK;
 }
 
+/* Joins a dead connection's threads and closes its socket. */
+static void conn_reap(kvf_tcp_channel *ch, tcp_conn *c) {
+    if (c->tx_started) { pthread_join(c->tx, NULL); c->tx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
+    if (c->rx_started) { pthread_join(c->rx, NULL); c->rx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
+    if (c->fd >= 0) { close(c->fd); c->fd = -1; atomic_fetch_sub(&ch->ctx->n_sockets, 1); }
+}
+
+int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i) {
+    return i >= 0 && i < ch->n ? atomic_load(&ch->conns[i].dead) : -1;
+}
+
+int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
+                               uint64_t *failures) {
+    if (i < 0 || i >= ch->n) return -1;
+    tcp_conn *c = &ch->conns[i];
+    pthread_mutex_lock(&c->q.mu);
+    *sent_bytes = c->sent_bytes;
+    *moved = c->moved;
+    *failures = c->failures;
+    int dead = c->dead;
+    pthread_mutex_unlock(&c->q.mu);
+    return dead;
+}
+
+int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
+    if (i < 0 || i >= ch->n || atomic_load(&ch->closing)) return KVF_EINVAL;
+    tcp_conn *c = &ch->conns[i];
+    if (!atomic_load(&c->dead)) return KVF_EINVAL;
+    conn_reap(ch, c);
+    /* a payload half-spliced when the connection died may sit in the pipe */
+    conn_close_pipe(c);
+    conn_open_pipe(c);
+    pthread_mutex_lock(&c->q.mu);
+    for (uint32_t t = 0; t < TCP_WINDOW; t++) {
+        c->state[t] = 0;
+        c->free_tags[t] = TCP_WINDOW - 1 - t;
+    }
+    c->nfree = TCP_WINDOW;
+    c->pend_n = 0;
+    c->pipe_pending = 0;
+    c->sending = 0;
+    c->fd = fd;
+    sk_nodelay(fd);
+    atomic_fetch_add(&ch->ctx->n_sockets, 1);
+    c->dead = 0;
+    pthread_mutex_unlock(&c->q.mu);
+    c->tx_started = pthread_create(&c->tx, NULL, tcp_tx, c) == 0;
+    c->rx_started = pthread_create(&c->rx, NULL, tcp_rx, c) == 0;
+    atomic_fetch_add(&ch->ctx->n_threads, c->tx_started + c->rx_started);
+    if (!c->tx_started || !c->rx_started) { conn_fail(c, KVF_ENOMEM); return KVF_ENOMEM; }
+    atomic_store(&ch->alive, 1);
+    return KVF_OK;
+}
+
 void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
     if (!ch) return;
+    atomic_store(&ch->closing, 1);
     channel_fail(ch, KVF_ECLOSED);
     if (ch->ack_fd >= 0) {
         close(ch->ack_fd);
@@ -557,10 +688,8 @@ void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
     }
     for (int i = 0; i < ch->n; i++) {
         tcp_conn *c = &ch->conns[i];
-        if (c->tx_started) { pthread_join(c->tx, NULL); c->tx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
-        if (c->rx_started) { pthread_join(c->rx, NULL); c->rx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
-        if (c->fd >= 0) { close(c->fd); c->fd = -1; atomic_fetch_sub(&ch->ctx->n_sockets, 1); }
-        if (c->pipe_r >= 0) { close(c->pipe_r); close(c->pipe_w); c->pipe_r = c->pipe_w = -1; }
+        conn_reap(ch, c);
+        conn_close_pipe(c);
     }
 }
 

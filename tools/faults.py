@@ -1,0 +1,444 @@
+"""Fault injection across network namespaces: checksummed tcp transfers
+between this host (the initiator) and a target engine in its own network
+namespace, joined by a control link and two data rails (veth pairs), while
+faults happen:
+
+  rail     one rail goes down mid-transfer and comes back
+  kill     the target is killed (SIGKILL) and restarted on the same address
+  garbage  raw clients hammer the target's control and data ports with junk
+
+Every case reports bytes sent, bytes verified (the target hashes what
+landed; the initiator compares), transfers failed and with which error, the
+slowest transfer (nothing may hang) and the time to detect the fault.
+
+    python3 tools/faults.py                 # all cases, prints the table
+    python3 tools/faults.py --cases rail --seconds 12 --json out.json
+
+Needs root and `ip` (iproute2); tests/test_netns.py runs the same cases.
+Addresses: 198.19.20.0/24 (control), 198.19.21.0/24 and 198.19.22.0/24
+(rails); this host is .1, the namespace .2.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+import kvflow  # noqa: E402
+
+SUBNETS = ("198.19.20", "198.19.21", "198.19.22")     # control, rail 0, rail 1
+TARGET_PORT = 7400
+REGION = 32 << 20
+MARK = "@@FAULTS "
+
+
+# ------------------------------------------------------------------ namespace
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces cannot be used here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (`ip`)"
+    name = f"kvfprobe{os.getpid()}"
+    r = _ip("netns", "add", name, check=False)
+    if r.returncode:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+class Topology:
+    """A namespace joined to this host by a control link and two rails."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = f"kvff{tag}"
+        self.links = [f"kvc{tag}", f"kvr{tag}a", f"kvr{tag}b"]     # host-side names
+        self.peers = [f"{n}p" for n in self.links]                  # namespace-side names
+
+    def host(self, i: int) -> str:
+        return f"{SUBNETS[i]}.1"
+
+    def target(self, i: int) -> str:
+        return f"{SUBNETS[i]}.2"
+
+    def up(self) -> "Topology":
+        self.down()
+        _ip("netns", "add", self.ns)
+        _ip("-n", self.ns, "link", "set", "lo", "up")
+        for i, (a, b) in enumerate(zip(self.links, self.peers)):
+            _ip("link", "add", a, "type", "veth", "peer", "name", b)
+            _ip("link", "set", b, "netns", self.ns)
+            _ip("addr", "add", f"{self.host(i)}/24", "dev", a)
+            _ip("link", "set", a, "up")
+            _ip("-n", self.ns, "addr", "add", f"{self.target(i)}/24", "dev", b)
+            _ip("-n", self.ns, "link", "set", b, "up")
+        return self
+
+    async def set_rail(self, rail: int, up: bool) -> float:
+        """Takes rail `rail` down or up (without blocking the event loop: the
+        engine under test shares it). Returns how long `ip` took."""
+        t0 = time.monotonic()
+        p = await asyncio.create_subprocess_exec("ip", "link", "set", self.links[1 + rail],
+                                                 "up" if up else "down")
+        if await p.wait():
+            raise RuntimeError(f"ip link set {self.links[1 + rail]} failed")
+        return time.monotonic() - t0
+
+    def down(self) -> None:
+        for a in self.links:
+            _ip("link", "del", a, check=False)
+        _ip("netns", "del", self.ns, check=False)
+
+
+# --------------------------------------------------------------------- target
+async def serve_target(listen: str, rails: list[str], size: int, keepalive: float) -> None:
+    """The target (runs inside the namespace): registers `size` bytes as
+    "kv", says where on stdout, then answers hash requests from stdin."""
+    loop = asyncio.get_running_loop()
+    async with kvflow.Engine(listen, rails=rails, protocols=("tcp",), keepalive=keepalive) as eng:
+        buf = np.zeros(size, dtype=np.uint8)
+        region = eng.register(buf, name="kv")
+        print(MARK + json.dumps({"address": eng.address, "addr": region.addr, "pid": os.getpid()}),
+              flush=True)
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            req = json.loads(line)
+            shas = [hashlib.sha256(buf[o:o + n]).hexdigest() for o, n in req["ranges"]]
+            print(MARK + json.dumps({"shas": shas}), flush=True)
+
+
+class Target:
+    """The target process, started in the namespace (or restarted there)."""
+
+    def __init__(self, topo: Topology, keepalive: float) -> None:
+        self.topo = topo
+        self.keepalive = keepalive
+        self.proc: asyncio.subprocess.Process | None = None
+        self.address = ""
+        self.addr = 0
+
+    async def start(self) -> None:
+        cmd = ["ip", "netns", "exec", self.topo.ns, sys.executable, os.path.abspath(__file__),
+               "--serve-target", f"{self.topo.target(0)}:{TARGET_PORT}",
+               "--rails", f"{self.topo.target(1)},{self.topo.target(2)}",
+               "--keepalive", str(self.keepalive)]
+        self.proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                         env={**os.environ, "PYTHONPATH": ROOT})
+        hello = await self._reply(30)
+        self.address, self.addr = hello["address"], hello["addr"]
+
+    async def _reply(self, timeout: float) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            if not line:
+                raise RuntimeError("the target exited")
+            if line.startswith(MARK.encode()):
+                return json.loads(line[len(MARK):])
+
+    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"ranges": ranges}) + "\n").encode())
+        await self.proc.stdin.drain()
+        return (await self._reply(30))["shas"]
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            # `ip netns exec` execs python: the pid is the target's
+            self.proc.send_signal(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self.proc = None
+
+
+# ------------------------------------------------------------------- workload
+@dataclass
+class Report:
+    case: str
+    transfers: int = 0
+    bytes_sent: int = 0
+    bytes_verified: int = 0
+    corrupted: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    slowest_s: float = 0.0
+    detect_s: float | None = None
+    recover_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+async def workload(peer: kvflow.Peer, target: Target, src: np.ndarray, local_addr: int, report: Report,
+                   stop: asyncio.Event, *, seed: int, limit: float) -> None:
+    """Writes random batches (1-8 entries of 4 KiB-1 MiB) at random places of
+    the target's region until `stop`; each successful batch is verified by
+    the target's hashes. A batch may fail (typed error) but must not hang."""
+    rng = np.random.default_rng(seed)
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        n = int(rng.integers(1, 9))
+        lengths = [int(x) for x in rng.integers(4096, 1 << 20, n)]
+        span = REGION // n
+        offs = [i * span + int(rng.integers(0, span - lengths[i])) for i in range(n)]
+        for o, ln in zip(offs, lengths):
+            src[o:o + ln] = rng.integers(0, 256, ln, dtype=np.uint8)
+        t0 = loop.time()
+        report.transfers += 1
+        try:
+            await asyncio.wait_for(
+                peer.write([local_addr + o for o in offs], [target.addr + o for o in offs], lengths), limit)
+        except asyncio.TimeoutError:
+            report.failed["HANG"] = report.failed.get("HANG", 0) + 1
+            raise
+        except kvflow.KVFlowError as e:
+            report.failed[type(e).__name__] = report.failed.get(type(e).__name__, 0) + 1
+            return
+        finally:
+            report.slowest_s = max(report.slowest_s, loop.time() - t0)
+        report.bytes_sent += sum(lengths)
+        want = [hashlib.sha256(src[o:o + ln]).hexdigest() for o, ln in zip(offs, lengths)]
+        got = await target.shas(list(zip(offs, lengths)))
+        for w, g, ln in zip(want, got, lengths):
+            if w == g:
+                report.bytes_verified += ln
+            else:
+                report.corrupted += 1
+
+
+async def _initiator(topo: Topology, keepalive: float) -> tuple[kvflow.Engine, np.ndarray, int]:
+    eng = kvflow.Engine(f"{topo.host(0)}:0", protocols=("tcp",), keepalive=keepalive)
+    await eng.start()
+    src = np.zeros(REGION, dtype=np.uint8)
+    region = eng.register(src)
+    return eng, src, region.addr
+
+
+async def case_rail(topo: Topology, seconds: float, keepalive: float) -> Report:
+    """Rail 1 goes down for a third of the run, then comes back: every batch
+    must complete (its slices move to rail 0), nothing may be corrupted."""
+    report = Report("rail down and back")
+    target = Target(topo, keepalive)
+    await target.start()
+    eng, src, laddr = await _initiator(topo, keepalive)
+    loop = asyncio.get_running_loop()
+    try:
+        peer = await eng.connect(target.address)
+        rail1 = [c["index"] for c in peer.connections() if c["endpoint"].startswith(topo.target(2))]
+        if not rail1:
+            raise RuntimeError(f"no connection on rail 1: {peer.connections()}")
+        stop = asyncio.Event()
+        work = loop.create_task(workload(peer, target, src, laddr, report, stop, seed=1,
+                                         limit=3 * keepalive + 10))
+        await asyncio.sleep(seconds / 3)
+        t_down = loop.time()
+        took = await topo.set_rail(1, False)
+        report.notes.append(f"`ip link set down` took {took:.2f} s")
+        while report.detect_s is None and loop.time() - t_down < 3 * keepalive + 10:
+            await asyncio.sleep(0.05)
+            if any(not peer.connections()[i]["up"] for i in rail1):
+                report.detect_s = loop.time() - t_down
+        await asyncio.sleep(max(0.0, t_down + seconds / 3 - loop.time()))
+        t_up = loop.time()
+        await topo.set_rail(1, True)
+        while report.recover_s is None and loop.time() - t_up < 20:
+            await asyncio.sleep(0.05)
+            if all(c["up"] for c in peer.connections()):
+                report.recover_s = loop.time() - t_up
+        await asyncio.sleep(max(0.0, t_up + seconds / 3 - loop.time()))
+        stop.set()
+        await work
+        conns = peer.connections()
+        moved = sum(c["moved"] for c in conns)
+        rail1_bytes = sum(conns[i]["bytes"] for i in rail1)
+        report.notes.append(f"slices moved off rail 1: {moved}; rail 1 carried {rail1_bytes >> 20} MiB; "
+                            f"rebuilt connections: {sum(c['rebuilt'] for c in conns)}")
+    finally:
+        await topo.set_rail(1, True)
+        await eng.close()
+        await target.stop()
+    return report
+
+
+async def case_kill(topo: Topology, seconds: float, keepalive: float) -> Report:
+    """The target dies (SIGKILL) mid-transfer: the batch in flight fails with
+    a typed error promptly; a restarted target is reached again, and the old
+    peer (stale descriptor) can never write into the new process."""
+    report = Report("target killed and restarted")
+    target = Target(topo, keepalive)
+    await target.start()
+    eng, src, laddr = await _initiator(topo, keepalive)
+    loop = asyncio.get_running_loop()
+    try:
+        old = await eng.connect(target.address)
+        stop = asyncio.Event()
+        work = loop.create_task(workload(old, target, src, laddr, report, stop, seed=2,
+                                         limit=3 * keepalive + 10))
+        await asyncio.sleep(seconds / 2)
+        old_addr = target.addr
+        target.kill()
+        t_kill = loop.time()
+        await asyncio.wait_for(work, 3 * keepalive + 15)    # ends at the first failure
+        report.detect_s = loop.time() - t_kill
+        await target.proc.wait()
+        await target.start()                               # same control address, new incarnation
+        stale = 0
+        try:
+            await old.write([laddr], [old_addr], [4096], timeout=5)
+        except kvflow.PeerLostError:
+            stale = 1
+        report.notes.append("old peer refused after restart" if stale else "OLD PEER WROTE AFTER RESTART")
+        if not stale:
+            report.corrupted += 1
+        peer = await eng.connect(target.address)
+        if peer is old:
+            report.notes.append("connect() returned the dead peer")
+            report.corrupted += 1
+        stop = asyncio.Event()
+        again = loop.create_task(workload(peer, target, src, laddr, report, stop, seed=3, limit=30))
+        await asyncio.sleep(seconds / 2)
+        stop.set()
+        await again
+    finally:
+        await eng.close()
+        await target.stop()
+    return report
+
+
+async def _junk(host: str, port: int, stop: asyncio.Event, rng: random.Random, sent: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(s, (host, port)), 2)
+            kind = rng.randrange(3)
+            if kind == 0:
+                data = rng.randbytes(rng.randrange(1, 4096))
+            elif kind == 1:       # a data hello with a wrong token, then frames
+                data = kvflow.handshake.DATA_HEADER.pack(
+                    kvflow.handshake.DATA_MAGIC, kvflow.handshake.DATA_HELLO, 0, 0,
+                    rng.getrandbits(64), kvflow.handshake.DATA_WIRE_VERSION, rng.getrandbits(64)) + rng.randbytes(256)
+            else:                 # a huge length prefix
+                data = (0xFFFFFFF0).to_bytes(4, "big") + rng.randbytes(64)
+            await asyncio.wait_for(loop.sock_sendall(s, data), 2)
+            sent[0] += len(data)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            s.close()
+        await asyncio.sleep(0.005)
+
+
+async def case_garbage(topo: Topology, seconds: float, keepalive: float) -> Report:
+    """Unauthenticated and garbage clients hammer every port of the target
+    while a legitimate initiator transfers: nothing of it may fail."""
+    report = Report("garbage clients")
+    target = Target(topo, keepalive)
+    await target.start()
+    eng, src, laddr = await _initiator(topo, keepalive)
+    loop = asyncio.get_running_loop()
+    try:
+        peer = await eng.connect(target.address)
+        ports = [(h, p) for h, p in peer.descriptor.data] + [(topo.target(0), TARGET_PORT)]
+        stop = asyncio.Event()
+        sent = [0]
+        rng = random.Random(4)
+        junk = [loop.create_task(_junk(h, p, stop, rng, sent)) for h, p in ports for _ in range(2)]
+        await workload(peer, target, src, laddr, report, _after(seconds), seed=4, limit=30)
+        stop.set()
+        await asyncio.gather(*junk)
+        report.notes.append(f"junk sent: {sent[0] >> 10} KiB on {len(ports)} ports")
+    finally:
+        await eng.close()
+        await target.stop()
+    return report
+
+
+def _after(seconds: float) -> asyncio.Event:
+    ev = asyncio.Event()
+    asyncio.get_running_loop().call_later(seconds, ev.set)
+    return ev
+
+
+CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage}
+
+
+async def run(cases: list[str], seconds: float, keepalive: float) -> list[Report]:
+    topo = Topology().up()
+    try:
+        return [await CASES[c](topo, seconds, keepalive) for c in cases]
+    finally:
+        topo.down()
+
+
+def table(reports: list[Report]) -> str:
+    rows = ["| case | transfers | MiB sent | MiB verified | corrupted | failed (error) | slowest s | detect s | recover s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        failed = ", ".join(f"{v} {k}" for k, v in r.failed.items()) or "0"
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        rows.append(f"| {r.case} | {r.transfers} | {r.bytes_sent / 2**20:.0f} | {r.bytes_verified / 2**20:.0f} | "
+                    f"{r.corrupted} | {failed} | {r.slowest_s:.2f} | {fmt(r.detect_s)} | {fmt(r.recover_s)} |")
+    for r in reports:
+        for n in r.notes:
+            rows.append(f"- {r.case}: {n}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--seconds", type=float, default=12.0, help="length of each case")
+    ap.add_argument("--keepalive", type=float, default=2.0, help="engines' keepalive (dead-rail detection)")
+    ap.add_argument("--json", help="also write the reports here")
+    ap.add_argument("--serve-target", metavar="LISTEN", help=argparse.SUPPRESS)
+    ap.add_argument("--rails", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve_target:
+        asyncio.run(serve_target(a.serve_target, a.rails.split(","), REGION, a.keepalive))
+        return 0
+    why = netns_unavailable()
+    if why:
+        print(f"faults: {why}", file=sys.stderr)
+        return 2
+    reports = asyncio.run(run(a.cases.split(","), a.seconds, a.keepalive))
+    print(table(reports))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(r) for r in reports], f, indent=1)
+    return 0 if all(not r.corrupted and "HANG" not in r.failed for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
