@@ -28,9 +28,7 @@ PAGES = 64
 ITEM = 2048          # bytes of one page of one buffer
 AUX_ITEM = 64
 AUX_SLOTS = 8
-# Not rdma yet: in the Soft-RoCE VM the prefill engine's write_nowait batches
-# land but stop completing after a few requests (see the README's Status).
-PROTOCOLS = ["local", "tcp"]
+PROTOCOLS = ["local", "tcp", pytest.param("rdma", marks=pytest.mark.rdma)]
 HERE = os.path.dirname(os.path.abspath(__file__))
 T = 10 * TIME_SCALE      # seconds a step may take (stretched under the VM's emulation)
 
