@@ -41,6 +41,7 @@ from kvflow.memory import Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.peer import Peer
 from kvflow.rails import DataConn, RailWatcher, open_data_socket, tune_data_socket
+from kvflow.topology import Topology, cached_host_topology, parse_location
 from kvflow.transfer import Transfer
 from kvflow import rdma as rdma_provider
 
@@ -149,7 +150,12 @@ class Engine:
     opens tcp_connections to each, its slices spread over all; a connection
     that fails (rail down: noticed after about `keepalive` seconds without
     progress) hands its slices to the others and is rebuilt when its rail
-    answers again; rdma_devices: RDMA
+    answers again; location: where this engine's registered memory
+    lives ("cpu", "cpu:N" for a NUMA node, "cuda:N"; default: env
+    KVFLOW_LOCATION, else "cpu"): the NICs near it are preferred, and
+    published with the host's topology (kvflow.topology: discovered from
+    sysfs, or the JSON file KVFLOW_TOPOLOGY names) so that both ends of an
+    rdma connection pair matching rails; rdma_devices: RDMA
     device names to use (default: env KVFLOW_RDMA_DEVICES, else all);
     rdma_gid_index: GID index override (default: env KVFLOW_GID_INDEX, else
     a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair;
@@ -173,7 +179,7 @@ class Engine:
                  rdma_qps: int = 2, rdma_slice_size: int = 256 << 10,
                  keepalive: float | None = None, metadata: str | None = None,
                  name: str | None = None, metadata_ttl: float = 10.0,
-                 rails: Sequence[str] | None = None) -> None:
+                 rails: Sequence[str] | None = None, location: str | None = None) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -208,6 +214,9 @@ class Engine:
         if rails is None and os.environ.get("KVFLOW_TCP_RAILS"):
             rails = [r.strip() for r in os.environ["KVFLOW_TCP_RAILS"].split(",") if r.strip()]
         self._rails = _check_rails(rails)
+        self.location = location or os.environ.get("KVFLOW_LOCATION") or "cpu"
+        parse_location(self.location)
+        self.topology: Topology | None = None
         self._local_workers = local_workers
         self._slice_size = slice_size
         self._inline_limit = inline_limit
@@ -252,6 +261,7 @@ class Engine:
             return
         self._loop = asyncio.get_running_loop()
         host, port = _split_address(self._listen)
+        self.topology = cached_host_topology()
         self._core = _core.Core(self._local_workers)
         try:
             self._server = await asyncio.start_server(self._serve_control, host, port)
@@ -435,7 +445,8 @@ class Engine:
             address=self.address, incarnation=self._incarnation, host=ident.host, pid=ident.pid,
             process=ident.token, probe_addr=ident.probe_addr, probe_cookie=ident.cookie.tobytes(),
             data=list(self._data_endpoints), regions=self._remote_regions(), generation=self._generation,
-            rdma=self._rdma.describe() if self._rdma is not None else None)
+            rdma=self._rdma.describe() if self._rdma is not None else None,
+            topology=self.topology, location=self.location)
 
     def _record(self) -> EngineRecord:
         return EngineRecord(self.name or self.address, self.address, self._incarnation, self.descriptor())

@@ -14,6 +14,7 @@ __all__ = [
     "ProtocolError",
     "AuthenticationError",
     "ProviderUnavailableError",
+    "TopologyError",
 ]
 
 
@@ -33,6 +34,11 @@ class KVFlowError(Exception):
 class InvalidArgumentError(KVFlowError, ValueError):
     """A batch or buffer that cannot be valid: zero or overflowing lengths,
     arrays of different lengths, an empty batch, an unusable buffer."""
+
+
+class TopologyError(InvalidArgumentError):
+    """A topology file (Topology.load, KVFLOW_TOPOLOGY) that cannot be read,
+    is not JSON, or does not follow the schema."""
 
 
 class UnregisteredMemoryError(KVFlowError):

@@ -21,8 +21,9 @@ from typing import Any
 
 import msgpack
 
-from kvflow.errors import AuthenticationError, ProtocolError
+from kvflow.errors import AuthenticationError, InvalidArgumentError, ProtocolError
 from kvflow.memory import Access, RemoteRegion
+from kvflow.topology import Topology, parse_location
 
 VERSION = 1
 MAX_FRAME = 8 << 20          # a descriptor with ~200k regions still fits
@@ -101,6 +102,8 @@ class Descriptor:
     regions: list[RemoteRegion]
     generation: int
     rdma: dict[str, Any] | None = None     # devices and probe, when the engine has rdma
+    topology: Topology | None = None       # its NICs and their order per memory location
+    location: str | None = None            # where its registered memory lives ("cpu:0", "cuda:1")
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -108,6 +111,8 @@ class Descriptor:
             "pid": self.pid, "process": self.process, "probe": [self.probe_addr, self.probe_cookie],
             "data": [list(d) for d in self.data], "generation": self.generation,
             "regions": regions_to_wire(self.regions), "rdma": self.rdma,
+            "topology": self.topology.to_wire() if self.topology is not None else None,
+            "location": self.location,
         }
 
     @classmethod
@@ -132,7 +137,21 @@ class Descriptor:
             probe_addr=probe_addr, probe_cookie=cookie, data=endpoints,
             regions=regions_from_wire(field(d, "regions", list)),
             generation=field(d, "generation", int), rdma=rdma_from_wire(d.get("rdma")),
+            topology=Topology.from_wire(d["topology"]) if d.get("topology") is not None else None,
+            location=_location_from_wire(d.get("location")),
         )
+
+
+def _location_from_wire(v: Any) -> str | None:
+    if v is None:
+        return None
+    try:
+        if not isinstance(v, str):
+            raise InvalidArgumentError("not a string")
+        parse_location(v)
+    except InvalidArgumentError:
+        raise ProtocolError("descriptor: malformed memory location") from None
+    return v
 
 
 def rdma_from_wire(v: Any) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from kvflow.errors import (
     WC_STATUS,
 )
 from kvflow.memory import Access
+from kvflow.topology import NicKind, Topology, match_rails
 
 try:
     from kvflow import _verbs
@@ -55,10 +56,23 @@ def device_names() -> list[str]:
     return _verbs.device_names() if _verbs is not None else []
 
 
-def _pairs(nl: int, nr: int) -> list[tuple[int, int]]:
-    """Device pairs (local, remote): rail i to rail i; the larger side's
-    extra devices share the other side's round-robin."""
-    return [(i % nl, i % nr) for i in range(max(nl, nr))]
+def _ordered(names: list[str], topology: Topology | None, location: str) -> list[str]:
+    """The devices (of `names`) that serve memory at `location`: the
+    topology's preferred ones, else its fallback ones, else all of them."""
+    if topology is None:
+        return names
+    try:
+        preferred, fallback = topology.preferred(location, NicKind.RDMA)
+    except InvalidArgumentError:
+        return names
+    return [n for n in preferred if n in names] or [n for n in fallback if n in names] or names
+
+
+def _pairs(local: list[str], mine: list[str], remote: list[str], theirs: list[str]) -> list[tuple[int, int]]:
+    """Device pairs (local index, remote index): each end's devices for its
+    memory, in its published order, paired rail i to rail i (the shorter
+    list round-robin: kvflow.topology.match_rails)."""
+    return [(local.index(a), remote.index(b)) for a, b in match_rails(mine, theirs)]
 
 
 class RdmaProvider:
@@ -180,7 +194,11 @@ class RdmaProvider:
         cookie, and returns the channel. Raises ProviderUnavailableError
         when the devices do not reach each other."""
         rdevs = remote["devices"]
-        pairs = _pairs(len(self.devices), len(rdevs))
+        local = [d.name for d in self.devices]
+        rnames = [d["name"] for d in rdevs]
+        desc = peer.descriptor
+        pairs = _pairs(local, _ordered(local, self._engine.topology, self._engine.location),
+                       rnames, _ordered(rnames, desc.topology, desc.location or "cpu"))
         token = self._next_token
         self._next_token += 1
         ch = _verbs.RdmaChannel(self._engine._core, peer._table, peer.address, self.slice_size, token)
@@ -272,7 +290,10 @@ class RdmaProvider:
         mine = self._session_qps.setdefault(session, [])
         if len(mine) + len(qps) > MAX_TARGET_QPS:
             raise ProtocolError(f"rdma_connect: more than {MAX_TARGET_QPS} QPs for one peer")
-        for old in msg.get("replace") or []:
+        replace = msg.get("replace") or []
+        if not isinstance(replace, list):
+            raise ProtocolError("rdma_connect: bad replace list")
+        for old in replace:
             if isinstance(old, list) and len(old) == 2:
                 self._drop_target(session, tuple(old))
         out = []
