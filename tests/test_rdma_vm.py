@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "tools", "rdma_vm.py")
-MARK = "rdma"  # the marker whose tests run in the VM
+MARK = "rdma or vm"  # the markers whose tests run in the VM
 TAIL_CHARS = 8000
 
 
@@ -135,7 +135,7 @@ def test_rdma_tests_in_vm(tmp_path):
     if not passed and not failed:
         problems.append(f"no test marked {MARK!r} ran in the VM")
     if skipped:
-        problems.append(f"{len(skipped)} {MARK} test(s) skipped inside the VM, which must give them RDMA:\n"
+        problems.append(f"{len(skipped)} {MARK} test(s) skipped inside the VM, which must give them RDMA and netem:\n"
                         + "\n".join(f"    {name}: {reason}" for name, reason in skipped))
     if problems:
         pytest.fail("\n".join(problems) + f"\n--- VM output (tail) ---\n{tail}", pytrace=False)
