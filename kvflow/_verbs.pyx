@@ -428,15 +428,28 @@ cdef class RdmaChannel(Channel):
         self.depths.append(depth)
         return index
 
-    def replace_qp(self, int index, Qp qp):
-        """Puts a newly connected QP in place of broken QP `index`."""
+    def replace_qp(self, int index, Qp qp, bint up=True):
+        """Puts a newly connected QP in place of broken QP `index`; with
+        up=False it carries only post_one() work (its probe) until qp_up()."""
         if self.ch == NULL:
             raise VerbsError("channel closed")
         cdef ibv_qp *q = qp.take()
-        if kvf_rdma_chan_replace_qp(self.ch, index, q) != KVF_OK:
+        if kvf_rdma_chan_replace_qp(self.ch, index, q, up) != KVF_OK:
             ibv_destroy_qp(q)
             return False
         return True
+
+    def qp_up(self, int index):
+        """Puts probed QP `index` in service; what waited is posted."""
+        return self.ch != NULL and kvf_rdma_chan_qp_up(self.ch, index) == KVF_OK
+
+    def break_qp(self, int index):
+        """Takes live QP `index` out of service (its work moves to the others)."""
+        cdef int rc = -1
+        if self.ch != NULL:
+            with nogil:
+                rc = kvf_rdma_chan_break_qp(self.ch, index)
+        return rc == KVF_OK
 
     def qp_device(self, int index):
         return self.devs[index]

@@ -40,9 +40,12 @@ __all__ = ["RdmaProvider", "available", "device_names"]
 log = logging.getLogger("kvflow")
 
 QP_DEPTH = 128                 # send-queue entries per QP
+QP_UP = 1                      # RdmaChannel.stats() "state": 1 up, 2 probing, 0 broken, -1 closed
 PROBE_TIMEOUT = 5.0            # reachability read per QP
 MAX_TARGET_QPS = 256           # per control session
-REPAIR_ATTEMPTS = 3
+REPAIR_MIN = 0.2               # first back-off of a broken QP's repair (doubles)
+REPAIR_MAX = 8.0
+DEAD_AFTER = 10.0              # no QP of a peer up this long (at least keepalive): the peer is lost
 NOTIFY_SLOTS = 64              # registered send buffers for notifications
 LARGE_REGION = 64 << 20        # registrations at least this big are logged with their time
 
@@ -112,6 +115,9 @@ class RdmaProvider:
         self._channels: dict[int, tuple["Peer", Any]] = {}            # token -> (peer, channel)
         self._next_token = 1
         self._repairs: set[asyncio.Task[None]] = set()
+        self._repairing: set[tuple[int, int]] = set()                 # (token, QP index)
+        self._all_down: dict[int, float] = {}                         # token -> since when no QP is up
+        self.device_errors = [0] * len(self.devices)                  # QP breaks per local device
         # The reachability probe: peers read this cookie back over each QP.
         self._probe = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()
         self._probe_landing = np.zeros(MAX_TARGET_QPS * 64, dtype=np.uint8)
@@ -220,7 +226,7 @@ class RdmaProvider:
                 ch.add_qp(qp, rdev)
             self._channels[token] = (peer, ch)
             peer._rdma_remote_qpns = remote_qpns
-            await self._probe_all(peer, ch, remote["probe"], len(qps))
+            await self._probe_all(peer, ch, len(qps))
         except BaseException:
             ch.close()
             self._channels.pop(token, None)
@@ -229,32 +235,31 @@ class RdmaProvider:
             raise
         return ch
 
-    async def _probe_all(self, peer: "Peer", ch: Any, probe: list[Any], n: int) -> None:
-        raddr, rkeys, cookie = probe
-        waits = []
-        stats = ch.stats()
-        for i in range(n):
-            dev = ch.qp_device(i)
-            rdev = stats[i]["rdev"]
-            landing = int(self._probe_landing.__array_interface__["data"][0]) + (i % MAX_TARGET_QPS) * 64
-            self._probe_landing[(i % MAX_TARGET_QPS) * 64:(i % MAX_TARGET_QPS) * 64 + 16] = 0
-            status, bid = ch.post_one(i, _verbs.OP_PROBE, landing, self.landing_keys[0][dev.index],
-                                      raddr, rkeys[rdev], len(cookie))
-            if status:
-                raise ProviderUnavailableError(f"{peer.address}: rdma probe could not be posted", peer=peer.address)
-            waits.append(self._engine._track_batch(bid, peer.address, 1, len(cookie), PROBE_TIMEOUT))
-        for i, w in enumerate(waits):
-            dev = ch.qp_device(i)
-            try:
-                await w
-            except Exception as e:
-                raise ProviderUnavailableError(
-                    f"{peer.address}: rdma device {dev.name} does not reach the peer's device "
-                    f"({e}); check GIDs/routes with ibv_devinfo -v and `rdma link`", peer=peer.address) from None
-            got = self._probe_landing[(i % MAX_TARGET_QPS) * 64:(i % MAX_TARGET_QPS) * 64 + len(cookie)].tobytes()
-            if got != cookie:
-                raise ProviderUnavailableError(f"{peer.address}: rdma probe read back the wrong bytes over "
-                                               f"{dev.name}", peer=peer.address)
+    async def _probe_all(self, peer: "Peer", ch: Any, n: int) -> None:
+        await asyncio.gather(*(self._probe_qp(peer, ch, i) for i in range(n)))
+
+    async def _probe_qp(self, peer: "Peer", ch: Any, i: int) -> None:
+        """Reads the peer's cookie over QP `i` (a posted READ that must come
+        back with the right bytes). Raises ProviderUnavailableError."""
+        raddr, rkeys, cookie = peer.descriptor.rdma["probe"]
+        dev = ch.qp_device(i)
+        rdev = ch.stats()[i]["rdev"]
+        slot = (i % MAX_TARGET_QPS) * 64
+        landing = int(self._probe_landing.__array_interface__["data"][0]) + slot
+        self._probe_landing[slot:slot + 16] = 0
+        status, bid = ch.post_one(i, _verbs.OP_PROBE, landing, self.landing_keys[0][dev.index],
+                                  raddr, rkeys[rdev], len(cookie))
+        if status:
+            raise ProviderUnavailableError(f"{peer.address}: rdma probe could not be posted", peer=peer.address)
+        try:
+            await self._engine._track_batch(bid, peer.address, 1, len(cookie), PROBE_TIMEOUT)
+        except Exception as e:
+            raise ProviderUnavailableError(
+                f"{peer.address}: rdma device {dev.name} does not reach the peer's device "
+                f"({e}); check GIDs/routes with ibv_devinfo -v and `rdma link`", peer=peer.address) from None
+        if self._probe_landing[slot:slot + len(cookie)].tobytes() != cookie:
+            raise ProviderUnavailableError(f"{peer.address}: rdma probe read back the wrong bytes over "
+                                           f"{dev.name}", peer=peer.address)
 
     async def notify(self, peer: "Peer", ch: Any, data: bytes) -> bool:
         """Sends a notification as an RDMA SEND on a live QP: it lands
@@ -353,7 +358,7 @@ class RdmaProvider:
                     self._engine._notifications.put_nowait((entry[0], data))
             elif kind == _verbs.EV_BROKEN:
                 entry = self._channels.get(token)
-                if entry is None:
+                if entry is None or (token, qp_index) in self._repairing:
                     continue
                 peer, ch = entry
                 name = WC_STATUS[wc_status] if 0 <= wc_status < len(WC_STATUS) else str(wc_status)
@@ -364,32 +369,67 @@ class RdmaProvider:
                 task.add_done_callback(self._repairs.discard)
 
     async def _repair(self, peer: "Peer", ch: Any, index: int) -> None:
-        """Connects a new QP in place of broken QP `index` (the old pair is
-        replaced on both ends); after REPAIR_ATTEMPTS failures the peer is
-        closed and what waited fails with PeerLostError."""
+        """Brings broken QP `index` back: a new QP in its place (the old pair
+        is replaced on both ends), probed with a read of the peer's cookie,
+        and only then in service. A failed attempt backs off (REPAIR_MIN
+        doubling to REPAIR_MAX) and probes again: meanwhile that device
+        pair carries nothing (slices go to the QPs that are up). When no QP
+        of the peer has been up for DEAD_AFTER seconds (or keepalive, if
+        longer), the peer is closed and what waited fails with PeerLostError."""
+        key = (ch.token, index)
+        if key in self._repairing:
+            return                     # its own probe failed: the running repair sees it
+        self._repairing.add(key)
+        dev = ch.qp_device(index)
+        self.device_errors[dev.index] += 1
+        delay = REPAIR_MIN
+        try:
+            while ch.alive and peer.alive:
+                why = await self._reconnect(peer, ch, index)
+                if why is None:
+                    self._all_down.pop(ch.token, None)
+                    log.info("kvflow: rdma QP %d to %s on %s is back", index, peer.address, dev.name)
+                    return
+                loop = self._engine._loop
+                if not any(q["state"] == QP_UP for q in ch.stats()):
+                    since = self._all_down.setdefault(ch.token, loop.time())
+                    if loop.time() - since > max(DEAD_AFTER, self._engine.keepalive):
+                        log.warning("kvflow: no rdma QP to %s works (last: %s); closing the peer",
+                                    peer.address, why)
+                        await peer.close()
+                        return
+                log.warning("kvflow: rdma QP %d to %s on %s is still down (%s); next try in %.1f s",
+                            index, peer.address, dev.name, why, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REPAIR_MAX)
+        finally:
+            self._repairing.discard(key)
+
+    async def _reconnect(self, peer: "Peer", ch: Any, index: int) -> str | None:
+        """One repair attempt of QP `index`: None when it is in service
+        again, else why not."""
         dev = ch.qp_device(index)
         rdev = ch.stats()[index]["rdev"]
-        for attempt in range(REPAIR_ATTEMPTS):
-            if not ch.alive or not peer.alive:
-                return
-            qp = dev.create_qp(QP_DEPTH)
-            try:
-                old = peer._rdma_remote_qpns[index]
-                reply = await peer._request({"t": "rdma_connect", "qps": [self._qp_wire(dev, qp, rdev)],
-                                             "replace": [[rdev, old]]})
-                (qpn, psn, gid, lid, mtu), = _accepted(reply, 1, peer.address)
-                qp.connect(qpn, psn, gid, lid, mtu)
-                if ch.replace_qp(index, qp):
-                    peer._rdma_remote_qpns[index] = qpn
-                    log.info("kvflow: rdma QP %d to %s reconnected", index, peer.address)
-                    return
-            except (OSError, ProtocolError, PeerLostError, asyncio.TimeoutError) as e:
-                log.warning("kvflow: reconnecting rdma QP %d to %s failed: %s", index, peer.address, e)
-            finally:
-                qp.destroy()
-            await asyncio.sleep(0.2 * (attempt + 1))
-        log.warning("kvflow: rdma to %s cannot be repaired; closing the peer", peer.address)
-        await peer.close()
+        qp = dev.create_qp(QP_DEPTH)
+        try:
+            old = peer._rdma_remote_qpns[index]
+            reply = await peer._request({"t": "rdma_connect", "qps": [self._qp_wire(dev, qp, rdev)],
+                                         "replace": [[rdev, old]]})
+            (qpn, psn, gid, lid, mtu), = _accepted(reply, 1, peer.address)
+            qp.connect(qpn, psn, gid, lid, mtu)
+            if not ch.replace_qp(index, qp, False):
+                return "the channel was closed"
+            peer._rdma_remote_qpns[index] = qpn
+        except (OSError, ProtocolError, ProviderUnavailableError, PeerLostError, asyncio.TimeoutError) as e:
+            return str(e)
+        finally:
+            qp.destroy()
+        try:
+            await self._probe_qp(peer, ch, index)
+        except ProviderUnavailableError as e:
+            ch.break_qp(index)         # a probe that timed out leaves it half in service
+            return str(e)
+        return None if ch.qp_up(index) else "the channel was closed"
 
     def forget_channel(self, ch: Any) -> None:
         self._channels.pop(getattr(ch, "token", -1), None)

@@ -20,7 +20,7 @@ import pytest
 import kvflow
 from kvflow import rdma
 
-from _batches import bounded
+from _batches import TIME_SCALE, bounded
 
 pytestmark = [
     pytest.mark.rdma,
@@ -172,6 +172,56 @@ async def test_two_devices_slices_striped_over_both():
         lb = a.register(back)
         await bounded(peer.read([lb.addr], [r.addr], [n]), 120)
         assert np.array_equal(back, src)
+    finally:
+        await a.close()
+        await b.close()
+
+
+def netdev_of(dev: str) -> str:
+    with open(f"/sys/class/infiniband/{dev}/ports/1/gid_attrs/ndevs/1") as f:
+        return f.read().strip()
+
+
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and ip(8) to take a link down")
+async def test_a_device_whose_link_dies_costs_throughput_not_data():
+    """The link under rxe1 goes down mid-transfer: its QPs break (retry
+    exceeded), their slices move to rxe0, every write completes and
+    verifies; repairs back off and probe, and once the link is back rxe1's
+    QPs are in service again and carry data."""
+    names = rdma.device_names()[:2]
+    link = netdev_of(names[1])
+    a, b = await rdma_pair(rdma_devices=names)
+    try:
+        n = 4 << 20
+        dst, src, r, l, peer = await connected(a, b, n, 5)
+        rng = np.random.default_rng(5)
+        down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
+        try:
+            await down.wait()
+            for i in range(4):
+                src[:] = rng.integers(0, 255, n, dtype=np.uint8)
+                await bounded(peer.write([l.addr], [r.addr], [n]), 120)
+                assert np.array_equal(dst, src), f"write {i} while {link} is down"
+            assert a._rdma.device_errors[1] > 0
+            states = {s["dev"]: set() for s in peer._channel.stats()}
+            for s in peer._channel.stats():
+                states[s["dev"]].add(s["state"])
+            assert 1 not in states[1] and states[0] == {1}, states
+        finally:
+            up = await asyncio.create_subprocess_exec("ip", "link", "set", link, "up")
+            await up.wait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60 * TIME_SCALE
+        while any(s["state"] != 1 for s in peer._channel.stats()):
+            assert loop.time() < deadline, peer._channel.stats()
+            await asyncio.sleep(0.2)
+        before = sum(s["bytes"] for s in peer._channel.stats() if s["dev"] == 1)
+        src[:] = rng.integers(0, 255, n, dtype=np.uint8)
+        await bounded(peer.write([l.addr], [r.addr], [n]), 120)
+        assert np.array_equal(dst, src)
+        assert sum(s["bytes"] for s in peer._channel.stats() if s["dev"] == 1) > before
+        assert peer.alive
     finally:
         await a.close()
         await b.close()

@@ -25,7 +25,10 @@
  * must still complete, the rest is dropped from the backlog. */
 #define MAX_INFLIGHT_BYTES (4u << 20)
 
-enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1 };
+/* PROBING: reconnected, carrying only its probe until kvf_rdma_chan_qp_up. */
+enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1, QP_PROBING = 2 };
+
+static inline int qp_live(int state) { return state == QP_UP || state == QP_PROBING; }
 
 /* ------------------------------------------------------------------ events */
 
@@ -179,8 +182,11 @@ static int verbs_status(int wc_status, const kvf_rdma_dev *d) {
     return wc_kvf_status(wc_status) | ((wc_status & 0xff) << 8) | ((int)((d->index + 1) & 0x7f) << 16);
 }
 
+/* Failures of the path, not of the request: another QP (device) may work.
+ * LOC_QP_OP_ERR is what Soft-RoCE reports when its netdev went down. */
 static int retryable(int s) {
     return s == IBV_WC_WR_FLUSH_ERR || s == IBV_WC_RETRY_EXC_ERR || s == IBV_WC_RNR_RETRY_EXC_ERR ||
+           s == IBV_WC_LOC_QP_OP_ERR ||
            s == IBV_WC_GENERAL_ERR || s == IBV_WC_FATAL_ERR || s == IBV_WC_REM_OP_ERR ||
            s == IBV_WC_RESP_TIMEOUT_ERR || s == IBV_WC_BAD_RESP_ERR;
 }
@@ -220,7 +226,7 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry);
 
 static void qp_post_locked(rqp *q, kvf_queue *retry) {
     kvf_ctx *c = q->ch->c;
-    while (q->state == QP_UP && q->backlog.count && q->head - q->tail < q->depth &&
+    while (qp_live(q->state) && q->backlog.count && q->head - q->tail < q->depth &&
            (q->inflight < MAX_INFLIGHT_BYTES || q->head == q->tail)) {
         size_t room = q->depth - (size_t)(q->head - q->tail);
         if (room > CHAIN) room = CHAIN;
@@ -310,7 +316,7 @@ static void events_broken(rqp *q, int wc_status) {
  * QP goes to the error state (no more memory access), and the event loop is
  * told to connect a new one. Caller holds q->mu. */
 static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
-    if (q->state != QP_UP) return;
+    if (!qp_live(q->state)) return;
     q->state = QP_BROKEN;
     q->gen = (q->gen + 1) & 0xffff;     /* completions still in the CQ are stale now */
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
@@ -453,7 +459,7 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     if (!q) { pthread_mutex_unlock(&d->mu); return; }
     pthread_mutex_lock(&q->mu);
     pthread_mutex_unlock(&d->mu);
-    if (q->state != QP_UP || q->gen != gen) { pthread_mutex_unlock(&q->mu); return; }
+    if (!qp_live(q->state) || q->gen != gen) { pthread_mutex_unlock(&q->mu); return; }
     uint64_t seq = q->tail + (uint32_t)(seq32 - (uint32_t)q->tail);
     if (seq >= q->head) { pthread_mutex_unlock(&q->mu); return; }
     kvf_ctx *c = q->ch->c;
@@ -685,7 +691,7 @@ static rqp *chan_qp(kvf_rdma_chan *ch, int index) {
     return q;
 }
 
-int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp) {
+int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp, int up) {
     rqp *q = chan_qp(ch, index);
     if (!q) return KVF_EINVAL;
     pthread_mutex_lock(&q->mu);
@@ -695,19 +701,57 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp) {
     q->gen = (q->gen + 1) & 0xffff;
     q->head = q->tail = 0;
     q->inflight = 0;
-    q->state = QP_UP;
+    q->state = up ? QP_UP : QP_PROBING;
     pthread_mutex_unlock(&q->mu);
+    return up ? kvf_rdma_chan_qp_up(ch, index) : KVF_OK;
+}
+
+int kvf_rdma_chan_qp_up(kvf_rdma_chan *ch, int index) {
+    rqp *q = chan_qp(ch, index);
+    if (!q) return KVF_EINVAL;
+    pthread_mutex_lock(&q->mu);
+    int ok = q->state == QP_UP || q->state == QP_PROBING;
+    if (ok) q->state = QP_UP;
+    pthread_mutex_unlock(&q->mu);
+    if (!ok) return KVF_EINVAL;
     /* what waited for a live QP goes out now */
     pthread_mutex_lock(&ch->mu);
     kvf_queue parked = ch->parked;
-    int ok = kvf_queue_init(&ch->parked) == KVF_OK;
-    if (!ok) ch->parked = parked;
+    int fresh = kvf_queue_init(&ch->parked) == KVF_OK;
+    if (!fresh) ch->parked = parked;
     pthread_mutex_unlock(&ch->mu);
-    if (ok) {
+    if (fresh) {
         dispatch_queue(ch, &parked);
         kvf_queue_destroy(&parked);
     }
     return KVF_OK;
+}
+
+int kvf_rdma_chan_break_qp(kvf_rdma_chan *ch, int index) {
+    rqp *q = chan_qp(ch, index);
+    if (!q) return KVF_EINVAL;
+    kvf_queue retry;
+    kvf_queue_init(&retry);
+    pthread_mutex_lock(&q->mu);
+    int was = q->state;
+    if (qp_live(was)) {
+        q->state = QP_BROKEN;      /* no BROKEN event: the caller asked for it */
+        q->gen = (q->gen + 1) & 0xffff;
+        struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
+        ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
+        for (uint64_t x = q->tail; x < q->head; x++) kvf_queue_push_locked(&retry, &q->ring[x % q->depth]);
+        atomic_fetch_sub_explicit(&q->dev->posted, (int64_t)(q->head - q->tail), memory_order_relaxed);
+        q->tail = q->head;
+        q->inflight = 0;
+        kvf_slice tmp[64];
+        size_t k;
+        while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)
+            for (size_t i = 0; i < k; i++) kvf_queue_push_locked(&retry, &tmp[i]);
+    }
+    pthread_mutex_unlock(&q->mu);
+    dispatch_queue(ch, &retry);
+    kvf_queue_destroy(&retry);
+    return qp_live(was) ? KVF_OK : KVF_EINVAL;
 }
 
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch) {
@@ -800,7 +844,7 @@ int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint
     kvf_queue retry;
     kvf_queue_init(&retry);
     pthread_mutex_lock(&q->mu);
-    if (q->state != QP_UP || kvf_queue_push_locked(&q->backlog, &s)) {
+    if (!qp_live(q->state) || kvf_queue_push_locked(&q->backlog, &s)) {
         pthread_mutex_unlock(&q->mu);
         slice_finish(ch->c, &s, KVF_ELOST);
     } else {

@@ -75,8 +75,15 @@ kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t 
 int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
                          uint32_t depth);
 /* Swaps a broken QP's verbs QP for a newly connected one (the old one is
- * destroyed) and posts what waited for it. */
-int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp);
+ * destroyed); up = 1: in service at once, and what waited is posted. */
+int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp, int up);
+/* A replaced QP that was not put up at once (up = 0) carries only
+ * kvf_rdma_post_one work (its probe) until this puts it up and posts what
+ * waited. */
+int kvf_rdma_chan_qp_up(kvf_rdma_chan *ch, int index);
+/* Takes a live QP out of service (error state; what it carried goes to the
+ * others), e.g. after its probe timed out. No BROKEN event follows. */
+int kvf_rdma_chan_break_qp(kvf_rdma_chan *ch, int index);
 int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
                     const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad);
 /* One work request with explicit keys on QP `index` (KVF_OP_SEND for a
