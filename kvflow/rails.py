@@ -35,6 +35,7 @@ CONNECT_TIMEOUT = 3.0       # a rail whose SYN goes unanswered this long is down
 BACKOFF_MIN = 0.5
 BACKOFF_MAX = 8.0
 WATCH_INTERVAL = 0.5
+EPOCH_SHIFT, EPOCH_MAX = 6, 3   # wire.h: a data hello's index byte is index | epoch << 6
 
 
 def tune_data_socket(s: socket.socket, keepalive: float) -> None:
@@ -154,19 +155,23 @@ class RailWatcher:
                                 "the other connections", peer.address, i, c.host, c.port)
                 if now < c.next_try:
                     continue
+                c.next_try = loop.time() + c.backoff
+                c.backoff = min(c.backoff * 2, BACKOFF_MAX)
+                # the hello carries the connection's next epoch: the target
+                # echoes it in acks, so acks of the connection it replaces
+                # are told apart (wire.h, KVF_CONN_EPOCH_*)
+                tag = i | (((c.rebuilt + 1) & EPOCH_MAX) << EPOCH_SHIFT)
                 try:
-                    s = await open_data_socket(loop, c.host, c.port, self.token, self.role, i,
+                    s = await open_data_socket(loop, c.host, c.port, self.token, self.role, tag,
                                                keepalive=self.keepalive, peer=peer.address)
-                except (PeerUnreachableError, ProtocolError) as e:
-                    c.backoff = min(c.backoff * 2, BACKOFF_MAX)
-                    c.next_try = loop.time() + c.backoff
+                except (PeerUnreachableError, ProtocolError, OSError) as e:
                     log.debug("kvflow: %s: rebuilding data connection %d: %s", peer.address, i, e)
                     continue
                 if peer._closed or peer._channel is not channel:
                     s.close()
                     return
                 if not channel.replace(i, s.detach()):
-                    return
+                    continue
                 log.warning("kvflow: %s: data connection %d (%s:%d) is back after %.1f s",
                             peer.address, i, c.host, c.port, loop.time() - c.down_since)
                 c.down_since = None

@@ -121,6 +121,8 @@ class RdmaProvider:
         # The reachability probe: peers read this cookie back over each QP.
         self._probe = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()
         self._probe_landing = np.zeros(MAX_TARGET_QPS * 64, dtype=np.uint8)
+        self._probe_free = list(range(MAX_TARGET_QPS))
+        self._probe_slots = asyncio.Semaphore(MAX_TARGET_QPS)
         self._notify_buf = np.zeros(NOTIFY_SLOTS * _verbs.RECV_BYTES, dtype=np.uint8)
         self._notify_free = list(range(NOTIFY_SLOTS))
         self._notify_sem = asyncio.Semaphore(NOTIFY_SLOTS)
@@ -244,22 +246,30 @@ class RdmaProvider:
         raddr, rkeys, cookie = peer.descriptor.rdma["probe"]
         dev = ch.qp_device(i)
         rdev = ch.stats()[i]["rdev"]
-        slot = (i % MAX_TARGET_QPS) * 64
-        landing = int(self._probe_landing.__array_interface__["data"][0]) + slot
-        self._probe_landing[slot:slot + 16] = 0
-        status, bid = ch.post_one(i, _verbs.OP_PROBE, landing, self.landing_keys[0][dev.index],
-                                  raddr, rkeys[rdev], len(cookie))
-        if status:
-            raise ProviderUnavailableError(f"{peer.address}: rdma probe could not be posted", peer=peer.address)
-        try:
-            await self._engine._track_batch(bid, peer.address, 1, len(cookie), PROBE_TIMEOUT)
-        except Exception as e:
-            raise ProviderUnavailableError(
-                f"{peer.address}: rdma device {dev.name} does not reach the peer's device "
-                f"({e}); check GIDs/routes with ibv_devinfo -v and `rdma link`", peer=peer.address) from None
-        if self._probe_landing[slot:slot + len(cookie)].tobytes() != cookie:
-            raise ProviderUnavailableError(f"{peer.address}: rdma probe read back the wrong bytes over "
-                                           f"{dev.name}", peer=peer.address)
+        async with self._probe_slots:
+            # a landing slot of its own (probes of other peers and QPs run at once)
+            index = self._probe_free.pop()
+            try:
+                slot = index * 64
+                landing = int(self._probe_landing.__array_interface__["data"][0]) + slot
+                self._probe_landing[slot:slot + 64] = 0
+                status, bid = ch.post_one(i, _verbs.OP_PROBE, landing, self.landing_keys[0][dev.index],
+                                          raddr, rkeys[rdev], len(cookie))
+                if status:
+                    raise ProviderUnavailableError(f"{peer.address}: rdma probe could not be posted",
+                                                   peer=peer.address)
+                try:
+                    await self._engine._track_batch(bid, peer.address, 1, len(cookie), PROBE_TIMEOUT)
+                except Exception as e:
+                    raise ProviderUnavailableError(
+                        f"{peer.address}: rdma device {dev.name} does not reach the peer's device "
+                        f"({e}); check GIDs/routes with ibv_devinfo -v and `rdma link`",
+                        peer=peer.address) from None
+                if self._probe_landing[slot:slot + len(cookie)].tobytes() != cookie:
+                    raise ProviderUnavailableError(f"{peer.address}: rdma probe read back the wrong bytes "
+                                                   f"over {dev.name}", peer=peer.address)
+            finally:
+                self._probe_free.append(index)
 
     async def notify(self, peer: "Peer", ch: Any, data: bytes) -> bool:
         """Sends a notification as an RDMA SEND on a live QP: it lands
@@ -410,20 +420,23 @@ class RdmaProvider:
         again, else why not."""
         dev = ch.qp_device(index)
         rdev = ch.stats()[index]["rdev"]
-        qp = dev.create_qp(QP_DEPTH)
+        qp = None
         try:
+            qp = dev.create_qp(QP_DEPTH)
             old = peer._rdma_remote_qpns[index]
             reply = await peer._request({"t": "rdma_connect", "qps": [self._qp_wire(dev, qp, rdev)],
                                          "replace": [[rdev, old]]})
             (qpn, psn, gid, lid, mtu), = _accepted(reply, 1, peer.address)
+            # the target replaced its QP: the next attempt replaces this one
+            peer._rdma_remote_qpns[index] = qpn
             qp.connect(qpn, psn, gid, lid, mtu)
             if not ch.replace_qp(index, qp, False):
                 return "the channel was closed"
-            peer._rdma_remote_qpns[index] = qpn
-        except (OSError, ProtocolError, ProviderUnavailableError, PeerLostError, asyncio.TimeoutError) as e:
-            return str(e)
+        except Exception as e:      # verbs, protocol, a lost peer: try again later
+            return f"{type(e).__name__}: {e}"
         finally:
-            qp.destroy()
+            if qp is not None:
+                qp.destroy()
         try:
             await self._probe_qp(peer, ch, index)
         except ProviderUnavailableError as e:
@@ -433,6 +446,7 @@ class RdmaProvider:
 
     def forget_channel(self, ch: Any) -> None:
         self._channels.pop(getattr(ch, "token", -1), None)
+        self._all_down.pop(getattr(ch, "token", -1), None)
 
     def close(self) -> None:
         for t in list(self._repairs):

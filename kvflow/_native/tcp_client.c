@@ -61,6 +61,7 @@ typedef struct tcp_conn {
     uint32_t free_tags[TCP_WINDOW];
     uint32_t nfree;
     _Atomic int dead;
+    _Atomic unsigned epoch;   /* times it was rebuilt (acks carry it) */
     int fail_status;
     uint64_t sent_bytes;      /* payload bytes framed on this connection */
     uint64_t moved;           /* slices handed to other connections when it failed */
@@ -87,8 +88,7 @@ struct kvf_tcp_channel {
     int n;
     tcp_conn *conns;
     uint64_t slice_size;
-    _Atomic int alive;        /* some connection is up */
-    _Atomic int closing;      /* close(): fail, never move, what a connection owned */
+    _Atomic int closing;      /* close() or ack connection lost: fail, never move or rebuild */
     int ack_fd;               /* -1: acks come back on each data connection */
     char *ack_buf;            /* partial ack frames between polls */
     size_t ack_len;
@@ -96,7 +96,10 @@ struct kvf_tcp_channel {
 
 static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status);
 
+/* Some connection is up (computed, not cached: connections fail and are
+ * rebuilt on different threads). */
 static int any_alive(kvf_tcp_channel *ch) {
+    if (atomic_load(&ch->closing)) return 0;
     for (int i = 0; i < ch->n; i++) if (!atomic_load(&ch->conns[i].dead)) return 1;
     return 0;
 }
@@ -111,7 +114,6 @@ static void conn_fail(tcp_conn *c, int status) {
     c->dead = 1;
     c->fail_status = status;
     c->failures++;
-    atomic_store(&c->ch->alive, any_alive(c->ch));
     size_t nq = c->q.count, k = 0;
     kvf_slice *fail = malloc((nq + TCP_WINDOW) * sizeof(kvf_slice));
     if (fail) {
@@ -127,7 +129,7 @@ static void conn_fail(tcp_conn *c, int status) {
     pthread_cond_broadcast(&c->q.cv);
     pthread_mutex_unlock(&c->q.mu);
     shutdown(c->fd, SHUT_RDWR);   /* wakes the other thread out of send/recv */
-    if (status == KVF_ELOST && !atomic_load(&c->ch->closing) && atomic_load(&c->ch->alive)) {
+    if (status == KVF_ELOST && any_alive(c->ch)) {
         c->moved += k;
         requeue(c->ch, fail, k, status);
     } else {
@@ -343,11 +345,14 @@ static void *tcp_tx(void *arg) {
     return NULL;
 }
 
-/* Takes a tag's slice; want_state 1 frees the tag, 2 keeps it owned by rx. */
+/* Takes a tag's slice (keep: rx owns it while a read payload lands, else
+ * the tag is freed). 1: taken; 0: no such slice (a protocol error); -1:
+ * the connection failed, and what it owned has moved (a late answer). */
 static int take_tag(tcp_conn *c, uint32_t tag, kvf_slice *out, int keep) {
     int ok = 0;
     pthread_mutex_lock(&c->q.mu);
-    if (tag < TCP_WINDOW && c->state[tag] == 1) {
+    if (c->dead) ok = -1;
+    else if (tag < TCP_WINDOW && c->state[tag] == 1) {
         *out = c->inflight[tag];
         ok = 1;
         if (keep) c->state[tag] = 2;
@@ -382,7 +387,8 @@ static void *tcp_rx(void *arg) {
         r.big = h.len >= RD_BUF / 4;
         kvf_slice s;
         if (h.type == KVF_F_WRITE_ACK) {
-            if (!take_tag(c, h.tag, &s, 0)) { status = KVF_EPROTO; break; }
+            int t = take_tag(c, h.tag, &s, 0);
+            if (t <= 0) { status = t < 0 ? KVF_ELOST : KVF_EPROTO; break; }
             if ((s.op & 0xff) != KVF_OP_WRITE) {
                 kvf_slice_done(ctx, s.slot, KVF_EPROTO, s.entry);
                 atomic_fetch_sub(&ctx->n_slices_inflight, 1);
@@ -392,7 +398,8 @@ static void *tcp_rx(void *arg) {
             kvf_slice_done(ctx, s.slot, h.status, s.entry);
             atomic_fetch_sub(&ctx->n_slices_inflight, 1);
         } else if (h.type == KVF_F_READ_RESP) {
-            if (!take_tag(c, h.tag, &s, 1)) { status = KVF_EPROTO; break; }
+            int t = take_tag(c, h.tag, &s, 1);
+            if (t <= 0) { status = t < 0 ? KVF_ELOST : KVF_EPROTO; break; }
             int st = h.status;
             /* a response whose length disagrees with the request cannot be
              * placed safely: drop the connection */
@@ -403,7 +410,15 @@ static void *tcp_rx(void *arg) {
                  * have reused or released the destination */
                 void *dst = (st == KVF_OK && !kvf_batch_cancelled(ctx, s.slot))
                                 ? (void *)(uintptr_t)s.local : NULL;
-                if (sk_read_exact(&r, dst, h.len)) { fatal = 1; status = KVF_ELOST; }
+                if (sk_read_exact(&r, dst, h.len)) {
+                    /* the connection died mid-payload: the read goes again
+                     * on another connection (what landed is rewritten) */
+                    release_tag(c, h.tag);
+                    conn_fail(c, KVF_ELOST);
+                    requeue(c->ch, &s, 1, KVF_ELOST);
+                    status = KVF_ELOST;
+                    break;
+                }
             } else if (fatal) status = KVF_EPROTO;
             release_tag(c, h.tag);
             kvf_slice_done(ctx, s.slot, fatal ? status : st, s.entry);
@@ -473,25 +488,37 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int
         c->rx_started = pthread_create(&c->rx, NULL, tcp_rx, c) == 0;
         atomic_fetch_add(&ctx->n_threads, c->tx_started + c->rx_started);
         if (!c->tx_started || !c->rx_started) conn_fail(c, KVF_ENOMEM);
-        else atomic_store(&ch->alive, 1);
     }
     return ch;
 }
 
-int kvf_tcp_channel_alive(kvf_tcp_channel *ch) { return atomic_load(&ch->alive); }
+int kvf_tcp_channel_alive(kvf_tcp_channel *ch) { return any_alive(ch); }
 
 static void channel_fail(kvf_tcp_channel *ch, int status) {
     for (int i = 0; i < ch->n; i++) conn_fail(&ch->conns[i], status);
 }
 
-/* Finishes one write ack: `aux` names the data connection whose tag it is. */
+/* Without its ack connection the channel cannot finish writes: it fails
+ * as a whole (nothing moves, nothing is rebuilt; the peer reconnects). */
+static void ack_lost(kvf_tcp_channel *ch, int status) {
+    atomic_store(&ch->closing, 1);
+    channel_fail(ch, status);
+}
+
+/* Finishes one write ack: `aux` names the data connection whose tag it is
+ * (its index, and in the top bits the epoch of its hello). */
 static int ack_one(kvf_tcp_channel *ch, const kvf_hdr *h) {
-    if (h->magic != KVF_MAGIC || h->type != KVF_F_WRITE_ACK || h->aux >= (uint64_t)ch->n) return -1;
-    tcp_conn *c = &ch->conns[h->aux];
+    uint64_t index = h->aux & KVF_CONN_INDEX_MASK, epoch = (h->aux & 0xff) >> KVF_CONN_EPOCH_SHIFT;
+    if (h->magic != KVF_MAGIC || h->type != KVF_F_WRITE_ACK || h->aux > 0xff || index >= (uint64_t)ch->n)
+        return -1;
+    tcp_conn *c = &ch->conns[index];
     kvf_slice s;
-    /* a late ack of a connection that failed: its slices were moved */
-    if (atomic_load(&c->dead)) return 0;
-    if (!take_tag(c, h->tag, &s, 0)) return -1;
+    /* a late ack of a connection that failed (its slices moved) or of the
+     * one it replaced */
+    if (epoch != (atomic_load(&c->epoch) & KVF_CONN_EPOCH_MAX)) return 0;
+    int t = take_tag(c, h->tag, &s, 0);
+    if (t < 0) return 0;
+    if (t == 0) return -1;
     int bad = (s.op & 0xff) != KVF_OP_WRITE;   /* an ack for a read's tag */
     kvf_slice_done(ch->ctx, s.slot, bad ? KVF_EPROTO : h->status, s.entry);
     atomic_fetch_sub(&ch->ctx->n_slices_inflight, 1);
@@ -504,13 +531,13 @@ int kvf_tcp_poll_acks(kvf_tcp_channel *ch) {
         ssize_t g = recv(ch->ack_fd, ch->ack_buf + ch->ack_len, ACK_BUF - ch->ack_len, MSG_DONTWAIT);
         if (g < 0 && errno == EINTR) continue;
         if (g < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-        if (g <= 0) { channel_fail(ch, KVF_ELOST); return -1; }
+        if (g <= 0) { ack_lost(ch, KVF_ELOST); return -1; }
         ch->ack_len += g;
         size_t off = 0;
         for (; off + sizeof(kvf_hdr) <= ch->ack_len; off += sizeof(kvf_hdr)) {
             kvf_hdr h;
             memcpy(&h, ch->ack_buf + off, sizeof(h));
-            if (ack_one(ch, &h)) { channel_fail(ch, KVF_EPROTO); return -1; }
+            if (ack_one(ch, &h)) { ack_lost(ch, KVF_EPROTO); return -1; }
         }
         memmove(ch->ack_buf, ch->ack_buf + off, ch->ack_len - off);
         ch->ack_len -= off;
@@ -527,7 +554,7 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
     size_t k;
     int rc = kvf_prepare(ctx, remote, op, la, ra, len, n, ch->slice_size, &s, &k, bad);
     if (rc) return rc;
-    if (!atomic_load(&ch->alive)) { free(s); *bad = 0; return KVF_ELOST; }
+    if (!any_alive(ch)) { free(s); *bad = 0; return KVF_ELOST; }
     rc = kvf_batch_alloc(ctx, k, id_out);
     if (rc) { free(s); return rc; }
     uint32_t slot = (uint32_t)*id_out;
@@ -667,13 +694,13 @@ int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     c->fd = fd;
     sk_nodelay(fd);
     atomic_fetch_add(&ch->ctx->n_sockets, 1);
+    atomic_fetch_add(&c->epoch, 1);    /* the caller's hello carried the new epoch */
     c->dead = 0;
     pthread_mutex_unlock(&c->q.mu);
     c->tx_started = pthread_create(&c->tx, NULL, tcp_tx, c) == 0;
     c->rx_started = pthread_create(&c->rx, NULL, tcp_rx, c) == 0;
     atomic_fetch_add(&ch->ctx->n_threads, c->tx_started + c->rx_started);
     if (!c->tx_started || !c->rx_started) { conn_fail(c, KVF_ENOMEM); return KVF_ENOMEM; }
-    atomic_store(&ch->alive, 1);
     return KVF_OK;
 }
 

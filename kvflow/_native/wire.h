@@ -31,6 +31,14 @@ enum {
  * thread wake-up less per small write than a receiver thread plus eventfd. */
 enum { KVF_ROLE_DATA = 0, KVF_ROLE_ACK = 1 };
 
+/* A data connection's hello `status` byte: its index (bits 0-5) and the
+ * epoch of the connection (bits 6-7: how many times that index was
+ * rebuilt, mod 4); the target echoes the byte in each ack's aux, so an ack
+ * of a replaced connection is recognised. */
+#define KVF_CONN_INDEX_MASK 0x3f
+#define KVF_CONN_EPOCH_SHIFT 6
+#define KVF_CONN_EPOCH_MAX 3
+
 #define KVF_HDR_FLUSH 1
 
 typedef struct {

@@ -1,0 +1,77 @@
+"""tcp failover on one rail: the kernel destroys one data connection
+(`ss -K`) while writes and reads are in flight. Its slices move to the
+other connections, every batch completes and verifies, and the connection
+is rebuilt (new epoch: acks of the old one, still on the ack connection,
+cannot be mistaken for the new one's).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import kvflow
+
+from _batches import bounded
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None,
+                                reason="needs root and ss(8) to destroy a socket")
+
+
+def data_sockets(port: int) -> list[str]:
+    """Local ports of the established connections to the data port."""
+    out = subprocess.run(["ss", "-tnH", "state", "established", "dst", f"127.0.0.1:{port}"],
+                         capture_output=True, text=True, check=True).stdout
+    return [line.split()[2].rsplit(":", 1)[1] for line in out.splitlines() if line.strip()]
+
+
+def kill_socket(port: int, sport: str) -> None:
+    subprocess.run(["ss", "-K", "dst", f"127.0.0.1:{port}", "sport", "=", f":{sport}"],
+                   capture_output=True, text=True)
+
+
+async def test_a_destroyed_data_connection_moves_its_slices_and_is_rebuilt():
+    n = 16 << 20
+    async with kvflow.Engine(protocols=("tcp",)) as b, kvflow.Engine(protocols=("tcp",), tcp_connections=3) as a:
+        dst = np.zeros(n, np.uint8)
+        src = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
+        back = np.zeros(n, np.uint8)
+        r, l, lb = b.register(dst), a.register(src), a.register(back)
+        peer = await bounded(a.connect(b.address))
+        await bounded(peer.write([l.addr], [r.addr], [n]))
+        port = b.descriptor().data[0][1]
+        before = data_sockets(port)
+        assert len(before) == 4          # 3 data + the ack connection
+        rng = np.random.default_rng(2)
+        killed = False
+        for i in range(12):
+            src[:] = rng.integers(0, 255, n, dtype=np.uint8)
+            w = peer.write_nowait([l.addr], [r.addr], [n])
+            if i == 3:                   # a data connection (not the ack one, opened first) dies mid-write
+                await asyncio.sleep(0.002)
+                kill_socket(port, before[-1])
+                killed = True
+            await bounded(w)
+            assert np.array_equal(dst, src), f"write {i}"
+            await bounded(peer.read([lb.addr], [r.addr], [n]))
+            assert np.array_equal(back, src), f"read {i}"
+        assert killed
+        conns = peer.connections()
+        if not any(c["failures"] for c in conns):
+            pytest.skip("ss -K did not destroy the socket (kernel without CONFIG_INET_DIAG_DESTROY)")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not all(c["up"] for c in peer.connections()):
+            assert loop.time() < deadline, peer.connections()
+            await asyncio.sleep(0.1)
+        assert sum(c["rebuilt"] for c in peer.connections()) >= 1
+        for i in range(4):               # the rebuilt connection carries data and acks again
+            src[:] = rng.integers(0, 255, n, dtype=np.uint8)
+            await bounded(peer.write([l.addr], [r.addr], [n]))
+            assert np.array_equal(dst, src)
+        assert peer.alive
+        assert a.counters()["slices_inflight"] == 0
