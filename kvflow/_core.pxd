@@ -10,6 +10,7 @@ cdef class Core:
     cdef uint32_t next_region_id
     cdef object channels          # weakref.WeakSet of channels, closed first
     cdef kvf_completion comp[512]
+    cdef int waiting              # threads in wait_detached (close waits for them)
     cdef kvf_ctx *_ctx(self) except NULL
 
 
@@ -23,6 +24,7 @@ cdef class Channel:
     cdef Core core
     cdef RemoteTable table
     cdef readonly str peer
+    cdef object use_lock          # submit_detached (another thread) vs close
     cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
                    const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil
     cdef uint64_t _poll_budget(self, uint64_t total)

@@ -11,6 +11,8 @@ from libc.string cimport memcpy
 from cpython.long cimport PyLong_AsUnsignedLongLong
 cimport numpy as cnp
 import os
+import threading
+import time
 import weakref
 from time import perf_counter_ns
 
@@ -106,6 +108,24 @@ cdef class Core:
         if self.ctx != NULL:
             kvf_batch_cancel(self.ctx, batch_id)
 
+    def wait_detached(self, uint64_t batch_id, double timeout=0.0, double spin=0.0):
+        """Blocks this thread (GIL released) until a batch submitted with
+        Channel.submit_detached finished: (KVF_OK, status, entry), its slot
+        freed; or (KVF_ECANCELLED, 0, 0) after `timeout` seconds (0: none),
+        the batch still running. Spins `spin` seconds before sleeping."""
+        cdef kvf_ctx *c = self._ctx()
+        cdef int status = 0, rc
+        cdef uint64_t entry = 0
+        cdef uint64_t to = <uint64_t>(timeout * 1e9) if timeout > 0 else 0
+        cdef uint64_t sp = <uint64_t>(spin * 1e9) if spin > 0 else 0
+        self.waiting += 1
+        try:
+            with nogil:
+                rc = kvf_batch_wait(c, batch_id, sp, to, &status, &entry)
+        finally:
+            self.waiting -= 1
+        return rc, status, entry
+
     def add_token(self, bytes token):
         if len(token) != 16:
             raise ValueError("session tokens are 16 bytes")
@@ -139,6 +159,10 @@ cdef class Core:
             return
         for ch in list(self.channels):
             ch.close()
+        # closed channels failed every batch: waiting threads return now
+        deadline = time.monotonic() + 5
+        while self.waiting and time.monotonic() < deadline:
+            time.sleep(0.001)
         with nogil:
             kvf_srv_shutdown(self.ctx)
             kvf_ctx_free(self.ctx)
@@ -232,6 +256,7 @@ cdef class Channel:
         self.core = core
         self.table = table
         self.peer = peer
+        self.use_lock = threading.Lock()
         core.channels.add(self)
 
     cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
@@ -257,6 +282,18 @@ cdef class Channel:
         eventfd like any other."""
         status, bid, aux, _ = self.submit_poll(op, local_addrs, remote_addrs, lengths, False)
         return status, bid, aux
+
+    def submit_detached(self, int op, local_addrs, remote_addrs, lengths):
+        """submit() for a thread that then blocks in Core.wait_detached()
+        (not the event loop's): the batch never reaches the completion
+        ring, so neither the submission nor the completion goes through the
+        loop. Safe against a concurrent close()."""
+        with self.use_lock:
+            kvf_set_detached(1)
+            try:
+                return self.submit(op, local_addrs, remote_addrs, lengths)
+            finally:
+                kvf_set_detached(0)
 
     def submit_poll(self, int op, local_addrs, remote_addrs, lengths, bint poll=True):
         """Submits, and for small batches may poll for the completion on this
@@ -423,7 +460,8 @@ cdef class TcpChannel(Channel):
     def close(self):
         """Fails what is still queued or in flight, joins the threads, closes
         the sockets. Idempotent."""
-        if self.ch != NULL:
-            with nogil:
-                kvf_tcp_channel_free(self.ch)
-            self.ch = NULL
+        with self.use_lock:
+            if self.ch != NULL:
+                with nogil:
+                    kvf_tcp_channel_free(self.ch)
+                self.ch = NULL

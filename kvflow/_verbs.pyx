@@ -487,14 +487,15 @@ cdef class RdmaChannel(Channel):
     def close(self):
         """Destroys the QPs (nothing touches memory after this returns) and
         fails what was queued or in flight. Idempotent."""
-        if self.ch != NULL:
-            with nogil:
-                kvf_rdma_chan_free(self.ch)
-            self.ch = NULL
-            for d, depth in zip(self.devs, self.depths):
-                (<Device>d).release(depth)
-            self.devs = []
-            self.depths = []
+        with self.use_lock:
+            if self.ch != NULL:
+                with nogil:
+                    kvf_rdma_chan_free(self.ch)
+                self.ch = NULL
+                for d, depth in zip(self.devs, self.depths):
+                    (<Device>d).release(depth)
+                self.devs = []
+                self.depths = []
 
     def __dealloc__(self):
         if self.ch != NULL:

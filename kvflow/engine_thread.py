@@ -72,6 +72,11 @@ class EngineThread:
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
+    def on_loop_thread(self) -> bool:
+        """True when called from the engine's own loop thread (where
+        blocking for a transfer would stop the loop that finishes it)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         # Kept for tests (asyncpg-style hygiene: nothing may reach the handler)
         # and logged as the default handler would.

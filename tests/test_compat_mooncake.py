@@ -352,6 +352,31 @@ def test_batch_ids_are_collected_once(kpair):
     assert a.write_bytes_to_buffer(ptr(src), b"abc", 4) == -1
 
 
+def test_sync_transfers_skip_the_loop_once_connected(kpair, monkeypatch):
+    """After the first transfer to a target (which connects through the
+    engine's loop), synchronous transfers are submitted and waited for on
+    the caller's thread: no loop hop, so the loop path is never taken."""
+    a, t, src = kpair
+    assert a.transfer_sync_write(name(t.eng), ptr(src), t.addr, 4096) == 0
+
+    def no_loop(*args, **kw):
+        raise AssertionError("took the loop path")
+    monkeypatch.setattr(a, "_start", no_loop)
+    for i in range(20):
+        src[:4096] = pattern(4096, i)
+        assert a.transfer_sync_write(name(t.eng), ptr(src), t.addr + i * 4096, 4096) == 0
+        assert (t.view[i * 4096:(i + 1) * 4096] == src[:4096]).all()
+        assert a.transfer_sync_read(name(t.eng), ptr(src, 8192), t.addr + i * 4096, 4096) == 0
+    assert a.batch_transfer_sync_write(name(t.eng), [ptr(src), ptr(src, 4096)], [t.addr, t.addr + 65536],
+                                       [4096, 0]) == 0
+    monkeypatch.undo()
+    # outside the peer's regions: the loop path refreshes its table, then fails
+    assert a.transfer_sync_write(name(t.eng), ptr(src), t.addr + (1 << 40), 4096) == -1
+    assert isinstance(a.last_error, kvflow.RemoteAccessError), a.last_error
+    assert a._engine.counters()["batches"] == 0           # every detached batch was freed
+    assert t.guards_intact()
+
+
 def test_threads_share_one_engine(make):
     a, b = make(), make()
     t = Target(b, 4 * MiB)

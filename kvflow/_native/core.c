@@ -4,9 +4,11 @@
 #include "kvf.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ---------------------------------------------------------------- regions */
@@ -143,6 +145,7 @@ int kvf_ctx_init_common(kvf_ctx *c) {
     c->free_head = 0;
     pthread_mutex_init(&c->pool_mu, NULL);
     pthread_mutex_init(&c->comp_mu, NULL);
+    pthread_cond_init(&c->detached_cv, NULL);
     pthread_mutex_init(&c->srv_mu, NULL);
     pthread_cond_init(&c->srv_cv, NULL);
     c->comp_cap = 256;
@@ -160,9 +163,14 @@ void kvf_ctx_free_common(kvf_ctx *c) {
     kvf_rt_destroy(&c->local);
     pthread_mutex_destroy(&c->pool_mu);
     pthread_mutex_destroy(&c->comp_mu);
+    pthread_cond_destroy(&c->detached_cv);
     pthread_mutex_destroy(&c->srv_mu);
     pthread_cond_destroy(&c->srv_cv);
 }
+
+static __thread int tls_detached;
+
+void kvf_set_detached(int on) { tls_detached = on; }
 
 static inline uint32_t id_slot(uint64_t id) { return (uint32_t)id; }
 static inline uint32_t id_gen(uint64_t id) { return (uint32_t)(id >> 32); }
@@ -187,6 +195,7 @@ int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out) {
     atomic_store_explicit(&b->status, KVF_OK, memory_order_relaxed);
     atomic_store_explicit(&b->cancelled, 0, memory_order_relaxed);
     atomic_store_explicit(&b->err_entry, 0, memory_order_relaxed);
+    b->detached = tls_detached;
     /* The release in the queue's mutex publishes these stores to workers. */
     *id_out = ((uint64_t)b->gen << 32) | slot;
     return KVF_OK;
@@ -222,6 +231,13 @@ void kvf_set_loop_thread(int on) { tls_loop_thread = on; }
 
 static void completion_push(kvf_ctx *c, uint32_t slot) {
     kvf_batch *b = &c->batches[slot];
+    if (b->detached) {
+        /* its thread waits for it: wake it (it may sleep on the condvar) */
+        pthread_mutex_lock(&c->comp_mu);
+        pthread_cond_broadcast(&c->detached_cv);
+        pthread_mutex_unlock(&c->comp_mu);
+        return;
+    }
     kvf_completion e = {
         ((uint64_t)b->gen << 32) | slot,
         atomic_load_explicit(&b->status, memory_order_acquire), 0,
@@ -264,6 +280,48 @@ void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry) {
     /* acq_rel: the last decrementer sees every other slice's status store. */
     if (atomic_fetch_sub_explicit(&b->remaining, 1, memory_order_acq_rel) == 1)
         completion_push(c, slot);
+}
+
+static void batch_free(kvf_ctx *c, uint32_t slot) {
+    pthread_mutex_lock(&c->pool_mu);
+    c->batches[slot].next_free = c->free_head;
+    c->free_head = slot;
+    c->in_use--;
+    pthread_mutex_unlock(&c->pool_mu);
+}
+
+int kvf_batch_wait(kvf_ctx *c, uint64_t id, uint64_t spin_ns, uint64_t timeout_ns, int *status,
+                   uint64_t *entry) {
+    uint32_t slot = id_slot(id);
+    if (slot >= KVF_MAX_BATCHES) return KVF_EINVAL;
+    kvf_batch *b = &c->batches[slot];
+    if (b->gen != id_gen(id) || !b->detached) return KVF_EINVAL;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    uint64_t start = (uint64_t)t0.tv_sec * 1000000000ull + (uint64_t)t0.tv_nsec, now = start;
+    while (atomic_load_explicit(&b->remaining, memory_order_acquire) != 0) {
+        if (now - start < spin_ns) {
+            sched_yield();
+        } else {
+            if (timeout_ns && now - start >= timeout_ns) return KVF_ECANCELLED;
+            /* sleep until a detached batch finishes (or 1 ms: a bound, not a poll) */
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += 1000000;
+            if (until.tv_nsec >= 1000000000) { until.tv_sec++; until.tv_nsec -= 1000000000; }
+            pthread_mutex_lock(&c->comp_mu);
+            if (atomic_load_explicit(&b->remaining, memory_order_acquire) != 0)
+                pthread_cond_timedwait(&c->detached_cv, &c->comp_mu, &until);
+            pthread_mutex_unlock(&c->comp_mu);
+        }
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        now = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+    }
+    *status = atomic_load_explicit(&b->status, memory_order_acquire);
+    *entry = atomic_load_explicit(&b->err_entry, memory_order_relaxed);
+    batch_free(c, slot);
+    return KVF_OK;
 }
 
 size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap) {

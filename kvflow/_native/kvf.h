@@ -76,6 +76,7 @@ typedef struct {
     _Atomic uint64_t err_entry;  /* entry index of the first failed slice */
     uint32_t gen;
     uint32_t next_free;
+    int32_t detached;            /* waited for by its submitting thread, never drained */
 } kvf_batch;
 
 typedef struct {
@@ -99,6 +100,7 @@ typedef struct kvf_ctx {
     pthread_mutex_t comp_mu;
     kvf_completion *comp;
     size_t comp_n, comp_cap;
+    pthread_cond_t detached_cv;   /* (with comp_mu) a detached batch finished */
     int comp_signaled;
     int efd;
 
@@ -130,6 +132,17 @@ int kvf_batch_finished(kvf_ctx *c, uint64_t id);
 void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry);
 /* Drain finished batches into out (at most cap); frees their slots. */
 size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap);
+/* Detached batches, for a thread that submits and then blocks until its
+ * batch finished (the event loop takes no part: no thread hop there and
+ * back). With the flag set, batches this thread allocates are detached:
+ * never pushed to the completion ring, finished by kvf_batch_wait. */
+void kvf_set_detached(int on);
+/* Waits (spinning for spin_ns, then sleeping) until detached batch `id`
+ * finished or timeout_ns passed (0: forever). KVF_OK: finished, its status
+ * in *status (and *entry), its slot freed; KVF_ECANCELLED: timed out, the
+ * batch still runs (cancel it, then wait again). */
+int kvf_batch_wait(kvf_ctx *c, uint64_t id, uint64_t spin_ns, uint64_t timeout_ns, int *status,
+                   uint64_t *entry);
 
 /* ------------------------------------------------------------------ plan */
 

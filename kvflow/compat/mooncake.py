@@ -115,11 +115,14 @@ import numpy as np
 
 from kvflow.engine import Engine
 from kvflow.engine_thread import EngineThread
+from kvflow import _core
 from kvflow.errors import (
+    EREMOTE,
     InvalidArgumentError,
     KVFlowError,
     PeerUnreachableError,
     TransferTimeoutError,
+    status_error,
 )
 from kvflow.memory import Region, RemoteRegion
 from kvflow.peer import Peer
@@ -141,6 +144,11 @@ STATUS_DONE, STATUS_PENDING, STATUS_FAILED, STATUS_TIMEOUT = 1, 0, -1, -2
 
 PROTOCOLS: dict[str, tuple[str, ...] | None] = {"tcp": ("tcp",), "rdma": ("rdma",), "auto": None}
 CONNECT_TIMEOUT = 10.0
+# Synchronous transfers on the caller's thread: spin this long for the
+# completion before sleeping; after a timeout, wait this long for the
+# cancelled batch's slices already on the wire.
+DIRECT_SPIN_S = 100e-6
+CANCEL_GRACE_S = 5.0
 # Up to this many entries kvflow copies a list of ints without numpy
 # (_core.pyx SMALL); longer columns become uint64 arrays here (_u64).
 SMALL_BATCH = 16
@@ -705,15 +713,12 @@ class TransferEngine:
                 f"not registered: {', '.join(hex(a) for a in missing)}"), ERR_ADDRESS_NOT_REGISTERED)
         return OK
 
-    def _start(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
-               ln: Sequence[int], notify: Any = None) -> _Waiter:
-        """Queues one transfer for the loop (the only cross-thread hop) and
-        returns its waiter. Raises KVFlowError, before queuing anything,
-        for lists of different lengths or a closed engine."""
-        loop = self._loop
+    def _columns(self, la: Sequence[int], ra: Sequence[int],
+                 ln: Sequence[int]) -> tuple[Sequence[int], Sequence[int], Sequence[int], float]:
+        """A batch's columns as kvflow takes them (empty entries dropped),
+        and its timeout. Raises InvalidArgumentError for lists of different
+        lengths."""
         n = len(la)
-        if loop is None:
-            raise self._not_running()
         if len(ra) != n or len(ln) != n:
             raise InvalidArgumentError(
                 f"buffers, peer_buffer_addresses and lengths differ in length ({n}, {len(ra)}, {len(ln)})")
@@ -723,7 +728,17 @@ class TransferEngine:
         total = int(ln.sum()) if isinstance(ln, np.ndarray) else sum(ln)
         if len(ln) > SMALL_BATCH:
             la, ra, ln = _u64(la, "buffers"), _u64(ra, "peer_buffer_addresses"), _u64(ln, "lengths")
-        timeout = self._timeout_s + total / 1e9     # Mooncake: + 1 s per GB
+        return la, ra, ln, self._timeout_s + total / 1e9     # Mooncake: + 1 s per GB
+
+    def _start(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
+               ln: Sequence[int], notify: Any = None) -> _Waiter:
+        """Queues one transfer for the loop (the only cross-thread hop) and
+        returns its waiter. Raises KVFlowError, before queuing anything,
+        for lists of different lengths or a closed engine."""
+        loop = self._loop
+        if loop is None:
+            raise self._not_running()
+        la, ra, ln, timeout = self._columns(la, ra, ln)
         waiter = _Waiter()
         self._inflight.add(waiter)
         self._queued.append(self._run(write, target, la, ra, ln, timeout, notify, waiter))
@@ -760,11 +775,59 @@ class TransferEngine:
 
     def _sync(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
               ln: Sequence[int], notify: Any = None) -> int:
+        if notify is None:
+            code = self._sync_direct(write, target, la, ra, ln)
+            if code is not None:
+                return code
         try:
             err = self._start(write, target, la, ra, ln, notify).wait()
         except KVFlowError as e:
             err = e
         return OK if err is None else self._fail(err)
+
+    def _sync_direct(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
+                     ln: Sequence[int]) -> int | None:
+        """A synchronous transfer submitted and waited for on the calling
+        thread (Channel.submit_detached, Core.wait_detached): no hop to the
+        engine's loop and back. None where this path does not apply (a new
+        or lost target, rdma, a range the peer's table does not show yet,
+        the loop's own thread): the loop path does it then."""
+        peer = self._peers.get(target)
+        engine, thread = self._engine, self._thread
+        if (peer is None or engine is None or thread is None or not peer.alive
+                or peer.transport not in ("tcp", "local") or thread.on_loop_thread()):
+            return None
+        try:
+            la, ra, ln, timeout = self._columns(la, ra, ln)
+        except KVFlowError as e:
+            return self._fail(e)
+        if not len(ln):
+            return OK
+        channel = peer._channel
+        core = engine._core
+        if core is None or not hasattr(channel, "submit_detached"):
+            return None
+        op = _core.OP_WRITE if write else _core.OP_READ
+        try:
+            status, batch, aux = channel.submit_detached(op, la, ra, ln)
+            if status == EREMOTE:
+                return None        # the loop path refreshes the peer's regions and retries
+            if status:
+                return self._fail(status_error(status, peer=peer.address, op=op, index=aux))
+            if batch == 0:
+                return OK          # completed inline
+            rc, status, entry = core.wait_detached(batch, timeout, DIRECT_SPIN_S)
+            if rc:
+                core.cancel(batch)
+                core.wait_detached(batch, CANCEL_GRACE_S)
+                return self._fail(TransferTimeoutError(
+                    f"{'write' if write else 'read'} to {peer.address} did not finish in {timeout:g} s",
+                    peer=peer.address))
+        except RuntimeError:       # the engine closed meanwhile
+            return self._fail(self._not_running())
+        if status:
+            return self._fail(status_error(status, peer=peer.address, op=op, index=entry))
+        return OK
 
     def _async(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
                ln: Sequence[int]) -> int:
