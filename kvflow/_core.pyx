@@ -444,6 +444,15 @@ cdef class TcpChannel(Channel):
             out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures})
         return out
 
+    def abort_batch(self, uint64_t batch_id):
+        """Resets the connections still holding slices of cancelled batch
+        `batch_id` (see kvf_tcp_channel_abort_batch); returns how many."""
+        cdef int n = 0
+        if self.ch != NULL:
+            with nogil:
+                n = kvf_tcp_channel_abort_batch(self.ch, batch_id)
+        return n
+
     def replace(self, int index, int fd):
         """Hands a new connected socket (hello done) to dead connection
         `index`; the channel owns fd afterwards (closed on failure too)."""

@@ -42,7 +42,7 @@ from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.peer import Peer
 from kvflow.rails import DataConn, RailWatcher, open_data_socket, tune_data_socket
 from kvflow.topology import Topology, cached_host_topology, parse_location
-from kvflow.transfer import Transfer
+from kvflow.transfer import DRAIN_GRACE, Transfer
 from kvflow import rdma as rdma_provider
 
 __all__ = ["Engine", "PROVIDERS"]
@@ -508,6 +508,17 @@ class Engine:
         if batch_id:
             self._pending[batch_id] = t
         return t
+
+    def _abort_batch(self, peer: str, batch_id: int) -> None:
+        """A cancelled batch still on the wire after the drain grace: reset
+        the peer's connections that hold it, so that none of its bytes can
+        land after the caller was told it failed (tcp; the other providers
+        finish or fail their slices in bounded time)."""
+        p = self._peers.get(peer)
+        abort = getattr(p._channel, "abort_batch", None) if p is not None else None
+        if abort is not None and abort(batch_id):
+            log.warning("kvflow: %s: a cancelled batch was still on the wire after %g s: reset the "
+                        "connections carrying it", peer, DRAIN_GRACE)
 
     def _core_cancel(self, batch_id: int) -> None:
         if self._core is not None:

@@ -95,6 +95,7 @@ class Transfer:
 
     def _give_up(self) -> None:
         if not self._future.done() and self._abort_exc is not None:
+            self._engine._abort_batch(self._peer, self._id)
             self._future.set_exception(self._abort_exc)
 
     def _on_timeout(self, timeout: float) -> None:
@@ -109,6 +110,8 @@ class Transfer:
         if self._drain_waiter is None:
             self._drain_waiter = self._engine._loop.create_future()
         await asyncio.wait([self._drain_waiter], timeout=timeout)
+        if not self._drained:
+            self._engine._abort_batch(self._peer, self._id)
 
     def _finish(self, status: int, entry: int) -> None:
         """Called on the loop thread when the native batch completed."""

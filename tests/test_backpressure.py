@@ -81,3 +81,25 @@ async def test_silent_peer_is_declared_lost_by_keepalive(make_engine, make_targe
         os.kill(target.proc.pid, signal.SIGCONT)
     p2 = await bounded(eng.connect(other.address))
     await bounded(p2.write([src.addr], [p2.region("rw").addr], [4096]))
+
+
+async def test_cancelling_many_queued_tcp_slices_at_once():
+    """Regression: a sender thread that popped more than 64 slices of
+    cancelled batches in one go overran its stack array (SIGSEGV)."""
+    import numpy as np
+    import kvflow
+    async with kvflow.Engine(protocols=("tcp",)) as a, kvflow.Engine(protocols=("tcp",)) as b:
+        src, dst = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
+        ls, rd = a.register(src), b.register(dst)
+        peer = await bounded(a.connect(b.address))
+        for _ in range(100):
+            t = peer.write_nowait([ls.addr], [rd.addr], [64], counts=[512], local_strides=[1024],
+                                  remote_strides=[2048])
+            t.cancel()
+            try:
+                await bounded(t)
+            except kvflow.TransferCancelledError:
+                pass
+        await bounded(peer.write([ls.addr], [rd.addr], [4096]))       # still works
+        assert bytes(dst[:4096]) == bytes(src[:4096])
+        assert a.counters()["slices_inflight"] == 0

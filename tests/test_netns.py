@@ -70,6 +70,14 @@ async def test_killed_target_fails_fast_and_restart_is_reached(topo):
     assert "old peer refused after restart" in r.notes, r.notes
 
 
+async def test_timed_out_write_never_lands_late(topo):
+    r = await faults.case_late(topo, SECONDS, KEEPALIVE)
+    show(r)
+    assert r.failed == {"TransferTimeoutError": 1}, r
+    assert r.corrupted == 0, "a byte of the timed-out write landed over the later one"
+    assert r.bytes_verified == r.bytes_sent == 16 << 20, r
+
+
 @pytest.mark.vm
 @pytest.mark.skipif(WHY is None and faults.netem_unavailable() is not None,
                     reason=f"{faults.netem_unavailable()}: runs in the Soft-RoCE VM (tests/test_rdma_vm.py)")

@@ -6,6 +6,9 @@ faults happen:
   rail     one rail goes down mid-transfer and comes back
   kill     the target is killed (SIGKILL) and restarted on the same address
   garbage  raw clients hammer the target's control and data ports with junk
+  late     a write times out while its rail is down (shorter than the
+           keepalive: the connections survive); the range is rewritten;
+           nothing of the timed-out write may land when the rail is back
   netem    both rails lose 1% of their packets and add 5 ms of delay (needs
            sch_netem: the Soft-RoCE VM's kernel has it, this host's not)
 
@@ -400,6 +403,47 @@ async def case_garbage(topo: Topology, seconds: float, keepalive: float) -> Repo
     return report
 
 
+async def case_late(topo: Topology, seconds: float, keepalive: float) -> Report:
+    """A timed-out write must never land after its error was raised: the
+    connections that still hold it are reset after the drain grace."""
+    report = Report("timed-out write during a rail outage, then rewritten")
+    target = Target(topo, keepalive)
+    await target.start()
+    size, chunk = 16 << 20, 64 << 10
+    eng = kvflow.Engine(f"{topo.host(0)}:0", protocols=("tcp",), keepalive=keepalive)
+    await eng.start()
+    old, new = np.full(size, 0xAA, np.uint8), np.full(size, 0xBB, np.uint8)
+    lo, ln = eng.register(old), eng.register(new)
+    loop = asyncio.get_running_loop()
+    try:
+        peer = await eng.connect(target.address)
+        outage = min(0.75 * keepalive, 1.5)       # the rail's connections survive it
+        await topo.set_rail(1, False)
+        back = loop.call_later(outage, lambda: loop.create_task(topo.set_rail(1, True)))
+        report.transfers += 1
+        t0 = loop.time()
+        try:
+            await peer.write([lo.addr], [target.addr], [size], timeout=0.05)
+        except kvflow.KVFlowError as e:
+            report.failed[type(e).__name__] = 1
+        report.slowest_s = loop.time() - t0
+        for off in range(0, size, chunk):
+            report.transfers += 1
+            await asyncio.wait_for(peer.write([ln.addr + off], [target.addr + off], [chunk]), 30)
+            report.bytes_sent += chunk
+        await asyncio.sleep(outage + seconds / 2)     # the rail is back; anything late has landed by now
+        back.cancel()
+        want = hashlib.sha256(new[:1 << 20]).hexdigest()
+        shas = await target.shas([(o, 1 << 20) for o in range(0, size, 1 << 20)])
+        report.bytes_verified = sum(1 << 20 for s in shas if s == want)
+        report.corrupted = sum(1 for s in shas if s != want)
+    finally:
+        await topo.set_rail(1, True)
+        await eng.close()
+        await target.stop()
+    return report
+
+
 NETEM = "loss 1% delay 5ms"
 
 
@@ -445,7 +489,8 @@ def _after(seconds: float) -> asyncio.Event:
     return ev
 
 
-CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage, "netem": case_netem}
+CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage, "late": case_late,
+         "netem": case_netem}
 
 
 async def run(cases: list[str], seconds: float, keepalive: float) -> list[Report]:
@@ -472,7 +517,7 @@ def table(reports: list[Report]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="rail,kill,garbage" + ("" if netem_unavailable() else ",netem"),
+    ap.add_argument("--cases", default="rail,kill,garbage,late" + ("" if netem_unavailable() else ",netem"),
                     help="comma-separated: " + ", ".join(CASES) + " (default: all that this kernel can do)")
     ap.add_argument("--seconds", type=float, default=12.0, help="length of each case")
     ap.add_argument("--keepalive", type=float, default=2.0, help="engines' keepalive (dead-rail detection)")

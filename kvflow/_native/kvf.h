@@ -211,6 +211,11 @@ int kvf_tcp_channel_alive(kvf_tcp_channel *ch);
 int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i);
 int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
                                uint64_t *failures);
+/* A cancelled batch whose slices are still on the wire after the grace
+ * period: resets the connections that hold them (their unsent bytes are
+ * discarded, so nothing of the batch lands later; the other slices they
+ * carried move on) and returns how many. */
+int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id);
 /* Replaces dead connection i by the connected (hello done) socket fd. */
 int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd);
 void kvf_tcp_channel_close(kvf_tcp_channel *ch);

@@ -178,7 +178,7 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
     size_t k = 0;
     uint64_t bytes = 0;
     *ncancel = 0;
-    while (k < max && c->q.count && bytes < TCP_POP_BYTES) {
+    while (k < max && *ncancel < TCP_POP && c->q.count && bytes < TCP_POP_BYTES) {
         kvf_slice x;
         kvf_queue_pop_locked(&c->q, &x, 1);
         if (kvf_batch_cancelled(ctx, x.slot)) { cancelled[(*ncancel)++] = x; continue; }
@@ -648,6 +648,32 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
     free(s);
     kvf_batch_release_guard(ctx, *id_out);
     return KVF_OK;
+}
+
+int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id) {
+    uint32_t slot = (uint32_t)id;
+    int aborted = 0;
+    for (int i = 0; i < ch->n; i++) {
+        tcp_conn *c = &ch->conns[i];
+        int holds = 0;
+        pthread_mutex_lock(&c->q.mu);
+        for (uint32_t t = 0; !c->dead && t < TCP_WINDOW && !holds; t++)
+            holds = c->state[t] && c->inflight[t].slot == slot;
+        pthread_mutex_unlock(&c->q.mu);
+        if (!holds) continue;
+        /* connect(AF_UNSPEC) disconnects at once (tcp_disconnect): what the
+         * socket still holds is discarded, a reset is sent, and nothing of
+         * it can reach the target later; the other threads using the
+         * socket see errors. */
+        struct sockaddr sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sa_family = AF_UNSPEC;
+        if (connect(c->fd, &sa, sizeof(sa)) == 0 || errno != EBADF) {
+            conn_fail(c, KVF_ELOST);
+            aborted++;
+        }
+    }
+    return aborted;
 }
 
 /* Joins a dead connection's threads and closes its socket. */
