@@ -53,7 +53,7 @@ log = logging.getLogger("kvflow")
 # cross-memory attach beat any NIC loopback), then rdma, then tcp.
 PROVIDERS = ("local", "rdma", "tcp")
 HANDSHAKE_TIMEOUT = 10.0
-MAX_KEEPALIVE = 3600.0
+MIN_KEEPALIVE, MAX_KEEPALIVE = 0.05, 3600.0
 PRE_AUTH_FRAME = 64 << 10          # hello and auth frames are small
 SESSION_BUFFER_LIMIT = 64 << 20    # unread control data after which a session is dropped
 
@@ -193,8 +193,8 @@ class Engine:
                 keepalive = float(os.environ.get("KVFLOW_KEEPALIVE", "5"))
             except ValueError:
                 raise InvalidArgumentError("KVFLOW_KEEPALIVE must be a number of seconds") from None
-        if not (keepalive == 0 or 0.05 <= keepalive <= MAX_KEEPALIVE):
-            raise InvalidArgumentError(f"keepalive must be 0 (off) or 0.05..{MAX_KEEPALIVE:g} seconds")
+        if not (keepalive == 0 or MIN_KEEPALIVE <= keepalive <= MAX_KEEPALIVE):
+            raise InvalidArgumentError(f"keepalive must be 0 (off) or {MIN_KEEPALIVE:g}..{MAX_KEEPALIVE:g} seconds")
         self.keepalive = float(keepalive)
         self._store = open_store(metadata)
         if name is not None:
@@ -575,9 +575,11 @@ class Engine:
             self._sessions.add(writer)
             # A client that pings (keepalive > 0) and then falls silent for
             # that long is gone (stopped, crashed host): drop its session.
+            # A value no engine would send (under MIN_KEEPALIVE) is ignored:
+            # it would make this loop wake for nothing.
             silence = hello.get("keepalive")
             if not isinstance(silence, (int, float)) or isinstance(silence, bool) or \
-                    not 0 < silence <= MAX_KEEPALIVE:
+                    not MIN_KEEPALIVE <= silence <= MAX_KEEPALIVE:
                 silence = None
             while True:
                 waited = self._loop.time()
