@@ -31,6 +31,7 @@ from kvflow.handshake import (
     NONCE_BYTES,
     Descriptor,
     check_proof,
+    clip,
     encode,
     field,
     proof,
@@ -548,7 +549,7 @@ class Engine:
         try:
             hello = await asyncio.wait_for(read_message(reader, max_size=PRE_AUTH_FRAME), HANDSHAKE_TIMEOUT)
             if hello["t"] != "hello":
-                raise ProtocolError(f"expected hello, got {hello['t']!r}")
+                raise ProtocolError(f"expected hello, got {clip(hello['t'])}")
             cnonce = field(hello, "nonce", bytes)
             peer_addr = field(hello, "address", str)
             if len(cnonce) != NONCE_BYTES:
@@ -610,7 +611,7 @@ class Engine:
                 elif t == "bye":
                     break
                 else:
-                    raise ProtocolError(f"unexpected message {t!r}")
+                    raise ProtocolError(f"unexpected message {clip(t)}")
         except ProtocolError as e:
             log.info("kvflow: dropping control connection: %s", e)
             try:

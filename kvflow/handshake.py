@@ -66,8 +66,15 @@ async def read_message(reader: asyncio.StreamReader, *, max_size: int = MAX_FRAM
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
         raise ProtocolError("frame is not a kvflow message")
     if msg.get("v") != VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r} (this side speaks {VERSION})")
+        raise ProtocolError(f"unsupported protocol version {clip(msg.get('v'))} (this side speaks {VERSION})")
     return msg
+
+
+def clip(value: Any, limit: int = 64) -> str:
+    """repr(value), cut to `limit` characters: a peer's junk quoted in an
+    error reply or a log line must not be as big as the junk."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

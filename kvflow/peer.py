@@ -15,7 +15,7 @@ from kvflow.errors import (
     status_error,
 )
 from kvflow.arrays import entry_of, expand_strided
-from kvflow.handshake import Descriptor, encode, field, read_message, regions_from_wire
+from kvflow.handshake import Descriptor, clip, encode, field, read_message, regions_from_wire
 from kvflow.memory import RemoteRegion
 from kvflow.transfer import Transfer
 
@@ -339,7 +339,7 @@ class Peer:
                 elif t == "bye":
                     break
                 else:
-                    raise ProtocolError(f"unexpected message {t!r} from {self.address}")
+                    raise ProtocolError(f"unexpected message {clip(t)} from {self.address}")
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except (ProtocolError, ValueError, OverflowError) as e:

@@ -315,10 +315,13 @@ static void events_broken(rqp *q, int wc_status) {
 /* The QP failed: everything posted and queued on it moves to *retry, the
  * QP goes to the error state (no more memory access), and the event loop is
  * told to connect a new one. Caller holds q->mu. */
-static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
-    if (!qp_live(q->state)) return;
+/* Takes a live QP out of service: error state, completions still in the CQ
+ * stale, what it carried (posted and backlog) to *retry. Caller holds q->mu.
+ * Returns 0 if it was not live. */
+static int qp_take_down_locked(rqp *q, kvf_queue *retry) {
+    if (!qp_live(q->state)) return 0;
     q->state = QP_BROKEN;
-    q->gen = (q->gen + 1) & 0xffff;     /* completions still in the CQ are stale now */
+    q->gen = (q->gen + 1) & 0xffff;
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
     ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
     for (uint64_t s = q->tail; s < q->head; s++) kvf_queue_push_locked(retry, &q->ring[s % q->depth]);
@@ -329,7 +332,11 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
     size_t k;
     while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)
         for (size_t i = 0; i < k; i++) kvf_queue_push_locked(retry, &tmp[i]);
-    events_broken(q, wc_status);
+    return 1;
+}
+
+static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
+    if (qp_take_down_locked(q, retry)) events_broken(q, wc_status);
 }
 
 /* Keys for slices bound to (local device dev, remote device rdev): looked
@@ -733,25 +740,11 @@ int kvf_rdma_chan_break_qp(kvf_rdma_chan *ch, int index) {
     kvf_queue retry;
     kvf_queue_init(&retry);
     pthread_mutex_lock(&q->mu);
-    int was = q->state;
-    if (qp_live(was)) {
-        q->state = QP_BROKEN;      /* no BROKEN event: the caller asked for it */
-        q->gen = (q->gen + 1) & 0xffff;
-        struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
-        ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
-        for (uint64_t x = q->tail; x < q->head; x++) kvf_queue_push_locked(&retry, &q->ring[x % q->depth]);
-        atomic_fetch_sub_explicit(&q->dev->posted, (int64_t)(q->head - q->tail), memory_order_relaxed);
-        q->tail = q->head;
-        q->inflight = 0;
-        kvf_slice tmp[64];
-        size_t k;
-        while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)
-            for (size_t i = 0; i < k; i++) kvf_queue_push_locked(&retry, &tmp[i]);
-    }
+    int was_live = qp_take_down_locked(q, &retry);   /* no BROKEN event: the caller asked for it */
     pthread_mutex_unlock(&q->mu);
     dispatch_queue(ch, &retry);
     kvf_queue_destroy(&retry);
-    return qp_live(was) ? KVF_OK : KVF_EINVAL;
+    return was_live ? KVF_OK : KVF_EINVAL;
 }
 
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch) {
