@@ -9,7 +9,6 @@ The reports are printed (pytest -s, or -rA) for the closing notes.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
@@ -65,7 +64,9 @@ async def test_killed_target_fails_fast_and_restart_is_reached(topo):
     r = await faults.case_kill(topo, SECONDS, KEEPALIVE)
     show(r)
     assert_sound(r)
-    assert set(r.failed) <= {"PeerLostError"} and sum(r.failed.values()) == 1, r
+    # the batch in flight fails, or (a kill right after it completed) the
+    # target dies before hashing it
+    assert set(r.failed) <= {"PeerLostError"} and sum(r.failed.values()) + r.unverifiable == 1, r
     assert r.detect_s is not None and r.detect_s < KEEPALIVE + 3, r
     assert "old peer refused after restart" in r.notes, r.notes
 

@@ -148,6 +148,10 @@ async def serve_target(listen: str, rails: list[str], size: int, keepalive: floa
             print(MARK + json.dumps({"shas": shas}), flush=True)
 
 
+class TargetGone(RuntimeError):
+    """The target process exited (killed by a fault case, or crashed)."""
+
+
 class Target:
     """The target process, started in the namespace (or restarted there)."""
 
@@ -173,7 +177,7 @@ class Target:
         while True:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
             if not line:
-                raise RuntimeError("the target exited")
+                raise TargetGone("the target exited")
             if line.startswith(MARK.encode()):
                 return json.loads(line[len(MARK):])
 
@@ -210,6 +214,7 @@ class Report:
     bytes_sent: int = 0
     bytes_verified: int = 0
     corrupted: int = 0
+    unverifiable: int = 0          # written, then the target died before it could hash them
     failed: dict[str, int] = field(default_factory=dict)
     slowest_s: float = 0.0
     detect_s: float | None = None
@@ -244,9 +249,13 @@ async def workload(peer: kvflow.Peer, target: Target, src: np.ndarray, local_add
             return
         finally:
             report.slowest_s = max(report.slowest_s, loop.time() - t0)
-        report.bytes_sent += sum(lengths)
         want = [hashlib.sha256(src[o:o + ln]).hexdigest() for o, ln in zip(offs, lengths)]
-        got = await target.shas(list(zip(offs, lengths)))
+        try:
+            got = await target.shas(list(zip(offs, lengths)))
+        except TargetGone:
+            report.unverifiable += 1       # its memory went with it
+            return
+        report.bytes_sent += sum(lengths)
         for w, g, ln in zip(want, got, lengths):
             if w == g:
                 report.bytes_verified += ln
