@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -271,49 +272,61 @@ async def _initiator(topo: Topology, keepalive: float) -> tuple[kvflow.Engine, n
     return eng, src, region.addr
 
 
+@contextlib.asynccontextmanager
+async def _session(topo: Topology, keepalive: float) -> AsyncIterator[tuple[Target, kvflow.Engine, np.ndarray, int]]:
+    """A started target and initiator (engine, its registered source buffer
+    and that buffer's address), both closed on the way out."""
+    target = Target(topo, keepalive)
+    await target.start()
+    try:
+        eng, src, laddr = await _initiator(topo, keepalive)
+        try:
+            yield target, eng, src, laddr
+        finally:
+            await eng.close()
+    finally:
+        await target.stop()
+
+
 async def case_rail(topo: Topology, seconds: float, keepalive: float) -> Report:
     """Rail 1 goes down for a third of the run, then comes back: every batch
     must complete (its slices move to rail 0), nothing may be corrupted."""
     report = Report("rail down and back")
-    target = Target(topo, keepalive)
-    await target.start()
-    eng, src, laddr = await _initiator(topo, keepalive)
-    loop = asyncio.get_running_loop()
-    try:
-        peer = await eng.connect(target.address)
-        rail1 = [c["index"] for c in peer.connections() if c["endpoint"].startswith(topo.target(2))]
-        if not rail1:
-            raise RuntimeError(f"no connection on rail 1: {peer.connections()}")
-        stop = asyncio.Event()
-        work = loop.create_task(workload(peer, target, src, laddr, report, stop, seed=1,
-                                         limit=3 * keepalive + 10))
-        await asyncio.sleep(seconds / 3)
-        t_down = loop.time()
-        took = await topo.set_rail(1, False)
-        report.notes.append(f"`ip link set down` took {took:.2f} s")
-        while report.detect_s is None and loop.time() - t_down < 3 * keepalive + 10:
-            await asyncio.sleep(0.05)
-            if any(not peer.connections()[i]["up"] for i in rail1):
-                report.detect_s = loop.time() - t_down
-        await asyncio.sleep(max(0.0, t_down + seconds / 3 - loop.time()))
-        t_up = loop.time()
-        await topo.set_rail(1, True)
-        while report.recover_s is None and loop.time() - t_up < 20:
-            await asyncio.sleep(0.05)
-            if all(c["up"] for c in peer.connections()):
-                report.recover_s = loop.time() - t_up
-        await asyncio.sleep(max(0.0, t_up + seconds / 3 - loop.time()))
-        stop.set()
-        await work
-        conns = peer.connections()
-        moved = sum(c["moved"] for c in conns)
-        rail1_bytes = sum(conns[i]["bytes"] for i in rail1)
-        report.notes.append(f"slices moved off rail 1: {moved}; rail 1 carried {rail1_bytes >> 20} MiB; "
-                            f"rebuilt connections: {sum(c['rebuilt'] for c in conns)}")
-    finally:
-        await topo.set_rail(1, True)
-        await eng.close()
-        await target.stop()
+    async with _session(topo, keepalive) as (target, eng, src, laddr):
+        loop = asyncio.get_running_loop()
+        try:
+            peer = await eng.connect(target.address)
+            rail1 = [c["index"] for c in peer.connections() if c["endpoint"].startswith(topo.target(2))]
+            if not rail1:
+                raise RuntimeError(f"no connection on rail 1: {peer.connections()}")
+            stop = asyncio.Event()
+            work = loop.create_task(workload(peer, target, src, laddr, report, stop, seed=1,
+                                             limit=3 * keepalive + 10))
+            await asyncio.sleep(seconds / 3)
+            t_down = loop.time()
+            took = await topo.set_rail(1, False)
+            report.notes.append(f"`ip link set down` took {took:.2f} s")
+            while report.detect_s is None and loop.time() - t_down < 3 * keepalive + 10:
+                await asyncio.sleep(0.05)
+                if any(not peer.connections()[i]["up"] for i in rail1):
+                    report.detect_s = loop.time() - t_down
+            await asyncio.sleep(max(0.0, t_down + seconds / 3 - loop.time()))
+            t_up = loop.time()
+            await topo.set_rail(1, True)
+            while report.recover_s is None and loop.time() - t_up < 20:
+                await asyncio.sleep(0.05)
+                if all(c["up"] for c in peer.connections()):
+                    report.recover_s = loop.time() - t_up
+            await asyncio.sleep(max(0.0, t_up + seconds / 3 - loop.time()))
+            stop.set()
+            await work
+            conns = peer.connections()
+            moved = sum(c["moved"] for c in conns)
+            rail1_bytes = sum(conns[i]["bytes"] for i in rail1)
+            report.notes.append(f"slices moved off rail 1: {moved}; rail 1 carried {rail1_bytes >> 20} MiB; "
+                                f"rebuilt connections: {sum(c['rebuilt'] for c in conns)}")
+        finally:
+            await topo.set_rail(1, True)
     return report
 
 
@@ -322,11 +335,8 @@ async def case_kill(topo: Topology, seconds: float, keepalive: float) -> Report:
     a typed error promptly; a restarted target is reached again, and the old
     peer (stale descriptor) can never write into the new process."""
     report = Report("target killed and restarted")
-    target = Target(topo, keepalive)
-    await target.start()
-    eng, src, laddr = await _initiator(topo, keepalive)
-    loop = asyncio.get_running_loop()
-    try:
+    async with _session(topo, keepalive) as (target, eng, src, laddr):
+        loop = asyncio.get_running_loop()
         old = await eng.connect(target.address)
         stop = asyncio.Event()
         work = loop.create_task(workload(old, target, src, laddr, report, stop, seed=2,
@@ -356,9 +366,6 @@ async def case_kill(topo: Topology, seconds: float, keepalive: float) -> Report:
         await asyncio.sleep(seconds / 2)
         stop.set()
         await again
-    finally:
-        await eng.close()
-        await target.stop()
     return report
 
 
@@ -391,11 +398,8 @@ async def case_garbage(topo: Topology, seconds: float, keepalive: float) -> Repo
     """Unauthenticated and garbage clients hammer every port of the target
     while a legitimate initiator transfers: nothing of it may fail."""
     report = Report("garbage clients")
-    target = Target(topo, keepalive)
-    await target.start()
-    eng, src, laddr = await _initiator(topo, keepalive)
-    loop = asyncio.get_running_loop()
-    try:
+    async with _session(topo, keepalive) as (target, eng, src, laddr):
+        loop = asyncio.get_running_loop()
         peer = await eng.connect(target.address)
         ports = [(h, p) for h, p in peer.descriptor.data] + [(topo.target(0), TARGET_PORT)]
         stop = asyncio.Event()
@@ -406,9 +410,6 @@ async def case_garbage(topo: Topology, seconds: float, keepalive: float) -> Repo
         stop.set()
         await asyncio.gather(*junk)
         report.notes.append(f"junk sent: {sent[0] >> 10} KiB on {len(ports)} ports")
-    finally:
-        await eng.close()
-        await target.stop()
     return report
 
 
@@ -475,20 +476,16 @@ async def case_netem(topo: Topology, seconds: float, keepalive: float) -> Report
     """Both rails lose and delay packets: slower, but every batch completes
     and verifies (tcp retransmits; nothing is declared dead)."""
     report = Report(f"netem {NETEM} on both rails")
-    target = Target(topo, keepalive)
-    await target.start()
-    eng, src, laddr = await _initiator(topo, keepalive)
-    try:
-        peer = await eng.connect(target.address)
-        for rail in (0, 1):
-            await topo.netem(rail, NETEM)
-        await workload(peer, target, src, laddr, report, _after(seconds), seed=5, limit=3 * keepalive + 10)
-        report.notes.append(f"failed connections: {sum(c['failures'] for c in peer.connections())}")
-    finally:
-        for rail in (0, 1):
-            await topo.netem(rail, None)
-        await eng.close()
-        await target.stop()
+    async with _session(topo, keepalive) as (target, eng, src, laddr):
+        try:
+            peer = await eng.connect(target.address)
+            for rail in (0, 1):
+                await topo.netem(rail, NETEM)
+            await workload(peer, target, src, laddr, report, _after(seconds), seed=5, limit=3 * keepalive + 10)
+            report.notes.append(f"failed connections: {sum(c['failures'] for c in peer.connections())}")
+        finally:
+            for rail in (0, 1):
+                await topo.netem(rail, None)
     return report
 
 
