@@ -565,7 +565,8 @@ class RunResult:
 class _RunState:
     """Shared by the slot coroutines of one run; all on the loop thread."""
 
-    __slots__ = ("record_from_ns", "deadline_ns", "budget", "stop", "bytes_done", "bytes_measured", "last_end_ns")
+    __slots__ = ("record_from_ns", "deadline_ns", "budget", "stop", "bytes_done", "bytes_measured",
+                 "first_start_ns", "last_end_ns")
 
     def __init__(self, record_from_ns: int, deadline_ns: int, budget: Optional[int]) -> None:
         # Batches that start at or after record_from_ns are measured (the ones
@@ -577,6 +578,10 @@ class _RunState:
         self.stop = False
         self.bytes_done = 0
         self.bytes_measured = 0
+        # The measured window: from the first measured batch's start to the
+        # last one's end (not from record_from_ns: a warmup batch that ends
+        # long after it would count as measured time with no bytes).
+        self.first_start_ns = 1 << 62
         self.last_end_ns = 0
 
 
@@ -622,6 +627,8 @@ async def _drive_slot(
         if measured:
             record(ended - started)
             state.bytes_measured += batch_bytes
+            if started < state.first_start_ns:
+                state.first_start_ns = started
             if ended > state.last_end_ns:
                 state.last_end_ns = ended
         countdown -= 1
@@ -725,7 +732,7 @@ async def measure(
         op=args.op,
         layout=layout,
         nbytes=batches * layout.batch_bytes,
-        seconds=(state.last_end_ns - state.record_from_ns) / 1e9,
+        seconds=(state.last_end_ns - state.first_start_ns) / 1e9,
         latency_p50_us=float(p50) / 1e3,
         latency_p99_us=float(p99) / 1e3,
         batches=batches,
