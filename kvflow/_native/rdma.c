@@ -24,6 +24,15 @@
  * that a cancelled or timed-out batch stops quickly: only what is posted
  * must still complete, the rest is dropped from the backlog. */
 #define MAX_INFLIGHT_BYTES (4u << 20)
+/* A signalled work request at least every this many bytes as well: a QP's
+ * posted bytes then retire a quarter of the cap at a time and the backlog
+ * refills it while the rest is on the wire (one signal per cap drained the
+ * QP completely before anything new was posted). */
+#define SIGNAL_BYTES (MAX_INFLIGHT_BYTES / 4)
+
+/* KVFLOW_RDMA_INFLIGHT_BYTES / KVFLOW_RDMA_SIGNAL_BYTES override (measurement) */
+static uint64_t max_inflight = MAX_INFLIGHT_BYTES;
+static uint64_t signal_bytes = SIGNAL_BYTES;
 
 /* PROBING: reconnected, carrying only its probe until kvf_rdma_chan_qp_up. */
 enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1, QP_PROBING = 2 };
@@ -118,6 +127,8 @@ typedef struct rqp {
     kvf_slice *ring;         /* posted slices, ring[seq % depth] */
     uint64_t head, tail;     /* next sequence to post; oldest not retired */
     uint64_t inflight;       /* bytes posted, not retired */
+    uint32_t unsig;          /* work requests posted since the last signalled one */
+    uint64_t unsig_bytes;    /* and their bytes */
     kvf_queue backlog;       /* waiting for send-queue room (guarded by mu) */
     uint64_t wrs, bytes;
 } rqp;
@@ -227,12 +238,12 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry);
 static void qp_post_locked(rqp *q, kvf_queue *retry) {
     kvf_ctx *c = q->ch->c;
     while (qp_live(q->state) && q->backlog.count && q->head - q->tail < q->depth &&
-           (q->inflight < MAX_INFLIGHT_BYTES || q->head == q->tail)) {
+           (q->inflight < max_inflight || q->head == q->tail)) {
         size_t room = q->depth - (size_t)(q->head - q->tail);
         if (room > CHAIN) room = CHAIN;
         /* take slices while the byte budget lasts (at least one) */
         size_t want = 0;
-        uint64_t budget = q->inflight < MAX_INFLIGHT_BYTES ? MAX_INFLIGHT_BYTES - q->inflight : 0;
+        uint64_t budget = q->inflight < max_inflight ? max_inflight - q->inflight : 0;
         for (size_t i = 0; i < room && i < q->backlog.count; i++) {
             uint64_t l = q->backlog.ring[(q->backlog.head + i) % q->backlog.cap].len;
             if (want && l > budget) break;
@@ -269,9 +280,16 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
         if (m == 0) continue;
         for (size_t j = 0; j < m; j++) {
             wr[j].next = j + 1 < m ? &wr[j + 1] : NULL;
-            /* signalled: every SIGNAL_EVERY-th, and the chain's last, so
-             * that the oldest posted slice always has a signalled one after it */
-            if ((q->head + j + 1) % SIGNAL_EVERY == 0 || j + 1 == m) wr[j].send_flags = IBV_SEND_SIGNALED;
+            /* signalled: every SIGNAL_EVERY-th or signal_bytes, and the
+             * chain's last, so that the oldest posted slice always has a
+             * signalled one after it */
+            q->unsig++;
+            q->unsig_bytes += sge[j].length;
+            if (q->unsig >= SIGNAL_EVERY || q->unsig_bytes >= signal_bytes || j + 1 == m) {
+                wr[j].send_flags = IBV_SEND_SIGNALED;
+                q->unsig = 0;
+                q->unsig_bytes = 0;
+            }
         }
         struct ibv_send_wr *bad = NULL;
         int rc = ibv_post_send(q->qp, wr, &bad);
@@ -517,6 +535,7 @@ static void handle(kvf_rdma_dev *d, struct ibv_wc *wc, int n) {
  * the completion channel otherwise: busy only while there is something to
  * wait for, never when idle. */
 static uint64_t spin_ns = 200000;    /* KVFLOW_RDMA_SPIN_NS overrides */
+static uint64_t idle_spin_ns = 0;    /* KVFLOW_RDMA_IDLE_SPIN_NS (measurement) */
 
 static void *dev_worker(void *arg) {
     kvf_rdma_dev *d = arg;
@@ -529,8 +548,8 @@ static void *dev_worker(void *arg) {
             last = now_ns();
             continue;
         }
-        if (n == 0 && atomic_load_explicit(&d->posted, memory_order_relaxed) > 0 &&
-            now_ns() - last < spin_ns) {
+        if (n == 0 && ((atomic_load_explicit(&d->posted, memory_order_relaxed) > 0 &&
+                        now_ns() - last < spin_ns) || now_ns() - last < idle_spin_ns)) {
             sched_yield();
             continue;
         }
@@ -573,6 +592,12 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     if (!d) return NULL;
     const char *env = getenv("KVFLOW_RDMA_SPIN_NS");
     if (env && *env) spin_ns = strtoull(env, NULL, 10);
+    env = getenv("KVFLOW_RDMA_IDLE_SPIN_NS");
+    if (env && *env) idle_spin_ns = strtoull(env, NULL, 10);
+    env = getenv("KVFLOW_RDMA_INFLIGHT_BYTES");
+    if (env && *env && strtoull(env, NULL, 10) > 0) max_inflight = strtoull(env, NULL, 10);
+    env = getenv("KVFLOW_RDMA_SIGNAL_BYTES");
+    if (env && *env && strtoull(env, NULL, 10) > 0) signal_bytes = strtoull(env, NULL, 10);
     d->c = c;
     d->ev = ev;
     d->ctx = ctx;
@@ -707,6 +732,8 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp, in
     q->qp = qp;
     q->gen = (q->gen + 1) & 0xffff;
     q->head = q->tail = 0;
+    q->unsig = 0;
+    q->unsig_bytes = 0;
     q->inflight = 0;
     q->state = up ? QP_UP : QP_PROBING;
     pthread_mutex_unlock(&q->mu);
