@@ -1,7 +1,8 @@
 """Fault injection across network namespaces (tools/faults.py): a target
 engine in its own namespace, a control link and two tcp rails (veth pairs),
 checksummed transfers while a rail goes down and comes back, the target is
-killed and restarted, and garbage clients hammer its ports.
+killed and restarted, and garbage clients hammer its ports; three hosts
+(two targets, one killed while the other is written).
 
 Each case asserts that nothing landed corrupted, nothing hung, and that the
 failures are the expected typed ones (none at all for a rail going down).
@@ -33,7 +34,7 @@ SECONDS = 8.0
 
 @pytest.fixture(scope="module")
 def topo():
-    t = faults.Topology().up()
+    t = faults.Topology(hosts=2).up()
     yield t
     t.down()
 
@@ -96,3 +97,21 @@ async def test_garbage_clients_do_not_disturb_transfers(topo):
     assert_sound(r)
     assert r.failed == {}, r
     assert r.transfers > 10
+
+
+@pytest.mark.parametrize("silent", [False, True], ids=["killed", "cut-off-and-killed"])
+async def test_three_hosts_dead_target_does_not_slow_the_other(topo, silent):
+    r = await faults.case_three(topo, 3 * SECONDS / 2, KEEPALIVE, silent=silent)
+    show(r)
+    assert_sound(r)
+    # B's batch in flight fails, or (a kill right after it completed) B died
+    # before hashing it; nothing else fails: A never, B's new peer never
+    assert set(r.failed) <= {"PeerLostError"} and sum(r.failed.values()) + r.unverifiable == 1, r
+    # a killed process's sockets close at once; a silent host is declared
+    # lost by the keepalive (pings every keepalive/3, lost after keepalive)
+    assert r.detect_s is not None and r.detect_s < KEEPALIVE + (1.5 if silent else 0.5), r
+    assert any(n.startswith("old peer refused after restart") for n in r.notes), r.notes
+    # A is not slowed by B's death: generous, this machine's 2 cores are shared
+    before, dead = r.throughput["before"], r.throughput["B dead"]
+    assert before > 0 and dead > 0.3 * before, r.throughput
+    assert r.throughput["B restarting"] > 0, r.throughput

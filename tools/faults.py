@@ -1,7 +1,7 @@
 """Fault injection across network namespaces: checksummed tcp transfers
-between this host (the initiator) and a target engine in its own network
-namespace, joined by a control link and two data rails (veth pairs), while
-faults happen:
+between this host (the initiator) and target engines in network namespaces
+("hosts"), all joined by a control network and two data rails (a bridge
+each, veth links), while faults happen:
 
   rail     one rail goes down mid-transfer and comes back
   kill     the target is killed (SIGKILL) and restarted on the same address
@@ -11,6 +11,11 @@ faults happen:
            nothing of the timed-out write may land when the rail is back
   netem    both rails lose 1% of their packets and add 5 ms of delay (needs
            sch_netem: the Soft-RoCE VM's kernel has it, this host's not)
+  three    three hosts: this one writes to targets A and B at once; B is
+           killed (SIGKILL) and restarted while A's writes go on (A's
+           throughput before and during the fault is reported)
+  three-silent  the same, with B's links cut before the kill (a crashed
+           host: only the keepalive can tell)
 
 Every case reports bytes sent, bytes verified (the target hashes what
 landed; the initiator compares), transfers failed and with which error, the
@@ -21,13 +26,14 @@ slowest transfer (nothing may hang) and the time to detect the fault.
 
 Needs root and `ip` (iproute2); tests/test_netns.py runs the same cases.
 Addresses: 198.19.20.0/24 (control), 198.19.21.0/24 and 198.19.22.0/24
-(rails); this host is .1, the namespace .2.
+(rails); this host is .1, namespace host k is .(k+2) (A = host 0, B = 1).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -75,48 +81,68 @@ def netns_unavailable() -> str | None:
 
 
 class Topology:
-    """A namespace joined to this host by a control link and two rails."""
+    """Hosts as network namespaces, joined with this host by three networks
+    (control, rail 0, rail 1), each a bridge in a switch namespace of its
+    own (so this host's firewall never sees their traffic). This host is .1
+    on every network, namespace host k is .(k+2); inside a namespace the
+    links are called ctl, rail0, rail1 (as on identical machines)."""
 
-    def __init__(self) -> None:
+    LINKS = ("ctl", "rail0", "rail1")
+
+    def __init__(self, hosts: int = 2) -> None:
         tag = f"{os.getpid() % 100000}"
-        self.ns = f"kvff{tag}"
-        self.links = [f"kvc{tag}", f"kvr{tag}a", f"kvr{tag}b"]     # host-side names
-        self.peers = [f"{n}p" for n in self.links]                  # namespace-side names
+        self.switch = f"kvfs{tag}"
+        self.hosts = [f"kvff{tag}" if k == 0 else f"kvff{tag}n{k}" for k in range(hosts)]
+        self.ns = self.hosts[0]
+        self.links = [f"kv{tag}{c}" for c in "cab"]                 # this host's links
 
     def host(self, i: int) -> str:
         return f"{SUBNETS[i]}.1"
 
-    def target(self, i: int) -> str:
-        return f"{SUBNETS[i]}.2"
+    def target(self, i: int, host: int = 0) -> str:
+        return f"{SUBNETS[i]}.{host + 2}"
 
     def up(self) -> "Topology":
         self.down()
-        _ip("netns", "add", self.ns)
-        _ip("-n", self.ns, "link", "set", "lo", "up")
-        for i, (a, b) in enumerate(zip(self.links, self.peers)):
-            _ip("link", "add", a, "type", "veth", "peer", "name", b)
-            _ip("link", "set", b, "netns", self.ns)
-            _ip("addr", "add", f"{self.host(i)}/24", "dev", a)
-            _ip("link", "set", a, "up")
-            _ip("-n", self.ns, "addr", "add", f"{self.target(i)}/24", "dev", b)
-            _ip("-n", self.ns, "link", "set", b, "up")
+        for ns in (self.switch, *self.hosts):
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        for i in range(3):
+            _ip("-n", self.switch, "link", "add", f"br{i}", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", f"br{i}", "up")
+            _ip("link", "add", self.links[i], "type", "veth", "peer", "name", f"h{i}", "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", f"h{i}", "master", f"br{i}", "up")
+            _ip("addr", "add", f"{self.host(i)}/24", "dev", self.links[i])
+            _ip("link", "set", self.links[i], "up")
+            for k, ns in enumerate(self.hosts):
+                _ip("-n", self.switch, "link", "add", f"p{k}x{i}", "type", "veth", "peer", "name", self.LINKS[i],
+                    "netns", ns)
+                _ip("-n", self.switch, "link", "set", f"p{k}x{i}", "master", f"br{i}", "up")
+                _ip("-n", ns, "addr", "add", f"{self.target(i, k)}/24", "dev", self.LINKS[i])
+                _ip("-n", ns, "link", "set", self.LINKS[i], "up")
         return self
 
-    async def set_rail(self, rail: int, up: bool) -> float:
-        """Takes rail `rail` down or up (without blocking the event loop: the
-        engine under test shares it). Returns how long `ip` took."""
+    async def set_rail(self, rail: int, up: bool, host: int = 0) -> float:
+        """Takes rail `rail` of namespace host `host` down or up (its switch
+        port: the host sees its link lose carrier), without blocking the
+        event loop (the engine under test shares it). Returns how long `ip`
+        took."""
+        return await self.set_link(1 + rail, up, host)
+
+    async def set_link(self, link: int, up: bool, host: int = 0) -> float:
+        """set_rail() for any of a host's links (0 is its control link)."""
         t0 = time.monotonic()
-        p = await asyncio.create_subprocess_exec("ip", "link", "set", self.links[1 + rail],
+        port = f"p{host}x{link}"
+        p = await asyncio.create_subprocess_exec("ip", "-n", self.switch, "link", "set", port,
                                                  "up" if up else "down")
         if await p.wait():
-            raise RuntimeError(f"ip link set {self.links[1 + rail]} failed")
+            raise RuntimeError(f"ip -n {self.switch} link set {port} failed")
         return time.monotonic() - t0
 
     async def netem(self, rail: int, spec: str | None) -> None:
         """Puts netem (`spec`, e.g. "loss 1% delay 5ms") on both ends of a
-        rail, or removes it (None)."""
-        for where in ([], ["-n", self.ns]):
-            dev = self.links[1 + rail] if not where else self.peers[1 + rail]
+        rail between this host and host 0, or removes it (None)."""
+        for where, dev in (([], self.links[1 + rail]), (["-n", self.ns], self.LINKS[1 + rail])):
             args = ["tc", *where, "qdisc", "replace" if spec else "del", "dev", dev, "root"]
             if spec:
                 args += ["netem", *spec.split()]
@@ -128,7 +154,8 @@ class Topology:
     def down(self) -> None:
         for a in self.links:
             _ip("link", "del", a, check=False)
-        _ip("netns", "del", self.ns, check=False)
+        for ns in (*self.hosts, self.switch):
+            _ip("netns", "del", ns, check=False)
 
 
 # --------------------------------------------------------------------- target
@@ -156,17 +183,19 @@ class TargetGone(RuntimeError):
 class Target:
     """The target process, started in the namespace (or restarted there)."""
 
-    def __init__(self, topo: Topology, keepalive: float) -> None:
+    def __init__(self, topo: Topology, keepalive: float, host: int = 0) -> None:
         self.topo = topo
         self.keepalive = keepalive
+        self.host = host
         self.proc: asyncio.subprocess.Process | None = None
         self.address = ""
         self.addr = 0
 
     async def start(self) -> None:
-        cmd = ["ip", "netns", "exec", self.topo.ns, sys.executable, os.path.abspath(__file__),
-               "--serve-target", f"{self.topo.target(0)}:{TARGET_PORT}",
-               "--rails", f"{self.topo.target(1)},{self.topo.target(2)}",
+        t, k = self.topo, self.host
+        cmd = ["ip", "netns", "exec", t.hosts[k], sys.executable, os.path.abspath(__file__),
+               "--serve-target", f"{t.target(0, k)}:{TARGET_PORT}",
+               "--rails", f"{t.target(1, k)},{t.target(2, k)}",
                "--keepalive", str(self.keepalive)]
         self.proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                          env={**os.environ, "PYTHONPATH": ROOT})
@@ -221,13 +250,16 @@ class Report:
     detect_s: float | None = None
     recover_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    throughput: dict[str, float] = field(default_factory=dict)   # B/s of a workload, per phase
 
 
 async def workload(peer: kvflow.Peer, target: Target, src: np.ndarray, local_addr: int, report: Report,
-                   stop: asyncio.Event, *, seed: int, limit: float) -> None:
+                   stop: asyncio.Event, *, seed: int, limit: float,
+                   written: list[tuple[float, int]] | None = None) -> None:
     """Writes random batches (1-8 entries of 4 KiB-1 MiB) at random places of
     the target's region until `stop`; each successful batch is verified by
-    the target's hashes. A batch may fail (typed error) but must not hang."""
+    the target's hashes. A batch may fail (typed error) but must not hang.
+    `written` gets (loop time, bytes) of every completed write."""
     rng = np.random.default_rng(seed)
     loop = asyncio.get_running_loop()
     while not stop.is_set():
@@ -250,6 +282,8 @@ async def workload(peer: kvflow.Peer, target: Target, src: np.ndarray, local_add
             return
         finally:
             report.slowest_s = max(report.slowest_s, loop.time() - t0)
+        if written is not None:
+            written.append((loop.time(), sum(lengths)))
         want = [hashlib.sha256(src[o:o + ln]).hexdigest() for o, ln in zip(offs, lengths)]
         try:
             got = await target.shas(list(zip(offs, lengths)))
@@ -366,6 +400,113 @@ async def case_kill(topo: Topology, seconds: float, keepalive: float) -> Report:
         await asyncio.sleep(seconds / 2)
         stop.set()
         await again
+    return report
+
+
+def _rate(written: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """Bytes per second of the writes that completed in [t0, t1)."""
+    return sum(n for t, n in written if t0 <= t < t1) / max(t1 - t0, 1e-9)
+
+
+def _merge(into: Report, part: Report) -> None:
+    into.transfers += part.transfers
+    into.bytes_sent += part.bytes_sent
+    into.bytes_verified += part.bytes_verified
+    into.corrupted += part.corrupted
+    into.unverifiable += part.unverifiable
+    into.slowest_s = max(into.slowest_s, part.slowest_s)
+    for k, v in part.failed.items():
+        into.failed[k] = into.failed.get(k, 0) + v
+
+
+async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent: bool = False) -> Report:
+    """Three hosts: this one writes to targets A and B at once, each over its
+    two rails, until B dies (SIGKILL; with `silent`, B's links are cut
+    first, as when a host crashes, so that only the keepalive can tell).
+    B's write in flight fails with PeerLostError within the keepalive bound;
+    A's writes go on, their throughput must not collapse (no retry storm);
+    B restarts on the same address (new incarnation): the old peer refuses
+    to write, B's new memory stays untouched by it, and a new peer writes B
+    again. Every completed write is verified. throughput: A's B/s before
+    the kill, while B is dead, while B restarts and is written again."""
+    report = Report("three hosts: B " + ("cut off and killed" if silent else "killed") + " and restarted, A written on")
+    loop = asyncio.get_running_loop()
+    a, b = Target(topo, keepalive, host=0), Target(topo, keepalive, host=1)
+    eng: kvflow.Engine | None = None
+    try:
+        await asyncio.gather(a.start(), b.start())
+        eng, src_a, laddr_a = await _initiator(topo, keepalive)
+        src_b = np.zeros(REGION, dtype=np.uint8)
+        laddr_b = eng.register(src_b).addr
+        peer_a, old = await asyncio.gather(eng.connect(a.address), eng.connect(b.address))
+        lost_at: list[float] = []
+        old.on_lost(lambda *_: lost_at.append(loop.time()))
+        ra, rb = Report("A"), Report("B")
+        written: list[tuple[float, int]] = []
+        limit = 3 * keepalive + 10
+        stop_a = asyncio.Event()
+        work_a = loop.create_task(workload(peer_a, a, src_a, laddr_a, ra, stop_a, seed=6, limit=limit,
+                                           written=written))
+        work_b = loop.create_task(workload(old, b, src_b, laddr_b, rb, asyncio.Event(), seed=7, limit=limit))
+        t_start = loop.time()
+        await asyncio.sleep(seconds / 3)
+        if silent:
+            for link in range(3):
+                await topo.set_link(link, False, host=1)
+        old_addr = b.addr
+        t_kill = loop.time()
+        b.kill()
+        await asyncio.wait_for(work_b, limit + 5)       # ends at its first failure
+        t_failed = loop.time()
+        while not lost_at and loop.time() - t_kill < limit:
+            await asyncio.sleep(0.02)
+        report.detect_s = (lost_at[0] if lost_at else t_failed) - t_kill
+        report.notes.append(f"B's write in flight ended after {t_failed - t_kill:.2f} s "
+                            f"({', '.join(rb.failed) or 'completed before the kill'}); "
+                            f"peer lost after {report.detect_s:.2f} s")
+        await asyncio.sleep(max(0.0, t_kill + seconds / 3 - loop.time()))
+        t_restart = loop.time()
+        if silent:
+            for link in range(3):
+                await topo.set_link(link, True, host=1)
+        await b.proc.wait()
+        await b.start()                                   # same control address, new incarnation
+        t0 = loop.time()
+        try:
+            await old.write([laddr_b], [old_addr], [4096], timeout=5)
+            report.notes.append("OLD PEER WROTE AFTER RESTART")
+            report.corrupted += 1
+        except kvflow.PeerLostError:
+            report.notes.append(f"old peer refused after restart ({(loop.time() - t0) * 1e3:.1f} ms)")
+        untouched = (await b.shas([(0, REGION)]))[0] == hashlib.sha256(bytes(REGION)).hexdigest()
+        if not untouched:
+            report.notes.append("B'S NEW MEMORY CHANGED BEFORE ITS NEW PEER WROTE")
+            report.corrupted += 1
+        peer_b = await eng.connect(b.address)
+        if peer_b is old or peer_b.descriptor.incarnation == old.descriptor.incarnation:
+            report.notes.append("connect() returned the dead peer")
+            report.corrupted += 1
+        rb2 = Report("B again")
+        await workload(peer_b, b, src_b, laddr_b, rb2, _after(seconds / 3), seed=8, limit=limit)
+        t_end = loop.time()
+        stop_a.set()
+        await asyncio.wait_for(work_a, limit + 5)
+        report.throughput = {"before": _rate(written, t_start, t_kill), "B dead": _rate(written, t_kill, t_restart),
+                             "B restarting": _rate(written, t_restart, t_end)}
+        report.notes.append("A's write rate MB/s: " + ", ".join(f"{k} {v / 1e6:.0f}"
+                                                                for k, v in report.throughput.items()))
+        report.notes.append(f"A: {ra.transfers} transfers, {ra.bytes_verified >> 20} MiB verified; "
+                            f"B: {rb.transfers} before the kill, {rb2.transfers} after the restart "
+                            f"({rb2.bytes_verified >> 20} MiB verified)")
+        for part in (ra, rb, rb2):
+            _merge(report, part)
+    finally:
+        if silent:
+            for link in range(3):
+                await topo.set_link(link, True, host=1)
+        if eng is not None:
+            await eng.close()
+        await asyncio.gather(a.stop(), b.stop())
     return report
 
 
@@ -496,11 +637,12 @@ def _after(seconds: float) -> asyncio.Event:
 
 
 CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage, "late": case_late,
-         "netem": case_netem}
+         "netem": case_netem, "three": case_three,
+         "three-silent": functools.partial(case_three, silent=True)}
 
 
 async def run(cases: list[str], seconds: float, keepalive: float) -> list[Report]:
-    topo = Topology().up()
+    topo = Topology(hosts=2).up()
     try:
         return [await CASES[c](topo, seconds, keepalive) for c in cases]
     finally:
@@ -523,7 +665,7 @@ def table(reports: list[Report]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="rail,kill,garbage,late" + ("" if netem_unavailable() else ",netem"),
+    ap.add_argument("--cases", default="rail,kill,garbage,late,three,three-silent" + ("" if netem_unavailable() else ",netem"),
                     help="comma-separated: " + ", ".join(CASES) + " (default: all that this kernel can do)")
     ap.add_argument("--seconds", type=float, default=12.0, help="length of each case")
     ap.add_argument("--keepalive", type=float, default=2.0, help="engines' keepalive (dead-rail detection)")
