@@ -115,3 +115,20 @@ async def test_three_hosts_dead_target_does_not_slow_the_other(topo, silent):
     before, dead = r.throughput["before"], r.throughput["B dead"]
     assert before > 0 and dead > 0.3 * before, r.throughput
     assert r.throughput["B restarting"] > 0, r.throughput
+
+
+async def test_rails_from_topology_pair_and_fail_over(topo):
+    r = await faults.case_auto(topo, SECONDS, KEEPALIVE)
+    show(r)
+    assert_sound(r)
+    assert r.failed == {}, "a rail going down must cost throughput, not transfers"
+    # each engine found its two rails itself (its control link left out)...
+    assert r.rails["target"] == [topo.target(1, 0), topo.target(2, 0)], r.rails
+    assert r.rails["initiator"] == [topo.target(1, 1), topo.target(2, 1)], r.rails
+    # ...and every data connection is bound to, and leaves from, the
+    # initiator's rail on the target rail's subnet
+    assert sorted(r.rails["bound"]) == [topo.target(1, 1)] * 2 + [topo.target(2, 1)] * 2, r.rails
+    assert r.rails["pairs"] == [[topo.target(1, 1), topo.target(1, 0)], [topo.target(2, 1), topo.target(2, 0)]], r.rails
+    assert r.detect_s is not None and r.detect_s < 2 * KEEPALIVE + 2, r
+    assert r.recover_s is not None and r.recover_s < 10, r
+    assert r.transfers > 10

@@ -16,6 +16,10 @@ each, veth links), while faults happen:
            throughput before and during the fault is reported)
   three-silent  the same, with B's links cut before the kill (a crashed
            host: only the keepalive can tell)
+  auto     rails from the topology: an initiator in a namespace host and the
+           target pick their rails themselves (rails="auto"), pair them and
+           bind each connection to its rail; the initiator's rail 1 goes down
+           and comes back
 
 Every case reports bytes sent, bytes verified (the target hashes what
 landed; the initiator compares), transfers failed and with which error, the
@@ -159,48 +163,63 @@ class Topology:
 
 
 # --------------------------------------------------------------------- target
-async def serve_target(listen: str, rails: list[str], size: int, keepalive: float) -> None:
+async def _stdin_lines() -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+async def serve_target(listen: str, rails: list[str] | None, size: int, keepalive: float,
+                       hash_port: int | None = None) -> None:
     """The target (runs inside the namespace): registers `size` bytes as
-    "kv", says where on stdout, then answers hash requests from stdin."""
-    loop = asyncio.get_running_loop()
+    "kv", says where on stdout, then answers hash requests from stdin (and,
+    with `hash_port`, from tcp clients on the listen host: an initiator in
+    another namespace verifies its writes there)."""
     async with kvflow.Engine(listen, rails=rails, protocols=("tcp",), keepalive=keepalive) as eng:
         buf = np.zeros(size, dtype=np.uint8)
         region = eng.register(buf, name="kv")
-        print(MARK + json.dumps({"address": eng.address, "addr": region.addr, "pid": os.getpid()}),
-              flush=True)
-        reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+
+        def answer(line: bytes) -> str:
+            ranges = json.loads(line)["ranges"]
+            return json.dumps({"shas": [hashlib.sha256(buf[o:o + n]).hexdigest() for o, n in ranges]})
+
+        async def serve_hashes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            # cancelled when the target exits (stdin closed): ending quietly is all there is to do
+            with contextlib.suppress(OSError, ValueError, KeyError, asyncio.CancelledError):
+                while line := await reader.readline():
+                    writer.write((answer(line) + "\n").encode())
+                    await writer.drain()
+            writer.close()
+
+        if hash_port is not None:
+            await asyncio.start_server(serve_hashes, listen.rpartition(":")[0], hash_port)
+        print(MARK + json.dumps({"address": eng.address, "addr": region.addr, "pid": os.getpid(),
+                                 "data": eng.descriptor().data}), flush=True)
+        reader = await _stdin_lines()
         while line := await reader.readline():
-            req = json.loads(line)
-            shas = [hashlib.sha256(buf[o:o + n]).hexdigest() for o, n in req["ranges"]]
-            print(MARK + json.dumps({"shas": shas}), flush=True)
+            print(MARK + answer(line), flush=True)
 
 
 class TargetGone(RuntimeError):
     """The target process exited (killed by a fault case, or crashed)."""
 
 
-class Target:
-    """The target process, started in the namespace (or restarted there)."""
+class Child:
+    """A process of this script run in a namespace host: it answers with
+    MARK-prefixed JSON lines on stdout, and exits when its stdin closes."""
 
-    def __init__(self, topo: Topology, keepalive: float, host: int = 0) -> None:
+    def __init__(self, topo: Topology, keepalive: float, host: int) -> None:
         self.topo = topo
         self.keepalive = keepalive
         self.host = host
         self.proc: asyncio.subprocess.Process | None = None
-        self.address = ""
-        self.addr = 0
 
-    async def start(self) -> None:
-        t, k = self.topo, self.host
-        cmd = ["ip", "netns", "exec", t.hosts[k], sys.executable, os.path.abspath(__file__),
-               "--serve-target", f"{t.target(0, k)}:{TARGET_PORT}",
-               "--rails", f"{t.target(1, k)},{t.target(2, k)}",
-               "--keepalive", str(self.keepalive)]
+    async def _spawn(self, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+        cmd = ["ip", "netns", "exec", self.topo.hosts[self.host], sys.executable, os.path.abspath(__file__),
+               *args, "--keepalive", str(self.keepalive)]
         self.proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                         env={**os.environ, "PYTHONPATH": ROOT})
-        hello = await self._reply(300)       # python + numpy + kvflow imports: minutes under emulation
-        self.address, self.addr = hello["address"], hello["addr"]
+                                                         env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+        return await self._reply(300)        # python + numpy + kvflow imports: minutes under emulation
 
     async def _reply(self, timeout: float) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdout is not None
@@ -211,15 +230,15 @@ class Target:
             if line.startswith(MARK.encode()):
                 return json.loads(line[len(MARK):])
 
-    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+    async def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"ranges": ranges}) + "\n").encode())
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
         await self.proc.stdin.drain()
-        return (await self._reply(120))["shas"]
+        return await self._reply(timeout)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
-            # `ip netns exec` execs python: the pid is the target's
+            # `ip netns exec` execs python: the pid is the child's
             self.proc.send_signal(signal.SIGKILL)
 
     async def stop(self) -> None:
@@ -234,6 +253,36 @@ class Target:
                 self.proc.kill()
                 await self.proc.wait()
         self.proc = None
+
+
+class Target(Child):
+    """The target process, started in namespace host `host` (or restarted
+    there). With `auto_rails` its engine picks its rails from its topology
+    (KVFLOW_TCP_RAILS=auto) instead of being given the host's two rails;
+    with `hash_port` it also answers hash requests on TARGET_PORT + 1."""
+
+    def __init__(self, topo: Topology, keepalive: float, host: int = 0, *, auto_rails: bool = False,
+                 hash_port: bool = False) -> None:
+        super().__init__(topo, keepalive, host)
+        self.auto_rails = auto_rails
+        self.hash_port = hash_port
+        self.address = ""
+        self.addr = 0
+        self.data: list[tuple[str, int]] = []
+
+    async def start(self) -> None:
+        t, k = self.topo, self.host
+        args = ["--serve-target", f"{t.target(0, k)}:{TARGET_PORT}"]
+        if not self.auto_rails:
+            args += ["--rails", f"{t.target(1, k)},{t.target(2, k)}"]
+        if self.hash_port:
+            args += ["--hash-port", str(TARGET_PORT + 1)]
+        hello = await self._spawn(args, {"KVFLOW_TCP_RAILS": "auto"} if self.auto_rails else None)
+        self.address, self.addr = hello["address"], hello["addr"]
+        self.data = [(h, p) for h, p in hello["data"]]
+
+    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+        return (await self._ask({"ranges": ranges}, 120))["shas"]
 
 
 # ------------------------------------------------------------------- workload
@@ -251,6 +300,7 @@ class Report:
     recover_s: float | None = None
     notes: list[str] = field(default_factory=list)
     throughput: dict[str, float] = field(default_factory=dict)   # B/s of a workload, per phase
+    rails: dict[str, Any] = field(default_factory=dict)          # who listened and connected where
 
 
 async def workload(peer: kvflow.Peer, target: Target, src: np.ndarray, local_addr: int, report: Report,
@@ -320,6 +370,137 @@ async def _session(topo: Topology, keepalive: float) -> AsyncIterator[tuple[Targ
             await eng.close()
     finally:
         await target.stop()
+
+
+class HashClient:
+    """Target.shas() for an initiator that is not the target's parent: asks
+    the target's hash port (serve_target's hash_port) over the control
+    network. `addr` is the target region's address."""
+
+    def __init__(self, addr: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.addr = addr
+        self._reader, self._writer = reader, writer
+
+    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+        self._writer.write((json.dumps({"ranges": ranges}) + "\n").encode())
+        await self._writer.drain()
+        line = await asyncio.wait_for(self._reader.readline(), 120)
+        if not line:
+            raise TargetGone("the target's hash port closed")
+        return json.loads(line)["shas"]
+
+
+async def serve_initiator(listen: str, rails: list[str] | None, target: str, hashes: str, region: int,
+                          keepalive: float) -> None:
+    """An initiator in a namespace host (runs there): connects to `target`
+    and writes the workload to its region (at `region`), verified through
+    the target's hash port `hashes`, until stdin says "stop"; says its rails
+    and connections on stdout at start and on "conns", its Report at the
+    end."""
+    async with kvflow.Engine(listen, rails=rails, protocols=("tcp",), keepalive=keepalive) as eng:
+        src = np.zeros(REGION, dtype=np.uint8)
+        laddr = eng.register(src).addr
+        host, _, port = hashes.rpartition(":")
+        verifier = HashClient(region, *await asyncio.open_connection(host, int(port)))
+        peer = await eng.connect(target)
+        report = Report("initiator")
+        stop = asyncio.Event()
+        work = asyncio.get_running_loop().create_task(
+            workload(peer, verifier, src, laddr, report, stop, seed=9, limit=3 * keepalive + 10))  # type: ignore[arg-type]
+        print(MARK + json.dumps({"rails": eng.descriptor().data, "connections": peer.connections()}), flush=True)
+        reader = await _stdin_lines()
+        while line := await reader.readline():
+            if json.loads(line).get("op") == "conns":
+                print(MARK + json.dumps({"connections": peer.connections()}), flush=True)
+                continue
+            stop.set()
+            with contextlib.suppress(asyncio.TimeoutError):      # counted as HANG by workload
+                await work
+            print(MARK + json.dumps(asdict(report)), flush=True)
+            return
+
+
+class Initiator(Child):
+    """An initiator process (serve_initiator) in namespace host `host`,
+    writing to `target`; `rails` is its engine's rails argument."""
+
+    def __init__(self, topo: Topology, keepalive: float, host: int, target: Target, rails: str = "auto") -> None:
+        super().__init__(topo, keepalive, host)
+        self.target = target
+        self.rails = rails
+        self.data: list[tuple[str, int]] = []
+
+    async def start(self) -> list[dict[str, Any]]:
+        """Starts it; returns its first connections()."""
+        t, k = self.topo, self.host
+        hello = await self._spawn(["--serve-initiator", self.target.address, "--listen", f"{t.target(0, k)}:0",
+                                   "--rails", self.rails, "--hashes", f"{t.target(0, self.target.host)}:{TARGET_PORT + 1}",
+                                   "--region", str(self.target.addr)])
+        self.data = [(h, p) for h, p in hello["rails"]]
+        return hello["connections"]
+
+    async def connections(self) -> list[dict[str, Any]]:
+        return (await self._ask({"op": "conns"}, 30))["connections"]
+
+    async def finish(self, timeout: float) -> Report:
+        """Stops the workload; its Report."""
+        return Report(**await self._ask({"op": "stop"}, timeout))
+
+
+def _subnet(ip: str) -> str:
+    return ip.rpartition(".")[0]
+
+
+async def case_auto(topo: Topology, seconds: float, keepalive: float) -> Report:
+    """Rails from the topology on both ends: a target (KVFLOW_TCP_RAILS=auto)
+    and an initiator (rails="auto") in two namespace hosts, each with a
+    control link and two rails, pick their rails themselves (the rails, not
+    the control link, whose address they listen on); the initiator pairs
+    its rails with the target's and binds each data connection to its own
+    rail on the same subnet. Then the initiator's rail 1 goes down and comes
+    back: every write completes (rail 0 carries it), verified by the
+    target's hashes."""
+    report = Report("rails from the topology, initiator's rail 1 down and back")
+    loop = asyncio.get_running_loop()
+    target = Target(topo, keepalive, host=0, auto_rails=True, hash_port=True)
+    init = Initiator(topo, keepalive, 1, target)
+    try:
+        await target.start()
+        conns = await init.start()
+        # the address each connection left from (its socket's), with the rail it was bound to
+        pairs = [list(p) for p in sorted({(c["local"], c["endpoint"].rpartition(":")[0]) for c in conns})]
+        if any(c["local"] != c["source"] for c in conns):
+            report.notes.append(f"CONNECTIONS NOT FROM THEIR BOUND RAIL: {conns}")
+        report.rails = {"target": sorted(h for h, _ in target.data), "initiator": sorted(h for h, _ in init.data),
+                        "pairs": pairs, "bound": [c["source"] for c in conns]}
+        report.notes.append(f"target rails {report.rails['target']}, initiator rails {report.rails['initiator']}, "
+                            f"connections (local, endpoint) {pairs}")
+        rail1 = [c["index"] for c in conns if c["source"] == topo.target(2, 1)]
+        await asyncio.sleep(seconds / 3)
+        t_down = loop.time()
+        await topo.set_rail(1, False, host=1)
+        while report.detect_s is None and loop.time() - t_down < 3 * keepalive + 10:
+            await asyncio.sleep(0.1)
+            now = await init.connections()
+            if rail1 and all(not now[i]["up"] for i in rail1):
+                report.detect_s = loop.time() - t_down
+        await asyncio.sleep(max(0.0, t_down + seconds / 3 - loop.time()))
+        t_up = loop.time()
+        await topo.set_rail(1, True, host=1)
+        while report.recover_s is None and loop.time() - t_up < 20:
+            await asyncio.sleep(0.1)
+            if all(c["up"] for c in await init.connections()):
+                report.recover_s = loop.time() - t_up
+        await asyncio.sleep(max(0.0, t_up + seconds / 3 - loop.time()))
+        now = await init.connections()
+        report.notes.append(f"slices moved off rail 1: {sum(c['moved'] for c in now)}; rail 1 carried "
+                            f"{sum(now[i]['bytes'] for i in rail1) >> 20} MiB; "
+                            f"rebuilt connections: {sum(c['rebuilt'] for c in now)}")
+        _merge(report, await init.finish(3 * keepalive + 30))
+    finally:
+        await topo.set_rail(1, True, host=1)
+        await asyncio.gather(init.stop(), target.stop())
+    return report
 
 
 async def case_rail(topo: Topology, seconds: float, keepalive: float) -> Report:
@@ -637,7 +818,7 @@ def _after(seconds: float) -> asyncio.Event:
 
 
 CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage, "late": case_late,
-         "netem": case_netem, "three": case_three,
+         "netem": case_netem, "three": case_three, "auto": case_auto,
          "three-silent": functools.partial(case_three, silent=True)}
 
 
@@ -665,16 +846,26 @@ def table(reports: list[Report]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="rail,kill,garbage,late,three,three-silent" + ("" if netem_unavailable() else ",netem"),
+    ap.add_argument("--cases", default="rail,kill,garbage,late,three,three-silent,auto" + ("" if netem_unavailable() else ",netem"),
                     help="comma-separated: " + ", ".join(CASES) + " (default: all that this kernel can do)")
     ap.add_argument("--seconds", type=float, default=12.0, help="length of each case")
     ap.add_argument("--keepalive", type=float, default=2.0, help="engines' keepalive (dead-rail detection)")
     ap.add_argument("--json", help="also write the reports here")
     ap.add_argument("--serve-target", metavar="LISTEN", help=argparse.SUPPRESS)
     ap.add_argument("--rails", help=argparse.SUPPRESS)
+    ap.add_argument("--hash-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-initiator", metavar="TARGET", help=argparse.SUPPRESS)
+    ap.add_argument("--listen", help=argparse.SUPPRESS)
+    ap.add_argument("--hashes", help=argparse.SUPPRESS)
+    ap.add_argument("--region", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve_target:
-        asyncio.run(serve_target(a.serve_target, a.rails.split(","), REGION, a.keepalive))
+        rails = a.rails.split(",") if a.rails else None
+        asyncio.run(serve_target(a.serve_target, rails, REGION, a.keepalive, a.hash_port))
+        return 0
+    if a.serve_initiator:
+        asyncio.run(serve_initiator(a.listen, a.rails.split(","), a.serve_initiator, a.hashes, a.region,
+                                    a.keepalive))
         return 0
     why = netns_unavailable()
     if why:
