@@ -111,6 +111,7 @@ async def test_three_hosts_dead_target_does_not_slow_the_other(topo, silent):
     # lost by the keepalive (pings every keepalive/3, lost after keepalive)
     assert r.detect_s is not None and r.detect_s < KEEPALIVE + (1.5 if silent else 0.5), r
     assert any(n.startswith("old peer refused after restart") for n in r.notes), r.notes
+    assert any(n.startswith("a write to dead B: PeerLostError") for n in r.notes), r.notes
     # A is not slowed by B's death: generous, this machine's 2 cores are shared
     before, dead = r.throughput["before"], r.throughput["B dead"]
     assert before > 0 and dead > 0.3 * before, r.throughput

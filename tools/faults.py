@@ -645,6 +645,13 @@ async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent
         report.notes.append(f"B's write in flight ended after {t_failed - t_kill:.2f} s "
                             f"({', '.join(rb.failed) or 'completed before the kill'}); "
                             f"peer lost after {report.detect_s:.2f} s")
+        t0 = loop.time()
+        try:
+            await old.write([laddr_b], [old_addr], [4096], timeout=5)
+            dead_write = "WROTE"
+        except kvflow.KVFlowError as e:
+            dead_write = type(e).__name__
+        report.notes.append(f"a write to dead B: {dead_write} after {(loop.time() - t0) * 1e3:.1f} ms")
         await asyncio.sleep(max(0.0, t_kill + seconds / 3 - loop.time()))
         t_restart = loop.time()
         if silent:
