@@ -42,7 +42,7 @@ from kvflow.memory import Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.peer import Peer
 from kvflow.rails import DataConn, RailWatcher, open_data_socket, tune_data_socket
-from kvflow.topology import Topology, cached_host_topology, parse_location
+from kvflow.topology import Topology, cached_host_topology, pair_tcp_rails, parse_location, rail_order
 from kvflow.transfer import DRAIN_GRACE, Transfer
 from kvflow import rdma as rdma_provider
 
@@ -125,6 +125,8 @@ def _is_address(text: str) -> bool:
 def _check_rails(rails: Sequence[str] | None) -> list[str]:
     if rails is None:
         return []
+    if isinstance(rails, str):
+        raise InvalidArgumentError(f"rails: a list of addresses, or 'auto' (got {rails!r})")
     out = []
     for r in rails:
         try:
@@ -147,8 +149,14 @@ class Engine:
     tcp_connections: data connections per tcp peer and rail;
     rails: local IP addresses of this engine's tcp rails (one per NIC;
     default: env KVFLOW_TCP_RAILS, comma-separated, else one rail on the
-    listen host): each gets a data listener, all are published, and a peer
-    opens tcp_connections to each, its slices spread over all; a connection
+    listen host), or "auto" (also KVFLOW_TCP_RAILS=auto): the IPv4
+    addresses of the netdevs the topology prefers for `location`, the
+    listen address's own link left out (Topology.tcp_rails; one rail on the
+    listen host when there are none); each gets a data listener, all are
+    published with their NICs, and a peer opens tcp_connections to each,
+    its slices spread over all; a peer that has rails too pairs its rails
+    with these by both topologies (kvflow.topology.pair_tcp_rails) and
+    binds each connection to its local rail; a connection
     that fails (rail down: noticed after about `keepalive` seconds without
     progress) hands its slices to the others and is rebuilt when its rail
     answers again; location: where this engine's registered memory
@@ -214,7 +222,12 @@ class Engine:
         self._tcp_connections = tcp_connections
         if rails is None and os.environ.get("KVFLOW_TCP_RAILS"):
             rails = [r.strip() for r in os.environ["KVFLOW_TCP_RAILS"].split(",") if r.strip()]
-        self._rails = _check_rails(rails)
+        # "auto" is resolved at start(), from the topology
+        self._auto_rails = rails == "auto" or (rails is not None and not isinstance(rails, str)
+                                               and list(rails) == ["auto"])
+        self._rails = [] if self._auto_rails else _check_rails(rails)
+        self._rail_nics: list[str] = []      # per rail: its netdev ("" unknown) and "ip/prefixlen"
+        self._rail_ifaces: list[str] = []
         self.location = location or os.environ.get("KVFLOW_LOCATION") or "cpu"
         parse_location(self.location)
         self.topology: Topology | None = None
@@ -263,6 +276,13 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         host, port = _split_address(self._listen)
         self.topology = cached_host_topology()
+        if self._auto_rails:
+            self._rails = self._topology_rails(host)
+        self._rail_nics, self._rail_ifaces = [], []
+        for rail in self._rails:
+            nic, iface = self.topology.interface_of(rail) or ("", rail)
+            self._rail_nics.append(nic)
+            self._rail_ifaces.append(iface)
         self._core = _core.Core(self._local_workers)
         try:
             self._server = await asyncio.start_server(self._serve_control, host, port)
@@ -291,6 +311,24 @@ class Engine:
             self.name = self.name or self.address
             self._metadata = MetadataClient(self._store, self.name, self._metadata_ttl, self._record)
             await self._metadata.start()
+
+    def _topology_rails(self, host: str) -> list[str]:
+        """rails="auto": the rail addresses Topology.tcp_rails picks for this
+        engine's location, the listen host's link left out; [] (one rail on
+        the listen host, as without rails) when it finds none."""
+        assert self.topology is not None
+        try:
+            exclude = [str(ipaddress.ip_address(host))]
+        except ValueError:
+            exclude = []
+        found = self.topology.tcp_rails(self.location, exclude=exclude)[:64]
+        if not found:
+            log.warning("kvflow: rails=auto: the topology has no netdev with an IPv4 address for %s; "
+                        "one rail on %s", self.location, host)
+            return []
+        log.info("kvflow: tcp rails for %s from the topology: %s", self.location,
+                 ", ".join(f"{a} ({n})" for n, a in found))
+        return [str(ipaddress.ip_interface(a).ip) for _, a in found]
 
     def _start_rdma(self) -> None:
         if self.protocols is not None and "rdma" not in self.protocols:
@@ -447,7 +485,8 @@ class Engine:
             process=ident.token, probe_addr=ident.probe_addr, probe_cookie=ident.cookie.tobytes(),
             data=list(self._data_endpoints), regions=self._remote_regions(), generation=self._generation,
             rdma=self._rdma.describe() if self._rdma is not None else None,
-            topology=self.topology, location=self.location)
+            topology=self.topology, location=self.location,
+            rail_nics=list(self._rail_nics) if self._rails else None)
 
     def _record(self) -> EngineRecord:
         return EngineRecord(self.name or self.address, self.address, self._incarnation, self.descriptor())
@@ -797,22 +836,22 @@ class Engine:
         # target sends write acks on an extra connection that this loop
         # reads directly, with several each connection carries its own (a
         # rail that dies takes its acks with it, nobody else's).
-        rails = desc.data[:64]
+        rails = self._rail_plan(desc)
         per_rail = max(1, min(self._tcp_connections, 64 // len(rails)))
-        plan = [DataConn(i, host, port)
-                for i, (host, port) in enumerate([ep for ep in rails for _ in range(per_rail)])]
+        plan = [DataConn(i, host, port, source)
+                for i, (source, host, port) in enumerate([r for r in rails for _ in range(per_rail)])]
 
-        def open_one(host: str, port: int, role: int, index: int) -> Awaitable[socket.socket]:
-            return open_data_socket(self._loop, host, port, token, role, index,
-                                    keepalive=self.keepalive, peer=peer.address)
+        def open_one(c: DataConn, role: int) -> Awaitable[socket.socket]:
+            return open_data_socket(self._loop, c.host, c.port, token, role, c.index,
+                                    keepalive=self.keepalive, peer=peer.address, source=c.source)
 
         ack_sock: socket.socket | None = None
         got: list[Any] = []
         try:
             if len(rails) == 1:
                 # the ack connection first: the target sends acks on it once it exists
-                ack_sock = await open_one(*rails[0], DATA_ROLE_ACK, 0)
-            got = await asyncio.gather(*(open_one(c.host, c.port, DATA_ROLE_DATA, c.index) for c in plan),
+                ack_sock = await open_one(plan[0], DATA_ROLE_ACK)
+            got = await asyncio.gather(*(open_one(c, DATA_ROLE_DATA) for c in plan),
                                        return_exceptions=True)
             errors = [g for g in got if isinstance(g, BaseException)]
             fatal = [g for g in errors if not isinstance(g, (PeerUnreachableError, ProtocolError))]
@@ -826,7 +865,9 @@ class Engine:
                     s.close()
             raise
         for c, g in zip(plan, got):
-            if isinstance(g, BaseException):
+            if isinstance(g, socket.socket):
+                c.local = g.getsockname()[0]
+            else:
                 log.warning("kvflow: %s: rail %s:%d is down at connect (%s); it is retried in the background",
                             peer.address, c.host, c.port, g)
         # All stay non-blocking: the loop reads the ack socket and may splice
@@ -835,6 +876,27 @@ class Engine:
         peer._rails = RailWatcher(peer, plan, token, DATA_ROLE_DATA, self.keepalive)
         return _core.TcpChannel(self._core, peer._table, peer.address, fds,
                                 ack_sock.detach() if ack_sock is not None else -1, self._slice_size)
+
+    def _rail_plan(self, desc: Descriptor) -> list[tuple[str | None, str, int]]:
+        """(local source, host, port) of each group of data connections to
+        a peer. With rails on both ends (the peer publishing its rails'
+        NICs): each end's rails in the order its topology prefers for its
+        memory, paired by pair_tcp_rails, each group bound to its local
+        rail. Otherwise one group per peer endpoint, from where the kernel
+        chooses (as before rails were paired)."""
+        endpoints = desc.data[:64]
+        plain: list[tuple[str | None, str, int]] = [(None, h, p) for h, p in endpoints]
+        if not self._rails or desc.rail_nics is None or self.topology is None:
+            return plain
+        mine = rail_order(self._rail_nics, self.topology, self.location)
+        theirs = rail_order(desc.rail_nics[:len(endpoints)], desc.topology, desc.location)
+        networks = [a for n in self.topology.nics for a in n.addresses]
+        try:
+            pairs = pair_tcp_rails([self._rail_ifaces[i] for i in mine], [endpoints[j][0] for j in theirs],
+                                   networks)
+        except ValueError:          # a peer endpoint that is not an IP address: nothing to pair
+            return plain
+        return [(None if li is None else self._rails[mine[li]], *endpoints[theirs[rj]]) for li, rj in pairs][:64]
 
     @staticmethod
     def _same_process(address: str, desc: Descriptor) -> bool:

@@ -111,6 +111,7 @@ class Descriptor:
     rdma: dict[str, Any] | None = None     # devices and probe, when the engine has rdma
     topology: Topology | None = None       # its NICs and their order per memory location
     location: str | None = None            # where its registered memory lives ("cpu:0", "cuda:1")
+    rail_nics: list[str] | None = None     # the NIC of each data endpoint ("" unknown); None: no rails
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -119,7 +120,7 @@ class Descriptor:
             "data": [list(d) for d in self.data], "generation": self.generation,
             "regions": regions_to_wire(self.regions), "rdma": self.rdma,
             "topology": self.topology.to_wire() if self.topology is not None else None,
-            "location": self.location,
+            "location": self.location, "rail_nics": self.rail_nics,
         }
 
     @classmethod
@@ -146,7 +147,18 @@ class Descriptor:
             generation=field(d, "generation", int), rdma=rdma_from_wire(d.get("rdma")),
             topology=Topology.from_wire(d["topology"]) if d.get("topology") is not None else None,
             location=_location_from_wire(d.get("location")),
+            rail_nics=_rail_nics_from_wire(d.get("rail_nics"), len(endpoints)),
         )
+
+
+def _rail_nics_from_wire(v: Any, endpoints: int) -> list[str] | None:
+    """One NIC name (at most 64 characters, "" unknown) per data endpoint."""
+    if v is None:
+        return None
+    if not (isinstance(v, list) and len(v) == endpoints
+            and all(isinstance(n, str) and len(n) <= 64 for n in v)):
+        raise ProtocolError("descriptor: malformed rail_nics (one NIC name per data endpoint)")
+    return list(v)
 
 
 def _location_from_wire(v: Any) -> str | None:

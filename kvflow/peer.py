@@ -132,8 +132,9 @@ class Peer:
 
     def connections(self) -> list[dict[str, Any]]:
         """tcp: one entry per data connection (index, endpoint: the rail,
-        up, bytes sent, slices moved to other connections when it failed,
-        failures, rebuilds). Empty for the other providers."""
+        source: the local rail it is bound to or None, local: the address
+        it left from, up, bytes sent, slices moved to other connections
+        when it failed, failures, rebuilds). Empty for the other providers."""
         return self._rails.stats() if self._rails is not None and self.transport == "tcp" else []
 
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:

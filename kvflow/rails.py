@@ -64,8 +64,9 @@ def hello_frame(token: bytes, role: int, index: int) -> bytes:
 
 async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int, token: bytes,
                            role: int, index: int, *, keepalive: float, peer: str,
-                           timeout: float = CONNECT_TIMEOUT) -> socket.socket:
-    """Connects, sends the hello and waits for its acceptance. Returns the
+                           timeout: float = CONNECT_TIMEOUT, source: str | None = None) -> socket.socket:
+    """Connects (from local address `source` when given: the rail it was
+    paired with), sends the hello and waits for its acceptance. Returns the
     non-blocking socket; raises PeerUnreachableError (or ProtocolError when
     the target refuses the hello)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -75,6 +76,8 @@ async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int
         tune_data_socket(s, keepalive)
 
         async def handshake() -> bytes:
+            if source is not None:
+                s.bind((source, 0))
             await loop.sock_connect(s, (host, port))
             await loop.sock_sendall(s, hello_frame(token, role, index))
             ack = b""
@@ -89,7 +92,8 @@ async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int
             ack = await asyncio.wait_for(handshake(), timeout)
         except (OSError, asyncio.TimeoutError) as e:
             why = "timed out" if isinstance(e, asyncio.TimeoutError) else str(e)
-            raise PeerUnreachableError(f"cannot open a data connection to {host}:{port}: {why}",
+            via = f" from {source}" if source is not None else ""
+            raise PeerUnreachableError(f"cannot open a data connection to {host}:{port}{via}: {why}",
                                        peer=peer) from None
         magic, kind, status = DATA_HEADER.unpack(ack)[:3]
         if magic != DATA_MAGIC or kind != DATA_HELLO_ACK or status != 0:
@@ -102,10 +106,13 @@ async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int
 
 @dataclass
 class DataConn:
-    """Where data connection `index` of a channel goes, and its rebuild state."""
+    """Where data connection `index` of a channel goes (from which local
+    rail address: None lets the kernel choose), and its rebuild state."""
     index: int
     host: str
     port: int
+    source: str | None = None
+    local: str | None = None       # the address it left from, last time it was opened
     backoff: float = BACKOFF_MIN
     next_try: float = 0.0
     down_since: float | None = None
@@ -131,11 +138,15 @@ class RailWatcher:
             self.task = None
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per data connection: endpoint, up, bytes, slices moved, failures, rebuilds."""
+        """Per data connection: endpoint, source (the local rail it is
+        bound to; None: the kernel's choice), local (the address it left
+        from), up, bytes, slices moved, failures, rebuilds."""
         native = self.peer._channel.conn_stats() if hasattr(self.peer._channel, "conn_stats") else []
         out = []
         for c, n in zip(self.conns, native):
-            out.append({"index": c.index, "endpoint": f"{c.host}:{c.port}", **n, "rebuilt": c.rebuilt})
+            out.append({"index": c.index, "endpoint": f"{c.host}:{c.port}", "source": c.source,
+                        "local": c.local, **n,
+                        "rebuilt": c.rebuilt})
         return out
 
     async def _run(self) -> None:
@@ -163,13 +174,14 @@ class RailWatcher:
                 tag = i | (((c.rebuilt + 1) & EPOCH_MAX) << EPOCH_SHIFT)
                 try:
                     s = await open_data_socket(loop, c.host, c.port, self.token, self.role, tag,
-                                               keepalive=self.keepalive, peer=peer.address)
+                                               keepalive=self.keepalive, peer=peer.address, source=c.source)
                 except (PeerUnreachableError, ProtocolError, OSError) as e:
                     log.debug("kvflow: %s: rebuilding data connection %d: %s", peer.address, i, e)
                     continue
                 if peer._closed or peer._channel is not channel:
                     s.close()
                     return
+                c.local = s.getsockname()[0]
                 if not channel.replace(i, s.detach()):
                     continue
                 log.warning("kvflow: %s: data connection %d (%s:%d) is back after %.1f s",

@@ -44,7 +44,9 @@ __all__ = [
     "ib_mtu",
     "live_addresses",
     "match_rails",
+    "pair_tcp_rails",
     "parse_location",
+    "rail_order",
 ]
 
 TOPOLOGY_ENV = "KVFLOW_TOPOLOGY"
@@ -268,6 +270,48 @@ class Topology:
         best = rank(candidates[0])
         return ([n.name for n in candidates if rank(n) == best],
                 [n.name for n in candidates if rank(n) != best])
+
+    def interface_of(self, ip: str) -> tuple[str, str] | None:
+        """(netdev name, "ip/prefixlen") of the netdev holding address `ip`,
+        None when no netdev (that this topology knows) holds it."""
+        want = ipaddress.ip_address(ip)
+        for n in self.nics:
+            if n.kind != NicKind.NETDEV:
+                continue
+            for a in n.addresses:
+                try:
+                    if ipaddress.ip_interface(a).ip == want:
+                        return n.name, a
+                except ValueError:
+                    continue
+        return None
+
+    def tcp_rails(self, location: str, *, exclude: Sequence[str] = ()) -> list[tuple[str, str]]:
+        """The tcp rails of an engine whose memory is at `location`, for an
+        engine told to pick them itself (Engine(rails="auto")): (netdev,
+        "ip/prefixlen") for each netdev of preferred(location, NETDEV) that
+        has an IPv4 address (its first; not link-local), else of the
+        fallback ones, in preference order. Safety first: a netdev holding
+        an address of `exclude` (the control address: it stays on a link of
+        its own) is skipped unless nothing else is left, and virtual devices
+        (veth, bridges, dummies: no PCI path) count only on a host that has
+        no physical netdev with an address. [] when nothing qualifies.
+        Raises InvalidArgumentError for a malformed location."""
+        preferred, fallback = self.preferred(location, NicKind.NETDEV)
+        skip = {str(ipaddress.ip_address(a)) for a in exclude}
+        found: list[tuple[Nic, str, bool]] = []
+        for name in preferred + fallback:
+            nic = self.nic(name)
+            v4 = [a for a in nic.addresses if _rail_address(a)]
+            if v4:
+                excluded = any(str(ipaddress.ip_interface(a).ip) in skip for a in nic.addresses)
+                found.append((nic, v4[0], excluded))
+        if any(n.pci for n, _, _ in found):
+            found = [f for f in found if f[0].pci]
+        if any(not excluded for _, _, excluded in found):
+            found = [f for f in found if not f[2]]
+        best = [f for f in found if f[0].name in preferred] or found
+        return [(n.name, a) for n, a, _ in best]
 
     # ------------------------------------------------------------ wire form
     def to_wire(self) -> dict[str, Any]:
@@ -613,6 +657,16 @@ def _netdevs(sysfs: str, devices_root: str, addresses: Mapping[str, Sequence[str
     return out
 
 
+def _rail_address(a: str) -> bool:
+    """An "ip/prefixlen" a tcp rail may listen on: IPv4, not loopback or
+    link-local (169.254/16 is the same on every link: not a rail's)."""
+    try:
+        ip = ipaddress.ip_interface(a).ip
+    except ValueError:
+        return False
+    return ip.version == 4 and not (ip.is_loopback or ip.is_link_local or ip.is_unspecified)
+
+
 def _after_colon(text: str | None) -> str:
     """"4: ACTIVE" -> "ACTIVE"."""
     return (text or "").partition(":")[2].strip() or (text or "")
@@ -769,3 +823,52 @@ def match_rails(local: Sequence[str], remote: Sequence[str]) -> list[tuple[str, 
     if not local or not remote:
         return []
     return [(local[i % len(local)], remote[i % len(remote)]) for i in range(max(len(local), len(remote)))]
+
+
+def rail_order(nics: Sequence[str], topology: Topology | None, location: str | None) -> list[int]:
+    """Indices of rails (each named by its NIC, "" where unknown) in the
+    order `topology` prefers netdevs for memory at `location`: preferred,
+    then fallback, then unknown, keeping the given order among equals (so
+    without a topology or location it is the given order)."""
+    if topology is None or location is None:
+        return list(range(len(nics)))
+    try:
+        preferred, fallback = topology.preferred(location, NicKind.NETDEV)
+    except InvalidArgumentError:
+        return list(range(len(nics)))
+    rank = {n: k for k, n in enumerate(preferred + fallback)}
+    return sorted(range(len(nics)), key=lambda i: rank.get(nics[i], len(rank)))
+
+
+def pair_tcp_rails(local: Sequence[str], remote: Sequence[str],
+                   networks: Sequence[str] = ()) -> list[tuple[int | None, int]]:
+    """Which local tcp rail each data connection to a peer's rails leaves
+    from: (local index, remote index) pairs, the local index None where the
+    kernel should choose the source. `local` is this end's rail addresses
+    ("ip/prefixlen", or a bare ip where the prefix is unknown), `remote`
+    the peer's (ip), each in its end's preference order (rail_order);
+    `networks` every "ip/prefixlen" of this host. The orders pair rail i
+    with rail i (match_rails); a pair whose local rail is not on the remote
+    address's subnet is moved to a local rail that is (two hosts that order
+    their NICs differently still get same-subnet pairs); where no rail is,
+    but another interface of this host is, the source is left to the
+    kernel (a rail's address bound to leave by another link would have the
+    replies come back by the rail); where nothing local is (routed rails),
+    the ordered pair stands."""
+    if not local or not remote:
+        return []
+    nets = [ipaddress.ip_interface(a).network if "/" in a else None for a in local]
+    host_nets = [ipaddress.ip_interface(a).network for a in networks if "/" in a]
+    out: list[tuple[int | None, int]] = []
+    for li, ri in match_rails([str(i) for i in range(len(local))], [str(j) for j in range(len(remote))]):
+        i, j = int(li), int(ri)
+        ip = ipaddress.ip_address(remote[j])
+        near = [k for k, n in enumerate(nets) if n is not None and ip in n]
+        if near:
+            out.append((i if i in near else near[j % len(near)], j))
+        elif any(ip in n for n in host_nets):
+            out.append((None, j))
+        else:
+            mine = ipaddress.ip_interface(local[i]).ip
+            out.append((i if mine.version == ip.version else None, j))
+    return out

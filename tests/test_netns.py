@@ -1,7 +1,8 @@
 """Fault injection across network namespaces (tools/faults.py): a target
 engine in its own namespace, a control link and two tcp rails (veth pairs),
 checksummed transfers while a rail goes down and comes back, the target is
-killed and restarted, and garbage clients hammer its ports.
+killed and restarted, and garbage clients hammer its ports; three hosts
+(two targets, one killed while the other is written).
 
 Each case asserts that nothing landed corrupted, nothing hung, and that the
 failures are the expected typed ones (none at all for a rail going down).
@@ -33,7 +34,7 @@ SECONDS = 8.0
 
 @pytest.fixture(scope="module")
 def topo():
-    t = faults.Topology().up()
+    t = faults.Topology(hosts=2).up()
     yield t
     t.down()
 
@@ -95,4 +96,40 @@ async def test_garbage_clients_do_not_disturb_transfers(topo):
     show(r)
     assert_sound(r)
     assert r.failed == {}, r
+    assert r.transfers > 10
+
+
+@pytest.mark.parametrize("silent", [False, True], ids=["killed", "cut-off-and-killed"])
+async def test_three_hosts_dead_target_does_not_slow_the_other(topo, silent):
+    r = await faults.case_three(topo, 3 * SECONDS / 2, KEEPALIVE, silent=silent)
+    show(r)
+    assert_sound(r)
+    # B's batch in flight fails, or (a kill right after it completed) B died
+    # before hashing it; nothing else fails: A never, B's new peer never
+    assert set(r.failed) <= {"PeerLostError"} and sum(r.failed.values()) + r.unverifiable == 1, r
+    # a killed process's sockets close at once; a silent host is declared
+    # lost by the keepalive (pings every keepalive/3, lost after keepalive)
+    assert r.detect_s is not None and r.detect_s < KEEPALIVE + (1.5 if silent else 0.5), r
+    assert any(n.startswith("old peer refused after restart") for n in r.notes), r.notes
+    assert any(n.startswith("a write to dead B: PeerLostError") for n in r.notes), r.notes
+    # A is not slowed by B's death: generous, this machine's 2 cores are shared
+    before, dead = r.throughput["before"], r.throughput["B dead"]
+    assert before > 0 and dead > 0.3 * before, r.throughput
+    assert r.throughput["B restarting"] > 0, r.throughput
+
+
+async def test_rails_from_topology_pair_and_fail_over(topo):
+    r = await faults.case_auto(topo, SECONDS, KEEPALIVE)
+    show(r)
+    assert_sound(r)
+    assert r.failed == {}, "a rail going down must cost throughput, not transfers"
+    # each engine found its two rails itself (its control link left out)...
+    assert r.rails["target"] == [topo.target(1, 0), topo.target(2, 0)], r.rails
+    assert r.rails["initiator"] == [topo.target(1, 1), topo.target(2, 1)], r.rails
+    # ...and every data connection is bound to, and leaves from, the
+    # initiator's rail on the target rail's subnet
+    assert sorted(r.rails["bound"]) == [topo.target(1, 1)] * 2 + [topo.target(2, 1)] * 2, r.rails
+    assert r.rails["pairs"] == [[topo.target(1, 1), topo.target(1, 0)], [topo.target(2, 1), topo.target(2, 0)]], r.rails
+    assert r.detect_s is not None and r.detect_s < 2 * KEEPALIVE + 2, r
+    assert r.recover_s is not None and r.recover_s < 10, r
     assert r.transfers > 10

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 
 import kvflow
@@ -24,6 +25,7 @@ from kvflow.errors import (
     ProtocolError,
     TopologyError,
 )
+from kvflow.handshake import Descriptor
 from kvflow.info import Level, PeerReport, check_rdma, route_to
 from kvflow.topology import (
     TOPOLOGY_ENV,
@@ -35,7 +37,9 @@ from kvflow.topology import (
     discover,
     host_topology,
     match_rails,
+    pair_tcp_rails,
     parse_location,
+    rail_order,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -378,6 +382,89 @@ def test_match_rails():
     assert match_rails([], ["b0"]) == [] and match_rails(["a0"], []) == []
     with pytest.raises(InvalidArgumentError):
         match_rails(["a0", "a0"], ["b0"])
+
+
+def test_tcp_rails_from_topology(fake_host):
+    t = _discover(fake_host)
+    # the location's netdevs (PCI ones: this host has them, so not veth0),
+    # one IPv4 address each, in preference order; loopback never
+    assert t.tcp_rails("cpu:0") == [("ens1f0", "10.0.0.1/24"), ("ens2f0", "10.0.1.1/24")]
+    assert t.tcp_rails("cuda:0") == [("ens2f0", "10.0.1.1/24"), ("ens1f0", "10.0.0.1/24")]
+    assert t.tcp_rails("cpu:1") == [("ens3f0", "10.0.2.1/24"), ("ens3f1", "10.0.3.1/24")]
+    # the control address's link is left out...
+    assert t.tcp_rails("cpu:0", exclude=["10.0.0.1"]) == [("ens2f0", "10.0.1.1/24")]
+    # ...down to the fallback NICs where the preferred ones are all excluded
+    assert t.tcp_rails("cpu:0", exclude=["10.0.0.1", "10.0.1.1"]) == [("ens3f0", "10.0.2.1/24"),
+                                                                      ("ens3f1", "10.0.3.1/24")]
+    assert t.interface_of("10.0.1.1") == ("ens2f0", "10.0.1.1/24") and t.interface_of("10.0.1.9") is None
+    # a host of virtual links only (a namespace): they count; link-local,
+    # IPv6-only and loopback addresses do not; the control link only when
+    # nothing else is left
+    v = Topology(nics=[Nic("lo", NETDEV, loopback=True, addresses=("127.0.0.1/8",)),
+                       Nic("ctl", NETDEV, addresses=("198.19.20.2/24",)),
+                       Nic("rail0", NETDEV, addresses=("fe80::1/64", "198.19.21.2/24", "198.19.21.9/24")),
+                       Nic("rail1", NETDEV, addresses=("198.19.22.2/24",)),
+                       Nic("ll", NETDEV, addresses=("169.254.3.3/16", "fd00::3/64"))])
+    assert v.tcp_rails("cpu", exclude=["198.19.20.2"]) == [("rail0", "198.19.21.2/24"), ("rail1", "198.19.22.2/24")]
+    assert Topology(nics=v.nics[:2]).tcp_rails("cpu", exclude=["198.19.20.2"]) == [("ctl", "198.19.20.2/24")]
+    assert Topology(nics=[v.nics[0], v.nics[4]]).tcp_rails("cpu") == []
+
+
+def test_rail_order_by_published_preference(fake_host):
+    t = _discover(fake_host)
+    peer = Topology.from_wire(msgpack.unpackb(msgpack.packb(t.to_wire())))
+    nics = ["ens3f0", "ens1f0", "", "ens2f0"]         # "": a rail whose NIC is not known
+    assert rail_order(nics, peer, "cpu:0") == [1, 3, 0, 2]
+    assert rail_order(nics, peer, "cuda:0") == [3, 1, 0, 2]
+    assert rail_order(nics, None, "cpu:0") == rail_order(nics, peer, None) == [0, 1, 2, 3]
+
+
+def test_pair_tcp_rails():
+    two = ["10.0.0.1/24", "10.0.1.1/24"]
+    assert pair_tcp_rails(two, ["10.0.0.2", "10.0.1.2"]) == [(0, 0), (1, 1)]
+    # the peer ordered its NICs the other way: each still on its subnet
+    assert pair_tcp_rails(two, ["10.0.1.2", "10.0.0.2"]) == [(1, 0), (0, 1)]
+    # more local rails than remote ones: each local rail carries a pair
+    four = two + ["10.0.0.3/24", "10.0.1.3/24"]
+    assert pair_tcp_rails(four, ["10.0.0.2", "10.0.1.2"]) == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    # one local rail, two remote subnets, the second reached by another
+    # interface of this host: the kernel chooses that connection's source
+    assert pair_tcp_rails(two[:1], ["10.0.0.2", "192.168.5.2"], ["192.168.5.1/24"]) == [(0, 0), (None, 1)]
+    assert pair_tcp_rails(["10.0.0.1"], ["10.0.0.2"], ["10.0.0.1/24"]) == [(None, 0)]   # prefix unknown
+    # routed rails (no local subnet holds the peer's): the ordered pairs stand
+    assert pair_tcp_rails(two, ["10.7.0.2", "10.7.1.2"]) == [(0, 0), (1, 1)]
+    assert pair_tcp_rails(two, ["fd00::2"]) == [(None, 0), (None, 0)]         # nor across families
+    assert pair_tcp_rails([], ["10.0.0.2"]) == [] and pair_tcp_rails(two, []) == []
+
+
+async def test_engine_rails_published_and_auto():
+    with pytest.raises(InvalidArgumentError, match="auto"):
+        kvflow.Engine(rails="eth0")
+    async with kvflow.Engine(protocols=("tcp",)) as plain, \
+            kvflow.Engine(protocols=("tcp",), rails=["127.0.0.1"]) as given, \
+            kvflow.Engine(protocols=("tcp",), rails="auto") as auto:
+        assert plain.descriptor().rail_nics is None            # no rails: nothing to pair with
+        assert given.descriptor().rail_nics == ["lo"]
+        d = auto.descriptor()
+        if not auto.topology.tcp_rails("cpu", exclude=["127.0.0.1"]):       # a host with only loopback
+            assert d.rail_nics is None and d.data[0][0] == "127.0.0.1"
+            return
+        assert len(d.rail_nics) == len(d.data) >= 1
+        for (host, _), nic in zip(d.data, d.rail_nics):
+            assert ipaddress.ip_address(host).version == 4 and (not nic or auto.topology.interface_of(host))
+        wire = msgpack.unpackb(msgpack.packb(d.to_wire()))
+        assert Descriptor.from_wire(wire).rail_nics == d.rail_nics
+        for bad in (["x"] * (len(d.data) + 1), "eth0", [7] * len(d.data)):
+            with pytest.raises(ProtocolError, match="rail_nics"):
+                Descriptor.from_wire({**wire, "rail_nics": bad})
+        # auto rails on both ends: pairs, binds, moves data
+        a = np.arange(1 << 20, dtype=np.uint64).view(np.uint8)[:1 << 20]
+        b = np.zeros(1 << 20, np.uint8)
+        src, dst = auto.register(a), given.register(b)
+        peer = await auto.connect(given.address)
+        await peer.write([src.addr], [dst.addr], [1 << 20])
+        assert np.array_equal(a, b)
+        assert all(c["local"] is not None for c in peer.connections())
 
 
 def test_rdma_rails_follow_both_ends_published_preferences(fake_host):

@@ -1,7 +1,7 @@
 """Fault injection across network namespaces: checksummed tcp transfers
-between this host (the initiator) and a target engine in its own network
-namespace, joined by a control link and two data rails (veth pairs), while
-faults happen:
+between this host (the initiator) and target engines in network namespaces
+("hosts"), all joined by a control network and two data rails (a bridge
+each, veth links), while faults happen:
 
   rail     one rail goes down mid-transfer and comes back
   kill     the target is killed (SIGKILL) and restarted on the same address
@@ -11,6 +11,15 @@ faults happen:
            nothing of the timed-out write may land when the rail is back
   netem    both rails lose 1% of their packets and add 5 ms of delay (needs
            sch_netem: the Soft-RoCE VM's kernel has it, this host's not)
+  three    three hosts: this one writes to targets A and B at once; B is
+           killed (SIGKILL) and restarted while A's writes go on (A's
+           throughput before and during the fault is reported)
+  three-silent  the same, with B's links cut before the kill (a crashed
+           host: only the keepalive can tell)
+  auto     rails from the topology: an initiator in a namespace host and the
+           target pick their rails themselves (rails="auto"), pair them and
+           bind each connection to its rail; the initiator's rail 1 goes down
+           and comes back
 
 Every case reports bytes sent, bytes verified (the target hashes what
 landed; the initiator compares), transfers failed and with which error, the
@@ -21,13 +30,14 @@ slowest transfer (nothing may hang) and the time to detect the fault.
 
 Needs root and `ip` (iproute2); tests/test_netns.py runs the same cases.
 Addresses: 198.19.20.0/24 (control), 198.19.21.0/24 and 198.19.22.0/24
-(rails); this host is .1, the namespace .2.
+(rails); this host is .1, namespace host k is .(k+2) (A = host 0, B = 1).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -75,48 +85,68 @@ def netns_unavailable() -> str | None:
 
 
 class Topology:
-    """A namespace joined to this host by a control link and two rails."""
+    """Hosts as network namespaces, joined with this host by three networks
+    (control, rail 0, rail 1), each a bridge in a switch namespace of its
+    own (so this host's firewall never sees their traffic). This host is .1
+    on every network, namespace host k is .(k+2); inside a namespace the
+    links are called ctl, rail0, rail1 (as on identical machines)."""
 
-    def __init__(self) -> None:
+    LINKS = ("ctl", "rail0", "rail1")
+
+    def __init__(self, hosts: int = 2) -> None:
         tag = f"{os.getpid() % 100000}"
-        self.ns = f"kvff{tag}"
-        self.links = [f"kvc{tag}", f"kvr{tag}a", f"kvr{tag}b"]     # host-side names
-        self.peers = [f"{n}p" for n in self.links]                  # namespace-side names
+        self.switch = f"kvfs{tag}"
+        self.hosts = [f"kvff{tag}" if k == 0 else f"kvff{tag}n{k}" for k in range(hosts)]
+        self.ns = self.hosts[0]
+        self.links = [f"kv{tag}{c}" for c in "cab"]                 # this host's links
 
     def host(self, i: int) -> str:
         return f"{SUBNETS[i]}.1"
 
-    def target(self, i: int) -> str:
-        return f"{SUBNETS[i]}.2"
+    def target(self, i: int, host: int = 0) -> str:
+        return f"{SUBNETS[i]}.{host + 2}"
 
     def up(self) -> "Topology":
         self.down()
-        _ip("netns", "add", self.ns)
-        _ip("-n", self.ns, "link", "set", "lo", "up")
-        for i, (a, b) in enumerate(zip(self.links, self.peers)):
-            _ip("link", "add", a, "type", "veth", "peer", "name", b)
-            _ip("link", "set", b, "netns", self.ns)
-            _ip("addr", "add", f"{self.host(i)}/24", "dev", a)
-            _ip("link", "set", a, "up")
-            _ip("-n", self.ns, "addr", "add", f"{self.target(i)}/24", "dev", b)
-            _ip("-n", self.ns, "link", "set", b, "up")
+        for ns in (self.switch, *self.hosts):
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        for i in range(3):
+            _ip("-n", self.switch, "link", "add", f"br{i}", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", f"br{i}", "up")
+            _ip("link", "add", self.links[i], "type", "veth", "peer", "name", f"h{i}", "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", f"h{i}", "master", f"br{i}", "up")
+            _ip("addr", "add", f"{self.host(i)}/24", "dev", self.links[i])
+            _ip("link", "set", self.links[i], "up")
+            for k, ns in enumerate(self.hosts):
+                _ip("-n", self.switch, "link", "add", f"p{k}x{i}", "type", "veth", "peer", "name", self.LINKS[i],
+                    "netns", ns)
+                _ip("-n", self.switch, "link", "set", f"p{k}x{i}", "master", f"br{i}", "up")
+                _ip("-n", ns, "addr", "add", f"{self.target(i, k)}/24", "dev", self.LINKS[i])
+                _ip("-n", ns, "link", "set", self.LINKS[i], "up")
         return self
 
-    async def set_rail(self, rail: int, up: bool) -> float:
-        """Takes rail `rail` down or up (without blocking the event loop: the
-        engine under test shares it). Returns how long `ip` took."""
+    async def set_rail(self, rail: int, up: bool, host: int = 0) -> float:
+        """Takes rail `rail` of namespace host `host` down or up (its switch
+        port: the host sees its link lose carrier), without blocking the
+        event loop (the engine under test shares it). Returns how long `ip`
+        took."""
+        return await self.set_link(1 + rail, up, host)
+
+    async def set_link(self, link: int, up: bool, host: int = 0) -> float:
+        """set_rail() for any of a host's links (0 is its control link)."""
         t0 = time.monotonic()
-        p = await asyncio.create_subprocess_exec("ip", "link", "set", self.links[1 + rail],
+        port = f"p{host}x{link}"
+        p = await asyncio.create_subprocess_exec("ip", "-n", self.switch, "link", "set", port,
                                                  "up" if up else "down")
         if await p.wait():
-            raise RuntimeError(f"ip link set {self.links[1 + rail]} failed")
+            raise RuntimeError(f"ip -n {self.switch} link set {port} failed")
         return time.monotonic() - t0
 
     async def netem(self, rail: int, spec: str | None) -> None:
         """Puts netem (`spec`, e.g. "loss 1% delay 5ms") on both ends of a
-        rail, or removes it (None)."""
-        for where in ([], ["-n", self.ns]):
-            dev = self.links[1 + rail] if not where else self.peers[1 + rail]
+        rail between this host and host 0, or removes it (None)."""
+        for where, dev in (([], self.links[1 + rail]), (["-n", self.ns], self.LINKS[1 + rail])):
             args = ["tc", *where, "qdisc", "replace" if spec else "del", "dev", dev, "root"]
             if spec:
                 args += ["netem", *spec.split()]
@@ -128,50 +158,68 @@ class Topology:
     def down(self) -> None:
         for a in self.links:
             _ip("link", "del", a, check=False)
-        _ip("netns", "del", self.ns, check=False)
+        for ns in (*self.hosts, self.switch):
+            _ip("netns", "del", ns, check=False)
 
 
 # --------------------------------------------------------------------- target
-async def serve_target(listen: str, rails: list[str], size: int, keepalive: float) -> None:
+async def _stdin_lines() -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+async def serve_target(listen: str, rails: list[str] | None, size: int, keepalive: float,
+                       hash_port: int | None = None) -> None:
     """The target (runs inside the namespace): registers `size` bytes as
-    "kv", says where on stdout, then answers hash requests from stdin."""
-    loop = asyncio.get_running_loop()
+    "kv", says where on stdout, then answers hash requests from stdin (and,
+    with `hash_port`, from tcp clients on the listen host: an initiator in
+    another namespace verifies its writes there)."""
     async with kvflow.Engine(listen, rails=rails, protocols=("tcp",), keepalive=keepalive) as eng:
         buf = np.zeros(size, dtype=np.uint8)
         region = eng.register(buf, name="kv")
-        print(MARK + json.dumps({"address": eng.address, "addr": region.addr, "pid": os.getpid()}),
-              flush=True)
-        reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+
+        def answer(line: bytes) -> str:
+            ranges = json.loads(line)["ranges"]
+            return json.dumps({"shas": [hashlib.sha256(buf[o:o + n]).hexdigest() for o, n in ranges]})
+
+        async def serve_hashes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            # cancelled when the target exits (stdin closed): ending quietly is all there is to do
+            with contextlib.suppress(OSError, ValueError, KeyError, asyncio.CancelledError):
+                while line := await reader.readline():
+                    writer.write((answer(line) + "\n").encode())
+                    await writer.drain()
+            writer.close()
+
+        if hash_port is not None:
+            await asyncio.start_server(serve_hashes, listen.rpartition(":")[0], hash_port)
+        print(MARK + json.dumps({"address": eng.address, "addr": region.addr, "pid": os.getpid(),
+                                 "data": eng.descriptor().data}), flush=True)
+        reader = await _stdin_lines()
         while line := await reader.readline():
-            req = json.loads(line)
-            shas = [hashlib.sha256(buf[o:o + n]).hexdigest() for o, n in req["ranges"]]
-            print(MARK + json.dumps({"shas": shas}), flush=True)
+            print(MARK + answer(line), flush=True)
 
 
 class TargetGone(RuntimeError):
     """The target process exited (killed by a fault case, or crashed)."""
 
 
-class Target:
-    """The target process, started in the namespace (or restarted there)."""
+class Child:
+    """A process of this script run in a namespace host: it answers with
+    MARK-prefixed JSON lines on stdout, and exits when its stdin closes."""
 
-    def __init__(self, topo: Topology, keepalive: float) -> None:
+    def __init__(self, topo: Topology, keepalive: float, host: int) -> None:
         self.topo = topo
         self.keepalive = keepalive
+        self.host = host
         self.proc: asyncio.subprocess.Process | None = None
-        self.address = ""
-        self.addr = 0
 
-    async def start(self) -> None:
-        cmd = ["ip", "netns", "exec", self.topo.ns, sys.executable, os.path.abspath(__file__),
-               "--serve-target", f"{self.topo.target(0)}:{TARGET_PORT}",
-               "--rails", f"{self.topo.target(1)},{self.topo.target(2)}",
-               "--keepalive", str(self.keepalive)]
+    async def _spawn(self, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+        cmd = ["ip", "netns", "exec", self.topo.hosts[self.host], sys.executable, os.path.abspath(__file__),
+               *args, "--keepalive", str(self.keepalive)]
         self.proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                         env={**os.environ, "PYTHONPATH": ROOT})
-        hello = await self._reply(300)       # python + numpy + kvflow imports: minutes under emulation
-        self.address, self.addr = hello["address"], hello["addr"]
+                                                         env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+        return await self._reply(300)        # python + numpy + kvflow imports: minutes under emulation
 
     async def _reply(self, timeout: float) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdout is not None
@@ -182,15 +230,15 @@ class Target:
             if line.startswith(MARK.encode()):
                 return json.loads(line[len(MARK):])
 
-    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+    async def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"ranges": ranges}) + "\n").encode())
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
         await self.proc.stdin.drain()
-        return (await self._reply(120))["shas"]
+        return await self._reply(timeout)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
-            # `ip netns exec` execs python: the pid is the target's
+            # `ip netns exec` execs python: the pid is the child's
             self.proc.send_signal(signal.SIGKILL)
 
     async def stop(self) -> None:
@@ -207,6 +255,36 @@ class Target:
         self.proc = None
 
 
+class Target(Child):
+    """The target process, started in namespace host `host` (or restarted
+    there). With `auto_rails` its engine picks its rails from its topology
+    (KVFLOW_TCP_RAILS=auto) instead of being given the host's two rails;
+    with `hash_port` it also answers hash requests on TARGET_PORT + 1."""
+
+    def __init__(self, topo: Topology, keepalive: float, host: int = 0, *, auto_rails: bool = False,
+                 hash_port: bool = False) -> None:
+        super().__init__(topo, keepalive, host)
+        self.auto_rails = auto_rails
+        self.hash_port = hash_port
+        self.address = ""
+        self.addr = 0
+        self.data: list[tuple[str, int]] = []
+
+    async def start(self) -> None:
+        t, k = self.topo, self.host
+        args = ["--serve-target", f"{t.target(0, k)}:{TARGET_PORT}"]
+        if not self.auto_rails:
+            args += ["--rails", f"{t.target(1, k)},{t.target(2, k)}"]
+        if self.hash_port:
+            args += ["--hash-port", str(TARGET_PORT + 1)]
+        hello = await self._spawn(args, {"KVFLOW_TCP_RAILS": "auto"} if self.auto_rails else None)
+        self.address, self.addr = hello["address"], hello["addr"]
+        self.data = [(h, p) for h, p in hello["data"]]
+
+    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+        return (await self._ask({"ranges": ranges}, 120))["shas"]
+
+
 # ------------------------------------------------------------------- workload
 @dataclass
 class Report:
@@ -221,13 +299,17 @@ class Report:
     detect_s: float | None = None
     recover_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    throughput: dict[str, float] = field(default_factory=dict)   # B/s of a workload, per phase
+    rails: dict[str, Any] = field(default_factory=dict)          # who listened and connected where
 
 
 async def workload(peer: kvflow.Peer, target: Target, src: np.ndarray, local_addr: int, report: Report,
-                   stop: asyncio.Event, *, seed: int, limit: float) -> None:
+                   stop: asyncio.Event, *, seed: int, limit: float,
+                   written: list[tuple[float, int]] | None = None) -> None:
     """Writes random batches (1-8 entries of 4 KiB-1 MiB) at random places of
     the target's region until `stop`; each successful batch is verified by
-    the target's hashes. A batch may fail (typed error) but must not hang."""
+    the target's hashes. A batch may fail (typed error) but must not hang.
+    `written` gets (loop time, bytes) of every completed write."""
     rng = np.random.default_rng(seed)
     loop = asyncio.get_running_loop()
     while not stop.is_set():
@@ -250,6 +332,8 @@ async def workload(peer: kvflow.Peer, target: Target, src: np.ndarray, local_add
             return
         finally:
             report.slowest_s = max(report.slowest_s, loop.time() - t0)
+        if written is not None:
+            written.append((loop.time(), sum(lengths)))
         want = [hashlib.sha256(src[o:o + ln]).hexdigest() for o, ln in zip(offs, lengths)]
         try:
             got = await target.shas(list(zip(offs, lengths)))
@@ -286,6 +370,137 @@ async def _session(topo: Topology, keepalive: float) -> AsyncIterator[tuple[Targ
             await eng.close()
     finally:
         await target.stop()
+
+
+class HashClient:
+    """Target.shas() for an initiator that is not the target's parent: asks
+    the target's hash port (serve_target's hash_port) over the control
+    network. `addr` is the target region's address."""
+
+    def __init__(self, addr: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.addr = addr
+        self._reader, self._writer = reader, writer
+
+    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+        self._writer.write((json.dumps({"ranges": ranges}) + "\n").encode())
+        await self._writer.drain()
+        line = await asyncio.wait_for(self._reader.readline(), 120)
+        if not line:
+            raise TargetGone("the target's hash port closed")
+        return json.loads(line)["shas"]
+
+
+async def serve_initiator(listen: str, rails: list[str] | None, target: str, hashes: str, region: int,
+                          keepalive: float) -> None:
+    """An initiator in a namespace host (runs there): connects to `target`
+    and writes the workload to its region (at `region`), verified through
+    the target's hash port `hashes`, until stdin says "stop"; says its rails
+    and connections on stdout at start and on "conns", its Report at the
+    end."""
+    async with kvflow.Engine(listen, rails=rails, protocols=("tcp",), keepalive=keepalive) as eng:
+        src = np.zeros(REGION, dtype=np.uint8)
+        laddr = eng.register(src).addr
+        host, _, port = hashes.rpartition(":")
+        verifier = HashClient(region, *await asyncio.open_connection(host, int(port)))
+        peer = await eng.connect(target)
+        report = Report("initiator")
+        stop = asyncio.Event()
+        work = asyncio.get_running_loop().create_task(
+            workload(peer, verifier, src, laddr, report, stop, seed=9, limit=3 * keepalive + 10))  # type: ignore[arg-type]
+        print(MARK + json.dumps({"rails": eng.descriptor().data, "connections": peer.connections()}), flush=True)
+        reader = await _stdin_lines()
+        while line := await reader.readline():
+            if json.loads(line).get("op") == "conns":
+                print(MARK + json.dumps({"connections": peer.connections()}), flush=True)
+                continue
+            stop.set()
+            with contextlib.suppress(asyncio.TimeoutError):      # counted as HANG by workload
+                await work
+            print(MARK + json.dumps(asdict(report)), flush=True)
+            return
+
+
+class Initiator(Child):
+    """An initiator process (serve_initiator) in namespace host `host`,
+    writing to `target`; `rails` is its engine's rails argument."""
+
+    def __init__(self, topo: Topology, keepalive: float, host: int, target: Target, rails: str = "auto") -> None:
+        super().__init__(topo, keepalive, host)
+        self.target = target
+        self.rails = rails
+        self.data: list[tuple[str, int]] = []
+
+    async def start(self) -> list[dict[str, Any]]:
+        """Starts it; returns its first connections()."""
+        t, k = self.topo, self.host
+        hello = await self._spawn(["--serve-initiator", self.target.address, "--listen", f"{t.target(0, k)}:0",
+                                   "--rails", self.rails, "--hashes", f"{t.target(0, self.target.host)}:{TARGET_PORT + 1}",
+                                   "--region", str(self.target.addr)])
+        self.data = [(h, p) for h, p in hello["rails"]]
+        return hello["connections"]
+
+    async def connections(self) -> list[dict[str, Any]]:
+        return (await self._ask({"op": "conns"}, 30))["connections"]
+
+    async def finish(self, timeout: float) -> Report:
+        """Stops the workload; its Report."""
+        return Report(**await self._ask({"op": "stop"}, timeout))
+
+
+def _subnet(ip: str) -> str:
+    return ip.rpartition(".")[0]
+
+
+async def case_auto(topo: Topology, seconds: float, keepalive: float) -> Report:
+    """Rails from the topology on both ends: a target (KVFLOW_TCP_RAILS=auto)
+    and an initiator (rails="auto") in two namespace hosts, each with a
+    control link and two rails, pick their rails themselves (the rails, not
+    the control link, whose address they listen on); the initiator pairs
+    its rails with the target's and binds each data connection to its own
+    rail on the same subnet. Then the initiator's rail 1 goes down and comes
+    back: every write completes (rail 0 carries it), verified by the
+    target's hashes."""
+    report = Report("rails from the topology, initiator's rail 1 down and back")
+    loop = asyncio.get_running_loop()
+    target = Target(topo, keepalive, host=0, auto_rails=True, hash_port=True)
+    init = Initiator(topo, keepalive, 1, target)
+    try:
+        await target.start()
+        conns = await init.start()
+        # the address each connection left from (its socket's), with the rail it was bound to
+        pairs = [list(p) for p in sorted({(c["local"], c["endpoint"].rpartition(":")[0]) for c in conns})]
+        if any(c["local"] != c["source"] for c in conns):
+            report.notes.append(f"CONNECTIONS NOT FROM THEIR BOUND RAIL: {conns}")
+        report.rails = {"target": sorted(h for h, _ in target.data), "initiator": sorted(h for h, _ in init.data),
+                        "pairs": pairs, "bound": [c["source"] for c in conns]}
+        report.notes.append(f"target rails {report.rails['target']}, initiator rails {report.rails['initiator']}, "
+                            f"connections (local, endpoint) {pairs}")
+        rail1 = [c["index"] for c in conns if c["source"] == topo.target(2, 1)]
+        await asyncio.sleep(seconds / 3)
+        t_down = loop.time()
+        await topo.set_rail(1, False, host=1)
+        while report.detect_s is None and loop.time() - t_down < 3 * keepalive + 10:
+            await asyncio.sleep(0.1)
+            now = await init.connections()
+            if rail1 and all(not now[i]["up"] for i in rail1):
+                report.detect_s = loop.time() - t_down
+        await asyncio.sleep(max(0.0, t_down + seconds / 3 - loop.time()))
+        t_up = loop.time()
+        await topo.set_rail(1, True, host=1)
+        while report.recover_s is None and loop.time() - t_up < 20:
+            await asyncio.sleep(0.1)
+            if all(c["up"] for c in await init.connections()):
+                report.recover_s = loop.time() - t_up
+        await asyncio.sleep(max(0.0, t_up + seconds / 3 - loop.time()))
+        now = await init.connections()
+        report.notes.append(f"slices moved off rail 1: {sum(c['moved'] for c in now)}; rail 1 carried "
+                            f"{sum(now[i]['bytes'] for i in rail1) >> 20} MiB; "
+                            f"rebuilt connections: {sum(c['rebuilt'] for c in now)}")
+        _merge(report, await init.finish(3 * keepalive + 30))
+    finally:
+        await topo.set_rail(1, True, host=1)
+        await asyncio.gather(init.stop(), target.stop())
+    return report
 
 
 async def case_rail(topo: Topology, seconds: float, keepalive: float) -> Report:
@@ -366,6 +581,120 @@ async def case_kill(topo: Topology, seconds: float, keepalive: float) -> Report:
         await asyncio.sleep(seconds / 2)
         stop.set()
         await again
+    return report
+
+
+def _rate(written: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """Bytes per second of the writes that completed in [t0, t1)."""
+    return sum(n for t, n in written if t0 <= t < t1) / max(t1 - t0, 1e-9)
+
+
+def _merge(into: Report, part: Report) -> None:
+    into.transfers += part.transfers
+    into.bytes_sent += part.bytes_sent
+    into.bytes_verified += part.bytes_verified
+    into.corrupted += part.corrupted
+    into.unverifiable += part.unverifiable
+    into.slowest_s = max(into.slowest_s, part.slowest_s)
+    for k, v in part.failed.items():
+        into.failed[k] = into.failed.get(k, 0) + v
+
+
+async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent: bool = False) -> Report:
+    """Three hosts: this one writes to targets A and B at once, each over its
+    two rails, until B dies (SIGKILL; with `silent`, B's links are cut
+    first, as when a host crashes, so that only the keepalive can tell).
+    B's write in flight fails with PeerLostError within the keepalive bound;
+    A's writes go on, their throughput must not collapse (no retry storm);
+    B restarts on the same address (new incarnation): the old peer refuses
+    to write, B's new memory stays untouched by it, and a new peer writes B
+    again. Every completed write is verified. throughput: A's B/s before
+    the kill, while B is dead, while B restarts and is written again."""
+    report = Report("three hosts: B " + ("cut off and killed" if silent else "killed") + " and restarted, A written on")
+    loop = asyncio.get_running_loop()
+    a, b = Target(topo, keepalive, host=0), Target(topo, keepalive, host=1)
+    eng: kvflow.Engine | None = None
+    try:
+        await asyncio.gather(a.start(), b.start())
+        eng, src_a, laddr_a = await _initiator(topo, keepalive)
+        src_b = np.zeros(REGION, dtype=np.uint8)
+        laddr_b = eng.register(src_b).addr
+        peer_a, old = await asyncio.gather(eng.connect(a.address), eng.connect(b.address))
+        lost_at: list[float] = []
+        old.on_lost(lambda *_: lost_at.append(loop.time()))
+        ra, rb = Report("A"), Report("B")
+        written: list[tuple[float, int]] = []
+        limit = 3 * keepalive + 10
+        stop_a = asyncio.Event()
+        work_a = loop.create_task(workload(peer_a, a, src_a, laddr_a, ra, stop_a, seed=6, limit=limit,
+                                           written=written))
+        work_b = loop.create_task(workload(old, b, src_b, laddr_b, rb, asyncio.Event(), seed=7, limit=limit))
+        t_start = loop.time()
+        await asyncio.sleep(seconds / 3)
+        if silent:
+            for link in range(3):
+                await topo.set_link(link, False, host=1)
+        old_addr = b.addr
+        t_kill = loop.time()
+        b.kill()
+        await asyncio.wait_for(work_b, limit + 5)       # ends at its first failure
+        t_failed = loop.time()
+        while not lost_at and loop.time() - t_kill < limit:
+            await asyncio.sleep(0.02)
+        report.detect_s = (lost_at[0] if lost_at else t_failed) - t_kill
+        report.notes.append(f"B's write in flight ended after {t_failed - t_kill:.2f} s "
+                            f"({', '.join(rb.failed) or 'completed before the kill'}); "
+                            f"peer lost after {report.detect_s:.2f} s")
+        t0 = loop.time()
+        try:
+            await old.write([laddr_b], [old_addr], [4096], timeout=5)
+            dead_write = "WROTE"
+        except kvflow.KVFlowError as e:
+            dead_write = type(e).__name__
+        report.notes.append(f"a write to dead B: {dead_write} after {(loop.time() - t0) * 1e3:.1f} ms")
+        await asyncio.sleep(max(0.0, t_kill + seconds / 3 - loop.time()))
+        t_restart = loop.time()
+        if silent:
+            for link in range(3):
+                await topo.set_link(link, True, host=1)
+        await b.proc.wait()
+        await b.start()                                   # same control address, new incarnation
+        t0 = loop.time()
+        try:
+            await old.write([laddr_b], [old_addr], [4096], timeout=5)
+            report.notes.append("OLD PEER WROTE AFTER RESTART")
+            report.corrupted += 1
+        except kvflow.PeerLostError:
+            report.notes.append(f"old peer refused after restart ({(loop.time() - t0) * 1e3:.1f} ms)")
+        untouched = (await b.shas([(0, REGION)]))[0] == hashlib.sha256(bytes(REGION)).hexdigest()
+        if not untouched:
+            report.notes.append("B'S NEW MEMORY CHANGED BEFORE ITS NEW PEER WROTE")
+            report.corrupted += 1
+        peer_b = await eng.connect(b.address)
+        if peer_b is old or peer_b.descriptor.incarnation == old.descriptor.incarnation:
+            report.notes.append("connect() returned the dead peer")
+            report.corrupted += 1
+        rb2 = Report("B again")
+        await workload(peer_b, b, src_b, laddr_b, rb2, _after(seconds / 3), seed=8, limit=limit)
+        t_end = loop.time()
+        stop_a.set()
+        await asyncio.wait_for(work_a, limit + 5)
+        report.throughput = {"before": _rate(written, t_start, t_kill), "B dead": _rate(written, t_kill, t_restart),
+                             "B restarting": _rate(written, t_restart, t_end)}
+        report.notes.append("A's write rate MB/s: " + ", ".join(f"{k} {v / 1e6:.0f}"
+                                                                for k, v in report.throughput.items()))
+        report.notes.append(f"A: {ra.transfers} transfers, {ra.bytes_verified >> 20} MiB verified; "
+                            f"B: {rb.transfers} before the kill, {rb2.transfers} after the restart "
+                            f"({rb2.bytes_verified >> 20} MiB verified)")
+        for part in (ra, rb, rb2):
+            _merge(report, part)
+    finally:
+        if silent:
+            for link in range(3):
+                await topo.set_link(link, True, host=1)
+        if eng is not None:
+            await eng.close()
+        await asyncio.gather(a.stop(), b.stop())
     return report
 
 
@@ -496,11 +825,12 @@ def _after(seconds: float) -> asyncio.Event:
 
 
 CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage, "late": case_late,
-         "netem": case_netem}
+         "netem": case_netem, "three": case_three, "auto": case_auto,
+         "three-silent": functools.partial(case_three, silent=True)}
 
 
 async def run(cases: list[str], seconds: float, keepalive: float) -> list[Report]:
-    topo = Topology().up()
+    topo = Topology(hosts=2).up()
     try:
         return [await CASES[c](topo, seconds, keepalive) for c in cases]
     finally:
@@ -523,16 +853,26 @@ def table(reports: list[Report]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="rail,kill,garbage,late" + ("" if netem_unavailable() else ",netem"),
+    ap.add_argument("--cases", default="rail,kill,garbage,late,three,three-silent,auto" + ("" if netem_unavailable() else ",netem"),
                     help="comma-separated: " + ", ".join(CASES) + " (default: all that this kernel can do)")
     ap.add_argument("--seconds", type=float, default=12.0, help="length of each case")
     ap.add_argument("--keepalive", type=float, default=2.0, help="engines' keepalive (dead-rail detection)")
     ap.add_argument("--json", help="also write the reports here")
     ap.add_argument("--serve-target", metavar="LISTEN", help=argparse.SUPPRESS)
     ap.add_argument("--rails", help=argparse.SUPPRESS)
+    ap.add_argument("--hash-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-initiator", metavar="TARGET", help=argparse.SUPPRESS)
+    ap.add_argument("--listen", help=argparse.SUPPRESS)
+    ap.add_argument("--hashes", help=argparse.SUPPRESS)
+    ap.add_argument("--region", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve_target:
-        asyncio.run(serve_target(a.serve_target, a.rails.split(","), REGION, a.keepalive))
+        rails = a.rails.split(",") if a.rails else None
+        asyncio.run(serve_target(a.serve_target, rails, REGION, a.keepalive, a.hash_port))
+        return 0
+    if a.serve_initiator:
+        asyncio.run(serve_initiator(a.listen, a.rails.split(","), a.serve_initiator, a.hashes, a.region,
+                                    a.keepalive))
         return 0
     why = netns_unavailable()
     if why:
