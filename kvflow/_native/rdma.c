@@ -535,7 +535,6 @@ static void handle(kvf_rdma_dev *d, struct ibv_wc *wc, int n) {
  * the completion channel otherwise: busy only while there is something to
  * wait for, never when idle. */
 static uint64_t spin_ns = 200000;    /* KVFLOW_RDMA_SPIN_NS overrides */
-static uint64_t idle_spin_ns = 0;    /* KVFLOW_RDMA_IDLE_SPIN_NS (measurement) */
 
 static void *dev_worker(void *arg) {
     kvf_rdma_dev *d = arg;
@@ -548,8 +547,8 @@ static void *dev_worker(void *arg) {
             last = now_ns();
             continue;
         }
-        if (n == 0 && ((atomic_load_explicit(&d->posted, memory_order_relaxed) > 0 &&
-                        now_ns() - last < spin_ns) || now_ns() - last < idle_spin_ns)) {
+        if (n == 0 && atomic_load_explicit(&d->posted, memory_order_relaxed) > 0 &&
+            now_ns() - last < spin_ns) {
             sched_yield();
             continue;
         }
@@ -592,8 +591,6 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     if (!d) return NULL;
     const char *env = getenv("KVFLOW_RDMA_SPIN_NS");
     if (env && *env) spin_ns = strtoull(env, NULL, 10);
-    env = getenv("KVFLOW_RDMA_IDLE_SPIN_NS");
-    if (env && *env) idle_spin_ns = strtoull(env, NULL, 10);
     env = getenv("KVFLOW_RDMA_INFLIGHT_BYTES");
     if (env && *env && strtoull(env, NULL, 10) > 0) max_inflight = strtoull(env, NULL, 10);
     env = getenv("KVFLOW_RDMA_SIGNAL_BYTES");
