@@ -172,15 +172,23 @@ class Peer:
                                index=aux if first is None else entry_of(first, aux))
         if batch_id == 0:
             return                     # completed inline: no future, no wake-up
-        t = self._track(batch_id, op, aux, timeout)
-        t._first_piece = first
         if finished or self.transport == "rdma":
             # The rdma provider polled the CQ on this thread: whatever it
             # completed there (this batch, or other batches' slices) went to
             # the completion ring without an eventfd wake-up, and the ring
             # stays "signalled" until drained, so drain now. Left undrained,
-            # every later completion of this engine would wait forever.
-            self._engine._on_completions()
+            # every later completion of this engine would wait forever. A
+            # batch found finished there needs no Transfer at all.
+            mine = self._engine._drain_completions(batch_id)
+            if mine is not None:
+                status, entry = mine
+                if status:
+                    raise status_error(status, peer=self.address, op=op,
+                                       index=entry if first is None else entry_of(first, entry),
+                                       devices=self._engine._rdma_device_names())
+                return
+        t = self._track(batch_id, op, aux, timeout)
+        t._first_piece = first
         await t
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
