@@ -487,7 +487,7 @@ def test_rail_plan_binds_each_group_to_its_rail():
     # a peer without rails, or one on a routed subnet whose route leaves by
     # neither rail's netdev (this machine's real route: not rail0 or rail1)
     assert eng._rail_plan(_descriptor([("198.18.9.2", 7000)], None)) == [(None, "198.18.9.2", 7000)]
-    assert eng._rail_plan(_descriptor([("192.0.2.7", 7000)], ["p0"])) == [(None, "192.0.2.7", 7000)]
+    assert eng._rail_plan(_descriptor([("203.0.113.7", 7000)], ["p0"])) == [(None, "203.0.113.7", 7000)]
 
 
 async def test_auto_rails_leave_the_control_links_out():
