@@ -42,7 +42,14 @@ from kvflow.memory import Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.peer import Peer
 from kvflow.rails import DataConn, RailWatcher, open_data_socket, tune_data_socket
-from kvflow.topology import Topology, cached_host_topology, pair_tcp_rails, parse_location, rail_order
+from kvflow.topology import (
+    Topology,
+    cached_host_topology,
+    pair_tcp_rails,
+    parse_location,
+    rail_order,
+    route_to,
+)
 from kvflow.transfer import DRAIN_GRACE, Transfer
 from kvflow import rdma as rdma_provider
 
@@ -151,12 +158,16 @@ class Engine:
     default: env KVFLOW_TCP_RAILS, comma-separated, else one rail on the
     listen host), or "auto" (also KVFLOW_TCP_RAILS=auto): the IPv4
     addresses of the netdevs the topology prefers for `location`, the
-    listen address's own link left out (Topology.tcp_rails; one rail on the
-    listen host when there are none); each gets a data listener, all are
-    published with their NICs, and a peer opens tcp_connections to each,
-    its slices spread over all; a peer that has rails too pairs its rails
-    with these by both topologies (kvflow.topology.pair_tcp_rails) and
-    binds each connection to its local rail; a connection
+    links of the control addresses left out (the listen host and the
+    `advertise` host, literal or resolved; a wildcard listen host leaves
+    nothing out unless `advertise` names the address) (Topology.tcp_rails;
+    one rail on the listen host when there are none); each gets a data
+    listener, all are published with their NICs, and a peer opens
+    tcp_connections to each, its slices spread over all; a peer that has
+    rails too pairs its rails with these by both topologies
+    (kvflow.topology.pair_tcp_rails) and binds each connection to its local
+    rail where that rail reaches the peer's (same subnet, or a route that
+    leaves by the rail's netdev; else the kernel picks the source); a connection
     that fails (rail down: noticed after about `keepalive` seconds without
     progress) hands its slices to the others and is rebuilt when its rail
     answers again; location: where this engine's registered memory
@@ -222,9 +233,10 @@ class Engine:
         self._tcp_connections = tcp_connections
         if rails is None and os.environ.get("KVFLOW_TCP_RAILS"):
             rails = [r.strip() for r in os.environ["KVFLOW_TCP_RAILS"].split(",") if r.strip()]
+        if rails is not None and not isinstance(rails, str):
+            rails = list(rails)             # once: a generator would be spent by the "auto" test
         # "auto" is resolved at start(), from the topology
-        self._auto_rails = rails == "auto" or (rails is not None and not isinstance(rails, str)
-                                               and list(rails) == ["auto"])
+        self._auto_rails = rails == "auto" or rails == ["auto"]
         self._rails = [] if self._auto_rails else _check_rails(rails)
         self._rail_nics: list[str] = []      # per rail: its netdev ("" unknown) and "ip/prefixlen"
         self._rail_ifaces: list[str] = []
@@ -277,12 +289,8 @@ class Engine:
         host, port = _split_address(self._listen)
         self.topology = cached_host_topology()
         if self._auto_rails:
-            self._rails = self._topology_rails(host)
-        self._rail_nics, self._rail_ifaces = [], []
-        for rail in self._rails:
-            nic, iface = self.topology.interface_of(rail) or ("", rail)
-            self._rail_nics.append(nic)
-            self._rail_ifaces.append(iface)
+            self._rails = self._topology_rails(await self._control_addresses(host))
+        self._use_topology(self.topology)
         self._core = _core.Core(self._local_workers)
         try:
             self._server = await asyncio.start_server(self._serve_control, host, port)
@@ -312,19 +320,50 @@ class Engine:
             self._metadata = MetadataClient(self._store, self.name, self._metadata_ttl, self._record)
             await self._metadata.start()
 
-    def _topology_rails(self, host: str) -> list[str]:
+    def _use_topology(self, topology: Topology) -> None:
+        """Takes `topology` as this host's: each rail's netdev ("" where
+        none holds it) and "ip/prefixlen" (the bare address where unknown)
+        come from it, for publishing and pairing."""
+        self.topology = topology
+        self._rail_nics, self._rail_ifaces = [], []
+        for rail in self._rails:
+            nic, iface = topology.interface_of(rail) or ("", rail)
+            self._rail_nics.append(nic)
+            self._rail_ifaces.append(iface)
+
+    async def _control_addresses(self, host: str) -> list[str]:
+        """The addresses the control connection may arrive on, for rails="auto"
+        to leave their links out: the listen host (a literal, or what its
+        name resolves to) and the advertised host (likewise). A wildcard
+        listen host is none of them: with no `advertise`, nothing is left out
+        (peers may come in by any link; the engine cannot tell which)."""
+        found: list[str] = []
+        for name in (host, self._advertise):
+            if not name or name in ("0.0.0.0", "::", ""):
+                continue
+            try:
+                found.append(str(ipaddress.ip_address(name)))
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            except OSError as e:
+                log.info("kvflow: rails=auto: %s does not resolve (%s); its link is not left out", name, e)
+                continue
+            found += [str(info[4][0]) for info in infos]
+        return list(dict.fromkeys(a.split("%")[0] for a in found))
+
+    def _topology_rails(self, exclude: list[str]) -> list[str]:
         """rails="auto": the rail addresses Topology.tcp_rails picks for this
-        engine's location, the listen host's link left out; [] (one rail on
-        the listen host, as without rails) when it finds none."""
+        engine's location, the links of `exclude` (the control addresses)
+        left out; [] (one rail on the listen host, as without rails) when it
+        finds none."""
         assert self.topology is not None
-        try:
-            exclude = [str(ipaddress.ip_address(host))]
-        except ValueError:
-            exclude = []
         found = self.topology.tcp_rails(self.location, exclude=exclude)[:64]
         if not found:
             log.warning("kvflow: rails=auto: the topology has no netdev with an IPv4 address for %s; "
-                        "one rail on %s", self.location, host)
+                        "one rail on the listen host", self.location)
             return []
         log.info("kvflow: tcp rails for %s from the topology: %s", self.location,
                  ", ".join(f"{a} ({n})" for n, a in found))
@@ -899,12 +938,14 @@ class Engine:
         plain: list[tuple[str | None, str, int]] = [(None, h, p) for h, p in endpoints]
         if not self._rails or desc.rail_nics is None or self.topology is None:
             return plain
-        mine = rail_order(self._rail_nics, self.topology, self.location)
+        topology = self.topology
+        mine = rail_order(self._rail_nics, topology, self.location)
         theirs = rail_order(desc.rail_nics[:len(endpoints)], desc.topology, desc.location)
-        networks = [a for n in self.topology.nics for a in n.addresses]
+        networks = [a for n in topology.nics for a in n.addresses]
         try:
             pairs = pair_tcp_rails([self._rail_ifaces[i] for i in mine], [endpoints[j][0] for j in theirs],
-                                   networks)
+                                   networks, nics=[self._rail_nics[i] for i in mine],
+                                   route=lambda ip: route_to(ip, topology).netdev)
         except ValueError:          # a peer endpoint that is not an IP address: nothing to pair
             return plain
         return [(None if li is None else self._rails[mine[li]], *endpoints[theirs[rj]]) for li, rj in pairs][:64]

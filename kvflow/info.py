@@ -39,12 +39,15 @@ from kvflow.errors import (
 )
 from kvflow.topology import (
     NicKind,
+    Route,
     Topology,
     gid_text,
     host_topology,
     ib_mtu,
     match_rails,
+    on_subnet,
     parse_location,
+    route_to,
 )
 
 __all__ = ["Check", "Level", "PeerReport", "check_peer", "check_rdma", "local_report", "main", "route_to"]
@@ -161,36 +164,6 @@ def format_local(report: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------ routes
-@dataclass
-class Route:
-    source: str | None = None
-    netdev: str | None = None
-    on_link: bool = False
-    error: OSError | None = None
-
-
-def route_to(ip: str, topology: Topology) -> Route:
-    """The source address the kernel picks for `ip` (a UDP connect() sends
-    nothing; getsockname() reads the routing decision), the netdev holding
-    that address, and whether `ip` lies in that address's subnet."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((ip, 9))
-            src = s.getsockname()[0]
-    except OSError as e:
-        return Route(error=e)
-    target = ipaddress.ip_address(ip)
-    for nic in topology.nics:
-        if nic.kind is not NicKind.NETDEV:
-            continue
-        for a in nic.addresses:
-            iface = ipaddress.ip_interface(a)
-            if str(iface.ip) == src.split("%")[0]:
-                return Route(src, nic.name, target in iface.network)
-    return Route(src)
-
-
 def _check_route(report: PeerReport, what: str, ip: str, topology: Topology) -> Route:
     r = route_to(ip, topology)
     if r.error is not None:
@@ -411,8 +384,7 @@ def check_rdma(report: PeerReport, remote: dict[str, Any] | None, topology: Topo
                 report.add(Level.OK, f"rdma: the peer's {name} GID {gid_text(gid.packed)} is on a local subnet")
         else:
             target = str(gid.ipv4_mapped or gid)
-            near = [(n, p) for n, p in same for a in n.addresses
-                    if ipaddress.ip_address(target) in ipaddress.ip_interface(a).network]
+            near = [(n, p) for n, p in same for a in n.addresses if on_subnet(target, a)]
             if near:
                 n, p = near[0]
                 report.add(Level.OK, f"rdma: the peer's {name} GID {target} shares a subnet with "

@@ -27,7 +27,7 @@ from kvflow.handshake import (
 if TYPE_CHECKING:
     from kvflow.peer import Peer
 
-__all__ = ["DataConn", "RailWatcher", "open_data_socket", "tune_data_socket"]
+__all__ = ["DataConn", "RailWatcher", "bind_source", "open_data_socket", "tune_data_socket"]
 
 log = logging.getLogger("kvflow")
 
@@ -55,6 +55,24 @@ def tune_data_socket(s: socket.socket, keepalive: float) -> None:
             s.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
+# Linux 4.2+; the socket module names it from Python 3.12 on
+IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)
+
+
+def bind_source(s: socket.socket, source: str) -> None:
+    """Binds an unconnected socket to local address `source` for its
+    connect(). On IPv4 the port is left to connect() (IP_BIND_ADDRESS_NO_PORT):
+    a plain bind((source, 0)) reserves a port for `source` whatever the
+    destination, so all rails together could hold only the ~28k ephemeral
+    ports, where connect() may reuse one per (destination, port)."""
+    if s.family == socket.AF_INET:
+        try:
+            s.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+        except OSError:         # an older kernel: a port per bind, as before
+            pass
+    s.bind((source, 0))
+
+
 def hello_frame(token: bytes, role: int, index: int) -> bytes:
     """A data connection's first frame: the session token proves it belongs
     to an authenticated handshake; `index` names the connection in acks."""
@@ -77,7 +95,7 @@ async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int
 
         async def handshake() -> bytes:
             if source is not None:
-                s.bind((source, 0))
+                bind_source(s, source)
             await loop.sock_connect(s, (host, port))
             await loop.sock_sendall(s, hello_frame(token, role, index))
             ack = b""
@@ -181,9 +199,10 @@ class RailWatcher:
                 if peer._closed or peer._channel is not channel:
                     s.close()
                     return
-                c.local = s.getsockname()[0]
+                local = s.getsockname()[0]
                 if not channel.replace(i, s.detach()):
                     continue
+                c.local = local
                 log.warning("kvflow: %s: data connection %d (%s:%d) is back after %.1f s",
                             peer.address, i, c.host, c.port, loop.time() - c.down_since)
                 c.down_since = None

@@ -22,7 +22,7 @@ import re
 import socket
 import struct
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -37,6 +37,7 @@ __all__ = [
     "NicKind",
     "NumaNode",
     "RdmaPort",
+    "Route",
     "Topology",
     "discover",
     "gid_text",
@@ -44,9 +45,11 @@ __all__ = [
     "ib_mtu",
     "live_addresses",
     "match_rails",
+    "on_subnet",
     "pair_tcp_rails",
     "parse_location",
     "rail_order",
+    "route_to",
 ]
 
 TOPOLOGY_ENV = "KVFLOW_TOPOLOGY"
@@ -274,7 +277,7 @@ class Topology:
     def interface_of(self, ip: str) -> tuple[str, str] | None:
         """(netdev name, "ip/prefixlen") of the netdev holding address `ip`,
         None when no netdev (that this topology knows) holds it."""
-        want = ipaddress.ip_address(ip)
+        want = ipaddress.ip_address(ip.split("%")[0])       # a link-local IPv6 may carry its scope
         for n in self.nics:
             if n.kind != NicKind.NETDEV:
                 continue
@@ -294,8 +297,10 @@ class Topology:
         fallback ones, in preference order. Safety first: a netdev holding
         an address of `exclude` (the control address: it stays on a link of
         its own) is skipped unless nothing else is left, and virtual devices
-        (veth, bridges, dummies: no PCI path) count only on a host that has
-        no physical netdev with an address. [] when nothing qualifies.
+        (veth, bridges, dummies: no PCI path of their own nor below them;
+        a bond or VLAN over a PCI NIC counts as physical, discover() gives
+        it its lower device's path) count only on a host that has no
+        physical netdev with an address. [] when nothing qualifies.
         Raises InvalidArgumentError for a malformed location."""
         preferred, fallback = self.preferred(location, NicKind.NETDEV)
         skip = {str(ipaddress.ip_address(a)) for a in exclude}
@@ -647,7 +652,7 @@ def _netdevs(sysfs: str, devices_root: str, addresses: Mapping[str, Sequence[str
     base = os.path.join(sysfs, "class", "net")
     for name in _listdir(base):
         p = os.path.join(base, name)
-        dev = os.path.join(p, "device")
+        dev = _physical_device(p)
         speed = _read_int(os.path.join(p, "speed"))
         out.append(Nic(
             name=name, kind=NicKind.NETDEV, numa=_numa_of(devices_root, dev), pci=_pci_path(devices_root, dev),
@@ -655,6 +660,22 @@ def _netdevs(sysfs: str, devices_root: str, addresses: Mapping[str, Sequence[str
             speed=speed if speed is not None and speed > 0 else None, state=_read(os.path.join(p, "operstate")),
             loopback=_read(os.path.join(p, "type")) == "772"))     # ARPHRD_LOOPBACK
     return out
+
+
+def _physical_device(netdir: str, depth: int = 0) -> str:
+    """The `device` link of a netdev's directory, or for one without (a
+    bond, a VLAN, a bridge) that of its first lower device that has one
+    (lower_* links, followed down: a VLAN over a bond over a NIC), so that
+    it lives where its hardware does. A missing path where none has."""
+    own = os.path.join(netdir, "device")
+    if os.path.exists(own) or depth >= 8:
+        return own
+    for entry in sorted(_listdir(netdir)):
+        if entry.startswith("lower_"):
+            dev = _physical_device(os.path.realpath(os.path.join(netdir, entry)), depth + 1)
+            if os.path.exists(dev):
+                return dev
+    return own
 
 
 def _rail_address(a: str) -> bool:
@@ -787,23 +808,29 @@ def discover(sysfs_root: str = "/sys", procfs: str = "/proc", *,
                     gpus=_gpus(sysfs, procfs, devices_root, cuda_visible_devices), source="sysfs")
 
 
-def host_topology(sysfs_root: str = "/sys", procfs: str = "/proc") -> Topology:
-    """discover(), overridden by the file KVFLOW_TOPOLOGY names when it is
-    set. Raises TopologyError for a bad file."""
+def host_topology(sysfs_root: str = "/sys", procfs: str = "/proc", *,
+                  addresses: Mapping[str, Sequence[str]] | None = None) -> Topology:
+    """discover() (with `addresses`, as there), overridden by the file
+    KVFLOW_TOPOLOGY names when it is set. Raises TopologyError for a bad
+    file."""
     path = os.environ.get(TOPOLOGY_ENV)
-    base = discover(sysfs_root, procfs)
+    base = discover(sysfs_root, procfs, addresses=addresses)
     return Topology.load(path, base=base) if path else base
 
 
 def cached_host_topology() -> Topology:
-    """host_topology(), computed once per process and KVFLOW_TOPOLOGY value
-    (engines start often; NICs and NUMA nodes do not change under them)."""
-    return _cached(os.environ.get(TOPOLOGY_ENV))
+    """host_topology() with this machine's addresses as they are now
+    (live_addresses(): an address added or moved since the last call is
+    seen), discovered again only when the addresses or the KVFLOW_TOPOLOGY
+    value changed (engines start often; NICs and NUMA nodes do not change
+    under them)."""
+    addresses = live_addresses()
+    return _cached(os.environ.get(TOPOLOGY_ENV), json.dumps(addresses, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
-def _cached(path: str | None) -> Topology:
-    return host_topology()
+def _cached(path: str | None, addresses: str) -> Topology:
+    return host_topology(addresses=json.loads(addresses))
 
 
 def match_rails(local: Sequence[str], remote: Sequence[str]) -> list[tuple[str, str]]:
@@ -840,35 +867,98 @@ def rail_order(nics: Sequence[str], topology: Topology | None, location: str | N
     return sorted(range(len(nics)), key=lambda i: rank.get(nics[i], len(rank)))
 
 
-def pair_tcp_rails(local: Sequence[str], remote: Sequence[str],
-                   networks: Sequence[str] = ()) -> list[tuple[int | None, int]]:
+def on_subnet(ip: str, interface: str) -> bool:
+    """Whether address `ip` lies in the subnet of `interface` ("ip/prefixlen";
+    False for a bare ip, whose prefix is unknown, for the other family, and
+    for a malformed one)."""
+    if "/" not in interface:
+        return False
+    try:
+        return ipaddress.ip_address(ip) in ipaddress.ip_interface(interface).network
+    except ValueError:
+        return False
+
+
+@dataclass
+class Route:
+    """Where the kernel sends packets for an address: the source it picks,
+    the netdev holding that source, whether the address is on that
+    source's subnet; `error` when there is no route at all."""
+    source: str | None = None
+    netdev: str | None = None
+    on_link: bool = False
+    error: OSError | None = None
+
+
+def route_to(ip: str, topology: Topology) -> Route:
+    """The source address the kernel picks for `ip` (a UDP connect() sends
+    nothing; getsockname() reads the routing decision), the netdev holding
+    that address (in `topology`), and whether `ip` lies in that address's
+    subnet. Never raises: a failed lookup is the Route's `error`."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            src = s.getsockname()[0]
+    except OSError as e:
+        return Route(error=e)
+    found = topology.interface_of(src)
+    if found is None:
+        return Route(src)
+    return Route(src, found[0], on_subnet(ip, found[1]))
+
+
+def pair_tcp_rails(local: Sequence[str], remote: Sequence[str], networks: Sequence[str] = (), *,
+                   nics: Sequence[str] = (),
+                   route: Callable[[str], str | None] | None = None) -> list[tuple[int | None, int]]:
     """Which local tcp rail each data connection to a peer's rails leaves
-    from: (local index, remote index) pairs, the local index None where the
-    kernel should choose the source. `local` is this end's rail addresses
-    ("ip/prefixlen", or a bare ip where the prefix is unknown), `remote`
-    the peer's (ip), each in its end's preference order (rail_order);
-    `networks` every "ip/prefixlen" of this host. The orders pair rail i
-    with rail i (match_rails); a pair whose local rail is not on the remote
-    address's subnet is moved to a local rail that is (two hosts that order
-    their NICs differently still get same-subnet pairs); where no rail is,
-    but another interface of this host is, the source is left to the
-    kernel (a rail's address bound to leave by another link would have the
-    replies come back by the rail); where nothing local is (routed rails),
-    the ordered pair stands."""
+    from: distinct (local index, remote index) pairs, in order, the local
+    index None where the kernel should choose the source. `local` is this
+    end's rail addresses ("ip/prefixlen", or a bare ip where the prefix is
+    unknown), `remote` the peer's (ip), each in its end's preference order
+    (rail_order); `networks` every "ip/prefixlen" of this host; `nics` the
+    netdev of each local rail ("" unknown) and `route` the netdev the
+    kernel's route to an address leaves by (None: unknown; route_to()).
+
+    The orders pair rail i with rail i (match_rails); a pair whose local
+    rail is not on the remote address's subnet is moved to a local rail
+    that is (two hosts that order their NICs differently still get
+    same-subnet pairs); where no rail is, but another interface of this
+    host is, the source is left to the kernel (a rail's address bound to
+    leave by another link would have the replies come back by the rail and
+    strict rp_filter drop them); so it is for a remote address this host
+    holds itself (it is reached over loopback: no rail to pick). Where
+    nothing local is (routed rails), the ordered pair keeps its local rail
+    only when the kernel's route to the remote address already leaves by
+    that rail's netdev; otherwise the kernel chooses. Pairs that come out
+    the same (more local rails than remote ones on a subnet) are listed
+    once: a group of connections per pair, never two to one endpoint from
+    one source."""
     if not local or not remote:
         return []
-    nets = [ipaddress.ip_interface(a).network if "/" in a else None for a in local]
-    host_nets = [ipaddress.ip_interface(a).network for a in networks if "/" in a]
+    own = {str(ipaddress.ip_interface(a).ip) for a in networks}
+    routes: dict[str, str | None] = {}
+
+    def leaves_by(ip: str) -> str | None:
+        if route is None:
+            return None
+        if ip not in routes:
+            routes[ip] = route(ip)
+        return routes[ip]
+
     out: list[tuple[int | None, int]] = []
     for li, ri in match_rails([str(i) for i in range(len(local))], [str(j) for j in range(len(remote))]):
         i, j = int(li), int(ri)
-        ip = ipaddress.ip_address(remote[j])
-        near = [k for k, n in enumerate(nets) if n is not None and ip in n]
-        if near:
+        ip = str(ipaddress.ip_address(remote[j]))
+        near = [k for k, a in enumerate(local) if on_subnet(ip, a)]
+        if ip in own:
+            out.append((None, j))
+        elif near:
             out.append((i if i in near else near[j % len(near)], j))
-        elif any(ip in n for n in host_nets):
+        elif any(on_subnet(ip, a) for a in networks):
             out.append((None, j))
         else:
-            mine = ipaddress.ip_interface(local[i]).ip
-            out.append((i if mine.version == ip.version else None, j))
-    return out
+            nic = nics[i] if i < len(nics) else ""
+            same_family = ipaddress.ip_interface(local[i]).ip.version == ipaddress.ip_address(ip).version
+            out.append((i if same_family and nic and leaves_by(ip) == nic else None, j))
+    return list(dict.fromkeys(out))

@@ -27,6 +27,7 @@ from kvflow.errors import (
 )
 from kvflow.handshake import Descriptor
 from kvflow.info import Level, PeerReport, check_rdma, route_to
+from kvflow.rails import bind_source
 from kvflow.topology import (
     TOPOLOGY_ENV,
     Gid,
@@ -37,6 +38,7 @@ from kvflow.topology import (
     discover,
     host_topology,
     match_rails,
+    on_subnet,
     pair_tcp_rails,
     parse_location,
     rail_order,
@@ -427,14 +429,102 @@ def test_pair_tcp_rails():
     # more local rails than remote ones: each local rail carries a pair
     four = two + ["10.0.0.3/24", "10.0.1.3/24"]
     assert pair_tcp_rails(four, ["10.0.0.2", "10.0.1.2"]) == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    # two local rails, one remote one on the first's subnet: one pair, not
+    # the same endpoint twice from the same source
+    assert pair_tcp_rails(two, ["10.0.0.2"]) == [(0, 0)]
     # one local rail, two remote subnets, the second reached by another
     # interface of this host: the kernel chooses that connection's source
     assert pair_tcp_rails(two[:1], ["10.0.0.2", "192.168.5.2"], ["192.168.5.1/24"]) == [(0, 0), (None, 1)]
     assert pair_tcp_rails(["10.0.0.1"], ["10.0.0.2"], ["10.0.0.1/24"]) == [(None, 0)]   # prefix unknown
-    # routed rails (no local subnet holds the peer's): the ordered pairs stand
-    assert pair_tcp_rails(two, ["10.7.0.2", "10.7.1.2"]) == [(0, 0), (1, 1)]
-    assert pair_tcp_rails(two, ["fd00::2"]) == [(None, 0), (None, 0)]         # nor across families
+    # an address of this very host: over loopback, no rail to pick
+    assert pair_tcp_rails(two, ["10.0.0.1", "10.0.1.2"], two) == [(None, 0), (1, 1)]
+    # routed rails (no local subnet holds the peer's): without a route
+    # probe nothing is bound (the kernel's route decides the egress link)
+    assert pair_tcp_rails(two, ["10.7.0.2", "10.7.1.2"]) == [(None, 0), (None, 1)]
+    nics = ["eth0", "eth1"]
+    # ...each pair keeps its rail where the route to the peer leaves by it
+    by_subnet = {"10.7.0.2": "eth0", "10.7.1.2": "eth1"}
+    assert pair_tcp_rails(two, ["10.7.0.2", "10.7.1.2"], nics=nics, route=by_subnet.get) == [(0, 0), (1, 1)]
+    # ...and only there: a peer on an unrelated subnet, routed via rail 0
+    # only, is not reached from rail 1's address (its replies would come
+    # back by rail 1's NIC, and strict rp_filter drops them)
+    asked: list[str] = []
+
+    def via_eth0(ip: str) -> str:
+        asked.append(ip)
+        return "eth0"
+    assert pair_tcp_rails(two, ["172.16.9.2"], two, nics=nics, route=via_eth0) == [(0, 0), (None, 0)]
+    assert asked == ["172.16.9.2"]                                              # probed once per address
+    assert pair_tcp_rails(two, ["10.7.0.2"], nics=nics, route=lambda ip: None) == [(None, 0)]   # no route
+    assert pair_tcp_rails(two, ["fd00::2"], nics=nics, route=lambda ip: "eth0") == [(None, 0)]  # nor across families
     assert pair_tcp_rails([], ["10.0.0.2"]) == [] and pair_tcp_rails(two, []) == []
+    assert on_subnet("10.0.0.9", "10.0.0.1/24") and not on_subnet("10.0.0.9", "10.0.0.1")
+    assert not on_subnet("fd00::1", "10.0.0.1/24") and not on_subnet("10.0.0.9", "junk/24")
+
+
+def _descriptor(data: list[tuple[str, int]], rail_nics: list[str] | None) -> Descriptor:
+    return Descriptor(address="peer:1", incarnation=1, host="peer", pid=1, process=b"", probe_addr=0,
+                      probe_cookie=b"", data=data, regions=[], generation=0, rail_nics=rail_nics)
+
+
+def test_rail_plan_binds_each_group_to_its_rail():
+    """Engine._rail_plan on a topology made for the test (two PCI rails on
+    198.18.0/24 and 198.18.1/24): which local rail each group of data
+    connections is bound to."""
+    t = Topology(nics=[Nic("lo", NETDEV, loopback=True, addresses=("127.0.0.1/8",)),
+                       Nic("rail0", NETDEV, pci="pci0000:00/0000:00:02.0", addresses=("198.18.0.1/24",)),
+                       Nic("rail1", NETDEV, pci="pci0000:00/0000:00:03.0", addresses=("198.18.1.1/24",))])
+    eng = kvflow.Engine(protocols=("tcp",), rails=iter(["198.18.0.1", "198.18.1.1"]))    # any iterable, once
+    eng._use_topology(t)
+    assert eng._rail_nics == ["rail0", "rail1"] and eng._rail_ifaces == ["198.18.0.1/24", "198.18.1.1/24"]
+    # the peer lists its rails the other way round: each still bound on its subnet
+    peer = _descriptor([("198.18.1.2", 7001), ("198.18.0.2", 7000)], ["p1", "p0"])
+    assert eng._rail_plan(peer) == [("198.18.1.1", "198.18.1.2", 7001), ("198.18.0.1", "198.18.0.2", 7000)]
+    # one peer rail: one group, not two on the same endpoint
+    assert eng._rail_plan(_descriptor([("198.18.0.2", 7000)], ["p0"])) == [("198.18.0.1", "198.18.0.2", 7000)]
+    # a peer on this host (its endpoint an address of ours): the kernel's choice
+    assert eng._rail_plan(_descriptor([("198.18.1.1", 7002)], ["rail1"])) == [(None, "198.18.1.1", 7002)]
+    # a peer without rails, or one on a routed subnet whose route leaves by
+    # neither rail's netdev (this machine's real route: not rail0 or rail1)
+    assert eng._rail_plan(_descriptor([("198.18.9.2", 7000)], None)) == [(None, "198.18.9.2", 7000)]
+    assert eng._rail_plan(_descriptor([("203.0.113.7", 7000)], ["p0"])) == [(None, "203.0.113.7", 7000)]
+
+
+async def test_auto_rails_leave_the_control_links_out():
+    eng = kvflow.Engine(protocols=("tcp",), advertise="127.0.0.2")
+    assert set(await eng._control_addresses("localhost")) >= {"127.0.0.1", "127.0.0.2"}
+    assert await eng._control_addresses("127.0.0.3") == ["127.0.0.3", "127.0.0.2"]
+    # a wildcard listen: only what is advertised
+    assert await eng._control_addresses("0.0.0.0") == ["127.0.0.2"]
+    assert await kvflow.Engine(protocols=("tcp",))._control_addresses("0.0.0.0") == []
+    assert await kvflow.Engine(protocols=("tcp",), rails=iter(["auto"]))._control_addresses("::") == []
+
+
+def test_bind_source_reserves_no_port():
+    with socket.socket() as server, socket.socket() as s:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        bind_source(s, "127.0.0.1")
+        assert s.getsockname() == ("127.0.0.1", 0)          # the port waits for connect()
+        s.connect(server.getsockname())
+        assert s.getsockname()[0] == "127.0.0.1" and s.getsockname()[1] != 0
+
+
+def test_bond_and_vlan_live_where_their_nic_is(fake_host):
+    sysfs = Path(fake_host[0])
+    _netdev(sysfs, "bond0", None, 9000)
+    _netdev(sysfs, "bond0.7", None, 9000)
+    bond, vlan = (sysfs / "class/net/bond0").resolve(), (sysfs / "class/net/bond0.7").resolve()
+    _link(bond / "lower_ens3f0", (sysfs / "class/net/ens3f0").resolve())
+    _link(vlan / "lower_bond0", bond)
+    t = discover(*fake_host, addresses={"bond0.7": ["10.0.7.1/24"], "veth0": ["10.9.0.1/24"]},
+                 cuda_visible_devices="")
+    for name in ("bond0", "bond0.7"):
+        assert (t.nic(name).pci, t.nic(name).numa) == (NICS["mlx5_2"][1], 1), t.nic(name)
+    assert t.nic("veth0").pci is None
+    # physical, so the rail (veth0, virtual, is not where a physical one has an address)
+    assert t.tcp_rails("cpu:1") == [("bond0.7", "10.0.7.1/24")]
+    assert t.tcp_rails("cpu:0") == [("bond0.7", "10.0.7.1/24")]      # its fallback
 
 
 async def test_engine_rails_published_and_auto():
@@ -457,14 +547,17 @@ async def test_engine_rails_published_and_auto():
         for bad in (["x"] * (len(d.data) + 1), "eth0", [7] * len(d.data)):
             with pytest.raises(ProtocolError, match="rail_nics"):
                 Descriptor.from_wire({**wire, "rail_nics": bad})
-        # auto rails on both ends: pairs, binds, moves data
+        # auto rails to a peer whose one rail is on loopback (this host's
+        # own address): no rail to bind to, the kernel picks the source;
+        # data moves (binding on made-up topologies: test_rail_plan_*)
         a = np.arange(1 << 20, dtype=np.uint64).view(np.uint8)[:1 << 20]
         b = np.zeros(1 << 20, np.uint8)
         src, dst = auto.register(a), given.register(b)
         peer = await auto.connect(given.address)
         await peer.write([src.addr], [dst.addr], [1 << 20])
         assert np.array_equal(a, b)
-        assert all(c["local"] is not None for c in peer.connections())
+        conns = peer.connections()
+        assert conns and all(c["source"] is None and c["local"] == "127.0.0.1" for c in conns), conns
 
 
 def test_rdma_rails_follow_both_ends_published_preferences(fake_host):

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -67,11 +67,18 @@ MARK = "@@FAULTS "
 
 # ------------------------------------------------------------------ namespace
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+    """Runs `ip ARGS`; with `check`, a failure raises RuntimeError naming
+    the command and saying what ip said (its stderr)."""
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {r.stderr.strip() or f'exit status {r.returncode}'}")
+    return r
 
 
 def netns_unavailable() -> str | None:
-    """Why namespaces cannot be used here, or None."""
+    """Why namespaces cannot be used here, or None: tries, in a namespace
+    of its own (deleted with all in it), each kind of thing Topology.up()
+    creates: a namespace, a bridge, a veth pair."""
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
     if shutil.which("ip") is None:
@@ -80,7 +87,14 @@ def netns_unavailable() -> str | None:
     r = _ip("netns", "add", name, check=False)
     if r.returncode:
         return f"cannot create a network namespace: {r.stderr.strip()}"
-    _ip("netns", "del", name, check=False)
+    try:
+        for what, args in (("bridge", ("link", "add", "kvfbr", "type", "bridge")),
+                           ("veth pair", ("link", "add", "kvfa", "type", "veth", "peer", "name", "kvfb"))):
+            r = _ip("-n", name, *args, check=False)
+            if r.returncode:
+                return f"cannot create a {what}: {r.stderr.strip()}"
+    finally:
+        _ip("netns", "del", name, check=False)
     return None
 
 
@@ -93,8 +107,10 @@ class Topology:
 
     LINKS = ("ctl", "rail0", "rail1")
 
-    def __init__(self, hosts: int = 2) -> None:
-        tag = f"{os.getpid() % 100000}"
+    def __init__(self, hosts: int = 2, tag: str | None = None) -> None:
+        # names carry a tag (default: this process's) so that two
+        # topologies, or two runs, never remove each other's
+        tag = tag or f"{os.getpid() % 100000}"
         self.switch = f"kvfs{tag}"
         self.hosts = [f"kvff{tag}" if k == 0 else f"kvff{tag}n{k}" for k in range(hosts)]
         self.ns = self.hosts[0]
@@ -107,7 +123,18 @@ class Topology:
         return f"{SUBNETS[i]}.{host + 2}"
 
     def up(self) -> "Topology":
+        """Creates it (after removing what a previous run left); on a
+        failure removes what it created and raises RuntimeError (what ip
+        said)."""
         self.down()
+        try:
+            self._create()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _create(self) -> None:
         for ns in (self.switch, *self.hosts):
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
@@ -124,7 +151,6 @@ class Topology:
                 _ip("-n", self.switch, "link", "set", f"p{k}x{i}", "master", f"br{i}", "up")
                 _ip("-n", ns, "addr", "add", f"{self.target(i, k)}/24", "dev", self.LINKS[i])
                 _ip("-n", ns, "link", "set", self.LINKS[i], "up")
-        return self
 
     async def set_rail(self, rail: int, up: bool, host: int = 0) -> float:
         """Takes rail `rail` of namespace host `host` down or up (its switch
@@ -138,9 +164,10 @@ class Topology:
         t0 = time.monotonic()
         port = f"p{host}x{link}"
         p = await asyncio.create_subprocess_exec("ip", "-n", self.switch, "link", "set", port,
-                                                 "up" if up else "down")
-        if await p.wait():
-            raise RuntimeError(f"ip -n {self.switch} link set {port} failed")
+                                                 "up" if up else "down", stderr=asyncio.subprocess.PIPE)
+        _, err = await p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"ip -n {self.switch} link set {port} failed: {err.decode().strip()}")
         return time.monotonic() - t0
 
     async def netem(self, rail: int, spec: str | None) -> None:
@@ -184,12 +211,15 @@ async def serve_target(listen: str, rails: list[str] | None, size: int, keepaliv
             return json.dumps({"shas": [hashlib.sha256(buf[o:o + n]).hexdigest() for o, n in ranges]})
 
         async def serve_hashes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            # cancelled when the target exits (stdin closed): ending quietly is all there is to do
-            with contextlib.suppress(OSError, ValueError, KeyError, asyncio.CancelledError):
-                while line := await reader.readline():
-                    writer.write((answer(line) + "\n").encode())
-                    await writer.drain()
-            writer.close()
+            # a client that goes away or sends junk ends its session; a
+            # cancel (the target exits: stdin closed) goes on up
+            try:
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    while line := await reader.readline():
+                        writer.write((answer(line) + "\n").encode())
+                        await writer.drain()
+            finally:
+                writer.close()
 
         if hash_port is not None:
             await asyncio.start_server(serve_hashes, listen.rpartition(":")[0], hash_port)
@@ -204,9 +234,44 @@ class TargetGone(RuntimeError):
     """The target process exited (killed by a fault case, or crashed)."""
 
 
+async def ask_json_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: dict[str, Any],
+                        timeout: float, *, gone: str, mark: bytes = b"") -> dict[str, Any]:
+    """The protocol of this script's processes and the target's hash port:
+    `request` as one JSON line, the answer one JSON line back (the first
+    that starts with `mark`: a child's stdout carries other output too).
+    Raises TargetGone(`gone`) when the other end closes first."""
+    writer.write((json.dumps(request) + "\n").encode())
+    await writer.drain()
+    return await read_json_line(reader, timeout, gone=gone, mark=mark)
+
+
+async def read_json_line(reader: asyncio.StreamReader, timeout: float, *, gone: str,
+                         mark: bytes = b"") -> dict[str, Any]:
+    while True:
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        if not line:
+            raise TargetGone(gone)
+        if line.startswith(mark):
+            return json.loads(line[len(mark):])
+
+
+class Hashes:
+    """shas(): the target's SHA-256 of its region's ranges, asked by
+    _ask (over a child's stdin/stdout, or the target's hash port)."""
+
+    async def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
+        return (await self._ask({"ranges": ranges}, 120))["shas"]
+
+
 class Child:
     """A process of this script run in a namespace host: it answers with
-    MARK-prefixed JSON lines on stdout, and exits when its stdin closes."""
+    MARK-prefixed JSON lines on stdout, and exits when its stdin closes.
+    `role` names it in errors."""
+
+    role = "child"
 
     def __init__(self, topo: Topology, keepalive: float, host: int) -> None:
         self.topo = topo
@@ -219,22 +284,21 @@ class Child:
                *args, "--keepalive", str(self.keepalive)]
         self.proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
-        return await self._reply(300)        # python + numpy + kvflow imports: minutes under emulation
+        assert self.proc.stdout is not None
+        try:
+            # python + numpy + kvflow imports: minutes under emulation
+            return await read_json_line(self.proc.stdout, 300, gone=self._gone(), mark=MARK.encode())
+        except BaseException:
+            self.kill()         # no hello (timed out, cancelled, crashed): stop() reaps it
+            raise
 
-    async def _reply(self, timeout: float) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-            if not line:
-                raise TargetGone("the target exited")
-            if line.startswith(MARK.encode()):
-                return json.loads(line[len(MARK):])
+    def _gone(self) -> str:
+        return f"the {self.role} in {self.topo.hosts[self.host]} exited"
 
     async def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        await self.proc.stdin.drain()
-        return await self._reply(timeout)
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        return await ask_json_line(self.proc.stdout, self.proc.stdin, request, timeout, gone=self._gone(),
+                                   mark=MARK.encode())
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -255,11 +319,13 @@ class Child:
         self.proc = None
 
 
-class Target(Child):
+class Target(Child, Hashes):
     """The target process, started in namespace host `host` (or restarted
     there). With `auto_rails` its engine picks its rails from its topology
     (KVFLOW_TCP_RAILS=auto) instead of being given the host's two rails;
     with `hash_port` it also answers hash requests on TARGET_PORT + 1."""
+
+    role = "target"
 
     def __init__(self, topo: Topology, keepalive: float, host: int = 0, *, auto_rails: bool = False,
                  hash_port: bool = False) -> None:
@@ -280,9 +346,6 @@ class Target(Child):
         hello = await self._spawn(args, {"KVFLOW_TCP_RAILS": "auto"} if self.auto_rails else None)
         self.address, self.addr = hello["address"], hello["addr"]
         self.data = [(h, p) for h, p in hello["data"]]
-
-    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
-        return (await self._ask({"ranges": ranges}, 120))["shas"]
 
 
 # ------------------------------------------------------------------- workload
@@ -372,7 +435,7 @@ async def _session(topo: Topology, keepalive: float) -> AsyncIterator[tuple[Targ
         await target.stop()
 
 
-class HashClient:
+class HashClient(Hashes):
     """Target.shas() for an initiator that is not the target's parent: asks
     the target's hash port (serve_target's hash_port) over the control
     network. `addr` is the target region's address."""
@@ -381,13 +444,9 @@ class HashClient:
         self.addr = addr
         self._reader, self._writer = reader, writer
 
-    async def shas(self, ranges: list[tuple[int, int]]) -> list[str]:
-        self._writer.write((json.dumps({"ranges": ranges}) + "\n").encode())
-        await self._writer.drain()
-        line = await asyncio.wait_for(self._reader.readline(), 120)
-        if not line:
-            raise TargetGone("the target's hash port closed")
-        return json.loads(line)["shas"]
+    async def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return await ask_json_line(self._reader, self._writer, request, timeout,
+                                   gone="the target's hash port closed")
 
 
 async def serve_initiator(listen: str, rails: list[str] | None, target: str, hashes: str, region: int,
@@ -424,6 +483,8 @@ class Initiator(Child):
     """An initiator process (serve_initiator) in namespace host `host`,
     writing to `target`; `rails` is its engine's rails argument."""
 
+    role = "initiator"
+
     def __init__(self, topo: Topology, keepalive: float, host: int, target: Target, rails: str = "auto") -> None:
         super().__init__(topo, keepalive, host)
         self.target = target
@@ -447,10 +508,6 @@ class Initiator(Child):
         return Report(**await self._ask({"op": "stop"}, timeout))
 
 
-def _subnet(ip: str) -> str:
-    return ip.rpartition(".")[0]
-
-
 async def case_auto(topo: Topology, seconds: float, keepalive: float) -> Report:
     """Rails from the topology on both ends: a target (KVFLOW_TCP_RAILS=auto)
     and an initiator (rails="auto") in two namespace hosts, each with a
@@ -467,12 +524,17 @@ async def case_auto(topo: Topology, seconds: float, keepalive: float) -> Report:
     try:
         await target.start()
         conns = await init.start()
-        # the address each connection left from (its socket's), with the rail it was bound to
-        pairs = [list(p) for p in sorted({(c["local"], c["endpoint"].rpartition(":")[0]) for c in conns})]
-        if any(c["local"] != c["source"] for c in conns):
+        # the address each connection left from (its socket's), with the
+        # rail it was bound to; one whose rail was down at connect has none
+        opened = [c for c in conns if c["local"] is not None]
+        pairs = [list(p) for p in sorted({(c["local"], c["endpoint"].rpartition(":")[0]) for c in opened})]
+        if any(c["local"] != c["source"] for c in opened):
             report.notes.append(f"CONNECTIONS NOT FROM THEIR BOUND RAIL: {conns}")
+        down = [c["endpoint"] for c in conns if c["local"] is None]
+        if down:
+            report.notes.append(f"CONNECTIONS DOWN AT CONNECT: {down}")
         report.rails = {"target": sorted(h for h, _ in target.data), "initiator": sorted(h for h, _ in init.data),
-                        "pairs": pairs, "bound": [c["source"] for c in conns]}
+                        "pairs": pairs, "bound": [c["source"] for c in conns], "down": down}
         report.notes.append(f"target rails {report.rails['target']}, initiator rails {report.rails['initiator']}, "
                             f"connections (local, endpoint) {pairs}")
         rail1 = [c["index"] for c in conns if c["source"] == topo.target(2, 1)]
@@ -614,8 +676,10 @@ async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent
     loop = asyncio.get_running_loop()
     a, b = Target(topo, keepalive, host=0), Target(topo, keepalive, host=1)
     eng: kvflow.Engine | None = None
+    work: list[asyncio.Task[None]] = []
+    stop_a = asyncio.Event()
     try:
-        await asyncio.gather(a.start(), b.start())
+        await _all_or_none(a.start(), b.start())
         eng, src_a, laddr_a = await _initiator(topo, keepalive)
         src_b = np.zeros(REGION, dtype=np.uint8)
         laddr_b = eng.register(src_b).addr
@@ -625,10 +689,10 @@ async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent
         ra, rb = Report("A"), Report("B")
         written: list[tuple[float, int]] = []
         limit = 3 * keepalive + 10
-        stop_a = asyncio.Event()
         work_a = loop.create_task(workload(peer_a, a, src_a, laddr_a, ra, stop_a, seed=6, limit=limit,
                                            written=written))
         work_b = loop.create_task(workload(old, b, src_b, laddr_b, rb, asyncio.Event(), seed=7, limit=limit))
+        work += [work_a, work_b]
         t_start = loop.time()
         await asyncio.sleep(seconds / 3)
         if silent:
@@ -689,6 +753,12 @@ async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent
         for part in (ra, rb, rb2):
             _merge(report, part)
     finally:
+        # on an error above the workloads may still run: they end before
+        # the engine they write with closes
+        stop_a.set()
+        for task in work:
+            task.cancel()
+        await asyncio.gather(*work, return_exceptions=True)
         if silent:
             for link in range(3):
                 await topo.set_link(link, True, host=1)
@@ -696,6 +766,19 @@ async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent
             await eng.close()
         await asyncio.gather(a.stop(), b.stop())
     return report
+
+
+async def _all_or_none(*aws: Awaitable[Any]) -> list[Any]:
+    """Runs `aws` at once; when one fails the others are cancelled (and
+    awaited) and its error raised as it is (asyncio.TaskGroup would do the
+    same from Python 3.11, wrapped in an ExceptionGroup; this runs on 3.10)."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _junk(host: str, port: int, stop: asyncio.Event, rng: random.Random, sent: list[int]) -> None:
