@@ -287,7 +287,7 @@ class Engine:
             return
         self._loop = asyncio.get_running_loop()
         host, port = _split_address(self._listen)
-        self.topology = cached_host_topology()
+        self.topology = cached_host_topology(fresh_addresses=self._auto_rails)
         if self._auto_rails:
             self._rails = self._topology_rails(await self._control_addresses(host))
         self._use_topology(self.topology)

@@ -818,19 +818,21 @@ def host_topology(sysfs_root: str = "/sys", procfs: str = "/proc", *,
     return Topology.load(path, base=base) if path else base
 
 
-def cached_host_topology() -> Topology:
-    """host_topology() with this machine's addresses as they are now
-    (live_addresses(): an address added or moved since the last call is
-    seen), discovered again only when the addresses or the KVFLOW_TOPOLOGY
-    value changed (engines start often; NICs and NUMA nodes do not change
-    under them)."""
-    addresses = live_addresses()
-    return _cached(os.environ.get(TOPOLOGY_ENV), json.dumps(addresses, sort_keys=True))
+def cached_host_topology(fresh_addresses: bool = False) -> Topology:
+    """host_topology(), discovered once per process and KVFLOW_TOPOLOGY
+    value (engines start often; NICs and NUMA nodes do not change under
+    them). fresh_addresses: with this machine's addresses as they are now
+    (live_addresses(), one `ip` call: an address added or moved since is
+    seen), for callers that pick addresses from it (rails="auto")."""
+    path = os.environ.get(TOPOLOGY_ENV)
+    if not fresh_addresses:
+        return _cached(path, None)
+    return _cached(path, json.dumps(live_addresses(), sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
-def _cached(path: str | None, addresses: str) -> Topology:
-    return host_topology(addresses=json.loads(addresses))
+def _cached(path: str | None, addresses: str | None) -> Topology:
+    return host_topology(addresses=None if addresses is None else json.loads(addresses))
 
 
 def match_rails(local: Sequence[str], remote: Sequence[str]) -> list[tuple[str, str]]:
