@@ -71,6 +71,11 @@ def buffer_span(buffer: Any) -> tuple[int, int, bool, Any]:
         if ptr <= 0 or length <= 0 or ptr + length > 1 << 64:
             raise InvalidArgumentError(f"invalid raw buffer (ptr={ptr:#x}, length={length})")
         return ptr, length, True, None
+    device = _device_memory(buffer)
+    if device is not None:
+        raise InvalidArgumentError(
+            f"cannot register a {type(buffer).__name__} in {device} memory: this kvflow build moves "
+            f"host memory only (kvflow.features['cuda'] is False); register a CPU (or pinned) buffer")
     if hasattr(buffer, "data_ptr") and not isinstance(buffer, np.ndarray):
         if getattr(buffer, "is_contiguous", None) is not None and not buffer.is_contiguous():
             raise InvalidArgumentError("tensor must be contiguous to be registered")
@@ -102,3 +107,37 @@ def buffer_span(buffer: Any) -> tuple[int, int, bool, Any]:
     if arr.nbytes == 0:
         raise InvalidArgumentError("cannot register an empty buffer")
     return int(arr.__array_interface__["data"][0]), int(arr.nbytes), bool(arr.flags.writeable), (buffer, arr)
+
+
+# DLPack device types that are host memory the CPU can touch: CPU, CUDA
+# pinned host, ROCm pinned host, CUDA managed.
+_DLPACK_HOST = {1, 3, 11, 13}
+
+
+def _device_memory(buffer: Any) -> str | None:
+    """Where a buffer lives when that is not host memory the CPU may touch
+    ("cuda:0", ...), else None. Device memory handed to the CPU copy paths
+    would crash the process, so it is refused up front. Checks torch's
+    `device`, `__dlpack_device__()` and `__cuda_array_interface__` (CuPy,
+    Numba and torch CUDA tensors)."""
+    if isinstance(buffer, (np.ndarray, bytearray, memoryview, bytes, tuple)):
+        return None
+    dev = getattr(buffer, "device", None)
+    kind = getattr(dev, "type", None)
+    if isinstance(kind, str) and kind not in ("cpu", "meta"):
+        index = getattr(dev, "index", None)
+        return kind if index is None else f"{kind}:{index}"
+    dlpack = getattr(buffer, "__dlpack_device__", None)
+    if callable(dlpack):
+        try:
+            code, index = dlpack()
+        except Exception:       # a CPU-only object may refuse: not device memory then
+            code = None
+        if isinstance(code, int) and code not in _DLPACK_HOST:
+            return f"dlpack device {int(code)}:{index}"
+    try:
+        if hasattr(buffer, "__cuda_array_interface__"):
+            return "cuda"
+    except Exception:           # torch raises for CPU tensors
+        pass
+    return None

@@ -242,6 +242,43 @@ async def test_register_rejects_bad_buffers(kind, make_engine):
         eng.register(bad)
 
 
+class _CudaArrayInterface:
+    """What CuPy/Numba device arrays expose (the pointer is never touched)."""
+
+    __cuda_array_interface__ = {"data": (0x7F0000000000, False), "shape": (4096,), "typestr": "|u1",
+                                "version": 3}
+
+
+class _DlpackDevice:
+    """A DLPack producer on a CUDA device (kDLCUDA = 2)."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def data_ptr(self):
+        return 0x7F0000000000
+
+    nbytes = 4096
+
+
+@pytest.mark.parametrize("kind", ["cuda-array-interface", "dlpack-cuda", "torch-cuda"])
+async def test_register_rejects_device_memory(kind, make_engine):
+    """GPU memory would crash the CPU copy paths: refused with a typed error
+    that says why, and the engine stays usable."""
+    if kind == "torch-cuda":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        bad = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    else:
+        bad = _CudaArrayInterface() if kind == "cuda-array-interface" else _DlpackDevice()
+    eng = await make_engine()
+    with pytest.raises(kvflow.InvalidArgumentError, match="host memory only"):
+        eng.register(bad)
+    ok = eng.register(np.zeros(4096, np.uint8))
+    eng.deregister(ok)
+
+
 async def test_region_fields_and_access(make_engine):
     eng = await make_engine()
     a = np.zeros(1000, np.uint8)
