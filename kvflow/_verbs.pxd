@@ -1,6 +1,6 @@
 # libibverbs (infiniband/verbs.h): what kvflow's control path uses, and the
 # native data path's face (kvflow/_native/rdma.h).
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t
 
 from kvflow._native cimport kvf_ctx, kvf_region_table
 
@@ -190,6 +190,9 @@ cdef extern from "_native/rdma.h" nogil:
         pass
     ctypedef struct kvf_rdma_events:
         pass
+
+    void kvf_rdma_count(kvf_ctx *c, int64_t mrs, int64_t qps)
+    int kvf_rdma_destroy_qp(kvf_ctx *c, ibv_qp *qp)
 
     kvf_rdma_events *kvf_rdma_events_new()
     int kvf_rdma_events_fd(kvf_rdma_events *q)

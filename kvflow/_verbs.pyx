@@ -103,6 +103,7 @@ cdef class Device:
     cdef ibv_context *ctx
     cdef ibv_pd *pd
     cdef kvf_rdma_dev *dev
+    cdef kvf_ctx *kc               # the engine's counters (MRs, QPs); NULL once closed
     cdef ibv_gid sgid
     cdef readonly str name
     cdef readonly int index, port, gid_index, lid, mtu, link_layer
@@ -169,6 +170,7 @@ cdef class Device:
             raise VerbsError(f"{name}: cannot allocate a protection domain")
         self.cq_size = min(da.max_cqe, 32767)
         cdef kvf_ctx *kc = core._ctx()
+        self.kc = kc
         cdef int cq_size = self.cq_size
         with nogil:
             self.dev = kvf_rdma_dev_new(kc, ev.q, self.ctx, self.pd, <uint32_t>index,
@@ -199,6 +201,7 @@ cdef class Device:
         device's SRQ and never send."""
         cdef ibv_qp_init_attr ia
         cdef ibv_qp_attr a
+        self._check_open()
         memset(&ia, 0, sizeof(ia))
         ia.send_cq = kvf_rdma_dev_cq(self.dev)
         ia.recv_cq = ia.send_cq
@@ -217,8 +220,9 @@ cdef class Device:
         a.pkey_index = 0
         a.port_num = <uint8_t>self.port
         a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
+        kvf_rdma_count(self.kc, 0, 1)
         if ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS):
-            ibv_destroy_qp(qp)
+            kvf_rdma_destroy_qp(self.kc, qp)
             raise VerbsError(f"{self.name}: cannot move a queue pair to INIT")
         q = Qp()
         q.qp = qp
@@ -230,17 +234,28 @@ cdef class Device:
     def register(self, uintptr_t addr, size_t length, int flags):
         """ibv_reg_mr; returns (handle, lkey, rkey)."""
         cdef ibv_mr *mr
+        self._check_open()
         with nogil:
             mr = ibv_reg_mr(self.pd, <void *>addr, length, flags)
         if mr == NULL:
             raise VerbsError(errno, f"{self.name}: cannot register {length} bytes at {addr:#x} "
                                     f"({os.strerror(errno)})")
+        kvf_rdma_count(self.kc, 1, 0)
         return <uintptr_t>mr, mr.lkey, mr.rkey
 
     def deregister(self, uintptr_t handle):
         cdef ibv_mr *mr = <ibv_mr *>handle
+        cdef int rc
+        if handle == 0 or self.pd == NULL:
+            return                 # not registered there, or freed with its device
         with nogil:
-            ibv_dereg_mr(mr)
+            rc = ibv_dereg_mr(mr)
+        if rc == 0:
+            kvf_rdma_count(self.kc, -1, 0)
+
+    def _check_open(self):
+        if self.dev == NULL:
+            raise VerbsError(f"{self.name}: device closed")
 
     def close(self):
         """Stops the worker and frees everything (QPs must be gone)."""
@@ -254,6 +269,7 @@ cdef class Device:
         if self.ctx != NULL:
             ibv_close_device(self.ctx)
             self.ctx = NULL
+        self.kc = NULL
 
     def __dealloc__(self):
         self.close()
@@ -319,12 +335,11 @@ cdef class Qp:
 
     def destroy(self):
         if self.qp != NULL:
-            ibv_destroy_qp(self.qp)
+            kvf_rdma_destroy_qp(self.dev.kc, self.qp)
             self.qp = NULL
 
     def __dealloc__(self):
-        if self.qp != NULL:
-            ibv_destroy_qp(self.qp)
+        self.destroy()
 
 
 cdef class Events:
@@ -422,7 +437,7 @@ cdef class RdmaChannel(Channel):
         cdef ibv_qp *q = qp.take()
         cdef int index = kvf_rdma_chan_add_qp(self.ch, d.dev, <uint32_t>rdev, q, <uint32_t>depth)
         if index < 0:
-            ibv_destroy_qp(q)
+            kvf_rdma_destroy_qp(d.kc, q)
             raise VerbsError(f"{self.peer}: too many queue pairs")
         self.devs.append(d)
         self.depths.append(depth)
@@ -433,9 +448,10 @@ cdef class RdmaChannel(Channel):
         up=False it carries only post_one() work (its probe) until qp_up()."""
         if self.ch == NULL:
             raise VerbsError("channel closed")
+        cdef kvf_ctx *kc = qp.dev.kc
         cdef ibv_qp *q = qp.take()
         if kvf_rdma_chan_replace_qp(self.ch, index, q, up) != KVF_OK:
-            ibv_destroy_qp(q)
+            kvf_rdma_destroy_qp(kc, q)
             return False
         return True
 

@@ -227,6 +227,63 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
         await b.close()
 
 
+async def until(cond, what: str, limit: float = 30):
+    """Waits (bounded) until cond() holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit * TIME_SCALE
+    while not cond():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
+    """engine.counters() "mrs" and "qps" count verbs objects on both sides:
+    a fresh engine holds only its own MRs (probe, landing, notify buffers,
+    receive ring: 4 per device) and no QP; regions and connections add
+    theirs, a QP repair replaces QPs one for one, deregistering and closing
+    the peer give them back, and a closed engine leaves zero of each."""
+    names = rdma.device_names()
+    a, b = await rdma_pair()
+    closed = False
+    try:
+        ndev = len(a._rdma.devices)
+        base = a.counters()
+        assert base["mrs"] == 4 * ndev and base["qps"] == 0, base
+        assert b.counters()["mrs"] == 4 * len(b._rdma.devices) and b.counters()["qps"] == 0
+        n = 1 << 20
+        dst, src, r, l, peer = await connected(a, b, n, 7)
+        nqps = len(peer._channel.stats())
+        assert nqps >= 2
+        assert a.counters()["mrs"] == base["mrs"] + ndev and a.counters()["qps"] == nqps, a.counters()
+        assert b.counters()["qps"] == nqps, b.counters()
+        await bounded(peer.write([l.addr], [r.addr], [n]))
+        assert np.array_equal(dst, src)
+        # a repair: QP 0 out of service, then reconnected (a new QP pair on
+        # both ends in place of the old one)
+        assert peer._channel.break_qp(0)
+        await bounded(a._rdma._repair(peer, peer._channel, 0), 60)
+        assert peer._channel.stats()[0]["state"] == 1
+        assert a.counters()["qps"] == nqps and b.counters()["qps"] == nqps, (a.counters(), b.counters())
+        src[:] = np.roll(src, 3)
+        await bounded(peer.write([l.addr], [r.addr], [n]))
+        assert np.array_equal(dst, src)
+        a.deregister(l)
+        assert a.counters()["mrs"] == base["mrs"]
+        await peer.close()
+        assert a.counters()["qps"] == 0, a.counters()
+        await until(lambda: b.counters()["qps"] == 0, f"target QPs still counted: {b.counters()}")
+        await a.close()
+        await b.close()
+        closed = True
+        for e in (a, b):
+            c = e.counters()
+            assert c["mrs"] == 0 and c["qps"] == 0, c
+    finally:
+        if not closed:
+            await a.close()
+            await b.close()
+
+
 TARGET = r"""
 import asyncio, sys, numpy as np, kvflow
 async def main():

@@ -30,6 +30,23 @@ enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1, QP_PROBING = 2 };
 
 static inline int qp_live(int state) { return state == QP_UP || state == QP_PROBING; }
 
+/* ---------------------------------------------------------------- counters */
+
+/* Relaxed: the counters are read for a balance once things are quiet, and
+ * order nothing. */
+void kvf_rdma_count(kvf_ctx *c, int64_t mrs, int64_t qps) {
+    if (!c) return;          /* a device already closed (its engine may be gone) */
+    if (mrs) atomic_fetch_add_explicit(&c->n_mrs, mrs, memory_order_relaxed);
+    if (qps) atomic_fetch_add_explicit(&c->n_qps, qps, memory_order_relaxed);
+}
+
+int kvf_rdma_destroy_qp(kvf_ctx *c, struct ibv_qp *qp) {
+    int rc = ibv_destroy_qp(qp);
+    /* a QP the kernel would not destroy is still there: it stays counted */
+    if (rc == 0) kvf_rdma_count(c, 0, -1);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ events */
 
 struct kvf_rdma_events {
@@ -594,6 +611,7 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     d->recv_mr = ibv_reg_mr(pd, d->recv_buf, (size_t)recv_bufs * KVF_RDMA_RECV_BYTES,
                             IBV_ACCESS_LOCAL_WRITE);
     if (!d->recv_mr) goto fail;
+    kvf_rdma_count(c, 1, 0);
     for (int i = 0; i < recv_bufs; i++) post_recv(d, i);
     d->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (d->wake_fd < 0) goto fail;
@@ -627,7 +645,7 @@ void kvf_rdma_dev_free(kvf_rdma_dev *d) {
     }
     if (d->wake_fd >= 0) close(d->wake_fd);
     if (d->srq) ibv_destroy_srq(d->srq);
-    if (d->recv_mr) ibv_dereg_mr(d->recv_mr);
+    if (d->recv_mr && ibv_dereg_mr(d->recv_mr) == 0) kvf_rdma_count(d->c, -1, 0);
     free(d->recv_buf);
     if (d->cq) ibv_destroy_cq(d->cq);
     if (d->chan) ibv_destroy_comp_channel(d->chan);
@@ -703,7 +721,7 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp, in
     if (!q) return KVF_EINVAL;
     pthread_mutex_lock(&q->mu);
     if (q->state != QP_BROKEN) { pthread_mutex_unlock(&q->mu); return KVF_EINVAL; }
-    ibv_destroy_qp(q->qp);
+    kvf_rdma_destroy_qp(ch->c, q->qp);
     q->qp = qp;
     q->gen = (q->gen + 1) & 0xffff;
     q->head = q->tail = 0;
@@ -869,7 +887,7 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
         if (q->qp) {
             struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
             ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
-            ibv_destroy_qp(q->qp);     /* synchronous: no more memory access */
+            kvf_rdma_destroy_qp(c, q->qp);     /* synchronous: no more memory access */
             q->qp = NULL;
         }
         q->state = QP_CLOSED;

@@ -48,6 +48,13 @@ typedef struct kvf_rdma_dev kvf_rdma_dev;
 typedef struct kvf_rdma_chan kvf_rdma_chan;
 typedef struct kvf_rdma_events kvf_rdma_events;
 
+/* The engine's MR and QP counters (kvf_ctx n_mrs, n_qps): the control
+ * path counts what it registers and creates; QPs are destroyed through
+ * kvf_rdma_destroy_qp wherever they die (here or there), so the count
+ * follows them. */
+void kvf_rdma_count(kvf_ctx *c, int64_t mrs, int64_t qps);
+int kvf_rdma_destroy_qp(kvf_ctx *c, struct ibv_qp *qp);
+
 /* Events: one queue per engine, readable through an eventfd. */
 kvf_rdma_events *kvf_rdma_events_new(void);
 int kvf_rdma_events_fd(kvf_rdma_events *q);
