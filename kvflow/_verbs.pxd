@@ -39,6 +39,16 @@ cdef extern from "infiniband/verbs.h" nogil:
         IBV_MTU_2048
         IBV_MTU_4096
 
+    cdef enum ibv_event_type:
+        IBV_EVENT_QP_FATAL
+        IBV_EVENT_QP_REQ_ERR
+        IBV_EVENT_QP_ACCESS_ERR
+        IBV_EVENT_PORT_ACTIVE
+        IBV_EVENT_PORT_ERR
+        IBV_EVENT_DEVICE_FATAL
+
+    const char *ibv_event_type_str(ibv_event_type event)
+
     cdef enum ibv_port_state:
         IBV_PORT_ACTIVE
 
@@ -204,6 +214,10 @@ cdef extern from "_native/rdma.h" nogil:
     ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d)
     ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d)
     void kvf_rdma_dev_free(kvf_rdma_dev *d)
+    int kvf_rdma_async_fd(ibv_context *ctx)
+    int kvf_rdma_async_event(ibv_context *ctx, int *type, uint32_t *qpn, int *port)
+    const char *kvf_rdma_dev_path(ibv_context *ctx)
+    int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d)
 
     kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t slice_size,
                                      uint64_t token)

@@ -28,6 +28,12 @@ OP_SEND = KVF_OP_SEND
 OP_PROBE = KVF_OP_PROBE
 EV_NOTIFY = KVF_RDMA_EV_NOTIFY
 EV_BROKEN = KVF_RDMA_EV_BROKEN
+EVENT_QP_FATAL = IBV_EVENT_QP_FATAL
+EVENT_QP_REQ_ERR = IBV_EVENT_QP_REQ_ERR
+EVENT_QP_ACCESS_ERR = IBV_EVENT_QP_ACCESS_ERR
+EVENT_PORT_ACTIVE = IBV_EVENT_PORT_ACTIVE
+EVENT_PORT_ERR = IBV_EVENT_PORT_ERR
+EVENT_DEVICE_FATAL = IBV_EVENT_DEVICE_FATAL
 ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
 ACCESS_REMOTE_READ = IBV_ACCESS_REMOTE_READ
@@ -110,6 +116,7 @@ cdef class Device:
     cdef readonly int max_qp_wr, max_rd_atom, max_init_rd_atom, cq_size
     cdef readonly bytes gid
     cdef readonly str netdev
+    cdef readonly str dev_path     # the uverbs node in sysfs: removed first when the device goes
     cdef public int qps_used
 
     def __cinit__(self, Core core, object events, str name, int index, int port=1,
@@ -165,6 +172,7 @@ cdef class Device:
         self.gid = gids[self.gid_index] if gids else bytes(16)
         memcpy(self.sgid.raw, <const char *>self.gid, 16)
         self.netdev = _gid_netdev(name, port, self.gid_index)
+        self.dev_path = kvf_rdma_dev_path(self.ctx).decode()
         self.pd = ibv_alloc_pd(self.ctx)
         if self.pd == NULL:
             raise VerbsError(f"{name}: cannot allocate a protection domain")
@@ -252,6 +260,30 @@ cdef class Device:
             rc = ibv_dereg_mr(mr)
         if rc == 0:
             kvf_rdma_count(self.kc, -1, 0)
+
+    @property
+    def open(self):
+        return self.dev != NULL
+
+    def async_fileno(self):
+        """The context's async event fd (non-blocking) for loop.add_reader."""
+        self._check_open()
+        fd = kvf_rdma_async_fd(self.ctx)
+        if fd < 0:
+            raise VerbsError(errno, f"{self.name}: cannot watch its async events")
+        return fd
+
+    def async_events(self):
+        """The pending async events, each acknowledged: [(type, qpn, port)]."""
+        cdef int t = 0, port = 0, rc
+        cdef uint32_t qpn = 0
+        out = []
+        while self.ctx != NULL:
+            rc = kvf_rdma_async_event(self.ctx, &t, &qpn, &port)
+            if rc <= 0:
+                break
+            out.append((t, qpn, port))
+        return out
 
     def _check_open(self):
         if self.dev == NULL:
@@ -467,6 +499,15 @@ cdef class RdmaChannel(Channel):
                 rc = kvf_rdma_chan_break_qp(self.ch, index)
         return rc == KVF_OK
 
+    def drop_device(self, Device d):
+        """Destroys the QPs on device `d` (it is gone): their work moves to
+        the other devices' QPs; they are never repaired. Returns how many."""
+        cdef int n = 0
+        if self.ch != NULL and d.dev != NULL:
+            with nogil:
+                n = kvf_rdma_chan_drop_dev(self.ch, d.dev)
+        return n
+
     def qp_device(self, int index):
         return self.devs[index]
 
@@ -518,3 +559,8 @@ cdef class RdmaChannel(Channel):
             kvf_rdma_chan_free(self.ch)
             self.ch = NULL
 
+
+
+def event_name(int event_type):
+    """ibv_event_type_str: e.g. "port error", "local catastrophic error"."""
+    return ibv_event_type_str(<ibv_event_type>event_type).decode()
