@@ -445,28 +445,28 @@ class RdmaProvider:
                 break
             seen = seen or b"infiniband" in msg
         if seen:
-            self._check_gone()
+            self._check_gone("a kernel uevent")
 
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(DEVICE_CHECK)
-            self._check_gone()
+            self._check_gone("the periodic check")
 
-    def _check_gone(self) -> None:
+    def _check_gone(self, via: str) -> None:
         """Retires every device whose uverbs node is gone. Removing a
         Soft-RoCE device (`rdma link delete`) first removes that node, then
         waits, with no event to the contexts, until every process has closed
         its context on the device: so kvflow closes it."""
         for d in self.devices:
             if d.index not in self.device_gone and d.dev_path and not os.path.exists(d.dev_path):
-                self._retire(d.index, "the device was removed")
+                self._retire(d.index, f"the device was removed; seen through {via}")
 
     def _on_async(self, index: int) -> None:
         d = self.devices[index]
         events = d.async_events()
         if not events:                       # readable and nothing to read: an error state
             self._engine._loop.remove_reader(d.async_fileno())
-            self._check_gone()
+            self._check_gone("its event fd")
             return
         for kind, qpn, port in events:
             what = _verbs.event_name(kind)

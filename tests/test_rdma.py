@@ -196,6 +196,7 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
         n = 4 << 20
         dst, src, r, l, peer = await connected(a, b, n, 5)
         rng = np.random.default_rng(5)
+        t_down = asyncio.get_running_loop().time()
         down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
         try:
             await down.wait()
@@ -204,6 +205,9 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
                 await bounded(peer.write([l.addr], [r.addr], [n]), 120)
                 assert np.array_equal(dst, src), f"write {i} while {link} is down"
             assert a._rdma.device_errors[1] > 0
+            # the port error event took rxe1 out of service (not only its QPs' retries)
+            assert 1 in a._rdma.device_down_at and 1 in b._rdma.device_down_at
+            print(f"\n{link} down: initiator saw it after {a._rdma.device_down_at[1] - t_down:.3f} s")
             states = {s["dev"]: set() for s in peer._channel.stats()}
             for s in peer._channel.stats():
                 states[s["dev"]].add(s["state"])
@@ -296,7 +300,8 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
             assert await one(i + j) == "verified", outcomes
         assert sum(s["bytes"] for s in peer._channel.stats() if s["dev"] == 0) >= on_dev0 + 3 * n
         assert b.counters()["mrs"] == 4 + 1 and a.counters()["mrs"] == 4 + 1   # rxe0's only
-        print(f"\nrdma link delete {gone}: returned in {took:.2f} s; noticed after {detect} s; "
+        print(f"\nrdma link delete {gone}: returned in {took:.2f} s; noticed after {detect} s "
+              f"({a._rdma.device_down[1]}); "
               f"{during} write(s) of {n >> 20} MiB during, outcomes {outcomes}")
         assert outcomes.get("verified", 0) >= 6 and set(outcomes) <= {"verified", "PeerLostError"}, outcomes
     finally:
