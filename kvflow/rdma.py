@@ -228,8 +228,8 @@ class RdmaProvider:
         live = [d.name for d in self.devices if d.index not in self.device_gone]
         rlive = [d["name"] for d in rdevs if d.get("up", True)]
         if not live or not rlive:
-            raise ProviderUnavailableError(f"{peer.address}: no rdma device in service on "
-                                           f"{'this' if not live else 'the peer' + chr(39) + 's'} side",
+            side = "this side" if not live else "the peer's side"
+            raise ProviderUnavailableError(f"{peer.address}: no rdma device in service on {side}",
                                            peer=peer.address)
         pairs = _pairs(local, _ordered(live, self._engine.topology, self._engine.location),
                        rnames, _ordered(rlive, desc.topology, desc.location or "cpu"))
