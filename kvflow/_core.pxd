@@ -1,6 +1,6 @@
 # The native core's Cython classes, shared with kvflow._verbs (the rdma
 # provider's channel is a Channel too).
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from kvflow._native cimport kvf_ctx, kvf_region_table, kvf_completion
 
@@ -11,6 +11,7 @@ cdef class Core:
     cdef object channels          # weakref.WeakSet of channels, closed first
     cdef kvf_completion comp[512]
     cdef int waiting              # threads in wait_detached (close waits for them)
+    cdef int64_t left_mrs, left_qps   # MRs and QPs still counted when the context was freed
     cdef kvf_ctx *_ctx(self) except NULL
 
 

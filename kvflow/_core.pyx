@@ -145,12 +145,18 @@ cdef class Core:
         return rc
 
     def counters(self):
-        """Live native resources: the debug balance the tests check."""
+        """Live native resources (the balance the tests check; always
+        counted, no debug build needed): sockets, slices in flight, threads,
+        batches, and the rdma provider's MRs and QPs. Once closed: zeros,
+        except MRs and QPs, which keep what was still counted when the
+        context was freed (the rdma provider closes first, so anything but
+        zero there is a leak)."""
         cdef kvf_ctx *c = self.ctx
         if c == NULL:
-            return {"sockets": 0, "slices_inflight": 0, "threads": 0, "batches": 0}
+            return {"sockets": 0, "slices_inflight": 0, "threads": 0, "batches": 0,
+                    "mrs": self.left_mrs, "qps": self.left_qps}
         return {"sockets": c.n_sockets, "slices_inflight": c.n_slices_inflight,
-                "threads": c.n_threads, "batches": c.in_use}
+                "threads": c.n_threads, "batches": c.in_use, "mrs": c.n_mrs, "qps": c.n_qps}
 
     def close(self):
         """Closes every channel, stops the server threads and workers, frees
@@ -165,6 +171,9 @@ cdef class Core:
             time.sleep(0.001)
         with nogil:
             kvf_srv_shutdown(self.ctx)
+        self.left_mrs = self.ctx.n_mrs
+        self.left_qps = self.ctx.n_qps
+        with nogil:
             kvf_ctx_free(self.ctx)
         self.ctx = NULL
 

@@ -41,6 +41,8 @@ cdef extern from "_native/kvf.h" nogil:
         int64_t n_sockets
         int64_t n_slices_inflight
         int64_t n_threads
+        int64_t n_mrs
+        int64_t n_qps
         uint32_t in_use
 
     int kvf_rt_init(kvf_region_table *t)

@@ -1,6 +1,6 @@
 # libibverbs (infiniband/verbs.h): what kvflow's control path uses, and the
 # native data path's face (kvflow/_native/rdma.h).
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t
 
 from kvflow._native cimport kvf_ctx, kvf_region_table
 
@@ -38,6 +38,16 @@ cdef extern from "infiniband/verbs.h" nogil:
         IBV_MTU_1024
         IBV_MTU_2048
         IBV_MTU_4096
+
+    cdef enum ibv_event_type:
+        IBV_EVENT_QP_FATAL
+        IBV_EVENT_QP_REQ_ERR
+        IBV_EVENT_QP_ACCESS_ERR
+        IBV_EVENT_PORT_ACTIVE
+        IBV_EVENT_PORT_ERR
+        IBV_EVENT_DEVICE_FATAL
+
+    const char *ibv_event_type_str(ibv_event_type event)
 
     cdef enum ibv_port_state:
         IBV_PORT_ACTIVE
@@ -191,6 +201,9 @@ cdef extern from "_native/rdma.h" nogil:
     ctypedef struct kvf_rdma_events:
         pass
 
+    void kvf_rdma_count(kvf_ctx *c, int64_t mrs, int64_t qps)
+    int kvf_rdma_destroy_qp(kvf_ctx *c, ibv_qp *qp)
+
     kvf_rdma_events *kvf_rdma_events_new()
     int kvf_rdma_events_fd(kvf_rdma_events *q)
     size_t kvf_rdma_events_take(kvf_rdma_events *q, kvf_rdma_event *out, size_t cap)
@@ -201,6 +214,10 @@ cdef extern from "_native/rdma.h" nogil:
     ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d)
     ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d)
     void kvf_rdma_dev_free(kvf_rdma_dev *d)
+    int kvf_rdma_async_fd(ibv_context *ctx)
+    int kvf_rdma_async_event(ibv_context *ctx, int *type, uint32_t *qpn, int *port)
+    const char *kvf_rdma_dev_path(ibv_context *ctx)
+    int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d)
 
     kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t slice_size,
                                      uint64_t token)

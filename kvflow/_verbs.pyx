@@ -28,6 +28,12 @@ OP_SEND = KVF_OP_SEND
 OP_PROBE = KVF_OP_PROBE
 EV_NOTIFY = KVF_RDMA_EV_NOTIFY
 EV_BROKEN = KVF_RDMA_EV_BROKEN
+EVENT_QP_FATAL = IBV_EVENT_QP_FATAL
+EVENT_QP_REQ_ERR = IBV_EVENT_QP_REQ_ERR
+EVENT_QP_ACCESS_ERR = IBV_EVENT_QP_ACCESS_ERR
+EVENT_PORT_ACTIVE = IBV_EVENT_PORT_ACTIVE
+EVENT_PORT_ERR = IBV_EVENT_PORT_ERR
+EVENT_DEVICE_FATAL = IBV_EVENT_DEVICE_FATAL
 ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
 ACCESS_REMOTE_READ = IBV_ACCESS_REMOTE_READ
@@ -103,12 +109,14 @@ cdef class Device:
     cdef ibv_context *ctx
     cdef ibv_pd *pd
     cdef kvf_rdma_dev *dev
+    cdef kvf_ctx *kc               # the engine's counters (MRs, QPs); NULL once closed
     cdef ibv_gid sgid
     cdef readonly str name
     cdef readonly int index, port, gid_index, lid, mtu, link_layer
     cdef readonly int max_qp_wr, max_rd_atom, max_init_rd_atom, cq_size
     cdef readonly bytes gid
     cdef readonly str netdev
+    cdef readonly str dev_path     # the uverbs node in sysfs: removed first when the device goes
     cdef public int qps_used
 
     def __cinit__(self, Core core, object events, str name, int index, int port=1,
@@ -164,11 +172,13 @@ cdef class Device:
         self.gid = gids[self.gid_index] if gids else bytes(16)
         memcpy(self.sgid.raw, <const char *>self.gid, 16)
         self.netdev = _gid_netdev(name, port, self.gid_index)
+        self.dev_path = kvf_rdma_dev_path(self.ctx).decode()
         self.pd = ibv_alloc_pd(self.ctx)
         if self.pd == NULL:
             raise VerbsError(f"{name}: cannot allocate a protection domain")
         self.cq_size = min(da.max_cqe, 32767)
         cdef kvf_ctx *kc = core._ctx()
+        self.kc = kc
         cdef int cq_size = self.cq_size
         with nogil:
             self.dev = kvf_rdma_dev_new(kc, ev.q, self.ctx, self.pd, <uint32_t>index,
@@ -199,6 +209,7 @@ cdef class Device:
         device's SRQ and never send."""
         cdef ibv_qp_init_attr ia
         cdef ibv_qp_attr a
+        self._check_open()
         memset(&ia, 0, sizeof(ia))
         ia.send_cq = kvf_rdma_dev_cq(self.dev)
         ia.recv_cq = ia.send_cq
@@ -217,8 +228,9 @@ cdef class Device:
         a.pkey_index = 0
         a.port_num = <uint8_t>self.port
         a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
+        kvf_rdma_count(self.kc, 0, 1)
         if ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS):
-            ibv_destroy_qp(qp)
+            kvf_rdma_destroy_qp(self.kc, qp)
             raise VerbsError(f"{self.name}: cannot move a queue pair to INIT")
         q = Qp()
         q.qp = qp
@@ -230,17 +242,52 @@ cdef class Device:
     def register(self, uintptr_t addr, size_t length, int flags):
         """ibv_reg_mr; returns (handle, lkey, rkey)."""
         cdef ibv_mr *mr
+        self._check_open()
         with nogil:
             mr = ibv_reg_mr(self.pd, <void *>addr, length, flags)
         if mr == NULL:
             raise VerbsError(errno, f"{self.name}: cannot register {length} bytes at {addr:#x} "
                                     f"({os.strerror(errno)})")
+        kvf_rdma_count(self.kc, 1, 0)
         return <uintptr_t>mr, mr.lkey, mr.rkey
 
     def deregister(self, uintptr_t handle):
         cdef ibv_mr *mr = <ibv_mr *>handle
+        cdef int rc
+        if handle == 0 or self.pd == NULL:
+            return                 # not registered there, or freed with its device
         with nogil:
-            ibv_dereg_mr(mr)
+            rc = ibv_dereg_mr(mr)
+        if rc == 0:
+            kvf_rdma_count(self.kc, -1, 0)
+
+    @property
+    def open(self):
+        return self.dev != NULL
+
+    def async_fileno(self):
+        """The context's async event fd (non-blocking) for loop.add_reader."""
+        self._check_open()
+        fd = kvf_rdma_async_fd(self.ctx)
+        if fd < 0:
+            raise VerbsError(errno, f"{self.name}: cannot watch its async events")
+        return fd
+
+    def async_events(self):
+        """The pending async events, each acknowledged: [(type, qpn, port)]."""
+        cdef int t = 0, port = 0, rc
+        cdef uint32_t qpn = 0
+        out = []
+        while self.ctx != NULL:
+            rc = kvf_rdma_async_event(self.ctx, &t, &qpn, &port)
+            if rc <= 0:
+                break
+            out.append((t, qpn, port))
+        return out
+
+    def _check_open(self):
+        if self.dev == NULL:
+            raise VerbsError(f"{self.name}: device closed")
 
     def close(self):
         """Stops the worker and frees everything (QPs must be gone)."""
@@ -254,6 +301,7 @@ cdef class Device:
         if self.ctx != NULL:
             ibv_close_device(self.ctx)
             self.ctx = NULL
+        self.kc = NULL
 
     def __dealloc__(self):
         self.close()
@@ -319,12 +367,11 @@ cdef class Qp:
 
     def destroy(self):
         if self.qp != NULL:
-            ibv_destroy_qp(self.qp)
+            kvf_rdma_destroy_qp(self.dev.kc, self.qp)
             self.qp = NULL
 
     def __dealloc__(self):
-        if self.qp != NULL:
-            ibv_destroy_qp(self.qp)
+        self.destroy()
 
 
 cdef class Events:
@@ -422,7 +469,7 @@ cdef class RdmaChannel(Channel):
         cdef ibv_qp *q = qp.take()
         cdef int index = kvf_rdma_chan_add_qp(self.ch, d.dev, <uint32_t>rdev, q, <uint32_t>depth)
         if index < 0:
-            ibv_destroy_qp(q)
+            kvf_rdma_destroy_qp(d.kc, q)
             raise VerbsError(f"{self.peer}: too many queue pairs")
         self.devs.append(d)
         self.depths.append(depth)
@@ -433,9 +480,10 @@ cdef class RdmaChannel(Channel):
         up=False it carries only post_one() work (its probe) until qp_up()."""
         if self.ch == NULL:
             raise VerbsError("channel closed")
+        cdef kvf_ctx *kc = qp.dev.kc
         cdef ibv_qp *q = qp.take()
         if kvf_rdma_chan_replace_qp(self.ch, index, q, up) != KVF_OK:
-            ibv_destroy_qp(q)
+            kvf_rdma_destroy_qp(kc, q)
             return False
         return True
 
@@ -450,6 +498,15 @@ cdef class RdmaChannel(Channel):
             with nogil:
                 rc = kvf_rdma_chan_break_qp(self.ch, index)
         return rc == KVF_OK
+
+    def drop_device(self, Device d):
+        """Destroys the QPs on device `d` (it is gone): their work moves to
+        the other devices' QPs; they are never repaired. Returns how many."""
+        cdef int n = 0
+        if self.ch != NULL and d.dev != NULL:
+            with nogil:
+                n = kvf_rdma_chan_drop_dev(self.ch, d.dev)
+        return n
 
     def qp_device(self, int index):
         return self.devs[index]
@@ -502,3 +559,8 @@ cdef class RdmaChannel(Channel):
             kvf_rdma_chan_free(self.ch)
             self.ch = NULL
 
+
+
+def event_name(int event_type):
+    """ibv_event_type_str: e.g. "port error", "local catastrophic error"."""
+    return ibv_event_type_str(<ibv_event_type>event_type).decode()

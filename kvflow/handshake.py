@@ -188,7 +188,8 @@ def rdma_from_wire(v: Any) -> dict[str, Any] | None:
         for d in devices:
             ok = ok and (isinstance(d.get("name"), str) and isinstance(d.get("gid"), bytes)
                          and len(d["gid"]) == 16 and isinstance(d.get("lid"), int)
-                         and isinstance(d.get("mtu"), int) and 1 <= d["mtu"] <= 5)
+                         and isinstance(d.get("mtu"), int) and 1 <= d["mtu"] <= 5
+                         and isinstance(d.get("up", True), bool))
         if not ok:
             raise ValueError
     except (KeyError, TypeError, ValueError, AttributeError):

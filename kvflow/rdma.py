@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -48,6 +49,8 @@ REPAIR_MAX = 8.0
 DEAD_AFTER = 10.0              # no QP of a peer up this long (at least keepalive): the peer is lost
 NOTIFY_SLOTS = 64              # registered send buffers for notifications
 LARGE_REGION = 64 << 20        # registrations at least this big are logged with their time
+DEVICE_CHECK = 2.0             # seconds between checks that each device still exists (uevents are faster)
+NETLINK_KOBJECT_UEVENT = 15    # linux/netlink.h: the kernel's device add/remove announcements
 
 
 def available() -> bool:
@@ -117,7 +120,17 @@ class RdmaProvider:
         self._repairs: set[asyncio.Task[None]] = set()
         self._repairing: set[tuple[int, int]] = set()                 # (token, QP index)
         self._all_down: dict[int, float] = {}                         # token -> since when no QP is up
-        self.device_errors = [0] * len(self.devices)                  # QP breaks per local device
+        self.device_errors = [0] * len(self.devices)                  # QP breaks and device events per device
+        # Devices out of service: index -> why (a port error, or gone). A
+        # down device's QPs carry nothing; their repairs back off and probe,
+        # and a PORT_ACTIVE event wakes them at once. A gone device (removed,
+        # or a fatal error) is closed for good.
+        self.device_down: dict[int, str] = {}
+        self.device_gone: set[int] = set()
+        self.device_down_at: dict[int, float] = {}                    # loop time it went out of service
+        self._device_back: dict[int, asyncio.Event] = {}
+        self._uevents: socket.socket | None = None
+        self._device_check: asyncio.Task[None] | None = None
         # The reachability probe: peers read this cookie back over each QP.
         self._probe = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()
         self._probe_landing = np.zeros(MAX_TARGET_QPS * 64, dtype=np.uint8)
@@ -131,6 +144,7 @@ class RdmaProvider:
         self.landing_keys = self._register_internal(self._probe_landing, Access.READ | Access.WRITE)
         self.notify_keys = self._register_internal(self._notify_buf, Access.READ)
         engine._loop.add_reader(self.events.fileno(), self._on_events)
+        self._watch_devices()
         log.info("kvflow: rdma devices %s", ", ".join(repr(d) for d in self.devices))
 
     # ------------------------------------------------------------ memory
@@ -151,6 +165,11 @@ class RdmaProvider:
         rkeys: list[int] = []
         try:
             for d in self.devices:
+                if d.index in self.device_gone:
+                    handles.append(0)        # nothing there: its QPs are gone too
+                    lkeys.append(0)
+                    rkeys.append(0)
+                    continue
                 h, lkey, rkey = d.register(addr, length, flags)
                 handles.append(h)
                 lkeys.append(lkey)
@@ -184,7 +203,7 @@ class RdmaProvider:
             d.deregister(h)
 
     def describe(self) -> dict[str, Any]:
-        return {"devices": [d.info() for d in self.devices],
+        return {"devices": [{**d.info(), "up": d.index not in self.device_gone} for d in self.devices],
                 "probe": [int(self._probe.__array_interface__["data"][0]), self.probe_keys[1],
                           self._probe.tobytes()[:16]]}
 
@@ -205,8 +224,15 @@ class RdmaProvider:
         local = [d.name for d in self.devices]
         rnames = [d["name"] for d in rdevs]
         desc = peer.descriptor
-        pairs = _pairs(local, _ordered(local, self._engine.topology, self._engine.location),
-                       rnames, _ordered(rnames, desc.topology, desc.location or "cpu"))
+        # gone devices (here or there) are left out of the pairing
+        live = [d.name for d in self.devices if d.index not in self.device_gone]
+        rlive = [d["name"] for d in rdevs if d.get("up", True)]
+        if not live or not rlive:
+            side = "this side" if not live else "the peer's side"
+            raise ProviderUnavailableError(f"{peer.address}: no rdma device in service on {side}",
+                                           peer=peer.address)
+        pairs = _pairs(local, _ordered(live, self._engine.topology, self._engine.location),
+                       rnames, _ordered(rlive, desc.topology, desc.location or "cpu"))
         token = self._next_token
         self._next_token += 1
         ch = _verbs.RdmaChannel(self._engine._core, peer._table, peer.address, self.slice_size, token)
@@ -374,9 +400,162 @@ class RdmaProvider:
                 name = WC_STATUS[wc_status] if 0 <= wc_status < len(WC_STATUS) else str(wc_status)
                 log.warning("kvflow: rdma QP %d to %s on %s broke (verbs status IBV_WC_%s); reconnecting",
                             qp_index, peer.address, self.devices[dev].name, name)
-                task = self._engine._loop.create_task(self._repair(peer, ch, qp_index))
-                self._repairs.add(task)
-                task.add_done_callback(self._repairs.discard)
+                self._start_repair(peer, ch, qp_index)
+
+    def _start_repair(self, peer: "Peer", ch: Any, index: int) -> None:
+        if (ch.token, index) in self._repairing:
+            return
+        task = self._engine._loop.create_task(self._repair(peer, ch, index))
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    # ------------------------------------------------------------ device health
+    def _watch_devices(self) -> None:
+        """Watches each device's async events (port error/active, fatal
+        errors) and its removal: a kernel uevent when a device node goes
+        (Soft-RoCE's removal sends no verbs event at all, see
+        _check_gone), with a periodic check behind it for where uevents do
+        not reach (another user namespace)."""
+        loop = self._engine._loop
+        for d in self.devices:
+            try:
+                loop.add_reader(d.async_fileno(), self._on_async, d.index)
+            except OSError as e:
+                log.warning("kvflow: rdma device %s: its events cannot be watched: %s", d.name, e)
+        try:
+            s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
+            s.setblocking(False)
+            s.bind((0, 1))                  # group 1: the kernel's uevents
+            loop.add_reader(s.fileno(), self._on_uevent)
+            self._uevents = s
+        except OSError as e:
+            log.info("kvflow: no kernel uevents (%s): device removal is noticed within %g s", e, DEVICE_CHECK)
+        self._device_check = loop.create_task(self._check_loop())
+
+    def _on_uevent(self) -> None:
+        assert self._uevents is not None
+        seen = False
+        while True:
+            try:
+                msg = self._uevents.recv(8192)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:                  # ENOBUFS: some were dropped; check anyway
+                seen = True
+                break
+            seen = seen or b"infiniband" in msg
+        if seen:
+            self._check_gone("a kernel uevent")
+
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(DEVICE_CHECK)
+            self._check_gone("the periodic check")
+
+    def _check_gone(self, via: str) -> None:
+        """Retires every device whose uverbs node is gone. Removing a
+        Soft-RoCE device (`rdma link delete`) first removes that node, then
+        waits, with no event to the contexts, until every process has closed
+        its context on the device: so kvflow closes it."""
+        for d in self.devices:
+            if d.index not in self.device_gone and d.dev_path and not os.path.exists(d.dev_path):
+                self._retire(d.index, f"the device was removed; seen through {via}")
+
+    def _on_async(self, index: int) -> None:
+        d = self.devices[index]
+        events = d.async_events()
+        if not events:                       # readable and nothing to read: an error state
+            self._engine._loop.remove_reader(d.async_fileno())
+            self._check_gone("its event fd")
+            return
+        for kind, qpn, port in events:
+            what = _verbs.event_name(kind)
+            if kind == _verbs.EVENT_DEVICE_FATAL:
+                self._retire(index, what)
+                return
+            if kind == _verbs.EVENT_PORT_ERR and port == d.port:
+                self._take_out(index, what)
+            elif kind == _verbs.EVENT_PORT_ACTIVE and port == d.port:
+                self._port_back(index)
+            elif kind in (_verbs.EVENT_QP_FATAL, _verbs.EVENT_QP_REQ_ERR, _verbs.EVENT_QP_ACCESS_ERR):
+                # the QP's work completes in error and that starts its repair
+                self.device_errors[index] += 1
+                log.warning("kvflow: rdma device %s: QP %d: %s", d.name, qpn, what)
+            else:
+                log.info("kvflow: rdma device %s: %s", d.name, what)
+
+    def _qps_on(self, index: int) -> list[tuple["Peer", Any, int]]:
+        return [(peer, ch, i) for peer, ch in self._channels.values()
+                for i, st in enumerate(ch.stats()) if st["dev"] == index]
+
+    def _take_out(self, index: int, why: str) -> None:
+        """Device `index` is out of service now (a port error): its QPs
+        break at once (their slices go to other devices' QPs instead of
+        waiting for retries to time out) and their repairs wait for the port
+        to come back, probing with back-off."""
+        if index in self.device_down:
+            return
+        d = self.devices[index]
+        self.device_down[index] = why
+        self.device_down_at[index] = self._engine._loop.time()
+        self.device_errors[index] += 1
+        log.warning("kvflow: rdma device %s out of service (%s): its traffic moves to the other devices",
+                    d.name, why)
+        for peer, ch, i in self._qps_on(index):
+            if ch.stats()[i]["state"] in (1, 2):
+                ch.break_qp(i)
+                self._start_repair(peer, ch, i)
+
+    def _port_back(self, index: int) -> None:
+        if index in self.device_gone or self.device_down.pop(index, None) is None:
+            return
+        log.info("kvflow: rdma device %s: port active again; probing its QPs", self.devices[index].name)
+        self._wake(index)
+
+    def _wake(self, index: int) -> None:
+        ev = self._device_back.pop(index, None)
+        if ev is not None:
+            ev.set()
+
+    async def _wait_back(self, index: int, delay: float) -> None:
+        """Sleeps `delay`, or less if the device's port comes back."""
+        ev = self._device_back.setdefault(index, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+
+    def _retire(self, index: int, why: str) -> None:
+        """Device `index` is gone: its QPs (initiator and target side),
+        MRs, CQ, PD and context are destroyed now, since the kernel's removal
+        of the device waits for them; what its QPs carried moves to the
+        other devices. It does not come back (a device added again under
+        the same name needs a new engine)."""
+        if index in self.device_gone:
+            return
+        d = self.devices[index]
+        self.device_gone.add(index)
+        self.device_down[index] = why
+        self.device_down_at.setdefault(index, self._engine._loop.time())
+        self.device_errors[index] += 1
+        try:
+            self._engine._loop.remove_reader(d.async_fileno())
+        except OSError:
+            pass
+        moved = sum(ch.drop_device(d) for _, ch in self._channels.values())
+        for key in [k for k in self._targets if k[0] == index]:
+            _, qp = self._targets.pop(key)
+            qp.destroy()
+            for mine in self._session_qps.values():
+                if key in mine:
+                    mine.remove(key)
+        for handles in [*self._mrs.values(), *(h for h, _, _ in self._internal)]:
+            d.deregister(handles[index])
+            handles[index] = 0
+        d.close()
+        self._wake(index)                  # repairs of its QPs see it gone and end
+        log.warning("kvflow: rdma device %s is gone (%s): closed it (%d QP(s) of ours on it); "
+                    "the other devices carry its traffic", d.name, why, moved)
 
     async def _repair(self, peer: "Peer", ch: Any, index: int) -> None:
         """Brings broken QP `index` back: a new QP in its place (the old pair
@@ -395,8 +574,17 @@ class RdmaProvider:
         delay = REPAIR_MIN
         try:
             while ch.alive and peer.alive:
+                if dev.index in self.device_gone:
+                    return
+                if dev.index in self.device_down:
+                    # no use trying before the back-off (or the port's return)
+                    await self._wait_back(dev.index, delay)
+                    if dev.index in self.device_gone:
+                        return
                 why = await self._reconnect(peer, ch, index)
                 if why is None:
+                    if self.device_down.pop(dev.index, None) is not None:
+                        log.info("kvflow: rdma device %s answers again: back in service", dev.name)
                     self._all_down.pop(ch.token, None)
                     log.info("kvflow: rdma QP %d to %s on %s is back", index, peer.address, dev.name)
                     return
@@ -410,7 +598,8 @@ class RdmaProvider:
                         return
                 log.warning("kvflow: rdma QP %d to %s on %s is still down (%s); next try in %.1f s",
                             index, peer.address, dev.name, why, delay)
-                await asyncio.sleep(delay)
+                if dev.index not in self.device_down:
+                    await self._wait_back(dev.index, delay)
                 delay = min(delay * 2, REPAIR_MAX)
         finally:
             self._repairing.discard(key)
@@ -451,10 +640,23 @@ class RdmaProvider:
     def close(self) -> None:
         for t in list(self._repairs):
             t.cancel()
+        if self._device_check is not None:
+            self._device_check.cancel()
+        loop = self._engine._loop
         try:
-            self._engine._loop.remove_reader(self.events.fileno())
+            loop.remove_reader(self.events.fileno())
         except Exception:
             pass
+        if self._uevents is not None:
+            loop.remove_reader(self._uevents.fileno())
+            self._uevents.close()
+            self._uevents = None
+        for d in self.devices:
+            if d.open:
+                try:
+                    loop.remove_reader(d.async_fileno())
+                except OSError:
+                    pass
         for session in list(self._session_qps):
             self.drop_session(session)
         for rid in list(self._mrs):

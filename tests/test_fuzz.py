@@ -485,6 +485,7 @@ def check_rdma(rd: Any) -> None:
     for d in devices:
         assert isinstance(d["name"], str) and isinstance(d["gid"], bytes) and len(d["gid"]) == 16
         assert isinstance(d["lid"], int) and isinstance(d["mtu"], int) and 1 <= d["mtu"] <= 5
+        assert isinstance(d.get("up", True), bool)          # False: the device is gone
 
 
 # Wire values with at most one fault: one leaf (named by `fault`) is drawn
@@ -498,7 +499,7 @@ def sized_bytes(lo: int, hi: int) -> st.SearchStrategy:
 addr64 = weighted((3, st.integers(1, 1 << 47)), (1, st.sampled_from([1, 1 << 63, U64 - 4096, U64 - 1])))
 u32 = st.integers(0, (1 << 32) - 1)
 REGION_FAULTS = ["addr", "length", "name", "rkeys", "shape"]
-RDMA_FAULTS = ["devices", "name", "gid", "lid", "mtu", "addr", "rkeys", "cookie", "shape"]
+RDMA_FAULTS = ["devices", "name", "gid", "lid", "mtu", "up", "addr", "rkeys", "cookie", "shape"]
 # (the region and rdma checks have tests of their own: two of each here)
 DESCRIPTOR_FAULTS = ["address", "incarnation", "host", "pid", "process", "probe", "cookie", "data", "generation",
                      "missing", "region.length", "region.rkeys", "rdma.devices", "rdma.mtu"]
@@ -566,6 +567,7 @@ def wire_rdma(draw: st.DrawFn, fault: Fault = Fault()) -> Any:
             "lid": leaf(draw, f, "lid", st.integers(0, 65535), "1", None, 1.0),
             "mtu": leaf(draw, f, "mtu", st.integers(1, 5), 0, 1, 5, 6, -1, 5.0, "5"),
             "link": "Ethernet", "port": 1,
+            "up": leaf(draw, f, "up", st.booleans(), 1, 0, "true", None),
         })
     keys = leaf(draw, fault, "rkeys", st.lists(u32, min_size=n, max_size=n), [0] * (n + 1), [0] * (n - 1),
                 [-1] * n, [1 << 32] * n, [(1 << 32) - 1] * n, None)

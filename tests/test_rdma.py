@@ -196,6 +196,7 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
         n = 4 << 20
         dst, src, r, l, peer = await connected(a, b, n, 5)
         rng = np.random.default_rng(5)
+        t_down = asyncio.get_running_loop().time()
         down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
         try:
             await down.wait()
@@ -204,6 +205,9 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
                 await bounded(peer.write([l.addr], [r.addr], [n]), 120)
                 assert np.array_equal(dst, src), f"write {i} while {link} is down"
             assert a._rdma.device_errors[1] > 0
+            # the port error event took rxe1 out of service (not only its QPs' retries)
+            assert 1 in a._rdma.device_down_at and 1 in b._rdma.device_down_at
+            print(f"\n{link} down: initiator saw it after {a._rdma.device_down_at[1] - t_down:.3f} s")
             states = {s["dev"]: set() for s in peer._channel.stats()}
             for s in peer._channel.stats():
                 states[s["dev"]].add(s["state"])
@@ -225,6 +229,151 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
     finally:
         await a.close()
         await b.close()
+
+
+async def rdma_link(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec("rdma", "link", *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode(errors="replace")
+
+
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("rdma") is None, reason="needs root and rdma(8) to delete a device")
+async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
+    """`rdma link delete rxe1` while a stream of verified writes runs over
+    rxe0 and rxe1. The kernel removes rxe1's uverbs node and then waits for
+    every open context on it, sending no verbs event: both engines notice
+    the removal, close everything they had on rxe1 (so the deletion
+    completes), and move its slices to rxe0. Every write either verifies
+    or fails with a kvflow error; the writes after it verify, on rxe0 only;
+    closing the engines does not hang and leaves no MR or QP."""
+    names = rdma.device_names()[:2]
+    gone = names[1]
+    netdev = netdev_of(gone)
+    a, b = await rdma_pair(rdma_devices=names)
+    loop = asyncio.get_running_loop()
+    outcomes: dict[str, int] = {}
+    rng = np.random.default_rng(9)
+    try:
+        n = 4 << 20
+        dst, src, r, l, peer = await connected(a, b, n, 9)
+
+        async def one(i: int) -> str:
+            src[:] = rng.integers(0, 255, n, dtype=np.uint8)
+            try:
+                await bounded(peer.write([l.addr], [r.addr], [n], timeout=60), 120)
+                assert np.array_equal(dst, src), f"write {i} completed but did not verify"
+                what = "verified"
+            except kvflow.KVFlowError as e:
+                what = type(e).__name__
+            outcomes[what] = outcomes.get(what, 0) + 1
+            return what
+
+        for i in range(3):
+            assert await one(i) == "verified"
+        per_dev = {0: 0, 1: 0}
+        for s in peer._channel.stats():
+            per_dev[s["dev"]] += s["bytes"]
+        assert min(per_dev.values()) > 0, per_dev          # both devices carried data
+
+        t0 = loop.time()
+        deletion = loop.create_task(rdma_link("delete", gone))
+        i, during = 3, 0
+        while not deletion.done():                        # writes go on while the device goes
+            await one(i)
+            i, during = i + 1, during + 1
+            assert loop.time() - t0 < 60 * TIME_SCALE, "rdma link delete did not return"
+        took = loop.time() - t0
+        rc, out = deletion.result()
+        assert rc == 0, out
+        assert gone not in rdma.device_names()
+        detect = {}
+        for name, e in (("initiator", a), ("target", b)):
+            assert 1 in e._rdma.device_gone, (name, e._rdma.device_down)
+            detect[name] = round(e._rdma.device_down_at[1] - t0, 3)
+        states = [(s["dev"], s["state"]) for s in peer._channel.stats()]
+        assert all(st == -2 for d, st in states if d == 1), states     # destroyed, never repaired
+        assert all(st == 1 for d, st in states if d == 0), states
+        on_dev0 = sum(s["bytes"] for s in peer._channel.stats() if s["dev"] == 0)
+        for j in range(3):
+            assert await one(i + j) == "verified", outcomes
+        assert sum(s["bytes"] for s in peer._channel.stats() if s["dev"] == 0) >= on_dev0 + 3 * n
+        assert b.counters()["mrs"] == 4 + 1 and a.counters()["mrs"] == 4 + 1   # rxe0's only
+        print(f"\nrdma link delete {gone}: returned in {took:.2f} s; noticed after {detect} s "
+              f"({a._rdma.device_down[1]}); "
+              f"{during} write(s) of {n >> 20} MiB during, outcomes {outcomes}")
+        assert outcomes.get("verified", 0) >= 6 and set(outcomes) <= {"verified", "PeerLostError"}, outcomes
+    finally:
+        t1 = loop.time()
+        await bounded(a.close(), 30)
+        await bounded(b.close(), 30)
+        print(f"engines closed in {loop.time() - t1:.2f} s")
+        for e in (a, b):
+            c = e.counters()
+            assert c["mrs"] == 0 and c["qps"] == 0, c
+        if gone not in rdma.device_names():              # give later tests their second device back
+            rc, out = await rdma_link("add", gone, "type", "rxe", "netdev", netdev)
+            assert rc == 0, out
+            await until(lambda: os.path.exists(f"/sys/class/infiniband/{gone}/ports/1/state") and "ACTIVE" in
+                        open(f"/sys/class/infiniband/{gone}/ports/1/state").read(), f"{gone} back", 30)
+
+
+async def until(cond, what: str, limit: float = 30):
+    """Waits (bounded) until cond() holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit * TIME_SCALE
+    while not cond():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
+    """engine.counters() "mrs" and "qps" count verbs objects on both sides:
+    a fresh engine holds only its own MRs (probe, landing, notify buffers,
+    receive ring: 4 per device) and no QP; regions and connections add
+    theirs, a QP repair replaces QPs one for one, deregistering and closing
+    the peer give them back, and a closed engine leaves zero of each."""
+    names = rdma.device_names()
+    a, b = await rdma_pair()
+    closed = False
+    try:
+        ndev = len(a._rdma.devices)
+        base = a.counters()
+        assert base["mrs"] == 4 * ndev and base["qps"] == 0, base
+        assert b.counters()["mrs"] == 4 * len(b._rdma.devices) and b.counters()["qps"] == 0
+        n = 1 << 20
+        dst, src, r, l, peer = await connected(a, b, n, 7)
+        nqps = len(peer._channel.stats())
+        assert nqps >= 2
+        assert a.counters()["mrs"] == base["mrs"] + ndev and a.counters()["qps"] == nqps, a.counters()
+        assert b.counters()["qps"] == nqps, b.counters()
+        await bounded(peer.write([l.addr], [r.addr], [n]))
+        assert np.array_equal(dst, src)
+        # a repair: QP 0 out of service, then reconnected (a new QP pair on
+        # both ends in place of the old one)
+        assert peer._channel.break_qp(0)
+        await bounded(a._rdma._repair(peer, peer._channel, 0), 60)
+        assert peer._channel.stats()[0]["state"] == 1
+        assert a.counters()["qps"] == nqps and b.counters()["qps"] == nqps, (a.counters(), b.counters())
+        src[:] = np.roll(src, 3)
+        await bounded(peer.write([l.addr], [r.addr], [n]))
+        assert np.array_equal(dst, src)
+        a.deregister(l)
+        assert a.counters()["mrs"] == base["mrs"]
+        await peer.close()
+        assert a.counters()["qps"] == 0, a.counters()
+        await until(lambda: b.counters()["qps"] == 0, f"target QPs still counted: {b.counters()}")
+        await a.close()
+        await b.close()
+        closed = True
+        for e in (a, b):
+            c = e.counters()
+            assert c["mrs"] == 0 and c["qps"] == 0, c
+    finally:
+        if not closed:
+            await a.close()
+            await b.close()
 
 
 TARGET = r"""

@@ -7,6 +7,9 @@ operation after another on a window of memory it alone uses:
                 a control link and two rails), one initiator engine each
   pair-local    an in-process pair of engines over the "local" provider
   pair-tcp      an in-process pair of engines over tcp on 127.0.0.1
+  pair-rdma     (only with --lanes rdma) an in-process pair over rdma, e.g. in
+                the Soft-RoCE VM: python3 tools/rdma_vm.py --netdev dummy
+                --devices 2 -- python3 tools/soak.py --lanes rdma --faults dereg
 
 Operations (random batch shapes: 1-64 entries of 64 B - 4 MiB, some strided):
 write, read, write_nowait then cancel, writes and reads with a short
@@ -42,7 +45,7 @@ write, are counted apart as late landings (a known engine bug, see
 late_landing()); they still count as corrupted.
 
     python3 tools/soak.py --seconds 300 [--seed N] [--json out.json]
-        [--faults rail,kill,garbage,dereg] [--big-cancels]
+        [--faults rail,kill,garbage,dereg] [--big-cancels] [--lanes ns,local,tcp,rdma]
 
 Exit status: 0 when every invariant held, 1 otherwise, 2 when network
 namespaces cannot be made (needs root and iproute2). tests/test_soak.py runs
@@ -101,6 +104,8 @@ RELEASE_S = 15.0               # for target-side sessions to end after their pee
 SWEEP_CHUNK = 1 << 20
 
 FAULTS = ("rail", "kill", "garbage", "dereg")
+LANES = ("ns", "local", "tcp", "rdma")      # "ns": the two namespace lanes; the rest: in-process pairs
+DEFAULT_LANES = ("ns", "local", "tcp")
 
 # (operation, weight)
 OPERATIONS = (("write", 28), ("write_strided", 12), ("read", 16), ("read_strided", 8),
@@ -999,12 +1004,17 @@ async def quiesce(engines: dict[str, kvflow.Engine], keys: tuple[str, ...], want
 
 
 async def soak(seconds: float, seed: int = 1, *, faults_on: tuple[str, ...] = FAULTS, big_cancels: bool = True,
+               lanes_on: tuple[str, ...] = DEFAULT_LANES,
                log: Callable[[str], None] | None = None) -> SoakResult:
     """Runs the soak (see the module doc) and returns what it saw; the
     caller judges by result.problems(). faults_on: which kinds of FAULTS
     to inject; big_cancels: batches that are cancelled or time out get
-    every shape (see ABORT_MAX_PIECES). Fixes glibc's mmap threshold for
-    the rest of the process (fix_malloc_threshold)."""
+    every shape (see ABORT_MAX_PIECES); lanes_on: which of LANES run
+    (without "ns" no namespace is made and rail/kill/garbage faults have
+    nothing to hit). Fixes glibc's mmap threshold for the rest of the
+    process (fix_malloc_threshold)."""
+    if not lanes_on or set(lanes_on) - set(LANES):
+        raise ValueError(f"lanes_on: choose from {LANES}, not {lanes_on}")
     say = log or (lambda _m: None)
     fix_malloc_threshold()
     loop = asyncio.get_running_loop()
@@ -1036,9 +1046,11 @@ async def soak(seconds: float, seed: int = 1, *, faults_on: tuple[str, ...] = FA
     lanes: list[Lane] = []
     helpers: list[asyncio.Task[Any]] = []
     try:
-        topo.up()
-        await ns.start()
-        say(f"soak: namespace target up (pid {ns.pid}); {seconds:g} s of load, seed {seed}")
+        if "ns" in lanes_on:
+            topo.up()
+            await ns.start()
+            say(f"soak: namespace target up (pid {ns.pid})")
+        say(f"soak: lanes {', '.join(lanes_on)}; {seconds:g} s of load, seed {seed}")
 
         async def engine(name: str, listen: str, protocols: tuple[str, ...], **kw: Any) -> kvflow.Engine:
             e = kvflow.Engine(listen, protocols=protocols, keepalive=KEEPALIVE, **kw)
@@ -1051,13 +1063,17 @@ async def soak(seconds: float, seed: int = 1, *, faults_on: tuple[str, ...] = FA
             NamespaceLane("ns-a", ns, await engine("ns-a", f"{topo.host(0)}:0", ("tcp",)), 0, tally, seed * 10 + 1),
             NamespaceLane("ns-b", ns, await engine("ns-b", f"{topo.host(0)}:0", ("tcp",), tcp_connections=1),
                           1, tally, seed * 10 + 2),
-        ]
+        ] if "ns" in lanes_on else []
         pair_lanes = []
-        for proto in ("local", "tcp"):
+        for proto in [p for p in LANES[1:] if p in lanes_on]:
             init = await engine(f"pair-{proto} initiator", "127.0.0.1:0", (proto,))
             tgt = await engine(f"pair-{proto} target", "127.0.0.1:0", (proto,))
-            pair_lanes.append(PairLane(f"pair-{proto}", init, tgt, tally, seed * 10 + (3 if proto == "local" else 4)))
+            pair_lanes.append(PairLane(f"pair-{proto}", init, tgt, tally, seed * 10 + 2 + LANES.index(proto)))
         lanes = [*ns_lanes, *pair_lanes]
+        for n, e in engines.items():
+            # the lanes' windows stay registered until their engines close
+            # (re-registration keeps the count): MRs are balanced from here
+            baseline[n]["mrs"] = e.counters().get("mrs", 0)
         for lane in lanes:
             lane.pool = pool
             lane.abort_pieces = MAX_PIECES if big_cancels else ABORT_MAX_PIECES
@@ -1068,7 +1084,7 @@ async def soak(seconds: float, seed: int = 1, *, faults_on: tuple[str, ...] = FA
         garbage_sent = [0]
         work = [loop.create_task(lane.run(stop)) for lane in lanes]
         chaos = []
-        if set(faults_on) & {"rail", "kill", "garbage"}:
+        if set(faults_on) & {"rail", "kill", "garbage"} and ns_lanes:
             chaos.append(loop.create_task(namespace_faults(ns, ns_lanes, stop, random.Random(rng.random()), tally,
                                                            garbage_sent, faults_on)))
         if "dereg" in faults_on:
@@ -1119,7 +1135,7 @@ async def soak(seconds: float, seed: int = 1, *, faults_on: tuple[str, ...] = FA
                     res.tool_errors.append(f"{lane.name}: {e}")
             if isinstance(lane, PairLane) and lane.consumer is not None:
                 lane.consumer.cancel()
-        released = await quiesce(engines, ("sockets", "threads", "slices_inflight", "batches"),
+        released = await quiesce(engines, ("sockets", "threads", "slices_inflight", "batches", "mrs", "qps"),
                                  lambda n, c: baseline[n], RELEASE_S)
         res.counters["after start"] = baseline
         res.counters["peers closed"] = released
@@ -1143,9 +1159,11 @@ async def soak(seconds: float, seed: int = 1, *, faults_on: tuple[str, ...] = FA
             closed[n] = e.counters()
         res.counters["closed"] = closed
         try:
-            await ns.stop()
+            if "ns" in lanes_on:
+                await ns.stop()
         finally:
-            topo.down()
+            if "ns" in lanes_on:
+                topo.down()
             klog.removeHandler(handler)
             loop.set_exception_handler(previous)
     lanes.clear()
@@ -1222,7 +1240,16 @@ def table(res: SoakResult) -> str:
         rows.append(f"| {n} | {q.get('slices_inflight')}, {q.get('batches')} | {b.get('sockets')}, "
                     f"{b.get('threads')} | {p.get('sockets')}, {p.get('threads')}, {p.get('slices_inflight')}, "
                     f"{p.get('batches')} | {'all 0' if z and not any(z.values()) else z} |")
-    rows.append("(MR and QP counters: no rdma engine in this soak, tcp and local only)")
+    if not any(ln.endswith("(rdma)") for ln in res.lanes):
+        rows.append("(MR and QP counters: no rdma engine in this soak)")
+    else:
+        rows.append("| engine (MRs, QPs) | after start and the lanes' registrations | load stopped | peers closed "
+                    "| closed |")
+        rows.append("|---|---|---|---|---|")
+        for n in c.get("after start", {}):
+            b, q, p, z = (c.get(k, {}).get(n, {}) for k in ("after start", "load stopped", "peers closed", "closed"))
+            rows.append(f"| {n} | {b.get('mrs')}, {b.get('qps')} | {q.get('mrs')}, {q.get('qps')} | "
+                        f"{p.get('mrs')}, {p.get('qps')} | {z.get('mrs')}, {z.get('qps')} |")
     for title, items in (("unexplained failures", t.unexplained), ("corruption", t.corruption),
                          ("hangs", t.hangs), ("fence violations", t.fence_violations)):
         for it in items[:10]:
@@ -1266,8 +1293,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default=",".join(FAULTS), help="comma-separated: " + ", ".join(FAULTS))
     ap.add_argument("--small-cancels", action="store_true",
                     help="cancel and time out only batches of at most 16 pieces")
+    ap.add_argument("--lanes", default=",".join(DEFAULT_LANES), help="comma-separated: " + ", ".join(LANES))
     a = ap.parse_args(argv)
-    why = faults.netns_unavailable()
+    lanes = tuple(x for x in a.lanes.split(",") if x)
+    if not lanes or set(lanes) - set(LANES):
+        ap.error(f"--lanes: choose from {', '.join(LANES)}")
+    why = faults.netns_unavailable() if "ns" in lanes else None
     if why:
         print(f"soak: {why}", file=sys.stderr)
         return 2
@@ -1275,7 +1306,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = tuple(f for f in a.faults.split(",") if f)
     if set(chosen) - set(FAULTS):
         ap.error(f"--faults: unknown {sorted(set(chosen) - set(FAULTS))}")
-    res = asyncio.run(soak(a.seconds, seed, faults_on=chosen, big_cancels=not a.small_cancels,
+    res = asyncio.run(soak(a.seconds, seed, faults_on=chosen, big_cancels=not a.small_cancels, lanes_on=lanes,
                            log=lambda m: print(m, file=sys.stderr, flush=True)))
     print(table(res))
     if a.json:

@@ -34,10 +34,29 @@
 static uint64_t max_inflight = MAX_INFLIGHT_BYTES;
 static uint64_t signal_bytes = SIGNAL_BYTES;
 
-/* PROBING: reconnected, carrying only its probe until kvf_rdma_chan_qp_up. */
-enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1, QP_PROBING = 2 };
+/* PROBING: reconnected, carrying only its probe until kvf_rdma_chan_qp_up.
+ * GONE: its device was removed; the verbs QP is destroyed, q->dev must not
+ * be touched any more (it is freed), and it is never replaced. */
+enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1, QP_PROBING = 2, QP_GONE = -2 };
 
 static inline int qp_live(int state) { return state == QP_UP || state == QP_PROBING; }
+
+/* ---------------------------------------------------------------- counters */
+
+/* Relaxed: the counters are read for a balance once things are quiet, and
+ * order nothing. */
+void kvf_rdma_count(kvf_ctx *c, int64_t mrs, int64_t qps) {
+    if (!c) return;          /* a device already closed (its engine may be gone) */
+    if (mrs) atomic_fetch_add_explicit(&c->n_mrs, mrs, memory_order_relaxed);
+    if (qps) atomic_fetch_add_explicit(&c->n_qps, qps, memory_order_relaxed);
+}
+
+int kvf_rdma_destroy_qp(kvf_ctx *c, struct ibv_qp *qp) {
+    int rc = ibv_destroy_qp(qp);
+    /* a QP the kernel would not destroy is still there: it stays counted */
+    if (rc == 0) kvf_rdma_count(c, 0, -1);
+    return rc;
+}
 
 /* ------------------------------------------------------------------ events */
 
@@ -116,7 +135,8 @@ void kvf_rdma_events_free(kvf_rdma_events *q) {
 typedef struct rqp {
     pthread_mutex_t mu;
     struct ibv_qp *qp;
-    kvf_rdma_dev *dev;
+    kvf_rdma_dev *dev;       /* not to be touched once QP_GONE */
+    uint32_t dev_index;      /* dev->index, readable after the device is gone */
     kvf_rdma_chan *ch;
     uint32_t slot;
     uint32_t gen;            /* 16 bits: bumped when the QP breaks or is replaced */
@@ -616,6 +636,7 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     d->recv_mr = ibv_reg_mr(pd, d->recv_buf, (size_t)recv_bufs * KVF_RDMA_RECV_BYTES,
                             IBV_ACCESS_LOCAL_WRITE);
     if (!d->recv_mr) goto fail;
+    kvf_rdma_count(c, 1, 0);
     for (int i = 0; i < recv_bufs; i++) post_recv(d, i);
     d->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (d->wake_fd < 0) goto fail;
@@ -649,13 +670,45 @@ void kvf_rdma_dev_free(kvf_rdma_dev *d) {
     }
     if (d->wake_fd >= 0) close(d->wake_fd);
     if (d->srq) ibv_destroy_srq(d->srq);
-    if (d->recv_mr) ibv_dereg_mr(d->recv_mr);
+    if (d->recv_mr && ibv_dereg_mr(d->recv_mr) == 0) kvf_rdma_count(d->c, -1, 0);
     free(d->recv_buf);
     if (d->cq) ibv_destroy_cq(d->cq);
     if (d->chan) ibv_destroy_comp_channel(d->chan);
     pthread_mutex_destroy(&d->mu);
     free(d);
 }
+
+int kvf_rdma_async_fd(struct ibv_context *ctx) {
+    int fl = fcntl(ctx->async_fd, F_GETFL);
+    if (fl < 0 || fcntl(ctx->async_fd, F_SETFL, fl | O_NONBLOCK) < 0) return -1;
+    return ctx->async_fd;
+}
+
+int kvf_rdma_async_event(struct ibv_context *ctx, int *type, uint32_t *qpn, int *port) {
+    struct ibv_async_event e;
+    if (ibv_get_async_event(ctx, &e)) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+    *type = (int)e.event_type;
+    *qpn = 0;
+    *port = 0;
+    switch (e.event_type) {
+    case IBV_EVENT_QP_FATAL: case IBV_EVENT_QP_REQ_ERR: case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_COMM_EST: case IBV_EVENT_SQ_DRAINED: case IBV_EVENT_PATH_MIG:
+    case IBV_EVENT_PATH_MIG_ERR: case IBV_EVENT_QP_LAST_WQE_REACHED:
+        *qpn = e.element.qp ? e.element.qp->qp_num : 0;
+        break;
+    case IBV_EVENT_PORT_ACTIVE: case IBV_EVENT_PORT_ERR: case IBV_EVENT_LID_CHANGE:
+    case IBV_EVENT_PKEY_CHANGE: case IBV_EVENT_SM_CHANGE: case IBV_EVENT_CLIENT_REREGISTER:
+    case IBV_EVENT_GID_CHANGE:
+        *port = e.element.port_num;
+        break;
+    default:
+        break;
+    }
+    ibv_ack_async_event(&e);
+    return 1;
+}
+
+const char *kvf_rdma_dev_path(struct ibv_context *ctx) { return ctx->device->dev_path; }
 
 /* ----------------------------------------------------------------- channel */
 
@@ -682,6 +735,7 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     pthread_mutex_init(&q->mu, NULL);
     q->qp = qp;
     q->dev = dev;
+    q->dev_index = dev->index;
     q->ch = ch;
     q->rdev = rdev;
     q->depth = depth;
@@ -725,7 +779,7 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp, in
     if (!q) return KVF_EINVAL;
     pthread_mutex_lock(&q->mu);
     if (q->state != QP_BROKEN) { pthread_mutex_unlock(&q->mu); return KVF_EINVAL; }
-    ibv_destroy_qp(q->qp);
+    kvf_rdma_destroy_qp(ch->c, q->qp);
     q->qp = qp;
     q->gen = (q->gen + 1) & 0xffff;
     q->head = q->tail = 0;
@@ -771,6 +825,35 @@ int kvf_rdma_chan_break_qp(kvf_rdma_chan *ch, int index) {
     return was_live ? KVF_OK : KVF_EINVAL;
 }
 
+int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d) {
+    int n = 0;
+    for (int i = 0; i < kvf_rdma_chan_nqps(ch); i++) {
+        rqp *q = chan_qp(ch, i);
+        if (!q || q->dev != d || q->state == QP_GONE) continue;
+        /* off the device first (as in kvf_rdma_chan_close): its worker no
+         * longer finds the QP, and q->mu waits for one that already did */
+        pthread_mutex_lock(&d->mu);
+        if (d->slots[q->slot] == q) d->slots[q->slot] = NULL;
+        pthread_mutex_unlock(&d->mu);
+        kvf_queue retry;
+        kvf_queue_init(&retry);
+        pthread_mutex_lock(&q->mu);
+        qp_take_down_locked(q, &retry);
+        if (q->qp) {
+            /* destroyed, not only broken: the kernel removes the device
+             * only once every object of the context is gone */
+            kvf_rdma_destroy_qp(ch->c, q->qp);
+            q->qp = NULL;
+        }
+        if (q->state != QP_CLOSED) q->state = QP_GONE;
+        pthread_mutex_unlock(&q->mu);
+        dispatch_queue(ch, &retry);
+        kvf_queue_destroy(&retry);
+        n++;
+    }
+    return n;
+}
+
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch) {
     pthread_mutex_lock(&ch->mu);
     int n = ch->nqps;
@@ -783,7 +866,7 @@ int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t
     rqp *q = chan_qp(ch, index);
     if (!q) return -1;
     pthread_mutex_lock(&q->mu);
-    *dev = q->dev->index;
+    *dev = q->dev_index;
     *rdev = q->rdev;
     *wrs = q->wrs;
     *bytes = q->bytes;
@@ -824,6 +907,7 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
     int nd = 0;
     pthread_mutex_lock(&ch->mu);
     for (int i = 0; i < ch->nqps; i++) {
+        if (ch->qps[i]->state == QP_GONE) continue;     /* its device (and CQ) is freed */
         int seen = 0;
         for (int j = 0; j < nd; j++) seen |= devs[j] == ch->qps[i]->dev;
         if (!seen) devs[nd++] = ch->qps[i]->dev;
@@ -884,6 +968,7 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
     kvf_ctx *c = ch->c;
     for (int i = 0; i < nqps; i++) {
         rqp *q = ch->qps[i];
+        if (q->state == QP_GONE) continue;     /* destroyed with its device, nothing left on it */
         /* off the device first: the worker cannot find it any more, and
          * taking q->mu below waits for a worker that already did */
         pthread_mutex_lock(&q->dev->mu);
@@ -893,7 +978,7 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
         if (q->qp) {
             struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
             ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
-            ibv_destroy_qp(q->qp);     /* synchronous: no more memory access */
+            kvf_rdma_destroy_qp(c, q->qp);     /* synchronous: no more memory access */
             q->qp = NULL;
         }
         q->state = QP_CLOSED;

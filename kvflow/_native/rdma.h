@@ -48,6 +48,13 @@ typedef struct kvf_rdma_dev kvf_rdma_dev;
 typedef struct kvf_rdma_chan kvf_rdma_chan;
 typedef struct kvf_rdma_events kvf_rdma_events;
 
+/* The engine's MR and QP counters (kvf_ctx n_mrs, n_qps): the control
+ * path counts what it registers and creates; QPs are destroyed through
+ * kvf_rdma_destroy_qp wherever they die (here or there), so the count
+ * follows them. */
+void kvf_rdma_count(kvf_ctx *c, int64_t mrs, int64_t qps);
+int kvf_rdma_destroy_qp(kvf_ctx *c, struct ibv_qp *qp);
+
 /* Events: one queue per engine, readable through an eventfd. */
 kvf_rdma_events *kvf_rdma_events_new(void);
 int kvf_rdma_events_fd(kvf_rdma_events *q);
@@ -65,6 +72,18 @@ struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d);
 /* Stops the worker and frees the device's CQ, SRQ and buffers (the QPs on it
  * must be gone). */
 void kvf_rdma_dev_free(kvf_rdma_dev *d);
+
+/* Device events (port up/down, fatal errors): the context's async fd, made
+ * non-blocking, for the event loop to watch; kvf_rdma_async_event takes one
+ * event and acknowledges it at once (an unacknowledged event would make the
+ * destruction of its QP or CQ, or the context's close, wait forever):
+ * 1 with *type (enum ibv_event_type), *qpn (QP events) and *port (port
+ * events) set, 0 when none is pending, -1 on error (errno). */
+int kvf_rdma_async_fd(struct ibv_context *ctx);
+int kvf_rdma_async_event(struct ibv_context *ctx, int *type, uint32_t *qpn, int *port);
+/* The device's uverbs node in sysfs (e.g. /sys/class/infiniband_verbs/uverbs1):
+ * the kernel removes it first when the device is being removed. */
+const char *kvf_rdma_dev_path(struct ibv_context *ctx);
 
 /* An initiator channel toward one peer. `remote` is the peer's region table
  * (with its rkeys per device); QPs are added by the control path. */
@@ -102,6 +121,10 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
 int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
                            uint64_t *wrs, uint64_t *bytes);
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch);
+/* Device `d` is gone (removed or fatal): destroys the channel's QPs on it
+ * at once (what they carried goes to the other devices' QPs) and leaves
+ * them QP_GONE, never repaired. Returns how many there were. */
+int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d);
 /* Fails everything queued or in flight (KVF_ELOST) after destroying the QPs,
  * so nothing more touches memory. Idempotent. */
 void kvf_rdma_chan_close(kvf_rdma_chan *ch);
