@@ -46,6 +46,7 @@ cdef extern from "infiniband/verbs.h" nogil:
         IBV_EVENT_PORT_ACTIVE
         IBV_EVENT_PORT_ERR
         IBV_EVENT_DEVICE_FATAL
+        IBV_EVENT_CQ_ERR
 
     const char *ibv_event_type_str(ibv_event_type event)
 
@@ -234,7 +235,7 @@ cdef extern from "_native/rdma.h" nogil:
     int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
                           uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out)
     int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
-                               uint64_t *wrs, uint64_t *bytes)
+                               uint64_t *wrs, uint64_t *bytes, uint32_t *qpn)
     int kvf_rdma_chan_nqps(kvf_rdma_chan *ch)
     void kvf_rdma_chan_close(kvf_rdma_chan *ch)
     void kvf_rdma_chan_free(kvf_rdma_chan *ch)

@@ -12,6 +12,7 @@ from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 from libc.errno cimport errno
 import os
+import weakref
 
 from kvflow._core cimport Core, RemoteTable, Channel
 
@@ -34,6 +35,7 @@ EVENT_QP_ACCESS_ERR = IBV_EVENT_QP_ACCESS_ERR
 EVENT_PORT_ACTIVE = IBV_EVENT_PORT_ACTIVE
 EVENT_PORT_ERR = IBV_EVENT_PORT_ERR
 EVENT_DEVICE_FATAL = IBV_EVENT_DEVICE_FATAL
+EVENT_CQ_ERR = IBV_EVENT_CQ_ERR
 ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
 ACCESS_REMOTE_READ = IBV_ACCESS_REMOTE_READ
@@ -44,6 +46,12 @@ MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 # RC transport: 4.096 us * 2^14 = 67 ms ack timeout, 7 retries (a dead
 # path fails a work request in about half a second); receiver-not-ready
 # retries are infinite (7), so a notification waits for a receive buffer.
+# The ack timeout is per device (Device(ack_timeout=), chosen by
+# kvflow.rdma.choose_ack_timeout): this default for hardware NICs, 17
+# (537 ms) for software devices (rxe, siw), whose emulated ACKs can take
+# longer than 67 ms under load: measured in the Soft-RoCE VM, 4 KiB x64
+# batches ran at 10-11 MB/s with 28-46 spurious retransmits per 4 s at 14,
+# and at 19-20 MB/s with 5-8 at 17.
 ACK_TIMEOUT = 14
 RETRY_COUNT = 7
 RNR_RETRY = 7
@@ -102,6 +110,18 @@ def choose_gid(str name, int port, list gids, int link_layer):
     return best
 
 
+def _node_id(str path):
+    """What identifies a uverbs node: the device it belongs to and its
+    char device number ("rxe1 231:193"); None when it cannot be read."""
+    try:
+        with open(f"{path}/ibdev") as f:
+            ibdev = f.read().strip()
+        with open(f"{path}/dev") as f:
+            return f"{ibdev} {f.read().strip()}"
+    except OSError:
+        return None
+
+
 cdef class Device:
     """One opened RDMA device (port 1 unless told): context, PD, and the
     native half (CQ with completion channel, notification SRQ, worker)."""
@@ -114,13 +134,19 @@ cdef class Device:
     cdef readonly str name
     cdef readonly int index, port, gid_index, lid, mtu, link_layer
     cdef readonly int max_qp_wr, max_rd_atom, max_init_rd_atom, cq_size
+    cdef readonly int ack_timeout  # RC local ACK timeout exponent: 4.096 us * 2^ack_timeout
     cdef readonly bytes gid
     cdef readonly str netdev
     cdef readonly str dev_path     # the uverbs node in sysfs: removed first when the device goes
+    cdef object node_id            # _node_id(dev_path) at open; None: not visible here
     cdef public int qps_used
+    # QPs made here and not (yet) handed to a channel: close() destroys
+    # them before the PD and context they live in (a Qp object may outlive
+    # its device, e.g. across an await of the connect that made it)
+    cdef object qps
 
     def __cinit__(self, Core core, object events, str name, int index, int port=1,
-                  gid_index=None, int recv_bufs=256):
+                  gid_index=None, int recv_bufs=256, int ack_timeout=ACK_TIMEOUT):
         cdef int n = 0, i
         cdef ibv_device **lst = ibv_get_device_list(&n)
         cdef ibv_device_attr da
@@ -130,6 +156,10 @@ cdef class Device:
         self.name = name
         self.index = index
         self.port = port
+        self.qps = weakref.WeakSet()
+        if not 1 <= ack_timeout <= 31:
+            raise ValueError(f"{name}: ack timeout {ack_timeout} is not in 1..31")
+        self.ack_timeout = ack_timeout
         if lst == NULL:
             raise VerbsError(f"{name}: cannot list RDMA devices")
         try:
@@ -173,6 +203,7 @@ cdef class Device:
         memcpy(self.sgid.raw, <const char *>self.gid, 16)
         self.netdev = _gid_netdev(name, port, self.gid_index)
         self.dev_path = kvf_rdma_dev_path(self.ctx).decode()
+        self.node_id = _node_id(self.dev_path) if self.dev_path else None
         self.pd = ibv_alloc_pd(self.ctx)
         if self.pd == NULL:
             raise VerbsError(f"{name}: cannot allocate a protection domain")
@@ -192,6 +223,11 @@ cdef class Device:
         """What peers need to reach this device (goes into the descriptor)."""
         return {"name": self.name, "gid": self.gid, "lid": self.lid, "mtu": self.mtu,
                 "link": self.link_layer, "port": self.port}
+
+    @property
+    def software(self):
+        """A device with no parent in sysfs (Soft-RoCE, siw): no hardware NIC."""
+        return not os.path.exists(f"{SYSFS}/{self.name}/device")
 
     def reserve(self, int depth):
         """Accounts `depth` completion-queue entries for a new QP; False when
@@ -237,6 +273,7 @@ cdef class Device:
         q.dev = self
         q.depth = depth
         q.psn = int.from_bytes(os.urandom(3), "little")
+        self.qps.add(q)
         return q
 
     def register(self, uintptr_t addr, size_t length, int flags):
@@ -265,6 +302,23 @@ cdef class Device:
     def open(self):
         return self.dev != NULL
 
+    @property
+    def removal_known(self):
+        """Whether removed() can tell (the uverbs node was visible at open)."""
+        return self.node_id is not None
+
+    def removed(self):
+        """True when the device's uverbs node is gone, or is now another
+        device's (a node number reused). False when that cannot be told: a
+        node not visible at open (another mount or namespace) says nothing
+        about the device, nor does one that exists but cannot be read."""
+        if self.node_id is None:
+            return False
+        now = _node_id(self.dev_path)
+        if now is None:
+            return not os.path.exists(self.dev_path)
+        return now != self.node_id
+
     def async_fileno(self):
         """The context's async event fd (non-blocking) for loop.add_reader."""
         self._check_open()
@@ -274,12 +328,17 @@ cdef class Device:
         return fd
 
     def async_events(self):
-        """The pending async events, each acknowledged: [(type, qpn, port)]."""
+        """The pending async events, each acknowledged: [(type, qpn, port)]
+        ([] when none is pending). Raises VerbsError (errno) when the event
+        fd is in error and nothing was read."""
         cdef int t = 0, port = 0, rc
         cdef uint32_t qpn = 0
         out = []
         while self.ctx != NULL:
             rc = kvf_rdma_async_event(self.ctx, &t, &qpn, &port)
+            if rc < 0 and not out:
+                e = errno
+                raise VerbsError(e, f"{self.name}: reading its async events: {os.strerror(e)}")
             if rc <= 0:
                 break
             out.append((t, qpn, port))
@@ -290,7 +349,14 @@ cdef class Device:
             raise VerbsError(f"{self.name}: device closed")
 
     def close(self):
-        """Stops the worker and frees everything (QPs must be gone)."""
+        """Destroys the QPs made here that no channel took over (counted),
+        then stops the worker and frees everything: children before
+        parents. The QPs channels own must be gone (RdmaChannel.drop_device
+        or close). Idempotent."""
+        if self.qps is not None:
+            for q in list(self.qps):
+                (<Qp>q).destroy()
+            self.qps.clear()
         if self.dev != NULL:
             with nogil:
                 kvf_rdma_dev_free(self.dev)
@@ -307,7 +373,8 @@ cdef class Device:
         self.close()
 
     def __repr__(self):
-        return f"<kvflow rdma device {self.name} gid[{self.gid_index}] mtu {MTU_BYTES.get(self.mtu)}>"
+        return (f"<kvflow rdma device {self.name} gid[{self.gid_index}] mtu {MTU_BYTES.get(self.mtu)} "
+                f"ack timeout {self.ack_timeout} ({4.096e-6 * (1 << self.ack_timeout) * 1e3:.0f} ms)>")
 
 
 cdef class Qp:
@@ -318,6 +385,7 @@ cdef class Qp:
     cdef readonly Device dev
     cdef readonly uint32_t psn
     cdef readonly int depth
+    cdef object __weakref__        # its device's WeakSet of QPs not handed over
 
     @property
     def qpn(self):
@@ -327,7 +395,7 @@ cdef class Qp:
         """INIT → RTR → RTS toward the remote QP `qpn`."""
         cdef ibv_qp_attr a
         if self.qp == NULL:
-            raise VerbsError("queue pair already handed over")
+            raise VerbsError(f"{self.dev.name}: queue pair destroyed, handed over, or its device closed")
         if len(gid) != 16:
             raise ValueError("a GID is 16 bytes")
         memset(&a, 0, sizeof(a))
@@ -349,7 +417,7 @@ cdef class Qp:
             raise VerbsError(f"{self.dev.name}: cannot move QP {self.qpn} to RTR toward QP {qpn}")
         memset(&a, 0, sizeof(a))
         a.qp_state = IBV_QPS_RTS
-        a.timeout = ACK_TIMEOUT
+        a.timeout = <uint8_t>self.dev.ack_timeout
         a.retry_cnt = RETRY_COUNT
         a.rnr_retry = RNR_RETRY
         a.sq_psn = self.psn
@@ -359,19 +427,29 @@ cdef class Qp:
             raise VerbsError(f"{self.dev.name}: cannot move QP {self.qpn} to RTS")
 
     cdef ibv_qp *take(self) except NULL:
-        if self.qp == NULL:
-            raise VerbsError("queue pair already handed over")
+        if self.qp == NULL or not self.dev.open:
+            raise VerbsError(f"{self.dev.name}: queue pair destroyed, handed over, or its device closed")
         cdef ibv_qp *qp = self.qp
         self.qp = NULL
+        self.dev.qps.discard(self)
         return qp
 
     def destroy(self):
+        """Destroys the verbs QP (counted) unless it was handed over or
+        destroyed already; its device's close() calls this first, so the
+        context is still there. Idempotent."""
         if self.qp != NULL:
             kvf_rdma_destroy_qp(self.dev.kc, self.qp)
             self.qp = NULL
+        if self.dev is not None and self.dev.qps is not None:
+            self.dev.qps.discard(self)
 
     def __dealloc__(self):
-        self.destroy()
+        # not destroy(): no new weak reference to an object being freed (its
+        # WeakSet entry went with it)
+        if self.qp != NULL and self.dev is not None:
+            kvf_rdma_destroy_qp(self.dev.kc, self.qp)
+            self.qp = NULL
 
 
 cdef class Events:
@@ -466,6 +544,8 @@ cdef class RdmaChannel(Channel):
             raise VerbsError("channel closed")
         cdef Device d = qp.dev
         cdef int depth = qp.depth
+        if d.dev == NULL:
+            raise VerbsError(f"{d.name}: device closed")
         cdef ibv_qp *q = qp.take()
         cdef int index = kvf_rdma_chan_add_qp(self.ch, d.dev, <uint32_t>rdev, q, <uint32_t>depth)
         if index < 0:
@@ -503,9 +583,10 @@ cdef class RdmaChannel(Channel):
         """Destroys the QPs on device `d` (it is gone): their work moves to
         the other devices' QPs; they are never repaired. Returns how many."""
         cdef int n = 0
-        if self.ch != NULL and d.dev != NULL:
-            with nogil:
-                n = kvf_rdma_chan_drop_dev(self.ch, d.dev)
+        with self.use_lock:                # never at once with close(): see kvf_rdma_chan_close
+            if self.ch != NULL and d.dev != NULL:
+                with nogil:
+                    n = kvf_rdma_chan_drop_dev(self.ch, d.dev)
         return n
 
     def qp_device(self, int index):
@@ -525,16 +606,16 @@ cdef class RdmaChannel(Channel):
 
     def stats(self):
         """Per QP: device index, remote device index, state, work requests
-        and bytes posted."""
-        cdef uint32_t dev, rdev
+        and bytes posted, and its verbs QP number (0 once destroyed)."""
+        cdef uint32_t dev, rdev, qpn
         cdef uint64_t wrs, nbytes
         cdef int i, st
         out = []
         if self.ch == NULL:
             return out
         for i in range(kvf_rdma_chan_nqps(self.ch)):
-            st = kvf_rdma_chan_qp_stats(self.ch, i, &dev, &rdev, &wrs, &nbytes)
-            out.append({"dev": dev, "rdev": rdev, "state": st, "wrs": wrs, "bytes": nbytes})
+            st = kvf_rdma_chan_qp_stats(self.ch, i, &dev, &rdev, &wrs, &nbytes, &qpn)
+            out.append({"dev": dev, "rdev": rdev, "state": st, "wrs": wrs, "bytes": nbytes, "qpn": qpn})
         return out
 
     @property

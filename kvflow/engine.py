@@ -179,6 +179,10 @@ class Engine:
     device names to use (default: env KVFLOW_RDMA_DEVICES, else all);
     rdma_gid_index: GID index override (default: env KVFLOW_GID_INDEX, else
     a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair;
+    rdma_ack_timeout: RC ACK timeout exponent, 1..31 (4.096 us * 2^n; default:
+    env KVFLOW_RDMA_ACK_TIMEOUT, else 14 (67 ms) for hardware NICs and 17
+    (537 ms) for software devices such as rxe and siw, whose ACKs can be
+    late under load; InvalidArgumentError otherwise);
     keepalive: seconds of silence on a peer's control connection after
     which the peer is declared lost and its transfers fail with
     PeerLostError (pings go every keepalive/3; 0 disables; default: env
@@ -196,7 +200,7 @@ class Engine:
                  local_workers: int = 2, slice_size: int = 1 << 20,
                  inline_limit: int = 64 << 10, advertise: str | None = None,
                  rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
-                 rdma_qps: int = 2, rdma_slice_size: int = 256 << 10,
+                 rdma_qps: int = 2, rdma_slice_size: int = 256 << 10, rdma_ack_timeout: int | None = None,
                  keepalive: float | None = None, metadata: str | None = None,
                  name: str | None = None, metadata_ttl: float = 10.0,
                  rails: Sequence[str] | None = None, location: str | None = None) -> None:
@@ -249,7 +253,9 @@ class Engine:
         self._advertise = advertise
         self._rdma_options = {"devices": list(rdma_devices) if rdma_devices is not None else None,
                               "gid_index": rdma_gid_index, "qps_per_pair": rdma_qps,
-                              "slice_size": rdma_slice_size}
+                              "slice_size": rdma_slice_size,
+                              "ack_timeout": (None if rdma_ack_timeout is None
+                                              else rdma_provider.check_ack_timeout(rdma_ack_timeout))}
         self._rdma: Any = None
         self._rdma_reason = "not started"
         self._core: Any = None
@@ -314,6 +320,9 @@ class Engine:
         except OSError as e:
             await self._teardown()
             raise KVFlowError(f"cannot listen on {self._listen}: {e}", errno=e.errno) from e
+        except BaseException:                # e.g. a bad KVFLOW_RDMA_ACK_TIMEOUT
+            await self._teardown()
+            raise
         self._started = True
         if self._store is not None:
             self.name = self.name or self.address
@@ -426,8 +435,8 @@ class Engine:
             if self._rdma is not None:
                 # after the peers (their QPs) and before the core: the
                 # device workers complete batches in the core's pool
-                self._rdma.close()
-                self._rdma = None
+                rdma, self._rdma = self._rdma, None
+                await rdma.close()
             self._core.close()      # closes channels: their batches complete with errors
         self._fail_pending()
 

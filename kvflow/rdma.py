@@ -41,7 +41,8 @@ __all__ = ["RdmaProvider", "available", "device_names"]
 log = logging.getLogger("kvflow")
 
 QP_DEPTH = 128                 # send-queue entries per QP
-QP_UP = 1                      # RdmaChannel.stats() "state": 1 up, 2 probing, 0 broken, -1 closed
+QP_UP = 1                      # RdmaChannel.stats() "state": 1 up, 2 probing, 0 broken, -1 closed,
+QP_GONE = -2                   # -2 destroyed with its (removed) device
 PROBE_TIMEOUT = 5.0            # reachability read per QP
 MAX_TARGET_QPS = 256           # per control session
 REPAIR_MIN = 0.2               # first back-off of a broken QP's repair (doubles)
@@ -51,6 +52,8 @@ NOTIFY_SLOTS = 64              # registered send buffers for notifications
 LARGE_REGION = 64 << 20        # registrations at least this big are logged with their time
 DEVICE_CHECK = 2.0             # seconds between checks that each device still exists (uevents are faster)
 NETLINK_KOBJECT_UEVENT = 15    # linux/netlink.h: the kernel's device add/remove announcements
+ACK_TIMEOUT_HW = 14            # RC ACK timeout exponents, see choose_ack_timeout()
+ACK_TIMEOUT_SOFT = 17
 
 
 def available() -> bool:
@@ -60,6 +63,34 @@ def available() -> bool:
 def device_names() -> list[str]:
     """RDMA devices on this host ([] when none or not built)."""
     return _verbs.device_names() if _verbs is not None else []
+
+
+def choose_ack_timeout(name: str, override: int | None = None, sysfs: str = "/sys/class/infiniband") -> int:
+    """The RC ACK timeout exponent (4.096 us * 2^n) for device `name`:
+    `override` (the Engine's rdma_ack_timeout), else env
+    KVFLOW_RDMA_ACK_TIMEOUT, else 14 (67 ms) for a device with a parent in
+    sysfs (a hardware NIC) and 17 (537 ms) for one without (rxe, siw:
+    emulated ACKs can be later than 67 ms, see kvflow/_verbs.pyx). Raises
+    InvalidArgumentError for a value outside 1..31."""
+    if override is None:
+        env = os.environ.get("KVFLOW_RDMA_ACK_TIMEOUT", "")
+        if env:
+            try:
+                override = int(env)
+            except ValueError:
+                raise InvalidArgumentError(f"KVFLOW_RDMA_ACK_TIMEOUT={env!r} is not a whole number "
+                                           "from 1 to 31") from None
+    if override is not None:
+        return check_ack_timeout(override)
+    return ACK_TIMEOUT_HW if os.path.exists(f"{sysfs}/{name}/device") else ACK_TIMEOUT_SOFT
+
+
+def check_ack_timeout(value: Any) -> int:
+    """`value` if it is a valid ACK timeout exponent (1..31), else InvalidArgumentError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 31:
+        raise InvalidArgumentError(f"rdma ACK timeout {value!r} is not a whole number from 1 to 31 "
+                                   "(4.096 us * 2^n)")
+    return value
 
 
 def _ordered(names: list[str], topology: Topology | None, location: str) -> list[str]:
@@ -85,7 +116,7 @@ class RdmaProvider:
     """The rdma provider of one engine."""
 
     def __init__(self, engine: "Engine", *, devices: list[str] | None = None, gid_index: int | None = None,
-                 qps_per_pair: int = 2, slice_size: int = 256 << 10) -> None:
+                 qps_per_pair: int = 2, slice_size: int = 256 << 10, ack_timeout: int | None = None) -> None:
         if _verbs is None:
             raise ProviderUnavailableError("kvflow was built without libibverbs (install libibverbs-dev "
                                            "and reinstall kvflow)")
@@ -96,13 +127,16 @@ class RdmaProvider:
         if not names:
             raise ProviderUnavailableError("no RDMA device on this host")
         self._engine = engine
+        # before anything is opened: a bad override is the caller's error
+        timeouts = {name: choose_ack_timeout(name, ack_timeout) for name in names[:8]}
         self.events = _verbs.Events()
         self.devices: list[Any] = []
         problems = []
         for name in names[:8]:
             try:
                 self.devices.append(_verbs.Device(engine._core, self.events, name, len(self.devices),
-                                                  gid_index=gid_index))
+                                                  gid_index=gid_index,
+                                                  ack_timeout=timeouts[name]))
             except (OSError, ValueError) as e:
                 problems.append(str(e))
         if not self.devices:
@@ -118,6 +152,7 @@ class RdmaProvider:
         self._channels: dict[int, tuple["Peer", Any]] = {}            # token -> (peer, channel)
         self._next_token = 1
         self._repairs: set[asyncio.Task[None]] = set()
+        self._lost: set[asyncio.Task[None]] = set()                 # peers being closed (no device left)
         self._repairing: set[tuple[int, int]] = set()                 # (token, QP index)
         self._all_down: dict[int, float] = {}                         # token -> since when no QP is up
         self.device_errors = [0] * len(self.devices)                  # QP breaks and device events per device
@@ -130,6 +165,7 @@ class RdmaProvider:
         self.device_down_at: dict[int, float] = {}                    # loop time it went out of service
         self._device_back: dict[int, asyncio.Event] = {}
         self._uevents: socket.socket | None = None
+        self._async_fds: dict[int, int] = {}                           # device index -> watched async fd
         self._device_check: asyncio.Task[None] | None = None
         # The reachability probe: peers read this cookie back over each QP.
         self._probe = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()
@@ -203,7 +239,12 @@ class RdmaProvider:
             d.deregister(h)
 
     def describe(self) -> dict[str, Any]:
-        return {"devices": [{**d.info(), "up": d.index not in self.device_gone} for d in self.devices],
+        # "up": in service. A device whose port is down counts as up only
+        # when no device is in service (peers then pair it and repair
+        # until the port is back, as this side's connect does)
+        serving = [d.index for d in self.devices if d.index not in self.device_down]
+        return {"devices": [{**d.info(), "up": d.index not in self.device_gone
+                             and (d.index in serving or not serving)} for d in self.devices],
                 "probe": [int(self._probe.__array_interface__["data"][0]), self.probe_keys[1],
                           self._probe.tobytes()[:16]]}
 
@@ -224,8 +265,11 @@ class RdmaProvider:
         local = [d.name for d in self.devices]
         rnames = [d["name"] for d in rdevs]
         desc = peer.descriptor
-        # gone devices (here or there) are left out of the pairing
+        # gone devices (here or there) are left out of the pairing, and so
+        # are devices out of service (port down) while another is in service
         live = [d.name for d in self.devices if d.index not in self.device_gone]
+        serving = [d.name for d in self.devices if d.index not in self.device_down]
+        live = serving or live
         rlive = [d["name"] for d in rdevs if d.get("up", True)]
         if not live or not rlive:
             side = "this side" if not live else "the peer's side"
@@ -246,6 +290,8 @@ class RdmaProvider:
                     qps.append((dev, dev.create_qp(QP_DEPTH), rdev))
             reply = await request({"t": "rdma_connect", "qps": [self._qp_wire(d, q, r) for d, q, r in qps]})
             answers = _accepted(reply, len(qps), peer.address)
+            # a device retired during the await destroyed our QPs on it
+            self._check_live(peer, {dev.index for dev, _, _ in qps})
             remote_qpns = []
             for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps, answers):
                 qp.connect(qpn, psn, gid, lid, mtu)
@@ -263,8 +309,31 @@ class RdmaProvider:
             raise
         return ch
 
+    def _check_live(self, peer: "Peer", indexes: set[int]) -> None:
+        gone = sorted(self.devices[i].name for i in indexes if i in self.device_gone)
+        if gone:
+            raise ProviderUnavailableError(f"{peer.address}: rdma device(s) {', '.join(gone)} went away "
+                                           "while connecting", peer=peer.address)
+
     async def _probe_all(self, peer: "Peer", ch: Any, n: int) -> None:
-        await asyncio.gather(*(self._probe_qp(peer, ch, i) for i in range(n)))
+        """Probes every QP: the connection stands if at least one answers;
+        one that does not is broken and repaired like a QP that failed
+        later (a device pair that does not reach costs its share, not the
+        connect). Raises the first probe's error when none answers."""
+        results = await asyncio.gather(*(self._probe_qp(peer, ch, i) for i in range(n)),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r                        # cancelled
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
+        if len(failed) == n:
+            raise failed[0][1]
+        for i, e in failed:
+            log.warning("kvflow: rdma QP %d to %s on %s: %s; connected without it, repairing it",
+                        i, peer.address, ch.qp_device(i).name, e)
+            ch.break_qp(i)
+            # runs once this connect returned (the peer is in service then)
+            self._start_repair(peer, ch, i)
 
     async def _probe_qp(self, peer: "Peer", ch: Any, i: int) -> None:
         """Reads the peer's cookie over QP `i` (a posted READ that must come
@@ -419,9 +488,12 @@ class RdmaProvider:
         loop = self._engine._loop
         for d in self.devices:
             try:
-                loop.add_reader(d.async_fileno(), self._on_async, d.index)
+                fd = d.async_fileno()
+                loop.add_reader(fd, self._on_async, d.index)
+                self._async_fds[d.index] = fd     # the fd it was watched by, for remove_reader
             except OSError as e:
                 log.warning("kvflow: rdma device %s: its events cannot be watched: %s", d.name, e)
+        s = None
         try:
             s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
             s.setblocking(False)
@@ -429,8 +501,21 @@ class RdmaProvider:
             loop.add_reader(s.fileno(), self._on_uevent)
             self._uevents = s
         except OSError as e:
+            if s is not None:
+                s.close()
             log.info("kvflow: no kernel uevents (%s): device removal is noticed within %g s", e, DEVICE_CHECK)
+        if not any(d.removal_known for d in self.devices):
+            log.info("kvflow: rdma devices %s: their uverbs nodes are not visible here; removal is noticed "
+                     "only through verbs events", ", ".join(d.name for d in self.devices))
         self._device_check = loop.create_task(self._check_loop())
+
+    def _unwatch(self, index: int) -> None:
+        fd = self._async_fds.pop(index, None)
+        if fd is not None:
+            try:
+                self._engine._loop.remove_reader(fd)
+            except (OSError, ValueError):
+                pass
 
     def _on_uevent(self) -> None:
         assert self._uevents is not None
@@ -450,27 +535,35 @@ class RdmaProvider:
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(DEVICE_CHECK)
-            self._check_gone("the periodic check")
+            try:
+                self._check_gone("the periodic check")
+            except Exception:                # never end the watch on one bad check
+                log.exception("kvflow: rdma device check failed")
 
     def _check_gone(self, via: str) -> None:
-        """Retires every device whose uverbs node is gone. Removing a
-        Soft-RoCE device (`rdma link delete`) first removes that node, then
-        waits, with no event to the contexts, until every process has closed
-        its context on the device: so kvflow closes it."""
+        """Retires every device whose uverbs node is gone or now belongs to
+        another device (Device.removed: compared with what was there at
+        open; a node not visible at open is never taken for a removal).
+        Removing a Soft-RoCE device (`rdma link delete`) first removes that
+        node, then waits, with no event to the contexts, until every process
+        has closed its context on the device: so kvflow closes it."""
         for d in self.devices:
-            if d.index not in self.device_gone and d.dev_path and not os.path.exists(d.dev_path):
+            if d.index not in self.device_gone and d.removed():
                 self._retire(d.index, f"the device was removed; seen through {via}")
 
     def _on_async(self, index: int) -> None:
         d = self.devices[index]
-        events = d.async_events()
-        if not events:                       # readable and nothing to read: an error state
-            self._engine._loop.remove_reader(d.async_fileno())
+        try:
+            events = d.async_events()
+        except OSError as e:                 # not EAGAIN: the fd is in an error state
+            log.warning("kvflow: rdma device %s: its events cannot be read (%s); checking it", d.name, e)
+            self._unwatch(index)
             self._check_gone("its event fd")
             return
-        for kind, qpn, port in events:
+        for kind, qpn, port in events:       # none: a spurious wake-up, keep watching
             what = _verbs.event_name(kind)
-            if kind == _verbs.EVENT_DEVICE_FATAL:
+            if kind in (_verbs.EVENT_DEVICE_FATAL, _verbs.EVENT_CQ_ERR):
+                # no completion will come from this device any more
                 self._retire(index, what)
                 return
             if kind == _verbs.EVENT_PORT_ERR and port == d.port:
@@ -478,11 +571,26 @@ class RdmaProvider:
             elif kind == _verbs.EVENT_PORT_ACTIVE and port == d.port:
                 self._port_back(index)
             elif kind in (_verbs.EVENT_QP_FATAL, _verbs.EVENT_QP_REQ_ERR, _verbs.EVENT_QP_ACCESS_ERR):
-                # the QP's work completes in error and that starts its repair
                 self.device_errors[index] += 1
-                log.warning("kvflow: rdma device %s: QP %d: %s", d.name, qpn, what)
+                self._qp_failed(index, qpn, what)
             else:
                 log.info("kvflow: rdma device %s: %s", d.name, what)
+
+    def _qp_failed(self, index: int, qpn: int, what: str) -> None:
+        """An async QP error: an initiator QP of ours is broken and repaired
+        at once (its work may never complete in error to say so); a target
+        QP is left to its initiator, which sees its own QP fail."""
+        d = self.devices[index]
+        for peer, ch, i in self._qps_on(index):
+            st = ch.stats()[i]
+            if st["qpn"] == qpn:
+                log.warning("kvflow: rdma device %s: QP %d (QP %d to %s): %s; reconnecting",
+                            d.name, qpn, i, peer.address, what)
+                if st["state"] in (1, 2):
+                    ch.break_qp(i)
+                self._start_repair(peer, ch, i)
+                return
+        log.warning("kvflow: rdma device %s: QP %d: %s", d.name, qpn, what)
 
     def _qps_on(self, index: int) -> list[tuple["Peer", Any, int]]:
         return [(peer, ch, i) for peer, ch in self._channels.values()
@@ -529,7 +637,8 @@ class RdmaProvider:
         """Device `index` is gone: its QPs (initiator and target side),
         MRs, CQ, PD and context are destroyed now, since the kernel's removal
         of the device waits for them; what its QPs carried moves to the
-        other devices. It does not come back (a device added again under
+        other devices. A peer left with no QP on any other device is closed
+        (see _orphaned). It does not come back (a device added again under
         the same name needs a new engine)."""
         if index in self.device_gone:
             return
@@ -538,24 +647,51 @@ class RdmaProvider:
         self.device_down[index] = why
         self.device_down_at.setdefault(index, self._engine._loop.time())
         self.device_errors[index] += 1
+        self._unwatch(index)
+        moved = 0
+        mine = [k for k in self._targets if k[0] == index]
         try:
-            self._engine._loop.remove_reader(d.async_fileno())
-        except OSError:
-            pass
-        moved = sum(ch.drop_device(d) for _, ch in self._channels.values())
-        for key in [k for k in self._targets if k[0] == index]:
-            _, qp = self._targets.pop(key)
-            qp.destroy()
-            for mine in self._session_qps.values():
-                if key in mine:
-                    mine.remove(key)
-        for handles in [*self._mrs.values(), *(h for h, _, _ in self._internal)]:
-            d.deregister(handles[index])
-            handles[index] = 0
-        d.close()
-        self._wake(index)                  # repairs of its QPs see it gone and end
+            for _, ch in list(self._channels.values()):
+                moved += ch.drop_device(d)
+            for key in mine:
+                self._targets[key][1].destroy()
+            for handles in [*self._mrs.values(), *(h for h, _, _ in self._internal)]:
+                d.deregister(handles[index])
+                handles[index] = 0
+        finally:
+            # whatever failed above, the device is closed (its removal waits
+            # for that); close() destroys any QP of it still not handed over
+            d.close()
+            # the worker is joined: what it queued before it stopped (a
+            # notification that arrived on a target QP of this device) is
+            # delivered while the target QP's peer is still known
+            self._on_events()
+            for key in mine:
+                self._targets.pop(key, None)
+                for keys in self._session_qps.values():
+                    if key in keys:
+                        keys.remove(key)
+            self._wake(index)                  # repairs of its QPs see it gone and end
         log.warning("kvflow: rdma device %s is gone (%s): closed it (%d QP(s) of ours on it); "
                     "the other devices carry its traffic", d.name, why, moved)
+        self._orphaned()
+
+    def _orphaned(self) -> None:
+        """Closes each peer whose QPs were all on devices that are gone:
+        nothing would ever carry its transfers (they would wait for a QP
+        for ever). What was in flight fails with PeerLostError at once, and
+        so does what is submitted later; a later connect() to that address
+        pairs the devices still in service."""
+        for token, (peer, ch) in list(self._channels.items()):
+            stats = ch.stats()
+            if stats and all(s["state"] == QP_GONE for s in stats):
+                log.warning("kvflow: no rdma device left toward %s (all its QPs were on removed devices); "
+                            "closing the peer: connect again to use the devices in service", peer.address)
+                ch.close()                     # fails queued and in-flight work now
+                self.forget_channel(ch)
+                task = self._engine._loop.create_task(peer.close())
+                self._lost.add(task)
+                task.add_done_callback(self._lost.discard)
 
     async def _repair(self, peer: "Peer", ch: Any, index: int) -> None:
         """Brings broken QP `index` back: a new QP in its place (the old pair
@@ -618,6 +754,8 @@ class RdmaProvider:
             (qpn, psn, gid, lid, mtu), = _accepted(reply, 1, peer.address)
             # the target replaced its QP: the next attempt replaces this one
             peer._rdma_remote_qpns[index] = qpn
+            if dev.index in self.device_gone:
+                return "the device is gone"    # closing it destroyed `qp`
             qp.connect(qpn, psn, gid, lid, mtu)
             if not ch.replace_qp(index, qp, False):
                 return "the channel was closed"
@@ -637,11 +775,15 @@ class RdmaProvider:
         self._channels.pop(getattr(ch, "token", -1), None)
         self._all_down.pop(getattr(ch, "token", -1), None)
 
-    def close(self) -> None:
-        for t in list(self._repairs):
+    async def close(self) -> None:
+        """Closes every device and what is on it. Repairs are cancelled
+        and awaited first: a repair's QP must be destroyed (its `finally`)
+        while its device is still open."""
+        tasks = [t for t in (*self._repairs, *self._lost, self._device_check) if t is not None]
+        for t in tasks:
             t.cancel()
-        if self._device_check is not None:
-            self._device_check.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         loop = self._engine._loop
         try:
             loop.remove_reader(self.events.fileno())
@@ -651,12 +793,8 @@ class RdmaProvider:
             loop.remove_reader(self._uevents.fileno())
             self._uevents.close()
             self._uevents = None
-        for d in self.devices:
-            if d.open:
-                try:
-                    loop.remove_reader(d.async_fileno())
-                except OSError:
-                    pass
+        for index in list(self._async_fds):
+            self._unwatch(index)
         for session in list(self._session_qps):
             self.drop_session(session)
         for rid in list(self._mrs):

@@ -280,8 +280,10 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
         t0 = loop.time()
         deletion = loop.create_task(rdma_link("delete", gone))
         i, during = 3, 0
+        during_outcomes: dict[str, int] = {}
         while not deletion.done():                        # writes go on while the device goes
-            await one(i)
+            what = await one(i)
+            during_outcomes[what] = during_outcomes.get(what, 0) + 1
             i, during = i + 1, during + 1
             assert loop.time() - t0 < 60 * TIME_SCALE, "rdma link delete did not return"
         took = loop.time() - t0
@@ -304,19 +306,243 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
               f"({a._rdma.device_down[1]}); "
               f"{during} write(s) of {n >> 20} MiB during, outcomes {outcomes}")
         assert outcomes.get("verified", 0) >= 6 and set(outcomes) <= {"verified", "PeerLostError"}, outcomes
+        # a write that ran while the device went (not only those before and after) verified
+        assert during_outcomes.get("verified", 0) >= 1, during_outcomes
     finally:
-        t1 = loop.time()
+        try:
+            await readd(gone, netdev)          # first: later tests need their second device back
+        finally:
+            t1 = loop.time()
+            await bounded(a.close(), 30)
+            await bounded(b.close(), 30)
+            print(f"engines closed in {loop.time() - t1:.2f} s")
+    for e in (a, b):
+        c = e.counters()
+        assert c["mrs"] == 0 and c["qps"] == 0, c
+
+
+def _usable(dev: str) -> bool:
+    """The device is back: port ACTIVE and its IPv4-mapped GID (index 1) set."""
+    try:
+        with open(f"/sys/class/infiniband/{dev}/ports/1/state") as f:
+            if "ACTIVE" not in f.read():
+                return False
+        with open(f"/sys/class/infiniband/{dev}/ports/1/gids/1") as f:
+            return f.read().strip().replace(":", "").strip("0") != ""
+    except OSError:
+        return False
+
+
+async def readd(dev: str, netdev: str) -> None:
+    """Adds Soft-RoCE device `dev` on `netdev` again (if it is gone) and
+    waits until it is usable."""
+    if dev not in rdma.device_names():
+        rc, out = await rdma_link("add", dev, "type", "rxe", "netdev", netdev)
+        assert rc == 0, out
+    await until(lambda: _usable(dev), f"{dev} back (port ACTIVE, GID 1 set)", 30)
+
+
+async def test_a_qp_outliving_its_device_is_destroyed_with_it():
+    """Device.close() destroys the QPs it made that no channel took over
+    (children before parents, counted); such a Qp then refuses connect and
+    hand-over, its destroy() is a no-op, and a channel refuses it."""
+    from kvflow import _core, _verbs
+    core = _core.Core(1)
+    events = _verbs.Events()
+    try:
+        name = rdma.device_names()[0]
+        d = _verbs.Device(core, events, name, 0, ack_timeout=rdma.choose_ack_timeout(name))
+        assert d.removal_known and not d.removed()          # its uverbs node, as at open
+        # Soft-RoCE has no parent device: the software ACK timeout (537 ms)
+        assert d.software and d.ack_timeout == 17 and "ack timeout 17 (537 ms)" in repr(d), repr(d)
+        qp = d.create_qp(8)
+        target = d.create_qp(1, target=True)
+        assert core.counters()["qps"] == 2
+        ch = _verbs.RdmaChannel(core, _core.RemoteTable(), "nowhere:1", 1 << 18, 1)
+        d.close()
+        assert core.counters()["qps"] == 0 and core.counters()["mrs"] == 0, core.counters()
+        with pytest.raises(OSError):
+            qp.connect(1, 0, bytes(16), 0, 5)
+        with pytest.raises(OSError):
+            ch.add_qp(qp, 0)
+        qp.destroy()
+        target.destroy()
+        d.close()
+        assert core.counters()["qps"] == 0
+        ch.close()
+    finally:
+        events.close()
+        core.close()
+
+
+def retire_both(a, b, index: int) -> None:
+    """Both engines see device `index` removed (as a uevent would tell them)."""
+    for e in (a, b):
+        e._rdma._retire(index, "test: removed")
+
+
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+async def test_a_device_retired_during_connect_or_repair_leaves_no_qp():
+    """A device retired while connect() or a repair awaits the peer's reply
+    destroys the QPs made for it (no verbs call on a closed context
+    afterwards): the connect fails with ProviderUnavailableError and leaves
+    no QP, a later connect pairs the other device; an engine closed while a
+    repair waits destroys the repair's QP before its device."""
+    names = rdma.device_names()[:2]
+    a, b = await rdma_pair(rdma_devices=names)
+    closed = False
+    try:
+        real = a._rdma.connect
+
+        async def racing_connect(peer, remote, request):
+            async def request_then_retire(msg):
+                reply = await request(msg)
+                retire_both(a, b, 1)
+                return reply
+            return await real(peer, remote, request_then_retire)
+
+        a._rdma.connect = racing_connect
+        with pytest.raises(kvflow.ProviderUnavailableError, match="went away while connecting"):
+            await bounded(a.connect(b.address))
+        del a._rdma.connect
+        assert a.counters()["qps"] == 0, a.counters()
+        dst, src, r, l, peer = await connected(a, b, 1 << 20, 11)
+        assert {s["dev"] for s in peer._channel.stats()} == {0}
+        await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
+        assert np.array_equal(dst, src)
+        # a repair whose reply never comes, then the engine closes
+        nqps = a.counters()["qps"]
+        stall = asyncio.Event()
+        real_request = peer._request
+
+        async def stalled(msg, *args, **kw):
+            await stall.wait()
+            return await real_request(msg, *args, **kw)
+
+        peer._request = stalled
+        assert peer._channel.break_qp(0)
+        a._rdma._start_repair(peer, peer._channel, 0)
+        await until(lambda: a.counters()["qps"] == nqps + 1, "the repair made its QP")
         await bounded(a.close(), 30)
         await bounded(b.close(), 30)
-        print(f"engines closed in {loop.time() - t1:.2f} s")
+        closed = True
         for e in (a, b):
             c = e.counters()
             assert c["mrs"] == 0 and c["qps"] == 0, c
-        if gone not in rdma.device_names():              # give later tests their second device back
-            rc, out = await rdma_link("add", gone, "type", "rxe", "netdev", netdev)
-            assert rc == 0, out
-            await until(lambda: os.path.exists(f"/sys/class/infiniband/{gone}/ports/1/state") and "ACTIVE" in
-                        open(f"/sys/class/infiniband/{gone}/ports/1/state").read(), f"{gone} back", 30)
+    finally:
+        if not closed:
+            await a.close()
+            await b.close()
+
+
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and ip(8) to take a link down")
+async def test_a_peer_whose_only_device_goes_is_lost_and_a_new_connect_works(monkeypatch):
+    """A channel whose QPs are all on one device (one rail): that device's
+    link goes down (the writes wait for a QP to come back: nothing else
+    can carry them), then the device goes. What waited and what is
+    submitted after fail with PeerLostError promptly (nothing waits for a
+    QP that cannot come back), and a new connect() pairs the device still
+    in service."""
+    names = rdma.device_names()[:2]
+    a, b = await rdma_pair(rdma_devices=names)
+    link = netdev_of(a._rdma.devices[1].name)
+    loop = asyncio.get_running_loop()
+    try:
+        monkeypatch.setattr(rdma, "_pairs", lambda *args: [(1, 1)])
+        n = 1 << 20
+        dst, src, r, l, peer = await connected(a, b, n, 13)
+        monkeypatch.undo()
+        assert {s["dev"] for s in peer._channel.stats()} == {1}
+        await bounded(peer.write([l.addr], [r.addr], [n]), 120)
+        assert np.array_equal(dst, src)
+        down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
+        try:
+            await down.wait()
+            await until(lambda: 1 in a._rdma.device_down, "the port error seen")
+            writes = [loop.create_task(peer.write([l.addr], [r.addr], [n], timeout=120)) for _ in range(4)]
+            await asyncio.sleep(1)
+            assert not any(w.done() for w in writes), writes      # parked: no QP is up
+            t0 = loop.time()
+            retire_both(a, b, 1)
+            outcomes = await bounded(asyncio.gather(*writes, return_exceptions=True), 30)
+            took = loop.time() - t0
+        finally:
+            up = await asyncio.create_subprocess_exec("ip", "link", "set", link, "up")
+            await up.wait()
+        kinds = [type(o).__name__ for o in outcomes]
+        assert set(kinds) == {"PeerLostError"}, outcomes
+        assert took < 5 * TIME_SCALE, took
+        assert not peer.alive
+        with pytest.raises(kvflow.PeerLostError):
+            await bounded(peer.write([l.addr], [r.addr], [4096]), 10)
+        await until(lambda: not a._rdma._lost, "the lost peer closed")
+        assert a.counters()["qps"] == 0, a.counters()
+        peer2 = await bounded(a.connect(b.address))
+        assert peer2 is not peer and {s["dev"] for s in peer2._channel.stats()} == {0}
+        src[:] = np.roll(src, 5)
+        await bounded(peer2.write([l.addr], [r.addr], [n]), 120)
+        assert np.array_equal(dst, src)
+        print(f"\none-rail peer lost after its device went: parked writes failed in {took:.3f} s")
+    finally:
+        await bounded(a.close(), 30)
+        await bounded(b.close(), 30)
+    for e in (a, b):
+        c = e.counters()
+        assert c["mrs"] == 0 and c["qps"] == 0, c
+
+
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and ip(8) to take a link down")
+async def test_connect_leaves_out_a_port_down_device_and_a_failed_probe_is_repaired(monkeypatch):
+    """A QP whose probe fails at connect is broken and repaired (the
+    connect stands on the others); an async QP error breaks and repairs
+    its QP; a device whose port is down is left out of the pairing (no
+    probe to time out) while the other one is in service."""
+    names = rdma.device_names()[:2]
+    link = netdev_of(names[1])
+    a, b = await rdma_pair(rdma_devices=names)
+    try:
+        real_probe = a._rdma._probe_qp
+        failed = []
+
+        async def probe(peer, ch, i):
+            if i == 1 and not failed:
+                failed.append(i)
+                raise kvflow.ProviderUnavailableError("test: this QP does not answer")
+            return await real_probe(peer, ch, i)
+
+        monkeypatch.setattr(a._rdma, "_probe_qp", probe)
+        dst, src, r, l, peer = await connected(a, b, 1 << 20, 17)
+        assert failed == [1]
+        await until(lambda: all(s["state"] == 1 for s in peer._channel.stats()), "the QP repaired", 60)
+        await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
+        assert np.array_equal(dst, src)
+        # an async QP error (IBV_EVENT_QP_FATAL) on one QP: that QP is repaired
+        st = peer._channel.stats()[2]
+        a._rdma._qp_failed(st["dev"], st["qpn"], "test: local work queue catastrophic error")
+        await until(lambda: all(s["state"] == 1 for s in peer._channel.stats())
+                    and peer._channel.stats()[2]["qpn"] != st["qpn"], "the QP repaired after its event", 60)
+        await peer.close()
+        loop = asyncio.get_running_loop()
+        down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
+        try:
+            await down.wait()
+            await until(lambda: 1 in a._rdma.device_down and 1 in b._rdma.device_down, "port errors seen")
+            t0 = loop.time()
+            peer = await bounded(a.connect(b.address))
+            took = loop.time() - t0
+            assert {(s["dev"], s["rdev"]) for s in peer._channel.stats()} == {(0, 0)}
+            assert took < rdma.PROBE_TIMEOUT, took
+            src[:] = np.roll(src, 7)
+            await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
+            assert np.array_equal(dst, src)
+        finally:
+            up = await asyncio.create_subprocess_exec("ip", "link", "set", link, "up")
+            await up.wait()
+    finally:
+        await bounded(a.close(), 30)
+        await bounded(b.close(), 30)
 
 
 async def until(cond, what: str, limit: float = 30):

@@ -49,3 +49,30 @@ def test_verbs_error_names_device_and_status():
 
 def test_features_report_verbs():
     assert kvflow.features["verbs"] and kvflow.features["rdma"]
+
+
+def test_ack_timeout_is_chosen_per_device(tmp_path, monkeypatch):
+    """14 (67 ms) for a device with a parent in sysfs (a hardware NIC), 17
+    (537 ms) for one without (rxe, siw: late emulated ACKs); the Engine
+    option, then env KVFLOW_RDMA_ACK_TIMEOUT, override both; outside 1..31
+    is an InvalidArgumentError."""
+    from kvflow import rdma
+    monkeypatch.delenv("KVFLOW_RDMA_ACK_TIMEOUT", raising=False)
+    (tmp_path / "mlx5_0" / "device").mkdir(parents=True)
+    (tmp_path / "rxe0").mkdir()
+    assert rdma.choose_ack_timeout("mlx5_0", sysfs=str(tmp_path)) == 14
+    assert rdma.choose_ack_timeout("rxe0", sysfs=str(tmp_path)) == 17
+    assert rdma.choose_ack_timeout("rxe0", 20, sysfs=str(tmp_path)) == 20
+    monkeypatch.setenv("KVFLOW_RDMA_ACK_TIMEOUT", "16")
+    assert rdma.choose_ack_timeout("mlx5_0", sysfs=str(tmp_path)) == 16
+    assert rdma.choose_ack_timeout("mlx5_0", 12, sysfs=str(tmp_path)) == 12     # the option wins
+    for bad in ("0", "32", "x", "-1"):
+        monkeypatch.setenv("KVFLOW_RDMA_ACK_TIMEOUT", bad)
+        with pytest.raises(kvflow.InvalidArgumentError):
+            rdma.choose_ack_timeout("rxe0", sysfs=str(tmp_path))
+    monkeypatch.delenv("KVFLOW_RDMA_ACK_TIMEOUT")
+    for bad in (0, 32, True, 1.5, "17"):
+        with pytest.raises(kvflow.InvalidArgumentError):
+            rdma.choose_ack_timeout("rxe0", bad, sysfs=str(tmp_path))
+        with pytest.raises(kvflow.InvalidArgumentError):
+            kvflow.Engine(rdma_ack_timeout=bad)

@@ -41,6 +41,7 @@ enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1, QP_PROBING = 2, QP_GONE = -2 };
 
 static inline int qp_live(int state) { return state == QP_UP || state == QP_PROBING; }
 
+
 /* ---------------------------------------------------------------- counters */
 
 /* Relaxed: the counters are read for a balance once things are quiet, and
@@ -392,6 +393,26 @@ static int resolve_keys_locked(kvf_rdma_chan *ch, kvf_slice *s, uint32_t dev, ui
     return KVF_OK;
 }
 
+/* Every QP of the channel destroyed with its device (none can ever come
+ * back): a slice waiting for one would wait for ever. Caller holds ch->mu.
+ * q->state is read without q->mu: GONE and CLOSED are final states, set
+ * once under q->mu and never left, so a stale read can only miss a QP that
+ * is becoming GONE this instant (kvf_rdma_chan_drop_dev then fails what was
+ * parked meanwhile). */
+static int chan_all_gone_locked(const kvf_rdma_chan *ch) {
+    if (ch->nqps == 0) return 0;          /* still being connected */
+    for (int i = 0; i < ch->nqps; i++)
+        if (ch->qps[i]->state != QP_GONE && ch->qps[i]->state != QP_CLOSED) return 0;
+    return 1;
+}
+
+static void fail_parked_locked(kvf_rdma_chan *ch) {
+    kvf_slice tmp[64];
+    size_t k;
+    while ((k = kvf_queue_pop_locked(&ch->parked, tmp, 64)) > 0)
+        for (size_t j = 0; j < k; j++) slice_finish(ch->c, &tmp[j], KVF_ELOST);
+}
+
 static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
 
 /* Places slices on the channel's live QPs, round-robin (striping them over
@@ -410,7 +431,13 @@ static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n) {
         for (int i = 0; i < ch->nqps; i++)
             if (ch->qps[i]->state == QP_UP) up[nup++] = ch->qps[i];
         if (nup == 0) {
-            for (size_t i = 0; i < n; i++) kvf_queue_push_locked(&ch->parked, &s[i]);
+            /* wait for a QP to come back (a repair), unless none can: every
+             * one went with its device, and the peer is lost to this channel */
+            int lost = chan_all_gone_locked(ch);
+            for (size_t i = 0; i < n; i++) {
+                if (lost) slice_finish(c, &s[i], KVF_ELOST);
+                else kvf_queue_push_locked(&ch->parked, &s[i]);
+            }
             pthread_mutex_unlock(&ch->mu);
             return;
         }
@@ -728,6 +755,8 @@ kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t 
 
 int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
                          uint32_t depth) {
+    /* a device already closed (freed: nothing to index) or no QP */
+    if (!dev || !qp || !depth) return -1;
     rqp *q = calloc(1, sizeof(*q));
     if (!q) return -1;
     q->ring = calloc(depth, sizeof(kvf_slice));
@@ -851,6 +880,10 @@ int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d) {
         kvf_queue_destroy(&retry);
         n++;
     }
+    /* what was parked waiting for a QP of this channel waits in vain now */
+    pthread_mutex_lock(&ch->mu);
+    if (chan_all_gone_locked(ch)) fail_parked_locked(ch);
+    pthread_mutex_unlock(&ch->mu);
     return n;
 }
 
@@ -862,10 +895,11 @@ int kvf_rdma_chan_nqps(kvf_rdma_chan *ch) {
 }
 
 int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
-                           uint64_t *wrs, uint64_t *bytes) {
+                           uint64_t *wrs, uint64_t *bytes, uint32_t *qpn) {
     rqp *q = chan_qp(ch, index);
     if (!q) return -1;
     pthread_mutex_lock(&q->mu);
+    *qpn = q->qp ? q->qp->qp_num : 0;
     *dev = q->dev_index;
     *rdev = q->rdev;
     *wrs = q->wrs;
@@ -907,6 +941,11 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
     int nd = 0;
     pthread_mutex_lock(&ch->mu);
     for (int i = 0; i < ch->nqps; i++) {
+        /* Read without q->mu (ch->mu is held): GONE is final, and only
+         * kvf_rdma_chan_drop_dev sets it, called on the event loop's thread
+         * before the device is freed. Polling (budget_ns > 0) happens only
+         * on that thread too (Channel.submit_poll with poll=True), so the
+         * device cannot go between this read and the polls below. */
         if (ch->qps[i]->state == QP_GONE) continue;     /* its device (and CQ) is freed */
         int seen = 0;
         for (int j = 0; j < nd; j++) seen |= devs[j] == ch->qps[i]->dev;
@@ -968,6 +1007,9 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
     kvf_ctx *c = ch->c;
     for (int i = 0; i < nqps; i++) {
         rqp *q = ch->qps[i];
+        /* Without q->mu: GONE is final, and only kvf_rdma_chan_drop_dev
+         * sets it; RdmaChannel serialises drop_device and close with its
+         * use_lock, so no QP becomes GONE while this loop runs. */
         if (q->state == QP_GONE) continue;     /* destroyed with its device, nothing left on it */
         /* off the device first: the worker cannot find it any more, and
          * taking q->mu below waits for a worker that already did */
@@ -992,10 +1034,7 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
         pthread_mutex_unlock(&q->mu);
     }
     pthread_mutex_lock(&ch->mu);
-    kvf_slice tmp[64];
-    size_t k;
-    while ((k = kvf_queue_pop_locked(&ch->parked, tmp, 64)) > 0)
-        for (size_t j = 0; j < k; j++) slice_finish(c, &tmp[j], KVF_ELOST);
+    fail_parked_locked(ch);
     pthread_mutex_unlock(&ch->mu);
 }
 

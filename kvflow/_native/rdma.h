@@ -117,9 +117,11 @@ int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint
 int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
                          const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
                          size_t *bad, int *finished);
-/* Per-QP counters: device, remote device, state, work requests and bytes posted. */
+/* Per-QP counters: device, remote device, state, work requests and bytes
+ * posted, and the verbs QP number (0 once destroyed: maps an async QP
+ * event to its channel slot). */
 int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
-                           uint64_t *wrs, uint64_t *bytes);
+                           uint64_t *wrs, uint64_t *bytes, uint32_t *qpn);
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch);
 /* Device `d` is gone (removed or fatal): destroys the channel's QPs on it
  * at once (what they carried goes to the other devices' QPs) and leaves
