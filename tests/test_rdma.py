@@ -423,16 +423,21 @@ async def test_a_device_retired_during_connect_or_repair_leaves_no_qp():
         assert peer._channel.break_qp(0)
         a._rdma._start_repair(peer, peer._channel, 0)
         await until(lambda: a.counters()["qps"] == nqps + 1, "the repair made its QP")
-        await bounded(a.close(), 30)
-        await bounded(b.close(), 30)
         closed = True
-        for e in (a, b):
-            c = e.counters()
-            assert c["mrs"] == 0 and c["qps"] == 0, c
+        await close_released(a, b)
     finally:
         if not closed:
             await a.close()
             await b.close()
+
+
+async def close_released(*engines):
+    """Closes the engines; every MR and QP they held must be gone."""
+    for e in engines:
+        await bounded(e.close(), 30)
+    for e in engines:
+        c = e.counters()
+        assert c["mrs"] == 0 and c["qps"] == 0, c
 
 
 @pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
@@ -560,7 +565,6 @@ async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
     receive ring: 4 per device) and no QP; regions and connections add
     theirs, a QP repair replaces QPs one for one, deregistering and closing
     the peer give them back, and a closed engine leaves zero of each."""
-    names = rdma.device_names()
     a, b = await rdma_pair()
     closed = False
     try:
@@ -590,12 +594,8 @@ async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
         await peer.close()
         assert a.counters()["qps"] == 0, a.counters()
         await until(lambda: b.counters()["qps"] == 0, f"target QPs still counted: {b.counters()}")
-        await a.close()
-        await b.close()
         closed = True
-        for e in (a, b):
-            c = e.counters()
-            assert c["mrs"] == 0 and c["qps"] == 0, c
+        await close_released(a, b)
     finally:
         if not closed:
             await a.close()
