@@ -30,10 +30,6 @@
  * QP completely before anything new was posted). */
 #define SIGNAL_BYTES (MAX_INFLIGHT_BYTES / 4)
 
-/* KVFLOW_RDMA_INFLIGHT_BYTES / KVFLOW_RDMA_SIGNAL_BYTES override (measurement) */
-static uint64_t max_inflight = MAX_INFLIGHT_BYTES;
-static uint64_t signal_bytes = SIGNAL_BYTES;
-
 /* PROBING: reconnected, carrying only its probe until kvf_rdma_chan_qp_up.
  * GONE: its device was removed; the verbs QP is destroyed, q->dev must not
  * be touched any more (it is freed), and it is never replaced. */
@@ -259,12 +255,12 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry);
 static void qp_post_locked(rqp *q, kvf_queue *retry) {
     kvf_ctx *c = q->ch->c;
     while (qp_live(q->state) && q->backlog.count && q->head - q->tail < q->depth &&
-           (q->inflight < max_inflight || q->head == q->tail)) {
+           (q->inflight < MAX_INFLIGHT_BYTES || q->head == q->tail)) {
         size_t room = q->depth - (size_t)(q->head - q->tail);
         if (room > CHAIN) room = CHAIN;
         /* take slices while the byte budget lasts (at least one) */
         size_t want = 0;
-        uint64_t budget = q->inflight < max_inflight ? max_inflight - q->inflight : 0;
+        uint64_t budget = q->inflight < MAX_INFLIGHT_BYTES ? MAX_INFLIGHT_BYTES - q->inflight : 0;
         for (size_t i = 0; i < room && i < q->backlog.count; i++) {
             uint64_t l = q->backlog.ring[(q->backlog.head + i) % q->backlog.cap].len;
             if (want && l > budget) break;
@@ -301,12 +297,12 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
         if (m == 0) continue;
         for (size_t j = 0; j < m; j++) {
             wr[j].next = j + 1 < m ? &wr[j + 1] : NULL;
-            /* signalled: every SIGNAL_EVERY-th or signal_bytes, and the
+            /* signalled: every SIGNAL_EVERY-th or SIGNAL_BYTES, and the
              * chain's last, so that the oldest posted slice always has a
              * signalled one after it */
             q->unsig++;
             q->unsig_bytes += sge[j].length;
-            if (q->unsig >= SIGNAL_EVERY || q->unsig_bytes >= signal_bytes || j + 1 == m) {
+            if (q->unsig >= SIGNAL_EVERY || q->unsig_bytes >= SIGNAL_BYTES || j + 1 == m) {
                 wr[j].send_flags = IBV_SEND_SIGNALED;
                 q->unsig = 0;
                 q->unsig_bytes = 0;
@@ -638,10 +634,6 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     if (!d) return NULL;
     const char *env = getenv("KVFLOW_RDMA_SPIN_NS");
     if (env && *env) spin_ns = strtoull(env, NULL, 10);
-    env = getenv("KVFLOW_RDMA_INFLIGHT_BYTES");
-    if (env && *env && strtoull(env, NULL, 10) > 0) max_inflight = strtoull(env, NULL, 10);
-    env = getenv("KVFLOW_RDMA_SIGNAL_BYTES");
-    if (env && *env && strtoull(env, NULL, 10) > 0) signal_bytes = strtoull(env, NULL, 10);
     d->c = c;
     d->ev = ev;
     d->ctx = ctx;
