@@ -17,7 +17,7 @@ from kvflow.errors import (
 from kvflow.arrays import entry_of, expand_strided
 from kvflow.handshake import Descriptor, clip, encode, field, read_message, regions_from_wire
 from kvflow.memory import RemoteRegion
-from kvflow.transfer import Transfer
+from kvflow.transfer import Transfer, batch_error
 
 if TYPE_CHECKING:
     from kvflow.engine import Engine
@@ -183,9 +183,7 @@ class Peer:
             if mine is not None:
                 status, entry = mine
                 if status:
-                    raise status_error(status, peer=self.address, op=op,
-                                       index=entry if first is None else entry_of(first, entry),
-                                       devices=self._engine._rdma_device_names())
+                    raise batch_error(self._engine, self.address, op, status, entry, first)
                 return
         t = self._track(batch_id, op, aux, timeout)
         t._first_piece = first

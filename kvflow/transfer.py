@@ -127,15 +127,22 @@ class Transfer:
         elif status == 0:
             self._future.set_result(None)
         else:
-            if self._first_piece is not None:
-                entry = entry_of(self._first_piece, entry)
-            self._future.set_exception(status_error(status, peer=self._peer, index=entry, op=self._op,
-                                                    devices=self._engine._rdma_device_names()))
+            self._future.set_exception(batch_error(self._engine, self._peer, self._op, status, entry,
+                                                   self._first_piece))
 
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "pending"
         op = "write" if self._op == 0 else "read"
         return f"<kvflow.Transfer {op} {self.nbytes} B to {self._peer} {state}>"
+
+
+def batch_error(engine: "Engine", peer: str, op: int, status: int, entry: int,
+                first_piece: Any) -> KVFlowError:
+    """The error of a batch that finished with `status`, naming the entry
+    the caller passed (a strided entry, not its piece)."""
+    if first_piece is not None:
+        entry = entry_of(first_piece, entry)
+    return status_error(status, peer=peer, index=entry, op=op, devices=engine._rdma_device_names())
 
 
 def _silence(fut: asyncio.Future[None]) -> None:
