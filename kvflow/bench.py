@@ -565,24 +565,32 @@ class RunResult:
 class _RunState:
     """Shared by the slot coroutines of one run; all on the loop thread."""
 
-    __slots__ = ("record_from_ns", "deadline_ns", "budget", "stop", "bytes_done", "bytes_measured",
-                 "first_start_ns", "last_end_ns")
+    __slots__ = ("measuring", "phase_start_ns", "deadline_ns", "budget", "stop", "bytes_done",
+                 "bytes_measured", "first_start_ns", "last_end_ns")
 
-    def __init__(self, record_from_ns: int, deadline_ns: int, budget: Optional[int]) -> None:
-        # Batches that start at or after record_from_ns are measured (the ones
-        # before are warmup); none starts at or after deadline_ns.
-        self.record_from_ns = record_from_ns
-        self.deadline_ns = deadline_ns
+    def __init__(self, budget: Optional[int]) -> None:
+        # Two phases: warmup, then the measured one. Every slot finishes its
+        # warmup batches before any measured batch starts (as the baselines
+        # in tools/ do): a warmup batch still in flight would take bandwidth
+        # from the measured window. No batch of a phase starts at or after
+        # its deadline_ns.
+        self.measuring = False
+        self.phase_start_ns = time.perf_counter_ns()
+        self.deadline_ns = 1 << 62
         # Batches left to issue with --total-bytes; None with --duration.
         self.budget = budget
         self.stop = False
         self.bytes_done = 0
         self.bytes_measured = 0
         # The measured window: from the first measured batch's start to the
-        # last one's end (not from record_from_ns: a warmup batch that ends
-        # long after it would count as measured time with no bytes).
+        # last one's end.
         self.first_start_ns = 1 << 62
         self.last_end_ns = 0
+
+    def start_phase(self, measuring: bool, seconds: Optional[float]) -> None:
+        self.measuring = measuring
+        self.phase_start_ns = time.perf_counter_ns()
+        self.deadline_ns = 1 << 62 if seconds is None else self.phase_start_ns + int(seconds * 1e9)
 
 
 # A slot yields to the loop at least this often even if the engine completes
@@ -599,24 +607,25 @@ async def _drive_slot(
     timeout: Optional[float],
     batch_bytes: int,
     state: _RunState,
-    latencies: list[int],
+    latencies: Optional[list[int]],
 ) -> None:
+    """Runs one slot's batches back to back until the phase's deadline (or
+    budget); `latencies` None: the warmup phase, nothing recorded."""
     # The hot loop: arrays are built once, names are bound to locals, and the
     # only per-batch allocation is the latency int, so what is measured is the
     # engine, not this loop. The loop checks the clock itself rather than
     # waiting for a timer task, which an inline-completing engine would starve.
     perf_ns = time.perf_counter_ns
-    record = latencies.append
-    record_from_ns = state.record_from_ns
     deadline_ns = state.deadline_ns
+    measured = latencies is not None
+    record = latencies.append if latencies is not None else None
     countdown = _YIELD_EVERY
     while not state.stop:
         started = perf_ns()
         # Past the deadline, stop, but only once this slot has measured a
         # batch: a batch longer than the whole window still gets measured.
-        if started >= deadline_ns and latencies:
+        if started >= deadline_ns and (latencies or not measured):
             return
-        measured = started >= record_from_ns
         if measured and state.budget is not None:
             if state.budget <= 0:
                 return
@@ -624,7 +633,7 @@ async def _drive_slot(
         await transfer(local, remote, lengths, timeout=timeout)
         ended = perf_ns()
         state.bytes_done += batch_bytes
-        if measured:
+        if record is not None:
             record(ended - started)
             state.bytes_measured += batch_bytes
             if started < state.first_start_ns:
@@ -648,7 +657,7 @@ async def _show_progress(state: _RunState, args: argparse.Namespace, label: str,
             now_ns, done = perf_ns(), state.bytes_done
             rate = (done - last_bytes) / max(now_ns - last_ns, 1)  # bytes/ns == GB/s
             last_ns, last_bytes = now_ns, done
-            if now_ns < state.record_from_ns:
+            if not state.measuring:
                 shown = done
                 phase = f"warmup {(now_ns - begun_ns) / 1e9:4.1f}/{args.warmup:g} s"
             elif args.total_bytes is not None:
@@ -656,7 +665,7 @@ async def _show_progress(state: _RunState, args: argparse.Namespace, label: str,
                 phase = f"of {format_size(args.total_bytes)}"
             else:
                 shown = state.bytes_measured
-                phase = f"{(now_ns - state.record_from_ns) / 1e9:5.1f}/{args.duration:g} s"
+                phase = f"{(now_ns - state.phase_start_ns) / 1e9:5.1f}/{args.duration:g} s"
             line = f"\r{label}  {format_size(shown):>11}  {rate:8.3f} GB/s  {phase}"
             width = max(width, len(line))
             stream.write(line.ljust(width))
@@ -689,35 +698,39 @@ async def measure(
     per_slot: list[list[int]] = [[] for _ in range(layout.concurrency)]
     slot_arrays = [layout.slot_arrays(i, local_base, remote_base) for i in range(layout.concurrency)]
 
-    record_from_ns = time.perf_counter_ns() + int(args.warmup * 1e9)
-    deadline_ns = 1 << 62  # beyond any perf_counter_ns()
-    if args.total_bytes is None:
-        deadline_ns = record_from_ns + int(args.duration * 1e9)
-    state = _RunState(record_from_ns, deadline_ns, budget)
+    state = _RunState(budget)
     helpers: list[asyncio.Task[None]] = []
     if progress is not None:
         label = f"{args.op} {format_size(layout.block_size)} x{layout.batch}"
         helpers.append(loop.create_task(_show_progress(state, args, label, progress)))
-    slots = [
-        loop.create_task(
-            _drive_slot(transfer, *arrays, args.timeout, layout.batch_bytes, state, latencies)
-        )
-        for arrays, latencies in zip(slot_arrays, per_slot)
-    ]
+
+    async def phase(measuring: bool, seconds: Optional[float]) -> None:
+        state.start_phase(measuring, seconds)
+        slots = [
+            loop.create_task(_drive_slot(transfer, *arrays, args.timeout, layout.batch_bytes, state,
+                                         latencies if measuring else None))
+            for arrays, latencies in zip(slot_arrays, per_slot)
+        ]
+        try:
+            done, pending = await asyncio.wait(slots, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [task for task in done if not task.cancelled() and task.exception() is not None]
+            if failed:
+                # Let the others complete the batch they have in flight (bounded
+                # by --timeout) rather than cancel transfers mid-way.
+                state.stop = True
+                await asyncio.gather(*pending, return_exceptions=True)
+                raise failed[0].exception()  # type: ignore[misc]
+        finally:
+            for task in slots:
+                task.cancel()
+            await asyncio.gather(*slots, return_exceptions=True)
+
     try:
-        done, pending = await asyncio.wait(slots, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [task for task in done if not task.cancelled() and task.exception() is not None]
-        if failed:
-            # Let the others complete the batch they have in flight (bounded
-            # by --timeout) rather than cancel transfers mid-way.
-            state.stop = True
-            await asyncio.gather(*pending, return_exceptions=True)
-            raise failed[0].exception()  # type: ignore[misc]
+        if args.warmup > 0:
+            await phase(False, args.warmup)
+        await phase(True, args.duration if args.total_bytes is None else None)
     finally:
         state.stop = True
-        for task in slots:
-            task.cancel()
-        await asyncio.gather(*slots, return_exceptions=True)
         await _cancel_all(helpers)
 
     batches = sum(len(latencies) for latencies in per_slot)

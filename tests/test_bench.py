@@ -1,0 +1,111 @@
+"""kvflow-bench, run as users run it: real target processes, real sockets.
+What it reports is checked against what it was asked to move, and --verify
+against the target's memory (a checksum the target computes itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvflow.bench import Layout
+
+FIELDS = {"protocol", "op", "block_size", "batch", "bytes", "seconds", "gbps",
+          "latency_p50_us", "latency_p99_us", "entries_per_s"}
+TIMEOUT = 120
+
+
+def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, "-m", "kvflow.bench", *args], capture_output=True, text=True,
+                       timeout=TIMEOUT, env=env, stdin=subprocess.DEVNULL)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def results(p: subprocess.CompletedProcess[str]) -> list[dict]:
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("protocol,op", [("tcp", "write"), ("tcp", "read"), ("local", "write")])
+def test_pair_moves_exactly_the_bytes_asked_and_they_verify(protocol, op):
+    total = 8 << 20
+    r, = results(bench("pair", "--protocol", protocol, "--op", op, "--block-size", "64K", "--batch", "16",
+                       "--total-bytes", str(total), "--warmup", "0.1", "--verify", "--json", "--no-progress"))
+    assert FIELDS <= set(r)
+    assert (r["protocol"], r["op"], r["block_size"], r["batch"]) == (protocol, op, 65536, 16)
+    assert r["bytes"] == total                      # 8 batches of 1 MiB, no more (the budget)
+    assert r["verified"] is True
+    assert r["seconds"] > 0 and r["gbps"] == pytest.approx(total / r["seconds"] / 1e9, rel=0.01)
+    assert 0 < r["latency_p50_us"] <= r["latency_p99_us"]
+    assert r["entries_per_s"] == pytest.approx(total / 65536 / r["seconds"], rel=0.01)
+
+
+def test_sweep_with_scattered_entries_reports_one_row_per_size():
+    rows = results(bench("pair", "--protocol", "tcp", "--block-size", "4K,64K", "--sweep", "--scatter",
+                         "--batch", "8", "--duration", "0.3", "--warmup", "0.1", "--verify", "--json",
+                         "--no-progress"))
+    assert [r["block_size"] for r in rows] == [4096, 65536]
+    for r in rows:
+        assert r["verified"] is True
+        # a whole number of batches, measured after the warmup was drained
+        assert r["bytes"] % (8 * r["block_size"]) == 0 and r["bytes"] > 0
+
+
+def test_target_and_initiator_as_separate_processes():
+    target = subprocess.Popen([sys.executable, "-m", "kvflow.bench", "target", "--listen", "127.0.0.1:0",
+                               "--buffer-size", "4M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        line = target.stdout.readline()
+        assert line.startswith("KVFLOW_TARGET "), line + target.stderr.read()
+        address = line.split()[1]
+        r, = results(bench("initiator", "--target", address, "--protocol", "tcp", "--block-size", "16K",
+                           "--batch", "4", "--total-bytes", "1M", "--verify", "--json", "--no-progress"))
+        assert r["bytes"] == 1 << 20 and r["verified"] is True
+    finally:
+        target.terminate()
+        assert target.wait(timeout=30) == 0
+
+
+def test_human_output_is_a_table():
+    p = bench("pair", "--protocol", "tcp", "--block-size", "4K", "--batch", "4", "--total-bytes", "64K",
+              "--no-progress")
+    header = [line for line in p.stdout.splitlines() if line.startswith("protocol")]
+    assert header and "GB/s" in header[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--block-size", "0"], "size must be positive"),
+    (["--batch", "0"], "--batch"),
+    (["--protocol", "carrier-pigeon"], "--protocol"),
+])
+def test_bad_options_are_refused_with_a_message(args, message):
+    p = bench("pair", *args, check=False)
+    assert p.returncode == 2
+    assert message in p.stderr
+
+
+def test_an_unreachable_target_is_a_clear_error():
+    p = bench("initiator", "--target", "127.0.0.1:1", "--total-bytes", "64K", "--no-progress", check=False)
+    assert p.returncode != 0
+    assert "127.0.0.1:1" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_layout_wraps_inside_max_region_and_slots_do_not_overlap():
+    layout = Layout(block_size=16 << 20, batch=64, concurrency=2, scatter=False, max_region=256 << 20)
+    assert layout.distinct_entries == 16 and layout.span == 256 << 20
+    local, remote, lengths = layout.slot_arrays(1, 0x1000, 0x2000)
+    assert (local - 0x1000 == remote - 0x2000).all()
+    assert int((local - 0x1000).max()) + (16 << 20) <= layout.span
+    assert (lengths == 16 << 20).all()
+    small = Layout(block_size=4096, batch=8, concurrency=2, scatter=True, max_region=256 << 20)
+    a = small.slot_arrays(0, 0, 0)[0]
+    b = small.slot_arrays(1, 0, 0)[0]
+    assert not set(a.tolist()) & set(b.tolist())       # each slot its own entries
+    assert np.all(np.diff(np.sort(np.concatenate([a, b]))) == 2 * 4096)   # a gap after each
