@@ -27,6 +27,12 @@ Points (all `write`, one device, initiator and target on the same rxe port):
         trip (ping-pong / 2), so the row "2x ib_write_lat" doubles it and that
         is the reference kvflow is divided by.
 
+Column "retx": the device's retransmissions during the measurement
+(hw_counters completer_retry_err, which rxe counts when its RC ACK timer ran
+out and it sent a message again: the requester and responder share the
+device, so this is every engine's own stall, not noise from the others);
+the other non-zero counter deltas are in --json.
+
 Columns: "kvflow / ceiling" = kvflow's metric / ib_write_bw's (bw) or / 2x
 ib_write_lat's (lat); "kvflow / best Mooncake" = kvflow / the better of the
 two Mooncake configs.  GB/s: >1 favours kvflow; latency: <1 favours kvflow.
@@ -129,6 +135,28 @@ def plan(args) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- running
+def hw_counters(device: str, port: int = 1) -> dict[str, int]:
+    """The device port's hardware counters (rxe: packets, retries, sequence
+    errors); {} where the driver has none."""
+    base = f"/sys/class/infiniband/{device}/ports/{port}/hw_counters"
+    out = {}
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            with open(os.path.join(base, name)) as f:
+                out[name] = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def counter_deltas(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in sorted(after) if k in before and after[k] != before[k]}
+
+
 def _tail(text: str, n: int = 300) -> str:
     """The last meaningful line of a tool's output (Mooncake logs one INFO line per batch)."""
     lines = [ln.strip() for ln in (text or "").splitlines()
@@ -273,6 +301,7 @@ def measure(p: dict, args) -> dict:
     metric, higher = METRIC[p["group"]]
     best, runs = None, []
     for _ in range(args.repeat):
+        before = hw_counters(args.device)
         r = run_json(p, timeout) if p["kind"] == "json" else run_perftest(p, timeout)
         if r["status"] != "ok" and p.get("fallback"):
             config, cmd = p["fallback"]
@@ -283,6 +312,9 @@ def measure(p: dict, args) -> dict:
             else:
                 r2["error"] = f"{r['error']}; retry with {config}: {r2['error']}"
             r = r2
+        r["counters"] = counter_deltas(before, hw_counters(args.device))
+        if before:
+            r["retx"] = r["counters"].get("completer_retry_err", 0)
         runs.append(r.get(metric) if r["status"] == "ok" else r["status"])
         if best is None or (r["status"] == "ok" and (
                 best["status"] != "ok" or (r[metric] > best[metric]) == higher)):
@@ -337,7 +369,7 @@ def add_derived(rows: list[dict]) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- output
-COLS = ("group", "point", "engine", "config", "GB/s", "entries/s", "p50 us", "p99 us",
+COLS = ("group", "point", "engine", "config", "GB/s", "entries/s", "p50 us", "p99 us", "retx",
         "kvflow / ceiling", "kvflow / best Mooncake")
 LEGEND = ("bw: GB/s = 10^9 B/s, batch of 64 writes, ratios >1 favour kvflow; ceiling = "
           "ib_write_bw at the same block size.  lat: one 4 KiB write awaited to completion "
@@ -350,7 +382,8 @@ def cells(r: dict) -> list[str]:
     vals = metric_cells(r, "{:.4f}")
     ceil = f"{r['vs_ceiling']:.2f}x" if "vs_ceiling" in r else ""
     mc = f"{r['vs_best_mooncake']:.2f}x ({r['best_mooncake']})" if "vs_best_mooncake" in r else ""
-    return [r["group"], r["point"], r["engine"], r["config"]] + vals + [ceil, mc]
+    retx = str(r["retx"]) if "retx" in r else ""
+    return [r["group"], r["point"], r["engine"], r["config"]] + vals + [retx, ceil, mc]
 
 
 def render(rows: list[dict], markdown: bool) -> str:
@@ -437,7 +470,7 @@ def main(argv=None) -> int:
         metric = METRIC[pt["group"]][0]
         shown = r.get(metric) if r.get("status") == "ok" else r.get("status")
         log(f"[{i}/{len(points)} {time.monotonic() - t0:5.0f}s] {pt['point']:18} {pt['engine']:12} "
-            f"{pt['config']:22} {metric}={shown}" + (f"  ({r['error']})" if r.get("error") else ""))
+            f"{pt['config']:22} {metric}={shown} retx={r.get('retx', '-')}" + (f"  ({r['error']})" if r.get("error") else ""))
     rows = add_derived(rows)
     wall = time.monotonic() - t0
     print(render(rows, args.markdown))
