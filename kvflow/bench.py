@@ -417,6 +417,8 @@ def _make_engine(args: argparse.Namespace, listen: str) -> kvflow.Engine:
         protocols=protocols,
         secret=args.secret or os.environ.get(SECRET_ENV) or None,
         tcp_connections=args.tcp_connections,
+        **{key: value for key, value in (("slice_size", args.slice_size),
+                                         ("rdma_slice_size", args.rdma_slice_size)) if value is not None},
     )
 
 
@@ -993,6 +995,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "on another host must listen where the target can reach it for --verify")
     group.add_argument("--tcp-connections", type=count, default=2, metavar="N",
                        help="TCP connections per peer (default %(default)s)")
+    group.add_argument("--slice-size", type=size, default=None, metavar="SIZE",
+                       help="tcp/local slice size (default: the engine's, 1 MiB)")
+    group.add_argument("--rdma-slice-size", type=size, default=None, metavar="SIZE",
+                       help="bytes per rdma work request at most (default: the engine's, 256 KiB)")
     group.add_argument("--secret", default=None, metavar="TEXT",
                        help=f"shared secret for peer authentication (or ${SECRET_ENV})")
     group.add_argument("--seed", type=int, default=1, metavar="N", help="fill-pattern seed (default %(default)s)")
