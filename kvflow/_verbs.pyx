@@ -557,14 +557,30 @@ cdef class RdmaChannel(Channel):
 
     def replace_qp(self, int index, Qp qp, bint up=True):
         """Puts a newly connected QP in place of broken QP `index`; with
-        up=False it carries only post_one() work (its probe) until qp_up()."""
+        up=False it carries only post_one() work (its probe) until qp_up().
+        A QP destroyed with its device (QP_GONE) takes a QP of the device
+        reopened under the same index (another Device object): the slot
+        moves to it, with its share of that device's completion queue."""
         if self.ch == NULL:
             raise VerbsError("channel closed")
-        cdef kvf_ctx *kc = qp.dev.kc
+        cdef Device d = qp.dev
+        cdef int depth = self.depths[index]
+        cdef int rc
+        moved = d is not self.devs[index]
+        if moved and not d.reserve(depth):
+            return False               # `qp` stays the caller's to destroy
         cdef ibv_qp *q = qp.take()
-        if kvf_rdma_chan_replace_qp(self.ch, index, q, up) != KVF_OK:
-            kvf_rdma_destroy_qp(kc, q)
+        with self.use_lock:            # leaving QP_GONE: never at once with close() or drop_device()
+            rc = KVF_ECLOSED
+            if self.ch != NULL:
+                rc = kvf_rdma_chan_replace_qp(self.ch, index, d.dev, q, up)
+        if rc != KVF_OK:
+            kvf_rdma_destroy_qp(d.kc, q)
+            if moved:
+                d.release(depth)
             return False
+        if moved:
+            self.devs[index] = d       # the closed one's share went with it
         return True
 
     def qp_up(self, int index):

@@ -31,8 +31,10 @@
 #define SIGNAL_BYTES (MAX_INFLIGHT_BYTES / 4)
 
 /* PROBING: reconnected, carrying only its probe until kvf_rdma_chan_qp_up.
- * GONE: its device was removed; the verbs QP is destroyed, q->dev must not
- * be touched any more (it is freed), and it is never replaced. */
+ * GONE: its device was removed; the verbs QP is destroyed and q->dev must
+ * not be touched any more (it is freed). Only kvf_rdma_chan_replace_qp
+ * leaves GONE, with a QP of the device reopened under the same index, on
+ * the control thread, holding ch->mu and q->mu. */
 enum { QP_UP = 1, QP_BROKEN = 0, QP_CLOSED = -1, QP_PROBING = 2, QP_GONE = -2 };
 
 static inline int qp_live(int state) { return state == QP_UP || state == QP_PROBING; }
@@ -389,12 +391,13 @@ static int resolve_keys_locked(kvf_rdma_chan *ch, kvf_slice *s, uint32_t dev, ui
     return KVF_OK;
 }
 
-/* Every QP of the channel destroyed with its device (none can ever come
- * back): a slice waiting for one would wait for ever. Caller holds ch->mu.
- * q->state is read without q->mu: GONE and CLOSED are final states, set
- * once under q->mu and never left, so a stale read can only miss a QP that
- * is becoming GONE this instant (kvf_rdma_chan_drop_dev then fails what was
- * parked meanwhile). */
+/* Every QP of the channel destroyed with its device (none comes back
+ * unless its device does, and the control path closes such a channel):
+ * a slice waiting for one would wait for ever. Caller holds ch->mu.
+ * q->state is read without q->mu: CLOSED is final, and GONE is set under
+ * q->mu and left only under ch->mu as well (held here), so a stale read can
+ * only miss a QP that is becoming GONE this instant (kvf_rdma_chan_drop_dev
+ * then fails what was parked meanwhile). */
 static int chan_all_gone_locked(const kvf_rdma_chan *ch) {
     if (ch->nqps == 0) return 0;          /* still being connected */
     for (int i = 0; i < ch->nqps; i++)
@@ -745,6 +748,25 @@ kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t 
     return ch;
 }
 
+/* Puts QP q in a free slot of device d's table, where its completions find
+ * it (the slot is part of each wr_id); MAX_SLOTS when the table is full. */
+static uint32_t dev_slot_take(kvf_rdma_dev *d, rqp *q) {
+    pthread_mutex_lock(&d->mu);
+    uint32_t slot = MAX_SLOTS;
+    for (uint32_t i = 0; i < MAX_SLOTS; i++) if (!d->slots[i]) { slot = i; break; }
+    if (slot < MAX_SLOTS) d->slots[slot] = q;
+    pthread_mutex_unlock(&d->mu);
+    return slot;
+}
+
+/* Takes QP q off device d's table: d's worker no longer finds it, and
+ * taking q->mu afterwards waits for a worker that already did. */
+static void dev_slot_drop(kvf_rdma_dev *d, uint32_t slot, rqp *q) {
+    pthread_mutex_lock(&d->mu);
+    if (d->slots[slot] == q) d->slots[slot] = NULL;
+    pthread_mutex_unlock(&d->mu);
+}
+
 int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
                          uint32_t depth) {
     /* a device already closed (freed: nothing to index) or no QP */
@@ -761,19 +783,13 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     q->rdev = rdev;
     q->depth = depth;
     q->state = QP_UP;
-    pthread_mutex_lock(&dev->mu);
-    uint32_t slot = MAX_SLOTS;
-    for (uint32_t i = 0; i < MAX_SLOTS; i++) if (!dev->slots[i]) { slot = i; break; }
-    if (slot < MAX_SLOTS) dev->slots[slot] = q;
-    pthread_mutex_unlock(&dev->mu);
+    uint32_t slot = dev_slot_take(dev, q);
     if (slot == MAX_SLOTS) goto fail;
     q->slot = slot;
     pthread_mutex_lock(&ch->mu);
     if (ch->closed || ch->nqps == MAX_QPS) {
         pthread_mutex_unlock(&ch->mu);
-        pthread_mutex_lock(&dev->mu);
-        dev->slots[slot] = NULL;
-        pthread_mutex_unlock(&dev->mu);
+        dev_slot_drop(dev, slot, q);
         goto fail;
     }
     q->index = ch->nqps;
@@ -795,12 +811,34 @@ static rqp *chan_qp(kvf_rdma_chan *ch, int index) {
     return q;
 }
 
-int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp, int up) {
+int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, kvf_rdma_dev *dev, struct ibv_qp *qp, int up) {
     rqp *q = chan_qp(ch, index);
-    if (!q) return KVF_EINVAL;
+    if (!q || !dev || dev->index != q->dev_index) return KVF_EINVAL;
+    /* A QP destroyed with its device (GONE) moves to the device reopened
+     * under its index: first a slot in the new device's table (nothing of
+     * it completes there before it posts), then q->dev and q->slot. The
+     * unlocked read is stable: GONE is set by kvf_rdma_chan_drop_dev and
+     * left only here, both on the control thread (RdmaChannel's use_lock). */
+    int gone = q->state == QP_GONE;
+    uint32_t slot = gone ? dev_slot_take(dev, q) : q->slot;
+    if (slot == MAX_SLOTS) return KVF_ENOMEM;
+    /* ch->mu too: submit_poll and chan_all_gone_locked read a GONE QP's
+     * state (and dev) under ch->mu alone */
+    pthread_mutex_lock(&ch->mu);
     pthread_mutex_lock(&q->mu);
-    if (q->state != QP_BROKEN) { pthread_mutex_unlock(&q->mu); return KVF_EINVAL; }
-    kvf_rdma_destroy_qp(ch->c, q->qp);
+    int ok = gone ? q->state == QP_GONE && !ch->closed : q->state == QP_BROKEN && q->dev == dev;
+    if (ok && gone) {
+        q->dev = dev;
+        q->slot = slot;
+        q->state = QP_BROKEN;
+    }
+    pthread_mutex_unlock(&ch->mu);
+    if (!ok) {
+        pthread_mutex_unlock(&q->mu);
+        if (gone) dev_slot_drop(dev, slot, q);
+        return KVF_EINVAL;
+    }
+    if (q->qp) kvf_rdma_destroy_qp(ch->c, q->qp);
     q->qp = qp;
     q->gen = (q->gen + 1) & 0xffff;
     q->head = q->tail = 0;
@@ -851,11 +889,7 @@ int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d) {
     for (int i = 0; i < kvf_rdma_chan_nqps(ch); i++) {
         rqp *q = chan_qp(ch, i);
         if (!q || q->dev != d || q->state == QP_GONE) continue;
-        /* off the device first (as in kvf_rdma_chan_close): its worker no
-         * longer finds the QP, and q->mu waits for one that already did */
-        pthread_mutex_lock(&d->mu);
-        if (d->slots[q->slot] == q) d->slots[q->slot] = NULL;
-        pthread_mutex_unlock(&d->mu);
+        dev_slot_drop(d, q->slot, q);      /* off the device first, as in kvf_rdma_chan_close */
         kvf_queue retry;
         kvf_queue_init(&retry);
         pthread_mutex_lock(&q->mu);
@@ -999,15 +1033,12 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
     kvf_ctx *c = ch->c;
     for (int i = 0; i < nqps; i++) {
         rqp *q = ch->qps[i];
-        /* Without q->mu: GONE is final, and only kvf_rdma_chan_drop_dev
-         * sets it; RdmaChannel serialises drop_device and close with its
-         * use_lock, so no QP becomes GONE while this loop runs. */
+        /* Without q->mu: only kvf_rdma_chan_drop_dev makes a QP GONE and
+         * only kvf_rdma_chan_replace_qp takes it out of GONE; RdmaChannel
+         * serialises both with close by its use_lock, so no QP enters or
+         * leaves GONE while this loop runs. */
         if (q->state == QP_GONE) continue;     /* destroyed with its device, nothing left on it */
-        /* off the device first: the worker cannot find it any more, and
-         * taking q->mu below waits for a worker that already did */
-        pthread_mutex_lock(&q->dev->mu);
-        q->dev->slots[q->slot] = NULL;
-        pthread_mutex_unlock(&q->dev->mu);
+        dev_slot_drop(q->dev, q->slot, q);     /* off the device first */
         pthread_mutex_lock(&q->mu);
         if (q->qp) {
             struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};

@@ -93,9 +93,11 @@ kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t 
  * `rdev`, with `depth` send-queue entries. Returns its index or -1. */
 int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
                          uint32_t depth);
-/* Swaps a broken QP's verbs QP for a newly connected one (the old one is
- * destroyed); up = 1: in service at once, and what waited is posted. */
-int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, struct ibv_qp *qp, int up);
+/* Swaps a broken QP's verbs QP for a newly connected one on `dev` (the old
+ * one is destroyed); up = 1: in service at once, and what waited is posted.
+ * `dev` is the QP's device, or, for a QP destroyed with its device
+ * (QP_GONE), the device reopened under the same index: the QP moves to it. */
+int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, kvf_rdma_dev *dev, struct ibv_qp *qp, int up);
 /* A replaced QP that was not put up at once (up = 0) carries only
  * kvf_rdma_post_one work (its probe) until this puts it up and posts what
  * waited. */
@@ -125,7 +127,8 @@ int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch);
 /* Device `d` is gone (removed or fatal): destroys the channel's QPs on it
  * at once (what they carried goes to the other devices' QPs) and leaves
- * them QP_GONE, never repaired. Returns how many there were. */
+ * them QP_GONE: repaired only if the device is reopened (replace_qp).
+ * Returns how many there were. */
 int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d);
 /* Fails everything queued or in flight (KVF_ELOST) after destroying the QPs,
  * so nothing more touches memory. Idempotent. */
