@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import weakref
+from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, Sequence
 
 import numpy as np
@@ -514,8 +515,13 @@ class Engine:
                 peer._set_regions(mine)
         if not self._sessions:
             return
-        frame = encode({"t": "regions", "generation": self._generation,
-                        "regions": regions_to_wire(self._remote_regions())})
+        msg = {"t": "regions", "generation": self._generation,
+               "regions": regions_to_wire(self._remote_regions())}
+        if self._rdma is not None:
+            # the devices in service and the probe keys: they change when a
+            # device comes back (Peer._on_regions; absent: unchanged)
+            msg["rdma"] = self._rdma.describe()
+        frame = encode(msg)
         for w in list(self._sessions):
             if w.is_closing():
                 continue
@@ -525,6 +531,17 @@ class Engine:
                 w.close()
                 continue
             w.write(frame)
+
+    def _rdma_rekeyed(self, keys: dict[int, tuple[list[int], list[int]]]) -> None:
+        """The rdma provider registered every region again on a device that
+        came back: region id -> (lkeys, rkeys) per device. The native table
+        gets the lkeys, the regions the rkeys, and peers both (pushed)."""
+        for rid, (lkeys, rkeys) in keys.items():
+            region = self._regions.get(rid)
+            if region is not None:
+                self._core.set_keys(rid, lkeys)
+                self._regions[rid] = replace(region, rkeys=tuple(rkeys))
+        self._regions_changed()
 
     def descriptor(self) -> Descriptor:
         ident = _process_identity()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvflow import _core
@@ -15,7 +16,15 @@ from kvflow.errors import (
     status_error,
 )
 from kvflow.arrays import entry_of, expand_strided
-from kvflow.handshake import Descriptor, clip, encode, field, read_message, regions_from_wire
+from kvflow.handshake import (
+    Descriptor,
+    clip,
+    encode,
+    field,
+    rdma_from_wire,
+    read_message,
+    regions_from_wire,
+)
 from kvflow.memory import RemoteRegion
 from kvflow.transfer import Transfer, batch_error
 
@@ -117,6 +126,19 @@ class Peer:
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
         self._regions = regions
+
+    def _on_regions(self, msg: dict[str, Any]) -> None:
+        """A "regions" push: the peer's regions (with their rkeys) and, from
+        an rdma engine, the rdma part of its descriptor (devices in service,
+        probe keys), which change when one of its devices comes back; an
+        engine that does not send it leaves it unchanged."""
+        regions = regions_from_wire(field(msg, "regions", list))
+        rdma = rdma_from_wire(msg.get("rdma"))
+        self._set_regions(regions)
+        if rdma is not None:
+            self.descriptor = replace(self.descriptor, rdma=rdma)
+            if self.transport == "rdma" and self._engine._rdma is not None:
+                self._engine._rdma.peer_changed(self)
 
     async def refresh(self, *, timeout: float = 10.0) -> None:
         """Fetches the peer's descriptor again (regions)."""
@@ -280,7 +302,7 @@ class Peer:
                 if m.get("rid") == self._rid:
                     return m
                 if m["t"] == "regions":
-                    self._set_regions(regions_from_wire(field(m, "regions", list)))
+                    self._on_regions(m)
                 else:
                     raise ProtocolError(f"{self.address}: unexpected {m['t']!r} while connecting",
                                         peer=self.address)
@@ -330,7 +352,7 @@ class Peer:
                 if t == "pong":
                     continue
                 if t == "regions":
-                    self._set_regions(regions_from_wire(field(msg, "regions", list)))
+                    self._on_regions(msg)
                 elif t == "descriptor":
                     d = Descriptor.from_wire(msg.get("descriptor"))
                     self.descriptor = d

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import numpy as np
@@ -51,6 +52,7 @@ DEAD_AFTER = 10.0              # no QP of a peer up this long (at least keepaliv
 NOTIFY_SLOTS = 64              # registered send buffers for notifications
 LARGE_REGION = 64 << 20        # registrations at least this big are logged with their time
 DEVICE_CHECK = 2.0             # seconds between checks that each device still exists (uevents are faster)
+REOPEN_RETRY = 0.1             # first wait before opening a returning device again (doubles to DEVICE_CHECK)
 NETLINK_KOBJECT_UEVENT = 15    # linux/netlink.h: the kernel's device add/remove announcements
 ACK_TIMEOUT_HW = 14            # RC ACK timeout exponents, see choose_ack_timeout()
 ACK_TIMEOUT_SOFT = 17
@@ -105,6 +107,19 @@ def _ordered(names: list[str], topology: Topology | None, location: str) -> list
     return [n for n in preferred if n in names] or [n for n in fallback if n in names] or names
 
 
+@dataclass
+class Registration:
+    """One range registered on every device (0s where a device is gone):
+    what it takes to register it again on a device that comes back. The
+    key lists are updated in place."""
+    addr: int
+    length: int
+    flags: int
+    handles: list[int]
+    lkeys: list[int]
+    rkeys: list[int]
+
+
 def _pairs(local: list[str], mine: list[str], remote: list[str], theirs: list[str]) -> list[tuple[int, int]]:
     """Device pairs (local index, remote index): each end's devices for its
     memory, in its published order, paired rail i to rail i (the shorter
@@ -127,6 +142,8 @@ class RdmaProvider:
         if not names:
             raise ProviderUnavailableError("no RDMA device on this host")
         self._engine = engine
+        self._gid_index = gid_index              # the options a returning device is reopened with
+        self._ack_timeout = ack_timeout
         # before anything is opened: a bad override is the caller's error
         timeouts = {name: choose_ack_timeout(name, ack_timeout) for name in names[:8]}
         self.events = _verbs.Events()
@@ -146,7 +163,7 @@ class RdmaProvider:
             log.warning("kvflow: rdma device skipped: %s", p)
         self.qps_per_pair = qps_per_pair
         self.slice_size = slice_size
-        self._mrs: dict[int, list[int]] = {}             # region id -> MR handle per device
+        self._mrs: dict[int, Registration] = {}          # region id -> its MRs
         self._targets: dict[tuple[int, int], tuple[str, Any]] = {}   # (dev, qpn) -> (peer, Qp)
         self._session_qps: dict[Any, list[tuple[int, int]]] = {}
         self._channels: dict[int, tuple["Peer", Any]] = {}            # token -> (peer, channel)
@@ -163,6 +180,14 @@ class RdmaProvider:
         self.device_down: dict[int, str] = {}
         self.device_gone: set[int] = set()
         self.device_down_at: dict[int, float] = {}                    # loop time it went out of service
+        # A gone device seen removed (its node gone, or its name unlisted)
+        # is reopened when its name is listed again; one retired for a
+        # fatal error and never removed stays closed.
+        self._removed: set[int] = set()
+        self._reopen_failed: dict[int, str] = {}                      # index -> why (logged once)
+        self._reopen_timer: asyncio.TimerHandle | None = None
+        self._reopen_delay = REOPEN_RETRY
+        self._names_seen = set(_verbs.device_names())                  # a new one is logged once
         self._device_back: dict[int, asyncio.Event] = {}
         self._uevents: socket.socket | None = None
         self._async_fds: dict[int, int] = {}                           # device index -> watched async fd
@@ -175,7 +200,7 @@ class RdmaProvider:
         self._notify_buf = np.zeros(NOTIFY_SLOTS * _verbs.RECV_BYTES, dtype=np.uint8)
         self._notify_free = list(range(NOTIFY_SLOTS))
         self._notify_sem = asyncio.Semaphore(NOTIFY_SLOTS)
-        self._internal: list[tuple[list[int], list[int], list[int]]] = []
+        self._internal: list[Registration] = []
         self.probe_keys = self._register_internal(self._probe, Access.READ)
         self.landing_keys = self._register_internal(self._probe_landing, Access.READ | Access.WRITE)
         self.notify_keys = self._register_internal(self._notify_buf, Access.READ)
@@ -195,48 +220,46 @@ class RdmaProvider:
             flags |= _verbs.ACCESS_REMOTE_READ
         return flags
 
-    def _reg_all(self, addr: int, length: int, flags: int) -> tuple[list[int], list[int], list[int]]:
-        handles: list[int] = []
-        lkeys: list[int] = []
-        rkeys: list[int] = []
+    def _reg_all(self, addr: int, length: int, flags: int) -> Registration:
+        reg = Registration(addr, length, flags, [], [], [])
         try:
             for d in self.devices:
-                if d.index in self.device_gone:
-                    handles.append(0)        # nothing there: its QPs are gone too
-                    lkeys.append(0)
-                    rkeys.append(0)
-                    continue
-                h, lkey, rkey = d.register(addr, length, flags)
-                handles.append(h)
-                lkeys.append(lkey)
-                rkeys.append(rkey)
+                # nothing on a gone device (its QPs are gone too): done if it comes back
+                h, lkey, rkey = (0, 0, 0) if d.index in self.device_gone else d.register(addr, length, flags)
+                reg.handles.append(h)
+                reg.lkeys.append(lkey)
+                reg.rkeys.append(rkey)
         except OSError as e:
-            for d, h in zip(self.devices, handles):
-                d.deregister(h)
+            self._release(reg)
             raise InvalidArgumentError(f"rdma cannot register {length} bytes at {addr:#x}: {e}") from None
-        return handles, lkeys, rkeys
+        return reg
+
+    def _release(self, reg: Registration) -> None:
+        for d, h in zip(self.devices, reg.handles):
+            d.deregister(h)
 
     def _register_internal(self, arr: np.ndarray, access: Access) -> tuple[list[int], list[int]]:
         addr = int(arr.__array_interface__["data"][0])
-        handles, lkeys, rkeys = self._reg_all(addr, arr.nbytes, self._flags(access, True))
-        self._internal.append((handles, lkeys, rkeys))
-        return lkeys, rkeys
+        reg = self._reg_all(addr, arr.nbytes, self._flags(access, True))
+        self._internal.append(reg)
+        return reg.lkeys, reg.rkeys
 
     def register(self, rid: int, addr: int, length: int, access: Access, writable: bool
                  ) -> tuple[list[int], list[int], float]:
         """Registers a region on every device: (lkeys, rkeys, seconds)."""
         t0 = time.perf_counter()
-        handles, lkeys, rkeys = self._reg_all(addr, length, self._flags(access, writable))
+        reg = self._reg_all(addr, length, self._flags(access, writable))
         took = time.perf_counter() - t0
-        self._mrs[rid] = handles
+        self._mrs[rid] = reg
         if length >= LARGE_REGION:
             log.info("kvflow: rdma registration of %d MiB on %d device(s) took %.3f s (%.2f GB/s)",
                      length >> 20, len(self.devices), took, length / max(took, 1e-9) / 1e9)
-        return lkeys, rkeys, took
+        return list(reg.lkeys), list(reg.rkeys), took
 
     def deregister(self, rid: int) -> None:
-        for d, h in zip(self.devices, self._mrs.pop(rid, [])):
-            d.deregister(h)
+        reg = self._mrs.pop(rid, None)
+        if reg is not None:
+            self._release(reg)
 
     def describe(self) -> dict[str, Any]:
         # "up": in service. A device whose port is down counts as up only
@@ -487,12 +510,7 @@ class RdmaProvider:
         not reach (another user namespace)."""
         loop = self._engine._loop
         for d in self.devices:
-            try:
-                fd = d.async_fileno()
-                loop.add_reader(fd, self._on_async, d.index)
-                self._async_fds[d.index] = fd     # the fd it was watched by, for remove_reader
-            except OSError as e:
-                log.warning("kvflow: rdma device %s: its events cannot be watched: %s", d.name, e)
+            self._watch(d)
         s = None
         try:
             s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
@@ -508,6 +526,14 @@ class RdmaProvider:
             log.info("kvflow: rdma devices %s: their uverbs nodes are not visible here; removal is noticed "
                      "only through verbs events", ", ".join(d.name for d in self.devices))
         self._device_check = loop.create_task(self._check_loop())
+
+    def _watch(self, d: Any) -> None:
+        try:
+            fd = d.async_fileno()
+            self._engine._loop.add_reader(fd, self._on_async, d.index)
+            self._async_fds[d.index] = fd     # the fd it was watched by, for remove_reader
+        except OSError as e:
+            log.warning("kvflow: rdma device %s: its events cannot be watched: %s", d.name, e)
 
     def _unwatch(self, index: int) -> None:
         fd = self._async_fds.pop(index, None)
@@ -530,15 +556,23 @@ class RdmaProvider:
                 break
             seen = seen or b"infiniband" in msg
         if seen:
-            self._check_gone("a kernel uevent")
+            self._check("a kernel uevent", True)
 
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(DEVICE_CHECK)
-            try:
-                self._check_gone("the periodic check")
-            except Exception:                # never end the watch on one bad check
-                log.exception("kvflow: rdma device check failed")
+            self._check("the periodic check", False)
+
+    def _check(self, via: str, listed: bool) -> None:
+        """Retires the devices that went and reopens the ones that came
+        back; `listed`: look at the device list even if no device is gone
+        (a uevent: a new device is logged)."""
+        try:
+            self._check_gone(via)
+            if listed or self.device_gone:
+                self._check_back(via)
+        except Exception:                    # never end the watch on one bad check
+            log.exception("kvflow: rdma device check failed")
 
     def _check_gone(self, via: str) -> None:
         """Retires every device whose uverbs node is gone or now belongs to
@@ -550,6 +584,80 @@ class RdmaProvider:
         for d in self.devices:
             if d.index not in self.device_gone and d.removed():
                 self._retire(d.index, f"the device was removed; seen through {via}")
+
+    def _check_back(self, via: str) -> None:
+        """Reopens each gone device that was removed and is listed again
+        (added again under its name, or re-created by a driver reset): see
+        _reopen. A device name never seen before is logged once: a running
+        engine does not take up new devices."""
+        names = _verbs.device_names()
+        for name in names:
+            if name not in self._names_seen:
+                self._names_seen.add(name)
+                log.warning("kvflow: rdma device %s appeared after this engine started: the engine does "
+                            "not use it (a new engine does)", name)
+        for index in sorted(self.device_gone):
+            old = self.devices[index]
+            if old.name not in names or old.removed():
+                self._removed.add(index)
+            if index in self._removed and old.name in names:
+                self._reopen(index, via)
+
+    def _reopen(self, index: int, via: str) -> None:
+        """Opens gone device `index` again in its old slot, with the same
+        options: the index is what the native tables, peers' rkey lists
+        and their QPs' device pairs use. Every region and internal buffer is
+        registered on it again, regions get their new keys, peers get them
+        (with the device up again and the new probe keys: their repairs
+        toward it succeed from then on), and this side's QPs that went with
+        the device are rebuilt by repairs. A device not usable yet (port not
+        active, no GID yet) is tried again soon."""
+        name = self.devices[index].name
+        regs = [*self._mrs.values(), *self._internal]
+        d = None
+        try:
+            d = _verbs.Device(self._engine._core, self.events, name, index, gid_index=self._gid_index,
+                              ack_timeout=choose_ack_timeout(name, self._ack_timeout))
+            for reg in regs:
+                reg.handles[index], reg.lkeys[index], reg.rkeys[index] = d.register(reg.addr, reg.length,
+                                                                                    reg.flags)
+        except (OSError, ValueError) as e:
+            if d is not None:
+                for reg in regs:
+                    d.deregister(reg.handles[index])
+                    reg.handles[index] = reg.lkeys[index] = reg.rkeys[index] = 0
+                d.close()
+            self._retry_reopen(index, str(e))
+            return
+        self.devices[index] = d
+        self.device_gone.discard(index)
+        self._removed.discard(index)
+        self.device_down.pop(index, None)
+        self.device_down_at.pop(index, None)
+        self._reopen_failed.pop(index, None)
+        self._reopen_delay = REOPEN_RETRY
+        self._watch(d)
+        self._engine._rdma_rekeyed({rid: (reg.lkeys, reg.rkeys) for rid, reg in self._mrs.items()})
+        gone = [(peer, ch, i) for peer, ch, i in self._qps_on(index) if ch.stats()[i]["state"] == QP_GONE]
+        for peer, ch, i in gone:
+            self._start_repair(peer, ch, i)
+        log.warning("kvflow: rdma device %s is back (seen through %s): reopened as %r, %d region(s) "
+                    "registered again, rebuilding %d QP(s) of ours on it", name, via, d, len(self._mrs),
+                    len(gone))
+
+    def _retry_reopen(self, index: int, why: str) -> None:
+        if self._reopen_failed.get(index) != why:
+            log.info("kvflow: rdma device %s is listed again but not usable yet (%s); trying again",
+                     self.devices[index].name, why)
+            self._reopen_failed[index] = why
+        if self._reopen_timer is not None or self._reopen_delay >= DEVICE_CHECK:
+            return                           # the periodic check tries from then on
+        self._reopen_timer = self._engine._loop.call_later(self._reopen_delay, self._reopen_again)
+        self._reopen_delay *= 2
+
+    def _reopen_again(self) -> None:
+        self._reopen_timer = None
+        self._check("a retry", False)
 
     def _on_async(self, index: int) -> None:
         d = self.devices[index]
@@ -638,8 +746,8 @@ class RdmaProvider:
         MRs, CQ, PD and context are destroyed now, since the kernel's removal
         of the device waits for them; what its QPs carried moves to the
         other devices. A peer left with no QP on any other device is closed
-        (see _orphaned). It does not come back (a device added again under
-        the same name needs a new engine)."""
+        (see _orphaned). If it was removed, it is reopened when it is
+        listed again (_check_back)."""
         if index in self.device_gone:
             return
         d = self.devices[index]
@@ -655,9 +763,9 @@ class RdmaProvider:
                 moved += ch.drop_device(d)
             for key in mine:
                 self._targets[key][1].destroy()
-            for handles in [*self._mrs.values(), *(h for h, _, _ in self._internal)]:
-                d.deregister(handles[index])
-                handles[index] = 0
+            for reg in [*self._mrs.values(), *self._internal]:
+                d.deregister(reg.handles[index])
+                reg.handles[index] = reg.lkeys[index] = reg.rkeys[index] = 0
         finally:
             # whatever failed above, the device is closed (its removal waits
             # for that); close() destroys any QP of it still not handed over
@@ -743,8 +851,9 @@ class RdmaProvider:
     async def _reconnect(self, peer: "Peer", ch: Any, index: int) -> str | None:
         """One repair attempt of QP `index`: None when it is in service
         again, else why not."""
-        dev = ch.qp_device(index)
-        rdev = ch.stats()[index]["rdev"]
+        st = ch.stats()[index]
+        dev = self.devices[st["dev"]]        # for a QP that went with its device: the one reopened
+        rdev = st["rdev"]
         qp = None
         try:
             qp = dev.create_qp(QP_DEPTH)
@@ -754,7 +863,7 @@ class RdmaProvider:
             (qpn, psn, gid, lid, mtu), = _accepted(reply, 1, peer.address)
             # the target replaced its QP: the next attempt replaces this one
             peer._rdma_remote_qpns[index] = qpn
-            if dev.index in self.device_gone:
+            if not dev.open:
                 return "the device is gone"    # closing it destroyed `qp`
             qp.connect(qpn, psn, gid, lid, mtu)
             if not ch.replace_qp(index, qp, False):
@@ -771,6 +880,16 @@ class RdmaProvider:
             return str(e)
         return None if ch.qp_up(index) else "the channel was closed"
 
+    def peer_changed(self, peer: "Peer") -> None:
+        """The peer pushed its rdma devices again (one of its devices came
+        back, with new probe keys): repairs toward it that wait out a
+        back-off try now."""
+        for p, ch in list(self._channels.values()):
+            if p is peer:
+                for st in ch.stats():
+                    if st["state"] not in (QP_UP, QP_GONE) and st["dev"] not in self.device_down:
+                        self._wake(st["dev"])
+
     def forget_channel(self, ch: Any) -> None:
         self._channels.pop(getattr(ch, "token", -1), None)
         self._all_down.pop(getattr(ch, "token", -1), None)
@@ -782,6 +901,9 @@ class RdmaProvider:
         tasks = [t for t in (*self._repairs, *self._lost, self._device_check) if t is not None]
         for t in tasks:
             t.cancel()
+        if self._reopen_timer is not None:
+            self._reopen_timer.cancel()
+            self._reopen_timer = None
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         loop = self._engine._loop
@@ -799,9 +921,8 @@ class RdmaProvider:
             self.drop_session(session)
         for rid in list(self._mrs):
             self.deregister(rid)
-        for handles, _, _ in self._internal:
-            for d, h in zip(self.devices, handles):
-                d.deregister(h)
+        for reg in self._internal:
+            self._release(reg)
         self._internal = []
         for d in self.devices:
             d.close()
