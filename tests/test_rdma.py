@@ -231,6 +231,19 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
         await b.close()
 
 
+async def verified_write(peer, l, r, src, dst, rng, label: str) -> str:
+    """Writes new random bytes from src (region l) over dst (region r):
+    "verified" when they landed, else the kvflow error's class name. A
+    write that completes with other bytes in dst fails the test."""
+    src[:] = rng.integers(0, 255, src.size, dtype=np.uint8)
+    try:
+        await bounded(peer.write([l.addr], [r.addr], [src.size], timeout=60), 120)
+    except kvflow.KVFlowError as e:
+        return type(e).__name__
+    assert np.array_equal(dst, src), f"{label} completed but did not verify"
+    return "verified"
+
+
 async def rdma_link(*args: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec("rdma", "link", *args, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
@@ -260,13 +273,7 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
         dst, src, r, l, peer = await connected(a, b, n, 9)
 
         async def one(i: int) -> str:
-            src[:] = rng.integers(0, 255, n, dtype=np.uint8)
-            try:
-                await bounded(peer.write([l.addr], [r.addr], [n], timeout=60), 120)
-                assert np.array_equal(dst, src), f"write {i} completed but did not verify"
-                what = "verified"
-            except kvflow.KVFlowError as e:
-                what = type(e).__name__
+            what = await verified_write(peer, l, r, src, dst, rng, f"write {i}")
             outcomes[what] = outcomes.get(what, 0) + 1
             return what
 
@@ -340,6 +347,127 @@ async def readd(dev: str, netdev: str) -> None:
         rc, out = await rdma_link("add", dev, "type", "rxe", "netdev", netdev)
         assert rc == 0, out
     await until(lambda: _usable(dev), f"{dev} back (port ACTIVE, GID 1 set)", 30)
+
+
+def dev_bytes(ch, index: int) -> int:
+    """Bytes a channel posted on its QPs on device `index`."""
+    return sum(s["bytes"] for s in ch.stats() if s["dev"] == index)
+
+
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("rdma") is None, reason="needs root and rdma(8) to delete a device")
+async def test_a_device_deleted_and_added_again_is_back_in_service():
+    """`rdma link delete rxe1` while a stream of verified writes runs (A to
+    B; B is connected to A as well), then `rdma link add rxe1` again: both
+    engines reopen rxe1 in its old slot, register their memory on it again
+    and push the new keys (regions and probe) to each other, and every QP
+    that went with the device is rebuilt on it: within a bounded time all
+    QPs of both channels are up again, slices flow over rxe1 again (the
+    QPs' byte counts and the device's own packet counter grow), and the
+    engines hold as many MRs and QPs as before the deletion. No write
+    completes with wrong bytes, none hangs, and only writes that overlapped
+    the deletion may fail (with a kvflow error); closing leaves no MR or QP."""
+    names = rdma.device_names()[:2]
+    gone = names[1]
+    netdev = netdev_of(gone)
+    a, b = await rdma_pair(rdma_devices=names)
+    loop = asyncio.get_running_loop()
+    phases = ["before", "deleting", "gone", "adding", "back"]
+    phase = [0]
+    outcomes: dict[str, dict[str, int]] = {}        # the phases a write ran in -> outcome -> count
+    stop = asyncio.Event()
+    stream = None
+    closed = False
+    try:
+        n = 1 << 20
+        dst, src, r, l, peer = await connected(a, b, n, 19)
+        back_dst, back_src, back_r, back_l, back_peer = await connected(b, a, n, 20)
+        rng = np.random.default_rng(19)
+
+        async def writes() -> None:
+            while not stop.is_set():
+                began = phase[0]
+                what = await verified_write(peer, l, r, src, dst, rng, f"a write ({phases[began]})")
+                ran = "..".join(phases[began:phase[0] + 1])
+                outcomes.setdefault(ran, {})
+                outcomes[ran][what] = outcomes[ran].get(what, 0) + 1
+
+        def verified(p: str) -> int:
+            assert stream is not None
+            if stream.done():
+                stream.result()                 # its assertion, or the write that did not end
+                raise AssertionError(f"the write stream ended: {outcomes}")
+            return outcomes.get(p, {}).get("verified", 0)
+
+        stream = loop.create_task(writes())
+        await until(lambda: verified("before") >= 2, "writes before the deletion")
+        assert min(dev_bytes(peer._channel, 0), dev_bytes(peer._channel, 1)) > 0
+        held = [(e.counters()["mrs"], e.counters()["qps"]) for e in (a, b)]
+
+        phase[0] = phases.index("deleting")
+        t0 = loop.time()
+        rc, out = await bounded(rdma_link("delete", gone), 60)
+        assert rc == 0, out
+        await until(lambda: 1 in a._rdma.device_gone and 1 in b._rdma.device_gone, "both engines retired it")
+        deleted = loop.time() - t0
+        for ch in (peer._channel, back_peer._channel):
+            assert all(s["state"] == -2 for s in ch.stats() if s["dev"] == 1), ch.stats()
+        phase[0] = phases.index("gone")
+        await until(lambda: verified("gone") >= 2, "writes over rxe0 alone")
+
+        phase[0] = phases.index("adding")
+        t_add = loop.time()
+        rc, out = await bounded(rdma_link("add", gone, "type", "rxe", "netdev", netdev), 60)
+        assert rc == 0, out
+        reopened = {}
+        await until(lambda: 1 not in a._rdma.device_gone and 1 not in b._rdma.device_gone,
+                    "both engines reopened it", 60)
+        reopened["seen"] = round(loop.time() - t_add, 3)
+        await until(lambda: all(s["state"] == 1 for ch in (peer._channel, back_peer._channel)
+                                for s in ch.stats()), "every QP up again", 60)
+        up = loop.time() - t_add
+        phase[0] = phases.index("back")
+        # the keys the peers were pushed are the ones now registered
+        for e, p in ((b, peer), (a, back_peer)):
+            assert p.descriptor.rdma["probe"][1] == e._rdma.probe_keys[1]
+            assert all(d["up"] for d in p.descriptor.rdma["devices"]), p.descriptor.rdma
+            assert {x.name: x.rkeys for x in p.regions} == {x.name: x.rkeys for x in e.regions}
+            assert all(x.rkeys[1] for x in p.regions)
+        # slices flow over rxe1 again, in both directions
+        on1, back_on1 = dev_bytes(peer._channel, 1), dev_bytes(back_peer._channel, 1)
+        pkts = rxe_counter(gone, "sent_pkts")
+        mark = verified("back")
+        await until(lambda: verified("back") >= mark + 3, "writes after the return")
+        back_src[:] = rng.integers(0, 255, n, dtype=np.uint8)
+        await bounded(back_peer.write([back_l.addr], [back_r.addr], [n]), 120)
+        assert np.array_equal(back_dst, back_src)
+        carried = dev_bytes(peer._channel, 1) - on1
+        assert carried >= n, (carried, peer._channel.stats())
+        assert dev_bytes(back_peer._channel, 1) - back_on1 >= n // 4, back_peer._channel.stats()
+        assert rxe_counter(gone, "sent_pkts") - pkts >= carried // 4096
+        assert [(e.counters()["mrs"], e.counters()["qps"]) for e in (a, b)] == held
+        stop.set()
+        await bounded(stream, 150)
+        print(f"\nrdma link delete {gone}: both engines retired it after {deleted:.2f} s; "
+              f"rdma link add: both reopened it after {reopened['seen']:.2f} s, every QP up on it "
+              f"{up:.2f} s after the add; it carried {carried >> 10} KiB of {3 * n >> 10} KiB "
+              f"written since; outcomes {outcomes}")
+        for ran, seen in outcomes.items():
+            assert set(seen) <= {"verified", "PeerLostError"}, outcomes
+            if "deleting" not in ran:
+                assert set(seen) == {"verified"}, outcomes      # only the deletion may cost a write
+        closed = True
+        await close_released(a, b)
+    finally:
+        stop.set()
+        if stream is not None:
+            await asyncio.wait([stream], timeout=150 * TIME_SCALE)
+        try:
+            await readd(gone, netdev)          # later tests need their second device back
+        finally:
+            if not closed:
+                await bounded(a.close(), 30)
+                await bounded(b.close(), 30)
 
 
 async def test_a_qp_outliving_its_device_is_destroyed_with_it():
