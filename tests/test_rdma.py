@@ -367,7 +367,7 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
     engines hold as many MRs and QPs as before the deletion. No write
     completes with wrong bytes, none hangs, and only writes that overlapped
     the deletion may fail (with a kvflow error); closing leaves no MR or QP."""
-    names = rdma.device_names()[:2]
+    names = sorted(rdma.device_names())[:2]     # rxe0, rxe1 (a device added again is listed first)
     gone = names[1]
     netdev = netdev_of(gone)
     a, b = await rdma_pair(rdma_devices=names)
