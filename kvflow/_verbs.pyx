@@ -43,9 +43,13 @@ ACCESS_REMOTE_READ = IBV_ACCESS_REMOTE_READ
 SYSFS = "/sys/class/infiniband"
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 
-# RC transport: 4.096 us * 2^14 = 67 ms ack timeout, 7 retries (a dead
+# RC transport: 4.096 us * 2^14 = 67 ms ack timeout, 6 retries (a dead
 # path fails a work request in about half a second); receiver-not-ready
 # retries are infinite (7), so a notification waits for a receive buffer.
+# Not 7 retries: Soft-RoCE reads retry_cnt 7 as infinite too (rxe_comp.c
+# never counts it down), so a QP whose remote QP went with its device
+# (the peer's device removed) retried for ever and its slices never moved:
+# measured in the VM, a write to such a peer never finished (60 s timeout).
 # The ack timeout is per device (Device(ack_timeout=), chosen by
 # kvflow.rdma.choose_ack_timeout): this default for hardware NICs, 17
 # (537 ms) for software devices (rxe, siw), whose emulated ACKs can take
@@ -53,7 +57,7 @@ MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 # batches ran at 10-11 MB/s with 28-46 spurious retransmits per 4 s at 14,
 # and at 19-20 MB/s with 5-8 at 17.
 ACK_TIMEOUT = 14
-RETRY_COUNT = 7
+RETRY_COUNT = 6
 RNR_RETRY = 7
 MIN_RNR_TIMER = 12
 RD_ATOMIC = 16
