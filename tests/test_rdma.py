@@ -470,6 +470,52 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
                 await bounded(b.close(), 30)
 
 
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+async def test_the_initiator_reaches_a_target_device_that_was_reopened():
+    """Only the target closes rxe1 and opens it again (_retire, then
+    _reopen, as its removal and return would): the initiator's rxe1 stays
+    open, so its QPs toward the target's rxe1 are not gone but broken
+    (their target QPs are destroyed), and their repairs back off against a
+    closed device. The reopen pushes the target's new region and probe keys
+    with the device up again, which wakes those repairs: every QP is up
+    again and carries slices, no write is lost, the counters balance."""
+    names = sorted(rdma.device_names())[:2]
+    a, b = await rdma_pair(rdma_devices=names)
+    loop = asyncio.get_running_loop()
+    closed = False
+    try:
+        n = 1 << 20
+        dst, src, r, l, peer = await connected(a, b, n, 23)
+        rng = np.random.default_rng(23)
+        held = [(e.counters()["mrs"], e.counters()["qps"]) for e in (a, b)]
+        b._rdma._retire(1, "test: removed")
+        # its QPs toward the closed device time out; their slices move to rxe0
+        for i in range(2):
+            assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
+        await until(lambda: all(s["state"] == 0 for s in peer._channel.stats() if s["dev"] == 1),
+                    "the initiator's QPs toward the closed device broken", 60)
+        await asyncio.sleep(2)                  # their repairs back off meanwhile
+        assert 1 in b._rdma.device_gone and all(s["state"] == 0 for s in peer._channel.stats()
+                                                if s["dev"] == 1), peer._channel.stats()
+        t0 = loop.time()
+        b._rdma._reopen(1, "test: back")
+        await until(lambda: all(s["state"] == 1 for s in peer._channel.stats()), "every QP up again", 60)
+        up = loop.time() - t0
+        assert peer.descriptor.rdma["probe"][1] == b._rdma.probe_keys[1]
+        on1 = dev_bytes(peer._channel, 1)
+        for i in range(2, 4):
+            assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
+        assert dev_bytes(peer._channel, 1) - on1 >= n, peer._channel.stats()
+        assert [(e.counters()["mrs"], e.counters()["qps"]) for e in (a, b)] == held
+        print(f"\nthe target's rxe1 reopened: the initiator's QPs toward it up again after {up:.2f} s")
+        closed = True
+        await close_released(a, b)
+    finally:
+        if not closed:
+            await bounded(a.close(), 30)
+            await bounded(b.close(), 30)
+
+
 async def test_a_qp_outliving_its_device_is_destroyed_with_it():
     """Device.close() destroys the QPs it made that no channel took over
     (children before parents, counted); such a Qp then refuses connect and
