@@ -223,7 +223,7 @@ cdef extern from "_native/rdma.h" nogil:
     kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t slice_size,
                                      uint64_t token)
     int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, ibv_qp *qp,
-                             uint32_t depth)
+                             uint32_t depth, int up)
     int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, kvf_rdma_dev *dev, ibv_qp *qp, int up)
     int kvf_rdma_chan_qp_up(kvf_rdma_chan *ch, int index)
     int kvf_rdma_chan_break_qp(kvf_rdma_chan *ch, int index)

@@ -542,8 +542,9 @@ cdef class RdmaChannel(Channel):
         # a miss counts as the whole budget, so a slow path widens it
         self.poll_ewma_ns = 0.8 * self.poll_ewma_ns + 0.2 * took
 
-    def add_qp(self, Qp qp, int rdev):
-        """Hands a connected QP to the native channel; returns its index."""
+    def add_qp(self, Qp qp, int rdev, bint up=True):
+        """Hands a connected QP to the native channel; returns its index.
+        up=False: it carries only post_one() work (its probe) until qp_up()."""
         if self.ch == NULL:
             raise VerbsError("channel closed")
         cdef Device d = qp.dev
@@ -551,7 +552,7 @@ cdef class RdmaChannel(Channel):
         if d.dev == NULL:
             raise VerbsError(f"{d.name}: device closed")
         cdef ibv_qp *q = qp.take()
-        cdef int index = kvf_rdma_chan_add_qp(self.ch, d.dev, <uint32_t>rdev, q, <uint32_t>depth)
+        cdef int index = kvf_rdma_chan_add_qp(self.ch, d.dev, <uint32_t>rdev, q, <uint32_t>depth, up)
         if index < 0:
             kvf_rdma_destroy_qp(d.kc, q)
             raise VerbsError(f"{self.peer}: too many queue pairs")

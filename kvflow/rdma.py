@@ -171,6 +171,8 @@ class RdmaProvider:
         self._repairs: set[asyncio.Task[None]] = set()
         self._lost: set[asyncio.Task[None]] = set()                 # peers being closed (no device left)
         self._repairing: set[tuple[int, int]] = set()                 # (token, QP index)
+        self._extending: set[int] = set()                             # channel tokens being extended
+        self._extend_again: set[int] = set()
         self._all_down: dict[int, float] = {}                         # token -> since when no QP is up
         self.device_errors = [0] * len(self.devices)                  # QP breaks and device events per device
         # Devices out of service: index -> why (a port error, or gone). A
@@ -284,12 +286,33 @@ class RdmaProvider:
         qps_per_pair QPs each), probes each QP with a read of the peer's
         cookie, and returns the channel. Raises ProviderUnavailableError
         when the devices do not reach each other."""
-        rdevs = remote["devices"]
+        pairs = self._wanted_pairs(peer, remote["devices"])
+        token = self._next_token
+        self._next_token += 1
+        ch = _verbs.RdmaChannel(self._engine._core, peer._table, peer.address, self.slice_size, token)
+        qps = []
+        try:
+            qps = self._new_qps(pairs)
+            peer._rdma_remote_qpns = []
+            added = await self._join(peer, ch, qps, request)
+            self._channels[token] = (peer, ch)
+            await self._probe_all(peer, ch, added)
+        except BaseException:
+            ch.close()
+            self._channels.pop(token, None)
+            for dev, qp, rdev in qps:
+                qp.destroy()                   # those not handed to the channel
+            raise
+        return ch
+
+    def _wanted_pairs(self, peer: "Peer", rdevs: list[dict[str, Any]]) -> list[tuple[int, int]]:
+        """The device pairs (local index, remote index) a channel to `peer`
+        should have now. Gone devices (here or there) are left out, and so
+        are devices out of service (port down) while another is in service.
+        Raises ProviderUnavailableError when either side has none."""
         local = [d.name for d in self.devices]
         rnames = [d["name"] for d in rdevs]
         desc = peer.descriptor
-        # gone devices (here or there) are left out of the pairing, and so
-        # are devices out of service (port down) while another is in service
         live = [d.name for d in self.devices if d.index not in self.device_gone]
         serving = [d.name for d in self.devices if d.index not in self.device_down]
         live = serving or live
@@ -298,12 +321,12 @@ class RdmaProvider:
             side = "this side" if not live else "the peer's side"
             raise ProviderUnavailableError(f"{peer.address}: no rdma device in service on {side}",
                                            peer=peer.address)
-        pairs = _pairs(local, _ordered(live, self._engine.topology, self._engine.location),
-                       rnames, _ordered(rlive, desc.topology, desc.location or "cpu"))
-        token = self._next_token
-        self._next_token += 1
-        ch = _verbs.RdmaChannel(self._engine._core, peer._table, peer.address, self.slice_size, token)
-        qps = []
+        return _pairs(local, _ordered(live, self._engine.topology, self._engine.location),
+                      rnames, _ordered(rlive, desc.topology, desc.location or "cpu"))
+
+    def _new_qps(self, pairs: list[tuple[int, int]]) -> list[tuple[Any, Any, int]]:
+        """qps_per_pair new QPs per device pair: (device, QP, remote index)."""
+        qps: list[tuple[Any, Any, int]] = []
         try:
             for ldev, rdev in pairs:
                 dev = self.devices[ldev]
@@ -311,26 +334,28 @@ class RdmaProvider:
                     if not dev.reserve(QP_DEPTH):
                         raise ProviderUnavailableError(f"{dev.name}: completion queue full (too many QPs)")
                     qps.append((dev, dev.create_qp(QP_DEPTH), rdev))
-            reply = await request({"t": "rdma_connect", "qps": [self._qp_wire(d, q, r) for d, q, r in qps]})
-            answers = _accepted(reply, len(qps), peer.address)
-            # a device retired during the await destroyed our QPs on it
-            self._check_live(peer, {dev.index for dev, _, _ in qps})
-            remote_qpns = []
-            for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps, answers):
-                qp.connect(qpn, psn, gid, lid, mtu)
-                remote_qpns.append(qpn)
-            for dev, qp, rdev in qps:
-                ch.add_qp(qp, rdev)
-            self._channels[token] = (peer, ch)
-            peer._rdma_remote_qpns = remote_qpns
-            await self._probe_all(peer, ch, len(qps))
         except BaseException:
-            ch.close()
-            self._channels.pop(token, None)
-            for dev, qp, rdev in qps:
+            for _, qp, _ in qps:
                 qp.destroy()
             raise
-        return ch
+        return qps
+
+    async def _join(self, peer: "Peer", ch: Any, qps: list[tuple[Any, Any, int]],
+                    request: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> list[int]:
+        """Has the peer make the other ends of `qps`, connects them and
+        hands them to the channel, not in service before their probe
+        (_probe_all). Returns their indexes in the channel."""
+        reply = await request({"t": "rdma_connect", "qps": [self._qp_wire(d, q, r) for d, q, r in qps]})
+        answers = _accepted(reply, len(qps), peer.address)
+        # a device retired during the await destroyed our QPs on it
+        self._check_live(peer, {dev.index for dev, _, _ in qps})
+        for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps, answers):
+            qp.connect(qpn, psn, gid, lid, mtu)
+        added = []
+        for (dev, qp, rdev), answer in zip(qps, answers):
+            added.append(ch.add_qp(qp, rdev, False))
+            peer._rdma_remote_qpns.append(answer[0])
+        return added
 
     def _check_live(self, peer: "Peer", indexes: set[int]) -> None:
         gone = sorted(self.devices[i].name for i in indexes if i in self.device_gone)
@@ -338,25 +363,74 @@ class RdmaProvider:
             raise ProviderUnavailableError(f"{peer.address}: rdma device(s) {', '.join(gone)} went away "
                                            "while connecting", peer=peer.address)
 
-    async def _probe_all(self, peer: "Peer", ch: Any, n: int) -> None:
-        """Probes every QP: the connection stands if at least one answers;
-        one that does not is broken and repaired like a QP that failed
-        later (a device pair that does not reach costs its share, not the
-        connect). Raises the first probe's error when none answers."""
-        results = await asyncio.gather(*(self._probe_qp(peer, ch, i) for i in range(n)),
+    async def _probe_all(self, peer: "Peer", ch: Any, indexes: list[int], required: bool = True) -> None:
+        """Probes the QPs `indexes` (added not in service) and puts each one
+        that answers in service; one that does not is broken and repaired
+        like a QP that failed later (a device pair that does not reach
+        costs its share, not the connect). `required`: raises the first
+        probe's error when none answers."""
+        results = await asyncio.gather(*(self._probe_qp(peer, ch, i) for i in indexes),
                                        return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r                        # cancelled
-        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
-        if len(failed) == n:
+        failed = [(i, r) for i, r in zip(indexes, results) if isinstance(r, Exception)]
+        if required and failed and len(failed) == len(indexes):
             raise failed[0][1]
+        for i, r in zip(indexes, results):
+            if not isinstance(r, Exception):
+                ch.qp_up(i)
         for i, e in failed:
-            log.warning("kvflow: rdma QP %d to %s on %s: %s; connected without it, repairing it",
+            log.warning("kvflow: rdma QP %d to %s on %s: %s; in service without it, repairing it",
                         i, peer.address, ch.qp_device(i).name, e)
             ch.break_qp(i)
             # runs once this connect returned (the peer is in service then)
             self._start_repair(peer, ch, i)
+
+    def _extend_soon(self, peer: "Peer", ch: Any) -> None:
+        """Runs _extend for this channel (once more if one is running)."""
+        if ch.token in self._extending:
+            self._extend_again.add(ch.token)
+            return
+        self._extending.add(ch.token)
+        task = self._engine._loop.create_task(self._extend(peer, ch))
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    async def _extend(self, peer: "Peer", ch: Any) -> None:
+        """Adds QPs for the device pairs the channel lacks: a device (here
+        or at the peer) was gone or out of service when it connected and
+        is in service again. Pairs it already has (even broken, or gone
+        with their device) are left to their repairs."""
+        try:
+            while ch.alive and peer.alive and peer.descriptor.rdma is not None:
+                self._extend_again.discard(ch.token)
+                try:
+                    pairs = self._wanted_pairs(peer, peer.descriptor.rdma["devices"])
+                except ProviderUnavailableError:
+                    return
+                have = {(st["dev"], st["rdev"]) for st in ch.stats()}
+                missing = [p for p in pairs if p not in have]
+                if missing:
+                    qps = []
+                    try:
+                        qps = self._new_qps(missing)
+                        added = await self._join(peer, ch, qps, peer._request)
+                    except Exception as e:     # verbs, protocol, a lost peer: the channel stays as it is
+                        log.warning("kvflow: rdma channel to %s: could not add QPs for device pair(s) %s: %s",
+                                    peer.address, missing, e)
+                        return
+                    finally:
+                        for _, qp, _ in qps:
+                            qp.destroy()       # those not handed to the channel
+                    log.info("kvflow: rdma channel to %s: %d QP(s) added for device pair(s) %s (back in service)",
+                             peer.address, len(added), missing)
+                    await self._probe_all(peer, ch, added, required=False)
+                if ch.token not in self._extend_again:
+                    return
+        finally:
+            self._extending.discard(ch.token)
+            self._extend_again.discard(ch.token)
 
     async def _probe_qp(self, peer: "Peer", ch: Any, i: int) -> None:
         """Reads the peer's cookie over QP `i` (a posted READ that must come
@@ -641,6 +715,7 @@ class RdmaProvider:
         gone = [(peer, ch, i) for peer, ch, i in self._qps_on(index) if ch.stats()[i]["state"] == QP_GONE]
         for peer, ch, i in gone:
             self._start_repair(peer, ch, i)
+        self._extend_all()
         log.warning("kvflow: rdma device %s is back (seen through %s): reopened as %r, %d region(s) "
                     "registered again, rebuilding %d QP(s) of ours on it", name, via, d, len(self._mrs),
                     len(gone))
@@ -727,6 +802,13 @@ class RdmaProvider:
             return
         log.info("kvflow: rdma device %s: port active again; probing its QPs", self.devices[index].name)
         self._wake(index)
+        self._extend_all()
+
+    def _extend_all(self) -> None:
+        """A device is in service again: channels that connected without it
+        get QPs on it (_extend)."""
+        for peer, ch in list(self._channels.values()):
+            self._extend_soon(peer, ch)
 
     def _wake(self, index: int) -> None:
         ev = self._device_back.pop(index, None)
@@ -883,12 +965,14 @@ class RdmaProvider:
     def peer_changed(self, peer: "Peer") -> None:
         """The peer pushed its rdma devices again (one of its devices came
         back, with new probe keys): repairs toward it that wait out a
-        back-off try now."""
+        back-off try now, and a channel that connected while that device
+        was gone gets QPs on it."""
         for p, ch in list(self._channels.values()):
             if p is peer:
                 for st in ch.stats():
                     if st["state"] not in (QP_UP, QP_GONE) and st["dev"] not in self.device_down:
                         self._wake(st["dev"])
+                self._extend_soon(peer, ch)     # a device of the peer's it connected without
 
     def forget_channel(self, ch: Any) -> None:
         self._channels.pop(getattr(ch, "token", -1), None)

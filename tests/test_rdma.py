@@ -516,6 +516,58 @@ async def test_the_initiator_reaches_a_target_device_that_was_reopened():
             await bounded(b.close(), 30)
 
 
+@pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
+@pytest.mark.parametrize("side", ["target", "initiator"])
+async def test_a_channel_connected_while_a_device_was_gone_gets_qps_on_it_when_it_returns(side):
+    """One engine's rxe1 is closed (_retire, as its removal would) before A
+    connects to B: the channel pairs only the devices in service, so it has
+    no QP on that device (the target's: its descriptor says it is not up;
+    the initiator's: it is gone). When the device comes back (_reopen) the
+    channel gets QPs for the pair it lacks, probed before they carry
+    anything (pushed keys tell the initiator when it is the target's
+    device; the reopen itself when it is its own): they come up, slices flow
+    over rxe1, every write verifies, the counters balance at close. (The
+    cross pair the channel made meanwhile, rxe1 to rxe0 or rxe0 to rxe1,
+    does not reach in this VM: each rxe device sits on its own dummy
+    netdev, which drops what it sends, and loops back only to its own
+    address; its QPs stay broken and under repair, carrying nothing.)"""
+    names = sorted(rdma.device_names())[:2]
+    a, b = await rdma_pair(rdma_devices=names)
+    loop = asyncio.get_running_loop()
+    gone = b if side == "target" else a
+    closed = False
+    try:
+        n = 1 << 20
+        gone._rdma._retire(1, "test: removed")
+        dst, src, r, l, peer = await connected(a, b, n, 29)
+        rng = np.random.default_rng(29)
+        ch = peer._channel
+        pairs = {(s["dev"], s["rdev"]) for s in ch.stats()}
+        assert (1, 1) not in pairs and all(s["state"] == 1 for s in ch.stats() if s["dev"] == s["rdev"] == 0), \
+            ch.stats()
+        assert await verified_write(peer, l, r, src, dst, rng, "write 0") == "verified"
+        before = len(ch.stats())
+        t0 = loop.time()
+        gone._rdma._reopen(1, "test: back")
+        await until(lambda: any(s["dev"] == 1 and s["rdev"] == 1 and s["state"] == 1 for s in ch.stats()),
+                    "QPs for the returning device pair in service", 60)
+        took = loop.time() - t0
+        stats = ch.stats()
+        assert len(stats) == before + a._rdma.qps_per_pair, stats
+        assert all(s["state"] == 1 for s in stats if s["dev"] == s["rdev"]), stats
+        on1 = sum(s["bytes"] for s in ch.stats() if s["dev"] == 1 and s["rdev"] == 1)
+        for i in range(1, 4):
+            assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
+        assert sum(s["bytes"] for s in ch.stats() if s["dev"] == 1 and s["rdev"] == 1) > on1, ch.stats()
+        print(f"\nthe {side}'s rxe1 back: the channel connected without it has QPs on it after {took:.2f} s")
+        closed = True
+        await close_released(a, b)
+    finally:
+        if not closed:
+            await bounded(a.close(), 30)
+            await bounded(b.close(), 30)
+
+
 async def test_a_qp_outliving_its_device_is_destroyed_with_it():
     """Device.close() destroys the QPs it made that no channel took over
     (children before parents, counted); such a Qp then refuses connect and

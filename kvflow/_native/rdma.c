@@ -768,7 +768,7 @@ static void dev_slot_drop(kvf_rdma_dev *d, uint32_t slot, rqp *q) {
 }
 
 int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
-                         uint32_t depth) {
+                         uint32_t depth, int up) {
     /* a device already closed (freed: nothing to index) or no QP */
     if (!dev || !qp || !depth) return -1;
     rqp *q = calloc(1, sizeof(*q));
@@ -782,7 +782,7 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     q->ch = ch;
     q->rdev = rdev;
     q->depth = depth;
-    q->state = QP_UP;
+    q->state = up ? QP_UP : QP_PROBING;
     uint32_t slot = dev_slot_take(dev, q);
     if (slot == MAX_SLOTS) goto fail;
     q->slot = slot;

@@ -90,9 +90,11 @@ const char *kvf_rdma_dev_path(struct ibv_context *ctx);
 kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t slice_size,
                                  uint64_t token);
 /* Adds a connected (RTS) QP on local device `dev` toward the peer's device
- * `rdev`, with `depth` send-queue entries. Returns its index or -1. */
+ * `rdev`, with `depth` send-queue entries; up = 0: it carries only
+ * post_one() work (its probe) until kvf_rdma_chan_qp_up. Returns its index
+ * or -1. */
 int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
-                         uint32_t depth);
+                         uint32_t depth, int up);
 /* Swaps a broken QP's verbs QP for a newly connected one on `dev` (the old
  * one is destroyed); up = 1: in service at once, and what waited is posted.
  * `dev` is the QP's device, or, for a QP destroyed with its device
