@@ -349,9 +349,10 @@ async def readd(dev: str, netdev: str) -> None:
     await until(lambda: _usable(dev), f"{dev} back (port ACTIVE, GID 1 set)", 30)
 
 
-def dev_bytes(ch, index: int) -> int:
-    """Bytes a channel posted on its QPs on device `index`."""
-    return sum(s["bytes"] for s in ch.stats() if s["dev"] == index)
+def dev_bytes(ch, index: int, rdev: int | None = None) -> int:
+    """Bytes a channel posted on its QPs on device `index` (toward the
+    peer's device `rdev` only, when given)."""
+    return sum(s["bytes"] for s in ch.stats() if s["dev"] == index and rdev in (None, s["rdev"]))
 
 
 @pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
@@ -555,10 +556,10 @@ async def test_a_channel_connected_while_a_device_was_gone_gets_qps_on_it_when_i
         stats = ch.stats()
         assert len(stats) == before + a._rdma.qps_per_pair, stats
         assert all(s["state"] == 1 for s in stats if s["dev"] == s["rdev"]), stats
-        on1 = sum(s["bytes"] for s in ch.stats() if s["dev"] == 1 and s["rdev"] == 1)
+        on1 = dev_bytes(ch, 1, 1)
         for i in range(1, 4):
             assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
-        assert sum(s["bytes"] for s in ch.stats() if s["dev"] == 1 and s["rdev"] == 1) > on1, ch.stats()
+        assert dev_bytes(ch, 1, 1) > on1, ch.stats()
         print(f"\nthe {side}'s rxe1 back: the channel connected without it has QPs on it after {took:.2f} s")
         closed = True
         await close_released(a, b)
