@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from time import perf_counter_ns
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 from kvflow.arrays import as_u64
 from kvflow.errors import InvalidArgumentError
@@ -217,6 +217,12 @@ cdef class RemoteTable:
         return rc == KVF_OK
 
 
+cdef inline uint64_t mono_ns() noexcept nogil:
+    cdef timespec t
+    clock_gettime(CLOCK_MONOTONIC, &t)
+    return <uint64_t>t.tv_sec * 1000000000 + <uint64_t>t.tv_nsec
+
+
 cdef object column(object values, uint64_t *small, const uint64_t **out, Py_ssize_t *n, str what):
     """Points *out at `values` as uint64s. Fast paths: a contiguous uint64
     ndarray (no copy) and a short list/tuple of ints (into `small`); anything
@@ -259,7 +265,8 @@ cdef class Channel:
     bad entry; on success it is the batch's byte count, and batch_id 0 means
     the batch already completed inline. submit_poll() also returns
     `finished`: a provider may poll for a small batch's completion on the
-    caller's thread (_poll_budget), which then needs no wake-up."""
+    caller's thread (_poll_budget), which then needs no wake-up; such a
+    batch is returned as (its status, 0, its failed entry, 1)."""
 
     def __cinit__(self, Core core, RemoteTable table, str peer, *args):
         self.core = core
@@ -306,16 +313,19 @@ cdef class Channel:
 
     def submit_poll(self, int op, local_addrs, remote_addrs, lengths, bint poll=True):
         """Submits, and for small batches may poll for the completion on this
-        thread: completions found while polling skip the eventfd, so the
-        caller must drain the core right after (Peer._run does)."""
+        thread. Returns (status, batch_id, aux, finished): finished 0 as
+        submit(); finished 1: the batch completed while polling, status is
+        the batch's (0 or the error of its first failed slice) and aux that
+        slice's entry. Only the event loop's thread may poll: completions
+        found while polling are pushed as that thread's (no eventfd)."""
         cdef uint64_t small[3][SMALL]
         cdef const uint64_t *la
         cdef const uint64_t *ra
         cdef const uint64_t *ln
         cdef Py_ssize_t n1, n2, n3, i
-        cdef uint64_t bid = 0, total = 0, budget, t0 = 0
+        cdef uint64_t bid = 0, total = 0, budget, t0 = 0, took = 0, entry = 0
         cdef size_t bad = 0
-        cdef int rc, finished = 0
+        cdef int rc, finished = 0, status = 0
         cdef kvf_ctx *c = self.core._ctx()
         k1 = column(local_addrs, small[0], &la, &n1, "local_addrs")
         k2 = column(remote_addrs, small[1], &ra, &n2, "remote_addrs")
@@ -329,15 +339,20 @@ cdef class Channel:
         for i in range(n1):
             total += ln[i]
         budget = self._poll_budget(total) if poll else 0
-        if budget:
-            t0 = perf_counter_ns()
         with nogil:
+            if budget:
+                t0 = mono_ns()
             rc = self._post_poll(c, op, la, ra, ln, n1, budget, &bid, &bad, &finished)
+            if budget and rc == 0:
+                took = mono_ns() - t0
+                finished = kvf_take(c, bid, &status, &entry)
         if rc:
             return rc, 0, bad, 0
         if budget:
-            self._polled(budget, perf_counter_ns() - t0)
-        return 0, bid, total, finished
+            self._polled(budget, took)
+            if finished:
+                return status, 0, entry, 1
+        return 0, bid, total, 0
 
 
 cdef class LocalChannel(Channel):

@@ -56,6 +56,7 @@ cdef extern from "_native/kvf.h" nogil:
     void kvf_ctx_free(kvf_ctx *c)
     int kvf_batch_cancel(kvf_ctx *c, uint64_t id)
     size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap)
+    int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry)
     void kvf_set_detached(int on)
     int kvf_batch_wait(kvf_ctx *c, uint64_t id, uint64_t spin_ns, uint64_t timeout_ns, int *status,
                        uint64_t *entry)

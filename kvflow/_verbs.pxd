@@ -213,6 +213,7 @@ cdef extern from "_native/rdma.h" nogil:
     kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, ibv_context *ctx, ibv_pd *pd,
                                    uint32_t index, int cq_size, int recv_bufs)
     ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d)
+    ibv_cq *kvf_rdma_dev_rcq(kvf_rdma_dev *d)
     ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d)
     void kvf_rdma_dev_free(kvf_rdma_dev *d)
     int kvf_rdma_async_fd(ibv_context *ctx)

@@ -221,7 +221,7 @@ cdef class Device:
         if self.dev == NULL:
             raise VerbsError(errno, f"{name}: cannot create its completion queue or worker "
                              f"({os.strerror(errno)})")
-        self.qps_used = recv_bufs
+        self.qps_used = 0
 
     def info(self):
         """What peers need to reach this device (goes into the descriptor)."""
@@ -252,7 +252,7 @@ cdef class Device:
         self._check_open()
         memset(&ia, 0, sizeof(ia))
         ia.send_cq = kvf_rdma_dev_cq(self.dev)
-        ia.recv_cq = ia.send_cq
+        ia.recv_cq = kvf_rdma_dev_rcq(self.dev)
         ia.srq = kvf_rdma_dev_srq(self.dev) if target else NULL
         ia.cap.max_send_wr = depth
         ia.cap.max_recv_wr = 0 if target else 1

@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from kvflow import _core
+from kvflow._core import OP_READ, OP_WRITE
 from kvflow.errors import (
     ECLOSED,
     EREMOTE,
@@ -167,10 +168,10 @@ class Peer:
         return t
 
     def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                strides: tuple[Any, Any, Any] | None = None) -> Transfer:
+                counts: Any, local_strides: Any, remote_strides: Any) -> Transfer:
         first = None
-        if strides is not None:
-            la, ra, ln, first = expand_strided(la, ra, ln, *strides)
+        if counts is not None or local_strides is not None or remote_strides is not None:
+            la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
         status, batch_id, aux = self._channel.submit(op, la, ra, ln)
         if status:
             raise status_error(status, peer=self.address, op=op,
@@ -179,37 +180,36 @@ class Peer:
         t._first_piece = first
         return t
 
-    async def _run(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                   strides: tuple[Any, Any, Any] | None = None) -> None:
-        first = None
-        if strides is not None:
-            la, ra, ln, first = expand_strided(la, ra, ln, *strides)
+    def _submit_awaited(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
+                        first: Any, refresh: bool = True) -> Awaitable[None] | None:
+        """Submits a batch its caller awaits at once: None if it already
+        completed (inline, or polled to completion on this thread: no
+        Transfer, no wake-up), else what to await. write() and read() await
+        no other coroutine on that path: on Soft-RoCE under emulation each
+        one costs as much as a tenth of the write."""
         status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
-        if status == EREMOTE and not self._control_lost:
-            # The peer may have registered memory we have not heard of yet.
-            await self.refresh()
-            status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
+        if finished:                   # status and aux are the batch's
+            if status:
+                raise batch_error(self._engine, self.address, op, status, aux, first)
+            return None
+        if status == EREMOTE and refresh and not self._control_lost:
+            return self._after_refresh(op, la, ra, ln, timeout, first)
         if status:
             raise status_error(status, peer=self.address, op=op,
                                index=aux if first is None else entry_of(first, aux))
         if batch_id == 0:
-            return                     # completed inline: no future, no wake-up
-        if finished or self.transport == "rdma":
-            # The rdma provider polled the CQ on this thread: whatever it
-            # completed there (this batch, or other batches' slices) went to
-            # the completion ring without an eventfd wake-up, and the ring
-            # stays "signalled" until drained, so drain now. Left undrained,
-            # every later completion of this engine would wait forever. A
-            # batch found finished there needs no Transfer at all.
-            mine = self._engine._drain_completions(batch_id)
-            if mine is not None:
-                status, entry = mine
-                if status:
-                    raise batch_error(self._engine, self.address, op, status, entry, first)
-                return
+            return None
         t = self._track(batch_id, op, aux, timeout)
         t._first_piece = first
-        await t
+        return t
+
+    async def _after_refresh(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
+                             first: Any) -> None:
+        # The peer may have registered memory we have not heard of yet.
+        await self.refresh()
+        t = self._submit_awaited(op, la, ra, ln, timeout, first, refresh=False)
+        if t is not None:
+            await t
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -228,31 +228,41 @@ class Peer:
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
-        await self._run(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                        _strides(counts, local_strides, remote_strides))
+        first = None
+        if counts is not None or local_strides is not None or remote_strides is not None:
+            local_addrs, remote_addrs, lengths, first = _expanded(
+                local_addrs, remote_addrs, lengths, counts, local_strides, remote_strides)
+        t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, first)
+        if t is not None:
+            await t
 
     async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                    timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                    remote_strides: Any = None) -> None:
         """Reads one batch: entry i copies lengths[i] bytes from the peer's
         remote_addrs[i] into local_addrs[i]. Strided entries and errors as write()."""
-        await self._run(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                        _strides(counts, local_strides, remote_strides))
+        first = None
+        if counts is not None or local_strides is not None or remote_strides is not None:
+            local_addrs, remote_addrs, lengths, first = _expanded(
+                local_addrs, remote_addrs, lengths, counts, local_strides, remote_strides)
+        t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout, first)
+        if t is not None:
+            await t
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                      remote_strides: Any = None) -> Transfer:
         """Starts a write and returns its Transfer (awaitable, cancellable).
         Argument and validation errors raise here; transfer errors on await."""
-        return self._nowait(_core.OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                            _strides(counts, local_strides, remote_strides))
+        return self._nowait(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
+                            counts, local_strides, remote_strides)
 
     def read_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                     remote_strides: Any = None) -> Transfer:
         """Starts a read and returns its Transfer."""
-        return self._nowait(_core.OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                            _strides(counts, local_strides, remote_strides))
+        return self._nowait(OP_READ, local_addrs, remote_addrs, lengths, timeout,
+                            counts, local_strides, remote_strides)
 
     # ------------------------------------------------------------ notifications
     async def notify(self, data: bytes) -> None:
@@ -429,13 +439,13 @@ class Peer:
         return f"<kvflow.Peer {self.address} via {self.transport or '?'} {state}>"
 
 
-def _strides(counts: Any, local_strides: Any, remote_strides: Any) -> tuple[Any, Any, Any] | None:
-    given = (counts is not None, local_strides is not None, remote_strides is not None)
-    if not any(given):
-        return None
-    if not all(given):
+def _expanded(la: Any, ra: Any, ln: Any, counts: Any, local_strides: Any,
+              remote_strides: Any) -> tuple[Any, Any, Any, Any]:
+    """Strided entries (some of counts and the strides given) as plain
+    columns, and the first piece of each entry (for error messages)."""
+    if counts is None or local_strides is None or remote_strides is None:
         raise InvalidArgumentError("strided entries need counts, local_strides and remote_strides together")
-    return counts, local_strides, remote_strides
+    return expand_strided(la, ra, ln, counts, local_strides, remote_strides)
 
 
 class _ClosedChannel:

@@ -354,6 +354,33 @@ size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap) {
     return n;
 }
 
+int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry) {
+    int taken = 0, kick = 0;
+    pthread_mutex_lock(&c->comp_mu);
+    for (size_t i = c->comp_n; i-- > 0;) {      /* its own completion is usually the last */
+        if (c->comp[i].id != id) continue;
+        *status = c->comp[i].status;
+        *entry = c->comp[i].entry;
+        memmove(c->comp + i, c->comp + i + 1, (c->comp_n - i - 1) * sizeof(*c->comp));
+        c->comp_n--;
+        taken = 1;
+        break;
+    }
+    /* What is left may have been pushed by this (polling) thread, which
+     * writes no eventfd: make sure the loop wakes for it. An empty ring
+     * needs no wake-up; the next push writes the eventfd again. */
+    if (c->comp_n) kick = c->comp_signaled = 1;
+    else c->comp_signaled = 0;
+    pthread_mutex_unlock(&c->comp_mu);
+    if (taken) batch_free(c, id_slot(id));
+    if (kick) {
+        uint64_t one = 1;
+        ssize_t r = write(c->efd, &one, sizeof(one));
+        (void)r;
+    }
+    return taken;
+}
+
 /* ------------------------------------------------------------------ plan */
 
 /* Checks every entry (one lock per table for the whole batch) and records

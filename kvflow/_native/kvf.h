@@ -136,6 +136,12 @@ int kvf_batch_finished(kvf_ctx *c, uint64_t id);
 void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry);
 /* Drain finished batches into out (at most cap); frees their slots. */
 size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap);
+/* After a thread polled for batch `id` itself (kvf_set_loop_thread): takes
+ * its completion out of the ring if it is there (1, with its status and
+ * failed entry; its slot is freed), and makes sure the loop wakes for any
+ * other completion that the polling left in the ring. 0: not there yet
+ * (it comes through the eventfd like any other). */
+int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry);
 /* Detached batches, for a thread that submits and then blocks until its
  * batch finished (the event loop takes no part: no thread hop there and
  * back). With the flag set, batches this thread allocates are detached:

@@ -157,8 +157,10 @@ struct kvf_rdma_dev {
     kvf_rdma_events *ev;
     struct ibv_context *ctx;
     struct ibv_pd *pd;
-    struct ibv_comp_channel *chan;
-    struct ibv_cq *cq;
+    struct ibv_comp_channel *chan;   /* both CQs report on it */
+    struct ibv_cq *cq;       /* send completions of every QP on the device */
+    struct ibv_cq *rcq;      /* receive completions (notifications, from the SRQ) */
+    int cq_armed, rcq_armed; /* an event was requested and not yet taken (worker only) */
     struct ibv_srq *srq;
     struct ibv_mr *recv_mr;
     uint8_t *recv_buf;
@@ -170,6 +172,7 @@ struct kvf_rdma_dev {
     int wake_fd;             /* eventfd: work was posted, or stop */
     _Atomic int stop;
     _Atomic int sleeping;    /* the worker waits in poll() */
+    _Atomic int polling;     /* callers polling the send CQ (kvf_rdma_submit_poll) */
     _Atomic int64_t posted;  /* WRs posted on this device and not retired */
     int started;
 };
@@ -234,16 +237,19 @@ static void chan_unref(kvf_rdma_chan *ch) {
 
 /* ------------------------------------------------------------------ posting */
 
-/* Work was posted on the device: if its worker sleeps, wake it now, so that
+/* Work was posted on the device (n WRs; 0: a poller hands its work over):
+ * if its worker sleeps and no caller polls the device, wake it now, so that
  * it is up and polling while the work requests are on the wire (the wake-up
- * overlaps the round trip instead of following it). */
-/* Set while the posting thread polls for the completion itself. */
-static __thread int tls_polling;
-
+ * overlaps the round trip instead of following it). While a caller polls
+ * (kvf_rdma_submit_poll), that caller handles every completion of the
+ * device and wakes the worker when it stops, if work is left.
+ *
+ * seq_cst throughout, paired with the worker's store to `sleeping` and its
+ * loads of `polling` and `posted`: either the worker sees the work before
+ * it sleeps, or the poster sees it asleep and wakes it. */
 static void dev_posted(kvf_rdma_dev *d, int64_t n) {
-    atomic_fetch_add_explicit(&d->posted, n, memory_order_relaxed);
-    if (!tls_polling && atomic_load_explicit(&d->sleeping, memory_order_acquire) &&
-        atomic_exchange_explicit(&d->sleeping, 0, memory_order_acq_rel)) {
+    if (n) atomic_fetch_add(&d->posted, n);
+    if (!atomic_load(&d->polling) && atomic_load(&d->sleeping) && atomic_exchange(&d->sleeping, 0)) {
         uint64_t one = 1;
         ssize_t r = write(d->wake_fd, &one, sizeof(one));
         (void)r;
@@ -576,53 +582,84 @@ static void handle(kvf_rdma_dev *d, struct ibv_wc *wc, int n) {
     }
 }
 
-/* A worker polls its CQ while work requests of its device are on the wire
+/* A worker polls its CQs while work requests of its device are on the wire
  * (for at most SPIN_NS since the last completion or wake-up), and sleeps on
  * the completion channel otherwise: busy only while there is something to
- * wait for, never when idle. */
+ * wait for, never when idle.
+ *
+ * The receive CQ stays armed: a notification may arrive at any time. The
+ * send CQ is armed only when the worker goes to sleep with work on the wire
+ * that no caller polls for. A caller that polls for its own small batch
+ * (kvf_rdma_submit_poll) neither wakes the worker nor keeps it spinning, so
+ * its completion raises no event and wakes no thread: on Soft-RoCE that
+ * wake-up cost as much as the write itself, and once the worker was awake
+ * for one write it stayed engaged for all that followed. When the caller
+ * stops polling with work left, it wakes the worker, which then arms. */
 static uint64_t spin_ns = 200000;    /* KVFLOW_RDMA_SPIN_NS overrides */
+
+/* Work is on the wire and no caller polls for it: the worker waits for it
+ * (spins, or arms the send CQ before it sleeps). */
+static int worker_owns_work(kvf_rdma_dev *d) {
+    return !atomic_load(&d->polling) && atomic_load(&d->posted) > 0;
+}
+
+/* Polls both CQs once; the number of completions handled. */
+static int worker_poll(kvf_rdma_dev *d, struct ibv_wc *wc) {
+    int n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
+    if (n > 0) handle(d, wc, n);
+    int m = ibv_poll_cq(d->rcq, POLL_BATCH, wc);
+    if (m > 0) handle(d, wc, m);
+    return (n > 0 ? n : 0) + (m > 0 ? m : 0) + (n < 0 || m < 0 ? -1 : 0);
+}
+
+/* Takes every pending completion event (the channel fd is non-blocking);
+ * a CQ whose event was taken is no longer armed. */
+static void worker_take_events(kvf_rdma_dev *d) {
+    struct ibv_cq *cq;
+    void *cq_ctx;
+    while (ibv_get_cq_event(d->chan, &cq, &cq_ctx) == 0) {
+        ibv_ack_cq_events(cq, 1);
+        if (cq == d->cq) d->cq_armed = 0;
+        else d->rcq_armed = 0;
+    }
+}
 
 static void *dev_worker(void *arg) {
     kvf_rdma_dev *d = arg;
     struct ibv_wc wc[POLL_BATCH];
     uint64_t last = now_ns();
     while (!atomic_load_explicit(&d->stop, memory_order_relaxed)) {
-        int n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
+        int n = worker_poll(d, wc);
         if (n > 0) {
-            handle(d, wc, n);
             last = now_ns();
             continue;
         }
-        if (n == 0 && atomic_load_explicit(&d->posted, memory_order_relaxed) > 0 &&
-            now_ns() - last < spin_ns) {
+        if (n == 0 && worker_owns_work(d) && now_ns() - last < spin_ns) {
             sched_yield();
             continue;
         }
-        /* arm, then poll once more: a completion that raced the arming is
-         * seen now rather than after the next event */
-        atomic_store_explicit(&d->sleeping, 1, memory_order_release);
-        ibv_req_notify_cq(d->cq, 0);
-        n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
+        /* Announce the sleep, then arm, then poll once more: work posted
+         * after the announcement wakes us through wake_fd, and a completion
+         * that raced the arming is seen now rather than after the next event. */
+        atomic_store(&d->sleeping, 1);
+        if (!d->rcq_armed) d->rcq_armed = ibv_req_notify_cq(d->rcq, 0) == 0;
+        if (!d->cq_armed && worker_owns_work(d)) d->cq_armed = ibv_req_notify_cq(d->cq, 0) == 0;
+        n = worker_poll(d, wc);
         if (n > 0) {
-            atomic_store_explicit(&d->sleeping, 0, memory_order_release);
-            handle(d, wc, n);
+            atomic_store(&d->sleeping, 0);
             last = now_ns();
             continue;
         }
         if (n < 0) usleep(1000);     /* device trouble: do not spin */
         struct pollfd p[2] = {{d->chan->fd, POLLIN, 0}, {d->wake_fd, POLLIN, 0}};
         if (poll(p, 2, -1) < 0 && errno != EINTR) usleep(1000);
-        atomic_store_explicit(&d->sleeping, 0, memory_order_release);
+        atomic_store(&d->sleeping, 0);
         if (p[1].revents) {
             uint64_t v;
             ssize_t r = read(d->wake_fd, &v, sizeof(v));
             (void)r;
         }
-        if (p[0].revents) {
-            struct ibv_cq *cq;
-            void *cq_ctx;
-            if (ibv_get_cq_event(d->chan, &cq, &cq_ctx) == 0) ibv_ack_cq_events(cq, 1);
-        }
+        if (p[0].revents) worker_take_events(d);
         last = now_ns();
     }
     atomic_fetch_sub(&d->c->n_threads, 1);
@@ -649,6 +686,10 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     fcntl(d->chan->fd, F_SETFL, fcntl(d->chan->fd, F_GETFL) | O_NONBLOCK);
     d->cq = ibv_create_cq(ctx, cq_size, NULL, d->chan, 0);
     if (!d->cq) goto fail;
+    /* one entry per receive buffer (the SRQ's), and the initiator QPs' single
+     * receive WR each, which is never posted */
+    d->rcq = ibv_create_cq(ctx, recv_bufs + 1, NULL, d->chan, 0);
+    if (!d->rcq) goto fail;
     struct ibv_srq_init_attr sa = {.attr = {.max_wr = (uint32_t)recv_bufs, .max_sge = 1}};
     d->srq = ibv_create_srq(pd, &sa);
     if (!d->srq) goto fail;
@@ -662,7 +703,8 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     for (int i = 0; i < recv_bufs; i++) post_recv(d, i);
     d->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (d->wake_fd < 0) goto fail;
-    if (ibv_req_notify_cq(d->cq, 0)) goto fail;
+    if (ibv_req_notify_cq(d->rcq, 0)) goto fail;
+    d->rcq_armed = 1;
     atomic_fetch_add(&c->n_threads, 1);
     if (pthread_create(&d->worker, NULL, dev_worker, d)) {
         atomic_fetch_sub(&c->n_threads, 1);
@@ -679,6 +721,7 @@ fail: {
 }
 
 struct ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d) { return d->cq; }
+struct ibv_cq *kvf_rdma_dev_rcq(kvf_rdma_dev *d) { return d->rcq; }
 struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d) { return d->srq; }
 
 void kvf_rdma_dev_free(kvf_rdma_dev *d) {
@@ -695,6 +738,7 @@ void kvf_rdma_dev_free(kvf_rdma_dev *d) {
     if (d->recv_mr && ibv_dereg_mr(d->recv_mr) == 0) kvf_rdma_count(d->c, -1, 0);
     free(d->recv_buf);
     if (d->cq) ibv_destroy_cq(d->cq);
+    if (d->rcq) ibv_destroy_cq(d->rcq);
     if (d->chan) ibv_destroy_comp_channel(d->chan);
     pthread_mutex_destroy(&d->mu);
     free(d);
@@ -959,10 +1003,7 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
                          const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
                          size_t *bad, int *finished) {
     *finished = 0;
-    tls_polling = 1;
-    int rc = kvf_rdma_submit(ch, op, la, ra, len, n, id_out, bad);
-    tls_polling = 0;
-    if (rc) return rc;
+    if (ch->closed) return KVF_ECLOSED;
     kvf_rdma_dev *devs[MAX_QPS];
     int nd = 0;
     pthread_mutex_lock(&ch->mu);
@@ -970,32 +1011,39 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
         /* Read without q->mu (ch->mu is held): GONE is final, and only
          * kvf_rdma_chan_drop_dev sets it, called on the event loop's thread
          * before the device is freed. Polling (budget_ns > 0) happens only
-         * on that thread too (Channel.submit_poll with poll=True), so the
-         * device cannot go between this read and the polls below. */
+         * on that thread too (Channel.submit_poll with poll=True), as do
+         * the QP additions, so neither the devices nor the QPs of this
+         * channel change until this function returns. */
         if (ch->qps[i]->state == QP_GONE) continue;     /* its device (and CQ) is freed */
         int seen = 0;
         for (int j = 0; j < nd; j++) seen |= devs[j] == ch->qps[i]->dev;
         if (!seen) devs[nd++] = ch->qps[i]->dev;
     }
     pthread_mutex_unlock(&ch->mu);
-    /* completions found here need no eventfd: the caller drains next */
-    kvf_set_loop_thread(1);
-    struct ibv_wc wc[POLL_BATCH];
-    uint64_t deadline = now_ns() + budget_ns;
-    while (!(*finished = kvf_batch_finished(ch->c, *id_out))) {
-        int got = 0;
-        for (int j = 0; j < nd; j++) {
-            int k = ibv_poll_cq(devs[j]->cq, POLL_BATCH, wc);
-            if (k > 0) { handle(devs[j], wc, k); got = 1; }
+    /* polling before posting: the posts below do not wake the workers */
+    for (int j = 0; j < nd; j++) atomic_fetch_add(&devs[j]->polling, 1);
+    int rc = kvf_rdma_submit(ch, op, la, ra, len, n, id_out, bad);
+    if (rc == KVF_OK) {
+        /* completions found here need no eventfd: the caller drains next */
+        kvf_set_loop_thread(1);
+        struct ibv_wc wc[POLL_BATCH];
+        uint64_t deadline = now_ns() + budget_ns;
+        while (!(*finished = kvf_batch_finished(ch->c, *id_out))) {
+            int got = 0;
+            for (int j = 0; j < nd; j++) {
+                int k = ibv_poll_cq(devs[j]->cq, POLL_BATCH, wc);
+                if (k > 0) { handle(devs[j], wc, k); got = 1; }
+            }
+            if (!got && now_ns() > deadline) break;
         }
-        if (!got && now_ns() > deadline) break;
+        kvf_set_loop_thread(0);
     }
-    kvf_set_loop_thread(0);
-    if (!*finished) {
-        /* the worker takes over: make sure it is awake or armed */
-        for (int j = 0; j < nd; j++) dev_posted(devs[j], 0);
+    /* work left on a device (this batch's, or others') goes to its worker */
+    for (int j = 0; j < nd; j++) {
+        atomic_fetch_sub(&devs[j]->polling, 1);
+        if (atomic_load(&devs[j]->posted) > 0) dev_posted(devs[j], 0);
     }
-    return KVF_OK;
+    return rc;
 }
 
 int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,

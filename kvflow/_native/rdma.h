@@ -5,9 +5,10 @@
  * objects it made to this file, which posts and polls with no Python and
  * no GIL:
  *
- *   - one worker thread per device owns that device's CQ (every QP of the
- *     engine on that device, initiator and target side, completes there)
- *     and sleeps on its completion channel when idle;
+ *   - one worker thread per device owns that device's CQs (every QP of the
+ *     engine on that device, initiator and target side, completes there:
+ *     sends on one CQ, notifications received on another) and sleeps on
+ *     its completion channel when idle;
  *   - the submitting thread posts directly while a QP has send-queue room
  *     (a 4 KiB write costs no thread hop); the rest waits in the QP's
  *     backlog, which the worker posts as completions free room;
@@ -61,13 +62,15 @@ int kvf_rdma_events_fd(kvf_rdma_events *q);
 size_t kvf_rdma_events_take(kvf_rdma_events *q, kvf_rdma_event *out, size_t cap);
 void kvf_rdma_events_free(kvf_rdma_events *q);
 
-/* A device: creates its completion channel, CQ (cq_size entries), a shared
+/* A device: creates its completion channel, send CQ (cq_size entries),
+ * receive CQ (recv_bufs + 1), a shared
  * receive queue with `recv_bufs` buffers of KVF_RDMA_RECV_BYTES for
  * notifications, and starts its worker. NULL on failure (errno set). */
 #define KVF_RDMA_RECV_BYTES 4096
 kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_context *ctx,
                                struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs);
-struct ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d);
+struct ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d);     /* send completions */
+struct ibv_cq *kvf_rdma_dev_rcq(kvf_rdma_dev *d);    /* receive completions */
 struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d);
 /* Stops the worker and frees the device's CQ, SRQ and buffers (the QPs on it
  * must be gone). */
