@@ -291,31 +291,37 @@ def run_perftest(p: dict, timeout: float) -> dict:
             _kill(server)
 
 
-def measure(p: dict, args) -> dict:
+def measure_once(p: dict, args) -> dict:
+    """One run of a measurement (with perftest's fallback), and the device's
+    counter deltas over it (retx: completer_retry_err)."""
+    timeout = args.duration * 4 + args.timeout_extra
+    before = hw_counters(args.device)
+    r = run_json(p, timeout) if p["kind"] == "json" else run_perftest(p, timeout)
+    if r["status"] != "ok" and p.get("fallback"):
+        config, cmd = p["fallback"]
+        r2 = run_perftest({**p, "cmd": cmd}, timeout)
+        r2["retried"] = f"{p['config']}: {r['error']}"
+        if r2["status"] == "ok":
+            r2.update(config=config, cmd=" ".join(cmd))
+        else:
+            r2["error"] = f"{r['error']}; retry with {config}: {r2['error']}"
+        r = r2
+    r["counters"] = counter_deltas(before, hw_counters(args.device))
+    if before:
+        r["retx"] = r["counters"].get("completer_retry_err", 0)
+    return r
+
+
+def best_row(p: dict, results: list[dict]) -> dict:
+    """The row of a measurement: its best run (all runs' values in "runs")."""
     row = {k: p[k] for k in ("group", "point", "engine", "config")}
     if "block" in p:
         row["block_size"] = p["block"]
     env = " ".join(f"{k}={v}" for k, v in p["env"].items())
     row["cmd"] = (env + " " if env else "") + " ".join(p["cmd"])
-    timeout = args.duration * 4 + args.timeout_extra
     metric, higher = METRIC[p["group"]]
-    best, runs = None, []
-    for _ in range(args.repeat):
-        before = hw_counters(args.device)
-        r = run_json(p, timeout) if p["kind"] == "json" else run_perftest(p, timeout)
-        if r["status"] != "ok" and p.get("fallback"):
-            config, cmd = p["fallback"]
-            r2 = run_perftest({**p, "cmd": cmd}, timeout)
-            r2["retried"] = f"{p['config']}: {r['error']}"
-            if r2["status"] == "ok":
-                r2.update(config=config, cmd=" ".join(cmd))
-            else:
-                r2["error"] = f"{r['error']}; retry with {config}: {r2['error']}"
-            r = r2
-        r["counters"] = counter_deltas(before, hw_counters(args.device))
-        if before:
-            r["retx"] = r["counters"].get("completer_retry_err", 0)
-        runs.append(r.get(metric) if r["status"] == "ok" else r["status"])
+    best = None
+    for r in results:
         if best is None or (r["status"] == "ok" and (
                 best["status"] != "ok" or (r[metric] > best[metric]) == higher)):
             best = r
@@ -323,8 +329,8 @@ def measure(p: dict, args) -> dict:
     for k in ("engine", "protocol"):
         r.pop(k, None)
     row.update(r)
-    if args.repeat > 1:
-        row["runs"] = runs
+    if len(results) > 1:
+        row["runs"] = [x.get(metric) if x["status"] == "ok" else x["status"] for x in results]
     if p["engine"] == "mooncake" and r["status"] == "error":
         row["status"] = "does not run"
     return row
@@ -445,7 +451,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="kvflow,mooncake,ib_write_bw,ib_write_lat",
                    type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help="engines to run (comma list of kvflow, mooncake, ib_write_bw, ib_write_lat)")
-    p.add_argument("--repeat", type=int, default=1, help="run each point N times, keep the best")
+    p.add_argument("--repeat", type=int, default=1, help="run the whole plan N times (rounds), keep each point's best")
     p.add_argument("--timeout-extra", type=float, default=150.0,
                    help="per-measurement timeout = 4 x duration + this many seconds (150)")
     p.add_argument("--json", metavar="FILE", help="write all rows (and versions) as JSON")
@@ -462,16 +468,21 @@ def main(argv=None) -> int:
         return 2
 
     points = plan(args)
-    rows = []
+    # --repeat runs the whole plan again (rounds), rather than one point N
+    # times in a row: a noisy stretch of the host then hits one run of every
+    # engine, not all the runs of one.
+    results: list[list[dict]] = [[] for _ in points]
     t0 = time.monotonic()
-    for i, pt in enumerate(points, 1):
-        r = measure(pt, args)
-        rows.append(r)
-        metric = METRIC[pt["group"]][0]
-        shown = r.get(metric) if r.get("status") == "ok" else r.get("status")
-        log(f"[{i}/{len(points)} {time.monotonic() - t0:5.0f}s] {pt['point']:18} {pt['engine']:12} "
-            f"{pt['config']:22} {metric}={shown} retx={r.get('retx', '-')}" + (f"  ({r['error']})" if r.get("error") else ""))
-    rows = add_derived(rows)
+    for rnd in range(1, args.repeat + 1):
+        for i, pt in enumerate(points):
+            r = measure_once(pt, args)
+            results[i].append(r)
+            metric = METRIC[pt["group"]][0]
+            shown = r.get(metric) if r.get("status") == "ok" else r.get("status")
+            log(f"[{rnd}/{args.repeat} {i + 1}/{len(points)} {time.monotonic() - t0:5.0f}s] "
+                f"{pt['point']:18} {pt['engine']:12} {pt['config']:22} {metric}={shown} "
+                f"retx={r.get('retx', '-')}" + (f"  ({r['error']})" if r.get("error") else ""))
+    rows = add_derived([best_row(pt, res) for pt, res in zip(points, results)])
     wall = time.monotonic() - t0
     print(render(rows, args.markdown))
     print(("\n" if args.markdown else "") + LEGEND)
