@@ -569,9 +569,10 @@ cdef class RdmaChannel(Channel):
         if self.ch == NULL:
             raise VerbsError("channel closed")
         cdef Device d = qp.dev
+        cdef Device old = self.qp_device(index)
         cdef int depth = self.depths[index]
         cdef int rc
-        moved = d is not self.devs[index]
+        moved = d is not old
         if moved and not d.reserve(depth):
             return False               # `qp` stays the caller's to destroy
         cdef ibv_qp *q = qp.take()
@@ -611,6 +612,10 @@ cdef class RdmaChannel(Channel):
         return n
 
     def qp_device(self, int index):
+        """The Device of QP `index`. VerbsError once the channel is closed
+        (its lists are emptied then; this module does no bounds checks)."""
+        if index < 0 or index >= len(self.devs):
+            raise VerbsError(f"{self.peer}: no QP {index} (channel closed?)")
         return self.devs[index]
 
     def post_one(self, int index, int op, uint64_t laddr, uint32_t lkey, uint64_t raddr,

@@ -377,6 +377,8 @@ class RdmaProvider:
         failed = [(i, r) for i, r in zip(indexes, results) if isinstance(r, Exception)]
         if required and failed and len(failed) == len(indexes):
             raise failed[0][1]
+        if not ch.alive:
+            return                             # closed while probing: nothing to put in service
         for i, r in zip(indexes, results):
             if not isinstance(r, Exception):
                 ch.qp_up(i)
@@ -892,7 +894,7 @@ class RdmaProvider:
         of the peer has been up for DEAD_AFTER seconds (or keepalive, if
         longer), the peer is closed and what waited fails with PeerLostError."""
         key = (ch.token, index)
-        if key in self._repairing:
+        if key in self._repairing or not ch.alive:
             return                     # its own probe failed: the running repair sees it
         self._repairing.add(key)
         dev = ch.qp_device(index)
