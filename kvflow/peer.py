@@ -181,12 +181,15 @@ class Peer:
         return t
 
     def _submit_awaited(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                        first: Any, refresh: bool = True) -> Awaitable[None] | None:
+                        counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                        first: Any = None, refresh: bool = True) -> Awaitable[None] | None:
         """Submits a batch its caller awaits at once: None if it already
         completed (inline, or polled to completion on this thread: no
         Transfer, no wake-up), else what to await. write() and read() await
         no other coroutine on that path: on Soft-RoCE under emulation each
         one costs as much as a tenth of the write."""
+        if counts is not None or local_strides is not None or remote_strides is not None:
+            la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
         status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
         if finished:                   # status and aux are the batch's
             if status:
@@ -207,7 +210,7 @@ class Peer:
                              first: Any) -> None:
         # The peer may have registered memory we have not heard of yet.
         await self.refresh()
-        t = self._submit_awaited(op, la, ra, ln, timeout, first, refresh=False)
+        t = self._submit_awaited(op, la, ra, ln, timeout, first=first, refresh=False)
         if t is not None:
             await t
 
@@ -228,11 +231,8 @@ class Peer:
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
-        first = None
-        if counts is not None or local_strides is not None or remote_strides is not None:
-            local_addrs, remote_addrs, lengths, first = _expanded(
-                local_addrs, remote_addrs, lengths, counts, local_strides, remote_strides)
-        t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, first)
+        t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
+                                 counts, local_strides, remote_strides)
         if t is not None:
             await t
 
@@ -241,11 +241,8 @@ class Peer:
                    remote_strides: Any = None) -> None:
         """Reads one batch: entry i copies lengths[i] bytes from the peer's
         remote_addrs[i] into local_addrs[i]. Strided entries and errors as write()."""
-        first = None
-        if counts is not None or local_strides is not None or remote_strides is not None:
-            local_addrs, remote_addrs, lengths, first = _expanded(
-                local_addrs, remote_addrs, lengths, counts, local_strides, remote_strides)
-        t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout, first)
+        t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout,
+                                 counts, local_strides, remote_strides)
         if t is not None:
             await t
 
