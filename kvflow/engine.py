@@ -599,23 +599,13 @@ class Engine:
 
     # ------------------------------------------------------------ completions
     def _on_completions(self) -> None:
-        # One wake-up per burst of finished batches (see kvf.h).
-        self._drain_completions(0)
-
-    def _drain_completions(self, own: int) -> tuple[int, int] | None:
-        """Finishes the Transfers of every batch in the completion ring but
-        `own` (a batch the caller has no Transfer for yet), whose (status,
-        entry) it returns if it was there."""
-        found = None
+        # One wake-up per burst of finished batches (see kvf.h). A batch
+        # polled to completion on this thread never gets here (kvf_take).
         pending = self._pending
         for batch_id, status, entry in self._core.drain():
-            if batch_id == own:
-                found = (status, entry)
-                continue
             t = pending.pop(batch_id, None)
             if t is not None:
                 t._finish(status, entry)
-        return found
 
     def _track_batch(self, batch_id: int, peer: str, op: int, nbytes: int,
                      timeout: float | None) -> Transfer:

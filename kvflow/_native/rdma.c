@@ -1024,7 +1024,8 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
     for (int j = 0; j < nd; j++) atomic_fetch_add(&devs[j]->polling, 1);
     int rc = kvf_rdma_submit(ch, op, la, ra, len, n, id_out, bad);
     if (rc == KVF_OK) {
-        /* completions found here need no eventfd: the caller drains next */
+        /* completions found here need no eventfd: the caller takes its own
+         * next (kvf_take), which also wakes the loop for any others */
         kvf_set_loop_thread(1);
         struct ibv_wc wc[POLL_BATCH];
         uint64_t deadline = now_ns() + budget_ns;
