@@ -211,7 +211,7 @@ cdef extern from "_native/rdma.h" nogil:
     void kvf_rdma_events_free(kvf_rdma_events *q)
 
     kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, ibv_context *ctx, ibv_pd *pd,
-                                   uint32_t index, int cq_size, int recv_bufs)
+                                   uint32_t index, int cq_size, int recv_bufs, int worker_posts)
     ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d)
     ibv_cq *kvf_rdma_dev_rcq(kvf_rdma_dev *d)
     ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d)

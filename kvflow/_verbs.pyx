@@ -139,6 +139,7 @@ cdef class Device:
     cdef readonly int index, port, gid_index, lid, mtu, link_layer
     cdef readonly int max_qp_wr, max_rd_atom, max_init_rd_atom, cq_size
     cdef readonly int ack_timeout  # RC local ACK timeout exponent: 4.096 us * 2^ack_timeout
+    cdef readonly bint worker_posts  # the worker posts unpolled batches (kvf_rdma_dev_new)
     cdef readonly bytes gid
     cdef readonly str netdev
     cdef readonly str dev_path     # the uverbs node in sysfs: removed first when the device goes
@@ -150,7 +151,8 @@ cdef class Device:
     cdef object qps
 
     def __cinit__(self, Core core, object events, str name, int index, int port=1,
-                  gid_index=None, int recv_bufs=256, int ack_timeout=ACK_TIMEOUT):
+                  gid_index=None, int recv_bufs=256, int ack_timeout=ACK_TIMEOUT,
+                  bint worker_posts=False):
         cdef int n = 0, i
         cdef ibv_device **lst = ibv_get_device_list(&n)
         cdef ibv_device_attr da
@@ -215,9 +217,11 @@ cdef class Device:
         cdef kvf_ctx *kc = core._ctx()
         self.kc = kc
         cdef int cq_size = self.cq_size
+        cdef int wp = worker_posts
+        self.worker_posts = worker_posts
         with nogil:
             self.dev = kvf_rdma_dev_new(kc, ev.q, self.ctx, self.pd, <uint32_t>index,
-                                        cq_size, recv_bufs)
+                                        cq_size, recv_bufs, wp)
         if self.dev == NULL:
             raise VerbsError(errno, f"{name}: cannot create its completion queue or worker "
                              f"({os.strerror(errno)})")

@@ -67,6 +67,26 @@ def device_names() -> list[str]:
     return _verbs.device_names() if _verbs is not None else []
 
 
+def is_software(name: str, sysfs: str = "/sys/class/infiniband") -> bool:
+    """Device `name` has no parent in sysfs: Soft-RoCE or siw, no NIC."""
+    return not os.path.exists(f"{sysfs}/{name}/device")
+
+
+def choose_worker_posts(name: str, sysfs: str = "/sys/class/infiniband") -> bool:
+    """Whether device `name`'s worker thread posts the work requests of
+    unpolled batches (not the submitting thread): env
+    KVFLOW_RDMA_WORKER_POSTS (0 or 1), else for software devices only. On
+    Soft-RoCE ibv_post_send does the transfer inside the system call, so
+    posting on the event loop's thread stalls the loop for the whole batch;
+    a NIC's post is a doorbell write (see kvflow/_native/rdma.h)."""
+    env = os.environ.get("KVFLOW_RDMA_WORKER_POSTS", "")
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise InvalidArgumentError(f"KVFLOW_RDMA_WORKER_POSTS={env!r} is not 0 or 1")
+    return is_software(name, sysfs)
+
+
 def choose_ack_timeout(name: str, override: int | None = None, sysfs: str = "/sys/class/infiniband") -> int:
     """The RC ACK timeout exponent (4.096 us * 2^n) for device `name`:
     `override` (the Engine's rdma_ack_timeout), else env
@@ -84,7 +104,7 @@ def choose_ack_timeout(name: str, override: int | None = None, sysfs: str = "/sy
                                            "from 1 to 31") from None
     if override is not None:
         return check_ack_timeout(override)
-    return ACK_TIMEOUT_HW if os.path.exists(f"{sysfs}/{name}/device") else ACK_TIMEOUT_SOFT
+    return ACK_TIMEOUT_SOFT if is_software(name, sysfs) else ACK_TIMEOUT_HW
 
 
 def check_ack_timeout(value: Any) -> int:
@@ -146,14 +166,15 @@ class RdmaProvider:
         self._ack_timeout = ack_timeout
         # before anything is opened: a bad override is the caller's error
         timeouts = {name: choose_ack_timeout(name, ack_timeout) for name in names[:8]}
+        worker_posts = {name: choose_worker_posts(name) for name in names[:8]}
         self.events = _verbs.Events()
         self.devices: list[Any] = []
         problems = []
         for name in names[:8]:
             try:
                 self.devices.append(_verbs.Device(engine._core, self.events, name, len(self.devices),
-                                                  gid_index=gid_index,
-                                                  ack_timeout=timeouts[name]))
+                                                  gid_index=gid_index, ack_timeout=timeouts[name],
+                                                  worker_posts=worker_posts[name]))
             except (OSError, ValueError) as e:
                 problems.append(str(e))
         if not self.devices:
@@ -693,7 +714,8 @@ class RdmaProvider:
         d = None
         try:
             d = _verbs.Device(self._engine._core, self.events, name, index, gid_index=self._gid_index,
-                              ack_timeout=choose_ack_timeout(name, self._ack_timeout))
+                              ack_timeout=choose_ack_timeout(name, self._ack_timeout),
+                              worker_posts=choose_worker_posts(name))
             for reg in regs:
                 reg.handles[index], reg.lkeys[index], reg.rkeys[index] = d.register(reg.addr, reg.length,
                                                                                     reg.flags)

@@ -139,6 +139,43 @@ async def test_small_nowait_batches_mixed_with_awaited_ones_all_complete():
         await b.close()
 
 
+@pytest.mark.parametrize("worker_posts", ["0", "1"])
+async def test_many_scattered_batches_in_flight_whoever_posts(monkeypatch, worker_posts):
+    """Scattered entries (one work request each) in many batches at once,
+    more than the QPs' send queues hold, posted by the submitting thread
+    (0) or by the device's worker (1, the default on Soft-RoCE), with
+    awaited writes and reads in between: every batch completes, and the
+    memory is what was written."""
+    monkeypatch.setenv("KVFLOW_RDMA_WORKER_POSTS", worker_posts)
+    a, b = await rdma_pair()
+    try:
+        assert all(d.worker_posts == (worker_posts == "1") for d in a._rdma.devices)
+        n, block = 1 << 22, 4096
+        dst, src, r, l, peer = await connected(a, b, n, 11)
+        offs = list(range(0, n, 2 * block))          # every other block: nothing coalesces
+        batches = [offs[i::8] for i in range(8)]     # 8 batches of 64 entries
+        pending = [peer.write_nowait([l.addr + o for o in bo], [r.addr + o for o in bo], [block] * len(bo))
+                   for bo in batches]
+        one = offs[0] + block                       # a gap block, awaited alone meanwhile
+        await bounded(peer.write([l.addr + one], [r.addr + one], [block]))
+        await bounded(asyncio.gather(*pending), 120)
+        want = src.copy()
+        for o in range(block, n, 2 * block):
+            if o != one:
+                want[o:o + block] = 0
+        assert np.array_equal(dst, want)
+        # and back: a read of every written block, one batch
+        back = np.zeros(n, dtype=np.uint8)
+        lb = a.register(back)
+        await bounded(peer.read([lb.addr + o for o in offs], [r.addr + o for o in offs], [block] * len(offs)), 120)
+        for o in offs:
+            assert np.array_equal(back[o:o + block], src[o:o + block]), o
+        assert a.counters()["slices_inflight"] == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_registration_time_is_reported(caplog):
     async with kvflow.Engine(protocols=("rdma",)) as e:
         buf = np.zeros(rdma.LARGE_REGION, dtype=np.uint8)

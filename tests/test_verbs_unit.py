@@ -76,3 +76,24 @@ def test_ack_timeout_is_chosen_per_device(tmp_path, monkeypatch):
             rdma.choose_ack_timeout("rxe0", bad, sysfs=str(tmp_path))
         with pytest.raises(kvflow.InvalidArgumentError):
             kvflow.Engine(rdma_ack_timeout=bad)
+
+
+def test_worker_posts_on_software_devices_only(tmp_path, monkeypatch):
+    """A software device's worker posts unpolled batches (its post does the
+    transfer inside the system call); a NIC's submitting thread posts
+    itself. KVFLOW_RDMA_WORKER_POSTS=0/1 decides for every device; anything
+    else is an InvalidArgumentError."""
+    from kvflow import rdma
+    monkeypatch.delenv("KVFLOW_RDMA_WORKER_POSTS", raising=False)
+    (tmp_path / "mlx5_0" / "device").mkdir(parents=True)
+    (tmp_path / "rxe0").mkdir()
+    assert rdma.choose_worker_posts("rxe0", sysfs=str(tmp_path)) is True
+    assert rdma.choose_worker_posts("mlx5_0", sysfs=str(tmp_path)) is False
+    for env, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("KVFLOW_RDMA_WORKER_POSTS", env)
+        assert rdma.choose_worker_posts("rxe0", sysfs=str(tmp_path)) is want
+        assert rdma.choose_worker_posts("mlx5_0", sysfs=str(tmp_path)) is want
+    for bad in ("yes", "2", " 1"):
+        monkeypatch.setenv("KVFLOW_RDMA_WORKER_POSTS", bad)
+        with pytest.raises(kvflow.InvalidArgumentError):
+            rdma.choose_worker_posts("rxe0", sysfs=str(tmp_path))

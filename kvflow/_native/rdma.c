@@ -18,6 +18,13 @@
 #define MAX_QPS 64           /* QPs per channel */
 #define MAX_ATTEMPTS 3       /* posts of one slice before its batch fails */
 #define POLL_BATCH 64
+/* On a device whose worker posts (worker_posts), it posts at most this many
+ * work requests of one QP before it polls and turns to the next QP: on
+ * Soft-RoCE the post does the whole round trip inside the system call, so
+ * a finished batch is reported (and its caller submits the next) while the
+ * worker goes on with the rest, instead of after everything queued. */
+#define WORKER_CHAIN 16
+#define POST_ALL ((size_t)-1)
 #define RECV_FLAG (1ull << 63)
 /* Bytes posted and not yet completed, per QP. Enough to keep a NIC busy
  * (4 MiB is ~160 us at 200 Gb/s, and several QPs run at once), small enough
@@ -150,6 +157,16 @@ typedef struct rqp {
     uint64_t unsig_bytes;    /* and their bytes */
     kvf_queue backlog;       /* waiting for send-queue room (guarded by mu) */
     uint64_t wrs, bytes;
+    /* Slices a submitter queued for the worker to post (worker_posts): under
+     * in_mu, not mu, so that a submitter never waits for a post, which on
+     * Soft-RoCE holds mu for the whole transfer. Moved to the backlog by
+     * whoever posts next. Lock order: mu, in_mu, dev->ready_mu; in_mu also
+     * guards the moves of dev/slot/state to and from GONE. */
+    pthread_mutex_t in_mu;
+    kvf_queue incoming;
+    _Atomic uint32_t nincoming;
+    int worker_posts;        /* dev->worker_posts (read without a lock) */
+    int ready;               /* in the device's ready list (guarded by dev->ready_mu) */
 } rqp;
 
 struct kvf_rdma_dev {
@@ -175,6 +192,15 @@ struct kvf_rdma_dev {
     _Atomic int polling;     /* callers polling the send CQ (kvf_rdma_submit_poll) */
     _Atomic int64_t posted;  /* WRs posted on this device and not retired */
     int started;
+    /* Worker posts: the submitting thread only queues a batch's slices and
+     * the worker posts them (see kvf_rdma_dev_new). The ready list holds the
+     * slots of QPs with a backlog to post; ready_mu is a leaf lock (taken
+     * under q->mu, nothing taken under it). */
+    int worker_posts;
+    pthread_mutex_t ready_mu;
+    uint32_t *ready;         /* ring of MAX_SLOTS slots */
+    uint32_t ready_head;
+    _Atomic uint32_t nready;
 };
 
 struct kvf_rdma_chan {
@@ -256,16 +282,60 @@ static void dev_posted(kvf_rdma_dev *d, int64_t n) {
     }
 }
 
-/* Posts backlog slices while the send queue has room. Caller holds q->mu.
- * On a post failure the QP is broken: *retry gets what must go elsewhere. */
+/* Wakes the worker if it sleeps, whoever polls: it has posting to do. */
+static void dev_wake(kvf_rdma_dev *d) {
+    if (atomic_load(&d->sleeping) && atomic_exchange(&d->sleeping, 0)) {
+        uint64_t one = 1;
+        ssize_t r = write(d->wake_fd, &one, sizeof(one));
+        (void)r;
+    }
+}
+
+/* Puts q in its device's ready list (once) and wakes the worker. Caller
+ * holds q->mu or q->in_mu (q->dev stays). seq_cst on nready, paired with
+ * the worker's check of it after announcing its sleep. */
+static void ready_push_locked(rqp *q) {
+    kvf_rdma_dev *d = q->dev;
+    pthread_mutex_lock(&d->ready_mu);
+    if (!q->ready) {
+        q->ready = 1;
+        uint32_t n = atomic_load(&d->nready);
+        d->ready[(d->ready_head + n) % MAX_SLOTS] = q->slot;
+        atomic_fetch_add(&d->nready, 1);
+    }
+    pthread_mutex_unlock(&d->ready_mu);
+    dev_wake(d);
+}
+
+/* Moves what submitters queued for the worker into the backlog (or into
+ * *to, e.g. a retry queue). Caller holds q->mu. */
+static void take_incoming_locked(rqp *q, kvf_queue *to) {
+    if (!atomic_load(&q->nincoming)) return;
+    pthread_mutex_lock(&q->in_mu);
+    kvf_slice tmp[64];
+    size_t k;
+    while ((k = kvf_queue_pop_locked(&q->incoming, tmp, 64)) > 0)
+        for (size_t i = 0; i < k; i++)
+            if (kvf_queue_push_locked(to, &tmp[i])) slice_finish(q->ch->c, &tmp[i], KVF_ENOMEM);
+    atomic_store(&q->nincoming, 0);
+    pthread_mutex_unlock(&q->in_mu);
+}
+
+/* Posts backlog slices while the send queue has room, at most max_wrs work
+ * requests. Caller holds q->mu. A backlog left for want of max_wrs puts the
+ * QP in the worker's ready list; one left for want of room is posted as
+ * completions free it. On a post failure the QP is broken: *retry gets
+ * what must go elsewhere. */
 static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry);
 
-static void qp_post_locked(rqp *q, kvf_queue *retry) {
+static void qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
     kvf_ctx *c = q->ch->c;
-    while (qp_live(q->state) && q->backlog.count && q->head - q->tail < q->depth &&
+    if (qp_live(q->state)) take_incoming_locked(q, &q->backlog);
+    while (max_wrs && qp_live(q->state) && q->backlog.count && q->head - q->tail < q->depth &&
            (q->inflight < MAX_INFLIGHT_BYTES || q->head == q->tail)) {
         size_t room = q->depth - (size_t)(q->head - q->tail);
         if (room > CHAIN) room = CHAIN;
+        if (room > max_wrs) room = max_wrs;
         /* take slices while the byte budget lasts (at least one) */
         size_t want = 0;
         uint64_t budget = q->inflight < MAX_INFLIGHT_BYTES ? MAX_INFLIGHT_BYTES - q->inflight : 0;
@@ -303,6 +373,7 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
             m++;
         }
         if (m == 0) continue;
+        max_wrs -= m;
         for (size_t j = 0; j < m; j++) {
             wr[j].next = j + 1 < m ? &wr[j + 1] : NULL;
             /* signalled: every SIGNAL_EVERY-th or SIGNAL_BYTES, and the
@@ -339,6 +410,7 @@ static void qp_post_locked(rqp *q, kvf_queue *retry) {
         }
         q->head += m;
     }
+    if (!max_wrs && qp_live(q->state) && q->backlog.count) ready_push_locked(q);
 }
 
 /* Retires posted slice `seq` with `status`. Caller holds q->mu. */
@@ -361,9 +433,18 @@ static void events_broken(rqp *q, int wc_status) {
 /* Takes a live QP out of service: error state, completions still in the CQ
  * stale, what it carried (posted and backlog) to *retry. Caller holds q->mu.
  * Returns 0 if it was not live. */
+/* A QP leaves UP under in_mu too: a submitter queues for the worker only
+ * while it sees the QP UP under in_mu, so whatever it queued before is in
+ * `incoming` when the state changes, for the caller to move on. */
+static void set_state_locked(rqp *q, int state) {
+    pthread_mutex_lock(&q->in_mu);
+    q->state = state;
+    pthread_mutex_unlock(&q->in_mu);
+}
+
 static int qp_take_down_locked(rqp *q, kvf_queue *retry) {
     if (!qp_live(q->state)) return 0;
-    q->state = QP_BROKEN;
+    set_state_locked(q, QP_BROKEN);
     q->gen = (q->gen + 1) & 0xffff;
     struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
     ibv_modify_qp(q->qp, &a, IBV_QP_STATE);
@@ -375,6 +456,7 @@ static int qp_take_down_locked(rqp *q, kvf_queue *retry) {
     size_t k;
     while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)
         for (size_t i = 0; i < k; i++) kvf_queue_push_locked(retry, &tmp[i]);
+    take_incoming_locked(q, retry);
     return 1;
 }
 
@@ -421,8 +503,10 @@ static void fail_parked_locked(kvf_rdma_chan *ch) {
 static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
 
 /* Places slices on the channel's live QPs, round-robin (striping them over
- * devices), and posts what fits. With no live QP they wait in `parked`. */
-static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n) {
+ * devices), and posts what fits: on the calling thread, unless the QP's
+ * device has its worker post (worker_posts) and the caller did not ask to
+ * post inline. With no live QP they wait in `parked`. */
+static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n, int inline_post) {
     kvf_ctx *c = ch->c;
     if (n) {
         rqp *up[MAX_QPS];
@@ -454,20 +538,44 @@ static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n) {
         kvf_queue_init(&bounced);
         for (int qi = 0; qi < nup; qi++) {
             rqp *q = up[qi];
+            size_t first = (size_t)((qi - (int)(rr % (uint32_t)nup) + nup) % nup);
+            if (!inline_post && q->worker_posts) {
+                /* for the worker to post: queued under in_mu, never waiting
+                 * for a post in progress (which holds q->mu) */
+                size_t queued = 0;
+                pthread_mutex_lock(&q->in_mu);
+                pthread_rwlock_rdlock(&c->local.lock);
+                pthread_rwlock_rdlock(&ch->remote->lock);
+                for (size_t i = first; i < n; i += (size_t)nup) {
+                    if (q->state != QP_UP) { kvf_queue_push_locked(&bounced, &s[i]); continue; }
+                    int rc = resolve_keys_locked(ch, &s[i], q->dev_index, q->rdev);
+                    if (rc) { slice_finish(c, &s[i], rc); continue; }
+                    if (kvf_queue_push_locked(&q->incoming, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
+                    else queued++;
+                }
+                pthread_rwlock_unlock(&ch->remote->lock);
+                pthread_rwlock_unlock(&c->local.lock);
+                if (queued) {
+                    atomic_fetch_add(&q->nincoming, (uint32_t)queued);
+                    ready_push_locked(q);
+                }
+                pthread_mutex_unlock(&q->in_mu);
+                continue;
+            }
             kvf_queue retry;
             kvf_queue_init(&retry);
             pthread_mutex_lock(&q->mu);
             pthread_rwlock_rdlock(&c->local.lock);
             pthread_rwlock_rdlock(&ch->remote->lock);
-            for (size_t i = (size_t)((qi - (int)(rr % (uint32_t)nup) + nup) % nup); i < n; i += (size_t)nup) {
+            for (size_t i = first; i < n; i += (size_t)nup) {
                 if (q->state != QP_UP) { kvf_queue_push_locked(&bounced, &s[i]); continue; }
-                int rc = resolve_keys_locked(ch, &s[i], q->dev->index, q->rdev);
+                int rc = resolve_keys_locked(ch, &s[i], q->dev_index, q->rdev);
                 if (rc) { slice_finish(c, &s[i], rc); continue; }
                 if (kvf_queue_push_locked(&q->backlog, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
             }
             pthread_rwlock_unlock(&ch->remote->lock);
             pthread_rwlock_unlock(&c->local.lock);
-            qp_post_locked(q, &retry);
+            qp_post_locked(q, &retry, POST_ALL);
             pthread_mutex_unlock(&q->mu);
             kvf_slice tmp[64];
             size_t k;
@@ -499,7 +607,7 @@ static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry) {
         if (v[i].attempts >= MAX_ATTEMPTS || v[i].op > KVF_OP_READ) slice_finish(ch->c, &v[i], KVF_ELOST);
         else v[k++] = v[i];
     }
-    chan_dispatch(ch, v, k);
+    chan_dispatch(ch, v, k, 0);
     free(v);
 }
 
@@ -558,7 +666,7 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
             slice_finish(c, &failed, verbs_status(wc->status, d));
         qp_break_locked(q, wc->status, &retry);
     }
-    qp_post_locked(q, &retry);
+    qp_post_locked(q, &retry, d->worker_posts ? WORKER_CHAIN : POST_ALL);
     kvf_rdma_chan *ch = q->ch;
     if (retry.count) chan_ref(ch);
     pthread_mutex_unlock(&q->mu);
@@ -624,11 +732,52 @@ static void worker_take_events(kvf_rdma_dev *d) {
     }
 }
 
+/* Posts up to WORKER_CHAIN work requests of each QP in the ready list as
+ * it stood on entry (a QP with more left goes back to its end); the number
+ * of QPs served. */
+static int worker_post_ready(kvf_rdma_dev *d) {
+    uint32_t n = atomic_load(&d->nready);
+    int served = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        /* d->mu first, as on_send: the slot's QP cannot be freed meanwhile */
+        pthread_mutex_lock(&d->mu);
+        pthread_mutex_lock(&d->ready_mu);
+        if (!atomic_load(&d->nready)) {
+            pthread_mutex_unlock(&d->ready_mu);
+            pthread_mutex_unlock(&d->mu);
+            break;
+        }
+        uint32_t slot = d->ready[d->ready_head];
+        d->ready_head = (d->ready_head + 1) % MAX_SLOTS;
+        atomic_fetch_sub(&d->nready, 1);
+        rqp *q = d->slots[slot];
+        if (q) q->ready = 0;
+        pthread_mutex_unlock(&d->ready_mu);
+        if (!q) { pthread_mutex_unlock(&d->mu); continue; }
+        pthread_mutex_lock(&q->mu);
+        pthread_mutex_unlock(&d->mu);
+        kvf_queue retry;
+        kvf_queue_init(&retry);
+        qp_post_locked(q, &retry, WORKER_CHAIN);
+        kvf_rdma_chan *ch = q->ch;
+        if (retry.count) chan_ref(ch);
+        pthread_mutex_unlock(&q->mu);
+        if (retry.count) {
+            dispatch_queue(ch, &retry);
+            chan_unref(ch);
+        }
+        kvf_queue_destroy(&retry);
+        served++;
+    }
+    return served;
+}
+
 static void *dev_worker(void *arg) {
     kvf_rdma_dev *d = arg;
     struct ibv_wc wc[POLL_BATCH];
     uint64_t last = now_ns();
     while (!atomic_load_explicit(&d->stop, memory_order_relaxed)) {
+        if (atomic_load(&d->nready) && worker_post_ready(d) > 0) last = now_ns();
         int n = worker_poll(d, wc);
         if (n > 0) {
             last = now_ns();
@@ -645,7 +794,7 @@ static void *dev_worker(void *arg) {
         if (!d->rcq_armed) d->rcq_armed = ibv_req_notify_cq(d->rcq, 0) == 0;
         if (!d->cq_armed && worker_owns_work(d)) d->cq_armed = ibv_req_notify_cq(d->cq, 0) == 0;
         n = worker_poll(d, wc);
-        if (n > 0) {
+        if (n > 0 || atomic_load(&d->nready)) {
             atomic_store(&d->sleeping, 0);
             last = now_ns();
             continue;
@@ -669,9 +818,14 @@ static void *dev_worker(void *arg) {
 /* ------------------------------------------------------------------ device */
 
 kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_context *ctx,
-                               struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs) {
+                               struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs,
+                               int worker_posts) {
     kvf_rdma_dev *d = calloc(1, sizeof(*d));
     if (!d) return NULL;
+    d->ready = calloc(MAX_SLOTS, sizeof(*d->ready));
+    if (!d->ready) { free(d); return NULL; }
+    d->worker_posts = worker_posts;
+    pthread_mutex_init(&d->ready_mu, NULL);
     const char *env = getenv("KVFLOW_RDMA_SPIN_NS");
     if (env && *env) spin_ns = strtoull(env, NULL, 10);
     d->c = c;
@@ -741,6 +895,8 @@ void kvf_rdma_dev_free(kvf_rdma_dev *d) {
     if (d->rcq) ibv_destroy_cq(d->rcq);
     if (d->chan) ibv_destroy_comp_channel(d->chan);
     pthread_mutex_destroy(&d->mu);
+    pthread_mutex_destroy(&d->ready_mu);
+    free(d->ready);
     free(d);
 }
 
@@ -807,7 +963,19 @@ static uint32_t dev_slot_take(kvf_rdma_dev *d, rqp *q) {
  * taking q->mu afterwards waits for a worker that already did. */
 static void dev_slot_drop(kvf_rdma_dev *d, uint32_t slot, rqp *q) {
     pthread_mutex_lock(&d->mu);
-    if (d->slots[slot] == q) d->slots[slot] = NULL;
+    if (d->slots[slot] == q) {
+        d->slots[slot] = NULL;
+        /* and out of the ready list: the slot may go to another QP */
+        pthread_mutex_lock(&d->ready_mu);
+        uint32_t n = atomic_load(&d->nready), k = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t v = d->ready[(d->ready_head + i) % MAX_SLOTS];
+            if (v != slot) d->ready[(d->ready_head + k++) % MAX_SLOTS] = v;
+        }
+        atomic_store(&d->nready, k);
+        q->ready = 0;
+        pthread_mutex_unlock(&d->ready_mu);
+    }
     pthread_mutex_unlock(&d->mu);
 }
 
@@ -819,7 +987,10 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     if (!q) return -1;
     q->ring = calloc(depth, sizeof(kvf_slice));
     if (!q->ring || kvf_queue_init(&q->backlog)) { free(q->ring); free(q); return -1; }
+    if (kvf_queue_init(&q->incoming)) { kvf_queue_destroy(&q->backlog); free(q->ring); free(q); return -1; }
     pthread_mutex_init(&q->mu, NULL);
+    pthread_mutex_init(&q->in_mu, NULL);
+    q->worker_posts = dev->worker_posts;
     q->qp = qp;
     q->dev = dev;
     q->dev_index = dev->index;
@@ -842,8 +1013,10 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     return q->index;
 fail:
     kvf_queue_destroy(&q->backlog);
+    kvf_queue_destroy(&q->incoming);
     free(q->ring);
     pthread_mutex_destroy(&q->mu);
+    pthread_mutex_destroy(&q->in_mu);
     free(q);
     return -1;
 }
@@ -872,9 +1045,12 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, kvf_rdma_dev *dev, st
     pthread_mutex_lock(&q->mu);
     int ok = gone ? q->state == QP_GONE && !ch->closed : q->state == QP_BROKEN && q->dev == dev;
     if (ok && gone) {
+        pthread_mutex_lock(&q->in_mu);
         q->dev = dev;
         q->slot = slot;
+        q->worker_posts = dev->worker_posts;
         q->state = QP_BROKEN;
+        pthread_mutex_unlock(&q->in_mu);
     }
     pthread_mutex_unlock(&ch->mu);
     if (!ok) {
@@ -944,7 +1120,7 @@ int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d) {
             kvf_rdma_destroy_qp(ch->c, q->qp);
             q->qp = NULL;
         }
-        if (q->state != QP_CLOSED) q->state = QP_GONE;
+        if (q->state != QP_CLOSED) set_state_locked(q, QP_GONE);
         pthread_mutex_unlock(&q->mu);
         dispatch_queue(ch, &retry);
         kvf_queue_destroy(&retry);
@@ -979,8 +1155,8 @@ int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t
     return st;
 }
 
-int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                    const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad) {
+static int submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
+                  const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad, int inline_post) {
     if (ch->closed) return KVF_ECLOSED;
     kvf_slice *s;
     size_t ns;
@@ -992,11 +1168,16 @@ int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_
     if (rc) { free(s); return rc; }
     for (size_t i = 0; i < ns; i++) s[i].slot = (uint32_t)id;
     atomic_fetch_add_explicit(&ch->c->n_slices_inflight, (int64_t)ns, memory_order_relaxed);
-    chan_dispatch(ch, s, ns);
+    chan_dispatch(ch, s, ns, inline_post);
     free(s);
     kvf_batch_release_guard(ch->c, id);
     *id_out = id;
     return KVF_OK;
+}
+
+int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
+                    const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad) {
+    return submit(ch, op, la, ra, len, n, id_out, bad, 0);
 }
 
 int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
@@ -1022,7 +1203,8 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
     pthread_mutex_unlock(&ch->mu);
     /* polling before posting: the posts below do not wake the workers */
     for (int j = 0; j < nd; j++) atomic_fetch_add(&devs[j]->polling, 1);
-    int rc = kvf_rdma_submit(ch, op, la, ra, len, n, id_out, bad);
+    /* posted here, whatever the device: this thread waits for it anyway */
+    int rc = submit(ch, op, la, ra, len, n, id_out, bad, 1);
     if (rc == KVF_OK) {
         /* completions found here need no eventfd: the caller takes its own
          * next (kvf_take), which also wakes the loop for any others */
@@ -1063,7 +1245,7 @@ int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint
         pthread_mutex_unlock(&q->mu);
         slice_finish(ch->c, &s, KVF_ELOST);
     } else {
-        qp_post_locked(q, &retry);
+        qp_post_locked(q, &retry, POST_ALL);
         pthread_mutex_unlock(&q->mu);
     }
     dispatch_queue(ch, &retry);
@@ -1095,7 +1277,8 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
             kvf_rdma_destroy_qp(c, q->qp);     /* synchronous: no more memory access */
             q->qp = NULL;
         }
-        q->state = QP_CLOSED;
+        set_state_locked(q, QP_CLOSED);
+        take_incoming_locked(q, &q->backlog);
         for (uint64_t s = q->tail; s < q->head; s++) slice_finish(c, &q->ring[s % q->depth], KVF_ELOST);
         atomic_fetch_sub_explicit(&q->dev->posted, (int64_t)(q->head - q->tail), memory_order_relaxed);
         q->tail = q->head;
@@ -1114,8 +1297,10 @@ static void chan_destroy(kvf_rdma_chan *ch) {
     for (int i = 0; i < ch->nqps; i++) {
         rqp *q = ch->qps[i];
         kvf_queue_destroy(&q->backlog);
+        kvf_queue_destroy(&q->incoming);
         free(q->ring);
         pthread_mutex_destroy(&q->mu);
+        pthread_mutex_destroy(&q->in_mu);
         free(q);
     }
     kvf_queue_destroy(&ch->parked);

@@ -11,7 +11,9 @@
  *     its completion channel when idle;
  *   - the submitting thread posts directly while a QP has send-queue room
  *     (a 4 KiB write costs no thread hop); the rest waits in the QP's
- *     backlog, which the worker posts as completions free room;
+ *     backlog, which the worker posts as completions free room (on a
+ *     device with worker_posts the worker posts everything but polled
+ *     batches);
  *   - work requests go out in chains (one ibv_post_send per chain), only
  *     every SIGNAL_EVERY-th and the last of a chain signalled; an RC send
  *     queue completes in order, so one signalled completion retires every
@@ -65,10 +67,20 @@ void kvf_rdma_events_free(kvf_rdma_events *q);
 /* A device: creates its completion channel, send CQ (cq_size entries),
  * receive CQ (recv_bufs + 1), a shared
  * receive queue with `recv_bufs` buffers of KVF_RDMA_RECV_BYTES for
- * notifications, and starts its worker. NULL on failure (errno set). */
+ * notifications, and starts its worker. NULL on failure (errno set).
+ *
+ * worker_posts: kvf_rdma_submit only queues the slices and the worker posts
+ * them, WORKER_CHAIN at a time per QP with a poll in between (polled
+ * batches, kvf_rdma_submit_poll, still post on the caller's thread). For
+ * software devices (Soft-RoCE), whose ibv_post_send does the transfer
+ * itself inside the system call: the submitting thread (the event loop's)
+ * then runs no packet work, and a finished batch is reported while the
+ * rest is still being sent. A NIC's post is a doorbell write, which the
+ * submitting thread does best itself. */
 #define KVF_RDMA_RECV_BYTES 4096
 kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_context *ctx,
-                               struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs);
+                               struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs,
+                               int worker_posts);
 struct ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d);     /* send completions */
 struct ibv_cq *kvf_rdma_dev_rcq(kvf_rdma_dev *d);    /* receive completions */
 struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d);
