@@ -502,6 +502,28 @@ static void fail_parked_locked(kvf_rdma_chan *ch) {
 
 static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
 
+/* Resolves the keys of QP q's share of s (every step-th slice from first)
+ * and queues them on `to`, which the caller's lock guards (q->mu or
+ * q->in_mu, either of which keeps q's state UP); a QP no longer UP sends
+ * them to `bounced`. The number queued. */
+static size_t stripe_locked(kvf_rdma_chan *ch, rqp *q, kvf_slice *s, size_t n, size_t first,
+                            size_t step, kvf_queue *to, kvf_queue *bounced) {
+    kvf_ctx *c = ch->c;
+    size_t queued = 0;
+    pthread_rwlock_rdlock(&c->local.lock);
+    pthread_rwlock_rdlock(&ch->remote->lock);
+    for (size_t i = first; i < n; i += step) {
+        if (q->state != QP_UP) { kvf_queue_push_locked(bounced, &s[i]); continue; }
+        int rc = resolve_keys_locked(ch, &s[i], q->dev_index, q->rdev);
+        if (rc) { slice_finish(c, &s[i], rc); continue; }
+        if (kvf_queue_push_locked(to, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
+        else queued++;
+    }
+    pthread_rwlock_unlock(&ch->remote->lock);
+    pthread_rwlock_unlock(&c->local.lock);
+    return queued;
+}
+
 /* Places slices on the channel's live QPs, round-robin (striping them over
  * devices), and posts what fits: on the calling thread, unless the QP's
  * device has its worker post (worker_posts) and the caller did not ask to
@@ -542,19 +564,8 @@ static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n, int inline_
             if (!inline_post && q->worker_posts) {
                 /* for the worker to post: queued under in_mu, never waiting
                  * for a post in progress (which holds q->mu) */
-                size_t queued = 0;
                 pthread_mutex_lock(&q->in_mu);
-                pthread_rwlock_rdlock(&c->local.lock);
-                pthread_rwlock_rdlock(&ch->remote->lock);
-                for (size_t i = first; i < n; i += (size_t)nup) {
-                    if (q->state != QP_UP) { kvf_queue_push_locked(&bounced, &s[i]); continue; }
-                    int rc = resolve_keys_locked(ch, &s[i], q->dev_index, q->rdev);
-                    if (rc) { slice_finish(c, &s[i], rc); continue; }
-                    if (kvf_queue_push_locked(&q->incoming, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
-                    else queued++;
-                }
-                pthread_rwlock_unlock(&ch->remote->lock);
-                pthread_rwlock_unlock(&c->local.lock);
+                size_t queued = stripe_locked(ch, q, s, n, first, (size_t)nup, &q->incoming, &bounced);
                 if (queued) {
                     atomic_fetch_add(&q->nincoming, (uint32_t)queued);
                     ready_push_locked(q);
@@ -565,16 +576,7 @@ static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n, int inline_
             kvf_queue retry;
             kvf_queue_init(&retry);
             pthread_mutex_lock(&q->mu);
-            pthread_rwlock_rdlock(&c->local.lock);
-            pthread_rwlock_rdlock(&ch->remote->lock);
-            for (size_t i = first; i < n; i += (size_t)nup) {
-                if (q->state != QP_UP) { kvf_queue_push_locked(&bounced, &s[i]); continue; }
-                int rc = resolve_keys_locked(ch, &s[i], q->dev_index, q->rdev);
-                if (rc) { slice_finish(c, &s[i], rc); continue; }
-                if (kvf_queue_push_locked(&q->backlog, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
-            }
-            pthread_rwlock_unlock(&ch->remote->lock);
-            pthread_rwlock_unlock(&c->local.lock);
+            stripe_locked(ch, q, s, n, first, (size_t)nup, &q->backlog, &bounced);
             qp_post_locked(q, &retry, POST_ALL);
             pthread_mutex_unlock(&q->mu);
             kvf_slice tmp[64];
@@ -635,6 +637,20 @@ static void on_recv(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     post_recv(d, i);
 }
 
+/* qp_post_locked, then releases q->mu and sends what *retry holds (slices
+ * of a QP that broke) to the channel's other QPs; *retry is destroyed. */
+static void qp_post_unlock(rqp *q, kvf_queue *retry, size_t max_wrs) {
+    qp_post_locked(q, retry, max_wrs);
+    kvf_rdma_chan *ch = q->ch;
+    if (retry->count) chan_ref(ch);      /* the channel outlives its QP's lock */
+    pthread_mutex_unlock(&q->mu);
+    if (retry->count) {
+        dispatch_queue(ch, retry);
+        chan_unref(ch);
+    }
+    kvf_queue_destroy(retry);
+}
+
 static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     uint32_t slot = (uint32_t)(wc->wr_id >> 48) & (MAX_SLOTS - 1);
     uint32_t gen = (uint32_t)(wc->wr_id >> 32) & 0xffff;
@@ -666,15 +682,7 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
             slice_finish(c, &failed, verbs_status(wc->status, d));
         qp_break_locked(q, wc->status, &retry);
     }
-    qp_post_locked(q, &retry, d->worker_posts ? WORKER_CHAIN : POST_ALL);
-    kvf_rdma_chan *ch = q->ch;
-    if (retry.count) chan_ref(ch);
-    pthread_mutex_unlock(&q->mu);
-    if (retry.count) {
-        dispatch_queue(ch, &retry);
-        chan_unref(ch);
-    }
-    kvf_queue_destroy(&retry);
+    qp_post_unlock(q, &retry, d->worker_posts ? WORKER_CHAIN : POST_ALL);
 }
 
 static inline uint64_t now_ns(void) {
@@ -758,15 +766,7 @@ static int worker_post_ready(kvf_rdma_dev *d) {
         pthread_mutex_unlock(&d->mu);
         kvf_queue retry;
         kvf_queue_init(&retry);
-        qp_post_locked(q, &retry, WORKER_CHAIN);
-        kvf_rdma_chan *ch = q->ch;
-        if (retry.count) chan_ref(ch);
-        pthread_mutex_unlock(&q->mu);
-        if (retry.count) {
-            dispatch_queue(ch, &retry);
-            chan_unref(ch);
-        }
-        kvf_queue_destroy(&retry);
+        qp_post_unlock(q, &retry, WORKER_CHAIN);
         served++;
     }
     return served;
