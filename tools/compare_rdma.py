@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -282,6 +283,10 @@ def run_perftest(p: dict, timeout: float) -> dict:
             typ = vals.get("t_typical")
             if typ is None:
                 return {"status": "error", "error": f"no t_typical column: {vals}"}
+            if not math.isfinite(typ):
+                # seen under TCG: perftest's cycles-per-microsecond estimate came out 0
+                return {"status": "error", "perftest": vals,
+                        "error": f"ib_write_lat printed t_typical={typ} (its clock estimate failed)"}
             res["latency_p50_us"] = typ  # half a round trip
             if "p99%" in vals:
                 res["latency_p99_us"] = vals["p99%"]
