@@ -183,7 +183,10 @@ class Engine:
     rdma_ack_timeout: RC ACK timeout exponent, 1..31 (4.096 us * 2^n; default:
     env KVFLOW_RDMA_ACK_TIMEOUT, else 14 (67 ms) for hardware NICs and 17
     (537 ms) for software devices such as rxe and siw, whose ACKs can be
-    late under load; InvalidArgumentError otherwise);
+    late under load; InvalidArgumentError otherwise). On software devices
+    the device's worker thread posts unpolled batches, not the submitting
+    thread (their ibv_post_send does the transfer inside the system call);
+    env KVFLOW_RDMA_WORKER_POSTS=0/1 decides for every device;
     keepalive: seconds of silence on a peer's control connection after
     which the peer is declared lost and its transfers fail with
     PeerLostError (pings go every keepalive/3; 0 disables; default: env
