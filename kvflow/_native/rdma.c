@@ -273,16 +273,14 @@ static void chan_unref(kvf_rdma_chan *ch) {
  * seq_cst throughout, paired with the worker's store to `sleeping` and its
  * loads of `polling` and `posted`: either the worker sees the work before
  * it sleeps, or the poster sees it asleep and wakes it. */
+static void dev_wake(kvf_rdma_dev *d);
+
 static void dev_posted(kvf_rdma_dev *d, int64_t n) {
     if (n) atomic_fetch_add(&d->posted, n);
-    if (!atomic_load(&d->polling) && atomic_load(&d->sleeping) && atomic_exchange(&d->sleeping, 0)) {
-        uint64_t one = 1;
-        ssize_t r = write(d->wake_fd, &one, sizeof(one));
-        (void)r;
-    }
+    if (!atomic_load(&d->polling)) dev_wake(d);
 }
 
-/* Wakes the worker if it sleeps, whoever polls: it has posting to do. */
+/* Wakes the worker if it sleeps (whoever polls: e.g. it has posting to do). */
 static void dev_wake(kvf_rdma_dev *d) {
     if (atomic_load(&d->sleeping) && atomic_exchange(&d->sleeping, 0)) {
         uint64_t one = 1;
