@@ -35,7 +35,10 @@ the other non-zero counter deltas are in --json.
 
 Columns: "kvflow / ceiling" = kvflow's metric / ib_write_bw's (bw) or / 2x
 ib_write_lat's (lat); "kvflow / best Mooncake" = kvflow / the better of the
-two Mooncake configs.  GB/s: >1 favours kvflow; latency: <1 favours kvflow.
+two Mooncake configs.  With --repeat N a row shows its best run; "median" is
+the median over its runs, and each ratio is also given median / median (the
+best of N follows the one lucky run; the median is the steadier figure in a
+VM whose speed drifts by +-20% between runs).  GB/s: >1 favours kvflow; latency: <1 favours kvflow.
 Inside the TCG VM everything is emulated (~60 MB/s over rxe): only ratios
 within one run mean anything, and other VMs on the host skew them.
 Stdlib only (the baselines themselves need numpy and Mooncake).
@@ -49,6 +52,7 @@ import os
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -336,6 +340,9 @@ def best_row(p: dict, results: list[dict]) -> dict:
     row.update(r)
     if len(results) > 1:
         row["runs"] = [x.get(metric) if x["status"] == "ok" else x["status"] for x in results]
+        ok = [x[metric] for x in results if x["status"] == "ok" and x.get(metric) is not None]
+        if ok:
+            row["median"] = statistics.median(ok)
     if p["engine"] == "mooncake" and r["status"] == "error":
         row["status"] = "does not run"
     return row
@@ -350,6 +357,7 @@ def add_derived(rows: list[dict]) -> list[dict]:
             out.append({"group": r["group"], "point": r["point"], "engine": "2x ib_write_lat",
                         "config": "full round trip", "status": "ok", "derived": True,
                         "latency_p50_us": round(2 * r["latency_p50_us"], 2),
+                        "median": round(2 * r["median"], 2) if r.get("median") else None,
                         "latency_p99_us": round(2 * r["latency_p99_us"], 2)
                         if r.get("latency_p99_us") else None})
     ceilings = {}  # block size -> ib_write_bw row
@@ -372,29 +380,43 @@ def add_derived(rows: list[dict]) -> list[dict]:
                 k["vs_ceiling"] = round(k[metric] / ceil[metric], 3)
                 k["ceiling"] = ceil["engine"] + (f" {fmt_size(ceil['block_size'])}"
                                                  if group == "bw" else "")
+                if k.get("median") and ceil.get("median"):
+                    k["median_vs_ceiling"] = round(k["median"] / ceil["median"], 3)
             if mc:
                 b = (max if higher else min)(mc, key=lambda r: r[metric])
                 k["vs_best_mooncake"] = round(k[metric] / b[metric], 3)
                 k["best_mooncake"] = b["config"]
+                med = [r for r in mc if r.get("median")]
+                if k.get("median") and med:
+                    b = (max if higher else min)(med, key=lambda r: r["median"])
+                    k["median_vs_best_mooncake"] = round(k["median"] / b["median"], 3)
     return out
 
 
 # --------------------------------------------------------------------------- output
-COLS = ("group", "point", "engine", "config", "GB/s", "entries/s", "p50 us", "p99 us", "retx",
-        "kvflow / ceiling", "kvflow / best Mooncake")
+COLS = ("group", "point", "engine", "config", "GB/s", "entries/s", "p50 us", "p99 us", "median",
+        "retx", "kvflow / ceiling", "kvflow / best Mooncake")
 LEGEND = ("bw: GB/s = 10^9 B/s, batch of 64 writes, ratios >1 favour kvflow; ceiling = "
           "ib_write_bw at the same block size.  lat: one 4 KiB write awaited to completion "
           "(a full round trip); ib_write_lat's t_typical is half a round trip, so kvflow is "
-          "divided by 2x ib_write_lat; ratios <1 favour kvflow.  'does not run' / 'error': "
+          "divided by 2x ib_write_lat; ratios <1 favour kvflow.  With --repeat N each row shows "
+          "its best run, 'median' the median of its runs (GB/s or p50 us), and the ratios are "
+          "best/best with median/median beside them.  'does not run' / 'error': "
           "see the notes below the table (and --json).")
 
 
 def cells(r: dict) -> list[str]:
     vals = metric_cells(r, "{:.4f}")
+    med = r.get("median") if r.get("status") == "ok" else None
+    med = "" if med is None else (f"{med:.4f}" if r["group"] == "bw" else f"{med:.1f}")
     ceil = f"{r['vs_ceiling']:.2f}x" if "vs_ceiling" in r else ""
+    if "median_vs_ceiling" in r:
+        ceil += f" (median {r['median_vs_ceiling']:.2f}x)"
     mc = f"{r['vs_best_mooncake']:.2f}x ({r['best_mooncake']})" if "vs_best_mooncake" in r else ""
+    if "median_vs_best_mooncake" in r:
+        mc += f", median {r['median_vs_best_mooncake']:.2f}x"
     retx = str(r["retx"]) if "retx" in r else ""
-    return [r["group"], r["point"], r["engine"], r["config"]] + vals + [retx, ceil, mc]
+    return [r["group"], r["point"], r["engine"], r["config"]] + vals + [med, retx, ceil, mc]
 
 
 def render(rows: list[dict], markdown: bool) -> str:
