@@ -38,7 +38,8 @@ ib_write_lat's (lat); "kvflow / best Mooncake" = kvflow / the better of the
 two Mooncake configs.  With --repeat N a row shows its best run; "median" is
 the median over its runs, and each ratio is also given median / median (the
 best of N follows the one lucky run; the median is the steadier figure in a
-VM whose speed drifts by +-20% between runs).  GB/s: >1 favours kvflow; latency: <1 favours kvflow.
+VM whose speed drifts by +-20% between runs).  GB/s: >1 favours kvflow;
+latency: <1 favours kvflow.
 Inside the TCG VM everything is emulated (~60 MB/s over rxe): only ratios
 within one run mean anything, and other VMs on the host skew them.
 Stdlib only (the baselines themselves need numpy and Mooncake).
@@ -377,19 +378,20 @@ def add_derived(rows: list[dict]) -> list[dict]:
             else:
                 ceil = next((r for r in ok if r["engine"] == "2x ib_write_lat"), None)
             if ceil and ceil.get(metric):
-                k["vs_ceiling"] = round(k[metric] / ceil[metric], 3)
                 k["ceiling"] = ceil["engine"] + (f" {fmt_size(ceil['block_size'])}"
                                                  if group == "bw" else "")
-                if k.get("median") and ceil.get("median"):
-                    k["median_vs_ceiling"] = round(k["median"] / ceil["median"], 3)
-            if mc:
-                b = (max if higher else min)(mc, key=lambda r: r[metric])
-                k["vs_best_mooncake"] = round(k[metric] / b[metric], 3)
-                k["best_mooncake"] = b["config"]
-                med = [r for r in mc if r.get("median")]
-                if k.get("median") and med:
-                    b = (max if higher else min)(med, key=lambda r: r["median"])
-                    k["median_vs_best_mooncake"] = round(k["median"] / b["median"], 3)
+            # best run / best run, and (with --repeat) median / median
+            for key, pre in ((metric, ""), ("median", "median_")):
+                if not k.get(key):
+                    continue
+                if ceil and ceil.get(key):
+                    k[pre + "vs_ceiling"] = round(k[key] / ceil[key], 3)
+                ref = [r for r in mc if r.get(key)]
+                if ref:
+                    b = (max if higher else min)(ref, key=lambda r: r[key])
+                    k[pre + "vs_best_mooncake"] = round(k[key] / b[key], 3)
+                    if not pre:
+                        k["best_mooncake"] = b["config"]
     return out
 
 

@@ -263,6 +263,15 @@ static void chan_unref(kvf_rdma_chan *ch) {
 
 /* ------------------------------------------------------------------ posting */
 
+/* Wakes the worker if it sleeps (whoever polls: e.g. it has posting to do). */
+static void dev_wake(kvf_rdma_dev *d) {
+    if (atomic_load(&d->sleeping) && atomic_exchange(&d->sleeping, 0)) {
+        uint64_t one = 1;
+        ssize_t r = write(d->wake_fd, &one, sizeof(one));
+        (void)r;
+    }
+}
+
 /* Work was posted on the device (n WRs; 0: a poller hands its work over):
  * if its worker sleeps and no caller polls the device, wake it now, so that
  * it is up and polling while the work requests are on the wire (the wake-up
@@ -273,20 +282,9 @@ static void chan_unref(kvf_rdma_chan *ch) {
  * seq_cst throughout, paired with the worker's store to `sleeping` and its
  * loads of `polling` and `posted`: either the worker sees the work before
  * it sleeps, or the poster sees it asleep and wakes it. */
-static void dev_wake(kvf_rdma_dev *d);
-
 static void dev_posted(kvf_rdma_dev *d, int64_t n) {
     if (n) atomic_fetch_add(&d->posted, n);
     if (!atomic_load(&d->polling)) dev_wake(d);
-}
-
-/* Wakes the worker if it sleeps (whoever polls: e.g. it has posting to do). */
-static void dev_wake(kvf_rdma_dev *d) {
-    if (atomic_load(&d->sleeping) && atomic_exchange(&d->sleeping, 0)) {
-        uint64_t one = 1;
-        ssize_t r = write(d->wake_fd, &one, sizeof(one));
-        (void)r;
-    }
 }
 
 /* Puts q in its device's ready list (once) and wakes the worker. Caller
