@@ -1,6 +1,6 @@
 """kvflow: an asyncio KV-cache transfer engine for prefill/decode
 disaggregated LLM serving."""
-from kvflow.engine import Engine
+from kvflow.engine.engine import Engine
 from kvflow.errors import (
     AuthenticationError,
     InvalidArgumentError,
@@ -16,8 +16,8 @@ from kvflow.errors import (
 )
 from kvflow.features import features
 from kvflow.memory import Access, Region, RemoteRegion
-from kvflow.peer import Peer
-from kvflow.transfer import Transfer
+from kvflow.engine.peer import Peer
+from kvflow.engine.transfer import Transfer
 
 __version__ = "0.1.0"
 

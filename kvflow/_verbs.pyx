@@ -51,7 +51,7 @@ MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 # (the peer's device removed) retried for ever and its slices never moved:
 # measured in the VM, a write to such a peer never finished (60 s timeout).
 # The ack timeout is per device (Device(ack_timeout=), chosen by
-# kvflow.rdma.choose_ack_timeout): this default for hardware NICs, 17
+# kvflow.providers.rdma.provider.choose_ack_timeout): this default for hardware NICs, 17
 # (537 ms) for software devices (rxe, siw), whose emulated ACKs can take
 # longer than 67 ms under load: measured in the Soft-RoCE VM, 4 KiB x64
 # batches ran at 10-11 MB/s with 28-46 spurious retransmits per 4 s at 14,

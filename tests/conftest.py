@@ -128,7 +128,7 @@ def _param(name: str):
 
 @lru_cache(maxsize=None)
 def rdma_devices() -> list[str]:
-    from kvflow import rdma
+    from kvflow.providers.rdma import provider as rdma
 
     return rdma.device_names()
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvflow.bench import Layout
+from kvflow.cli.bench import Layout
 
 FIELDS = {"protocol", "op", "block_size", "batch", "bytes", "seconds", "gbps",
           "latency_p50_us", "latency_p99_us", "entries_per_s"}
@@ -21,7 +21,7 @@ TIMEOUT = 120
 
 def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "kvflow.bench", *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "kvflow.cli.bench", *args], capture_output=True, text=True,
                        timeout=TIMEOUT, env=env, stdin=subprocess.DEVNULL)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
@@ -58,7 +58,7 @@ def test_sweep_with_scattered_entries_reports_one_row_per_size():
 
 
 def test_target_and_initiator_as_separate_processes():
-    target = subprocess.Popen([sys.executable, "-m", "kvflow.bench", "target", "--listen", "127.0.0.1:0",
+    target = subprocess.Popen([sys.executable, "-m", "kvflow.cli.bench", "target", "--listen", "127.0.0.1:0",
                                "--buffer-size", "4M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:

@@ -322,7 +322,7 @@ def test_hostname_with_port_and_auto(make):
     assert (buf == src).all()
 
 
-@pytest.mark.skipif(bool(__import__("kvflow.rdma").rdma.device_names()), reason="this host has RDMA devices")
+@pytest.mark.skipif(bool(__import__("kvflow.providers.rdma.provider").providers.rdma.provider.device_names()), reason="this host has RDMA devices")
 def test_rdma_without_devices_fails_initialize():
     eng = compat.TransferEngine()
     assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1

@@ -42,7 +42,7 @@ import kvflow
 from _batches import KiB, bounded, sha256
 from _target import pattern
 from kvflow.errors import ProtocolError
-from kvflow.handshake import (
+from kvflow.control.wire import (
     DATA_HEADER,
     DATA_HELLO,
     DATA_HELLO_ACK,
@@ -51,16 +51,12 @@ from kvflow.handshake import (
     DATA_ROLE_DATA,
     DATA_WIRE_VERSION,
     MAX_FRAME,
-    NONCE_BYTES,
     VERSION,
-    Descriptor,
-    check_proof,
     encode,
-    proof,
-    rdma_from_wire,
     read_message,
-    regions_from_wire,
 )
+from kvflow.control.auth import NONCE_BYTES, check_proof, proof
+from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.memory import Access, RemoteRegion
 
 FUZZ_SCALE = float(os.environ.get("KVFLOW_FUZZ_SCALE", "1"))
@@ -722,7 +718,7 @@ def test_rdma_accept_rejects_malformed(msg):
     any device is touched; with no device every QP entry is out of range,
     so the only outcome is ProtocolError (never TypeError and the like,
     which would escape the control session into the loop)."""
-    from kvflow.rdma import RdmaProvider
+    from kvflow.providers.rdma.provider import RdmaProvider
 
     provider = RdmaProvider.__new__(RdmaProvider)      # the checks only, no devices
     provider.devices, provider._session_qps, provider._targets = [], {}, {}
@@ -876,17 +872,17 @@ async def test_tiny_client_keepalive_does_not_spin(monkeypatch):
     under the 0.05 s that Engine(keepalive=) allows made an idle session
     wake the loop continuously (about 1,500 reads in 0.5 s). It must be
     ignored: an authenticated client cannot make an idle server busy."""
-    import kvflow.engine
+    import kvflow.engine.engine
 
     reads = 0
-    real = kvflow.engine.read_message
+    real = kvflow.engine.engine.read_message
 
     async def counting(*args: Any, **kw: Any) -> dict[str, Any]:
         nonlocal reads
         reads += 1
         return await real(*args, **kw)
 
-    monkeypatch.setattr(kvflow.engine, "read_message", counting)
+    monkeypatch.setattr(kvflow.engine.engine, "read_message", counting)
     async with kvflow.Engine("127.0.0.1:0", protocols=("tcp",), keepalive=0) as eng:
         host, port = eng.address.rsplit(":", 1)
         reader, writer = await bounded(asyncio.open_connection(host, int(port)))

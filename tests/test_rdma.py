@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow import rdma
+from kvflow.providers.rdma import provider as rdma
 
 from _batches import TIME_SCALE, bounded
 

@@ -41,7 +41,7 @@ PEER_TIMEOUT = 120.0          # the peer is a fresh interpreter; under TCG that 
 
 def _rdma_devices() -> list[str]:
     try:
-        from kvflow import rdma
+        from kvflow.providers.rdma import provider as rdma
     except ImportError:
         return []
     return rdma.device_names()

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 import kvflow
-from kvflow import rdma
+from kvflow.providers.rdma import provider as rdma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 
 import kvflow
-import kvflow.info
+import kvflow.cli.info
 from kvflow.errors import (
     InvalidArgumentError,
     KVFlowError,
     ProtocolError,
     TopologyError,
 )
-from kvflow.handshake import Descriptor
-from kvflow.info import Level, PeerReport, check_rdma, route_to
-from kvflow.rails import bind_source
+from kvflow.control.descriptor import Descriptor
+from kvflow.cli.info import Level, PeerReport, check_rdma, route_to
+from kvflow.providers.tcp import bind_source
 from kvflow.topology import (
     TOPOLOGY_ENV,
     Gid,
@@ -562,8 +562,8 @@ async def test_engine_rails_published_and_auto():
 
 def test_rdma_rails_follow_both_ends_published_preferences(fake_host):
     """The rdma provider pairs the initiator's devices for its memory with
-    the devices the peer published for its memory (kvflow.rdma._pairs)."""
-    from kvflow.rdma import _ordered, _pairs
+    the devices the peer published for its memory (kvflow.providers.rdma.provider._pairs)."""
+    from kvflow.providers.rdma.provider import _ordered, _pairs
     t = _discover(fake_host)
     peer = Topology.from_wire(msgpack.unpackb(msgpack.packb(t.to_wire())))   # as a descriptor carries it
     local = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
@@ -647,7 +647,7 @@ def _info_env(**extra: str) -> dict:
 
 
 async def _info(*args: str, **env: str) -> tuple[int, str, str]:
-    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvflow.info", *args, env=_info_env(**env),
+    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvflow.cli.info", *args, env=_info_env(**env),
                                              stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(p.communicate(), 60)
     return p.returncode, out.decode(), err.decode()
@@ -656,7 +656,7 @@ async def _info(*args: str, **env: str) -> tuple[int, str, str]:
 def test_console_script_declared():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
     with open(ROOT / "pyproject.toml", "rb") as f:
-        assert tomllib.load(f)["project"]["scripts"]["kvflow-info"] == "kvflow.info:main"
+        assert tomllib.load(f)["project"]["scripts"]["kvflow-info"] == "kvflow.cli.info:main"
 
 
 async def test_info_prints_and_parses():
@@ -674,17 +674,17 @@ async def test_info_prints_and_parses():
 
 def test_info_topology_file(tmp_path, monkeypatch, capsys):
     path = tmp_path / "t.json"
-    doc = kvflow.info.local_report(discover())["topology"]
+    doc = kvflow.cli.info.local_report(discover())["topology"]
     doc["preferences"] = {"cpu": [n["name"] for n in doc["nics"] if not n["loopback"]][:1]}
     path.write_text(json.dumps(doc))
     monkeypatch.setenv(TOPOLOGY_ENV, str(path))
-    assert kvflow.info.main(["--json"]) == 0
+    assert kvflow.cli.info.main(["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["source"] == str(path) and out["topology"]["preferences"] == doc["preferences"]
     path.write_text('{"nics": [{"name": "x", "kind": "eth"}]}')
-    assert kvflow.info.main([]) == 2
+    assert kvflow.cli.info.main([]) == 2
     assert "nics[0].kind" in capsys.readouterr().err
-    assert kvflow.info.main(["--peer", "no-port-here"]) == 2
+    assert kvflow.cli.info.main(["--peer", "no-port-here"]) == 2
 
 
 async def test_info_peer_live_engine():

@@ -6,7 +6,7 @@ import pytest
 
 import kvflow
 from kvflow.errors import RemoteAccessError, status_error
-from kvflow.handshake import rdma_from_wire
+from kvflow.control.descriptor import rdma_from_wire
 from kvflow.errors import ProtocolError
 
 verbs = pytest.importorskip("kvflow._verbs", reason="kvflow built without libibverbs")
@@ -56,7 +56,7 @@ def test_ack_timeout_is_chosen_per_device(tmp_path, monkeypatch):
     (537 ms) for one without (rxe, siw: late emulated ACKs); the Engine
     option, then env KVFLOW_RDMA_ACK_TIMEOUT, override both; outside 1..31
     is an InvalidArgumentError."""
-    from kvflow import rdma
+    from kvflow.providers.rdma import provider as rdma
     monkeypatch.delenv("KVFLOW_RDMA_ACK_TIMEOUT", raising=False)
     (tmp_path / "mlx5_0" / "device").mkdir(parents=True)
     (tmp_path / "rxe0").mkdir()
@@ -83,7 +83,7 @@ def test_worker_posts_on_software_devices_only(tmp_path, monkeypatch):
     transfer inside the system call); a NIC's submitting thread posts
     itself. KVFLOW_RDMA_WORKER_POSTS=0/1 decides for every device; anything
     else is an InvalidArgumentError."""
-    from kvflow import rdma
+    from kvflow.providers.rdma import provider as rdma
     monkeypatch.delenv("KVFLOW_RDMA_WORKER_POSTS", raising=False)
     (tmp_path / "mlx5_0" / "device").mkdir(parents=True)
     (tmp_path / "rxe0").mkdir()

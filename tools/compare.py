@@ -7,7 +7,7 @@
 Every measurement runs in its own subprocess(es) and prints one JSON object
 (engine, protocol, op, block_size, batch, bytes, seconds, gbps, latency_p50_us,
 latency_p99_us, entries_per_s):
-  kvflow    python -m kvflow.bench pair ... --json   (the project's own CLI)
+  kvflow    python -m kvflow.cli.bench pair ... --json   (the project's own CLI)
   mooncake  tools/baselines/mooncake_bench.py       (Mooncake TE, tcp)
   mooncake-compat  mooncake_bench.py --impl kvflow   (the same script on
             kvflow.compat.mooncake: Mooncake's API backed by kvflow)
@@ -96,7 +96,7 @@ def point_args(bs: int, batch: int, duration: float, conc: int, scatter: bool) -
 
 
 def kvflow_cmd(protocol: str, pa: list[str]) -> list[str]:
-    return [sys.executable, "-m", "kvflow.bench", "pair", "--protocol", protocol] + pa + \
+    return [sys.executable, "-m", "kvflow.cli.bench", "pair", "--protocol", protocol] + pa + \
            ["--json", "--no-progress"]
 
 

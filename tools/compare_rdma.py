@@ -15,7 +15,7 @@ Points (all `write`, one device, initiator and target on the same rxe port):
   bw    batch 64 entries, --concurrency batches in flight (default 2), GB/s:
           4 KiB x64, 4 KiB x64 scattered (a one-block gap between entries, so
           nothing can be coalesced), 64 KiB x64, 1 MiB x64.
-        kvflow      python -m kvflow.bench pair --protocol rdma ... --verify
+        kvflow      python -m kvflow.cli.bench pair --protocol rdma ... --verify
         mooncake    tools/baselines/mooncake_bench.py --protocol rdma --device D,
                     twice: Mooncake's default workers, and MC_WORKERS_PER_CTX=1
         ib_write_bw perftest, -s SIZE -D duration, one QP, ~2 MiB in flight
@@ -96,7 +96,7 @@ def plan(args) -> list[dict]:
                     "kind": kind, "cmd": cmd, "env": env or {}, **kw})
 
     def kvflow(pa):
-        return [py, "-m", "kvflow.bench", "pair", "--protocol", "rdma"] + pa + \
+        return [py, "-m", "kvflow.cli.bench", "pair", "--protocol", "rdma"] + pa + \
                ["--json", "--no-progress", "--verify"]
 
     def mooncake(pa):

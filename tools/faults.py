@@ -58,6 +58,7 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 import kvflow  # noqa: E402
+import kvflow.control.wire  # noqa: E402
 
 SUBNETS = ("198.19.20", "198.19.21", "198.19.22")     # control, rail 0, rail 1
 TARGET_PORT = 7400
@@ -792,9 +793,9 @@ async def _junk(host: str, port: int, stop: asyncio.Event, rng: random.Random, s
             if kind == 0:
                 data = rng.randbytes(rng.randrange(1, 4096))
             elif kind == 1:       # a data hello with a wrong token, then frames
-                data = kvflow.handshake.DATA_HEADER.pack(
-                    kvflow.handshake.DATA_MAGIC, kvflow.handshake.DATA_HELLO, 0, 0,
-                    rng.getrandbits(64), kvflow.handshake.DATA_WIRE_VERSION, rng.getrandbits(64)) + rng.randbytes(256)
+                data = kvflow.control.wire.DATA_HEADER.pack(
+                    kvflow.control.wire.DATA_MAGIC, kvflow.control.wire.DATA_HELLO, 0, 0,
+                    rng.getrandbits(64), kvflow.control.wire.DATA_WIRE_VERSION, rng.getrandbits(64)) + rng.randbytes(256)
             else:                 # a huge length prefix
                 data = (0xFFFFFFF0).to_bytes(4, "big") + rng.randbytes(64)
             await asyncio.wait_for(loop.sock_sendall(s, data), 2)

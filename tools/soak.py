@@ -79,7 +79,7 @@ import faults  # noqa: E402  (also puts the checkout on sys.path)
 import numpy as np  # noqa: E402
 
 import kvflow  # noqa: E402
-from kvflow.transfer import DRAIN_GRACE  # noqa: E402
+from kvflow.engine.transfer import DRAIN_GRACE
 
 KEEPALIVE = 3.0
 # Nothing may take longer: a rail failure is noticed within the keepalive,

@@ -113,8 +113,8 @@ from typing import Any, Coroutine, Sequence
 import msgpack
 import numpy as np
 
-from kvflow.engine import Engine
-from kvflow.engine_thread import EngineThread
+from kvflow.engine.engine import Engine
+from kvflow.engine.thread import EngineThread
 from kvflow import _core
 from kvflow.errors import (
     EREMOTE,
@@ -125,7 +125,7 @@ from kvflow.errors import (
     status_error,
 )
 from kvflow.memory import Region, RemoteRegion
-from kvflow.peer import Peer
+from kvflow.engine.peer import Peer
 
 __all__ = ["P2PHANDSHAKE", "TransferEngine", "TransferNotify", "TransferOpcode", "Read", "Write"]
 

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 from kvflow.connector import messages
 from kvflow.connector.bootstrap import BootstrapClient
 from kvflow.connector.types import DisaggregationMode, KVArgs
-from kvflow.engine_thread import EngineThread
+from kvflow.engine.thread import EngineThread
 from kvflow.errors import KVFlowError, PeerUnreachableError, ProtocolError
 from kvflow.memory import Access
 
 if TYPE_CHECKING:
     from kvflow.connector.receiver import KVReceiver
     from kvflow.connector.sender import KVSender
-    from kvflow.peer import Peer
+    from kvflow.engine.peer import Peer
 
 log = logging.getLogger("kvflow.connector")
 

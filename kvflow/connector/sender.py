@@ -24,8 +24,8 @@ from kvflow.errors import KVFlowError
 
 if TYPE_CHECKING:
     from kvflow.connector.manager import KVManager
-    from kvflow.peer import Peer
-    from kvflow.transfer import Transfer
+    from kvflow.engine.peer import Peer
+    from kvflow.engine.transfer import Transfer
 
 _FINISH = object()
 

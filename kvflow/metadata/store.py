@@ -15,7 +15,8 @@ from urllib.parse import unquote, urlsplit
 import msgpack
 
 from kvflow.errors import InvalidArgumentError, ProtocolError
-from kvflow.handshake import MAX_FRAME, Descriptor
+from kvflow.control.wire import MAX_FRAME
+from kvflow.control.descriptor import Descriptor
 
 __all__ = ["KEY_PREFIX", "RECORD_VERSION", "STORE_TIMEOUT", "EngineRecord", "MetadataStore", "open_store"]
 

@@ -26,7 +26,7 @@ DEFAULT_MAX_REGION = 256 << 20
 
 
 def add_point_args(p: argparse.ArgumentParser) -> None:
-    """The options every baseline accepts (same names as `kvflow.bench pair`)."""
+    """The options every baseline accepts (same names as `kvflow.cli.bench pair`)."""
     p.add_argument("--op", default="write", choices=["write"])
     p.add_argument("--block-size", type=int, default=4096)
     p.add_argument("--batch", type=int, default=64)

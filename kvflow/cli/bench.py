@@ -907,7 +907,8 @@ async def run_initiator(args: argparse.Namespace, target: Optional[str] = None) 
 
 
 def _package_parent() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # kvflow/cli/bench.py -> the folder holding the kvflow package
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 async def run_pair(args: argparse.Namespace) -> int:
@@ -915,7 +916,7 @@ async def run_pair(args: argparse.Namespace) -> int:
     layouts = _layouts(args)
     buffer_size = args.buffer_size or default_target_buffer_size(layouts)
     command = [
-        sys.executable, "-m", "kvflow.bench", "target",
+        sys.executable, "-m", "kvflow.cli.bench", "target",
         "--listen", "127.0.0.1:0",
         "--protocol", args.protocol,
         "--tcp-connections", str(args.tcp_connections),
@@ -1085,7 +1086,7 @@ _ROLES: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``kvflow-bench`` and ``python -m kvflow.bench``."""
+    """Entry point of ``kvflow-bench`` and ``python -m kvflow.cli.bench``."""
     args = _parse_args(argv)
     try:
         return asyncio.run(_ROLES[args.role](args))

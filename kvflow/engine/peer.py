@@ -17,21 +17,14 @@ from kvflow.errors import (
     status_error,
 )
 from kvflow.arrays import entry_of, expand_strided
-from kvflow.handshake import (
-    Descriptor,
-    clip,
-    encode,
-    field,
-    rdma_from_wire,
-    read_message,
-    regions_from_wire,
-)
+from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
+from kvflow.control.wire import clip, encode, field, read_message
 from kvflow.memory import RemoteRegion
-from kvflow.transfer import Transfer, batch_error
+from kvflow.engine.transfer import Transfer, batch_error
 
 if TYPE_CHECKING:
-    from kvflow.engine import Engine
-    from kvflow.rails import RailWatcher
+    from kvflow.engine.engine import Engine
+    from kvflow.schedule.rails import RailWatcher
 
 __all__ = ["Peer"]
 

@@ -17,7 +17,7 @@ import concurrent.futures
 import threading
 from typing import Any, Callable, Coroutine, TypeVar
 
-from kvflow.engine import Engine
+from kvflow.engine.engine import Engine
 from kvflow.errors import KVFlowError
 
 T = TypeVar("T")

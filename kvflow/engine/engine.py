@@ -26,23 +26,14 @@ from kvflow.errors import (
     ProtocolError,
     ProviderUnavailableError,
 )
-from kvflow.handshake import (
-    DATA_ROLE_ACK,
-    DATA_ROLE_DATA,
-    NONCE_BYTES,
-    Descriptor,
-    check_proof,
-    clip,
-    encode,
-    field,
-    proof,
-    read_message,
-    regions_to_wire,
-)
+from kvflow.control.wire import DATA_ROLE_ACK, DATA_ROLE_DATA, clip, encode, field, read_message
+from kvflow.control.auth import NONCE_BYTES, check_proof, proof
+from kvflow.control.descriptor import Descriptor, regions_to_wire
 from kvflow.memory import Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
-from kvflow.peer import Peer
-from kvflow.rails import DataConn, RailWatcher, open_data_socket, tune_data_socket
+from kvflow.engine.peer import Peer
+from kvflow.schedule.rails import DataConn, RailWatcher
+from kvflow.providers.tcp import open_data_socket, tune_data_socket
 from kvflow.topology import (
     Topology,
     cached_host_topology,
@@ -51,8 +42,8 @@ from kvflow.topology import (
     rail_order,
     route_to,
 )
-from kvflow.transfer import DRAIN_GRACE, Transfer
-from kvflow import rdma as rdma_provider
+from kvflow.engine.transfer import DRAIN_GRACE, Transfer
+from kvflow.providers.rdma import provider as rdma_provider
 
 __all__ = ["Engine", "PROVIDERS"]
 

@@ -19,7 +19,7 @@ from kvflow.arrays import entry_of
 from kvflow.errors import KVFlowError, TransferCancelledError, TransferTimeoutError, status_error
 
 if TYPE_CHECKING:
-    from kvflow.engine import Engine
+    from kvflow.engine.engine import Engine
 
 __all__ = ["Transfer"]
 

@@ -34,8 +34,8 @@ except ImportError:          # built without libibverbs headers
     _verbs = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from kvflow.engine import Engine
-    from kvflow.peer import Peer
+    from kvflow.engine.engine import Engine
+    from kvflow.engine.peer import Peer
 
 __all__ = ["RdmaProvider", "available", "device_names"]
 

@@ -270,7 +270,7 @@ async def _connect(report: PeerReport, address: str, listen: str, protocols: tup
                    secret: str | None, timeout: float) -> tuple[Any, list[str]]:
     """Connects a throwaway Engine; returns (descriptor or None, what the
     engine logged about providers it passed over)."""
-    from kvflow.engine import Engine
+    from kvflow.engine.engine import Engine
 
     capture = _LogCapture()
     logger = logging.getLogger("kvflow")
@@ -488,7 +488,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `kvflow-info` and `python -m kvflow.info`."""
+    """Entry point of `kvflow-info` and `python -m kvflow.cli.info`."""
     args = _parser().parse_args(argv)
     try:
         topology = host_topology()

@@ -1,0 +1,1 @@
+"""Command-line tools: kvflow-bench (bench) and kvflow-info (info)."""
