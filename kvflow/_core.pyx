@@ -23,9 +23,26 @@ cnp.import_array()
 
 from kvflow._native cimport *
 
+# Constants defined once, in the C headers (kvflow/_native/kvf.h, wire.h);
+# Python takes them from here (kvflow.status, kvflow.memory, kvflow.control.wire),
+# and tests/test_constants.py checks the headers and Python agree.
 OK = KVF_OK
 OP_WRITE = KVF_OP_WRITE
 OP_READ = KVF_OP_READ
+STATUS = {"OK": KVF_OK, "EINVAL": KVF_EINVAL, "EUNREG": KVF_EUNREG, "EREMOTE": KVF_EREMOTE,
+          "ELOST": KVF_ELOST, "ECANCELLED": KVF_ECANCELLED, "EPROTO": KVF_EPROTO, "ENOMEM": KVF_ENOMEM,
+          "EIO": KVF_EIO, "ECLOSED": KVF_ECLOSED}
+STATUS_BITS = {"CODE_MASK": KVF_STATUS_CODE_MASK, "WC_SHIFT": KVF_STATUS_WC_SHIFT,
+               "WC_MASK": KVF_STATUS_WC_MASK, "DEV_SHIFT": KVF_STATUS_DEV_SHIFT,
+               "DEV_MASK": KVF_STATUS_DEV_MASK}
+ACCESS = {"READ": KVF_ACCESS_READ, "WRITE": KVF_ACCESS_WRITE, "LOCAL_WRITE": KVF_ACCESS_LOCAL_WRITE}
+MAX_DEVS = KVF_MAX_DEVS
+WIRE = {"MAGIC": KVF_MAGIC, "VERSION": KVF_WIRE_VERSION, "MAX_PAYLOAD": KVF_MAX_PAYLOAD,
+        "F_HELLO": KVF_F_HELLO, "F_HELLO_ACK": KVF_F_HELLO_ACK, "F_WRITE": KVF_F_WRITE,
+        "F_WRITE_ACK": KVF_F_WRITE_ACK, "F_READ_REQ": KVF_F_READ_REQ, "F_READ_RESP": KVF_F_READ_RESP,
+        "ROLE_DATA": KVF_ROLE_DATA, "ROLE_ACK": KVF_ROLE_ACK, "CONN_INDEX_MASK": KVF_CONN_INDEX_MASK,
+        "CONN_EPOCH_SHIFT": KVF_CONN_EPOCH_SHIFT, "CONN_EPOCH_MAX": KVF_CONN_EPOCH_MAX,
+        "HDR_FLUSH": KVF_HDR_FLUSH, "HEADER_SIZE": sizeof(kvf_hdr)}
 
 cdef enum:
     DRAIN_BATCH = 512

@@ -1,5 +1,25 @@
-# C declarations of the native core (kvflow/_native/kvf.h).
+# C declarations of the native core (kvflow/_native/kvf.h, wire.h).
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+
+cdef extern from "_native/wire.h" nogil:
+    enum:
+        KVF_MAGIC
+        KVF_WIRE_VERSION
+        KVF_MAX_PAYLOAD
+        KVF_F_HELLO
+        KVF_F_HELLO_ACK
+        KVF_F_WRITE
+        KVF_F_WRITE_ACK
+        KVF_F_READ_REQ
+        KVF_F_READ_RESP
+        KVF_ROLE_DATA
+        KVF_ROLE_ACK
+        KVF_CONN_INDEX_MASK
+        KVF_CONN_EPOCH_SHIFT
+        KVF_CONN_EPOCH_MAX
+        KVF_HDR_FLUSH
+    ctypedef struct kvf_hdr:
+        pass
 
 cdef extern from "_native/kvf.h" nogil:
     enum:
@@ -15,7 +35,15 @@ cdef extern from "_native/kvf.h" nogil:
         KVF_ECLOSED
         KVF_OP_WRITE
         KVF_OP_READ
+        KVF_ACCESS_READ
+        KVF_ACCESS_WRITE
+        KVF_ACCESS_LOCAL_WRITE
         KVF_MAX_DEVS
+        KVF_STATUS_CODE_MASK
+        KVF_STATUS_WC_SHIFT
+        KVF_STATUS_WC_MASK
+        KVF_STATUS_DEV_SHIFT
+        KVF_STATUS_DEV_MASK
 
     ctypedef struct kvf_region:
         uint64_t addr

@@ -13,6 +13,7 @@ from libc.string cimport memcpy, memset
 from libc.errno cimport errno
 import os
 import weakref
+from kvflow.errors import VerbsError
 
 from kvflow._core cimport Core, RemoteTable, Channel
 
@@ -62,9 +63,6 @@ RNR_RETRY = 7
 MIN_RNR_TIMER = 12
 RD_ATOMIC = 16
 
-
-class VerbsError(OSError):
-    """A verbs call failed; carries the device and errno."""
 
 
 def device_names():

@@ -8,16 +8,21 @@ from typing import Any
 
 import numpy as np
 
+from kvflow._core import ACCESS
 from kvflow.errors import InvalidArgumentError
 
 __all__ = ["Access", "Region", "RemoteRegion", "buffer_span"]
 
 
 class Access(enum.IntFlag):
-    """What peers may do to a region."""
+    """What peers may do to a region (the bits of kvf.h's KVF_ACCESS_*)."""
 
-    READ = 1
-    WRITE = 2
+    READ = ACCESS["READ"]
+    WRITE = ACCESS["WRITE"]
+
+
+# Local table only: the memory itself is writable, so reads may land in it.
+LOCAL_WRITE = ACCESS["LOCAL_WRITE"]
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,25 @@ def test_exception_special_bases():
     assert not issubclass(kvflow.PeerLostError, ValueError)
 
 
+def test_every_exception_is_in_the_tree():
+    """Every exception class kvflow.errors defines, VerbsError included, is
+    a KVFlowError; the verbs module raises that very class."""
+    import inspect
+    import kvflow.errors as errors
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, BaseException) and c.__module__ == errors.__name__]
+    assert len(classes) >= 12
+    assert all(issubclass(c, kvflow.KVFlowError) for c in classes), classes
+    assert issubclass(errors.VerbsError, OSError)        # it was an OSError before it joined
+    e = errors.VerbsError(12, "rxe0: cannot register 4096 bytes")
+    assert e.errno == 12 and str(e) == "rxe0: cannot register 4096 bytes"
+    assert errors.VerbsError("rxe0: no such device").errno is None
+    if kvflow.features["verbs"]:
+        from kvflow import _verbs
+        assert _verbs.VerbsError is errors.VerbsError
+
+
 def test_features():
     f = kvflow.features
     assert isinstance(f, dict)

@@ -319,3 +319,43 @@ async def test_strided_entries(make_pair, local_mem, direction):
         await op(la, ra, ln, counts=counts, local_strides=ls)          # strides come together
     with pytest.raises(kvflow.InvalidArgumentError):
         await op(la, ra, ln, counts=[1, 0], local_strides=ls, remote_strides=rs)
+
+
+async def test_blocking_calls_from_a_thread(pair, local_mem):
+    """write_blocking/read_blocking from a thread that is not the loop's
+    (what the Mooncake-compatible API does) move the same bytes as write()
+    and read(), raise the same typed errors, and refuse the loop's own
+    thread; Engine.peer() finds the connected peer without connecting."""
+    p = pair
+    rng = np.random.default_rng(11)
+    rw_len = p.target.regions["rw"].length
+    src = local_mem(p.eng, rw_len)
+    src.view[:] = pattern(31, rw_len)
+    await bounded(p.target.fill("rw", 32))
+    remote_expected = pattern(32, rw_len)
+    lengths = log_uniform(rng, 1, 64 * KiB, 48)
+    loff, roff = place(rng, lengths, rw_len), place(rng, lengths, rw_len)
+    apply_entries(remote_expected, roff, src.view, loff, lengths)
+    assert p.eng.peer(p.target.address) is p.peer
+    assert p.eng.peer("127.0.0.1:1") is None and p.peer in p.eng.peers
+
+    await bounded(asyncio.to_thread(p.peer.write_blocking, np.uint64(src.addr) + loff,
+                                    np.uint64(p.raddr("rw")) + roff, lengths, timeout=30))
+    assert await bounded(p.target.sha("rw")) == sha256(remote_expected)
+    dst = local_mem(p.eng, rw_len)
+    await bounded(asyncio.to_thread(p.peer.read_blocking, [dst.addr], [p.raddr("rw")], [rw_len]))
+    assert np.array_equal(dst.view, remote_expected)
+
+    with pytest.raises(kvflow.RemoteAccessError):      # outside the peer's regions, even after a refresh
+        await bounded(asyncio.to_thread(p.peer.write_blocking, [src.addr], [8], [4096]))
+    with pytest.raises(kvflow.UnregisteredMemoryError):
+        await bounded(asyncio.to_thread(p.peer.write_blocking, [8], [p.raddr("rw")], [4096]))
+    with pytest.raises(kvflow.KVFlowError, match="event loop"):
+        p.peer.write_blocking([src.addr], [p.raddr("rw")], [4096])
+    # the peer still works, and a Transfer reports its end to a callback
+    done: list[kvflow.Transfer] = []
+    t = p.peer.write_nowait([src.addr], [p.raddr("rw")], [4096])
+    t.add_done_callback(done.append)
+    await bounded(t)
+    await asyncio.sleep(0)
+    assert done == [t]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import kvflow
-from kvflow.errors import RemoteAccessError, status_error
 from kvflow.control.descriptor import rdma_from_wire
-from kvflow.errors import ProtocolError
+from kvflow.errors import ProtocolError, RemoteAccessError
+from kvflow.status import status_error
 
 verbs = pytest.importorskip("kvflow._verbs", reason="kvflow built without libibverbs")
 

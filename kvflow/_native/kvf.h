@@ -26,6 +26,15 @@ enum {
     KVF_EIO = 8,             /* system call failed (errno in the detail) */
     KVF_ECLOSED = 9,         /* engine or channel closed */
 };
+/* A batch status is one of the codes above in its low byte; an rdma
+ * completion error adds the verbs status (ibv_wc_status) in bits 8-15 and
+ * the device (index + 1, 0: none) in bits 16-22 (kvflow/status.py reads
+ * them for the error message). */
+#define KVF_STATUS_CODE_MASK 0xff
+#define KVF_STATUS_WC_SHIFT 8
+#define KVF_STATUS_WC_MASK 0xff
+#define KVF_STATUS_DEV_SHIFT 16
+#define KVF_STATUS_DEV_MASK 0x7f
 
 enum { KVF_OP_WRITE = 0, KVF_OP_READ = 1 };
 /* READ/WRITE: what peers may do to a region. LOCAL_WRITE (local table

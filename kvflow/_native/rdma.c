@@ -238,7 +238,8 @@ static int wc_kvf_status(int s) {
 /* The status a batch fails with: kvflow's code, plus the verbs status and
  * the device (index + 1) for the error message (kvflow/errors.py). */
 static int verbs_status(int wc_status, const kvf_rdma_dev *d) {
-    return wc_kvf_status(wc_status) | ((wc_status & 0xff) << 8) | ((int)((d->index + 1) & 0x7f) << 16);
+    return wc_kvf_status(wc_status) | ((wc_status & KVF_STATUS_WC_MASK) << KVF_STATUS_WC_SHIFT) |
+           ((int)((d->index + 1) & KVF_STATUS_DEV_MASK) << KVF_STATUS_DEV_SHIFT);
 }
 
 /* Failures of the path, not of the request: another QP (device) may work.

@@ -115,15 +115,7 @@ import numpy as np
 
 from kvflow.engine.engine import Engine
 from kvflow.engine.thread import EngineThread
-from kvflow import _core
-from kvflow.errors import (
-    EREMOTE,
-    InvalidArgumentError,
-    KVFlowError,
-    PeerUnreachableError,
-    TransferTimeoutError,
-    status_error,
-)
+from kvflow.errors import InvalidArgumentError, KVFlowError, PeerUnreachableError, TransferTimeoutError
 from kvflow.memory import Region, RemoteRegion
 from kvflow.engine.peer import Peer
 
@@ -147,8 +139,6 @@ CONNECT_TIMEOUT = 10.0
 # Synchronous transfers on the caller's thread: spin this long for the
 # completion before sleeping; after a timeout, wait this long for the
 # cancelled batch's slices already on the wire.
-DIRECT_SPIN_S = 100e-6
-CANCEL_GRACE_S = 5.0
 # Up to this many entries kvflow copies a list of ints without numpy
 # (_core.pyx SMALL); longer columns become uint64 arrays here (_u64).
 SMALL_BATCH = 16
@@ -787,46 +777,21 @@ class TransferEngine:
 
     def _sync_direct(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
                      ln: Sequence[int]) -> int | None:
-        """A synchronous transfer submitted and waited for on the calling
-        thread (Channel.submit_detached, Core.wait_detached): no hop to the
-        engine's loop and back. None where this path does not apply (a new
-        or lost target, rdma, a range the peer's table does not show yet,
-        the loop's own thread): the loop path does it then."""
+        """A synchronous transfer to a connected target, through
+        Peer.write_blocking/read_blocking: on the calling thread where the
+        provider allows it (no hop to the engine's loop and back), else on
+        the loop. None where this path does not apply (a new or lost
+        target, the loop's own thread): _start does it then."""
         peer = self._peers.get(target)
-        engine, thread = self._engine, self._thread
-        if (peer is None or engine is None or thread is None or not peer.alive
-                or peer.transport not in ("tcp", "local") or thread.on_loop_thread()):
+        thread = self._thread
+        if peer is None or thread is None or not peer.alive or thread.on_loop_thread():
             return None
         try:
             la, ra, ln, timeout = self._columns(la, ra, ln)
+            if len(ln):
+                (peer.write_blocking if write else peer.read_blocking)(la, ra, ln, timeout=timeout)
         except KVFlowError as e:
             return self._fail(e)
-        if not len(ln):
-            return OK
-        channel = peer._channel
-        core = engine._core
-        if core is None or not hasattr(channel, "submit_detached"):
-            return None
-        op = _core.OP_WRITE if write else _core.OP_READ
-        try:
-            status, batch, aux = channel.submit_detached(op, la, ra, ln)
-            if status == EREMOTE:
-                return None        # the loop path refreshes the peer's regions and retries
-            if status:
-                return self._fail(status_error(status, peer=peer.address, op=op, index=aux))
-            if batch == 0:
-                return OK          # completed inline
-            rc, status, entry = core.wait_detached(batch, timeout, DIRECT_SPIN_S)
-            if rc:
-                core.cancel(batch)
-                core.wait_detached(batch, CANCEL_GRACE_S)
-                return self._fail(TransferTimeoutError(
-                    f"{'write' if write else 'read'} to {peer.address} did not finish in {timeout:g} s",
-                    peer=peer.address))
-        except RuntimeError:       # the engine closed meanwhile
-            return self._fail(self._not_running())
-        if status:
-            return self._fail(status_error(status, peer=peer.address, op=op, index=entry))
         return OK
 
     def _async(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],

@@ -116,8 +116,7 @@ class KVReceiver(Request):
         self._fail("aborted by decode")
 
     def _source_alive(self, address: str) -> bool:
-        peer = self.mgr.engine._peers.get(address)
-        return peer is not None and peer.alive
+        return self.mgr.engine.peer(address) is not None
 
     def _peer_addresses(self) -> list[str]:
         return list(self._sources)
@@ -201,8 +200,8 @@ class KVReceiver(Request):
     async def _tell_abort(self, reason: str) -> None:
         msg = messages.encode("abort", self.room, addr=self.mgr.address, reason=reason)
         for addr in self._sources:
-            peer = self.mgr.engine._peers.get(addr)
-            if peer is None or not peer.alive:
+            peer = self.mgr.engine.peer(addr)
+            if peer is None:
                 continue
             try:
                 await peer.notify(msg)

@@ -251,7 +251,7 @@ class KVSender(Request):
         self._transfers.append(t)
         self.metric.entries += len(ln)
         posted = time.perf_counter()
-        t._future.add_done_callback(lambda _, posted=posted: self.batch_seconds.append(time.perf_counter() - posted))
+        t.add_done_callback(lambda _, posted=posted: self.batch_seconds.append(time.perf_counter() - posted))
         self.metric.transfer_total_bytes = (self.metric.transfer_total_bytes or 0) + t.nbytes
         self.mgr.peer_stats[peer.address].bytes += t.nbytes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow._core import MAX_DEVS
 from kvflow.control.wire import field
 from kvflow.errors import InvalidArgumentError, ProtocolError
 from kvflow.memory import Access, RemoteRegion
@@ -100,7 +101,7 @@ def rdma_from_wire(v: Any) -> dict[str, Any] | None:
     try:
         devices = v["devices"]
         addr, rkeys, cookie = v["probe"]
-        ok = (isinstance(devices, list) and 0 < len(devices) <= 8 and isinstance(addr, int)
+        ok = (isinstance(devices, list) and 0 < len(devices) <= MAX_DEVS and isinstance(addr, int)
               and 0 < addr < 1 << 64 and isinstance(rkeys, list) and len(rkeys) == len(devices)
               and all(isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys)
               and isinstance(cookie, bytes) and 0 < len(cookie) <= 64)
@@ -126,7 +127,7 @@ def regions_from_wire(v: Any) -> list[RemoteRegion]:
         for item in v:
             addr, length, access, name, *rest = item
             rkeys = rest[0] if rest else []
-            if len(rest) > 1 or not isinstance(rkeys, list) or len(rkeys) > 8 or not all(
+            if len(rest) > 1 or not isinstance(rkeys, list) or len(rkeys) > MAX_DEVS or not all(
                     isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys):
                 raise ValueError
             if not (isinstance(addr, int) and isinstance(length, int) and isinstance(access, int)):

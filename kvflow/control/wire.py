@@ -13,19 +13,21 @@ from typing import Any
 
 import msgpack
 
+from kvflow._core import WIRE
 from kvflow.errors import ProtocolError
 
 VERSION = 1
 MAX_FRAME = 8 << 20          # a descriptor with ~200k regions still fits
 _LEN = struct.Struct(">I")
 
-# Data-connection hello (kvflow/_native/wire.h): magic, type, status (= data
-# connection index), tag (= role), addr, len (= wire version), aux.
+# Data-connection hello (kvflow/_native/wire.h, whose values these are):
+# magic, type, status (= data connection index), tag (= role), addr, len
+# (= wire version), aux.
 DATA_HEADER = struct.Struct("<HBBIQQQ")
-DATA_MAGIC = 0x464B
-DATA_HELLO, DATA_HELLO_ACK = 1, 2
-DATA_ROLE_DATA, DATA_ROLE_ACK = 0, 1
-DATA_WIRE_VERSION = 1
+DATA_MAGIC = WIRE["MAGIC"]
+DATA_HELLO, DATA_HELLO_ACK = WIRE["F_HELLO"], WIRE["F_HELLO_ACK"]
+DATA_ROLE_DATA, DATA_ROLE_ACK = WIRE["ROLE_DATA"], WIRE["ROLE_ACK"]
+DATA_WIRE_VERSION = WIRE["VERSION"]
 
 
 def encode(msg: dict[str, Any]) -> bytes:

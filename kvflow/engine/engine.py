@@ -29,7 +29,7 @@ from kvflow.errors import (
 from kvflow.control.wire import DATA_ROLE_ACK, DATA_ROLE_DATA, clip, encode, field, read_message
 from kvflow.control.auth import NONCE_BYTES, check_proof, proof
 from kvflow.control.descriptor import Descriptor, regions_to_wire
-from kvflow.memory import Access, Region, RemoteRegion, buffer_span
+from kvflow.memory import LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.engine.peer import Peer
 from kvflow.schedule.rails import DataConn, RailWatcher
@@ -42,7 +42,7 @@ from kvflow.topology import (
     rail_order,
     route_to,
 )
-from kvflow.engine.transfer import DRAIN_GRACE, Transfer
+from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.providers.rdma import provider as rdma_provider
 
 __all__ = ["Engine", "PROVIDERS"]
@@ -265,7 +265,7 @@ class Engine:
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
         self._sessions: set[asyncio.StreamWriter] = set()
         self._session_tasks: set[asyncio.Task[None]] = set()
-        self._pending: dict[int, Any] = {}
+        self._batches: BatchTable | None = None
         self._notifications: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         self._generation = 0
         self._incarnation = int.from_bytes(os.urandom(8), "little") >> 1
@@ -293,6 +293,7 @@ class Engine:
             self._rails = self._topology_rails(await self._control_addresses(host))
         self._use_topology(self.topology)
         self._core = _core.Core(self._local_workers)
+        self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._rdma_device_names)
         try:
             self._server = await asyncio.start_server(self._serve_control, host, port)
             bound = self._server.sockets[0].getsockname()
@@ -310,7 +311,7 @@ class Engine:
             self.data_address = "%s:%d" % self._data_endpoints[0]
             _live_engines[self.address] = self
             self._completion_fd = self._core.fileno()
-            self._loop.add_reader(self._completion_fd, self._on_completions)
+            self._loop.add_reader(self._completion_fd, self._batches.on_completions)
             self._start_rdma()
         except OSError as e:
             await self._teardown()
@@ -433,14 +434,8 @@ class Engine:
                 rdma, self._rdma = self._rdma, None
                 await rdma.close()
             self._core.close()      # closes channels: their batches complete with errors
-        self._fail_pending()
-
-    def _fail_pending(self) -> None:
-        pending, self._pending = self._pending, {}
-        for t in pending.values():
-            if not t.done():
-                t._future.set_exception(PeerLostError(f"engine {self.address} closed", peer=t._peer))
-                t._future.exception()
+        if self._batches is not None:
+            self._batches.fail_all(lambda peer: PeerLostError(f"engine {self.address} closed", peer=peer))
 
     # ------------------------------------------------------------ memory
     def register(self, buffer: Any, *, name: str | None = None,
@@ -456,8 +451,7 @@ class Engine:
             raise InvalidArgumentError("buffer is read-only: register it with access=Access.READ")
         if name is not None and any(r.name == name for r in self._regions.values()):
             raise InvalidArgumentError(f"a region named {name!r} is already registered")
-        # Bit 4 (local table only): the memory is writable, so reads may land in it.
-        rid = self._core.add_region(addr, length, int(access) | (4 if writable else 0))
+        rid = self._core.add_region(addr, length, int(access) | (LOCAL_WRITE if writable else 0))
         if not rid:
             raise InvalidArgumentError(
                 f"region {addr:#x}+{length} overlaps a registered region or overflows")
@@ -592,23 +586,6 @@ class Engine:
         return peer
 
     # ------------------------------------------------------------ completions
-    def _on_completions(self) -> None:
-        # One wake-up per burst of finished batches (see kvf.h). A batch
-        # polled to completion on this thread never gets here (kvf_take).
-        pending = self._pending
-        for batch_id, status, entry in self._core.drain():
-            t = pending.pop(batch_id, None)
-            if t is not None:
-                t._finish(status, entry)
-
-    def _track_batch(self, batch_id: int, peer: str, op: int, nbytes: int,
-                     timeout: float | None) -> Transfer:
-        """The Transfer of a posted batch (batch_id 0: completed inline)."""
-        t = Transfer(self, batch_id, peer, op, nbytes, timeout)
-        if batch_id:
-            self._pending[batch_id] = t
-        return t
-
     def _abort_batch(self, peer: str, batch_id: int) -> None:
         """A cancelled batch still on the wire after the drain grace: reset
         the peer's connections that hold it, so that none of its bytes can
@@ -619,10 +596,6 @@ class Engine:
         if abort is not None and abort(batch_id):
             log.warning("kvflow: %s: a cancelled batch was still on the wire after %g s: reset the "
                         "connections carrying it", peer, DRAIN_GRACE)
-
-    def _core_cancel(self, batch_id: int) -> None:
-        if self._core is not None:
-            self._core.cancel(batch_id)
 
     def counters(self) -> dict[str, int]:
         """Live native resources (sockets, threads, slices, batches in flight)."""
@@ -776,6 +749,17 @@ class Engine:
             pending.add_done_callback(_retrieve)      # every waiter may have gone
             self._connecting[address] = pending
         return await asyncio.shield(pending)
+
+    def peer(self, address: str) -> Peer | None:
+        """The connected peer at `address` (as connect() was given it), or
+        None when there is none or it was lost: no connection is made."""
+        peer = self._peers.get(address)
+        return peer if peer is not None and peer.alive else None
+
+    @property
+    def peers(self) -> list[Peer]:
+        """The peers this engine is connected to (live or not yet closed)."""
+        return list(self._peers.values())
 
     async def _connect_shared(self, address: str, timeout: float) -> Peer:
         try:

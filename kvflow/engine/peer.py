@@ -2,20 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from kvflow import _core
 from kvflow._core import OP_READ, OP_WRITE
-from kvflow.errors import (
-    ECLOSED,
-    EREMOTE,
-    InvalidArgumentError,
-    PeerLostError,
-    ProtocolError,
-    status_error,
-)
+from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, TransferTimeoutError
+from kvflow.status import ECLOSED, EREMOTE, status_error
 from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.control.wire import clip, encode, field, read_message
@@ -29,6 +24,13 @@ if TYPE_CHECKING:
 __all__ = ["Peer"]
 
 log = logging.getLogger("kvflow")
+
+# write_blocking(): providers whose batches a thread may submit and wait
+# for itself (Channel.submit_detached; rdma's workers complete through the
+# loop's ring only).
+_DETACHED_TRANSPORTS = ("tcp", "local")
+DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
+CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 
 
 class Peer:
@@ -96,7 +98,7 @@ class Peer:
         # Write acks read on the loop thread; their batches finish right here.
         if not self._channel.poll_acks():
             self._stop_acks()
-        self._engine._on_completions()
+        self._engine._batches.on_completions()
 
     def _stop_acks(self) -> None:
         if self._ack_fd >= 0:
@@ -155,10 +157,7 @@ class Peer:
 
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:
         """The Transfer of a posted batch (batch_id 0: completed inline)."""
-        t = Transfer(self._engine, batch_id, self.address, op, nbytes, timeout)
-        if batch_id:
-            self._engine._pending[batch_id] = t
-        return t
+        return self._engine._batches.track(batch_id, self.address, op, nbytes, timeout)
 
     def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
                 counts: Any, local_strides: Any, remote_strides: Any) -> Transfer:
@@ -186,7 +185,7 @@ class Peer:
         status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
         if finished:                   # status and aux are the batch's
             if status:
-                raise batch_error(self._engine, self.address, op, status, aux, first)
+                raise batch_error(self._engine._batches, self.address, op, status, aux, first)
             return None
         if status == EREMOTE and refresh and not self._control_lost:
             return self._after_refresh(op, la, ra, ln, timeout, first)
@@ -253,6 +252,76 @@ class Peer:
         """Starts a read and returns its Transfer."""
         return self._nowait(OP_READ, local_addrs, remote_addrs, lengths, timeout,
                             counts, local_strides, remote_strides)
+
+    # ------------------------------------------------------------ blocking callers
+    def write_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                       timeout: float | None = None) -> None:
+        """write() for a thread that is not the engine's event loop (a
+        blocking API such as the Mooncake-compatible one): returns once
+        every byte landed. Where the provider allows it (local, tcp) the
+        batch is submitted and waited for on the calling thread, with the
+        GIL released while it waits: neither the submission nor the
+        completion goes through the loop. Otherwise (rdma, a range the
+        peer's table does not show yet: the peer is asked again) it runs as
+        write() on the loop. Raises what write() raises; TransferTimeoutError
+        after `timeout` seconds (None: no limit), once the batch drained
+        (at most CANCEL_GRACE more seconds); KVFlowError when called on the
+        loop's own thread (it would block the loop: await write())."""
+        self._blocking(OP_WRITE, local_addrs, remote_addrs, lengths, timeout)
+
+    def read_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                      timeout: float | None = None) -> None:
+        """read() for a thread that is not the engine's event loop; as
+        write_blocking()."""
+        self._blocking(OP_READ, local_addrs, remote_addrs, lengths, timeout)
+
+    def _blocking(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
+        loop = self._engine._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
+                              "thread would block the loop: await write()/read() there", peer=self.address)
+        if self.alive and self.transport in _DETACHED_TRANSPORTS and self._detached(op, la, ra, ln, timeout):
+            return
+        coro = self.write(la, ra, ln, timeout=timeout) if op == OP_WRITE else \
+            self.read(la, ra, ln, timeout=timeout)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:            # the loop closed under us
+            coro.close()
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        try:
+            future.result()
+        except concurrent.futures.CancelledError:      # the loop cancelled it while closing
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+
+    def _detached(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> bool:
+        """The calling thread's own path (write_blocking): True once done,
+        False where the loop must do it (the peer's table lacks the range)."""
+        core = self._engine._core
+        try:
+            status, batch, aux = self._channel.submit_detached(op, la, ra, ln)
+            if status == EREMOTE:
+                return False       # the loop path refreshes the peer's regions and retries
+            if status:
+                raise status_error(status, peer=self.address, op=op, index=aux)
+            if batch == 0:
+                return True        # completed inline
+            rc, status, entry = core.wait_detached(batch, timeout or 0.0, DETACHED_SPIN)
+            if rc:
+                core.cancel(batch)
+                core.wait_detached(batch, CANCEL_GRACE)
+                raise TransferTimeoutError(
+                    f"{'write' if op == OP_WRITE else 'read'} to {self.address} timed out after {timeout:g} s",
+                    peer=self.address)
+        except RuntimeError:       # the engine closed meanwhile
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        if status:
+            raise batch_error(self._engine._batches, self.address, op, status, entry, None)
+        return True
 
     # ------------------------------------------------------------ notifications
     async def notify(self, data: bytes) -> None:

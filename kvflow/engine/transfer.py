@@ -1,4 +1,5 @@
-"""Transfer: the awaitable handle of one batch.
+"""Transfer: the awaitable handle of one batch; BatchTable: the one table of
+an engine's pending batches.
 
 Per-batch state lives in C; a Transfer holds only the batch id and one
 future (the asyncpg waiter pattern): its timeout is armed with call_later,
@@ -13,34 +14,90 @@ the caller past DRAIN_GRACE seconds.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Generator
+from typing import Any, Callable, Generator
 
 from kvflow.arrays import entry_of
-from kvflow.errors import KVFlowError, TransferCancelledError, TransferTimeoutError, status_error
+from kvflow.errors import KVFlowError, TransferCancelledError, TransferTimeoutError
+from kvflow.status import status_error
 
-if TYPE_CHECKING:
-    from kvflow.engine.engine import Engine
-
-__all__ = ["Transfer"]
+__all__ = ["BatchTable", "Transfer"]
 
 DRAIN_GRACE = 2.0
+
+
+class BatchTable:
+    """An engine's batches in flight: batch id -> Transfer, from the post
+    to the completion drain. Providers get it (through their
+    ProviderContext) to track batches they post themselves (rdma probes
+    and notifications); the engine's completion reader drains it.
+
+    `abort(peer, batch_id)` resets what carries a batch still on the wire
+    after its drain grace (tcp: the peer's connections holding it), and
+    `devices()` names the rdma devices for error messages."""
+
+    def __init__(self, core: Any, loop: asyncio.AbstractEventLoop,
+                 abort: Callable[[str, int], None], devices: Callable[[], "list[str] | None"]) -> None:
+        self.core = core
+        self.loop = loop
+        self._abort = abort
+        self._devices = devices
+        self._pending: dict[int, Transfer] = {}
+
+    def track(self, batch_id: int, peer: str, op: int, nbytes: int, timeout: float | None) -> "Transfer":
+        """The Transfer of a posted batch (batch_id 0: completed inline)."""
+        t = Transfer(self, batch_id, peer, op, nbytes, timeout)
+        if batch_id:
+            self._pending[batch_id] = t
+        return t
+
+    def on_completions(self) -> None:
+        """Finishes every batch the native core completed. One wake-up per
+        burst of finished batches (see kvf.h). A batch polled to completion
+        on the loop's thread never gets here (kvf_take)."""
+        pending = self._pending
+        for batch_id, status, entry in self.core.drain():
+            t = pending.pop(batch_id, None)
+            if t is not None:
+                t._finish(status, entry)
+
+    def cancel(self, batch_id: int) -> None:
+        """Marks a batch cancelled in the native core: its queued slices are dropped."""
+        if self.core is not None:
+            self.core.cancel(batch_id)
+
+    def abort(self, peer: str, batch_id: int) -> None:
+        self._abort(peer, batch_id)
+
+    def devices(self) -> "list[str] | None":
+        return self._devices()
+
+    def fail_all(self, exc: Callable[[str], KVFlowError]) -> None:
+        """Fails every batch still pending (the engine closed): exc(peer)."""
+        pending, self._pending = self._pending, {}
+        for t in pending.values():
+            if not t.done():
+                t._future.set_exception(exc(t._peer))
+                t._future.exception()
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 class Transfer:
     """One batch in flight. Await it (returns None when every byte landed,
     raises a KVFlowError otherwise); cancel() it; check done()."""
 
-    __slots__ = ("_engine", "_id", "_future", "_peer", "_op", "nbytes", "_timer", "_abort_exc",
+    __slots__ = ("_table", "_id", "_future", "_peer", "_op", "nbytes", "_timer", "_abort_exc",
                  "_drained", "_drain_waiter", "_first_piece")
 
-    def __init__(self, engine: "Engine", batch_id: int, peer: str, op: int, nbytes: int,
+    def __init__(self, table: BatchTable, batch_id: int, peer: str, op: int, nbytes: int,
                  timeout: float | None) -> None:
-        self._engine = engine
+        self._table = table
         self._id = batch_id
         self._peer = peer
         self._op = op
         self.nbytes = nbytes
-        self._future: asyncio.Future[None] = engine._loop.create_future()
+        self._future: asyncio.Future[None] = table.loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._abort_exc: KVFlowError | None = None
         self._drained = batch_id == 0
@@ -50,7 +107,7 @@ class Transfer:
             self._future.set_result(None)
             return
         if timeout is not None:
-            self._timer = engine._loop.call_later(timeout, self._on_timeout, timeout)
+            self._timer = table.loop.call_later(timeout, self._on_timeout, timeout)
 
     def __await__(self) -> Generator[Any, None, None]:
         try:
@@ -62,7 +119,7 @@ class Transfer:
             # generator, not a done-callback, so that a completed transfer
             # costs no extra loop callback.
             if not self._drained:
-                self._engine._core_cancel(self._id)
+                self._table.cancel(self._id)
                 if self._timer is not None:
                     self._timer.cancel()
                 yield from self._wait_drained().__await__()
@@ -70,6 +127,11 @@ class Transfer:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def add_done_callback(self, callback: "Callable[[Transfer], object]") -> None:
+        """Calls `callback(transfer)` on the loop once the transfer is done
+        (succeeded or failed; at once, on the loop's next turn, if it is)."""
+        self._future.add_done_callback(lambda _: callback(self))
 
     def cancel(self) -> bool:
         """Cancels the batch: queued slices are dropped, slices on the wire
@@ -86,8 +148,8 @@ class Transfer:
         self._abort_exc = exc
         if self._timer is not None:
             self._timer.cancel()
-        self._engine._core_cancel(self._id)
-        self._timer = self._engine._loop.call_later(DRAIN_GRACE, self._give_up)
+        self._table.cancel(self._id)
+        self._timer = self._table.loop.call_later(DRAIN_GRACE, self._give_up)
         if retrieved:
             # The caller abandoned it: a failure nobody awaits must not be
             # reported as "exception never retrieved".
@@ -95,7 +157,7 @@ class Transfer:
 
     def _give_up(self) -> None:
         if not self._future.done() and self._abort_exc is not None:
-            self._engine._abort_batch(self._peer, self._id)
+            self._table.abort(self._peer, self._id)
             self._future.set_exception(self._abort_exc)
 
     def _on_timeout(self, timeout: float) -> None:
@@ -108,10 +170,10 @@ class Transfer:
         if self._drained:
             return
         if self._drain_waiter is None:
-            self._drain_waiter = self._engine._loop.create_future()
+            self._drain_waiter = self._table.loop.create_future()
         await asyncio.wait([self._drain_waiter], timeout=timeout)
         if not self._drained:
-            self._engine._abort_batch(self._peer, self._id)
+            self._table.abort(self._peer, self._id)
 
     def _finish(self, status: int, entry: int) -> None:
         """Called on the loop thread when the native batch completed."""
@@ -127,7 +189,7 @@ class Transfer:
         elif status == 0:
             self._future.set_result(None)
         else:
-            self._future.set_exception(batch_error(self._engine, self._peer, self._op, status, entry,
+            self._future.set_exception(batch_error(self._table, self._peer, self._op, status, entry,
                                                    self._first_piece))
 
     def __repr__(self) -> str:
@@ -136,13 +198,13 @@ class Transfer:
         return f"<kvflow.Transfer {op} {self.nbytes} B to {self._peer} {state}>"
 
 
-def batch_error(engine: "Engine", peer: str, op: int, status: int, entry: int,
+def batch_error(table: BatchTable, peer: str, op: int, status: int, entry: int,
                 first_piece: Any) -> KVFlowError:
     """The error of a batch that finished with `status`, naming the entry
     the caller passed (a strided entry, not its piece)."""
     if first_piece is not None:
         entry = entry_of(first_piece, entry)
-    return status_error(status, peer=peer, index=entry, op=op, devices=engine._rdma_device_names())
+    return status_error(status, peer=peer, index=entry, op=op, devices=table.devices())
 
 
 def _silence(fut: asyncio.Future[None]) -> None:

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvflow._core import WIRE
 from kvflow.errors import PeerUnreachableError, ProtocolError
 from kvflow.providers.tcp import open_data_socket
 
@@ -27,7 +28,8 @@ log = logging.getLogger("kvflow")
 BACKOFF_MIN = 0.5
 BACKOFF_MAX = 8.0
 WATCH_INTERVAL = 0.5
-EPOCH_SHIFT, EPOCH_MAX = 6, 3   # wire.h: a data hello's index byte is index | epoch << 6
+# wire.h: a data hello's index byte is index | epoch << KVF_CONN_EPOCH_SHIFT
+EPOCH_SHIFT, EPOCH_MAX = WIRE["CONN_EPOCH_SHIFT"], WIRE["CONN_EPOCH_MAX"]
 
 
 @dataclass

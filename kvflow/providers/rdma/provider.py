@@ -18,13 +18,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import numpy as np
 
-from kvflow.errors import (
-    InvalidArgumentError,
-    PeerLostError,
-    ProtocolError,
-    ProviderUnavailableError,
-    WC_STATUS,
-)
+from kvflow.errors import InvalidArgumentError, PeerLostError, ProtocolError, ProviderUnavailableError
+from kvflow.status import WC_STATUS
 from kvflow.memory import Access
 from kvflow.topology import NicKind, Topology, match_rails
 
@@ -474,7 +469,7 @@ class RdmaProvider:
                     raise ProviderUnavailableError(f"{peer.address}: rdma probe could not be posted",
                                                    peer=peer.address)
                 try:
-                    await self._engine._track_batch(bid, peer.address, 1, len(cookie), PROBE_TIMEOUT)
+                    await self._engine._batches.track(bid, peer.address, 1, len(cookie), PROBE_TIMEOUT)
                 except Exception as e:
                     raise ProviderUnavailableError(
                         f"{peer.address}: rdma device {dev.name} does not reach the peer's device "
@@ -505,7 +500,7 @@ class RdmaProvider:
                                                   0, 0, len(data))
                         if status:
                             break
-                        await self._engine._track_batch(bid, peer.address, 0, len(data), None)
+                        await self._engine._batches.track(bid, peer.address, 0, len(data), None)
                         return True
                 raise PeerLostError(f"notify to {peer.address}: no live rdma queue pair", peer=peer.address)
             finally:
