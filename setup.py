@@ -28,7 +28,8 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
         extra_link_args=["-pthread"],
-        depends=["kvflow/_native/kvf.h", "kvflow/_native/wire.h", "kvflow/_native/sockio.h", "kvflow/_native.pxd"],
+        depends=["kvflow/_native/kvf.h", "kvflow/_native/provider.h", "kvflow/_native/wire.h", "kvflow/_native/sockio.h",
+                 "kvflow/_native.pxd"],
     )
 ]
 if have_verbs():
@@ -42,7 +43,7 @@ if have_verbs():
         extra_compile_args=cflags + ["-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["ibverbs"],
-        depends=["kvflow/_native/kvf.h", "kvflow/_native/rdma.h", "kvflow/_native.pxd",
+        depends=["kvflow/_native/kvf.h", "kvflow/_native/provider.h", "kvflow/_native/rdma.h", "kvflow/_native.pxd",
                  "kvflow/_verbs.pxd", "kvflow/_core.pxd"],
     ))
 

@@ -2,7 +2,7 @@
 # provider's channel is a Channel too).
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
-from kvflow._native cimport kvf_ctx, kvf_region_table, kvf_completion
+from kvflow._native cimport kvf_ctx, kvf_region_table, kvf_completion, kvf_channel
 
 
 cdef class Core:
@@ -26,10 +26,8 @@ cdef class Channel:
     cdef RemoteTable table
     cdef readonly str peer
     cdef object use_lock          # submit_detached (another thread) vs close
-    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil
+    # The provider's native channel (provider.h): every batch goes through
+    # kvf_submit_poll on it. NULL before it exists and once it is closed.
+    cdef kvf_channel *cch
     cdef uint64_t _poll_budget(self, uint64_t total)
-    cdef int _post_poll(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                        const uint64_t *ln, size_t n, uint64_t budget, uint64_t *bid, size_t *bad,
-                        int *finished) noexcept nogil
     cdef _polled(self, uint64_t budget, uint64_t took)

@@ -44,6 +44,13 @@ WIRE = {"MAGIC": KVF_MAGIC, "VERSION": KVF_WIRE_VERSION, "MAX_PAYLOAD": KVF_MAX_
         "CONN_EPOCH_SHIFT": KVF_CONN_EPOCH_SHIFT, "CONN_EPOCH_MAX": KVF_CONN_EPOCH_MAX,
         "HDR_FLUSH": KVF_HDR_FLUSH, "HEADER_SIZE": sizeof(kvf_hdr)}
 
+# tcp's polled path (TcpChannel._poll_budget): batches up to this size, for
+# 3x the recent round trip within these bounds (a loopback round trip is
+# 30-60 us here; past half a millisecond the loop would stall too long).
+TCP_POLL_MAX_BYTES = 64 << 10
+TCP_POLL_MIN_NS = 20_000
+TCP_POLL_MAX_NS = 500_000
+
 cdef enum:
     DRAIN_BATCH = 512
     SMALL = 16          # columns up to this long are converted without numpy
@@ -292,18 +299,9 @@ cdef class Channel:
         self.use_lock = threading.Lock()
         core.channels.add(self)
 
-    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
-        return KVF_ECLOSED
-
     cdef uint64_t _poll_budget(self, uint64_t total):
         """Nanoseconds to poll for a batch of `total` bytes (0: never)."""
         return 0
-
-    cdef int _post_poll(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                        const uint64_t *ln, size_t n, uint64_t budget, uint64_t *bid, size_t *bad,
-                        int *finished) noexcept nogil:
-        return self._post(c, op, la, ra, ln, n, bid, bad)
 
     cdef _polled(self, uint64_t budget, uint64_t took):
         """Told how long a poll with `budget` took (adaptive providers)."""
@@ -356,10 +354,14 @@ cdef class Channel:
         for i in range(n1):
             total += ln[i]
         budget = self._poll_budget(total) if poll else 0
+        cdef kvf_channel *ch = self.cch
+        if ch == NULL:
+            return KVF_ECLOSED, 0, 0, 0
         with nogil:
             if budget:
                 t0 = mono_ns()
-            rc = self._post_poll(c, op, la, ra, ln, n1, budget, &bid, &bad, &finished)
+            # one path for every provider (kvflow/_native/provider.h)
+            rc = kvf_submit_poll(ch, op, la, ra, ln, n1, budget, &bid, &bad, &finished)
             if budget and rc == 0:
                 took = mono_ns() - t0
                 finished = kvf_take(c, bid, &status, &entry)
@@ -376,27 +378,30 @@ cdef class LocalChannel(Channel):
     """The local provider toward one peer: memcpy (pid 0, same process) or
     process_vm_writev/readv into process `pid`."""
 
-    cdef int pid
-    cdef uint64_t inline_limit
+    cdef kvf_local_channel *ch
     cdef bint closed
 
     def __init__(self, Core core, RemoteTable table, str peer, int pid, uint64_t inline_limit):
-        self.pid = pid
-        self.inline_limit = inline_limit
+        self.ch = kvf_local_channel_new(core._ctx(), &table.t, pid, inline_limit)
+        if self.ch == NULL:
+            raise MemoryError()
+        self.cch = <kvf_channel *>self.ch
 
-    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
-        if self.closed:
-            return KVF_ECLOSED
-        return kvf_local_submit(c, &self.table.t, self.pid, op, la, ra, ln, n,
-                                self.inline_limit, bid, bad)
+    def __dealloc__(self):
+        if self.ch != NULL:
+            kvf_local_channel_free(self.ch)
+            self.ch = NULL
 
     @property
     def alive(self):
         return not self.closed
 
     def close(self):
+        # the C channel stays until dealloc: a thread in submit_poll may
+        # hold it; it refuses new batches from now on
         self.closed = True
+        if self.ch != NULL:
+            kvf_local_channel_close(self.ch)
 
 
 def probe_process(int pid, uint64_t addr, size_t length):
@@ -415,6 +420,8 @@ cdef class TcpChannel(Channel):
     cdef kvf_tcp_channel *ch
     cdef readonly int ack_fd
     cdef int nfds
+    cdef public double poll_ewma_ns    # recent time to a polled completion (a round trip)
+    cdef public uint64_t poll_max_ns   # 0: never poll on the caller's thread
 
     def __init__(self, Core core, RemoteTable table, str peer, fds, int ack_fd, uint64_t slice_size):
         cdef int n = len(fds), i
@@ -425,24 +432,36 @@ cdef class TcpChannel(Channel):
             v[i] = fds[i]
         cdef kvf_ctx *c = core._ctx()
         with nogil:
-            self.ch = kvf_tcp_channel_new(c, v, n, ack_fd, slice_size)
+            self.ch = kvf_tcp_channel_new(c, &table.t, v, n, ack_fd, slice_size)
         free(v)
         if self.ch == NULL:
             raise MemoryError()
+        self.cch = <kvf_channel *>self.ch
         self.ack_fd = ack_fd
         self.nfds = n
+        self.poll_ewma_ns = TCP_POLL_MIN_NS
+        self.poll_max_ns = TCP_POLL_MAX_NS
 
     def __dealloc__(self):
         if self.ch != NULL:
+            self.cch = NULL
             with nogil:
                 kvf_tcp_channel_free(self.ch)
             self.ch = NULL
 
-    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
-        if self.ch == NULL:
-            return KVF_ECLOSED
-        return kvf_tcp_submit(self.ch, &self.table.t, op, la, ra, ln, n, bid, bad)
+    cdef uint64_t _poll_budget(self, uint64_t total):
+        # Awaited small batches on an idle channel with an ack connection
+        # wait for their ack on this thread (kvf_submit_poll, tcp_poll):
+        # a few round trips at most; never while other batches are in
+        # flight, which would wait behind this one on the loop.
+        if total > TCP_POLL_MAX_BYTES or not self.poll_max_ns or self.ch == NULL or \
+                not kvf_tcp_channel_idle(self.ch):
+            return 0
+        return <uint64_t>min(max(3 * self.poll_ewma_ns, TCP_POLL_MIN_NS), self.poll_max_ns)
+
+    cdef _polled(self, uint64_t budget, uint64_t took):
+        # a miss counts as the whole budget, so a slow peer widens it up to poll_max_ns
+        self.poll_ewma_ns = 0.8 * self.poll_ewma_ns + 0.2 * took
 
     def poll_acks(self):
         """Reads waiting write acks (event loop thread; never blocks). Their
@@ -512,6 +531,7 @@ cdef class TcpChannel(Channel):
         the sockets. Idempotent."""
         with self.use_lock:
             if self.ch != NULL:
+                self.cch = NULL
                 with nogil:
                     kvf_tcp_channel_free(self.ch)
                 self.ch = NULL

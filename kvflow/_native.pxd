@@ -89,21 +89,22 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_batch_wait(kvf_ctx *c, uint64_t id, uint64_t spin_ns, uint64_t timeout_ns, int *status,
                        uint64_t *entry)
 
-    int kvf_local_submit(kvf_ctx *c, kvf_region_table *remote, int pid, int op,
-                         const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                         size_t n, uint64_t inline_limit, uint64_t *id_out, size_t *bad)
+    ctypedef struct kvf_local_channel:
+        pass
+    kvf_local_channel *kvf_local_channel_new(kvf_ctx *c, kvf_region_table *remote, int pid,
+                                             uint64_t inline_limit)
+    void kvf_local_channel_close(kvf_local_channel *lc)
+    void kvf_local_channel_free(kvf_local_channel *lc)
     int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len)
 
     ctypedef struct kvf_tcp_channel:
         pass
-    kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, int ack_fd,
-                                         uint64_t slice_size)
+    kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
+                                         int ack_fd, uint64_t slice_size)
     int kvf_tcp_poll_acks(kvf_tcp_channel *ch)
     void kvf_set_loop_thread(int on)
-    int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
-                       const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                       size_t n, uint64_t *id_out, size_t *bad)
     int kvf_tcp_channel_alive(kvf_tcp_channel *ch)
+    int kvf_tcp_channel_idle(kvf_tcp_channel *ch)
     int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i)
     int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
                                    uint64_t *failures)
@@ -115,3 +116,10 @@ cdef extern from "_native/kvf.h" nogil:
     void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token)
     int kvf_srv_serve(kvf_ctx *c, int fd)
     void kvf_srv_shutdown(kvf_ctx *c)
+
+
+cdef extern from "_native/provider.h" nogil:
+    ctypedef struct kvf_channel:
+        pass
+    int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                        size_t n, uint64_t budget_ns, uint64_t *id_out, size_t *bad, int *finished)

@@ -211,7 +211,8 @@ cdef extern from "_native/rdma.h" nogil:
     void kvf_rdma_events_free(kvf_rdma_events *q)
 
     kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, ibv_context *ctx, ibv_pd *pd,
-                                   uint32_t index, int cq_size, int recv_bufs, int worker_posts)
+                                   uint32_t index, int cq_size, int recv_bufs, int worker_posts,
+                                   uint64_t spin_ns)
     ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d)
     ibv_cq *kvf_rdma_dev_rcq(kvf_rdma_dev *d)
     ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d)
@@ -228,11 +229,6 @@ cdef extern from "_native/rdma.h" nogil:
     int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, kvf_rdma_dev *dev, ibv_qp *qp, int up)
     int kvf_rdma_chan_qp_up(kvf_rdma_chan *ch, int index)
     int kvf_rdma_chan_break_qp(kvf_rdma_chan *ch, int index)
-    int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                        const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad)
-    int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                             const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
-                             size_t *bad, int *finished)
     int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
                           uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out)
     int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,

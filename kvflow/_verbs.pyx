@@ -23,7 +23,7 @@ from kvflow._core cimport Core, RemoteTable, Channel
 POLL_MAX_BYTES = 64 << 10
 POLL_MIN_NS = 20_000
 POLL_MAX_NS = 2_000_000
-from kvflow._native cimport kvf_ctx, KVF_OK, KVF_ECLOSED
+from kvflow._native cimport kvf_ctx, kvf_channel, KVF_OK, KVF_ECLOSED
 
 RECV_BYTES = KVF_RDMA_RECV_BYTES
 OP_SEND = KVF_OP_SEND
@@ -58,6 +58,10 @@ MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 # batches ran at 10-11 MB/s with 28-46 spurious retransmits per 4 s at 14,
 # and at 19-20 MB/s with 5-8 at 17.
 ACK_TIMEOUT = 14
+# How long a device's worker spins (sched_yield) for work on the wire that
+# no caller polls for, before it arms the CQ and sleeps (rdma.c,
+# worker_owns_work); Device(spin_ns=), from env KVFLOW_RDMA_SPIN_NS.
+SPIN_NS = 200_000
 RETRY_COUNT = 6
 RNR_RETRY = 7
 MIN_RNR_TIMER = 12
@@ -150,7 +154,7 @@ cdef class Device:
 
     def __cinit__(self, Core core, object events, str name, int index, int port=1,
                   gid_index=None, int recv_bufs=256, int ack_timeout=ACK_TIMEOUT,
-                  bint worker_posts=False):
+                  bint worker_posts=False, uint64_t spin_ns=SPIN_NS):
         cdef int n = 0, i
         cdef ibv_device **lst = ibv_get_device_list(&n)
         cdef ibv_device_attr da
@@ -192,9 +196,6 @@ cdef class Device:
             if ibv_query_gid(self.ctx, <uint8_t>port, i, &g):
                 break
             gids.append(bytes(g.raw[:16]))
-        env = os.environ.get("KVFLOW_GID_INDEX")
-        if gid_index is None and env not in (None, ""):
-            gid_index = int(env)
         if gid_index is not None:
             if not 0 <= gid_index < len(gids) or not any(gids[gid_index]):
                 raise VerbsError(f"{name}: GID index {gid_index} is not usable")
@@ -219,7 +220,7 @@ cdef class Device:
         self.worker_posts = worker_posts
         with nogil:
             self.dev = kvf_rdma_dev_new(kc, ev.q, self.ctx, self.pd, <uint32_t>index,
-                                        cq_size, recv_bufs, wp)
+                                        cq_size, recv_bufs, wp, spin_ns)
         if self.dev == NULL:
             raise VerbsError(errno, f"{name}: cannot create its completion queue or worker "
                              f"({os.strerror(errno)})")
@@ -514,31 +515,17 @@ cdef class RdmaChannel(Channel):
         self.ch = kvf_rdma_chan_new(c, &table.t, slice_size, token)
         if self.ch == NULL:
             raise MemoryError()
+        self.cch = <kvf_channel *>self.ch
         self.token = token
         self.devs = []
         self.depths = []
         self.poll_ewma_ns = 100_000
         self.poll_max_ns = POLL_MAX_NS
 
-    cdef int _post(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                   const uint64_t *ln, size_t n, uint64_t *bid, size_t *bad) noexcept nogil:
-        if self.ch == NULL:
-            return KVF_ECLOSED
-        return kvf_rdma_submit(self.ch, op, la, ra, ln, n, bid, bad)
-
     cdef uint64_t _poll_budget(self, uint64_t total):
         if total > POLL_MAX_BYTES or not self.poll_max_ns or self.ch == NULL:
             return 0
         return <uint64_t>min(max(3 * self.poll_ewma_ns, POLL_MIN_NS), self.poll_max_ns)
-
-    cdef int _post_poll(self, kvf_ctx *c, int op, const uint64_t *la, const uint64_t *ra,
-                        const uint64_t *ln, size_t n, uint64_t budget, uint64_t *bid, size_t *bad,
-                        int *finished) noexcept nogil:
-        if self.ch == NULL:
-            return KVF_ECLOSED
-        if budget == 0:
-            return kvf_rdma_submit(self.ch, op, la, ra, ln, n, bid, bad)
-        return kvf_rdma_submit_poll(self.ch, op, la, ra, ln, n, budget, bid, bad, finished)
 
     cdef _polled(self, uint64_t budget, uint64_t took):
         # a miss counts as the whole budget, so a slow path widens it
@@ -655,6 +642,7 @@ cdef class RdmaChannel(Channel):
         fails what was queued or in flight. Idempotent."""
         with self.use_lock:
             if self.ch != NULL:
+                self.cch = NULL
                 with nogil:
                     kvf_rdma_chan_free(self.ch)
                 self.ch = NULL
@@ -665,6 +653,7 @@ cdef class RdmaChannel(Channel):
 
     def __dealloc__(self):
         if self.ch != NULL:
+            self.cch = NULL
             kvf_rdma_chan_free(self.ch)
             self.ch = NULL
 

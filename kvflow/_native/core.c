@@ -2,6 +2,7 @@
  * slice queues: everything the providers share. */
 #define _GNU_SOURCE
 #include "kvf.h"
+#include "provider.h"
 
 #include <errno.h>
 #include <sched.h>
@@ -438,7 +439,7 @@ static size_t plan(int op, const uint64_t *la, const uint64_t *ra, const uint64_
         }
         for (uint64_t off = 0; off < total; off += slice_size) {
             uint64_t l = total - off < slice_size ? total - off : slice_size;
-            s[k++] = (kvf_slice){l0 + off, r0 + off, l, first, 0, (uint32_t)op, 0, 0, 0, 0, 0, 0};
+            s[k++] = (kvf_slice){.local = l0 + off, .remote = r0 + off, .len = l, .entry = first, .op = (uint32_t)op};
         }
     }
     *out = s;
@@ -458,6 +459,74 @@ int kvf_prepare(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la
         if (!*out) rc = KVF_ENOMEM;
     }
     free(key);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- submit */
+
+int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+               size_t n, int flags, uint64_t *id_out, size_t *bad) {
+    const kvf_provider_ops *ops = ch->ops;
+    *id_out = 0;
+    if (ops->open && !ops->open(ch)) return KVF_ECLOSED;
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) total += len[i];      /* wraps only for batches validate() refuses */
+    kvf_slice *s;
+    size_t k;
+    int rc = kvf_prepare(ch->ctx, ch->remote, op, la, ra, len, n, ops->slice_size(ch, total), &s, &k, bad);
+    if (rc) return rc;
+    if (ops->alive && !ops->alive(ch)) {
+        free(s);
+        *bad = 0;
+        return KVF_ELOST;
+    }
+    if (ops->run_inline) {
+        size_t failed = 0;
+        rc = ops->run_inline(ch, s, k, total, &failed);
+        if (rc >= 0) {
+            if (rc) *bad = s[failed].entry;
+            free(s);
+            return rc;
+        }
+    }
+    uint64_t id;
+    rc = kvf_batch_alloc(ch->ctx, k, &id);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    for (size_t i = 0; i < k; i++) s[i].slot = (uint32_t)id;
+    /* The seam (provider.h): a scheduler or a relay takes the slices here. */
+    ops->enqueue(ch, s, k, flags);
+    free(s);
+    /* after the enqueue: the batch cannot complete (and its slot be
+     * reused) before every slice is handed over */
+    kvf_batch_release_guard(ch->ctx, id);
+    *id_out = id;
+    return KVF_OK;
+}
+
+int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
+                    size_t n, uint64_t budget_ns, uint64_t *id_out, size_t *bad, int *finished) {
+    const kvf_provider_ops *ops = ch->ops;
+    *finished = 0;
+    if (!budget_ns || !ops->poll) return kvf_submit(ch, op, la, ra, len, n, 0, id_out, bad);
+    if (ops->open && !ops->open(ch)) {
+        *id_out = 0;
+        return KVF_ECLOSED;
+    }
+    kvf_poll_state st = {{0}, 0};
+    /* polling before posting: the posts below do not wake the workers */
+    ops->poll_begin(ch, &st);
+    int rc = kvf_submit(ch, op, la, ra, len, n, KVF_SUBMIT_POLLED, id_out, bad);
+    if (rc == KVF_OK && *id_out) {
+        /* completions found here need no eventfd: the caller takes its own
+         * next (kvf_take), which also wakes the loop for any others */
+        kvf_set_loop_thread(1);
+        *finished = ops->poll(ch, &st, *id_out, budget_ns);
+        kvf_set_loop_thread(0);
+    }
+    ops->poll_end(ch, &st);
     return rc;
 }
 

@@ -172,12 +172,14 @@ typedef struct {
     uint64_t entry;      /* index of the first batch entry in this slice */
     uint32_t slot;       /* batch slot */
     uint32_t op;
-    int32_t pid;         /* local provider: target pid, 0 = this process */
-    uint32_t tag;        /* tcp: in-flight tag */
-    uint32_t lkey, rkey; /* rdma: memory keys on the slice's device pair */
-    uint32_t attempts;   /* rdma: times the slice was posted */
-    uint32_t pad;
+    uint32_t attempts;   /* times it was handed to a connection or QP (failover gives up after a few) */
+    /* The provider's own words: the shared code never reads them, and each
+     * provider names the ones it uses in its own .c (local: the target pid;
+     * tcp: the in-flight tag; rdma: the memory keys on the device pair). */
+    uint32_t word[5];
 } kvf_slice;
+
+_Static_assert(sizeof(kvf_slice) == 64, "a slice is one cache line");
 
 /* Validates a batch against the local table and the peer's table (the
  * first bad entry's index goes to *bad), then coalesces and slices it into
@@ -205,16 +207,22 @@ size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max);
 
 /* ----------------------------------------------------------------- local */
 
-int kvf_local_submit(kvf_ctx *c, kvf_region_table *remote, int pid, int op,
-                     const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                     size_t n, uint64_t inline_limit, uint64_t *id_out, size_t *bad);
+/* A local channel (a kvf_channel: submit with kvf_submit). pid 0: this
+ * process (memcpy), else process_vm_writev/readv into process pid. */
+typedef struct kvf_local_channel kvf_local_channel;
+kvf_local_channel *kvf_local_channel_new(kvf_ctx *c, kvf_region_table *remote, int pid,
+                                         uint64_t inline_limit);
+void kvf_local_channel_close(kvf_local_channel *lc);
+void kvf_local_channel_free(kvf_local_channel *lc);
 int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len);
 
 /* ------------------------------------------------------------------- tcp */
 
 typedef struct kvf_tcp_channel kvf_tcp_channel;
-kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, const int *fds, int nfds, int ack_fd,
-                                     uint64_t slice_size);
+/* A tcp channel (a kvf_channel: submit with kvf_submit) over nfds
+ * connected data sockets (hello done), acks on ack_fd (-1: on each). */
+kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
+                                     int ack_fd, uint64_t slice_size);
 /* Reads the write acks waiting on the channel's ack connection (never
  * blocks; called by the event loop when that socket is readable). Returns
  * -1 once the connection is gone (the channel is failed then). */
@@ -222,10 +230,11 @@ int kvf_tcp_poll_acks(kvf_tcp_channel *ch);
 /* Set by the event-loop thread around work whose completions it drains
  * itself right after: those completions need no eventfd wake-up. */
 void kvf_set_loop_thread(int on);
-int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
-                   const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                   size_t n, uint64_t *id_out, size_t *bad);
 int kvf_tcp_channel_alive(kvf_tcp_channel *ch);
+/* 1 when nothing is queued or in flight on any live connection and the
+ * channel has an ack connection: an awaited small batch may be polled for
+ * on the caller's thread (kvf_submit_poll) without holding up others. */
+int kvf_tcp_channel_idle(kvf_tcp_channel *ch);
 /* Connection i: 1 dead, 0 up, -1 no such connection. */
 int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i);
 int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,

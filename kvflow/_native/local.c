@@ -7,6 +7,7 @@
  * never blocked by a big copy. */
 #define _GNU_SOURCE
 #include "kvf.h"
+#include "provider.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -16,6 +17,8 @@
 #include <unistd.h>
 
 #define LOCAL_SLICE (1u << 20)
+/* The slice's provider word: the target pid, 0 = this process. */
+#define S_PID(s) ((s).word[0])
 #define LOCAL_POP 64
 #define LOCAL_IOV 512
 /* One worker takes at most this many bytes per wake-up, so a big batch is
@@ -44,7 +47,7 @@ static int errno_status(int e) {
 /* Moves one run of slices with the same pid and op. Returns KVF_OK or the
  * error of the first slice that failed; *failed is its index in s. */
 static int xfer_run(const kvf_slice *s, size_t n, size_t *failed) {
-    if (s[0].pid == 0) {
+    if (S_PID(s[0]) == 0) {
         for (size_t i = 0; i < n; i++) {
             if (s[i].op == KVF_OP_WRITE)
                 memcpy((void *)(uintptr_t)s[i].remote, (const void *)(uintptr_t)s[i].local, s[i].len);
@@ -66,8 +69,8 @@ static int xfer_run(const kvf_slice *s, size_t n, size_t *failed) {
             want += s[i + k].len;
         }
         ssize_t got = s[0].op == KVF_OP_WRITE
-                          ? process_vm_writev(s[0].pid, lv, k, rv, k, 0)
-                          : process_vm_readv(s[0].pid, lv, k, rv, k, 0);
+                          ? process_vm_writev((pid_t)S_PID(s[0]), lv, k, rv, k, 0)
+                          : process_vm_readv((pid_t)S_PID(s[0]), lv, k, rv, k, 0);
         if (got == (ssize_t)want) { i += k; continue; }
         /* Partial or failed: the kernel stops at the first bad iovec. Find
          * it, and retry the rest one slice at a time to attribute errors. */
@@ -87,8 +90,8 @@ static int xfer_run(const kvf_slice *s, size_t n, size_t *failed) {
             /* retry this slice alone: if it fails alone, it is the culprit */
             struct iovec a = {(void *)(uintptr_t)s[i + j].local, s[i + j].len};
             struct iovec b = {(void *)(uintptr_t)s[i + j].remote, s[i + j].len};
-            ssize_t g = s[0].op == KVF_OP_WRITE ? process_vm_writev(s[0].pid, &a, 1, &b, 1, 0)
-                                                : process_vm_readv(s[0].pid, &a, 1, &b, 1, 0);
+            ssize_t g = s[0].op == KVF_OP_WRITE ? process_vm_writev((pid_t)S_PID(s[0]), &a, 1, &b, 1, 0)
+                                                : process_vm_readv((pid_t)S_PID(s[0]), &a, 1, &b, 1, 0);
             if (g != (ssize_t)s[i + j].len) {
                 *failed = i + j;
                 return errno_status(g < 0 ? errno : EFAULT);
@@ -110,7 +113,7 @@ static void run_and_complete(kvf_ctx *c, kvf_slice *s, size_t n) {
             continue;
         }
         size_t j = i + 1;
-        while (j < n && s[j].pid == s[i].pid && s[j].op == s[i].op &&
+        while (j < n && S_PID(s[j]) == S_PID(s[i]) && s[j].op == s[i].op &&
                !kvf_batch_cancelled(c, s[j].slot)) j++;
         size_t failed = SIZE_MAX;
         int rc = xfer_run(&s[i], j - i, &failed);
@@ -190,42 +193,70 @@ void kvf_ctx_free(kvf_ctx *c) {
     free(c);
 }
 
-int kvf_local_submit(kvf_ctx *c, kvf_region_table *remote, int pid, int op,
-                     const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                     size_t n, uint64_t inline_limit, uint64_t *id_out, size_t *bad) {
-    *id_out = 0;
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) total += len[i];
-    kvf_slice *s;
-    size_t k;
-    uint64_t slice = total <= inline_limit ? UINT64_MAX / 2 : LOCAL_SLICE;
-    int rc = kvf_prepare(c, remote, op, la, ra, len, n, slice, &s, &k, bad);
-    if (rc) return rc;
-    for (size_t i = 0; i < k; i++) s[i].pid = pid;
-    if (total <= inline_limit) {
-        size_t failed = SIZE_MAX;
-        rc = xfer_run(s, k, &failed);
-        if (rc) *bad = s[failed].entry;
-        free(s);
-        return rc;
-    }
-    rc = kvf_batch_alloc(c, k, id_out);
-    if (rc) { free(s); return rc; }
-    uint32_t slot = (uint32_t)*id_out;
+/* ---------------------------------------------------------------- channel */
+
+struct kvf_local_channel {
+    kvf_channel base;
+    int pid;                  /* the peer's process; 0: this one (memcpy) */
+    uint64_t inline_limit;    /* batches up to this many bytes run in the caller's thread */
+    _Atomic int closed;
+};
+
+static int local_open(kvf_channel *ch) {
+    return !atomic_load_explicit(&((kvf_local_channel *)ch)->closed, memory_order_relaxed);
+}
+
+static uint64_t local_slice_size(kvf_channel *ch, uint64_t total) {
+    /* an inline batch is one run per coalesced entry: no need to cut it */
+    return total <= ((kvf_local_channel *)ch)->inline_limit ? UINT64_MAX / 2 : LOCAL_SLICE;
+}
+
+static int local_run_inline(kvf_channel *ch, kvf_slice *s, size_t n, uint64_t total, size_t *failed) {
+    kvf_local_channel *lc = (kvf_local_channel *)ch;
+    if (total > lc->inline_limit) return -1;
+    for (size_t i = 0; i < n; i++) S_PID(s[i]) = (uint32_t)lc->pid;
+    *failed = SIZE_MAX;
+    return xfer_run(s, n, failed);
+}
+
+static void local_enqueue(kvf_channel *ch, kvf_slice *s, size_t n, int flags) {
+    (void)flags;
+    kvf_local_channel *lc = (kvf_local_channel *)ch;
+    kvf_ctx *c = ch->ctx;
     kvf_queue *q = &c->local_pool->q;
     pthread_mutex_lock(&q->mu);
     size_t pushed = 0;
-    for (; pushed < k; pushed++) {
-        s[pushed].slot = slot;
+    for (; pushed < n; pushed++) {
+        S_PID(s[pushed]) = (uint32_t)lc->pid;
         if (kvf_queue_push_locked(q, &s[pushed]) != KVF_OK) break;
     }
     pthread_mutex_unlock(&q->mu);
     pthread_cond_broadcast(&q->cv);
-    for (size_t i = pushed; i < k; i++) kvf_slice_done(c, slot, KVF_ENOMEM, s[i].entry);
-    free(s);
-    kvf_batch_release_guard(c, *id_out);
-    return KVF_OK;
+    for (size_t i = pushed; i < n; i++) kvf_slice_done(c, s[i].slot, KVF_ENOMEM, s[i].entry);
 }
+
+static const kvf_provider_ops local_ops = {
+    .name = "local",
+    .open = local_open,
+    .slice_size = local_slice_size,
+    .run_inline = local_run_inline,
+    .enqueue = local_enqueue,
+};
+
+kvf_local_channel *kvf_local_channel_new(kvf_ctx *c, kvf_region_table *remote, int pid,
+                                         uint64_t inline_limit) {
+    kvf_local_channel *lc = calloc(1, sizeof(*lc));
+    if (!lc) return NULL;
+    lc->base = (kvf_channel){&local_ops, c, remote};
+    lc->pid = pid;
+    lc->inline_limit = inline_limit;
+    return lc;
+}
+
+/* New batches fail with KVF_ECLOSED; those queued to the workers finish. */
+void kvf_local_channel_close(kvf_local_channel *lc) { atomic_store(&lc->closed, 1); }
+
+void kvf_local_channel_free(kvf_local_channel *lc) { free(lc); }
 
 int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len) {
     struct iovec l = {out, len}, r = {(void *)(uintptr_t)addr, len};

@@ -1,6 +1,7 @@
 /* The rdma provider's data path (see rdma.h for the design). */
 #define _GNU_SOURCE
 #include "rdma.h"
+#include "provider.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -11,6 +12,10 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
+
+/* The slice's provider words: its memory keys on its QP's device pair (resolve_keys_locked). */
+#define S_LKEY(s) ((s).word[0])
+#define S_RKEY(s) ((s).word[1])
 
 #define SIGNAL_EVERY 16      /* one signalled work request per this many */
 #define CHAIN 64             /* work requests per ibv_post_send */
@@ -189,7 +194,7 @@ struct kvf_rdma_dev {
     int wake_fd;             /* eventfd: work was posted, or stop */
     _Atomic int stop;
     _Atomic int sleeping;    /* the worker waits in poll() */
-    _Atomic int polling;     /* callers polling the send CQ (kvf_rdma_submit_poll) */
+    _Atomic int polling;     /* callers polling the send CQ (kvf_submit_poll: rdma_poll_begin) */
     _Atomic int64_t posted;  /* WRs posted on this device and not retired */
     int started;
     /* Worker posts: the submitting thread only queues a batch's slices and
@@ -197,6 +202,7 @@ struct kvf_rdma_dev {
      * slots of QPs with a backlog to post; ready_mu is a leaf lock (taken
      * under q->mu, nothing taken under it). */
     int worker_posts;
+    uint64_t spin_ns;        /* how long the worker spins for work on the wire before it arms and sleeps */
     pthread_mutex_t ready_mu;
     uint32_t *ready;         /* ring of MAX_SLOTS slots */
     uint32_t ready_head;
@@ -204,8 +210,7 @@ struct kvf_rdma_dev {
 };
 
 struct kvf_rdma_chan {
-    kvf_ctx *c;
-    kvf_region_table *remote;
+    kvf_channel base;        /* ops, the context, the peer's regions (provider.h) */
     uint64_t slice_size;
     uint64_t token;
     pthread_mutex_t mu;      /* guards qps, nqps, parked, rr, closed */
@@ -216,6 +221,8 @@ struct kvf_rdma_chan {
     int closed;
     _Atomic int refs;        /* the owner's + workers' re-dispatching */
 };
+
+static const kvf_provider_ops rdma_ops;
 
 static inline uint64_t wr_id(const rqp *q, uint64_t seq) {
     return ((uint64_t)q->slot << 48) | ((uint64_t)(q->gen & 0xffff) << 32) | (uint32_t)seq;
@@ -277,7 +284,7 @@ static void dev_wake(kvf_rdma_dev *d) {
  * if its worker sleeps and no caller polls the device, wake it now, so that
  * it is up and polling while the work requests are on the wire (the wake-up
  * overlaps the round trip instead of following it). While a caller polls
- * (kvf_rdma_submit_poll), that caller handles every completion of the
+ * (kvf_submit_poll: rdma_poll_begin), that caller handles every completion of the
  * device and wakes the worker when it stops, if work is left.
  *
  * seq_cst throughout, paired with the worker's store to `sleeping` and its
@@ -313,7 +320,7 @@ static void take_incoming_locked(rqp *q, kvf_queue *to) {
     size_t k;
     while ((k = kvf_queue_pop_locked(&q->incoming, tmp, 64)) > 0)
         for (size_t i = 0; i < k; i++)
-            if (kvf_queue_push_locked(to, &tmp[i])) slice_finish(q->ch->c, &tmp[i], KVF_ENOMEM);
+            if (kvf_queue_push_locked(to, &tmp[i])) slice_finish(q->ch->base.ctx, &tmp[i], KVF_ENOMEM);
     atomic_store(&q->nincoming, 0);
     pthread_mutex_unlock(&q->in_mu);
 }
@@ -326,7 +333,7 @@ static void take_incoming_locked(rqp *q, kvf_queue *to) {
 static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry);
 
 static void qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
-    kvf_ctx *c = q->ch->c;
+    kvf_ctx *c = q->ch->base.ctx;
     if (qp_live(q->state)) take_incoming_locked(q, &q->backlog);
     while (max_wrs && qp_live(q->state) && q->backlog.count && q->head - q->tail < q->depth &&
            (q->inflight < MAX_INFLIGHT_BYTES || q->head == q->tail)) {
@@ -354,7 +361,7 @@ static void qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
                 continue;
             }
             s->attempts++;
-            sge[m] = (struct ibv_sge){s->local, (uint32_t)s->len, s->lkey};
+            sge[m] = (struct ibv_sge){s->local, (uint32_t)s->len, S_LKEY(*s)};
             memset(&wr[m], 0, sizeof(wr[m]));
             wr[m].wr_id = wr_id(q, q->head + m);
             wr[m].sg_list = &sge[m];
@@ -364,7 +371,7 @@ static void qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
             } else {
                 wr[m].opcode = s->op == KVF_OP_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
                 wr[m].wr.rdma.remote_addr = s->remote;
-                wr[m].wr.rdma.rkey = s->rkey;
+                wr[m].wr.rdma.rkey = S_RKEY(*s);
             }
             q->ring[(q->head + m) % q->depth] = *s;
             m++;
@@ -415,7 +422,7 @@ static void retire(rqp *q, uint64_t seq, int status) {
     kvf_slice *s = &q->ring[seq % q->depth];
     q->inflight -= s->len;
     atomic_fetch_sub_explicit(&q->dev->posted, 1, memory_order_relaxed);
-    slice_finish(q->ch->c, s, status);
+    slice_finish(q->ch->base.ctx, s, status);
 }
 
 static void events_broken(rqp *q, int wc_status) {
@@ -467,12 +474,12 @@ static void qp_break_locked(rqp *q, int wc_status, kvf_queue *retry) {
  * holds both tables' read locks (taken once per group of slices). */
 static int resolve_keys_locked(kvf_rdma_chan *ch, kvf_slice *s, uint32_t dev, uint32_t rdev) {
     if (s->op > KVF_OP_READ) return KVF_OK;     /* SEND/PROBE carry their keys */
-    const kvf_region *r = kvf_rt_find_locked(&ch->c->local, s->local, s->len);
+    const kvf_region *r = kvf_rt_find_locked(&ch->base.ctx->local, s->local, s->len);
     if (!r || !r->keys[dev]) return KVF_EUNREG;
-    s->lkey = r->keys[dev];
-    r = kvf_rt_find_locked(ch->remote, s->remote, s->len);
+    S_LKEY(*s) = r->keys[dev];
+    r = kvf_rt_find_locked(ch->base.remote, s->remote, s->len);
     if (!r || rdev >= KVF_MAX_DEVS || !r->keys[rdev]) return KVF_EREMOTE;
-    s->rkey = r->keys[rdev];
+    S_RKEY(*s) = r->keys[rdev];
     return KVF_OK;
 }
 
@@ -494,7 +501,7 @@ static void fail_parked_locked(kvf_rdma_chan *ch) {
     kvf_slice tmp[64];
     size_t k;
     while ((k = kvf_queue_pop_locked(&ch->parked, tmp, 64)) > 0)
-        for (size_t j = 0; j < k; j++) slice_finish(ch->c, &tmp[j], KVF_ELOST);
+        for (size_t j = 0; j < k; j++) slice_finish(ch->base.ctx, &tmp[j], KVF_ELOST);
 }
 
 static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
@@ -505,10 +512,10 @@ static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
  * them to `bounced`. The number queued. */
 static size_t stripe_locked(kvf_rdma_chan *ch, rqp *q, kvf_slice *s, size_t n, size_t first,
                             size_t step, kvf_queue *to, kvf_queue *bounced) {
-    kvf_ctx *c = ch->c;
+    kvf_ctx *c = ch->base.ctx;
     size_t queued = 0;
     pthread_rwlock_rdlock(&c->local.lock);
-    pthread_rwlock_rdlock(&ch->remote->lock);
+    pthread_rwlock_rdlock(&ch->base.remote->lock);
     for (size_t i = first; i < n; i += step) {
         if (q->state != QP_UP) { kvf_queue_push_locked(bounced, &s[i]); continue; }
         int rc = resolve_keys_locked(ch, &s[i], q->dev_index, q->rdev);
@@ -516,7 +523,7 @@ static size_t stripe_locked(kvf_rdma_chan *ch, rqp *q, kvf_slice *s, size_t n, s
         if (kvf_queue_push_locked(to, &s[i])) slice_finish(c, &s[i], KVF_ENOMEM);
         else queued++;
     }
-    pthread_rwlock_unlock(&ch->remote->lock);
+    pthread_rwlock_unlock(&ch->base.remote->lock);
     pthread_rwlock_unlock(&c->local.lock);
     return queued;
 }
@@ -526,7 +533,7 @@ static size_t stripe_locked(kvf_rdma_chan *ch, rqp *q, kvf_slice *s, size_t n, s
  * device has its worker post (worker_posts) and the caller did not ask to
  * post inline. With no live QP they wait in `parked`. */
 static void chan_dispatch(kvf_rdma_chan *ch, kvf_slice *s, size_t n, int inline_post) {
-    kvf_ctx *c = ch->c;
+    kvf_ctx *c = ch->base.ctx;
     if (n) {
         rqp *up[MAX_QPS];
         int nup = 0;
@@ -597,13 +604,13 @@ static void dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry) {
         kvf_slice tmp[64];
         size_t k;
         while ((k = kvf_queue_pop_locked(retry, tmp, 64)) > 0)
-            for (size_t i = 0; i < k; i++) slice_finish(ch->c, &tmp[i], KVF_ENOMEM);
+            for (size_t i = 0; i < k; i++) slice_finish(ch->base.ctx, &tmp[i], KVF_ENOMEM);
         return;
     }
     n = kvf_queue_pop_locked(retry, v, n);
     size_t k = 0;
     for (size_t i = 0; i < n; i++) {
-        if (v[i].attempts >= MAX_ATTEMPTS || v[i].op > KVF_OP_READ) slice_finish(ch->c, &v[i], KVF_ELOST);
+        if (v[i].attempts >= MAX_ATTEMPTS || v[i].op > KVF_OP_READ) slice_finish(ch->base.ctx, &v[i], KVF_ELOST);
         else v[k++] = v[i];
     }
     chan_dispatch(ch, v, k, 0);
@@ -660,7 +667,7 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     if (!qp_live(q->state) || q->gen != gen) { pthread_mutex_unlock(&q->mu); return; }
     uint64_t seq = q->tail + (uint32_t)(seq32 - (uint32_t)q->tail);
     if (seq >= q->head) { pthread_mutex_unlock(&q->mu); return; }
-    kvf_ctx *c = q->ch->c;
+    kvf_ctx *c = q->ch->base.ctx;
     /* RC completes in order: everything before seq succeeded */
     for (uint64_t x = q->tail; x < seq; x++) retire(q, x, KVF_OK);
     kvf_queue retry;
@@ -703,12 +710,11 @@ static void handle(kvf_rdma_dev *d, struct ibv_wc *wc, int n) {
  * The receive CQ stays armed: a notification may arrive at any time. The
  * send CQ is armed only when the worker goes to sleep with work on the wire
  * that no caller polls for. A caller that polls for its own small batch
- * (kvf_rdma_submit_poll) neither wakes the worker nor keeps it spinning, so
+ * (kvf_submit_poll: rdma_poll_begin) neither wakes the worker nor keeps it spinning, so
  * its completion raises no event and wakes no thread: on Soft-RoCE that
  * wake-up cost as much as the write itself, and once the worker was awake
  * for one write it stayed engaged for all that followed. When the caller
  * stops polling with work left, it wakes the worker, which then arms. */
-static uint64_t spin_ns = 200000;    /* KVFLOW_RDMA_SPIN_NS overrides */
 
 /* Work is on the wire and no caller polls for it: the worker waits for it
  * (spins, or arms the send CQ before it sleeps). */
@@ -780,7 +786,7 @@ static void *dev_worker(void *arg) {
             last = now_ns();
             continue;
         }
-        if (n == 0 && worker_owns_work(d) && now_ns() - last < spin_ns) {
+        if (n == 0 && worker_owns_work(d) && now_ns() - last < d->spin_ns) {
             sched_yield();
             continue;
         }
@@ -816,15 +822,14 @@ static void *dev_worker(void *arg) {
 
 kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_context *ctx,
                                struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs,
-                               int worker_posts) {
+                               int worker_posts, uint64_t spin_ns) {
     kvf_rdma_dev *d = calloc(1, sizeof(*d));
     if (!d) return NULL;
     d->ready = calloc(MAX_SLOTS, sizeof(*d->ready));
     if (!d->ready) { free(d); return NULL; }
     d->worker_posts = worker_posts;
     pthread_mutex_init(&d->ready_mu, NULL);
-    const char *env = getenv("KVFLOW_RDMA_SPIN_NS");
-    if (env && *env) spin_ns = strtoull(env, NULL, 10);
+    d->spin_ns = spin_ns;
     d->c = c;
     d->ev = ev;
     d->ctx = ctx;
@@ -935,8 +940,7 @@ kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t 
                                  uint64_t token) {
     kvf_rdma_chan *ch = calloc(1, sizeof(*ch));
     if (!ch) return NULL;
-    ch->c = c;
-    ch->remote = remote;
+    ch->base = (kvf_channel){&rdma_ops, c, remote};
     ch->slice_size = slice_size;
     ch->token = token;
     pthread_mutex_init(&ch->mu, NULL);
@@ -1055,7 +1059,7 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, kvf_rdma_dev *dev, st
         if (gone) dev_slot_drop(dev, slot, q);
         return KVF_EINVAL;
     }
-    if (q->qp) kvf_rdma_destroy_qp(ch->c, q->qp);
+    if (q->qp) kvf_rdma_destroy_qp(ch->base.ctx, q->qp);
     q->qp = qp;
     q->gen = (q->gen + 1) & 0xffff;
     q->head = q->tail = 0;
@@ -1114,7 +1118,7 @@ int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d) {
         if (q->qp) {
             /* destroyed, not only broken: the kernel removes the device
              * only once every object of the context is gone */
-            kvf_rdma_destroy_qp(ch->c, q->qp);
+            kvf_rdma_destroy_qp(ch->base.ctx, q->qp);
             q->qp = NULL;
         }
         if (q->state != QP_CLOSED) set_state_locked(q, QP_GONE);
@@ -1152,38 +1156,26 @@ int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t
     return st;
 }
 
-static int submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                  const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad, int inline_post) {
-    if (ch->closed) return KVF_ECLOSED;
-    kvf_slice *s;
-    size_t ns;
-    uint64_t slice = ch->slice_size < (1u << 30) ? ch->slice_size : (1u << 30);
-    int rc = kvf_prepare(ch->c, ch->remote, op, la, ra, len, n, slice, &s, &ns, bad);
-    if (rc) return rc;
-    uint64_t id;
-    rc = kvf_batch_alloc(ch->c, ns, &id);
-    if (rc) { free(s); return rc; }
-    for (size_t i = 0; i < ns; i++) s[i].slot = (uint32_t)id;
-    atomic_fetch_add_explicit(&ch->c->n_slices_inflight, (int64_t)ns, memory_order_relaxed);
-    chan_dispatch(ch, s, ns, inline_post);
-    free(s);
-    kvf_batch_release_guard(ch->c, id);
-    *id_out = id;
-    return KVF_OK;
+static int rdma_open(kvf_channel *ch) { return !((kvf_rdma_chan *)ch)->closed; }
+
+static uint64_t rdma_slice_size(kvf_channel *ch, uint64_t total) {
+    (void)total;
+    uint64_t slice = ((kvf_rdma_chan *)ch)->slice_size;
+    return slice < (1u << 30) ? slice : (1u << 30);    /* one work request's length is 32 bits */
 }
 
-int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                    const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad) {
-    return submit(ch, op, la, ra, len, n, id_out, bad, 0);
+static void rdma_enqueue(kvf_channel *ch, kvf_slice *s, size_t n, int flags) {
+    atomic_fetch_add_explicit(&ch->ctx->n_slices_inflight, (int64_t)n, memory_order_relaxed);
+    /* a polled batch is posted here, whatever the device: this thread waits for it anyway */
+    chan_dispatch((kvf_rdma_chan *)ch, s, n, flags & KVF_SUBMIT_POLLED);
 }
 
-int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                         const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
-                         size_t *bad, int *finished) {
-    *finished = 0;
-    if (ch->closed) return KVF_ECLOSED;
-    kvf_rdma_dev *devs[MAX_QPS];
-    int nd = 0;
+/* The devices this channel's QPs are on, each counted as polled. */
+static void rdma_poll_begin(kvf_channel *base, kvf_poll_state *st) {
+    kvf_rdma_chan *ch = (kvf_rdma_chan *)base;
+    _Static_assert(sizeof(st->dev) / sizeof(st->dev[0]) >= 2 * KVF_MAX_DEVS,
+                   "a poll covers every device (a reopened one and the one it replaces too)");
+    st->n = 0;
     pthread_mutex_lock(&ch->mu);
     for (int i = 0; i < ch->nqps; i++) {
         /* Read without q->mu (ch->mu is held): GONE is final, and only
@@ -1191,63 +1183,76 @@ int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const ui
          * before the device is freed. Polling (budget_ns > 0) happens only
          * on that thread too (Channel.submit_poll with poll=True), as do
          * the QP additions, so neither the devices nor the QPs of this
-         * channel change until this function returns. */
+         * channel change until the poll ends. */
         if (ch->qps[i]->state == QP_GONE) continue;     /* its device (and CQ) is freed */
         int seen = 0;
-        for (int j = 0; j < nd; j++) seen |= devs[j] == ch->qps[i]->dev;
-        if (!seen) devs[nd++] = ch->qps[i]->dev;
+        for (int j = 0; j < st->n; j++) seen |= st->dev[j] == ch->qps[i]->dev;
+        if (!seen && st->n < (int)(sizeof(st->dev) / sizeof(st->dev[0]))) st->dev[st->n++] = ch->qps[i]->dev;
     }
     pthread_mutex_unlock(&ch->mu);
-    /* polling before posting: the posts below do not wake the workers */
-    for (int j = 0; j < nd; j++) atomic_fetch_add(&devs[j]->polling, 1);
-    /* posted here, whatever the device: this thread waits for it anyway */
-    int rc = submit(ch, op, la, ra, len, n, id_out, bad, 1);
-    if (rc == KVF_OK) {
-        /* completions found here need no eventfd: the caller takes its own
-         * next (kvf_take), which also wakes the loop for any others */
-        kvf_set_loop_thread(1);
-        struct ibv_wc wc[POLL_BATCH];
-        uint64_t deadline = now_ns() + budget_ns;
-        while (!(*finished = kvf_batch_finished(ch->c, *id_out))) {
-            int got = 0;
-            for (int j = 0; j < nd; j++) {
-                int k = ibv_poll_cq(devs[j]->cq, POLL_BATCH, wc);
-                if (k > 0) { handle(devs[j], wc, k); got = 1; }
-            }
-            if (!got && now_ns() > deadline) break;
-        }
-        kvf_set_loop_thread(0);
-    }
-    /* work left on a device (this batch's, or others') goes to its worker */
-    for (int j = 0; j < nd; j++) {
-        atomic_fetch_sub(&devs[j]->polling, 1);
-        if (atomic_load(&devs[j]->posted) > 0) dev_posted(devs[j], 0);
-    }
-    return rc;
+    for (int j = 0; j < st->n; j++) atomic_fetch_add(&((kvf_rdma_dev *)st->dev[j])->polling, 1);
 }
+
+static int rdma_poll(kvf_channel *ch, kvf_poll_state *st, uint64_t id, uint64_t budget_ns) {
+    struct ibv_wc wc[POLL_BATCH];
+    uint64_t deadline = now_ns() + budget_ns;
+    int finished;
+    while (!(finished = kvf_batch_finished(ch->ctx, id))) {
+        int got = 0;
+        for (int j = 0; j < st->n; j++) {
+            kvf_rdma_dev *d = st->dev[j];
+            int k = ibv_poll_cq(d->cq, POLL_BATCH, wc);
+            if (k > 0) { handle(d, wc, k); got = 1; }
+        }
+        if (!got && now_ns() > deadline) break;
+    }
+    return finished;
+}
+
+/* Work left on a device (this batch's, or others') goes to its worker. */
+static void rdma_poll_end(kvf_channel *ch, kvf_poll_state *st) {
+    (void)ch;
+    for (int j = 0; j < st->n; j++) {
+        kvf_rdma_dev *d = st->dev[j];
+        atomic_fetch_sub(&d->polling, 1);
+        if (atomic_load(&d->posted) > 0) dev_posted(d, 0);
+    }
+}
+
+static const kvf_provider_ops rdma_ops = {
+    .name = "rdma",
+    .open = rdma_open,
+    .slice_size = rdma_slice_size,
+    .enqueue = rdma_enqueue,
+    .poll_begin = rdma_poll_begin,
+    .poll = rdma_poll,
+    .poll_end = rdma_poll_end,
+};
 
 int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
                       uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out) {
     rqp *q = chan_qp(ch, index);
     if (!q || ch->closed) return KVF_ECLOSED;
     uint64_t id;
-    int rc = kvf_batch_alloc(ch->c, 1, &id);
+    int rc = kvf_batch_alloc(ch->base.ctx, 1, &id);
     if (rc) return rc;
-    kvf_slice s = {laddr, raddr, len, 0, (uint32_t)id, (uint32_t)op, 0, 0, lkey, rkey, 0, 0};
-    atomic_fetch_add_explicit(&ch->c->n_slices_inflight, 1, memory_order_relaxed);
+    kvf_slice s = {.local = laddr, .remote = raddr, .len = len, .slot = (uint32_t)id, .op = (uint32_t)op};
+    S_LKEY(s) = lkey;
+    S_RKEY(s) = rkey;
+    atomic_fetch_add_explicit(&ch->base.ctx->n_slices_inflight, 1, memory_order_relaxed);
     kvf_queue retry;
     kvf_queue_init(&retry);
     pthread_mutex_lock(&q->mu);
     if (!qp_live(q->state) || kvf_queue_push_locked(&q->backlog, &s)) {
         pthread_mutex_unlock(&q->mu);
-        slice_finish(ch->c, &s, KVF_ELOST);
+        slice_finish(ch->base.ctx, &s, KVF_ELOST);
     } else {
         qp_post_locked(q, &retry, POST_ALL);
         pthread_mutex_unlock(&q->mu);
     }
     dispatch_queue(ch, &retry);
     kvf_queue_destroy(&retry);
-    kvf_batch_release_guard(ch->c, id);
+    kvf_batch_release_guard(ch->base.ctx, id);
     *id_out = id;
     return KVF_OK;
 }
@@ -1258,7 +1263,7 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
     ch->closed = 1;
     int nqps = ch->nqps;
     pthread_mutex_unlock(&ch->mu);
-    kvf_ctx *c = ch->c;
+    kvf_ctx *c = ch->base.ctx;
     for (int i = 0; i < nqps; i++) {
         rqp *q = ch->qps[i];
         /* Without q->mu: only kvf_rdma_chan_drop_dev makes a QP GONE and

@@ -69,9 +69,9 @@ void kvf_rdma_events_free(kvf_rdma_events *q);
  * receive queue with `recv_bufs` buffers of KVF_RDMA_RECV_BYTES for
  * notifications, and starts its worker. NULL on failure (errno set).
  *
- * worker_posts: kvf_rdma_submit only queues the slices and the worker posts
- * them, WORKER_CHAIN at a time per QP with a poll in between (polled
- * batches, kvf_rdma_submit_poll, still post on the caller's thread). For
+ * worker_posts: submitting (kvf_submit) only queues the slices and the
+ * worker posts them, WORKER_CHAIN at a time per QP with a poll in between
+ * (polled batches, kvf_submit_poll, still post on the caller's thread). For
  * software devices (Soft-RoCE), whose ibv_post_send does the transfer
  * itself inside the system call: the submitting thread (the event loop's)
  * then runs no packet work, and a finished batch is reported while the
@@ -80,7 +80,7 @@ void kvf_rdma_events_free(kvf_rdma_events *q);
 #define KVF_RDMA_RECV_BYTES 4096
 kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_context *ctx,
                                struct ibv_pd *pd, uint32_t index, int cq_size, int recv_bufs,
-                               int worker_posts);
+                               int worker_posts, uint64_t spin_ns);
 struct ibv_cq *kvf_rdma_dev_cq(kvf_rdma_dev *d);     /* send completions */
 struct ibv_cq *kvf_rdma_dev_rcq(kvf_rdma_dev *d);    /* receive completions */
 struct ibv_srq *kvf_rdma_dev_srq(kvf_rdma_dev *d);
@@ -100,8 +100,13 @@ int kvf_rdma_async_event(struct ibv_context *ctx, int *type, uint32_t *qpn, int 
  * the kernel removes it first when the device is being removed. */
 const char *kvf_rdma_dev_path(struct ibv_context *ctx);
 
-/* An initiator channel toward one peer. `remote` is the peer's region table
- * (with its rkeys per device); QPs are added by the control path. */
+/* An initiator channel toward one peer (a kvf_channel: batches go through
+ * kvf_submit; kvf_submit_poll polls the CQs of the channel's devices on the
+ * calling thread until a small awaited batch finished or the budget passed,
+ * so that its completion needs no thread wake-up at all; completions found
+ * meanwhile are handled as the worker would). `remote` is the peer's
+ * region table (with its rkeys per device); QPs are added by the control
+ * path. */
 kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t slice_size,
                                  uint64_t token);
 /* Adds a connected (RTS) QP on local device `dev` toward the peer's device
@@ -122,20 +127,10 @@ int kvf_rdma_chan_qp_up(kvf_rdma_chan *ch, int index);
 /* Takes a live QP out of service (error state; what it carried goes to the
  * others), e.g. after its probe timed out. No BROKEN event follows. */
 int kvf_rdma_chan_break_qp(kvf_rdma_chan *ch, int index);
-int kvf_rdma_submit(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                    const uint64_t *len, size_t n, uint64_t *id_out, size_t *bad);
 /* One work request with explicit keys on QP `index` (KVF_OP_SEND for a
  * notification, KVF_OP_PROBE for a reachability read); a batch of one. */
 int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,
                       uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out);
-/* Posts a batch and then polls the CQs of the channel's devices on the
- * calling thread until the batch finished or `budget_ns` passed: for small
- * awaited batches, whose completion then needs no thread wake-up at all.
- * *finished says which; completions found meanwhile are handled as the
- * worker would (the caller drains the completion ring right after). */
-int kvf_rdma_submit_poll(kvf_rdma_chan *ch, int op, const uint64_t *la, const uint64_t *ra,
-                         const uint64_t *len, size_t n, uint64_t budget_ns, uint64_t *id_out,
-                         size_t *bad, int *finished);
 /* Per-QP counters: device, remote device, state, work requests and bytes
  * posted, and the verbs QP number (0 once destroyed: maps an async QP
  * event to its channel slot). */

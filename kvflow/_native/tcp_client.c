@@ -19,6 +19,7 @@
  * data. The event loop rebuilds a dead connection (kvf_tcp_channel_replace). */
 #define _GNU_SOURCE
 #include "kvf.h"
+#include "provider.h"
 #include "sockio.h"
 
 #include <errno.h>
@@ -27,12 +28,16 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+/* The slice's provider word: its in-flight tag on the connection (the ack names it). */
+#define S_TAG(s) ((s).word[0])
 
 #define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
 #define TCP_POP 64           /* slices per sendmsg */
@@ -84,7 +89,7 @@ typedef struct tcp_conn {
 } tcp_conn;
 
 struct kvf_tcp_channel {
-    kvf_ctx *ctx;
+    kvf_channel base;         /* ops, the context, the peer's regions (provider.h) */
     int n;
     tcp_conn *conns;
     uint64_t slice_size;
@@ -95,6 +100,7 @@ struct kvf_tcp_channel {
 };
 
 static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status);
+static const kvf_provider_ops tcp_ops;
 
 /* Some connection is up (computed, not cached: connections fail and are
  * rebuilt on different threads). */
@@ -108,7 +114,7 @@ static int any_alive(kvf_tcp_channel *ch) {
  * answered) moves to the live connections after a socket error, and fails
  * with `status` otherwise (protocol error, close) or when none is left. */
 static void conn_fail(tcp_conn *c, int status) {
-    kvf_ctx *ctx = c->ch->ctx;
+    kvf_ctx *ctx = c->ch->base.ctx;
     pthread_mutex_lock(&c->q.mu);
     if (c->dead) { pthread_mutex_unlock(&c->q.mu); return; }
     c->dead = 1;
@@ -141,7 +147,7 @@ static void conn_fail(tcp_conn *c, int status) {
 
 /* Hands slices of a failed connection to the least-loaded live ones. */
 static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status) {
-    kvf_ctx *ctx = ch->ctx;
+    kvf_ctx *ctx = ch->base.ctx;
     for (size_t i = 0; i < k; i++) {
         int placed = 0;
         if (s[i].attempts + 1 < MAX_ATTEMPTS) {
@@ -173,7 +179,7 @@ static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status) {
  * slices of cancelled batches go to `cancelled` instead. Caller holds q.mu
  * and owns c->sending. Returns the number of slices to send. */
 static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size_t *ncancel) {
-    kvf_ctx *ctx = c->ch->ctx;
+    kvf_ctx *ctx = c->ch->base.ctx;
     size_t max = c->nfree < TCP_POP ? c->nfree : TCP_POP;
     size_t k = 0;
     uint64_t bytes = 0;
@@ -183,7 +189,7 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
         kvf_queue_pop_locked(&c->q, &x, 1);
         if (kvf_batch_cancelled(ctx, x.slot)) { cancelled[(*ncancel)++] = x; continue; }
         uint32_t tag = c->free_tags[--c->nfree];
-        x.tag = tag;
+        S_TAG(x) = tag;
         c->inflight[tag] = x;
         c->state[tag] = 1;
         s[k++] = x;
@@ -208,7 +214,7 @@ static int frame_slices(const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *
     for (size_t i = 0; i < k; i++) {
         int w = (s[i].op & 0xff) == KVF_OP_WRITE;
         h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ,
-                         (s[i].op & KVF_OP_FLUSH) ? KVF_HDR_FLUSH : 0, s[i].tag,
+                         (s[i].op & KVF_OP_FLUSH) ? KVF_HDR_FLUSH : 0, S_TAG(s[i]),
                          s[i].remote, s[i].len, 0};
         iov[niov++] = (struct iovec){&h[i], sizeof(kvf_hdr)};
         if (w) iov[niov++] = (struct iovec){(void *)(uintptr_t)s[i].local, s[i].len};
@@ -334,7 +340,7 @@ static void *tcp_tx(void *arg) {
         size_t ncancel;
         size_t k = claim_locked(c, s, cancelled, &ncancel);
         pthread_mutex_unlock(&c->q.mu);
-        finish_cancelled(c->ch->ctx, cancelled, ncancel);
+        finish_cancelled(c->ch->base.ctx, cancelled, ncancel);
         int niov = frame_slices(s, k, h, iov);
         bad = send_frames(c, iov, niov);
         pthread_mutex_lock(&c->q.mu);
@@ -376,7 +382,7 @@ static void release_tag(tcp_conn *c, uint32_t tag) {
 
 static void *tcp_rx(void *arg) {
     tcp_conn *c = arg;
-    kvf_ctx *ctx = c->ch->ctx;
+    kvf_ctx *ctx = c->ch->base.ctx;
     sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0, 0, 1};
     int status = KVF_ELOST;
     if (!r.buf) { conn_fail(c, KVF_ENOMEM); return NULL; }
@@ -452,11 +458,11 @@ static void conn_close_pipe(tcp_conn *c) {
     if (c->pipe_r >= 0) { close(c->pipe_r); close(c->pipe_w); c->pipe_r = c->pipe_w = -1; }
 }
 
-kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, const int *fds, int nfds, int ack_fd,
-                                     uint64_t slice_size) {
+kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, const int *fds, int nfds,
+                                     int ack_fd, uint64_t slice_size) {
     kvf_tcp_channel *ch = calloc(1, sizeof(*ch));
     if (!ch) return NULL;
-    ch->ctx = ctx;
+    ch->base = (kvf_channel){&tcp_ops, ctx, remote};
     ch->ack_fd = ack_fd;
     if (ack_fd >= 0) {
         ch->ack_buf = malloc(ACK_BUF);
@@ -520,8 +526,8 @@ static int ack_one(kvf_tcp_channel *ch, const kvf_hdr *h) {
     if (t < 0) return 0;
     if (t == 0) return -1;
     int bad = (s.op & 0xff) != KVF_OP_WRITE;   /* an ack for a read's tag */
-    kvf_slice_done(ch->ctx, s.slot, bad ? KVF_EPROTO : h->status, s.entry);
-    atomic_fetch_sub(&ch->ctx->n_slices_inflight, 1);
+    kvf_slice_done(ch->base.ctx, s.slot, bad ? KVF_EPROTO : h->status, s.entry);
+    atomic_fetch_sub(&ch->base.ctx->n_slices_inflight, 1);
     return bad ? -1 : 0;
 }
 
@@ -545,19 +551,20 @@ int kvf_tcp_poll_acks(kvf_tcp_channel *ch) {
     }
 }
 
-int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
-                   const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                   size_t n, uint64_t *id_out, size_t *bad) {
-    kvf_ctx *ctx = ch->ctx;
-    *id_out = 0;
-    kvf_slice *s;
-    size_t k;
-    int rc = kvf_prepare(ctx, remote, op, la, ra, len, n, ch->slice_size, &s, &k, bad);
-    if (rc) return rc;
-    if (!any_alive(ch)) { free(s); *bad = 0; return KVF_ELOST; }
-    rc = kvf_batch_alloc(ctx, k, id_out);
-    if (rc) { free(s); return rc; }
-    uint32_t slot = (uint32_t)*id_out;
+static int tcp_alive(kvf_channel *ch) { return any_alive((kvf_tcp_channel *)ch); }
+
+static uint64_t tcp_slice_size(kvf_channel *ch, uint64_t total) {
+    (void)total;
+    return ((kvf_tcp_channel *)ch)->slice_size;
+}
+
+/* Spreads one batch's slices over the live connections (least queued
+ * bytes first) and sends small work on an idle connection right here. */
+static void tcp_enqueue(kvf_channel *base, kvf_slice *s, size_t k, int flags) {
+    (void)flags;
+    kvf_tcp_channel *ch = (kvf_tcp_channel *)base;
+    kvf_ctx *ctx = base->ctx;
+    uint32_t slot = s[0].slot;
     /* Least-queued-bytes placement. The loads are read without the locks: a
      * stale value only makes placement slightly less even. */
     uint64_t load[64];
@@ -566,7 +573,10 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
         load[i] = atomic_load(&ch->conns[i].dead) ? UINT64_MAX
                                                    : __atomic_load_n(&ch->conns[i].q.bytes, __ATOMIC_RELAXED);
     int *dest = malloc(k * sizeof(int));
-    if (!dest) { free(s); for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, slot, KVF_ENOMEM, 0); kvf_batch_release_guard(ctx, *id_out); return KVF_OK; }
+    if (!dest) {
+        for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, slot, KVF_ENOMEM, s[i].entry);
+        return;
+    }
     for (size_t i = 0; i < k; i++) {
         int best = 0;
         for (int j = 1; j < nc; j++) if (load[j] < load[best]) best = j;
@@ -645,9 +655,64 @@ int kvf_tcp_submit(kvf_tcp_channel *ch, kvf_region_table *remote, int op,
         }
     }
     free(dest);
-    free(s);
-    kvf_batch_release_guard(ctx, *id_out);
-    return KVF_OK;
+}
+
+/* The polled path (kvf_submit_poll), for a small batch its caller awaits
+ * at once on an idle channel with an ack connection: the caller (the event
+ * loop's thread) sent it inline (tcp_enqueue), and now waits on the ack
+ * socket itself and reads the acks (kvf_tcp_poll_acks), instead of going
+ * back to the loop and being woken by the same socket a round trip later.
+ * A batch finished here needs no Transfer, no future and no loop wake-up.
+ * Other batches the acks finish are pushed as the loop thread's; kvf_take
+ * wakes the loop for them. */
+static void tcp_poll_begin(kvf_channel *ch, kvf_poll_state *st) {
+    (void)ch;
+    st->n = 0;
+}
+
+static int tcp_poll(kvf_channel *base, kvf_poll_state *st, uint64_t id, uint64_t budget_ns) {
+    (void)st;
+    kvf_tcp_channel *ch = (kvf_tcp_channel *)base;
+    uint64_t deadline = sk_now_ns() + budget_ns;
+    for (;;) {
+        if (kvf_batch_finished(base->ctx, id)) return 1;
+        uint64_t now = sk_now_ns();
+        if (ch->ack_fd < 0 || now >= deadline) return 0;
+        struct pollfd p = {ch->ack_fd, POLLIN, 0};
+        uint64_t left = deadline - now;
+        struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
+        int r = ppoll(&p, 1, &ts, NULL);
+        if (r < 0 && errno != EINTR) return kvf_batch_finished(base->ctx, id);
+        if (r > 0 && kvf_tcp_poll_acks(ch) < 0) return kvf_batch_finished(base->ctx, id);
+    }
+}
+
+static void tcp_poll_end(kvf_channel *ch, kvf_poll_state *st) {
+    (void)ch;
+    (void)st;
+}
+
+static const kvf_provider_ops tcp_ops = {
+    .name = "tcp",
+    .alive = tcp_alive,
+    .slice_size = tcp_slice_size,
+    .enqueue = tcp_enqueue,
+    .poll_begin = tcp_poll_begin,
+    .poll = tcp_poll,
+    .poll_end = tcp_poll_end,
+};
+
+int kvf_tcp_channel_idle(kvf_tcp_channel *ch) {
+    /* Read without the locks: a stale value only makes the caller poll
+     * when it should not have (bounded by its budget), or not poll. */
+    for (int i = 0; i < ch->n; i++) {
+        tcp_conn *c = &ch->conns[i];
+        if (atomic_load(&c->dead)) continue;
+        if (__atomic_load_n(&c->q.count, __ATOMIC_RELAXED) || __atomic_load_n(&c->nfree, __ATOMIC_RELAXED) != TCP_WINDOW ||
+            __atomic_load_n(&c->sending, __ATOMIC_RELAXED))
+            return 0;
+    }
+    return ch->ack_fd >= 0 && any_alive(ch);
 }
 
 int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id) {
@@ -678,9 +743,9 @@ int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id) {
 
 /* Joins a dead connection's threads and closes its socket. */
 static void conn_reap(kvf_tcp_channel *ch, tcp_conn *c) {
-    if (c->tx_started) { pthread_join(c->tx, NULL); c->tx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
-    if (c->rx_started) { pthread_join(c->rx, NULL); c->rx_started = 0; atomic_fetch_sub(&ch->ctx->n_threads, 1); }
-    if (c->fd >= 0) { close(c->fd); c->fd = -1; atomic_fetch_sub(&ch->ctx->n_sockets, 1); }
+    if (c->tx_started) { pthread_join(c->tx, NULL); c->tx_started = 0; atomic_fetch_sub(&ch->base.ctx->n_threads, 1); }
+    if (c->rx_started) { pthread_join(c->rx, NULL); c->rx_started = 0; atomic_fetch_sub(&ch->base.ctx->n_threads, 1); }
+    if (c->fd >= 0) { close(c->fd); c->fd = -1; atomic_fetch_sub(&ch->base.ctx->n_sockets, 1); }
 }
 
 int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i) {
@@ -719,13 +784,13 @@ int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     c->sending = 0;
     c->fd = fd;
     sk_nodelay(fd);
-    atomic_fetch_add(&ch->ctx->n_sockets, 1);
+    atomic_fetch_add(&ch->base.ctx->n_sockets, 1);
     atomic_fetch_add(&c->epoch, 1);    /* the caller's hello carried the new epoch */
     c->dead = 0;
     pthread_mutex_unlock(&c->q.mu);
     c->tx_started = pthread_create(&c->tx, NULL, tcp_tx, c) == 0;
     c->rx_started = pthread_create(&c->rx, NULL, tcp_rx, c) == 0;
-    atomic_fetch_add(&ch->ctx->n_threads, c->tx_started + c->rx_started);
+    atomic_fetch_add(&ch->base.ctx->n_threads, c->tx_started + c->rx_started);
     if (!c->tx_started || !c->rx_started) { conn_fail(c, KVF_ENOMEM); return KVF_ENOMEM; }
     return KVF_OK;
 }
@@ -737,7 +802,7 @@ void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
     if (ch->ack_fd >= 0) {
         close(ch->ack_fd);
         ch->ack_fd = -1;
-        atomic_fetch_sub(&ch->ctx->n_sockets, 1);
+        atomic_fetch_sub(&ch->base.ctx->n_sockets, 1);
     }
     for (int i = 0; i < ch->n; i++) {
         tcp_conn *c = &ch->conns[i];
