@@ -316,7 +316,8 @@ async def _serve(core: TargetCore) -> None:
         req = json.loads(line)
         op = req["op"]
         if op == "exit":
-            _send({"id": req["id"], "ok": True, "result": None})
+            await core.close()       # its counters once closed: the parent checks they are all zero
+            _send({"id": req["id"], "ok": True, "result": core.counters()})
             return
         try:
             res = ops[op](**req.get("args", {}))

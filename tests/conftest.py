@@ -22,16 +22,12 @@ are child processes (``tests/_target.py``), nothing is mocked.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import dataclasses
 import faulthandler
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 import pytest
@@ -41,6 +37,8 @@ if TESTS_DIR not in sys.path:  # so that ``import _target`` works under any impo
     sys.path.insert(0, TESTS_DIR)
 
 from _batches import TIME_SCALE, Pair, bounded  # noqa: E402
+from _providers import (PROVIDERS, Provider, closed_leaks, param, rdma_devices,  # noqa: E402,F401
+                        skip_unavailable, xproc_vm_probe)
 from _target import MARK, GuardedBuffer, TargetCore  # noqa: E402
 
 TARGET_SCRIPT = os.path.join(TESTS_DIR, "_target.py")
@@ -101,79 +99,9 @@ async def loop_exception_guard():
 # ---------------------------------------------------------------- providers
 
 
-@dataclasses.dataclass(frozen=True)
-class Provider:
-    name: str
-    protocol: str  # what the engines are restricted to, and what peer.transport must say
-    xproc: bool  # target Engine in a child process
-
-    @property
-    def protocols(self) -> tuple[str, ...]:
-        return (self.protocol,)
-
-
-PROVIDERS = {
-    "tcp": Provider("tcp", "tcp", False),
-    "local": Provider("local", "local", False),
-    "local-xproc": Provider("local-xproc", "local", True),
-    "tcp-xproc": Provider("tcp-xproc", "tcp", True),
-    "rdma": Provider("rdma", "rdma", False),
-    "rdma-xproc": Provider("rdma-xproc", "rdma", True),
-}
-
-
-def _param(name: str):
-    return pytest.param(name, id=name, marks=[pytest.mark.rdma] if PROVIDERS[name].protocol == "rdma" else [])
-
-
-@lru_cache(maxsize=None)
-def rdma_devices() -> list[str]:
-    from kvflow.providers.rdma import provider as rdma
-
-    return rdma.device_names()
-
-
-def _skip_unavailable(p: Provider) -> None:
-    import kvflow
-
-    if not kvflow.features.get(p.protocol, False):
-        pytest.skip(f"kvflow built without the {p.protocol!r} provider")
-    if p.protocol == "rdma" and not rdma_devices():
-        pytest.skip("no RDMA device on this host (the rdma suite runs in the Soft-RoCE VM: "
-                    "tests/test_rdma_vm.py, or python3 tools/rdma_vm.py -- python3 -m pytest -m rdma)")
-    if p.xproc and p.protocol == "local":
-        ok, why = xproc_vm_probe()
-        if not ok:
-            pytest.skip(why)
-
-
-@lru_cache(maxsize=None)
-def xproc_vm_probe() -> tuple[bool, str]:
-    """Can this process process_vm_readv from a child? (seccomp, Yama, containers)."""
-    code = (
-        "import ctypes,sys\n"
-        "b=ctypes.create_string_buffer(b'kvflow-probe',16)\n"
-        "print(ctypes.addressof(b),flush=True)\n"
-        "sys.stdin.read()\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        addr = int(proc.stdout.readline())
-
-        class iovec(ctypes.Structure):
-            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        dst = ctypes.create_string_buffer(16)
-        local = iovec(ctypes.addressof(dst), 12)
-        remote = iovec(addr, 12)
-        n = libc.process_vm_readv(proc.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if n != 12 or dst.raw[:12] != b"kvflow-probe":
-            return False, f"process_vm_readv from a child failed: errno {ctypes.get_errno()}"
-        return True, ""
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=10)
+# The variants (tests/_providers.py: the one list every suite uses).
+_param = param
+_skip_unavailable = skip_unavailable
 
 
 @pytest.fixture(params=[_param(n) for n in PROVIDERS if n != "rdma-xproc"])
@@ -305,8 +233,10 @@ class InprocTarget(Target):
             raise TargetError(f"{type(e).__name__}: {e}") from e
         return json.loads(json.dumps(res))  # same shapes as across the pipe
 
-    async def close(self) -> None:
+    async def close(self) -> dict:
+        """Closes the target; its engine's counters once closed."""
         await self.core.close()
+        return self.core.counters()
 
     def kill(self) -> None:
         raise RuntimeError("an in-process target cannot be killed")
@@ -394,10 +324,13 @@ class XprocTarget(Target):
             self.proc.kill()
             await asyncio.wait_for(self.proc.wait(), 10)
 
-    async def close(self) -> None:
+    async def close(self) -> dict:
+        """Closes the child's engine and ends it; the engine's counters once
+        closed ({} when the child was killed or did not answer)."""
+        final: dict = {}
         if self.proc.returncode is None and not self.killed:
             try:
-                await self._op("exit")
+                final = await self._op("exit") or {}
             except Exception:
                 self.proc.kill()
             try:
@@ -405,6 +338,7 @@ class XprocTarget(Target):
             except Exception:
                 pass
         await self._reap(force=self.killed)
+        return final
 
 
 # Counters (Engine.counters(), where the engine has it) that must drop to zero
@@ -475,7 +409,10 @@ async def make_target(request):
                 problems.append(f"target {t.address}: native resources did not return to baseline "
                                 f"after every initiator closed: {leak}")
         finally:
-            await bounded(t.close())
+            final = await bounded(t.close())
+        leak = closed_leaks(final or {})
+        if leak:
+            problems.append(f"target {t.address}: native resources left after close: {leak}")
     if problems:
         pytest.fail("\n".join(problems))
 
@@ -516,6 +453,9 @@ async def make_engine(request, make_target):
                     problems.append(f"engine {eng.address}: still in flight at teardown: {leak}")
         finally:
             await bounded(eng.close())
+        leak = closed_leaks(eng.counters())
+        if leak:
+            problems.append(f"engine {eng.address}: native resources left after close: {leak}")
     if problems:
         pytest.fail("\n".join(problems))
 

@@ -373,7 +373,7 @@ async def test_auto_protocol_same_process(make_engine, make_target):
 
 
 async def test_auto_protocol_other_process(make_engine, make_target):
-    from conftest import xproc_vm_probe
+    from _providers import xproc_vm_probe
 
     eng = await make_engine(protocols="auto")
     target = await make_target(protocols="auto", xproc=True)

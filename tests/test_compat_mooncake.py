@@ -23,6 +23,7 @@ import pytest
 
 import kvflow
 from kvflow.compat import mooncake as compat
+from _providers import closed_leaks
 
 MiB = 1 << 20
 GUARD = 0x5A        # fill of the bytes around a target's registered range
@@ -70,6 +71,9 @@ def make():
             eng.close()
             errors = getattr(thread, "loop_errors", [])
             assert not errors, f"the engine loop's exception handler fired: {errors}"
+            if thread is not None and thread.engine is not None:
+                left = closed_leaks(thread.engine.counters())
+                assert not left, f"native resources left after close: {left}"
     made.clear()
 
 

@@ -22,13 +22,14 @@ from kvflow.connector import (BootstrapServer, DisaggregationMode, KVArgs, KVMan
                               KVReceiver, KVSender, KVTransferError)
 from kvflow.connector import layout, messages  # noqa: E402
 from _batches import TIME_SCALE  # noqa: E402
+from _providers import PROTOCOLS as _PROTOCOLS, closed_leaks, params, skip_unavailable  # noqa: E402
 
 LAYERS = 4
 PAGES = 64
 ITEM = 2048          # bytes of one page of one buffer
 AUX_ITEM = 64
 AUX_SLOTS = 8
-PROTOCOLS = ["local", "tcp", pytest.param("rdma", marks=pytest.mark.rdma)]
+PROTOCOLS = params(*_PROTOCOLS)
 HERE = os.path.dirname(os.path.abspath(__file__))
 T = 10 * TIME_SCALE      # seconds a step may take (stretched under the VM's emulation)
 
@@ -96,13 +97,11 @@ def managers():
     for m in made:
         m.close()
         assert m._thread.loop_errors == [], m._thread.loop_errors
+        assert not closed_leaks(m.engine.counters()), m.engine.counters()
 
 
 def pair(bootstrap, managers, protocol, *, mla=False, **kw):
-    if protocol == "rdma":
-        from conftest import rdma_devices
-        if not rdma_devices():
-            pytest.skip("no RDMA device on this host (runs in the Soft-RoCE VM: tests/test_rdma_vm.py)")
+    skip_unavailable(protocol)
     src, dst = Pool(mla, seed=1), Pool(mla)
     p = managers(src, DisaggregationMode.PREFILL, is_mla_backend=mla, bootstrap_addr=bootstrap.address,
                  protocols=(protocol,), **kw)

@@ -166,11 +166,11 @@ class Rig:
         while True:
             c = self.eng.counters()
             if (c["sockets"] == self.baseline["sockets"] and c["threads"] == self.baseline["threads"]
-                    and not self.eng._session_tasks):
+                    and not self.eng._server._tasks):
                 return
             if loop.time() > deadline:
                 pytest.fail(f"the server kept connections: counters {c} (baseline {self.baseline}), "
-                            f"{len(self.eng._session_tasks)} control sessions")
+                            f"{len(self.eng._server._tasks)} control sessions")
             await asyncio.sleep(0.002)
 
     def check_memory(self) -> None:
@@ -713,8 +713,8 @@ def _qp_entry() -> st.SearchStrategy:
                                    junk),
               "rid": junk}))
 def test_rdma_accept_rejects_malformed(msg):
-    """An authenticated peer's rdma_connect reaches RdmaProvider.accept
-    (kvflow/rdma.py) on an engine with rdma devices. Its checks run before
+    """An authenticated peer's rdma_connect reaches RdmaProvider.on_control
+    (kvflow/providers/rdma/provider.py) on an engine with rdma devices. Its checks run before
     any device is touched; with no device every QP entry is out of range,
     so the only outcome is ProtocolError (never TypeError and the like,
     which would escape the control session into the loop)."""
@@ -723,7 +723,7 @@ def test_rdma_accept_rejects_malformed(msg):
     provider = RdmaProvider.__new__(RdmaProvider)      # the checks only, no devices
     provider.devices, provider._session_qps, provider._targets = [], {}, {}
     with pytest.raises(ProtocolError):
-        provider.accept("fuzz:1", object(), wire(msg))
+        provider.on_control("fuzz:1", object(), wire(msg))
 
 
 # ---------------------------------------------------------------- control server, live
@@ -872,17 +872,17 @@ async def test_tiny_client_keepalive_does_not_spin(monkeypatch):
     under the 0.05 s that Engine(keepalive=) allows made an idle session
     wake the loop continuously (about 1,500 reads in 0.5 s). It must be
     ignored: an authenticated client cannot make an idle server busy."""
-    import kvflow.engine.engine
+    import kvflow.control.server
 
     reads = 0
-    real = kvflow.engine.engine.read_message
+    real = kvflow.control.server.read_message
 
     async def counting(*args: Any, **kw: Any) -> dict[str, Any]:
         nonlocal reads
         reads += 1
         return await real(*args, **kw)
 
-    monkeypatch.setattr(kvflow.engine.engine, "read_message", counting)
+    monkeypatch.setattr(kvflow.control.server, "read_message", counting)
     async with kvflow.Engine("127.0.0.1:0", protocols=("tcp",), keepalive=0) as eng:
         host, port = eng.address.rsplit(":", 1)
         reader, writer = await bounded(asyncio.open_connection(host, int(port)))

@@ -23,6 +23,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from _batches import TIME_SCALE  # noqa: E402
+from _providers import PROTOCOLS, params, skip_unavailable  # noqa: E402
 from examples.pd import serve  # noqa: E402
 from examples.pd.model import KVPool, Model  # noqa: E402
 
@@ -43,12 +44,10 @@ def reference(args: argparse.Namespace, prompt: list[int]) -> list[int]:
     return Model(cfg, seed=args.seed).generate(prompt, args.max_new_tokens, pool, pages)
 
 
-@pytest.mark.parametrize("protocol", ["local", "tcp", pytest.param("rdma", marks=pytest.mark.rdma)])
+@pytest.mark.parametrize("protocol", params(*PROTOCOLS))
 async def test_disaggregated_generation_matches_single_process(protocol):
+    skip_unavailable(protocol)
     if protocol == "rdma":
-        from conftest import rdma_devices
-        if not rdma_devices():
-            pytest.skip("no RDMA device on this host (runs in the Soft-RoCE VM: tests/test_rdma_vm.py)")
         # smaller under the VM's emulation: torch alone takes minutes there
         args = options(protocol, requests=2, prompt_tokens=100)
     else:

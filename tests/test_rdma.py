@@ -658,12 +658,24 @@ async def test_a_device_retired_during_connect_or_repair_leaves_no_qp():
     try:
         real = a._rdma.connect
 
-        async def racing_connect(peer, remote, request):
-            async def request_then_retire(msg):
-                reply = await request(msg)
-                retire_both(a, b, 1)
+        class RetireAfterReply:
+            """The peer's link, whose first request's reply comes after both ends retired rxe1."""
+
+            def __init__(self, link):
+                self._link, self.address, self._done = link, link.address, False
+
+            def __getattr__(self, name):
+                return getattr(self._link, name)
+
+            async def request(self, msg, timeout=10.0):
+                reply = await self._link.request(msg, timeout)
+                if not self._done:
+                    self._done = True
+                    retire_both(a, b, 1)
                 return reply
-            return await real(peer, remote, request_then_retire)
+
+        async def racing_connect(link, remote, token):
+            return await real(RetireAfterReply(link), remote, token)
 
         a._rdma.connect = racing_connect
         with pytest.raises(kvflow.ProviderUnavailableError, match="went away while connecting"):
@@ -677,15 +689,15 @@ async def test_a_device_retired_during_connect_or_repair_leaves_no_qp():
         # a repair whose reply never comes, then the engine closes
         nqps = a.counters()["qps"]
         stall = asyncio.Event()
-        real_request = peer._request
+        real_request = peer._session.request
 
         async def stalled(msg, *args, **kw):
             await stall.wait()
             return await real_request(msg, *args, **kw)
 
-        peer._request = stalled
+        peer._session.request = stalled
         assert peer._channel.break_qp(0)
-        a._rdma._start_repair(peer, peer._channel, 0)
+        a._rdma._start_repair(peer.link, peer._channel, 0)
         await until(lambda: a.counters()["qps"] == nqps + 1, "the repair made its QP")
         closed = True
         await close_released(a, b)
@@ -847,7 +859,7 @@ async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
         # a repair: QP 0 out of service, then reconnected (a new QP pair on
         # both ends in place of the old one)
         assert peer._channel.break_qp(0)
-        await bounded(a._rdma._repair(peer, peer._channel, 0), 60)
+        await bounded(a._rdma._repair(peer.link, peer._channel, 0), 60)
         assert peer._channel.stats()[0]["state"] == 1
         assert a.counters()["qps"] == nqps and b.counters()["qps"] == nqps, (a.counters(), b.counters())
         src[:] = np.roll(src, 3)

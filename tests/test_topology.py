@@ -27,7 +27,8 @@ from kvflow.errors import (
 )
 from kvflow.control.descriptor import Descriptor
 from kvflow.cli.info import Level, PeerReport, check_rdma, route_to
-from kvflow.providers.tcp import bind_source
+from kvflow.providers.tcp import bind_source, control_addresses
+from kvflow.schedule.rails import RailPlan
 from kvflow.topology import (
     TOPOLOGY_ENV,
     Gid,
@@ -468,36 +469,37 @@ def _descriptor(data: list[tuple[str, int]], rail_nics: list[str] | None) -> Des
 
 
 def test_rail_plan_binds_each_group_to_its_rail():
-    """Engine._rail_plan on a topology made for the test (two PCI rails on
-    198.18.0/24 and 198.18.1/24): which local rail each group of data
-    connections is bound to."""
+    """The tcp provider's RailPlan on a topology made for the test (two PCI
+    rails on 198.18.0/24 and 198.18.1/24): which local rail each group of
+    data connections is bound to."""
     t = Topology(nics=[Nic("lo", NETDEV, loopback=True, addresses=("127.0.0.1/8",)),
                        Nic("rail0", NETDEV, pci="pci0000:00/0000:00:02.0", addresses=("198.18.0.1/24",)),
                        Nic("rail1", NETDEV, pci="pci0000:00/0000:00:03.0", addresses=("198.18.1.1/24",))])
     eng = kvflow.Engine(protocols=("tcp",), rails=iter(["198.18.0.1", "198.18.1.1"]))    # any iterable, once
-    eng._use_topology(t)
-    assert eng._rail_nics == ["rail0", "rail1"] and eng._rail_ifaces == ["198.18.0.1/24", "198.18.1.1/24"]
+    plan = RailPlan(eng._tcp_options.rails)
+    plan.use_topology(t)
+    assert plan.nics == ["rail0", "rail1"] and plan.ifaces == ["198.18.0.1/24", "198.18.1.1/24"]
     # the peer lists its rails the other way round: each still bound on its subnet
     peer = _descriptor([("198.18.1.2", 7001), ("198.18.0.2", 7000)], ["p1", "p0"])
-    assert eng._rail_plan(peer) == [("198.18.1.1", "198.18.1.2", 7001), ("198.18.0.1", "198.18.0.2", 7000)]
+    assert plan.plan(peer) == [("198.18.1.1", "198.18.1.2", 7001), ("198.18.0.1", "198.18.0.2", 7000)]
     # one peer rail: one group, not two on the same endpoint
-    assert eng._rail_plan(_descriptor([("198.18.0.2", 7000)], ["p0"])) == [("198.18.0.1", "198.18.0.2", 7000)]
+    assert plan.plan(_descriptor([("198.18.0.2", 7000)], ["p0"])) == [("198.18.0.1", "198.18.0.2", 7000)]
     # a peer on this host (its endpoint an address of ours): the kernel's choice
-    assert eng._rail_plan(_descriptor([("198.18.1.1", 7002)], ["rail1"])) == [(None, "198.18.1.1", 7002)]
+    assert plan.plan(_descriptor([("198.18.1.1", 7002)], ["rail1"])) == [(None, "198.18.1.1", 7002)]
     # a peer without rails, or one on a routed subnet whose route leaves by
     # neither rail's netdev (this machine's real route: not rail0 or rail1)
-    assert eng._rail_plan(_descriptor([("198.18.9.2", 7000)], None)) == [(None, "198.18.9.2", 7000)]
-    assert eng._rail_plan(_descriptor([("203.0.113.7", 7000)], ["p0"])) == [(None, "203.0.113.7", 7000)]
+    assert plan.plan(_descriptor([("198.18.9.2", 7000)], None)) == [(None, "198.18.9.2", 7000)]
+    assert plan.plan(_descriptor([("203.0.113.7", 7000)], ["p0"])) == [(None, "203.0.113.7", 7000)]
 
 
 async def test_auto_rails_leave_the_control_links_out():
-    eng = kvflow.Engine(protocols=("tcp",), advertise="127.0.0.2")
-    assert set(await eng._control_addresses("localhost")) >= {"127.0.0.1", "127.0.0.2"}
-    assert await eng._control_addresses("127.0.0.3") == ["127.0.0.3", "127.0.0.2"]
+    assert set(await control_addresses("localhost", "127.0.0.2")) >= {"127.0.0.1", "127.0.0.2"}
+    assert await control_addresses("127.0.0.3", "127.0.0.2") == ["127.0.0.3", "127.0.0.2"]
     # a wildcard listen: only what is advertised
-    assert await eng._control_addresses("0.0.0.0") == ["127.0.0.2"]
-    assert await kvflow.Engine(protocols=("tcp",))._control_addresses("0.0.0.0") == []
-    assert await kvflow.Engine(protocols=("tcp",), rails=iter(["auto"]))._control_addresses("::") == []
+    assert await control_addresses("0.0.0.0", "127.0.0.2") == ["127.0.0.2"]
+    assert await control_addresses("0.0.0.0", None) == []
+    assert await control_addresses("::", None) == []
+    assert kvflow.Engine(protocols=("tcp",), rails=iter(["auto"]))._tcp_options.auto    # any iterable, once
 
 
 def test_bind_source_reserves_no_port():

@@ -21,7 +21,6 @@ import errno as errno_mod
 import ipaddress
 import json
 import logging
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -498,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         protocols = None if args.protocol == "auto" else (args.protocol,)
         peer = asyncio.run(check_peer(args.peer, topology=topology, protocols=protocols,
-                                      secret=args.secret or os.environ.get(SECRET_ENV) or None,
+                                      secret=args.secret or None,     # None: $KVFLOW_SECRET
                                       timeout=args.timeout, location=args.location))
     except InvalidArgumentError as e:          # TopologyError too
         print(f"kvflow-info: error: {e}", file=sys.stderr)

@@ -77,7 +77,7 @@ class BootstrapServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]   # port 0 → the bound one
+        self.port = int(self._runner.addresses[0][1])   # port 0 → the bound one
         self.address = f"{self.host}:{self.port}"
 
     async def close(self) -> None:

@@ -1,104 +1,49 @@
-"""Engine: this process's end of kvflow. It owns the native core, the
-handshake server (peer-to-peer metadata: each engine serves its own
-descriptor), the tcp data listener, registered memory, peers and
-notifications."""
+"""Engine: this process's end of kvflow, composed of its parts: the native
+core, the control server (peer-to-peer metadata: each engine serves its own
+descriptor), the providers (local, rdma, tcp), registered memory, peers,
+the batch table and notifications. It decides nothing a part can decide:
+it walks its providers in preference order and asks them."""
 from __future__ import annotations
 
 import asyncio
-import errno as errno_mod
-import ipaddress
 import logging
 import os
 import socket
 import weakref
 from dataclasses import replace
-from typing import Any, AsyncIterator, Awaitable, Sequence
-
-import numpy as np
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from kvflow import _core
-from kvflow.errors import (
-    AuthenticationError,
-    InvalidArgumentError,
-    KVFlowError,
-    PeerLostError,
-    PeerUnreachableError,
-    ProtocolError,
-    ProviderUnavailableError,
-)
-from kvflow.control.wire import DATA_ROLE_ACK, DATA_ROLE_DATA, clip, encode, field, read_message
-from kvflow.control.auth import NONCE_BYTES, check_proof, proof
+from kvflow.config import env_float, env_list, env_str
+from kvflow.control.client import dial
 from kvflow.control.descriptor import Descriptor, regions_to_wire
+from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
+from kvflow.control.wire import encode
+from kvflow.engine.peer import Peer
+from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
+from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
+    ProviderUnavailableError
 from kvflow.memory import LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
-from kvflow.engine.peer import Peer
-from kvflow.schedule.rails import DataConn, RailWatcher
-from kvflow.providers.tcp import open_data_socket, tune_data_socket
-from kvflow.topology import (
-    Topology,
-    cached_host_topology,
-    pair_tcp_rails,
-    parse_location,
-    rail_order,
-    route_to,
-)
-from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
-from kvflow.providers.rdma import provider as rdma_provider
+from kvflow.providers.base import Provider, ProviderContext
+from kvflow.providers.local import LocalProvider
+from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
+from kvflow.providers.tcp import TcpOptions, TcpProvider
+from kvflow.topology import Topology, cached_host_topology, parse_location
 
 __all__ = ["Engine", "PROVIDERS"]
 
 log = logging.getLogger("kvflow")
 
-# In the order protocols=None tries them: same host first (memcpy or
-# cross-memory attach beat any NIC loopback), then rdma, then tcp.
-PROVIDERS = ("local", "rdma", "tcp")
-HANDSHAKE_TIMEOUT = 10.0
-MIN_KEEPALIVE, MAX_KEEPALIVE = 0.05, 3600.0
-PRE_AUTH_FRAME = 64 << 10          # hello and auth frames are small
-SESSION_BUFFER_LIMIT = 64 << 20    # unread control data after which a session is dropped
+# The providers, in the order protocols=None tries them: same host first
+# (memcpy or cross-memory attach beat any NIC loopback), then rdma, then tcp.
+_PROVIDER_CLASSES: tuple[type[Provider], ...] = (LocalProvider, RdmaProvider, TcpProvider)
+PROVIDERS = tuple(c.name for c in _PROVIDER_CLASSES)
+# every reply type a provider's request() may get back
+_REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES))
 
-
-def _host_identity() -> str:
-    """Same string on two engines iff they share a kernel and a pid namespace
-    (so that a pid names the same process for process_vm_writev)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = socket.gethostname()
-    try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        ns = 0
-    return f"{boot}/{ns}"
-
-
-class _ProcessIdentity:
-    """Per-process token and a probe cookie in this process's memory: a peer
-    on the same host proves it may use process_vm_readv on us by reading the
-    cookie back."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.token = os.urandom(16)
-        self.cookie = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
-        self.host = _host_identity()
-
-    @property
-    def probe_addr(self) -> int:
-        return int(self.cookie.__array_interface__["data"][0])
-
-
-_identity: _ProcessIdentity | None = None
 # This process's running engines by address (for the same-process check).
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
-
-
-def _process_identity() -> _ProcessIdentity:
-    global _identity
-    if _identity is None or _identity.pid != os.getpid():   # new after fork
-        _identity = _ProcessIdentity()
-    return _identity
 
 
 def _retrieve(task: "asyncio.Task[Any]") -> None:
@@ -121,20 +66,12 @@ def _is_address(text: str) -> bool:
     return True
 
 
-def _check_rails(rails: Sequence[str] | None) -> list[str]:
-    if rails is None:
-        return []
-    if isinstance(rails, str):
-        raise InvalidArgumentError(f"rails: a list of addresses, or 'auto' (got {rails!r})")
-    out = []
-    for r in rails:
-        try:
-            out.append(str(ipaddress.ip_address(r)))
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"rail {r!r} is not an IP address of this host") from None
-    if not 1 <= len(out) <= 64 or len(set(out)) != len(out):
-        raise InvalidArgumentError("rails: 1..64 distinct addresses")
-    return out
+def _same_process(address: str, desc: Descriptor) -> bool:
+    """True only if `address` is an engine of this very process: decided
+    from our own registry, never from what the descriptor claims (a peer
+    could replay another engine's identity)."""
+    other = _live_engines.get(address)
+    return other is not None and not other._closed and other._incarnation == desc.incarnation
 
 
 class Engine:
@@ -205,13 +142,12 @@ class Engine:
             if unknown or not protocols:
                 raise InvalidArgumentError(
                     f"unknown protocol(s) {unknown or protocols!r}; available: {', '.join(PROVIDERS)}")
-        if not 1 <= tcp_connections <= 64 or slice_size < 4096:
-            raise InvalidArgumentError("tcp_connections must be 1..64 and slice_size >= 4096")
+        if rails is None:
+            rails = env_list("KVFLOW_TCP_RAILS")
+        self._tcp_options = TcpOptions(tcp_connections, rails, slice_size)
         if keepalive is None:
-            try:
-                keepalive = float(os.environ.get("KVFLOW_KEEPALIVE", "5"))
-            except ValueError:
-                raise InvalidArgumentError("KVFLOW_KEEPALIVE must be a number of seconds") from None
+            keepalive = env_float("KVFLOW_KEEPALIVE")
+            keepalive = 5.0 if keepalive is None else keepalive
         if not (keepalive == 0 or MIN_KEEPALIVE <= keepalive <= MAX_KEEPALIVE):
             raise InvalidArgumentError(f"keepalive must be 0 (off) or {MIN_KEEPALIVE:g}..{MAX_KEEPALIVE:g} seconds")
         self.keepalive = float(keepalive)
@@ -228,44 +164,30 @@ class Engine:
         self._metadata: MetadataClient | None = None
         self._listen = listen
         self.protocols = protocols
+        if secret is None:
+            secret = env_str("KVFLOW_SECRET")
         self._secret = secret.encode() if isinstance(secret, str) else secret
-        self._tcp_connections = tcp_connections
-        if rails is None and os.environ.get("KVFLOW_TCP_RAILS"):
-            rails = [r.strip() for r in os.environ["KVFLOW_TCP_RAILS"].split(",") if r.strip()]
-        if rails is not None and not isinstance(rails, str):
-            rails = list(rails)             # once: a generator would be spent by the "auto" test
-        # "auto" is resolved at start(), from the topology
-        self._auto_rails = rails == "auto" or rails == ["auto"]
-        self._rails = [] if self._auto_rails else _check_rails(rails)
-        self._rail_nics: list[str] = []      # per rail: its netdev ("" unknown) and "ip/prefixlen"
-        self._rail_ifaces: list[str] = []
-        self.location = location or os.environ.get("KVFLOW_LOCATION") or "cpu"
+        self.location = location or env_str("KVFLOW_LOCATION") or "cpu"
         parse_location(self.location)
         self.topology: Topology | None = None
         self._local_workers = local_workers
-        self._slice_size = slice_size
         self._inline_limit = inline_limit
         self._advertise = advertise
-        self._rdma_options = {"devices": list(rdma_devices) if rdma_devices is not None else None,
-                              "gid_index": rdma_gid_index, "qps_per_pair": rdma_qps,
-                              "slice_size": rdma_slice_size,
-                              "ack_timeout": (None if rdma_ack_timeout is None
-                                              else rdma_provider.check_ack_timeout(rdma_ack_timeout))}
-        self._rdma: Any = None
-        self._rdma_reason = "not started"
+        self._rdma_options = RdmaOptions(list(rdma_devices) if rdma_devices is not None else None,
+                                         rdma_gid_index, rdma_qps, rdma_slice_size, rdma_ack_timeout)
+        self._local: LocalProvider | None = None
+        self._tcp: TcpProvider | None = None
+        self._rdma: RdmaProvider | None = None
+        self._providers: dict[str, Provider] = {}      # running, by name, in preference order
+        self._unavailable: dict[str, str] = {}         # name -> why it does not run here
         self._core: Any = None
+        self._batches: BatchTable | None = None
         self._completion_fd = -1
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-        self._server: asyncio.base_events.Server | None = None
-        self._data_socks: list[socket.socket] = []
-        self._data_endpoints: list[tuple[str, int]] = []
-        self._accept_tasks: list[asyncio.Task[None]] = []
+        self._server: ControlServer | None = None
         self._regions: dict[int, Region] = {}
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
-        self._sessions: set[asyncio.StreamWriter] = set()
-        self._session_tasks: set[asyncio.Task[None]] = set()
-        self._batches: BatchTable | None = None
         self._notifications: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         self._generation = 0
         self._incarnation = int.from_bytes(os.urandom(8), "little") >> 1
@@ -283,36 +205,38 @@ class Engine:
         await self.close()
 
     async def start(self) -> None:
-        """Starts the native core, the handshake server and the data listener."""
+        """Starts the native core, the control server, the providers (the
+        tcp data listeners, the rdma devices) and the metadata client."""
         if self._started:
             return
         self._loop = asyncio.get_running_loop()
         host, port = _split_address(self._listen)
-        self.topology = cached_host_topology(fresh_addresses=self._auto_rails)
-        if self._auto_rails:
-            self._rails = self._topology_rails(await self._control_addresses(host))
-        self._use_topology(self.topology)
+        auto = self._tcp_options.auto
+        self.topology = cached_host_topology(fresh_addresses=auto)
         self._core = _core.Core(self._local_workers)
-        self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._rdma_device_names)
+        self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)
+        ctx = ProviderContext(self._core, self._loop, self._batches, self._deliver, self._rekeyed,
+                              self.topology, self.location, self.keepalive, _same_process)
+        self._local = LocalProvider(ctx, inline_limit=self._inline_limit)
+        self._tcp = TcpProvider(ctx, self._tcp_options, host=host, advertise=self._advertise)
+        self._providers = {self._local.name: self._local, self._tcp.name: self._tcp}
+        self._server = ControlServer(secret=self._secret, describe=self.descriptor, add_token=self._core.add_token,
+                                     remove_token=self._remove_token, deliver=self._deliver, handlers={},
+                                     drop_session=self._drop_session)
         try:
-            self._server = await asyncio.start_server(self._serve_control, host, port)
-            bound = self._server.sockets[0].getsockname()
+            bound = await self._server.start(host, port)
             adv = self._advertise or (host if host not in ("0.0.0.0", "::") else socket.gethostname())
-            self.address = f"{adv}:{bound[1]}"
-            for rail in self._rails or [host]:
-                ds = socket.socket(socket.AF_INET6 if ":" in rail else socket.AF_INET)
-                self._data_socks.append(ds)
-                ds.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                ds.bind((rail, 0))
-                ds.listen(256)
-                ds.setblocking(False)
-                self._data_endpoints.append((rail if self._rails else adv, ds.getsockname()[1]))
-                self._accept_tasks.append(self._loop.create_task(self._accept_data(ds)))
-            self.data_address = "%s:%d" % self._data_endpoints[0]
+            self.address = f"{adv}:{bound}"
+            await self._tcp.start()
+            self.data_address = "%s:%d" % self._tcp.endpoints[0]
             _live_engines[self.address] = self
             self._completion_fd = self._core.fileno()
             self._loop.add_reader(self._completion_fd, self._batches.on_completions)
-            self._start_rdma()
+            self._rdma = self._start_optional(RdmaProvider, lambda: RdmaProvider(ctx, self._rdma_options))
+            if self._rdma is not None:
+                running = {**self._providers, self._rdma.name: self._rdma}
+                self._providers = {n: running[n] for n in PROVIDERS if n in running}
+            self._server.handlers.update(self._control_handlers())
         except OSError as e:
             await self._teardown()
             raise KVFlowError(f"cannot listen on {self._listen}: {e}", errno=e.errno) from e
@@ -325,69 +249,40 @@ class Engine:
             self._metadata = MetadataClient(self._store, self.name, self._metadata_ttl, self._record)
             await self._metadata.start()
 
-    def _use_topology(self, topology: Topology) -> None:
-        """Takes `topology` as this host's: each rail's netdev ("" where
-        none holds it) and "ip/prefixlen" (the bare address where unknown)
-        come from it, for publishing and pairing."""
-        self.topology = topology
-        self._rail_nics, self._rail_ifaces = [], []
-        for rail in self._rails:
-            nic, iface = topology.interface_of(rail) or ("", rail)
-            self._rail_nics.append(nic)
-            self._rail_ifaces.append(iface)
-
-    async def _control_addresses(self, host: str) -> list[str]:
-        """The addresses the control connection may arrive on, for rails="auto"
-        to leave their links out: the listen host (a literal, or what its
-        name resolves to) and the advertised host (likewise). A wildcard
-        listen host is none of them: with no `advertise`, nothing is left out
-        (peers may come in by any link; the engine cannot tell which)."""
-        found: list[str] = []
-        for name in (host, self._advertise):
-            if not name or name in ("0.0.0.0", "::", ""):
-                continue
-            try:
-                found.append(str(ipaddress.ip_address(name)))
-                continue
-            except ValueError:
-                pass
-            try:
-                infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
-            except OSError as e:
-                log.info("kvflow: rails=auto: %s does not resolve (%s); its link is not left out", name, e)
-                continue
-            found += [str(info[4][0]) for info in infos]
-        return list(dict.fromkeys(a.split("%")[0] for a in found))
-
-    def _topology_rails(self, exclude: list[str]) -> list[str]:
-        """rails="auto": the rail addresses Topology.tcp_rails picks for this
-        engine's location, the links of `exclude` (the control addresses)
-        left out; [] (one rail on the listen host, as without rails) when it
-        finds none."""
-        assert self.topology is not None
-        found = self.topology.tcp_rails(self.location, exclude=exclude)[:64]
-        if not found:
-            log.warning("kvflow: rails=auto: the topology has no netdev with an IPv4 address for %s; "
-                        "one rail on the listen host", self.location)
-            return []
-        log.info("kvflow: tcp rails for %s from the topology: %s", self.location,
-                 ", ".join(f"{a} ({n})" for n, a in found))
-        return [str(ipaddress.ip_interface(a).ip) for _, a in found]
-
-    def _start_rdma(self) -> None:
-        if self.protocols is not None and "rdma" not in self.protocols:
-            self._rdma_reason = "rdma is not among this engine's protocols"
-            return
+    def _start_optional(self, cls: type[Provider], make: Callable[[], Any]) -> Any:
+        """A provider that may be absent (not among `protocols`, not built,
+        no device): the provider, or None with the reason kept."""
+        if self.protocols is not None and cls.name not in self.protocols:
+            self._unavailable[cls.name] = f"{cls.name} is not among this engine's protocols"
+            return None
         try:
-            self._rdma = rdma_provider.RdmaProvider(self, **self._rdma_options)
-            self._rdma_reason = ""
+            return make()
         except ProviderUnavailableError as e:
-            self._rdma_reason = str(e)
+            self._unavailable[cls.name] = str(e)
             level = logging.WARNING if self.protocols is not None else logging.DEBUG
-            log.log(level, "kvflow: rdma unavailable: %s", e)
+            log.log(level, "kvflow: %s unavailable: %s", cls.name, e)
+            return None
 
-    def _rdma_device_names(self) -> list[str] | None:
-        return self._rdma.device_names() if self._rdma is not None else None
+    def _control_handlers(self) -> dict[str, Callable[[str, Any, dict[str, Any]], dict[str, Any]]]:
+        """Providers' control messages: answered by the provider where it
+        runs, else with its error reply saying why it does not."""
+        handlers = {}
+        for cls in _PROVIDER_CLASSES:
+            provider = self._providers.get(cls.name)
+            for kind, error in cls.control.items():
+                if provider is not None:
+                    handlers[kind] = provider.on_control
+                else:
+                    why = f"no {cls.name} on {self.address}: {self._unavailable.get(cls.name, 'not started')}"
+                    handlers[kind] = lambda peer, session, msg, error=error, why=why: {"t": error, "message": why}
+        return handlers
+
+    def _device_names(self) -> list[str] | None:
+        for p in self._providers.values():
+            names = p.device_names()
+            if names is not None:
+                return names
+        return None
 
     async def close(self) -> None:
         """Closes peers (their in-flight transfers fail with PeerLostError),
@@ -408,19 +303,9 @@ class Engine:
 
     async def _teardown(self) -> None:
         if self._server is not None:
-            self._server.close()
-        for w in list(self._sessions):
-            w.close()
-        for t in list(self._session_tasks):
-            t.cancel()
-        if self._session_tasks:
-            await asyncio.gather(*self._session_tasks, return_exceptions=True)
-        for t in self._accept_tasks:
-            t.cancel()
-        if self._accept_tasks:
-            await asyncio.gather(*self._accept_tasks, return_exceptions=True)
-        for ds in self._data_socks:
-            ds.close()
+            await self._server.close()
+        if self._tcp is not None:
+            await self._tcp.close()
         if self._core is not None:
             # (close() has closed the peers already.) Unregister before the eventfd is closed: a closed descriptor
             # silently leaves epoll, and the next engine's eventfd may reuse
@@ -432,10 +317,22 @@ class Engine:
                 # after the peers (their QPs) and before the core: the
                 # device workers complete batches in the core's pool
                 rdma, self._rdma = self._rdma, None
+                self._providers.pop(rdma.name, None)
                 await rdma.close()
             self._core.close()      # closes channels: their batches complete with errors
         if self._batches is not None:
             self._batches.fail_all(lambda peer: PeerLostError(f"engine {self.address} closed", peer=peer))
+
+    def _remove_token(self, token: bytes) -> None:
+        if self._core is not None:
+            self._core.remove_token(token)
+
+    def _drop_session(self, session: Any) -> None:
+        for p in self._providers.values():
+            p.drop_session(session)
+
+    def _deliver(self, peer: str, data: bytes) -> None:
+        self._notifications.put_nowait((peer, data))
 
     # ------------------------------------------------------------ memory
     def register(self, buffer: Any, *, name: str | None = None,
@@ -457,14 +354,19 @@ class Engine:
                 f"region {addr:#x}+{length} overlaps a registered region or overflows")
         rkeys: tuple[int, ...] = ()
         took = 0.0
-        if self._rdma is not None:
-            try:
-                lkeys, rk, took = self._rdma.register(rid, addr, length, access, writable)
-            except BaseException:
-                self._core.remove_region(rid)
-                raise
-            self._core.set_keys(rid, lkeys)
-            rkeys = tuple(rk)
+        done: list[Provider] = []
+        try:
+            for p in self._providers.values():
+                keys = p.register(rid, addr, length, access, writable)
+                done.append(p)
+                if keys is not None:
+                    self._core.set_keys(rid, list(keys.lkeys))
+                    rkeys, took = tuple(keys.rkeys), keys.seconds
+        except BaseException:
+            for p in done:
+                p.deregister(rid)
+            self._core.remove_region(rid)
+            raise
         region = Region(addr, length, name, access, rid, keep, rkeys, took)
         self._regions[rid] = region
         self._regions_changed()
@@ -476,8 +378,8 @@ class Engine:
         if self._regions.pop(region.id, None) is None:
             raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
         self._core.remove_region(region.id)
-        if self._rdma is not None:
-            self._rdma.deregister(region.id)     # the NICs refuse its keys from now on
+        for p in self._providers.values():
+            p.deregister(region.id)     # the NICs refuse its keys from now on
         self._regions_changed()
 
     @property
@@ -498,32 +400,25 @@ class Engine:
         mine = None
         for other in list(_live_engines.values()):
             peer = other._peers.get(self.address)
-            if peer is not None and peer.transport == "local" and other._same_process(self.address, peer.descriptor):
+            if peer is not None and peer._provider is other._local and _same_process(self.address, peer.descriptor):
                 mine = mine if mine is not None else self._remote_regions()
                 peer._set_regions(mine)
-        if not self._sessions:
+        if self._server is None or not self._server.sessions:
             return
         msg = {"t": "regions", "generation": self._generation,
                "regions": regions_to_wire(self._remote_regions())}
-        if self._rdma is not None:
-            # the devices in service and the probe keys: they change when a
-            # device comes back (Peer._on_regions; absent: unchanged)
-            msg["rdma"] = self._rdma.describe()
-        frame = encode(msg)
-        for w in list(self._sessions):
-            if w.is_closing():
-                continue
-            if w.transport.get_write_buffer_size() > SESSION_BUFFER_LIMIT:
-                # a peer that stopped reading its control connection
-                log.warning("kvflow: dropping a control session that does not read its updates")
-                w.close()
-                continue
-            w.write(frame)
+        for p in self._providers.values():
+            if p.pushed:
+                # its part changes at run time (rdma: the devices in service
+                # and the probe keys, when a device comes back;
+                # Peer._on_regions; absent: unchanged)
+                msg.update(p.describe())
+        self._server.push(encode(msg))
 
-    def _rdma_rekeyed(self, keys: dict[int, tuple[list[int], list[int]]]) -> None:
-        """The rdma provider registered every region again on a device that
-        came back: region id -> (lkeys, rkeys) per device. The native table
-        gets the lkeys, the regions the rkeys, and peers both (pushed)."""
+    def _rekeyed(self, keys: dict[int, tuple[list[int], list[int]]]) -> None:
+        """A provider registered every region again on a device that came
+        back: region id -> (lkeys, rkeys) per device. The native table gets
+        the lkeys, the regions the rkeys, and peers both (pushed)."""
         for rid, (lkeys, rkeys) in keys.items():
             region = self._regions.get(rid)
             if region is not None:
@@ -532,14 +427,13 @@ class Engine:
         self._regions_changed()
 
     def descriptor(self) -> Descriptor:
-        ident = _process_identity()
-        return Descriptor(
-            address=self.address, incarnation=self._incarnation, host=ident.host, pid=ident.pid,
-            process=ident.token, probe_addr=ident.probe_addr, probe_cookie=ident.cookie.tobytes(),
-            data=list(self._data_endpoints), regions=self._remote_regions(), generation=self._generation,
-            rdma=self._rdma.describe() if self._rdma is not None else None,
-            topology=self.topology, location=self.location,
-            rail_nics=list(self._rail_nics) if self._rails else None)
+        """What this engine tells its peers about itself: every running
+        provider's part, its regions and its topology."""
+        parts: dict[str, Any] = {}
+        for p in self._providers.values():
+            parts.update(p.describe())
+        return Descriptor(address=self.address, incarnation=self._incarnation, regions=self._remote_regions(),
+                          generation=self._generation, topology=self.topology, location=self.location, **parts)
 
     def _record(self) -> EngineRecord:
         return EngineRecord(self.name or self.address, self.address, self._incarnation, self.descriptor())
@@ -587,13 +481,12 @@ class Engine:
 
     # ------------------------------------------------------------ completions
     def _abort_batch(self, peer: str, batch_id: int) -> None:
-        """A cancelled batch still on the wire after the drain grace: reset
-        the peer's connections that hold it, so that none of its bytes can
-        land after the caller was told it failed (tcp; the other providers
-        finish or fail their slices in bounded time)."""
+        """A cancelled batch still on the wire after the drain grace: the
+        peer's provider makes sure none of its bytes can land after the
+        caller was told it failed (tcp resets the connections holding it;
+        the other providers finish or fail their slices in bounded time)."""
         p = self._peers.get(peer)
-        abort = getattr(p._channel, "abort_batch", None) if p is not None else None
-        if abort is not None and abort(batch_id):
+        if p is not None and p._abort_batch(batch_id):
             log.warning("kvflow: %s: a cancelled batch was still on the wire after %g s: reset the "
                         "connections carrying it", peer, DRAIN_GRACE)
 
@@ -612,119 +505,7 @@ class Engine:
                 return
             yield item
 
-    # ------------------------------------------------------------ server side
-    async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._session_tasks.add(task)
-        token = b""
-        try:
-            hello = await asyncio.wait_for(read_message(reader, max_size=PRE_AUTH_FRAME), HANDSHAKE_TIMEOUT)
-            if hello["t"] != "hello":
-                raise ProtocolError(f"expected hello, got {clip(hello['t'])}")
-            cnonce = field(hello, "nonce", bytes)
-            peer_addr = field(hello, "address", str)
-            if len(cnonce) != NONCE_BYTES:
-                raise ProtocolError("hello: bad nonce")
-            snonce = os.urandom(NONCE_BYTES)
-            sproof = proof(self._secret, b"server", cnonce, snonce) if self._secret else b""
-            writer.write(encode({"t": "challenge", "nonce": snonce, "auth": bool(self._secret),
-                                 "proof": sproof}))
-            auth = await asyncio.wait_for(read_message(reader, max_size=PRE_AUTH_FRAME), HANDSHAKE_TIMEOUT)
-            if auth["t"] != "auth":
-                raise ProtocolError(f"expected auth, got {auth['t']!r}")
-            if self._secret:
-                try:
-                    check_proof(self._secret, b"client", snonce, cnonce, auth.get("proof"))
-                except AuthenticationError:
-                    writer.write(encode({"t": "error", "code": "auth", "message": "secret mismatch"}))
-                    await writer.drain()
-                    log.warning("kvflow: %s failed authentication", peer_addr)
-                    return
-            token = os.urandom(16)
-            self._core.add_token(token)
-            writer.write(encode({"t": "welcome", "token": token,
-                                 "descriptor": self.descriptor().to_wire()}))
-            self._sessions.add(writer)
-            # A client that pings (keepalive > 0) and then falls silent for
-            # that long is gone (stopped, crashed host): drop its session.
-            # A value no engine would send (under MIN_KEEPALIVE) is ignored:
-            # it would make this loop wake for nothing.
-            silence = hello.get("keepalive")
-            if not isinstance(silence, (int, float)) or isinstance(silence, bool) or \
-                    not MIN_KEEPALIVE <= silence <= MAX_KEEPALIVE:
-                silence = None
-            while True:
-                waited = self._loop.time()
-                try:
-                    msg = await read_message(reader, idle_timeout=silence)
-                except asyncio.TimeoutError:
-                    # Far longer than asked: this process was stopped or
-                    # starved, not the client silent. Give it a new window.
-                    if self._loop.time() - waited > 1.5 * silence:
-                        continue
-                    log.warning("kvflow: %s silent for %.3g s: dropping its session", peer_addr, silence)
-                    break
-                t = msg["t"]
-                if t == "ping":
-                    writer.write(encode({"t": "pong"}))
-                elif t == "notify":
-                    self._notifications.put_nowait((peer_addr, field(msg, "data", bytes)))
-                elif t == "describe":
-                    writer.write(encode({"t": "descriptor", "descriptor": self.descriptor().to_wire()}))
-                    await writer.drain()      # a peer that asks but never reads gets no more
-                elif t == "rdma_connect":
-                    if self._rdma is None:
-                        reply = {"t": "rdma_error", "message": f"no rdma on {self.address}: {self._rdma_reason}"}
-                    else:
-                        reply = self._rdma.accept(peer_addr, writer, msg)
-                    writer.write(encode({**reply, "rid": msg.get("rid")}))
-                    await writer.drain()
-                elif t == "bye":
-                    break
-                else:
-                    raise ProtocolError(f"unexpected message {clip(t)}")
-        except ProtocolError as e:
-            log.info("kvflow: dropping control connection: %s", e)
-            try:
-                writer.write(encode({"t": "error", "code": "protocol", "message": str(e)}))
-            except Exception:
-                pass
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError):
-            pass
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self._session_tasks.discard(task)
-            self._sessions.discard(writer)
-            if self._rdma is not None:
-                self._rdma.drop_session(writer)
-            if token and self._core is not None:
-                self._core.remove_token(token)
-            writer.close()
-
-    async def _accept_data(self, listener: socket.socket) -> None:
-        where = "%s:%d" % listener.getsockname()[:2]
-        while True:
-            try:
-                conn, _ = await self._loop.sock_accept(listener)
-            except asyncio.CancelledError:
-                return
-            except OSError as e:
-                if e.errno in (errno_mod.EBADF, errno_mod.EINVAL):
-                    return                      # the listener was closed
-                # out of descriptors or memory, or a connection that died in
-                # the accept queue: keep serving
-                log.warning("kvflow: accept on %s failed: %s", where, e)
-                await asyncio.sleep(0.1 if e.errno in (errno_mod.EMFILE, errno_mod.ENFILE,
-                                                       errno_mod.ENOBUFS, errno_mod.ENOMEM) else 0)
-                continue
-            conn.setblocking(True)
-            tune_data_socket(conn, self.keepalive)
-            # The native thread checks the session token before touching memory.
-            self._core.serve(conn.detach())
-
-    # ------------------------------------------------------------ client side
+    # ------------------------------------------------------------ peers
     async def connect(self, address: str, *, timeout: float = 10.0) -> Peer:
         """Connects to the engine at `address` ("host:port"); cached per
         address. With a metadata server, anything not of the form host:port
@@ -777,180 +558,42 @@ class Engine:
 
     async def _connect(self, address: str) -> Peer:
         host, port = _split_address(address)
+        reader, writer, desc, token = await dial(address, host, port, secret=self._secret, me=self.address,
+                                                 keepalive=self.keepalive)
+        peer = None
         try:
-            reader, writer = await asyncio.open_connection(host, port)
-        except OSError as e:
-            raise PeerUnreachableError(f"cannot reach {address}: {e.strerror or e}", peer=address,
-                                       errno=e.errno) from None
-        try:
-            desc, token = await self._handshake(address, reader, writer)
-            peer = Peer(self, address, reader, writer, desc)
-            channel, transport = await self._open_channel(peer, desc, token)
-            peer._start(channel, transport)
-            log.info("kvflow: connected to %s via %s", address, transport)
+            peer = Peer(self, address, reader, writer, desc, _REPLIES)
+            provider, channel = await self._open_channel(peer, desc, token)
+            peer._start(provider, channel)
+            log.info("kvflow: connected to %s via %s", address, provider.name)
             return peer
         except BaseException:
+            if peer is not None:
+                peer._session.close_now()     # its reader too
             writer.close()
             raise
 
-    async def _handshake(self, address: str, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> tuple[Descriptor, bytes]:
-        cnonce = os.urandom(NONCE_BYTES)
-        writer.write(encode({"t": "hello", "nonce": cnonce, "address": self.address,
-                             "keepalive": self.keepalive}))
-        try:
-            ch = await read_message(reader)
-            if ch["t"] == "error":
-                raise ProtocolError(f"{address} refused the handshake: {ch.get('message')}", peer=address)
-            if ch["t"] != "challenge":
-                raise ProtocolError(f"{address}: expected challenge, got {ch['t']!r}", peer=address)
-            snonce = field(ch, "nonce", bytes)
-            if bool(ch.get("auth")) != bool(self._secret):
-                raise AuthenticationError(
-                    f"{address}: " + ("the peer requires a secret and none was set" if ch.get("auth")
-                                      else "a secret is set but the peer has none"), peer=address)
-            if self._secret:
-                try:
-                    check_proof(self._secret, b"server", cnonce, snonce, ch.get("proof"))
-                except AuthenticationError:
-                    raise AuthenticationError(f"{address}: secret mismatch", peer=address) from None
-            writer.write(encode({"t": "auth", "proof": proof(self._secret, b"client", snonce, cnonce)
-                                 if self._secret else b""}))
-            welcome = await read_message(reader)
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            raise PeerUnreachableError(f"{address} closed the handshake ({e.__class__.__name__}); "
-                                       "is it a kvflow engine?", peer=address) from None
-        except ProtocolError as e:
-            if e.peer is None:
-                # The first reply was not a kvflow frame at all.
-                raise PeerUnreachableError(f"{address} does not speak kvflow ({e})", peer=address) from None
-            raise
-        if welcome["t"] == "error":
-            if welcome.get("code") == "auth":
-                raise AuthenticationError(f"{address}: secret mismatch", peer=address)
-            raise ProtocolError(f"{address} refused the handshake: {welcome.get('message')}", peer=address)
-        if welcome["t"] != "welcome":
-            raise ProtocolError(f"{address}: expected welcome, got {welcome['t']!r}", peer=address)
-        token = field(welcome, "token", bytes)
-        desc = Descriptor.from_wire(welcome.get("descriptor"))
-        return desc, token
-
-    async def _open_channel(self, peer: Peer, desc: Descriptor, token: bytes) -> tuple[Any, str]:
-        allowed = self.protocols or PROVIDERS
-        ident = _process_identity()
+    async def _open_channel(self, peer: Peer, desc: Descriptor, token: bytes) -> tuple[Provider, Any]:
+        """The first allowed provider (in preference order) that reaches
+        the peer, and its channel to it."""
+        allowed = [n for n in PROVIDERS if self.protocols is None or n in self.protocols]
         reason = ""
-        if "local" in allowed:
-            if desc.host != ident.host:
-                reason = "the peer is on another host"
-            elif self._same_process(peer.address, desc):
-                return _core.LocalChannel(self._core, peer._table, peer.address, 0, self._inline_limit), "local"
-            elif desc.pid == ident.pid:
-                reason = "the peer claims this process's pid but is not one of its engines"
+        for k, name in enumerate(allowed):
+            provider = self._providers.get(name)
+            if provider is None:
+                reason = f"{name} unavailable here: {self._unavailable.get(name, 'not started')}"
             else:
-                got = _core.probe_process(desc.pid, desc.probe_addr, len(desc.probe_cookie))
-                if got == desc.probe_cookie:
-                    return (_core.LocalChannel(self._core, peer._table, peer.address, desc.pid, self._inline_limit),
-                            "local")
-                reason = (f"process_vm_readv on pid {desc.pid} not permitted ({os.strerror(got)})"
-                          if isinstance(got, int) else "cross-memory probe mismatch")
-            nxt = "rdma" if "rdma" in allowed else "tcp"
-            if nxt in allowed:
-                log.info("kvflow: %s: local provider unavailable (%s); trying %s", peer.address, reason, nxt)
-        if "rdma" in allowed:
-            if self._rdma is None:
-                reason = f"rdma unavailable here: {self._rdma_reason}"
-            elif desc.rdma is None:
-                reason = "the peer has no rdma devices"
-            else:
-                try:
-                    return await self._rdma.connect(peer, desc.rdma, peer._first_request), "rdma"
-                except ProviderUnavailableError as e:
-                    reason = str(e)
-            if "tcp" in allowed:
-                log.info("kvflow: %s: rdma unavailable (%s); using tcp", peer.address, reason)
-        if "tcp" in allowed:
-            return await self._open_tcp(peer, desc, token), "tcp"
+                reason = provider.reaches(peer.address, desc) or ""
+                if not reason:
+                    try:
+                        return provider, await provider.connect(peer.link, desc, token)
+                    except ProviderUnavailableError as e:
+                        reason = str(e)
+            if k + 1 < len(allowed):
+                log.info("kvflow: %s: %s provider unavailable (%s); trying %s", peer.address, name, reason,
+                         allowed[k + 1])
         raise ProviderUnavailableError(
             f"{peer.address}: no allowed provider reaches the peer ({reason})", peer=peer.address)
-
-    async def _open_tcp(self, peer: Peer, desc: Descriptor, token: bytes) -> Any:
-        if not desc.data:
-            raise ProviderUnavailableError(f"{peer.address} publishes no tcp endpoint", peer=peer.address)
-        # tcp_connections per rail (at most 64 in all); with one rail the
-        # target sends write acks on an extra connection that this loop
-        # reads directly, with several each connection carries its own (a
-        # rail that dies takes its acks with it, nobody else's).
-        rails = self._rail_plan(desc)
-        per_rail = max(1, min(self._tcp_connections, 64 // len(rails)))
-        plan = [DataConn(i, host, port, source)
-                for i, (source, host, port) in enumerate([r for r in rails for _ in range(per_rail)])]
-
-        def open_one(c: DataConn, role: int) -> Awaitable[socket.socket]:
-            return open_data_socket(self._loop, c.host, c.port, token, role, c.index,
-                                    keepalive=self.keepalive, peer=peer.address, source=c.source)
-
-        ack_sock: socket.socket | None = None
-        got: list[Any] = []
-        try:
-            if len(rails) == 1:
-                # the ack connection first: the target sends acks on it once it exists
-                ack_sock = await open_one(plan[0], DATA_ROLE_ACK)
-            got = await asyncio.gather(*(open_one(c, DATA_ROLE_DATA) for c in plan),
-                                       return_exceptions=True)
-            errors = [g for g in got if isinstance(g, BaseException)]
-            fatal = [g for g in errors if not isinstance(g, (PeerUnreachableError, ProtocolError))]
-            if fatal:
-                raise fatal[0]
-            if errors and (len(rails) == 1 or len(errors) == len(got)):
-                raise errors[0]
-        except BaseException:
-            for s in [ack_sock, *got]:
-                if isinstance(s, socket.socket):
-                    s.close()
-            raise
-        for c, g in zip(plan, got):
-            if isinstance(g, socket.socket):
-                c.local = g.getsockname()[0]
-            else:
-                log.warning("kvflow: %s: rail %s:%d is down at connect (%s); it is retried in the background",
-                            peer.address, c.host, c.port, g)
-        # All stay non-blocking: the loop reads the ack socket and may splice
-        # small batches into a data socket; the native threads poll().
-        fds = [g.detach() if isinstance(g, socket.socket) else -1 for g in got]
-        peer._rails = RailWatcher(peer, plan, token, DATA_ROLE_DATA, self.keepalive)
-        return _core.TcpChannel(self._core, peer._table, peer.address, fds,
-                                ack_sock.detach() if ack_sock is not None else -1, self._slice_size)
-
-    def _rail_plan(self, desc: Descriptor) -> list[tuple[str | None, str, int]]:
-        """(local source, host, port) of each group of data connections to
-        a peer. With rails on both ends (the peer publishing its rails'
-        NICs): each end's rails in the order its topology prefers for its
-        memory, paired by pair_tcp_rails, each group bound to its local
-        rail. Otherwise one group per peer endpoint, from where the kernel
-        chooses (as before rails were paired)."""
-        endpoints = desc.data[:64]
-        plain: list[tuple[str | None, str, int]] = [(None, h, p) for h, p in endpoints]
-        if not self._rails or desc.rail_nics is None or self.topology is None:
-            return plain
-        topology = self.topology
-        mine = rail_order(self._rail_nics, topology, self.location)
-        theirs = rail_order(desc.rail_nics[:len(endpoints)], desc.topology, desc.location)
-        networks = [a for n in topology.nics for a in n.addresses]
-        try:
-            pairs = pair_tcp_rails([self._rail_ifaces[i] for i in mine], [endpoints[j][0] for j in theirs],
-                                   networks, nics=[self._rail_nics[i] for i in mine],
-                                   route=lambda ip: route_to(ip, topology).netdev)
-        except ValueError:          # a peer endpoint that is not an IP address: nothing to pair
-            return plain
-        return [(None if li is None else self._rails[mine[li]], *endpoints[theirs[rj]]) for li, rj in pairs][:64]
-
-    @staticmethod
-    def _same_process(address: str, desc: Descriptor) -> bool:
-        """True only if `address` is an engine of this very process: decided
-        from our own registry, never from what the descriptor claims (a
-        peer could replay another engine's identity)."""
-        other = _live_engines.get(address)
-        return other is not None and not other._closed and other._incarnation == desc.incarnation
 
     def _forget_peer(self, peer: Peer) -> None:
         if self._peers.get(peer.address) is peer:

@@ -1,4 +1,6 @@
-"""Peer: a connected remote engine (its segment), and the batch API."""
+"""Peer: a connected remote engine (its segment), and the batch API. The
+peer's control connection is a kvflow.control.client.ControlSession; the
+bytes move through the channel of the provider that reached it."""
 from __future__ import annotations
 
 import asyncio
@@ -12,23 +14,20 @@ from kvflow._core import OP_READ, OP_WRITE
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, TransferTimeoutError
 from kvflow.status import ECLOSED, EREMOTE, status_error
 from kvflow.arrays import entry_of, expand_strided
+from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
-from kvflow.control.wire import clip, encode, field, read_message
+from kvflow.control.wire import field
 from kvflow.memory import RemoteRegion
 from kvflow.engine.transfer import Transfer, batch_error
+from kvflow.providers.base import Provider
 
 if TYPE_CHECKING:
     from kvflow.engine.engine import Engine
-    from kvflow.schedule.rails import RailWatcher
 
 __all__ = ["Peer"]
 
 log = logging.getLogger("kvflow")
 
-# write_blocking(): providers whose batches a thread may submit and wait
-# for itself (Channel.submit_detached; rdma's workers complete through the
-# loop's ring only).
-_DETACHED_TRANSPORTS = ("tcp", "local")
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 
@@ -36,39 +35,34 @@ CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long
 class Peer:
     """A remote engine this engine is connected to.
 
-    `transport` says which provider moves the bytes ("local" or "tcp");
-    `regions` lists the peer's memory as its descriptor says, refreshed when
-    the peer registers or deregisters memory.
+    `transport` names the provider that moves the bytes ("local", "tcp",
+    "rdma"); `regions` lists the peer's memory as its descriptor says,
+    refreshed when the peer registers or deregisters memory.
     """
 
     def __init__(self, engine: "Engine", address: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, descriptor: Descriptor) -> None:
+                 writer: asyncio.StreamWriter, descriptor: Descriptor, replies: frozenset[str]) -> None:
         self._engine = engine
         self.address = address
-        self._reader = reader
-        self._writer = writer
         self.descriptor = descriptor
         self._table = _core.RemoteTable()
         self._set_regions(descriptor.regions)
         self._channel: Any = _ClosedChannel(address)
+        self._provider: Provider | None = None
         self.transport = ""
         self._refresh_waiters: list[asyncio.Future[None]] = []
         self._closed = False
-        self._control_lost = False
-        self._reader_task: asyncio.Task[None] | None = None
-        self._ack_fd = -1
-        self._rid = 0
-        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._rdma_remote_qpns: list[int] = []
+        self._session = ControlSession(address, reader, writer, replies=replies, on_regions=self._on_regions,
+                                       on_descriptor=self._on_descriptor, on_ended=self._on_session_ended,
+                                       on_lost=self._on_control_lost)
+        self.link = _Link(self)
         self._lost_callbacks: list[Callable[["Peer"], None]] = []
-        self._keepalive_task: asyncio.Task[None] | None = None
-        self._last_heard = 0.0
-        self._rails: RailWatcher | None = None     # tcp: rebuilds failed data connections
+        self._session.listen()
 
     def on_lost(self, callback: Callable[["Peer"], None]) -> None:
         """Calls `callback(peer)` once, on the loop, when the peer is lost
         (its control connection ends) or closed; at once if it already is."""
-        if self._closed or self._control_lost:
+        if self._closed or self._session.lost:
             self._engine._loop.call_soon(callback, self)
         else:
             self._lost_callbacks.append(callback)
@@ -81,29 +75,22 @@ class Peer:
             except Exception:   # a user callback must not break teardown
                 log.exception("kvflow: peer-lost callback for %s failed", self.address)
 
-    def _start(self, channel: Any, transport: str) -> None:
+    def _start(self, provider: Provider, channel: Any) -> None:
+        self._provider = provider
         self._channel = channel
-        self.transport = transport
-        self._reader_task = self._engine._loop.create_task(self._read_control())
-        self._last_heard = self._engine._loop.time()
-        if self._engine.keepalive:
-            self._keepalive_task = self._engine._loop.create_task(self._keepalive(self._engine.keepalive))
-        if transport == "tcp" and self._rails is not None:
-            self._rails.start()
-        self._ack_fd = getattr(channel, "ack_fd", -1)
-        if self._ack_fd >= 0:
-            self._engine._loop.add_reader(self._ack_fd, self._on_acks)
+        self.transport = provider.name
+        self._session.start(self._engine.keepalive, self._close_channel)
+        provider.started(self.link, channel)
 
-    def _on_acks(self) -> None:
-        # Write acks read on the loop thread; their batches finish right here.
-        if not self._channel.poll_acks():
-            self._stop_acks()
-        self._engine._batches.on_completions()
+    def _close_channel(self) -> None:
+        """The channel ends now: in-flight batches fail (the provider lets
+        go of it first: no reader left on a descriptor that closes)."""
+        if self._provider is not None:
+            self._provider.closed(self._channel)
+        self._channel.close()
 
-    def _stop_acks(self) -> None:
-        if self._ack_fd >= 0:
-            self._engine._loop.remove_reader(self._ack_fd)
-            self._ack_fd = -1
+    def _abort_batch(self, batch_id: int) -> bool:
+        return self._provider is not None and self._provider.abort_batch(self._channel, batch_id)
 
     # ------------------------------------------------------------ regions
     @property
@@ -133,27 +120,48 @@ class Peer:
         self._set_regions(regions)
         if rdma is not None:
             self.descriptor = replace(self.descriptor, rdma=rdma)
-            if self.transport == "rdma" and self._engine._rdma is not None:
-                self._engine._rdma.peer_changed(self)
+            if self._provider is not None and self._provider.pushed:
+                self._provider.remote_changed(self.link, self._channel)
+
+    def _on_descriptor(self, desc: Descriptor) -> None:
+        self.descriptor = desc
+        self._set_regions(desc.regions)
+        waiters, self._refresh_waiters = self._refresh_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def _on_session_ended(self) -> None:
+        for w in self._refresh_waiters:
+            if not w.done():
+                w.set_exception(PeerLostError(f"peer {self.address} is gone", peer=self.address))
+        self._refresh_waiters = []
+
+    def _on_control_lost(self) -> None:
+        # The control connection is the peer's lifeline for providers with
+        # no data socket of their own to notice a death (local, rdma).
+        if self._provider is not None and self._provider.caps.lifeline:
+            self._close_channel()
+        self._fire_lost()
 
     async def refresh(self, *, timeout: float = 10.0) -> None:
         """Fetches the peer's descriptor again (regions)."""
         fut = self._engine._loop.create_future()
         self._refresh_waiters.append(fut)
-        self._send({"t": "describe"})
+        self._session.send({"t": "describe"})
         await asyncio.wait_for(fut, timeout)
 
     # ------------------------------------------------------------ transfers
     @property
     def alive(self) -> bool:
-        return not self._closed and not self._control_lost and self._channel.alive
+        return not self._closed and not self._session.lost and self._channel.alive
 
     def connections(self) -> list[dict[str, Any]]:
         """tcp: one entry per data connection (index, endpoint: the rail,
         source: the local rail it is bound to or None, local: the address
         it left from, up, bytes sent, slices moved to other connections
         when it failed, failures, rebuilds). Empty for the other providers."""
-        return self._rails.stats() if self._rails is not None and self.transport == "tcp" else []
+        return self._provider.connections(self._channel) if self._provider is not None else []
 
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:
         """The Transfer of a posted batch (batch_id 0: completed inline)."""
@@ -187,7 +195,7 @@ class Peer:
             if status:
                 raise batch_error(self._engine._batches, self.address, op, status, aux, first)
             return None
-        if status == EREMOTE and refresh and not self._control_lost:
+        if status == EREMOTE and refresh and not self._session.lost:
             return self._after_refresh(op, la, ra, ln, timeout, first)
         if status:
             raise status_error(status, peer=self.address, op=op,
@@ -284,7 +292,8 @@ class Peer:
         if running is loop:
             raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
                               "thread would block the loop: await write()/read() there", peer=self.address)
-        if self.alive and self.transport in _DETACHED_TRANSPORTS and self._detached(op, la, ra, ln, timeout):
+        if self.alive and self._provider is not None and self._provider.caps.detached and \
+                self._detached(op, la, ra, ln, timeout):
             return
         coro = self.write(la, ra, ln, timeout=timeout) if op == OP_WRITE else \
             self.read(la, ra, ln, timeout=timeout)
@@ -333,131 +342,17 @@ class Peer:
         path (no TCP hop); larger ones use the control connection."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError("notify() takes bytes", peer=self.address)
-        if self._closed or self._control_lost:
+        if self._closed or self._session.lost:
             raise PeerLostError(f"peer {self.address} is gone", peer=self.address)
-        rdma = self._engine._rdma
-        if self.transport == "rdma" and rdma is not None:
-            if await rdma.notify(self, self._channel, bytes(data)):
+        provider = self._provider
+        if provider is not None and provider.caps.data_notify:
+            if await provider.notify(self.link, self._channel, bytes(data)):
                 return
-        self._send({"t": "notify", "data": bytes(data)})
+        self._session.send({"t": "notify", "data": bytes(data)})
         try:
-            await self._writer.drain()
+            await self._session.drain()
         except (ConnectionError, RuntimeError) as e:
             raise PeerLostError(f"notify to {self.address}: {e}", peer=self.address) from None
-
-    # ------------------------------------------------------------ control stream
-    async def _request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        """Sends a request on the control connection and waits for the
-        reply with the same "rid" (read by the control reader)."""
-        self._rid += 1
-        rid = self._rid
-        fut: asyncio.Future[dict[str, Any]] = self._engine._loop.create_future()
-        self._replies[rid] = fut
-        try:
-            self._send({**msg, "rid": rid})
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self._replies.pop(rid, None)
-
-    async def _first_request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        """A request made while connecting, before the control reader runs:
-        reads the reply itself (applying region updates that come first)."""
-        self._rid += 1
-        self._send({**msg, "rid": self._rid})
-
-        async def reply() -> dict[str, Any]:
-            while True:
-                m = await read_message(self._reader)
-                if m.get("rid") == self._rid:
-                    return m
-                if m["t"] == "regions":
-                    self._on_regions(m)
-                else:
-                    raise ProtocolError(f"{self.address}: unexpected {m['t']!r} while connecting",
-                                        peer=self.address)
-        try:
-            return await asyncio.wait_for(reply(), timeout)
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            raise PeerLostError(f"{self.address} closed the control connection ({e.__class__.__name__})",
-                                peer=self.address) from None
-
-    def _send(self, msg: dict[str, Any]) -> None:
-        if self._writer.is_closing():
-            raise PeerLostError(f"control connection to {self.address} is closed", peer=self.address)
-        self._writer.write(encode(msg))
-
-    async def _keepalive(self, deadline: float) -> None:
-        """Pings the peer every deadline/3; a peer not heard from for
-        `deadline` seconds (stopped, its host gone, a cable pulled: nothing
-        closes the sockets) is lost: its transfers fail with PeerLostError."""
-        loop = self._engine._loop
-        interval = deadline / 3
-        while not (self._closed or self._control_lost):
-            slept = loop.time()
-            await asyncio.sleep(interval)
-            now = loop.time()
-            if now - slept > interval + deadline / 2:
-                # We overslept by far: this process was stopped or starved,
-                # so the silence is ours, not the peer's. A new window.
-                self._last_heard = now
-            silent = now - self._last_heard
-            if silent > deadline:
-                log.warning("kvflow: peer %s silent for %.1f s: declaring it lost", self.address, silent)
-                self._stop_acks()                  # before its fd closes (a reused fd must not keep our reader)
-                self._channel.close()              # in-flight batches fail now
-                self._writer.transport.abort()     # ends _read_control → lost callbacks
-                return
-            try:
-                self._send({"t": "ping"})
-            except PeerLostError:
-                return
-
-    async def _read_control(self) -> None:
-        try:
-            while True:
-                msg = await read_message(self._reader)
-                self._last_heard = self._engine._loop.time()
-                t = msg["t"]
-                if t == "pong":
-                    continue
-                if t == "regions":
-                    self._on_regions(msg)
-                elif t == "descriptor":
-                    d = Descriptor.from_wire(msg.get("descriptor"))
-                    self.descriptor = d
-                    self._set_regions(d.regions)
-                    waiters, self._refresh_waiters = self._refresh_waiters, []
-                    for w in waiters:
-                        if not w.done():
-                            w.set_result(None)
-                elif t in ("rdma_accept", "rdma_error"):
-                    w = self._replies.get(msg.get("rid"))   # type: ignore[arg-type]
-                    if w is not None and not w.done():
-                        w.set_result(msg)
-                elif t == "bye":
-                    break
-                else:
-                    raise ProtocolError(f"unexpected message {clip(t)} from {self.address}")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except (ProtocolError, ValueError, OverflowError) as e:
-            log.warning("kvflow: dropping control connection to %s: %s", self.address, e)
-        except asyncio.CancelledError:
-            return
-        finally:
-            self._control_lost = True
-            for w in list(self._replies.values()):
-                if not w.done():
-                    w.set_exception(PeerLostError(f"peer {self.address} is gone", peer=self.address))
-            for w in self._refresh_waiters:
-                if not w.done():
-                    w.set_exception(PeerLostError(f"peer {self.address} is gone", peer=self.address))
-            self._refresh_waiters = []
-        # The control connection is the peer's lifeline for the local and
-        # rdma providers (no data sockets to notice a death).
-        if self.transport in ("local", "rdma"):
-            self._channel.close()
-        self._fire_lost()
 
     async def close(self) -> None:
         """Closes the connection to the peer; in-flight transfers fail with
@@ -466,32 +361,10 @@ class Peer:
             return
         self._closed = True
         self._engine._forget_peer(self)
-        if self._keepalive_task is not None:
-            self._keepalive_task.cancel()
-        if self._rails is not None:
-            self._rails.stop()
         self._fire_lost()
-        self._stop_acks()
-        self._channel.close()
-        if self._engine._rdma is not None:
-            self._engine._rdma.forget_channel(self._channel)
+        self._close_channel()
         self._channel = _ClosedChannel(self.address)
-        if not self._writer.is_closing():
-            try:
-                self._writer.write(encode({"t": "bye"}))
-            except Exception:
-                pass
-            self._writer.close()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            try:
-                await self._reader_task
-            except BaseException:
-                pass
-        try:
-            await self._writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
+        await self._session.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("alive" if self.alive else "lost")
@@ -524,3 +397,36 @@ class _ClosedChannel:
 
     def close(self) -> None:
         pass
+
+
+class _Link:
+    """What providers may use of a peer (kvflow.providers.base.PeerLink):
+    never the Peer itself."""
+
+    __slots__ = ("_peer", "address")
+
+    def __init__(self, peer: Peer) -> None:
+        self._peer = peer
+        self.address = peer.address
+
+    @property
+    def descriptor(self) -> Descriptor:
+        return self._peer.descriptor
+
+    @property
+    def table(self) -> Any:
+        return self._peer._table
+
+    @property
+    def alive(self) -> bool:
+        """Not closed, and the control connection is up (the channel may be down)."""
+        return not self._peer._closed and not self._peer._session.lost
+
+    async def request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        return await self._peer._session.request(msg, timeout)
+
+    async def close(self) -> None:
+        await self._peer.close()
+
+    def __repr__(self) -> str:
+        return f"<kvflow peer link {self.address}>"

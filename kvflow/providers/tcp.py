@@ -1,22 +1,33 @@
-"""tcp data connections: opened with the session token's hello, tuned so
-that a dead rail is noticed by the kernel's timers, and bound to the local
-rail they were paired with. kvflow.schedule.rails rebuilds failed ones."""
+"""The tcp provider: data connections opened with the session token's
+hello, tuned so that a dead rail is noticed by the kernel's timers, bound to
+the local rail they were paired with (kvflow.schedule.rails: RailPlan), and
+rebuilt when they fail (RailWatcher); the data listeners of the target side."""
 from __future__ import annotations
 
 import asyncio
+import errno as errno_mod
+import ipaddress
 import logging
 import socket
+from dataclasses import dataclass
+from typing import Any, Awaitable
 
-from kvflow.errors import PeerUnreachableError, ProtocolError
+from kvflow import _core
+from kvflow.control.descriptor import Descriptor
 from kvflow.control.wire import (
     DATA_HEADER,
     DATA_HELLO,
     DATA_HELLO_ACK,
     DATA_MAGIC,
+    DATA_ROLE_ACK,
+    DATA_ROLE_DATA,
     DATA_WIRE_VERSION,
 )
+from kvflow.errors import InvalidArgumentError, PeerUnreachableError, ProtocolError, ProviderUnavailableError
+from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext
+from kvflow.schedule.rails import MAX_CONNECTIONS, DataConn, RailPlan, RailWatcher, check_rails
 
-__all__ = ["bind_source", "hello_frame", "open_data_socket", "tune_data_socket"]
+__all__ = ["TcpOptions", "TcpProvider", "bind_source", "control_addresses", "hello_frame", "open_data_socket", "tune_data_socket"]
 
 log = logging.getLogger("kvflow")
 
@@ -105,3 +116,249 @@ async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int
     except BaseException:
         s.close()
         raise
+
+
+async def control_addresses(host: str, advertise: str | None) -> list[str]:
+    """The addresses the control connection may arrive on, for rails="auto"
+    to leave their links out: the listen host (a literal, or what its name
+    resolves to) and the advertised host (likewise). A wildcard listen host
+    is none of them: with no `advertise`, nothing is left out (peers may
+    come in by any link; the engine cannot tell which)."""
+    found: list[str] = []
+    for name in (host, advertise):
+        if not name or name in ("0.0.0.0", "::", ""):
+            continue
+        try:
+            found.append(str(ipaddress.ip_address(name)))
+            continue
+        except ValueError:
+            pass
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.info("kvflow: rails=auto: %s does not resolve (%s); its link is not left out", name, e)
+            continue
+        found += [str(info[4][0]) for info in infos]
+    return list(dict.fromkeys(a.split("%")[0] for a in found))
+
+
+@dataclass
+class TcpOptions:
+    """The tcp provider's options (Engine(tcp_connections=, rails=, slice_size=)).
+
+    connections: data connections per peer and rail (1..64 in all);
+    rails: local rail addresses, or "auto" (from the topology at start);
+    slice_size: bytes per slice (a slice is one frame on the wire)."""
+
+    connections: int = 2
+    rails: list[str] | str | None = None
+    slice_size: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.connections <= MAX_CONNECTIONS or self.slice_size < 4096:
+            raise InvalidArgumentError(f"tcp_connections must be 1..{MAX_CONNECTIONS} and slice_size >= 4096")
+        if self.rails is not None and not isinstance(self.rails, str):
+            self.rails = list(self.rails)       # once: a generator would be spent by the "auto" test
+        if self.auto:
+            return
+        self.rails = check_rails(self.rails)
+
+    @property
+    def auto(self) -> bool:
+        """rails="auto": resolved at start, from the topology."""
+        return self.rails == "auto" or self.rails == ["auto"]
+
+
+class TcpProvider(Provider):
+    """tcp: data connections per peer (tcp_connections per rail), slices
+    spread over all of them, sent straight from registered memory and
+    received straight into it; write acks on the loop (one rail: an ack
+    connection of their own). The target side is a data listener per rail
+    whose connections the native core serves once their hello shows a
+    session token of an authenticated handshake."""
+
+    name = "tcp"
+    caps = Caps(remote=True, same_host=True, detached=True)
+    # an idle loopback link, for estimate(): a round trip and the stream's rate
+    LATENCY_S = 40e-6
+    BYTES_PER_S = 3e9
+
+    def __init__(self, ctx: ProviderContext, options: TcpOptions, *, host: str, advertise: str | None) -> None:
+        self.ctx = ctx
+        self.options = options
+        self._host = host
+        self._advertise = advertise
+        self.rails = RailPlan([] if options.auto else list(options.rails or []))
+        self._socks: list[socket.socket] = []
+        self.endpoints: list[tuple[str, int]] = []
+        self._accepts: list[asyncio.Task[None]] = []
+        self._watchers: dict[int, RailWatcher] = {}     # id(channel) -> its watcher
+        self._acks: dict[int, int] = {}                 # id(channel) -> its ack fd, read by the loop
+
+    # ------------------------------------------------------------ lifecycle
+    def use_topology(self, control_hosts: list[str]) -> None:
+        """Takes the context's topology for the rails: their NICs, and with
+        rails="auto" the rails themselves (Topology.tcp_rails for the
+        location, the links of the control addresses left out)."""
+        topology = self.ctx.topology
+        assert topology is not None
+        if self.options.auto:
+            found = topology.tcp_rails(self.ctx.location, exclude=control_hosts)[:MAX_CONNECTIONS]
+            if not found:
+                log.warning("kvflow: rails=auto: the topology has no netdev with an IPv4 address for %s; "
+                            "one rail on the listen host", self.ctx.location)
+            else:
+                log.info("kvflow: tcp rails for %s from the topology: %s", self.ctx.location,
+                         ", ".join(f"{a} ({n})" for n, a in found))
+            self.rails = RailPlan([str(ipaddress.ip_interface(a).ip) for _, a in found])
+        self.rails.use_topology(topology, self.ctx.location)
+
+    async def start(self) -> None:
+        """The rails (use_topology), then a data listener per rail (one on
+        the listen host without rails)."""
+        self.use_topology(await control_addresses(self._host, self._advertise) if self.options.auto else [])
+        adv = self._advertise or (self._host if self._host not in ("0.0.0.0", "::") else socket.gethostname())
+        for rail in self.rails.rails or [self._host]:
+            ds = socket.socket(socket.AF_INET6 if ":" in rail else socket.AF_INET)
+            self._socks.append(ds)
+            ds.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ds.bind((rail, 0))
+            ds.listen(256)
+            ds.setblocking(False)
+            self.endpoints.append((rail if self.rails.rails else adv, ds.getsockname()[1]))
+            self._accepts.append(self.ctx.loop.create_task(self._accept(ds)))
+
+    async def close(self) -> None:
+        for t in self._accepts:
+            t.cancel()
+        if self._accepts:
+            await asyncio.gather(*self._accepts, return_exceptions=True)
+        self._accepts = []
+        for ds in self._socks:
+            ds.close()
+        for w in self._watchers.values():
+            w.stop()
+        self._watchers.clear()
+        for fd in self._acks.values():
+            self.ctx.loop.remove_reader(fd)
+        self._acks.clear()
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = self.ctx.loop
+        where = "%s:%d" % listener.getsockname()[:2]
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except asyncio.CancelledError:
+                return
+            except OSError as e:
+                if e.errno in (errno_mod.EBADF, errno_mod.EINVAL):
+                    return                      # the listener was closed
+                # out of descriptors or memory, or a connection that died in
+                # the accept queue: keep serving
+                log.warning("kvflow: accept on %s failed: %s", where, e)
+                await asyncio.sleep(0.1 if e.errno in (errno_mod.EMFILE, errno_mod.ENFILE,
+                                                       errno_mod.ENOBUFS, errno_mod.ENOMEM) else 0)
+                continue
+            conn.setblocking(True)
+            tune_data_socket(conn, self.ctx.keepalive)
+            # The native thread checks the session token before touching memory.
+            self.ctx.core.serve(conn.detach())
+
+    # ------------------------------------------------------------ descriptor
+    def describe(self) -> dict[str, Any]:
+        return {"data": list(self.endpoints),
+                "rail_nics": list(self.rails.nics) if self.rails.rails else None}
+
+    def reaches(self, address: str, remote: Descriptor) -> str | None:
+        return None if remote.data else f"{address} publishes no tcp endpoint"
+
+    def estimate(self, nbytes: int, entries: int) -> float:
+        return self.LATENCY_S + nbytes / self.BYTES_PER_S
+
+    # ------------------------------------------------------------ peers
+    async def connect(self, link: PeerLink, remote: Descriptor, token: bytes) -> Any:
+        if not remote.data:
+            raise ProviderUnavailableError(f"{link.address} publishes no tcp endpoint", peer=link.address)
+        # tcp_connections per rail (at most 64 in all); with one rail the
+        # target sends write acks on an extra connection that this loop
+        # reads directly, with several each connection carries its own (a
+        # rail that dies takes its acks with it, nobody else's).
+        groups = self.rails.plan(remote)
+        per_rail = max(1, min(self.options.connections, MAX_CONNECTIONS // len(groups)))
+        plan = [DataConn(i, host, port, source)
+                for i, (source, host, port) in enumerate([g for g in groups for _ in range(per_rail)])]
+        keepalive = self.ctx.keepalive
+
+        def open_one(c: DataConn, role: int, index: int | None = None) -> Awaitable[socket.socket]:
+            # index: the hello's index byte (a rebuilt connection's carries its epoch)
+            return open_data_socket(self.ctx.loop, c.host, c.port, token, role,
+                                    c.index if index is None else index,
+                                    keepalive=keepalive, peer=link.address, source=c.source)
+
+        ack_sock: socket.socket | None = None
+        got: list[Any] = []
+        try:
+            if len(groups) == 1:
+                # the ack connection first: the target sends acks on it once it exists
+                ack_sock = await open_one(plan[0], DATA_ROLE_ACK)
+            got = await asyncio.gather(*(open_one(c, DATA_ROLE_DATA) for c in plan),
+                                       return_exceptions=True)
+            errors = [g for g in got if isinstance(g, BaseException)]
+            fatal = [g for g in errors if not isinstance(g, (PeerUnreachableError, ProtocolError))]
+            if fatal:
+                raise fatal[0]
+            if errors and (len(groups) == 1 or len(errors) == len(got)):
+                raise errors[0]
+        except BaseException:
+            for s in [ack_sock, *got]:
+                if isinstance(s, socket.socket):
+                    s.close()
+            raise
+        for c, g in zip(plan, got):
+            if isinstance(g, socket.socket):
+                c.local = g.getsockname()[0]
+            else:
+                log.warning("kvflow: %s: rail %s:%d is down at connect (%s); it is retried in the background",
+                            link.address, c.host, c.port, g)
+        # All stay non-blocking: the loop reads the ack socket and may splice
+        # small batches into a data socket; the native threads poll().
+        fds = [g.detach() if isinstance(g, socket.socket) else -1 for g in got]
+        channel = _core.TcpChannel(self.ctx.core, link.table, link.address, fds,
+                                   ack_sock.detach() if ack_sock is not None else -1, self.options.slice_size)
+        self._watchers[id(channel)] = RailWatcher(link.address, lambda: link.alive, channel, plan,
+                                                  lambda c, tag: open_one(c, DATA_ROLE_DATA, tag))
+        return channel
+
+    def started(self, link: PeerLink, channel: Any) -> None:
+        w = self._watchers.get(id(channel))
+        if w is not None:
+            w.start()
+        if channel.ack_fd >= 0:
+            self._acks[id(channel)] = channel.ack_fd
+            self.ctx.loop.add_reader(channel.ack_fd, self._on_acks, channel)
+
+    def _on_acks(self, channel: Any) -> None:
+        # Write acks read on the loop thread; their batches finish right here.
+        if not channel.poll_acks():
+            self._stop_acks(channel)
+        self.ctx.batches.on_completions()
+
+    def _stop_acks(self, channel: Any) -> None:
+        # before the fd closes: a reused fd must not keep our reader
+        fd = self._acks.pop(id(channel), None)
+        if fd is not None:
+            self.ctx.loop.remove_reader(fd)
+
+    def closed(self, channel: Any) -> None:
+        self._stop_acks(channel)
+        w = self._watchers.pop(id(channel), None)
+        if w is not None:
+            w.stop()
+
+    def abort_batch(self, channel: Any, batch_id: int) -> bool:
+        return bool(channel.abort_batch(batch_id))
+
+    def connections(self, channel: Any) -> list[dict[str, Any]]:
+        w = self._watchers.get(id(channel))
+        return w.stats() if w is not None else []

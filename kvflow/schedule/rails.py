@@ -1,27 +1,31 @@
 """tcp rails: data connections spread over several address pairs (one per
 NIC), kept alive by the kernel's timers, and rebuilt when they fail.
 
-A failed data connection hands its slices to the live ones natively
-(kvflow/_native/tcp_client.c); this module runs the per-peer watcher that
-brings a failed one back: it retries with exponential back-off (the rail is
-"blacklisted" meanwhile: no slice is placed on a dead connection) and
-probes the rail by connecting again.
+RailPlan says which local rail each group of data connections to a peer
+leaves by (both ends' topologies pair the rails). A failed data connection
+hands its slices to the live ones natively (kvflow/_native/tcp_client.c);
+RailWatcher brings a failed one back: it retries with exponential back-off
+(the rail is "blacklisted" meanwhile: no slice is placed on a dead
+connection) and probes the rail by connecting again.
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from kvflow._core import WIRE
-from kvflow.errors import PeerUnreachableError, ProtocolError
-from kvflow.providers.tcp import open_data_socket
+from kvflow.errors import InvalidArgumentError, PeerUnreachableError, ProtocolError
+from kvflow.topology import Topology, pair_tcp_rails, rail_order, route_to
 
 if TYPE_CHECKING:
-    from kvflow.engine.peer import Peer
+    import socket
 
-__all__ = ["DataConn", "RailWatcher"]
+    from kvflow.control.descriptor import Descriptor
+
+__all__ = ["MAX_CONNECTIONS", "DataConn", "RailPlan", "RailWatcher", "check_rails"]
 
 log = logging.getLogger("kvflow")
 
@@ -30,6 +34,70 @@ BACKOFF_MAX = 8.0
 WATCH_INTERVAL = 0.5
 # wire.h: a data hello's index byte is index | epoch << KVF_CONN_EPOCH_SHIFT
 EPOCH_SHIFT, EPOCH_MAX = WIRE["CONN_EPOCH_SHIFT"], WIRE["CONN_EPOCH_MAX"]
+MAX_CONNECTIONS = WIRE["CONN_INDEX_MASK"] + 1      # data connections per channel (the index's bits)
+
+
+def check_rails(rails: Sequence[str] | None) -> list[str]:
+    """`rails` as a list of distinct IP addresses (1..64); InvalidArgumentError otherwise."""
+    if rails is None:
+        return []
+    if isinstance(rails, str):
+        raise InvalidArgumentError(f"rails: a list of addresses, or 'auto' (got {rails!r})")
+    out = []
+    for r in rails:
+        try:
+            out.append(str(ipaddress.ip_address(r)))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"rail {r!r} is not an IP address of this host") from None
+    if not 1 <= len(out) <= MAX_CONNECTIONS or len(set(out)) != len(out):
+        raise InvalidArgumentError(f"rails: 1..{MAX_CONNECTIONS} distinct addresses")
+    return out
+
+
+class RailPlan:
+    """This engine's tcp rails (local addresses, one per NIC) and how the
+    data connections to a peer are laid over them."""
+
+    def __init__(self, rails: list[str]) -> None:
+        self.rails = rails
+        self.nics: list[str] = []      # per rail: its netdev ("" unknown)
+        self.ifaces: list[str] = []    # per rail: "ip/prefixlen" (the bare address where unknown)
+        self.topology: Topology | None = None
+        self.location = "cpu"
+
+    def use_topology(self, topology: Topology, location: str = "cpu") -> None:
+        """Takes `topology` as this host's: each rail's netdev and
+        "ip/prefixlen" come from it, for publishing and pairing."""
+        self.topology, self.location = topology, location
+        self.nics, self.ifaces = [], []
+        for rail in self.rails:
+            nic, iface = topology.interface_of(rail) or ("", rail)
+            self.nics.append(nic)
+            self.ifaces.append(iface)
+
+    def plan(self, desc: "Descriptor") -> list[tuple[str | None, str, int]]:
+        """(local source, host, port) of each group of data connections to
+        a peer. With rails on both ends (the peer publishing its rails'
+        NICs): each end's rails in the order its topology prefers for its
+        memory, paired by pair_tcp_rails, each group bound to its local
+        rail. Otherwise one group per peer endpoint, from where the kernel
+        chooses (as before rails were paired)."""
+        endpoints = desc.data[:MAX_CONNECTIONS]
+        plain: list[tuple[str | None, str, int]] = [(None, h, p) for h, p in endpoints]
+        if not self.rails or desc.rail_nics is None or self.topology is None:
+            return plain
+        topology = self.topology
+        mine = rail_order(self.nics, topology, self.location)
+        theirs = rail_order(desc.rail_nics[:len(endpoints)], desc.topology, desc.location)
+        networks = [a for n in topology.nics for a in n.addresses]
+        try:
+            pairs = pair_tcp_rails([self.ifaces[i] for i in mine], [endpoints[j][0] for j in theirs],
+                                   networks, nics=[self.nics[i] for i in mine],
+                                   route=lambda ip: route_to(ip, topology).netdev)
+        except ValueError:          # a peer endpoint that is not an IP address: nothing to pair
+            return plain
+        return [(None if li is None else self.rails[mine[li]], *endpoints[theirs[rj]])
+                for li, rj in pairs][:MAX_CONNECTIONS]
 
 
 @dataclass
@@ -49,12 +117,15 @@ class DataConn:
 
 @dataclass
 class RailWatcher:
-    """Rebuilds a tcp peer's failed data connections (see the module doc)."""
-    peer: "Peer"
+    """Rebuilds a tcp peer's failed data connections (see the module doc).
+    `alive()` says whether the peer is still in service; `open(conn, tag)`
+    opens one data connection whose hello carries `tag` (its index and
+    epoch) and returns the socket once the target accepted it."""
+    address: str
+    alive: Callable[[], bool]
+    channel: Any
     conns: list[DataConn]
-    token: bytes
-    role: int
-    keepalive: float
+    open: Callable[[DataConn, int], Awaitable["socket.socket"]]
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -69,9 +140,8 @@ class RailWatcher:
         """Per data connection: endpoint, source (the local rail it is
         bound to; None: the kernel's choice), local (the address it left
         from), up, bytes, slices moved, failures, rebuilds."""
-        native = self.peer._channel.conn_stats() if hasattr(self.peer._channel, "conn_stats") else []
         out = []
-        for c, n in zip(self.conns, native):
+        for c, n in zip(self.conns, self.channel.conn_stats()):
             out.append({"index": c.index, "endpoint": f"{c.host}:{c.port}", "source": c.source,
                         "local": c.local, **n,
                         "rebuilt": c.rebuilt})
@@ -79,19 +149,16 @@ class RailWatcher:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        peer = self.peer
-        while not (peer._closed or peer._control_lost):
+        channel = self.channel
+        while self.alive():
             await asyncio.sleep(WATCH_INTERVAL)
-            channel = peer._channel
-            if not hasattr(channel, "dead_conns"):
-                return
             now = loop.time()
             for i in channel.dead_conns():
                 c = self.conns[i]
                 if c.down_since is None:
                     c.down_since, c.next_try, c.backoff = now, now + BACKOFF_MIN, BACKOFF_MIN
                     log.warning("kvflow: %s: data connection %d (%s:%d) failed; its slices moved to "
-                                "the other connections", peer.address, i, c.host, c.port)
+                                "the other connections", self.address, i, c.host, c.port)
                 if now < c.next_try:
                     continue
                 c.next_try = loop.time() + c.backoff
@@ -101,12 +168,11 @@ class RailWatcher:
                 # are told apart (wire.h, KVF_CONN_EPOCH_*)
                 tag = i | (((c.rebuilt + 1) & EPOCH_MAX) << EPOCH_SHIFT)
                 try:
-                    s = await open_data_socket(loop, c.host, c.port, self.token, self.role, tag,
-                                               keepalive=self.keepalive, peer=peer.address, source=c.source)
+                    s = await self.open(c, tag)
                 except (PeerUnreachableError, ProtocolError, OSError) as e:
-                    log.debug("kvflow: %s: rebuilding data connection %d: %s", peer.address, i, e)
+                    log.debug("kvflow: %s: rebuilding data connection %d: %s", self.address, i, e)
                     continue
-                if peer._closed or peer._channel is not channel:
+                if not self.alive() or self.task is None:
                     s.close()
                     return
                 local = s.getsockname()[0]
@@ -114,6 +180,6 @@ class RailWatcher:
                     continue
                 c.local = local
                 log.warning("kvflow: %s: data connection %d (%s:%d) is back after %.1f s",
-                            peer.address, i, c.host, c.port, loop.time() - c.down_since)
+                            self.address, i, c.host, c.port, loop.time() - c.down_since)
                 c.down_since = None
                 c.rebuilt += 1

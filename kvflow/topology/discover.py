@@ -13,6 +13,7 @@ import struct
 import subprocess
 from collections.abc import Mapping, Sequence
 
+from kvflow.config import env_str
 from kvflow.topology.model import (_BDF, _GPU_CLASSES, _NVIDIA, IB_MTUS, ROCE_OVERHEAD, TOPOLOGY_ENV, Gid,
                                    Gpu, Nic, NicKind, NumaNode, RdmaPort, Topology, _natural, gid_text)
 
@@ -270,7 +271,7 @@ def host_topology(sysfs_root: str = "/sys", procfs: str = "/proc", *,
     """discover() (with `addresses`, as there), overridden by the file
     KVFLOW_TOPOLOGY names when it is set. Raises TopologyError for a bad
     file."""
-    path = os.environ.get(TOPOLOGY_ENV)
+    path = env_str(TOPOLOGY_ENV)
     base = discover(sysfs_root, procfs, addresses=addresses)
     return Topology.load(path, base=base) if path else base
 
@@ -281,7 +282,7 @@ def cached_host_topology(fresh_addresses: bool = False) -> Topology:
     them). fresh_addresses: with this machine's addresses as they are now
     (live_addresses(), one `ip` call: an address added or moved since is
     seen), for callers that pick addresses from it (rails="auto")."""
-    path = os.environ.get(TOPOLOGY_ENV)
+    path = env_str(TOPOLOGY_ENV)
     if not fresh_addresses:
         return _cached(path, None)
     return _cached(path, json.dumps(live_addresses(), sort_keys=True))

@@ -1,16 +1,8 @@
-"""Host topology: NICs (RDMA devices and netdevs), NUMA nodes, GPUs and the
-PCI paths between them; which NICs should serve a memory location; the
-preference an engine publishes to its peers; and how two ends pair rails.
-
-Discovery reads sysfs (and /proc), never a device: it costs a few hundred
-small file reads and works without libibverbs or a GPU driver. A JSON file
-(`Topology.load`, or the environment variable KVFLOW_TOPOLOGY) overrides
-what discovery found, for hosts whose sysfs lies (VMs, containers) or
-whose operators want fixed rails.
-
-Memory locations are strings: "cpu" (host memory, no particular node),
-"cpu:N" (host memory on NUMA node N), "cuda:N" (GPU N).
-"""
+"""The topology's types: NICs (RDMA devices and netdevs) and their ports
+and GIDs, NUMA nodes, GPUs, and Topology, which says which NICs should
+serve a memory location ("cpu", "cpu:N", "cuda:N") and is what an engine
+publishes to its peers. Read from sysfs by kvflow.topology.discover, from
+a file by kvflow.topology.schema."""
 from __future__ import annotations
 
 import ipaddress

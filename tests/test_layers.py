@@ -1,0 +1,153 @@
+"""The layering of the package, checked from its source (every import is
+parsed, type-only ones under TYPE_CHECKING included):
+
+- providers/, schedule/, topology/, control/ and metadata/ never import
+  engine/ (a lower layer gets a small object: ProviderContext, PeerLink,
+  BatchSink, never the Engine or the Peer); schedule/ holds policies the
+  providers and the engine use, and imports neither;
+- the library never imports cli/, connector/, compat/, examples or tools;
+- no provider name is compared as a string outside providers/ (decisions
+  ask a provider's caps). Exempt: topology/, whose strings name memory
+  locations ("cuda:N") and NIC kinds ("rdma"), and the outer layers' input
+  parsing (cli/ flags, compat/'s Mooncake protocol argument), which turn
+  what a user wrote into protocols;
+- connector/ and compat/ use kvflow's public names: no private attribute
+  of the engine's layers is reached from them.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import kvflow
+
+PKG = pathlib.Path(kvflow.__file__).parent
+PROVIDER_NAMES = {"local", "tcp", "rdma", "cuda", "relay"}
+LOWER = ("providers", "schedule", "topology", "control", "metadata")
+OUTER = ("cli", "connector", "compat")
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module: str, tree: ast.Module) -> set[str]:
+    """Every module `module` imports, absolute, wherever the import sits."""
+    found: set[str] = set()
+    package = module if module in MODULES and _is_package(module) else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)   # `from kvflow import engine`
+    return found
+
+
+def _is_package(module: str) -> bool:
+    return (PKG.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _inside(name: str, layer: str) -> bool:
+    return name == f"kvflow.{layer}" or name.startswith(f"kvflow.{layer}.")
+
+
+def test_the_parser_sees_the_layers():
+    # a walk that found nothing would pass every rule below
+    assert {"kvflow.engine.engine", "kvflow.providers.base", "kvflow.control.server"} <= set(MODULES)
+    assert "kvflow.providers.base" in _imports("kvflow.providers.tcp", MODULES["kvflow.providers.tcp"])
+
+
+@pytest.mark.parametrize("layer", LOWER)
+def test_lower_layers_never_import_the_engine(layer):
+    bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) == layer
+                 for i in _imports(m, tree) if _inside(i, "engine"))
+    assert not bad, f"{layer}/ imports engine/: {bad}"
+
+
+def test_schedule_imports_no_provider():
+    bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) == "schedule"
+                 for i in _imports(m, tree) if _inside(i, "providers"))
+    assert not bad, f"schedule/ imports providers/: {bad}"
+
+
+def test_the_library_never_imports_outer_layers():
+    bad = []
+    for m, tree in MODULES.items():
+        if _layer(m) in OUTER:
+            continue
+        for i in _imports(m, tree):
+            if any(_inside(i, o) for o in OUTER) or i.split(".")[0] in ("examples", "tools"):
+                bad.append((m, i))
+    assert not bad, f"the library imports an outer layer: {sorted(bad)}"
+
+
+def _provider_literals(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & PROVIDER_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_provider_literals(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def test_no_provider_name_compared_outside_providers():
+    bad = []
+    for m, tree in MODULES.items():
+        if _layer(m) in ("providers", "topology", "cli", "compat"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                names = set().union(*(_provider_literals(x) for x in [node.left, *node.comparators]))
+                if names:
+                    bad.append(f"{m}:{node.lineno} compares with {sorted(names)}")
+    assert not bad, "provider names compared as strings (ask Provider.caps):\n" + "\n".join(bad)
+
+
+def _private_names(layers: tuple[str, ...]) -> set[str]:
+    """Private attributes and methods the given layers define."""
+    names: set[str] = set()
+    for m, tree in MODULES.items():
+        if _layer(m) not in layers:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_") \
+                    and not node.name.startswith("__"):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    node.attr.startswith("_") and not node.attr.startswith("__"):
+                names.add(node.attr)
+    return names
+
+
+@pytest.mark.parametrize("outer", ["connector", "compat"])
+def test_outer_layers_use_public_names(outer):
+    inner = _private_names(("engine", "providers", "control", "schedule"))
+    own = _private_names((outer,))
+    bad = []
+    for m, tree in MODULES.items():
+        if _layer(m) != outer:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in inner and node.attr not in own:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    bad.append(f"{m}:{node.lineno} .{node.attr}")
+    assert not bad, f"{outer}/ reaches into the engine's privates:\n" + "\n".join(bad)
