@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from kvflow._core import WIRE
 from kvflow.errors import InvalidArgumentError, PeerUnreachableError, ProtocolError
+from kvflow.schedule.health import Backoff
 from kvflow.topology import Topology, pair_tcp_rails, rail_order, route_to
 
 if TYPE_CHECKING:
@@ -109,9 +110,7 @@ class DataConn:
     port: int
     source: str | None = None
     local: str | None = None       # the address it left from, last time it was opened
-    backoff: float = BACKOFF_MIN
-    next_try: float = 0.0
-    down_since: float | None = None
+    health: Backoff | None = None  # its rebuild back-off (RailWatcher sets it)
     rebuilt: int = 0
 
 
@@ -127,6 +126,11 @@ class RailWatcher:
     conns: list[DataConn]
     open: Callable[[DataConn, int], Awaitable["socket.socket"]]
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        clock = asyncio.get_running_loop().time
+        for c in self.conns:
+            c.health = Backoff(BACKOFF_MIN, BACKOFF_MAX, clock)
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -148,21 +152,19 @@ class RailWatcher:
         return out
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         channel = self.channel
         while self.alive():
             await asyncio.sleep(WATCH_INTERVAL)
-            now = loop.time()
             for i in channel.dead_conns():
                 c = self.conns[i]
-                if c.down_since is None:
-                    c.down_since, c.next_try, c.backoff = now, now + BACKOFF_MIN, BACKOFF_MIN
+                health = c.health
+                assert health is not None
+                if health.failed():
                     log.warning("kvflow: %s: data connection %d (%s:%d) failed; its slices moved to "
                                 "the other connections", self.address, i, c.host, c.port)
-                if now < c.next_try:
+                if not health.due():
                     continue
-                c.next_try = loop.time() + c.backoff
-                c.backoff = min(c.backoff * 2, BACKOFF_MAX)
+                health.attempted()
                 # the hello carries the connection's next epoch: the target
                 # echoes it in acks, so acks of the connection it replaces
                 # are told apart (wire.h, KVF_CONN_EPOCH_*)
@@ -180,6 +182,5 @@ class RailWatcher:
                     continue
                 c.local = local
                 log.warning("kvflow: %s: data connection %d (%s:%d) is back after %.1f s",
-                            self.address, i, c.host, c.port, loop.time() - c.down_since)
-                c.down_since = None
+                            self.address, i, c.host, c.port, health.succeeded())
                 c.rebuilt += 1

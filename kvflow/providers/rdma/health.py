@@ -16,7 +16,7 @@ import socket
 from typing import Any
 
 from kvflow.providers.base import PeerLink
-from kvflow.providers.rdma.options import (DEVICE_CHECK, NETLINK_KOBJECT_UEVENT, REOPEN_RETRY, _verbs,
+from kvflow.providers.rdma.options import (DEVICE_CHECK, NETLINK_KOBJECT_UEVENT, _verbs,
                                            choose_ack_timeout, choose_worker_posts)
 
 __all__ = ["DeviceHealth"]
@@ -163,7 +163,7 @@ class DeviceHealth:
         self.device_down.pop(index, None)
         self.device_down_at.pop(index, None)
         self._reopen_failed.pop(index, None)
-        self._reopen_delay = REOPEN_RETRY
+        self._reopen_backoff.succeeded()
         self._watch(d)
         self.ctx.rekeyed({rid: (reg.lkeys, reg.rkeys) for rid, reg in self._mrs.items()})
         gone = [(peer, ch, i) for peer, ch, i in self._qps_on(index) if ch.stats()[i]["state"] == QP_GONE]
@@ -179,10 +179,10 @@ class DeviceHealth:
             log.info("kvflow: rdma device %s is listed again but not usable yet (%s); trying again",
                      self.devices[index].name, why)
             self._reopen_failed[index] = why
-        if self._reopen_timer is not None or self._reopen_delay >= DEVICE_CHECK:
+        self._reopen_backoff.failed()
+        if self._reopen_timer is not None or self._reopen_backoff.delay >= DEVICE_CHECK:
             return                           # the periodic check tries from then on
-        self._reopen_timer = self.ctx.loop.call_later(self._reopen_delay, self._reopen_again)
-        self._reopen_delay *= 2
+        self._reopen_timer = self.ctx.loop.call_later(self._reopen_backoff.attempted(), self._reopen_again)
 
     def _reopen_again(self) -> None:
         self._reopen_timer = None

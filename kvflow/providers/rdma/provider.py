@@ -28,6 +28,7 @@ from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext, Reg
 from kvflow.providers.rdma.health import DeviceHealth
 from kvflow.providers.rdma.options import (  # noqa: F401 (re-exported: the provider's public names)
     DEAD_AFTER,
+    DEVICE_CHECK,
     LARGE_REGION,
     MAX_TARGET_QPS,
     NOTIFY_SLOTS,
@@ -44,6 +45,7 @@ from kvflow.providers.rdma.options import (  # noqa: F401 (re-exported: the prov
     is_software,
 )
 from kvflow.providers.rdma.repair import QpRepair, _accepted
+from kvflow.schedule.health import Backoff
 from kvflow.status import WC_STATUS
 from kvflow.topology import NicKind, Topology, match_rails
 
@@ -163,7 +165,9 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         self._removed: set[int] = set()
         self._reopen_failed: dict[int, str] = {}                      # index -> why (logged once)
         self._reopen_timer: asyncio.TimerHandle | None = None
-        self._reopen_delay = REOPEN_RETRY
+        # retries of a device listed again but not usable yet: REOPEN_RETRY
+        # doubling until the periodic check (DEVICE_CHECK) takes over
+        self._reopen_backoff = Backoff(REOPEN_RETRY, DEVICE_CHECK, ctx.loop.time)
         self._names_seen = set(_verbs.device_names())                  # a new one is logged once
         self._device_back: dict[int, asyncio.Event] = {}
         self._uevents: socket.socket | None = None

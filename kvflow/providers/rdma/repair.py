@@ -14,6 +14,7 @@ from typing import Any
 from kvflow.errors import ProtocolError, ProviderUnavailableError
 from kvflow.providers.base import PeerLink
 from kvflow.providers.rdma.options import DEAD_AFTER, PROBE_TIMEOUT, QP_DEPTH, REPAIR_MAX, REPAIR_MIN, _verbs
+from kvflow.schedule.health import Backoff
 
 __all__ = ["QpRepair"]
 
@@ -149,14 +150,15 @@ class QpRepair:
         self._repairing.add(key)
         dev = ch.qp_device(index)
         self.device_errors[dev.index] += 1
-        delay = REPAIR_MIN
+        backoff = Backoff(REPAIR_MIN, REPAIR_MAX, self.ctx.loop.time)
+        backoff.failed()
         try:
             while ch.alive and peer.alive:
                 if dev.index in self.device_gone:
                     return
                 if dev.index in self.device_down:
                     # no use trying before the back-off (or the port's return)
-                    await self._wait_back(dev.index, delay)
+                    await self._wait_back(dev.index, backoff.delay)
                     if dev.index in self.device_gone:
                         return
                 why = await self._reconnect(peer, ch, index)
@@ -174,11 +176,11 @@ class QpRepair:
                                     peer.address, why)
                         await peer.close()
                         return
+                wait = backoff.attempted()
                 log.warning("kvflow: rdma QP %d to %s on %s is still down (%s); next try in %.1f s",
-                            index, peer.address, dev.name, why, delay)
+                            index, peer.address, dev.name, why, wait)
                 if dev.index not in self.device_down:
-                    await self._wait_back(dev.index, delay)
-                delay = min(delay * 2, REPAIR_MAX)
+                    await self._wait_back(dev.index, wait)
         finally:
             self._repairing.discard(key)
 
