@@ -307,6 +307,18 @@ cdef class Channel:
         """Told how long a poll with `budget` took (adaptive providers)."""
         pass
 
+    def abort_batch(self, uint64_t batch_id):
+        """A cancelled batch still on the wire after its drain grace: the
+        provider makes sure none of its bytes lands later (tcp resets the
+        connections still holding its slices: kvf_tcp_channel_abort_batch).
+        Returns how many it reset (0 for providers that need not)."""
+        cdef int n = 0
+        with self.use_lock:
+            if self.cch != NULL:
+                with nogil:
+                    n = kvf_channel_abort_batch(self.cch, batch_id)
+        return n
+
     def submit(self, int op, local_addrs, remote_addrs, lengths):
         """Submits without polling: for callers that do not await the batch
         at once (write_nowait), whose completions must come through the
@@ -389,7 +401,8 @@ cdef class LocalChannel(Channel):
 
     def __dealloc__(self):
         if self.ch != NULL:
-            kvf_local_channel_free(self.ch)
+            self.cch = NULL
+            kvf_channel_free(<kvf_channel *>self.ch)
             self.ch = NULL
 
     @property
@@ -401,7 +414,7 @@ cdef class LocalChannel(Channel):
         # hold it; it refuses new batches from now on
         self.closed = True
         if self.ch != NULL:
-            kvf_local_channel_close(self.ch)
+            kvf_channel_close(self.cch)
 
 
 def probe_process(int pid, uint64_t addr, size_t length):
@@ -446,7 +459,7 @@ cdef class TcpChannel(Channel):
         if self.ch != NULL:
             self.cch = NULL
             with nogil:
-                kvf_tcp_channel_free(self.ch)
+                kvf_channel_free(<kvf_channel *>self.ch)
             self.ch = NULL
 
     cdef uint64_t _poll_budget(self, uint64_t total):
@@ -504,15 +517,6 @@ cdef class TcpChannel(Channel):
             out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures})
         return out
 
-    def abort_batch(self, uint64_t batch_id):
-        """Resets the connections still holding slices of cancelled batch
-        `batch_id` (see kvf_tcp_channel_abort_batch); returns how many."""
-        cdef int n = 0
-        if self.ch != NULL:
-            with nogil:
-                n = kvf_tcp_channel_abort_batch(self.ch, batch_id)
-        return n
-
     def replace(self, int index, int fd):
         """Hands a new connected socket (hello done) to dead connection
         `index`; the channel owns fd afterwards (closed on failure too)."""
@@ -533,5 +537,5 @@ cdef class TcpChannel(Channel):
             if self.ch != NULL:
                 self.cch = NULL
                 with nogil:
-                    kvf_tcp_channel_free(self.ch)
+                    kvf_channel_free(<kvf_channel *>self.ch)
                 self.ch = NULL

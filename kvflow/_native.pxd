@@ -123,3 +123,6 @@ cdef extern from "_native/provider.h" nogil:
         pass
     int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                         size_t n, uint64_t budget_ns, uint64_t *id_out, size_t *bad, int *finished)
+    int kvf_channel_abort_batch(kvf_channel *ch, uint64_t id)
+    void kvf_channel_close(kvf_channel *ch)
+    void kvf_channel_free(kvf_channel *ch)

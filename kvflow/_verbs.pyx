@@ -23,7 +23,7 @@ from kvflow._core cimport Core, RemoteTable, Channel
 POLL_MAX_BYTES = 64 << 10
 POLL_MIN_NS = 20_000
 POLL_MAX_NS = 2_000_000
-from kvflow._native cimport kvf_ctx, kvf_channel, KVF_OK, KVF_ECLOSED
+from kvflow._native cimport kvf_ctx, kvf_channel, kvf_channel_free, KVF_OK, KVF_ECLOSED
 
 RECV_BYTES = KVF_RDMA_RECV_BYTES
 OP_SEND = KVF_OP_SEND
@@ -644,7 +644,7 @@ cdef class RdmaChannel(Channel):
             if self.ch != NULL:
                 self.cch = NULL
                 with nogil:
-                    kvf_rdma_chan_free(self.ch)
+                    kvf_channel_free(<kvf_channel *>self.ch)
                 self.ch = NULL
                 for d, depth in zip(self.devs, self.depths):
                     (<Device>d).release(depth)
@@ -654,7 +654,7 @@ cdef class RdmaChannel(Channel):
     def __dealloc__(self):
         if self.ch != NULL:
             self.cch = NULL
-            kvf_rdma_chan_free(self.ch)
+            kvf_channel_free(<kvf_channel *>self.ch)
             self.ch = NULL
 
 

@@ -530,6 +530,14 @@ int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t 
     return rc;
 }
 
+int kvf_channel_abort_batch(kvf_channel *ch, uint64_t id) {
+    return ch->ops->abort_batch ? ch->ops->abort_batch(ch, id) : 0;
+}
+
+void kvf_channel_close(kvf_channel *ch) { ch->ops->close(ch); }
+
+void kvf_channel_free(kvf_channel *ch) { ch->ops->free(ch); }
+
 /* ----------------------------------------------------------------- queue */
 
 int kvf_queue_init(kvf_queue *q) {

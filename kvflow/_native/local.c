@@ -235,12 +235,17 @@ static void local_enqueue(kvf_channel *ch, kvf_slice *s, size_t n, int flags) {
     for (size_t i = pushed; i < n; i++) kvf_slice_done(c, s[i].slot, KVF_ENOMEM, s[i].entry);
 }
 
+static void local_close(kvf_channel *ch) { kvf_local_channel_close((kvf_local_channel *)ch); }
+static void local_free(kvf_channel *ch) { kvf_local_channel_free((kvf_local_channel *)ch); }
+
 static const kvf_provider_ops local_ops = {
     .name = "local",
     .open = local_open,
     .slice_size = local_slice_size,
     .run_inline = local_run_inline,
     .enqueue = local_enqueue,
+    .close = local_close,
+    .free = local_free,
 };
 
 kvf_local_channel *kvf_local_channel_new(kvf_ctx *c, kvf_region_table *remote, int pid,

@@ -58,6 +58,16 @@ typedef struct kvf_provider_ops {
     void (*poll_begin)(kvf_channel *ch, kvf_poll_state *st);
     int (*poll)(kvf_channel *ch, kvf_poll_state *st, uint64_t id, uint64_t budget_ns);
     void (*poll_end)(kvf_channel *ch, kvf_poll_state *st);
+    /* Optional: a cancelled batch still on the wire after its drain grace;
+     * make sure none of its bytes lands later (tcp resets the connections
+     * holding it). Returns how many were reset; NULL: slices finish or
+     * fail in bounded time anyway. */
+    int (*abort_batch)(kvf_channel *ch, uint64_t id);
+    /* Refuses new batches and fails what is queued or in flight; nothing
+     * touches registered memory once it returns. Idempotent. */
+    void (*close)(kvf_channel *ch);
+    /* close(), then releases the channel's memory. */
+    void (*free)(kvf_channel *ch);
 } kvf_provider_ops;
 
 struct kvf_channel {
@@ -77,5 +87,9 @@ int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, 
  * kvf_take). */
 int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                     size_t n, uint64_t budget_ns, uint64_t *id_out, size_t *bad, int *finished);
+/* The lifecycle of any provider's channel (ops->abort_batch, close, free). */
+int kvf_channel_abort_batch(kvf_channel *ch, uint64_t id);
+void kvf_channel_close(kvf_channel *ch);
+void kvf_channel_free(kvf_channel *ch);
 
 #endif

@@ -1219,6 +1219,9 @@ static void rdma_poll_end(kvf_channel *ch, kvf_poll_state *st) {
     }
 }
 
+static void rdma_close(kvf_channel *ch) { kvf_rdma_chan_close((kvf_rdma_chan *)ch); }
+static void rdma_free(kvf_channel *ch) { kvf_rdma_chan_free((kvf_rdma_chan *)ch); }
+
 static const kvf_provider_ops rdma_ops = {
     .name = "rdma",
     .open = rdma_open,
@@ -1227,6 +1230,8 @@ static const kvf_provider_ops rdma_ops = {
     .poll_begin = rdma_poll_begin,
     .poll = rdma_poll,
     .poll_end = rdma_poll_end,
+    .close = rdma_close,
+    .free = rdma_free,
 };
 
 int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint32_t lkey,

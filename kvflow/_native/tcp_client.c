@@ -657,6 +657,12 @@ static void tcp_enqueue(kvf_channel *base, kvf_slice *s, size_t k, int flags) {
     free(dest);
 }
 
+static int tcp_abort_batch(kvf_channel *ch, uint64_t id) {
+    return kvf_tcp_channel_abort_batch((kvf_tcp_channel *)ch, id);
+}
+static void tcp_close(kvf_channel *ch) { kvf_tcp_channel_close((kvf_tcp_channel *)ch); }
+static void tcp_free(kvf_channel *ch) { kvf_tcp_channel_free((kvf_tcp_channel *)ch); }
+
 /* The polled path (kvf_submit_poll), for a small batch its caller awaits
  * at once on an idle channel with an ack connection: the caller (the event
  * loop's thread) sent it inline (tcp_enqueue), and now waits on the ack
@@ -700,6 +706,9 @@ static const kvf_provider_ops tcp_ops = {
     .poll_begin = tcp_poll_begin,
     .poll = tcp_poll,
     .poll_end = tcp_poll_end,
+    .abort_batch = tcp_abort_batch,
+    .close = tcp_close,
+    .free = tcp_free,
 };
 
 int kvf_tcp_channel_idle(kvf_tcp_channel *ch) {

@@ -182,8 +182,9 @@ class Provider:
         """A cancelled batch is still on the wire after its drain grace:
         make sure none of its bytes lands later (tcp resets the connections
         carrying it). True if something was reset; the other providers
-        finish or fail their slices in bounded time."""
-        return False
+        finish or fail their slices in bounded time (the native channel's
+        ops say which: kvf_provider_ops.abort_batch)."""
+        return bool(channel.abort_batch(batch_id))
 
     def connections(self, channel: Any) -> list[dict[str, Any]]:
         """Per-connection statistics of a channel (tcp: one per data connection)."""

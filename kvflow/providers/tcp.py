@@ -356,8 +356,6 @@ class TcpProvider(Provider):
         if w is not None:
             w.stop()
 
-    def abort_batch(self, channel: Any, batch_id: int) -> bool:
-        return bool(channel.abort_batch(batch_id))
 
     def connections(self, channel: Any) -> list[dict[str, Any]]:
         w = self._watchers.get(id(channel))
