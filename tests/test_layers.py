@@ -24,6 +24,7 @@ import pytest
 import kvflow
 
 PKG = pathlib.Path(kvflow.__file__).parent
+ROOT = PKG.parent
 PROVIDER_NAMES = {"local", "tcp", "rdma", "cuda", "relay"}
 LOWER = ("providers", "schedule", "topology", "control", "metadata")
 OUTER = ("cli", "connector", "compat")
@@ -151,3 +152,14 @@ def test_outer_layers_use_public_names(outer):
                 if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                     bad.append(f"{m}:{node.lineno} .{node.attr}")
     assert not bad, f"{outer}/ reaches into the engine's privates:\n" + "\n".join(bad)
+
+
+def test_every_package_is_installed():
+    """A package missing from pyproject's list is left out of a wheel or a
+    plain `pip install .` (the editable install used here hides it)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvflow").rglob("__init__.py")}
+    assert found - listed == set(), "packages not in pyproject.toml [tool.setuptools] packages"
+    assert listed - found - {"kvflow._native"} == set(), "pyproject.toml lists packages that do not exist"

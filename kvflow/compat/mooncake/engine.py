@@ -1,111 +1,16 @@
-"""Mooncake Transfer Engine's Python API, backed by kvflow.
-
-Code written against `mooncake.engine.TransferEngine` (SGLang's and vLLM's
-Mooncake connectors, Mooncake's own examples) runs on kvflow by changing one
-import::
-
-    from kvflow.compat.mooncake import TransferEngine
-
-    engine = TransferEngine()
-    engine.initialize("10.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    engine.register_memory(buf_ptr, buf_len)
-    peer = f"10.0.0.2:{peer_rpc_port}"          # the peer's get_rpc_port()
-    rc = engine.transfer_sync_write(peer, buf_ptr, peer_ptr, 4096)   # 0 or -1
-
-Method names, argument names and order, and return conventions are
-Mooncake's (checked against mooncake-transfer-engine 0.3.13): int-returning
-calls give 0 on success and a negative code on failure and never raise;
-failures are logged at warning level on the "kvflow.compat.mooncake" logger
-and kept, as the typed kvflow exception, in `TransferEngine.last_error`.
-Codes: -1 for failed transfers and invalid arguments, -3 unregistering an
-address that is not registered, -7 registering memory that overlaps a
-registered region, -102 `send_probe` to a peer that does not answer;
-`batch_transfer_async_*` and `transfer_submit_write` return a batch id, 0 if
-it could not be submitted; `transfer_check_status` returns 1 done, 0 in
-flight, -1 failed, -2 timed out.
-
-How it runs: one kvflow `Engine` on an `EngineThread` (its own event loop on
-a daemon thread); all engine state is touched only on that loop, and any
-number of threads may call at once. A transfer is one hand-off each way: the
-caller queues its coroutine (connect if needed, then write or read) and wakes
-the loop once per burst of queued calls; the loop starts it at once and,
-when the batch completed, wakes the caller, which sleeps on its thread's
-eventfd meanwhile. Mooncake's sync calls instead poll for completion on the
-caller's thread: a core kept busy, and no wake-up at the end.
-
-Differences from Mooncake:
-  * metadata_server must be "P2PHANDSHAKE" (each engine serves its own
-    descriptor; kvflow has no etcd/redis/http metadata service): anything
-    else makes initialize() return -1.
-  * protocol "tcp" allows only kvflow's tcp provider, "rdma" only its rdma
-    provider (device_name: comma-separated devices; "" for all), and the
-    kvflow-only "auto" lets kvflow choose per peer (same host: memcpy or
-    process_vm_writev; then rdma; then tcp). Mooncake ignores the protocol
-    for transport choice (it installs rdma when it finds devices, else tcp)
-    and accepts unknown names; here initialize() returns -1 for an unknown
-    protocol, and for "rdma" when no RDMA device can be opened.
-  * local_hostname "host:port" listens on that port (Mooncake picks a free
-    RPC port unless MC_LEGACY_RPC_PORT_BINDING is set); "host" or port 0 picks
-    a free one. Peers name each other "host:get_rpc_port()" as in Mooncake.
-  * The local side of every transfer must be registered memory (Mooncake's
-    rdma transport needs that too; its tcp transport reads any address).
-  * Peer buffers are checked at submission: an out-of-range peer address
-    fails at once with -1 (Mooncake's tcp transport learns it from the peer);
-    nothing outside the peer's registered regions is touched either way.
-  * batch_transfer_async_* connect first when the target is new, so an
-    unreachable target returns 0 as in Mooncake; other failures (bad
-    addresses, a peer lost) surface in get_batch_transfer_status (-1).
-  * get_batch_transfer_status waits for every listed batch before returning
-    -1 (Mooncake returns at the first failure while the others may still be
-    writing); an unknown or already collected batch id gives -1 (Mooncake
-    dereferences it). transfer_check_status takes any batch id.
-  * Transfer timeouts: MC_TRANSFER_TIMEOUT (seconds, at least 5, default 30)
-    plus one second per GB, as Mooncake; a timed-out batch has stopped
-    touching memory when the call returns.
-  * batch_register_memory is all-or-nothing; batch_unregister_memory removes
-    every registered address it is given and returns -3 if one was not
-    registered (Mooncake's 0.3.13 leaves the others half-registered); a list
-    length mismatch returns -1.
-  * allocate_managed_buffer maps each buffer separately (anonymous mmap,
-    registered), instead of carving slabs out of one 2 GiB registration, so
-    get_first_buffer_address sees the first buffer allocated, not the slab;
-    free_managed_buffer of an address it did not allocate returns -1
-    (Mooncake returns 0 and keeps the address in its free list).
-  * get_first_buffer_address: the first region still registered, in
-    registration order, of the peer or of this engine; 0 if it has none or
-    cannot be reached. The peer is asked on every call (Mooncake answers
-    from the descriptor it cached at its first lookup, so it misses regions
-    registered later). A plain kvflow peer's regions, which carry no
-    registration order, are taken lowest address first.
-  * Notifications (the `notify` argument of transfer_sync /
-    batch_transfer_sync, and get_notifies) ride on kvflow's peer.notify; they
-    reach only kvflow engines.
-  * transport_hint and location are accepted and ignored; get_engine,
-    get_engine_ptr, warmup_efa_segment and the CUDA-stream calls
-    (transfer_*_on_cuda) are not provided.
-  * write_bytes_to_buffer returns -1 when `length` exceeds the data given
-    (Mooncake reads past it).
-  * Arguments of the wrong type (a float address, a negative one) give -1
-    where Mooncake's binding raises TypeError; calls before initialize()
-    give -1 (or 0 for a batch id) where Mooncake's dereference a null engine.
-  * close() (and `with TransferEngine() as e:`) shuts the engine down; calls
-    after close() return -1. Mooncake frees its engine in the destructor;
-    here the engine is also closed when the object is collected or at exit.
-"""
+"""`TransferEngine`: Mooncake's Python class on one kvflow Engine that runs
+on an EngineThread (see the package docstring and docs/mooncake.md)."""
 from __future__ import annotations
 
 import array
 import asyncio
 import collections
 import ctypes
-import enum
-import functools
 import itertools
 import json
 import logging
 import mmap
 import os
-import sys
 import threading
 import weakref
 from typing import Any, Coroutine, Sequence
@@ -113,139 +18,18 @@ from typing import Any, Coroutine, Sequence
 import msgpack
 import numpy as np
 
+from kvflow.compat.mooncake.codes import (
+    CONNECT_TIMEOUT, ERR_ADDRESS_NOT_REGISTERED, ERR_ADDRESS_OVERLAPPED, ERR_INVALID_ARGUMENT,
+    ERR_SOCKET, NOTIFY_TAG, OK, P2PHANDSHAKE, PROTOCOLS, REGION_PREFIX, SMALL_BATCH, STATUS_DONE,
+    STATUS_FAILED, STATUS_PENDING, STATUS_TIMEOUT, TransferNotify, TransferOpcode, transfer_timeout)
+from kvflow.compat.mooncake.waiting import EAGER_TASKS, Waiter, drive, shutdown
 from kvflow.engine.engine import Engine
+from kvflow.engine.peer import Peer
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerUnreachableError, TransferTimeoutError
 from kvflow.memory import Region, RemoteRegion
-from kvflow.engine.peer import Peer
-
-__all__ = ["P2PHANDSHAKE", "TransferEngine", "TransferNotify", "TransferOpcode", "Read", "Write"]
 
 log = logging.getLogger("kvflow.compat.mooncake")
-
-P2PHANDSHAKE = "P2PHANDSHAKE"
-
-# Mooncake's return codes (mooncake-transfer-engine/include/error.h).
-OK = 0
-ERR_INVALID_ARGUMENT = -1
-ERR_ADDRESS_NOT_REGISTERED = -3
-ERR_ADDRESS_OVERLAPPED = -7
-ERR_SOCKET = -102
-# transfer_check_status
-STATUS_DONE, STATUS_PENDING, STATUS_FAILED, STATUS_TIMEOUT = 1, 0, -1, -2
-
-PROTOCOLS: dict[str, tuple[str, ...] | None] = {"tcp": ("tcp",), "rdma": ("rdma",), "auto": None}
-CONNECT_TIMEOUT = 10.0
-# Synchronous transfers on the caller's thread: spin this long for the
-# completion before sleeping; after a timeout, wait this long for the
-# cancelled batch's slices already on the wire.
-# Up to this many entries kvflow copies a list of ints without numpy
-# (_core.pyx SMALL); longer columns become uint64 arrays here (_u64).
-SMALL_BATCH = 16
-# Region names carry the registration order, which peers need for
-# get_first_buffer_address (kvflow describes regions sorted by address).
-REGION_PREFIX = "mooncake:"
-NOTIFY_TAG = "mooncake.notify"
-
-
-class TransferOpcode(enum.IntEnum):
-    """Mooncake's opcode values (Read 0, Write 1); Mooncake's own enum is
-    accepted too."""
-
-    Read = 0
-    Write = 1
-
-
-Read = TransferOpcode.Read
-Write = TransferOpcode.Write
-
-
-class TransferNotify:
-    """A notification sent with a transfer: `name` and `msg`, both str."""
-
-    __slots__ = ("name", "msg")
-
-    def __init__(self, name: str = "", msg: str = "") -> None:
-        self.name = name
-        self.msg = msg
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TransferNotify) and (self.name, self.msg) == (other.name, other.msg)
-
-    def __repr__(self) -> str:
-        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
-
-
-def _transfer_timeout() -> float:
-    """Mooncake's MC_TRANSFER_TIMEOUT: seconds, at least 5, default 30."""
-    try:
-        return float(max(5, int(os.environ["MC_TRANSFER_TIMEOUT"])))
-    except (KeyError, ValueError):
-        return 30.0
-
-
-class _Wakeup:
-    """An eventfd one thread sleeps on while it waits for the loop. A read
-    and a write of an eventfd hand a thread over in about half the time a
-    threading.Lock takes (17 vs 31 us per round trip measured on a 2-core
-    VM), which is most of what a small sync transfer costs on top of the
-    transfer itself. Closed when the last waiter holding it is gone, so the
-    loop never writes into a descriptor number that was reused."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self) -> None:
-        self.fd = os.eventfd(0, os.EFD_CLOEXEC)
-
-    def __del__(self) -> None:
-        os.close(self.fd)
-
-
-_tls = threading.local()
-
-
-def _thread_wakeup() -> _Wakeup:
-    """This thread's eventfd: a thread waits for one operation at a time."""
-    try:
-        return _tls.wakeup
-    except AttributeError:
-        _tls.wakeup = w = _Wakeup()
-        return w
-
-
-class _Waiter:
-    """One operation's outcome, handed from the loop thread to whichever
-    threads wait for it (the caller of a sync transfer; any caller of
-    get_batch_transfer_status).
-
-    No lock: finish() sets `finished` before it reads `_sleepers`, and
-    wait() appends to `_sleepers` before it reads `finished`, so a waiter
-    either sees the flag or is in the list when finish() wakes it. A wake-up
-    that comes after its waiter already left stays in that thread's eventfd;
-    the `while` loop of its next wait absorbs it."""
-
-    __slots__ = ("error", "finished", "_sleepers")
-
-    def __init__(self) -> None:
-        self.error: KVFlowError | None = None
-        self.finished = False
-        self._sleepers: list[_Wakeup] = []
-
-    def finish(self, error: KVFlowError | None) -> None:
-        if self.finished:
-            return
-        self.error = error
-        self.finished = True
-        for w in self._sleepers:
-            os.eventfd_write(w.fd, 1)
-
-    def wait(self) -> KVFlowError | None:
-        if not self.finished:
-            wakeup = _thread_wakeup()
-            self._sleepers.append(wakeup)
-            while not self.finished:
-                os.eventfd_read(wakeup.fd)      # blocks with the GIL released
-        return self.error
 
 
 def _listen_address(local_hostname: str) -> tuple[str, str]:
@@ -286,24 +70,10 @@ async def _collect_notifies(engine: Engine, into: collections.deque[TransferNoti
         into.append(_decode_notify(address, data))
 
 
-def _shutdown(thread: EngineThread, inflight: set[_Waiter], queued: collections.deque[Any]) -> None:
-    """Closes the engine thread, then fails what never reached its loop (a
-    call racing close()). A function, not a method: weakref.finalize must
-    not hold the TransferEngine. Safe to run again, from any thread."""
-    thread.close()
-    while True:
-        try:
-            queued.popleft().close()        # never started: nothing of it ran
-        except IndexError:
-            break
-    for w in list(inflight):
-        w.finish(KVFlowError("the transfer engine was closed"))
-    inflight.clear()
-
 
 class TransferEngine:
-    """Mooncake's `TransferEngine`, on kvflow. See the module docstring for
-    the API conventions and every difference from Mooncake.
+    """Mooncake's `TransferEngine`, on kvflow. See the package docstring for
+    the API conventions and docs/mooncake.md for every difference from Mooncake.
 
     `last_error` holds the most recent failure of any call (a KVFlowError)."""
 
@@ -315,16 +85,16 @@ class TransferEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._address = ""
         self._local_hostname = ""
-        self._timeout_s = _transfer_timeout()
+        self._timeout_s = transfer_timeout()
         # Loop thread only (callers may test membership of _peers: a hint).
         self._peers: dict[str, Peer] = {}
         self._regions: dict[int, Region] = {}          # by address, in registration order
         self._seq = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         # Any thread: single dict/set/deque operations are atomic under the GIL.
-        self._batches: dict[int, _Waiter] = {}
+        self._batches: dict[int, Waiter] = {}
         self._batch_ids = itertools.count(1)
-        self._inflight: set[_Waiter] = set()
+        self._inflight: set[Waiter] = set()
         # Transfers for the loop to start: enqueued by any thread, the loop
         # woken once per burst, drained there in one go (_drain).
         self._queued: collections.deque[Coroutine[Any, Any, None]] = collections.deque()
@@ -368,7 +138,7 @@ class TransferEngine:
             return self._fail(e if isinstance(e, KVFlowError) else KVFlowError(str(e)))
         self._thread, self._engine, self._loop = thread, engine, thread.loop
         self._address, self._local_hostname = engine.address, host
-        self._finalizer = weakref.finalize(self, _shutdown, thread, self._inflight, self._queued)
+        self._finalizer = weakref.finalize(self, shutdown, thread, self._inflight, self._queued)
         return OK
 
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,
@@ -721,7 +491,7 @@ class TransferEngine:
         return la, ra, ln, self._timeout_s + total / 1e9     # Mooncake: + 1 s per GB
 
     def _start(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
-               ln: Sequence[int], notify: Any = None) -> _Waiter:
+               ln: Sequence[int], notify: Any = None) -> Waiter:
         """Queues one transfer for the loop (the only cross-thread hop) and
         returns its waiter. Raises KVFlowError, before queuing anything,
         for lists of different lengths or a closed engine."""
@@ -729,7 +499,7 @@ class TransferEngine:
         if loop is None:
             raise self._not_running()
         la, ra, ln, timeout = self._columns(la, ra, ln)
-        waiter = _Waiter()
+        waiter = Waiter()
         self._inflight.add(waiter)
         self._queued.append(self._run(write, target, la, ra, ln, timeout, notify, waiter))
         # Enqueue before reading the flag, which _drain clears before it
@@ -741,7 +511,7 @@ class TransferEngine:
                 loop.call_soon_threadsafe(self._drain)
             except RuntimeError:        # closed under us, maybe after close() failed the rest
                 assert self._thread is not None
-                _shutdown(self._thread, self._inflight, self._queued)
+                shutdown(self._thread, self._inflight, self._queued)
         return waiter
 
     def _drain(self) -> None:
@@ -755,13 +525,13 @@ class TransferEngine:
         loop iteration later as create_task() would: each iteration is an
         epoll_wait that drops and retakes the GIL while the caller's thread
         is going to sleep, 10-25 us per call on a 2-core machine."""
-        if _EAGER_TASKS:
+        if EAGER_TASKS:
             task = asyncio.Task(coro, loop=self._loop, eager_start=True)  # type: ignore[call-arg]
             if not task.done():
                 self._tasks.add(task)       # the loop keeps only weak references
                 task.add_done_callback(self._tasks.discard)
         else:
-            _drive(coro)
+            drive(coro)
 
     def _sync(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
               ln: Sequence[int], notify: Any = None) -> int:
@@ -818,7 +588,7 @@ class TransferEngine:
         return peer
 
     async def _run(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
-                   ln: Sequence[int], timeout: float, notify: Any, waiter: _Waiter) -> None:
+                   ln: Sequence[int], timeout: float, notify: Any, waiter: Waiter) -> None:
         # Until it succeeds: a coroutine cancelled or closed (GeneratorExit,
         # when the engine closes) on the way must not report success.
         error: KVFlowError | None = KVFlowError("the transfer engine was closed")
@@ -859,27 +629,6 @@ class TransferEngine:
             raise PeerUnreachableError(f"{target} did not answer a probe", peer=target) from None
 
 
-# Python 3.12 starts a Task eagerly by itself; before it, _drive does.
-_EAGER_TASKS = sys.version_info >= (3, 12)
-
-
-def _drive(coro: Coroutine[Any, Any, None], _done: Any = None) -> None:
-    """Advances `coro` to its next suspension and resumes it when the future
-    it waits for is done: what a Task does, minus the first loop iteration
-    and the cancellation plumbing, for TransferEngine._run only (it catches
-    its own errors, and the engine fails what is left when it closes). Loop
-    thread only; asyncio.current_task() is None inside."""
-    try:
-        fut = coro.send(None)
-    except (StopIteration, asyncio.CancelledError):
-        # done, or a future it awaited was cancelled (the engine closing):
-        # _run has finished its waiter either way; no Task takes the error
-        return
-    if fut is None:                          # a bare yield (asyncio.sleep(0))
-        asyncio.get_running_loop().call_soon(_drive, coro)
-    else:
-        fut._asyncio_future_blocking = False  # what Task does with what a coroutine yields
-        fut.add_done_callback(functools.partial(_drive, coro))
 
 
 def _u64(values: Sequence[int], what: str) -> Any:

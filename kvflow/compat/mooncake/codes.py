@@ -1,0 +1,63 @@
+"""Mooncake's return codes, opcodes and notification type, and the
+constants of kvflow's Mooncake-compatible API."""
+from __future__ import annotations
+
+import enum
+import os
+
+P2PHANDSHAKE = "P2PHANDSHAKE"
+
+# Mooncake's return codes (mooncake-transfer-engine/include/error.h).
+OK = 0
+ERR_INVALID_ARGUMENT = -1
+ERR_ADDRESS_NOT_REGISTERED = -3
+ERR_ADDRESS_OVERLAPPED = -7
+ERR_SOCKET = -102
+# transfer_check_status
+STATUS_DONE, STATUS_PENDING, STATUS_FAILED, STATUS_TIMEOUT = 1, 0, -1, -2
+
+PROTOCOLS: dict[str, tuple[str, ...] | None] = {"tcp": ("tcp",), "rdma": ("rdma",), "auto": None}
+CONNECT_TIMEOUT = 10.0
+# Up to this many entries kvflow copies a list of ints without numpy
+# (_core.pyx SMALL); longer columns become uint64 arrays here (_u64).
+SMALL_BATCH = 16
+# Region names carry the registration order, which peers need for
+# get_first_buffer_address (kvflow describes regions sorted by address).
+REGION_PREFIX = "mooncake:"
+NOTIFY_TAG = "mooncake.notify"
+
+
+class TransferOpcode(enum.IntEnum):
+    """Mooncake's opcode values (Read 0, Write 1); Mooncake's own enum is
+    accepted too."""
+
+    Read = 0
+    Write = 1
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """A notification sent with a transfer: `name` and `msg`, both str."""
+
+    __slots__ = ("name", "msg")
+
+    def __init__(self, name: str = "", msg: str = "") -> None:
+        self.name = name
+        self.msg = msg
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TransferNotify) and (self.name, self.msg) == (other.name, other.msg)
+
+    def __repr__(self) -> str:
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+
+def transfer_timeout() -> float:
+    """Mooncake's MC_TRANSFER_TIMEOUT: seconds, at least 5, default 30."""
+    try:
+        return float(max(5, int(os.environ["MC_TRANSFER_TIMEOUT"])))
+    except (KeyError, ValueError):
+        return 30.0
