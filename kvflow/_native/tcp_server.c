@@ -103,35 +103,41 @@ static void srv_hello_done(kvf_srv_conn *s) {
     if (s->pre_auth) { atomic_fetch_sub(&s->ctx->n_pre_auth, 1); s->pre_auth = 0; }
 }
 
-static void srv_loop(kvf_srv_conn *s) {
-    kvf_ctx *ctx = s->ctx;
+/* Never leave a descriptor number that is about to be closed (and reused)
+ * published as the session's ack connection. */
+static void srv_unpublish_ack(kvf_srv_conn *s) {
+    pthread_mutex_lock(&s->session->mu);
+    if (s->session->ack_fd == s->fd) s->session->ack_fd = -1;
+    pthread_mutex_unlock(&s->session->mu);
+}
+
+/* Reads and checks a connection's hello and answers it. Nothing of this
+ * engine's memory is touched before the token matches a session that passed
+ * the handshake (and its authentication). 0: accepted, *h holds the hello. */
+static int srv_hello(kvf_srv_conn *s, kvf_hdr *h) {
     /* The hello must arrive promptly; a silent client is dropped. */
     struct timeval tv = {10, 0};
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    kvf_hdr h;
-    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0};
     char hb[sizeof(kvf_hdr)];
     size_t got = 0;
     uint64_t hello_deadline = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
     while (got < sizeof(hb)) {
-        if (sk_now_ns() > hello_deadline) return;   /* a trickled hello */
+        if (sk_now_ns() > hello_deadline) return -1;   /* a trickled hello */
         ssize_t g = recv(s->fd, hb + got, sizeof(hb) - got, 0);
-        if (g <= 0) return;
+        if (g <= 0) return -1;
         got += g;
     }
     srv_hello_done(s);
-    memcpy(&h, hb, sizeof(h));
+    memcpy(h, hb, sizeof(*h));
     uint8_t tok[16];
-    memcpy(tok, &h.addr, 8);
-    memcpy(tok + 8, &h.aux, 8);
-    /* Nothing of this engine's memory is touched before the token matches a
-     * session that passed the handshake (and its authentication). */
-    int ok = h.magic == KVF_MAGIC && h.type == KVF_F_HELLO && h.len == KVF_WIRE_VERSION &&
-             (h.tag == KVF_ROLE_DATA || h.tag == KVF_ROLE_ACK);
-    if (ok) s->session = session_get(ctx, tok);
+    memcpy(tok, &h->addr, 8);
+    memcpy(tok + 8, &h->aux, 8);
+    int ok = h->magic == KVF_MAGIC && h->type == KVF_F_HELLO && h->len == KVF_WIRE_VERSION &&
+             (h->tag == KVF_ROLE_DATA || h->tag == KVF_ROLE_ACK);
+    if (ok) s->session = session_get(s->ctx, tok);
     ok = ok && s->session;
     kvf_hdr ack = {KVF_MAGIC, KVF_F_HELLO_ACK, ok ? KVF_OK : KVF_EPROTO, 0, 0, 0, 0};
-    if (ok && h.tag == KVF_ROLE_ACK) {
+    if (ok && h->tag == KVF_ROLE_ACK) {
         /* Publish the ack connection before answering: the initiator opens
          * its data connections only after this hello is acknowledged. */
         pthread_mutex_lock(&s->session->mu);
@@ -141,14 +147,8 @@ static void srv_loop(kvf_srv_conn *s) {
         ack.status = ok ? KVF_OK : KVF_EPROTO;
     }
     if (sk_send_all(s->fd, &ack, sizeof(ack)) || !ok) {
-        if (ok && h.tag == KVF_ROLE_ACK) {
-            /* never leave a descriptor number that is about to be closed
-             * (and reused) published as the session's ack connection */
-            pthread_mutex_lock(&s->session->mu);
-            if (s->session->ack_fd == s->fd) s->session->ack_fd = -1;
-            pthread_mutex_unlock(&s->session->mu);
-        }
-        return;
+        if (ok && h->tag == KVF_ROLE_ACK) srv_unpublish_ack(s);
+        return -1;
     }
     /* From now on the timeout bounds one frame: a peer that stops in the
      * middle of a payload is dropped after it (see sk_read_header). */
@@ -156,18 +156,63 @@ static void srv_loop(kvf_srv_conn *s) {
     setsockopt(s->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     setsockopt(s->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     sk_nodelay(s->fd);
+    return 0;
+}
+
+/* A write frame: its payload lands in a registered, writable region, or is
+ * read and dropped (the stream stays in sync) and acknowledged with
+ * KVF_EREMOTE. Nonzero: the connection failed. */
+static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
+    kvf_ctx *ctx = s->ctx;
+    int st = KVF_OK, io = 0;
+    /* The read lock is held while the payload lands, so deregister()
+     * cannot return while bytes are still being written into it. */
+    r->deadline_ns = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
+    pthread_rwlock_rdlock(&ctx->local.lock);
+    const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h->addr, h->len);
+    if (rg && (rg->access & KVF_ACCESS_WRITE))
+        io = sk_read_exact(r, (void *)(uintptr_t)h->addr, h->len);
+    else st = KVF_EREMOTE;
+    pthread_rwlock_unlock(&ctx->local.lock);
+    r->deadline_ns = 0;
+    if (st != KVF_OK) io = sk_read_exact(r, NULL, h->len);
+    if (io) return io;
+    srv_ack(s, h->tag, st);
+    if (h->status & KVF_HDR_FLUSH) srv_flush(s);
+    return 0;
+}
+
+/* A read request: the response header, then the bytes of a registered,
+ * readable region (or KVF_EREMOTE and no bytes). */
+static int srv_read_frame(kvf_srv_conn *s, const kvf_hdr *h) {
+    kvf_ctx *ctx = s->ctx;
+    srv_flush(s);
+    pthread_rwlock_rdlock(&ctx->local.lock);
+    const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h->addr, h->len);
+    int ok = rg && (rg->access & KVF_ACCESS_READ);
+    kvf_hdr resp = {KVF_MAGIC, KVF_F_READ_RESP, ok ? KVF_OK : KVF_EREMOTE, h->tag, 0, ok ? h->len : 0, 0};
+    struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h->addr, ok ? h->len : 0}};
+    /* bounded: the region table's read lock is held meanwhile */
+    int bad = sk_send_iov_until(s->fd, v, ok ? 2 : 1, sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull);
+    pthread_rwlock_unlock(&ctx->local.lock);
+    return bad;
+}
+
+static void srv_loop(kvf_srv_conn *s) {
+    kvf_ctx *ctx = s->ctx;
+    kvf_hdr h;
+    if (srv_hello(s, &h)) return;
     if (h.tag == KVF_ROLE_ACK) {
         /* Nothing ever arrives on it; wait for the initiator to close it. */
         char sink[256];
         ssize_t g;
         while (!atomic_load(&ctx->closing) &&
                ((g = recv(s->fd, sink, sizeof(sink), 0)) > 0 || (g < 0 && (errno == EAGAIN || errno == EINTR)))) {}
-        pthread_mutex_lock(&s->session->mu);
-        if (s->session->ack_fd == s->fd) s->session->ack_fd = -1;
-        pthread_mutex_unlock(&s->session->mu);
+        srv_unpublish_ack(s);
         return;
     }
     s->index = h.status;
+    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0};
     r.buf = malloc(RD_BUF);
     r.flush = srv_flush;
     r.arg = s;
@@ -177,33 +222,9 @@ static void srv_loop(kvf_srv_conn *s) {
         if (h.magic != KVF_MAGIC || h.len > KVF_MAX_PAYLOAD) break;   /* garbage: drop the peer */
         r.big = h.type == KVF_F_WRITE && h.len >= RD_BUF / 4;
         if (h.type == KVF_F_WRITE) {
-            int st = KVF_OK, io = 0;
-            /* The read lock is held while the payload lands, so deregister()
-             * cannot return while bytes are still being written into it. */
-            r.deadline_ns = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
-            pthread_rwlock_rdlock(&ctx->local.lock);
-            const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h.addr, h.len);
-            if (rg && (rg->access & KVF_ACCESS_WRITE))
-                io = sk_read_exact(&r, (void *)(uintptr_t)h.addr, h.len);
-            else st = KVF_EREMOTE;
-            pthread_rwlock_unlock(&ctx->local.lock);
-            r.deadline_ns = 0;
-            if (st != KVF_OK) io = sk_read_exact(&r, NULL, h.len);   /* keep the stream in sync */
-            if (io) break;
-            srv_ack(s, h.tag, st);
-            if (h.status & KVF_HDR_FLUSH) srv_flush(s);
+            if (srv_write_frame(s, &r, &h)) break;
         } else if (h.type == KVF_F_READ_REQ) {
-            srv_flush(s);
-            pthread_rwlock_rdlock(&ctx->local.lock);
-            const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h.addr, h.len);
-            int ok2 = rg && (rg->access & KVF_ACCESS_READ);
-            kvf_hdr resp = {KVF_MAGIC, KVF_F_READ_RESP, ok2 ? KVF_OK : KVF_EREMOTE, h.tag, 0, ok2 ? h.len : 0, 0};
-            struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h.addr, ok2 ? h.len : 0}};
-            /* bounded: the region table's read lock is held meanwhile */
-            int bad = sk_send_iov_until(s->fd, v, ok2 ? 2 : 1,
-                                        sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull);
-            pthread_rwlock_unlock(&ctx->local.lock);
-            if (bad) break;
+            if (srv_read_frame(s, &h)) break;
         } else {
             break;
         }

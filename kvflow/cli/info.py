@@ -37,7 +37,9 @@ from kvflow.errors import (
     ProviderUnavailableError,
 )
 from kvflow.topology import (
+    Nic,
     NicKind,
+    RdmaPort,
     Route,
     Topology,
     gid_text,
@@ -320,6 +322,76 @@ async def _connect(report: PeerReport, address: str, listen: str, protocols: tup
         logger.propagate = old_propagate
 
 
+def _check_local_ports(report: PeerReport, local: list[Nic], bad: Level) -> None:
+    """Local RDMA ports that are not ACTIVE, each with its likely fix."""
+    for nic in local:
+        for p in nic.ports:
+            if p.state == "ACTIVE":
+                continue
+            if p.link_layer == "Ethernet" and nic.netdev:
+                fix = f"bring its netdev up (ip link set {nic.netdev} up) and check its cable or peer link"
+            elif p.link_layer == "InfiniBand":
+                fix = "check the cable, and that a subnet manager runs on the fabric (systemctl start opensm)"
+            else:
+                fix = "check its link"
+            report.add(bad, f"rdma: port {p.number} of {nic.name} is {p.state or 'in an unknown state'}", fix)
+
+
+def _check_remote_device(report: PeerReport, d: dict[str, Any], active: list[tuple[Nic, RdmaPort]],
+                         topology: Topology, bad: Level) -> None:
+    """What stands between one of the peer's RDMA devices and the active
+    local ports: link layer, GID subnet or route, active MTU."""
+    name = d.get("name", "?")
+    link = LINK_LAYERS.get(d.get("link"), "Ethernet")
+    same = [(n, p) for n, p in active if p.link_layer == link]
+    if not same:
+        report.add(bad, f"rdma: the peer's {name} is {link} and no active local RDMA port is",
+                   "RoCE (Ethernet) and InfiniBand do not interconnect: use devices on the same fabric")
+        return
+    gid = ipaddress.IPv6Address(d["gid"])
+    if not gid.packed.strip(b"\0"):
+        report.add(bad, f"rdma: the peer's {name} publishes a zero GID",
+                   f"give {name}'s netdev an address on the peer (RoCE GIDs follow netdev addresses)")
+        return
+    if link == "InfiniBand":
+        prefix = gid.packed[:8]
+        if not any(g.packed[:8] == prefix for _, p in same for g in p.gids):
+            report.add(Level.WARN, f"rdma: no local InfiniBand GID shares the subnet prefix of the peer's "
+                                   f"{name} ({gid_text(gid.packed)})", "the subnets must be joined by an InfiniBand router")
+        else:
+            report.add(Level.OK, f"rdma: the peer's {name} GID {gid_text(gid.packed)} is on a local subnet")
+    else:
+        target = str(gid.ipv4_mapped or gid)
+        near = [(n, p) for n, p in same for a in n.addresses if on_subnet(target, a)]
+        if near:
+            n, p = near[0]
+            report.add(Level.OK, f"rdma: the peer's {name} GID {target} shares a subnet with "
+                                 f"{n.name} port {p.number} ({n.netdev})")
+        else:
+            r = route_to(target, topology)
+            rails = {n.netdev: n.name for n, _ in same if n.netdev}
+            if r.error is not None:
+                report.add(bad, f"rdma: no route to {target} (GID of the peer's {name}) from any local address",
+                           "add an address in that subnet to the netdev of an RDMA device "
+                           f"({', '.join(rails) or 'none'}), or a route to it")
+            elif r.netdev in rails:
+                report.add(Level.NOTE, f"rdma: the peer's {name} GID {target} is reached through a router via "
+                                       f"{r.netdev} ({rails[r.netdev]}): RoCE v2 routes, RoCE v1 does not")
+            else:
+                report.add(bad, f"rdma: traffic to {target} (GID of the peer's {name}) leaves via "
+                                f"{r.netdev or r.source}, which has no RDMA device",
+                           "add an address in that subnet to the netdev of an RDMA device "
+                           f"({', '.join(rails) or 'none'}), or a route through one")
+    rmtu = ib_mtu(d.get("mtu"))
+    for n, p in same:
+        if rmtu and p.active_mtu and p.active_mtu != rmtu:
+            small = n.netdev if p.active_mtu < rmtu else f"the peer's {name}"
+            report.add(Level.WARN, f"rdma: active MTU differs: the peer's {name} {rmtu} B, local {n.name} "
+                                   f"port {p.number} {p.active_mtu} B; queue pairs use {min(rmtu, p.active_mtu)} B",
+                       f"raise the netdev MTU of the smaller side ({small}), e.g. ip link set IFACE mtu 9000 "
+                       "(4096 B needs 4192 or more)")
+
+
 def check_rdma(report: PeerReport, remote: dict[str, Any] | None, topology: Topology, *,
                transport: str | None = None, required: bool = False, location: str = "cpu",
                remote_topology: Topology | None = None) -> None:
@@ -333,17 +405,7 @@ def check_rdma(report: PeerReport, remote: dict[str, Any] | None, topology: Topo
     bad = Level.FAIL if required else Level.WARN
     local = [n for n in topology.nics if n.kind is NicKind.RDMA]
     rdevs = (remote or {}).get("devices", [])
-    for nic in local:
-        for p in nic.ports:
-            if p.state == "ACTIVE":
-                continue
-            if p.link_layer == "Ethernet" and nic.netdev:
-                fix = f"bring its netdev up (ip link set {nic.netdev} up) and check its cable or peer link"
-            elif p.link_layer == "InfiniBand":
-                fix = "check the cable, and that a subnet manager runs on the fabric (systemctl start opensm)"
-            else:
-                fix = "check its link"
-            report.add(bad, f"rdma: port {p.number} of {nic.name} is {p.state or 'in an unknown state'}", fix)
+    _check_local_ports(report, local, bad)
     if not kvflow.features.get("rdma") and (rdevs or required):
         report.add(bad, "rdma: this kvflow was built without libibverbs",
                    "install libibverbs-dev (rdma-core) and reinstall kvflow")
@@ -362,55 +424,7 @@ def check_rdma(report: PeerReport, remote: dict[str, Any] | None, topology: Topo
         return
     active = [(n, p) for n in local for p in n.ports if p.state == "ACTIVE"]
     for d in rdevs:
-        name = d.get("name", "?")
-        link = LINK_LAYERS.get(d.get("link"), "Ethernet")
-        same = [(n, p) for n, p in active if p.link_layer == link]
-        if not same:
-            report.add(bad, f"rdma: the peer's {name} is {link} and no active local RDMA port is",
-                       "RoCE (Ethernet) and InfiniBand do not interconnect: use devices on the same fabric")
-            continue
-        gid = ipaddress.IPv6Address(d["gid"])
-        if not gid.packed.strip(b"\0"):
-            report.add(bad, f"rdma: the peer's {name} publishes a zero GID",
-                       f"give {name}'s netdev an address on the peer (RoCE GIDs follow netdev addresses)")
-            continue
-        if link == "InfiniBand":
-            prefix = gid.packed[:8]
-            if not any(g.packed[:8] == prefix for _, p in same for g in p.gids):
-                report.add(Level.WARN, f"rdma: no local InfiniBand GID shares the subnet prefix of the peer's "
-                                       f"{name} ({gid_text(gid.packed)})", "the subnets must be joined by an InfiniBand router")
-            else:
-                report.add(Level.OK, f"rdma: the peer's {name} GID {gid_text(gid.packed)} is on a local subnet")
-        else:
-            target = str(gid.ipv4_mapped or gid)
-            near = [(n, p) for n, p in same for a in n.addresses if on_subnet(target, a)]
-            if near:
-                n, p = near[0]
-                report.add(Level.OK, f"rdma: the peer's {name} GID {target} shares a subnet with "
-                                     f"{n.name} port {p.number} ({n.netdev})")
-            else:
-                r = route_to(target, topology)
-                rails = {n.netdev: n.name for n, _ in same if n.netdev}
-                if r.error is not None:
-                    report.add(bad, f"rdma: no route to {target} (GID of the peer's {name}) from any local address",
-                               "add an address in that subnet to the netdev of an RDMA device "
-                               f"({', '.join(rails) or 'none'}), or a route to it")
-                elif r.netdev in rails:
-                    report.add(Level.NOTE, f"rdma: the peer's {name} GID {target} is reached through a router via "
-                                           f"{r.netdev} ({rails[r.netdev]}): RoCE v2 routes, RoCE v1 does not")
-                else:
-                    report.add(bad, f"rdma: traffic to {target} (GID of the peer's {name}) leaves via "
-                                    f"{r.netdev or r.source}, which has no RDMA device",
-                               "add an address in that subnet to the netdev of an RDMA device "
-                               f"({', '.join(rails) or 'none'}), or a route through one")
-        rmtu = ib_mtu(d.get("mtu"))
-        for n, p in same:
-            if rmtu and p.active_mtu and p.active_mtu != rmtu:
-                small = n.netdev if p.active_mtu < rmtu else f"the peer's {name}"
-                report.add(Level.WARN, f"rdma: active MTU differs: the peer's {name} {rmtu} B, local {n.name} "
-                                       f"port {p.number} {p.active_mtu} B; queue pairs use {min(rmtu, p.active_mtu)} B",
-                           f"raise the netdev MTU of the smaller side ({small}), e.g. ip link set IFACE mtu 9000 "
-                           "(4096 B needs 4192 or more)")
+        _check_remote_device(report, d, active, topology, bad)
     mine, theirs = topology.preferred(location, NicKind.RDMA)
     mine = mine or theirs
     if remote_topology is not None:
