@@ -22,6 +22,9 @@ from kvflow.cli.bench_layout import (
     _PROGRESS_INTERVAL_S,
     ranges_digest,
 )
+from kvflow.tasks import cancel_and_wait
+
+
 # --------------------------------------------------------------------------
 # Request/reply over kvflow notifications
 
@@ -108,15 +111,9 @@ class ReplyRouter:
         return reply
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                pass  # already delivered to the waiters, if any
-            self._task = None
+        # what the task raised was delivered to the waiters already
+        await cancel_and_wait([self._task])
+        self._task = None
 
 
 async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:

@@ -13,6 +13,7 @@ from kvflow.control.auth import NONCE_BYTES, check_proof, proof
 from kvflow.control.descriptor import Descriptor
 from kvflow.control.wire import clip, encode, field, read_message
 from kvflow.errors import AuthenticationError, PeerLostError, PeerUnreachableError, ProtocolError
+from kvflow.tasks import cancel_and_wait
 
 __all__ = ["ControlSession", "dial"]
 
@@ -166,12 +167,7 @@ class ControlSession:
             except Exception:
                 pass
             self._writer.close()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            try:
-                await self._reader_task
-            except BaseException:
-                pass
+        await cancel_and_wait([self._reader_task])
         try:
             await self._writer.wait_closed()
         except (ConnectionError, OSError):

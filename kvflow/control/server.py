@@ -20,6 +20,7 @@ from kvflow.control.auth import NONCE_BYTES, check_proof, proof
 from kvflow.control.descriptor import Descriptor
 from kvflow.control.wire import clip, encode, field, read_message
 from kvflow.errors import AuthenticationError, ProtocolError
+from kvflow.tasks import cancel_and_wait
 
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_KEEPALIVE", "MIN_KEEPALIVE", "PRE_AUTH_FRAME", "SESSION_BUFFER_LIMIT",
            "ControlServer"]
@@ -69,10 +70,7 @@ class ControlServer:
             self._server.close()
         for w in list(self.sessions):
             w.close()
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
     def push(self, frame: bytes) -> None:
         """Sends `frame` to every session; one whose peer stopped reading

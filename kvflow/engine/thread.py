@@ -19,6 +19,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 from kvflow.engine.engine import Engine
 from kvflow.errors import KVFlowError
+from kvflow.tasks import cancel_and_wait
 
 T = TypeVar("T")
 
@@ -66,10 +67,7 @@ class EngineThread:
         finally:
             loop.run_until_complete(engine.close())
             pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(cancel_and_wait(pending))
             loop.close()
 
     def on_loop_thread(self) -> bool:

@@ -8,6 +8,7 @@ from typing import Callable
 
 from kvflow.errors import KVFlowError, PeerUnreachableError, ProtocolError
 from kvflow.metadata.store import EngineRecord, MetadataStore
+from kvflow.tasks import cancel_and_wait
 
 __all__ = ["MetadataClient"]
 
@@ -116,12 +117,7 @@ class MetadataClient:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait([self._task])
         try:
             await self.store.remove(self.name)
         except KVFlowError as e:

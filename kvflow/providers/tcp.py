@@ -26,6 +26,7 @@ from kvflow.control.wire import (
 from kvflow.errors import InvalidArgumentError, PeerUnreachableError, ProtocolError, ProviderUnavailableError
 from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext
 from kvflow.schedule.rails import MAX_CONNECTIONS, DataConn, RailPlan, RailWatcher, check_rails
+from kvflow.tasks import cancel_and_wait
 
 __all__ = ["TcpOptions", "TcpProvider", "bind_source", "control_addresses", "hello_frame", "open_data_socket", "tune_data_socket"]
 
@@ -229,10 +230,7 @@ class TcpProvider(Provider):
             self._accepts.append(self.ctx.loop.create_task(self._accept(ds)))
 
     async def close(self) -> None:
-        for t in self._accepts:
-            t.cancel()
-        if self._accepts:
-            await asyncio.gather(*self._accepts, return_exceptions=True)
+        await cancel_and_wait(self._accepts)
         self._accepts = []
         for ds in self._socks:
             ds.close()

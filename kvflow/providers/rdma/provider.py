@@ -47,6 +47,7 @@ from kvflow.providers.rdma.options import (  # noqa: F401 (re-exported: the prov
 from kvflow.providers.rdma.repair import QpRepair, _accepted
 from kvflow.schedule.health import Backoff
 from kvflow.status import WC_STATUS
+from kvflow.tasks import cancel_and_wait
 from kvflow.topology import NicKind, Topology, match_rails
 
 __all__ = ["RdmaOptions", "RdmaProvider", "available", "device_names"]
@@ -471,14 +472,10 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         """Closes every device and what is on it. Repairs are cancelled
         and awaited first: a repair's QP must be destroyed (its `finally`)
         while its device is still open."""
-        tasks = [t for t in (*self._repairs, *self._lost, self._device_check) if t is not None]
-        for t in tasks:
-            t.cancel()
         if self._reopen_timer is not None:
             self._reopen_timer.cancel()
             self._reopen_timer = None
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([*self._repairs, *self._lost, self._device_check])
         loop = self.ctx.loop
         try:
             loop.remove_reader(self.events.fileno())

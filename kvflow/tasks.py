@@ -1,0 +1,20 @@
+"""Stopping background tasks: the one way every layer cancels its tasks and
+waits until they have finished (their `finally` blocks ran), so a close()
+never returns while one of them still touches what is being closed."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future | None]) -> None:
+    """Cancels every task given (None and finished ones are skipped) and
+    waits until all have finished. What they raised, their cancellation
+    included, is dropped: a task that failed has reported it already (to its
+    waiters, or through the loop's exception handler). A cancellation of the
+    caller itself still propagates."""
+    live = [t for t in tasks if t is not None]
+    for t in live:
+        t.cancel()
+    if live:
+        await asyncio.gather(*live, return_exceptions=True)
