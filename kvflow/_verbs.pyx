@@ -2,7 +2,7 @@
 """The rdma provider's control path, in Cython over libibverbs: devices and
 ports, GID choice, protection domains, memory registration on every device,
 queue pairs and their RESET→INIT→RTR→RTS moves. The data path (posting,
-polling, completions) is C: kvflow/_native/rdma.c.
+polling, completions) is C: kvflow/_native/rdma_*.c (rdma_int.h says which file does what).
 
 Nothing here is on the hot path except RdmaChannel._post, which hands a
 batch to C with the GIL released.
@@ -59,7 +59,7 @@ MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 # and at 19-20 MB/s with 5-8 at 17.
 ACK_TIMEOUT = 14
 # How long a device's worker spins (sched_yield) for work on the wire that
-# no caller polls for, before it arms the CQ and sleeps (rdma.c,
+# no caller polls for, before it arms the CQ and sleeps (rdma_worker.c,
 # worker_owns_work); Device(spin_ns=), from env KVFLOW_RDMA_SPIN_NS.
 SPIN_NS = 200_000
 RETRY_COUNT = 6

@@ -5,7 +5,7 @@ provider contract (kvflow.providers.base). Its other parts: options.py
 (options and per-device choices), repair.py (probing and repairing QPs),
 health.py (device events, removal and return).
 
-Hot-path work is native (kvflow/_native/rdma.c); everything here runs once
+Hot-path work is native (kvflow/_native/rdma_*.c); everything here runs once
 per connection, registration or failure.
 """
 from __future__ import annotations
