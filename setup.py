@@ -5,7 +5,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "local", "sockio", "tcp_client", "tcp_server")]
+NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "sockio", "tcp_client", "tcp_server")]
 RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan")]
 debug = os.environ.get("KVFLOW_DEBUG") == "1"
 cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]
@@ -39,7 +39,7 @@ if have_verbs():
         # core.c is compiled in again: the batch pool and completion ring
         # code must be reachable from the rdma workers; the state itself is
         # the one context that kvflow._core created.
-        ["kvflow/_verbs.pyx", "kvflow/_native/core.c", *RDMA],
+        ["kvflow/_verbs.pyx", "kvflow/_native/core.c", "kvflow/_native/sched.c", *RDMA],
         include_dirs=["kvflow", numpy.get_include()],
         extra_compile_args=cflags + ["-fvisibility=hidden"],
         extra_link_args=["-pthread"],

@@ -18,6 +18,7 @@ from kvflow.features import features
 from kvflow.memory import Access, Region, RemoteRegion
 from kvflow.engine.peer import Peer
 from kvflow.engine.transfer import Transfer
+from kvflow.schedule.qos import Priority
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "Peer",
     "PeerLostError",
     "PeerUnreachableError",
+    "Priority",
     "ProtocolError",
     "ProviderUnavailableError",
     "Region",

@@ -7,7 +7,7 @@ to exceptions in one place.
 """
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from cpython.long cimport PyLong_AsUnsignedLongLong
 cimport numpy as cnp
 import os
@@ -37,6 +37,8 @@ STATUS_BITS = {"CODE_MASK": KVF_STATUS_CODE_MASK, "WC_SHIFT": KVF_STATUS_WC_SHIF
                "DEV_MASK": KVF_STATUS_DEV_MASK}
 ACCESS = {"READ": KVF_ACCESS_READ, "WRITE": KVF_ACCESS_WRITE, "LOCAL_WRITE": KVF_ACCESS_LOCAL_WRITE}
 MAX_DEVS = KVF_MAX_DEVS
+PRIO = {"HIGH": KVF_PRIO_HIGH, "NORMAL": KVF_PRIO_NORMAL, "LOW": KVF_PRIO_LOW}
+SCHED = {"QUANTUM": KVF_SCHED_QUANTUM, "AGE_NS": KVF_SCHED_AGE_NS}
 WIRE = {"MAGIC": KVF_MAGIC, "VERSION": KVF_WIRE_VERSION, "MAX_PAYLOAD": KVF_MAX_PAYLOAD,
         "F_HELLO": KVF_F_HELLO, "F_HELLO_ACK": KVF_F_HELLO_ACK, "F_WRITE": KVF_F_WRITE,
         "F_WRITE_ACK": KVF_F_WRITE_ACK, "F_READ_REQ": KVF_F_READ_REQ, "F_READ_RESP": KVF_F_READ_RESP,
@@ -82,6 +84,16 @@ cdef class Core:
 
     def fileno(self):
         return self._ctx().efd
+
+    def set_sched_age(self, uint64_t age_ns):
+        """The starvation bound of the engine's scheduled queues: a class
+        with queued slices is served at least once per age_ns."""
+        kvf_sched_set_age(self._ctx(), age_ns)
+
+    def set_sched_fifo(self, bint on):
+        """FIFO mode: batches queued from now on go in arrival order, whole
+        (priorities, deadlines and fair share ignored)."""
+        kvf_sched_set_fifo(self._ctx(), on)
 
     def add_region(self, uint64_t addr, uint64_t length, uint32_t access):
         """Adds a region to the local table; returns its id, or 0 when it
@@ -319,14 +331,17 @@ cdef class Channel:
                     n = kvf_channel_abort_batch(self.cch, batch_id)
         return n
 
-    def submit(self, int op, local_addrs, remote_addrs, lengths):
+    def submit(self, int op, local_addrs, remote_addrs, lengths, int prio=KVF_PRIO_NORMAL,
+               uint64_t deadline_ns=0):
         """Submits without polling: for callers that do not await the batch
         at once (write_nowait), whose completions must come through the
         eventfd like any other."""
-        status, bid, aux, _ = self.submit_poll(op, local_addrs, remote_addrs, lengths, False)
+        status, bid, aux, _ = self.submit_poll(op, local_addrs, remote_addrs, lengths, False, prio,
+                                               deadline_ns)
         return status, bid, aux
 
-    def submit_detached(self, int op, local_addrs, remote_addrs, lengths):
+    def submit_detached(self, int op, local_addrs, remote_addrs, lengths, int prio=KVF_PRIO_NORMAL,
+                        uint64_t deadline_ns=0):
         """submit() for a thread that then blocks in Core.wait_detached()
         (not the event loop's): the batch never reaches the completion
         ring, so neither the submission nor the completion goes through the
@@ -334,13 +349,15 @@ cdef class Channel:
         with self.use_lock:
             kvf_set_detached(1)
             try:
-                return self.submit(op, local_addrs, remote_addrs, lengths)
+                return self.submit(op, local_addrs, remote_addrs, lengths, prio, deadline_ns)
             finally:
                 kvf_set_detached(0)
 
-    def submit_poll(self, int op, local_addrs, remote_addrs, lengths, bint poll=True):
-        """Submits, and for small batches may poll for the completion on this
-        thread. Returns (status, batch_id, aux, finished): finished 0 as
+    def submit_poll(self, int op, local_addrs, remote_addrs, lengths, bint poll=True,
+                    int prio=KVF_PRIO_NORMAL, uint64_t deadline_ns=0):
+        """Submits, with its priority class (KVF_PRIO_*) and deadline (ns
+        from now, 0: none), and for small batches may poll for the
+        completion on this thread. Returns (status, batch_id, aux, finished): finished 0 as
         submit(); finished 1: the batch completed while polling, status is
         the batch's (0 or the error of its first failed slice) and aux that
         slice's entry. Only the event loop's thread may poll: completions
@@ -354,6 +371,9 @@ cdef class Channel:
         cdef size_t bad = 0
         cdef int rc, finished = 0, status = 0
         cdef kvf_ctx *c = self.core._ctx()
+        cdef kvf_qos qos
+        qos.prio = prio
+        qos.deadline_ns = deadline_ns
         k1 = column(local_addrs, small[0], &la, &n1, "local_addrs")
         k2 = column(remote_addrs, small[1], &ra, &n2, "remote_addrs")
         k3 = column(lengths, small[2], &ln, &n3, "lengths")
@@ -373,7 +393,7 @@ cdef class Channel:
             if budget:
                 t0 = mono_ns()
             # one path for every provider (kvflow/_native/provider.h)
-            rc = kvf_submit_poll(ch, op, la, ra, ln, n1, budget, &bid, &bad, &finished)
+            rc = kvf_submit_poll(ch, op, la, ra, ln, n1, &qos, budget, &bid, &bad, &finished)
             if budget and rc == 0:
                 took = mono_ns() - t0
                 finished = kvf_take(c, bid, &status, &entry)
@@ -436,7 +456,8 @@ cdef class TcpChannel(Channel):
     cdef public double poll_ewma_ns    # recent time to a polled completion (a round trip)
     cdef public uint64_t poll_max_ns   # 0: never poll on the caller's thread
 
-    def __init__(self, Core core, RemoteTable table, str peer, fds, int ack_fd, uint64_t slice_size):
+    def __init__(self, Core core, RemoteTable table, str peer, fds, int ack_fd, uint64_t slice_size,
+                 int express=-1):
         cdef int n = len(fds), i
         cdef int *v = <int *>malloc(n * sizeof(int))
         if v == NULL:
@@ -445,7 +466,7 @@ cdef class TcpChannel(Channel):
             v[i] = fds[i]
         cdef kvf_ctx *c = core._ctx()
         with nogil:
-            self.ch = kvf_tcp_channel_new(c, &table.t, v, n, ack_fd, slice_size)
+            self.ch = kvf_tcp_channel_new(c, &table.t, v, n, ack_fd, slice_size, express)
         free(v)
         if self.ch == NULL:
             raise MemoryError()
@@ -539,3 +560,71 @@ cdef class TcpChannel(Channel):
                 with nogil:
                     kvf_channel_free(<kvf_channel *>self.ch)
                 self.ch = NULL
+
+
+cdef class SchedQueue:
+    """One scheduled queue of an engine's core (kvflow/_native/sched.c),
+    outside any channel: for tests and for looking at the order the
+    scheduler gives. batch() allocates a batch with a class and a deadline,
+    push() queues one of its slices, pop() takes the next ones in the
+    scheduler's order as (slot, entry, length) (slot: the batch id's low
+    32 bits), done() finishes a
+    popped slice. Core.cancel() drops a batch's queued slices from it as
+    from every other queue of the engine."""
+
+    cdef Core core
+    cdef kvf_queue q
+    cdef bint ready
+
+    def __cinit__(self, Core core):
+        self.core = core
+        if kvf_queue_init_sched(&self.q, core._ctx(), 0, NULL) != KVF_OK:
+            raise MemoryError()
+        self.ready = True
+
+    def __dealloc__(self):
+        if self.ready:
+            # (a freed context forgot it already: kvf_sched_orphan_all)
+            kvf_queue_destroy(&self.q)
+            self.ready = False
+
+    def batch(self, uint64_t nslices, int prio=KVF_PRIO_NORMAL, uint64_t deadline_ns=0):
+        """A new batch of `nslices` slices (its guard released: it completes
+        once that many were done()). Returns its id."""
+        cdef uint64_t bid
+        cdef kvf_qos qos
+        cdef kvf_ctx *c = self.core._ctx()
+        qos.prio = prio
+        qos.deadline_ns = deadline_ns
+        if kvf_batch_alloc(c, nslices, &bid) != KVF_OK:
+            raise MemoryError("out of batch slots")
+        kvf_batch_set_qos(c, bid, &qos)
+        kvf_batch_release_guard(c, bid)
+        return bid
+
+    def push(self, uint64_t batch_id, uint64_t length, uint64_t entry=0):
+        cdef kvf_slice s
+        memset(&s, 0, sizeof(s))
+        s.len = length
+        s.entry = entry
+        s.slot = <uint32_t>batch_id
+        self.core._ctx()
+        if kvf_queue_push(&self.q, &s) != KVF_OK:
+            raise MemoryError()
+
+    def pop(self, size_t max=1):
+        cdef kvf_slice out[64]
+        cdef size_t n, i
+        self.core._ctx()
+        n = kvf_queue_pop(&self.q, out, max if max < 64 else 64)
+        return [(out[i].slot, out[i].entry, out[i].len) for i in range(n)]
+
+    def done(self, uint64_t batch_id, uint64_t entry=0, int status=KVF_OK):
+        kvf_slice_done(self.core._ctx(), <uint32_t>batch_id, status, entry)
+
+    def __len__(self):
+        return self.q.count
+
+    @property
+    def bytes(self):
+        return self.q.bytes

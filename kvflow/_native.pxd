@@ -1,5 +1,5 @@
 # C declarations of the native core (kvflow/_native/kvf.h, wire.h).
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 cdef extern from "_native/wire.h" nogil:
     enum:
@@ -44,6 +44,12 @@ cdef extern from "_native/kvf.h" nogil:
         KVF_STATUS_WC_MASK
         KVF_STATUS_DEV_SHIFT
         KVF_STATUS_DEV_MASK
+        KVF_PRIO_HIGH
+        KVF_PRIO_NORMAL
+        KVF_PRIO_LOW
+        KVF_NPRIO
+        KVF_SCHED_QUANTUM
+        KVF_SCHED_AGE_NS
 
     ctypedef struct kvf_region:
         uint64_t addr
@@ -56,7 +62,20 @@ cdef extern from "_native/kvf.h" nogil:
         uint64_t generation
 
     ctypedef struct kvf_slice:
-        pass
+        uint64_t local
+        uint64_t remote
+        uint64_t len
+        uint64_t entry
+        uint32_t slot
+        uint32_t op
+
+    ctypedef struct kvf_qos:
+        int32_t prio
+        uint64_t deadline_ns
+
+    ctypedef struct kvf_queue:
+        size_t count
+        uint64_t bytes
 
     ctypedef struct kvf_completion:
         uint64_t id
@@ -83,6 +102,15 @@ cdef extern from "_native/kvf.h" nogil:
     kvf_ctx *kvf_ctx_new(int local_workers)
     void kvf_ctx_free(kvf_ctx *c)
     int kvf_batch_cancel(kvf_ctx *c, uint64_t id)
+    int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out)
+    void kvf_batch_release_guard(kvf_ctx *c, uint64_t id)
+    void kvf_batch_set_qos(kvf_ctx *c, uint64_t id, const kvf_qos *qos)
+    void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry)
+    int kvf_queue_init_sched(kvf_queue *q, kvf_ctx *ctx, int counted, void *guard)
+    void kvf_queue_destroy(kvf_queue *q)
+    void kvf_queue_detach(kvf_queue *q)
+    int kvf_queue_push(kvf_queue *q, const kvf_slice *s)
+    size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max)
     size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap)
     int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry)
     void kvf_set_detached(int on)
@@ -100,7 +128,7 @@ cdef extern from "_native/kvf.h" nogil:
     ctypedef struct kvf_tcp_channel:
         pass
     kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
-                                         int ack_fd, uint64_t slice_size)
+                                         int ack_fd, uint64_t slice_size, int express)
     int kvf_tcp_poll_acks(kvf_tcp_channel *ch)
     void kvf_set_loop_thread(int on)
     int kvf_tcp_channel_alive(kvf_tcp_channel *ch)
@@ -112,6 +140,9 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id)
     void kvf_tcp_channel_free(kvf_tcp_channel *ch)
 
+    void kvf_sched_set_age(kvf_ctx *c, uint64_t age_ns)
+    void kvf_sched_set_fifo(kvf_ctx *c, int on)
+    size_t kvf_sched_cancel(kvf_ctx *c, uint32_t slot)
     int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token)
     void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token)
     int kvf_srv_serve(kvf_ctx *c, int fd)
@@ -122,7 +153,8 @@ cdef extern from "_native/provider.h" nogil:
     ctypedef struct kvf_channel:
         pass
     int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                        size_t n, uint64_t budget_ns, uint64_t *id_out, size_t *bad, int *finished)
+                        size_t n, const kvf_qos *qos, uint64_t budget_ns, uint64_t *id_out, size_t *bad,
+                        int *finished)
     int kvf_channel_abort_batch(kvf_channel *ch, uint64_t id)
     void kvf_channel_close(kvf_channel *ch)
     void kvf_channel_free(kvf_channel *ch)

@@ -40,6 +40,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "are preferred", "cpu", "Engine(location=)"),
     Variable("KVFLOW_TCP_RAILS", "comma-separated local addresses of the tcp rails, or auto",
              "one rail on the listen host", "Engine(rails=)"),
+    Variable("KVFLOW_TCP_EXPRESS", "1: one more tcp connection per peer carries HIGH batches only; 0: none",
+             "0", "Engine(tcp_express=)"),
     Variable("KVFLOW_TOPOLOGY", "a JSON topology file overriding what discovery found", "none (sysfs)",
              "Topology.load()"),
     Variable("KVFLOW_RDMA_DEVICES", "comma-separated RDMA devices to use", "all", "Engine(rdma_devices=)"),

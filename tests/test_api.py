@@ -22,6 +22,7 @@ CONTRACT_NAMES = {
     "Access",
     "Engine",
     "Transfer",
+    "Priority",
     "KVFlowError",
     "InvalidArgumentError",
     "UnregisteredMemoryError",

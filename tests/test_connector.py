@@ -21,6 +21,7 @@ pytest.importorskip("aiohttp", reason="the connector's bootstrap server needs ai
 from kvflow.connector import (BootstrapServer, DisaggregationMode, KVArgs, KVManager, KVPoll,  # noqa: E402
                               KVReceiver, KVSender, KVTransferError)
 from kvflow.connector import layout, messages  # noqa: E402
+from kvflow.errors import KVFlowError  # noqa: E402
 from _batches import TIME_SCALE  # noqa: E402
 from _providers import PROTOCOLS as _PROTOCOLS, closed_leaks, params, skip_unavailable  # noqa: E402
 
@@ -209,6 +210,34 @@ async def test_layerwise_send_streams_each_layer(bootstrap, managers, protocol):
     assert_moved(src, dst, pages, dpages)
     assert s.metric.entries == 2 * LAYERS + 1       # one run per buffer, plus aux
     assert r.metric.exposed_s is not None and r.metric.exposed_s < 5 * TIME_SCALE
+
+
+async def test_request_priority_from_the_server_or_from_its_size(bootstrap, managers):
+    """KVSender.init(priority=) passes the server's class to every write;
+    without one the request's KV size picks it (KVManager(priority_bytes=):
+    shortest first)."""
+    import kvflow
+    src, dst, p, d = pair(bootstrap, managers, "tcp", priority_bytes=(4 * ITEM * 2 * LAYERS, 16 * ITEM * 2 * LAYERS))
+    sizes = {1101: (4, None, kvflow.Priority.HIGH), 1102: (8, None, kvflow.Priority.NORMAL),
+             1103: (16, None, kvflow.Priority.LOW), 1104: (16, kvflow.Priority.HIGH, kvflow.Priority.HIGH)}
+    for room, (n, given, want) in sizes.items():
+        pages = np.arange(n)
+        r = KVReceiver(d, bootstrap.address, room, prefill_dp_rank=0)
+        r.send_metadata(pages + 20, aux_index=1)
+        s = KVSender(p, bootstrap.address, room)
+        s.init(n, aux_index=0, priority=given)
+        assert s.priority == want, (room, s.priority)
+        s.send(pages)
+        assert await r.wait(T) == KVPoll.Success
+        assert await s.wait(T) == KVPoll.Success
+        assert_moved(src, dst, pages, pages + 20)
+        s.clear(), r.clear()
+    s = KVSender(p, bootstrap.address, 1105)
+    with pytest.raises(KVFlowError, match="priority"):
+        s.init(1, priority=7)
+    s.abort()
+    with pytest.raises(KVFlowError, match="priority_bytes"):
+        managers(Pool(False), DisaggregationMode.DECODE, protocols=("tcp",), priority_bytes=(2, 1))
 
 
 async def test_mla_prefill_tp1_feeds_decode_tp2(bootstrap, managers):

@@ -36,7 +36,8 @@ def kill_socket(port: int, sport: str) -> None:
 
 async def test_a_destroyed_data_connection_moves_its_slices_and_is_rebuilt():
     n = 16 << 20
-    async with kvflow.Engine(protocols=("tcp",)) as b, kvflow.Engine(protocols=("tcp",), tcp_connections=3) as a:
+    async with kvflow.Engine(protocols=("tcp",)) as b, kvflow.Engine(protocols=("tcp",), tcp_connections=3,
+                                                                         tcp_express=False) as a:
         dst = np.zeros(n, np.uint8)
         src = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
         back = np.zeros(n, np.uint8)

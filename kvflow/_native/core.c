@@ -149,6 +149,9 @@ int kvf_ctx_init_common(kvf_ctx *c) {
     pthread_cond_init(&c->detached_cv, NULL);
     pthread_mutex_init(&c->srv_mu, NULL);
     pthread_cond_init(&c->srv_cv, NULL);
+    pthread_mutex_init(&c->sched_mu, NULL);
+    c->scheds = NULL;
+    atomic_store(&c->sched_age_ns, KVF_SCHED_AGE_NS);
     c->comp_cap = 256;
     c->comp = malloc(c->comp_cap * sizeof(kvf_completion));
     if (!c->comp) return KVF_ENOMEM;
@@ -167,6 +170,8 @@ void kvf_ctx_free_common(kvf_ctx *c) {
     pthread_cond_destroy(&c->detached_cv);
     pthread_mutex_destroy(&c->srv_mu);
     pthread_cond_destroy(&c->srv_cv);
+    kvf_sched_orphan_all(c);
+    pthread_mutex_destroy(&c->sched_mu);
 }
 
 static __thread int tls_detached;
@@ -197,6 +202,8 @@ int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out) {
     atomic_store_explicit(&b->cancelled, 0, memory_order_relaxed);
     atomic_store_explicit(&b->err_entry, 0, memory_order_relaxed);
     b->detached = tls_detached;
+    b->prio = KVF_PRIO_NORMAL;
+    b->deadline_ns = 0;
     /* The release in the queue's mutex publishes these stores to workers. */
     *id_out = ((uint64_t)b->gen << 32) | slot;
     return KVF_OK;
@@ -214,6 +221,9 @@ int kvf_batch_cancel(kvf_ctx *c, uint64_t id) {
     atomic_store_explicit(&b->cancelled, 1, memory_order_relaxed);
     int expected = KVF_OK;
     atomic_compare_exchange_strong(&b->status, &expected, KVF_ECANCELLED);
+    /* its queued slices go now; only those on the wire are waited for */
+    kvf_sched_cancel(c, slot);
+    atomic_fetch_add_explicit(&c->cancel_epoch, 1, memory_order_relaxed);
     return KVF_OK;
 }
 
@@ -464,8 +474,14 @@ int kvf_prepare(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la
 
 /* ---------------------------------------------------------------- submit */
 
+void kvf_batch_set_qos(kvf_ctx *c, uint64_t id, const kvf_qos *qos) {
+    kvf_batch *b = &c->batches[id_slot(id)];
+    b->prio = qos && qos->prio >= 0 && qos->prio < KVF_NPRIO ? qos->prio : KVF_PRIO_NORMAL;
+    b->deadline_ns = qos && qos->deadline_ns ? kvf_now_ns() + qos->deadline_ns : 0;
+}
+
 int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-               size_t n, int flags, uint64_t *id_out, size_t *bad) {
+               size_t n, int flags, const kvf_qos *qos, uint64_t *id_out, size_t *bad) {
     const kvf_provider_ops *ops = ch->ops;
     *id_out = 0;
     if (ops->open && !ops->open(ch)) return KVF_ECLOSED;
@@ -496,7 +512,10 @@ int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, 
         return rc;
     }
     for (size_t i = 0; i < k; i++) s[i].slot = (uint32_t)id;
-    /* The seam (provider.h): a scheduler or a relay takes the slices here. */
+    /* The seam (provider.h): the batch's class and deadline, which the
+     * providers' scheduled queues order it by (sched.c); a relay takes the
+     * slices here. */
+    kvf_batch_set_qos(ch->ctx, id, qos);
     ops->enqueue(ch, s, k, flags);
     free(s);
     /* after the enqueue: the batch cannot complete (and its slot be
@@ -507,10 +526,11 @@ int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, 
 }
 
 int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                    size_t n, uint64_t budget_ns, uint64_t *id_out, size_t *bad, int *finished) {
+                    size_t n, const kvf_qos *qos, uint64_t budget_ns, uint64_t *id_out, size_t *bad,
+                    int *finished) {
     const kvf_provider_ops *ops = ch->ops;
     *finished = 0;
-    if (!budget_ns || !ops->poll) return kvf_submit(ch, op, la, ra, len, n, 0, id_out, bad);
+    if (!budget_ns || !ops->poll) return kvf_submit(ch, op, la, ra, len, n, 0, qos, id_out, bad);
     if (ops->open && !ops->open(ch)) {
         *id_out = 0;
         return KVF_ECLOSED;
@@ -518,7 +538,7 @@ int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t 
     kvf_poll_state st = {{0}, 0};
     /* polling before posting: the posts below do not wake the workers */
     ops->poll_begin(ch, &st);
-    int rc = kvf_submit(ch, op, la, ra, len, n, KVF_SUBMIT_POLLED, id_out, bad);
+    int rc = kvf_submit(ch, op, la, ra, len, n, KVF_SUBMIT_POLLED, qos, id_out, bad);
     if (rc == KVF_OK && *id_out) {
         /* completions found here need no eventfd: the caller takes its own
          * next (kvf_take), which also wakes the loop for any others */
@@ -548,10 +568,13 @@ int kvf_queue_init(kvf_queue *q) {
     q->head = q->count = 0;
     q->bytes = 0;
     q->closed = 0;
+    q->sched = NULL;
     return q->ring ? KVF_OK : KVF_ENOMEM;
 }
 
 void kvf_queue_destroy(kvf_queue *q) {
+    if (q->sched) kvf_sched_free(q->sched);
+    q->sched = NULL;
     free(q->ring);
     q->ring = NULL;
     pthread_mutex_destroy(&q->mu);
@@ -559,6 +582,14 @@ void kvf_queue_destroy(kvf_queue *q) {
 }
 
 int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s) {
+    if (q->sched) {
+        int rc = kvf_sched_push_locked(q->sched, s);
+        if (rc == KVF_OK) {
+            q->count++;
+            q->bytes += s->len;
+        }
+        return rc;
+    }
     if (q->count == q->cap) {
         size_t cap = q->cap * 2;
         kvf_slice *v = malloc(cap * sizeof(*v));
@@ -576,6 +607,12 @@ int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s) {
 }
 
 size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max) {
+    if (q->sched) {
+        size_t k = kvf_sched_pop_locked(q->sched, out, max);
+        for (size_t i = 0; i < k; i++) q->bytes -= out[i].len;
+        q->count -= k;
+        return k;
+    }
     size_t n = q->count < max ? q->count : max;
     for (size_t i = 0; i < n; i++) {
         out[i] = q->ring[q->head];
@@ -583,5 +620,19 @@ size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max) {
         q->bytes -= out[i].len;
     }
     q->count -= n;
+    return n;
+}
+
+int kvf_queue_push(kvf_queue *q, const kvf_slice *s) {
+    pthread_mutex_lock(&q->mu);
+    int rc = kvf_queue_push_locked(q, s);
+    pthread_mutex_unlock(&q->mu);
+    return rc;
+}
+
+size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max) {
+    pthread_mutex_lock(&q->mu);
+    size_t n = kvf_queue_pop_locked(q, out, max);
+    pthread_mutex_unlock(&q->mu);
     return n;
 }

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Status codes: mapped to exceptions in one place (kvflow/errors.py). */
+/* Status codes: mapped to exceptions in one place (kvflow/status.py). */
 enum {
     KVF_OK = 0,
     KVF_EINVAL = 1,          /* bad argument (zero length, overflow, ...) */
@@ -74,6 +74,21 @@ int kvf_rt_set_keys(kvf_region_table *t, uint32_t id, const uint32_t *keys, size
 /* Caller holds the read lock. Returns the region holding [addr, addr+len) or NULL. */
 const kvf_region *kvf_rt_find_locked(const kvf_region_table *t, uint64_t addr, uint64_t len);
 
+/* ------------------------------------------------------------------- qos */
+
+/* Priority classes (kvflow.Priority): a batch's slices are taken from a
+ * scheduled queue by class, then deadline, then deficit round robin (sched.c). */
+enum { KVF_PRIO_HIGH = 0, KVF_PRIO_NORMAL = 1, KVF_PRIO_LOW = 2, KVF_NPRIO = 3 };
+/* Deficit round robin quantum: bytes a batch without a deadline may take per turn. */
+#define KVF_SCHED_QUANTUM (1u << 20)
+/* Default starvation bound: a class with queued slices is served at least this often. */
+#define KVF_SCHED_AGE_NS (20u * 1000u * 1000u)
+
+typedef struct {
+    int32_t prio;            /* KVF_PRIO_* */
+    uint64_t deadline_ns;    /* urgency, ns from submission; 0: none */
+} kvf_qos;
+
 /* ------------------------------------------------------------ batch pool */
 
 #define KVF_MAX_BATCHES (1u << 16)
@@ -86,6 +101,8 @@ typedef struct {
     uint32_t gen;
     uint32_t next_free;
     int32_t detached;            /* waited for by its submitting thread, never drained */
+    int32_t prio;                /* KVF_PRIO_*, set before its slices are queued */
+    uint64_t deadline_ns;        /* absolute (CLOCK_MONOTONIC); 0: none */
 } kvf_batch;
 
 typedef struct {
@@ -123,6 +140,18 @@ typedef struct kvf_ctx {
 
     struct kvf_local_pool *local_pool;
 
+    /* Scheduled queues of every channel (sched.c), walked by a cancel to
+     * drop the batch's queued slices at once. sched_mu before any q->mu. */
+    pthread_mutex_t sched_mu;
+    struct kvf_sched *scheds;
+    _Atomic uint64_t sched_age_ns;   /* the starvation bound (kvf_sched_set_age) */
+    _Atomic int sched_fifo;          /* batches in arrival order (kvf_sched_set_fifo) */
+    /* Counts cancels: a provider whose peers hold back completions (tcp's
+     * batched acks) asks for them at once after one, so that a cancelled
+     * batch's slices already on the wire finish without waiting for later
+     * work. */
+    _Atomic uint32_t cancel_epoch;
+
     /* Resource counters (the balance the tests check). Always on: relaxed
      * atomics touched once per socket, thread, MR or QP made or freed (and
      * per slice), far off the cost of what they count, so no debug build. */
@@ -137,6 +166,8 @@ kvf_ctx *kvf_ctx_new(int local_workers);
 void kvf_ctx_free(kvf_ctx *c);
 int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out);
 void kvf_batch_release_guard(kvf_ctx *c, uint64_t id);
+/* Its class and deadline (NULL: NORMAL, none): before its slices are queued. */
+void kvf_batch_set_qos(kvf_ctx *c, uint64_t id, const kvf_qos *qos);
 int kvf_batch_cancel(kvf_ctx *c, uint64_t id);
 int kvf_batch_cancelled(kvf_ctx *c, uint32_t slot);
 /* 1 once every slice of batch `id` finished (until the loop drains it). */
@@ -190,6 +221,11 @@ int kvf_prepare(kvf_ctx *c, kvf_region_table *remote, int op, const uint64_t *la
 
 /* ----------------------------------------------------------------- queue */
 
+typedef struct kvf_sched kvf_sched;
+
+/* A slice queue: FIFO (kvf_queue_init), or scheduled by priority class,
+ * deadline and fair share (kvf_queue_init_sched: the queues senders take
+ * their work from). count and bytes hold for both. */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -197,13 +233,41 @@ typedef struct {
     size_t head, count, cap;
     uint64_t bytes;      /* queued bytes, for least-loaded placement */
     int closed;
+    kvf_sched *sched;    /* NULL: FIFO */
 } kvf_queue;
 
 int kvf_queue_init(kvf_queue *q);
+/* A scheduled queue of engine ctx; counted: its slices count in
+ * ctx->n_slices_inflight (a cancel that drops them takes them off); guard:
+ * the mutex its users hold around push and pop (NULL: q->mu), which a
+ * cancel takes too. Lock order: ctx->sched_mu before guard, so nobody may
+ * init, detach or destroy a scheduled queue while holding a guard. */
+int kvf_queue_init_sched(kvf_queue *q, kvf_ctx *ctx, int counted, pthread_mutex_t *guard);
 void kvf_queue_destroy(kvf_queue *q);
+/* A scheduled queue whose channel closed leaves the engine's list (cancels
+ * stop looking at it; the engine may be freed first). Idempotent. */
+void kvf_queue_detach(kvf_queue *q);
 /* Caller holds q->mu. */
 int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s);
 size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max);
+/* The same, taking q->mu. */
+int kvf_queue_push(kvf_queue *q, const kvf_slice *s);
+size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max);
+
+/* sched.c: the scheduled mode (caller holds the queue's mu). */
+int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x);
+size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max);
+void kvf_sched_free(kvf_sched *s);
+/* The engine is being freed: its queues that were never detached forget it. */
+void kvf_sched_orphan_all(kvf_ctx *c);
+/* Drops every queued slice of batch `slot` from the engine's scheduled
+ * queues, finishing them KVF_ECANCELLED. Returns how many. */
+size_t kvf_sched_cancel(kvf_ctx *c, uint32_t slot);
+uint64_t kvf_now_ns(void);
+/* The starvation bound of every scheduled queue of the engine. */
+void kvf_sched_set_age(kvf_ctx *c, uint64_t age_ns);
+/* FIFO mode: classes, deadlines and fair share off for batches queued from now on. */
+void kvf_sched_set_fifo(kvf_ctx *c, int on);
 
 /* ----------------------------------------------------------------- local */
 
@@ -220,9 +284,12 @@ int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len);
 
 typedef struct kvf_tcp_channel kvf_tcp_channel;
 /* A tcp channel (a kvf_channel: submit with kvf_submit) over nfds
- * connected data sockets (hello done), acks on ack_fd (-1: on each). */
+ * connected data sockets (hello done), acks on ack_fd (-1: on each).
+ * express: the index of the connection kept for HIGH batches (-1: none):
+ * nothing else is placed on it while another connection is up, so a HIGH
+ * slice never waits behind other batches' bytes in the kernel's buffers. */
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
-                                     int ack_fd, uint64_t slice_size);
+                                     int ack_fd, uint64_t slice_size, int express);
 /* Reads the write acks waiting on the channel's ack connection (never
  * blocks; called by the event loop when that socket is readable). Returns
  * -1 once the connection is gone (the channel is failed then). */

@@ -158,7 +158,7 @@ kvf_ctx *kvf_ctx_new(int local_workers) {
     c->efd = -1;
     if (kvf_ctx_init_common(c) != KVF_OK) { kvf_ctx_free_common(c); free(c); return NULL; }
     kvf_local_pool *p = calloc(1, sizeof(*p));
-    if (!p || kvf_queue_init(&p->q) != KVF_OK) { kvf_ctx_free_common(c); free(p); free(c); return NULL; }
+    if (!p || kvf_queue_init_sched(&p->q, c, 0, NULL) != KVF_OK) { kvf_ctx_free_common(c); free(p); free(c); return NULL; }
     p->ctx = c;
     p->threads = calloc(local_workers > 0 ? local_workers : 1, sizeof(pthread_t));
     for (int i = 0; i < local_workers; i++) {

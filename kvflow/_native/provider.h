@@ -76,17 +76,19 @@ struct kvf_channel {
     kvf_region_table *remote;     /* the peer's regions, as its descriptor says */
 };
 
-/* Submits one batch on any provider's channel. KVF_OK with *id_out the
+/* Submits one batch on any provider's channel, with its class and deadline
+ * (qos; NULL: NORMAL, none). KVF_OK with *id_out the
  * batch id (0: it already completed inline); otherwise nothing was posted
  * and *bad is the first bad entry (for the validation errors). */
 int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-               size_t n, int flags, uint64_t *id_out, size_t *bad);
+               size_t n, int flags, const kvf_qos *qos, uint64_t *id_out, size_t *bad);
 /* kvf_submit, then (budget_ns > 0 and the provider polls) waits on this
  * thread for the batch at most budget_ns: *finished 1 when it completed
  * here, as the loop thread's (no eventfd; the caller takes it with
  * kvf_take). */
 int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
-                    size_t n, uint64_t budget_ns, uint64_t *id_out, size_t *bad, int *finished);
+                    size_t n, const kvf_qos *qos, uint64_t budget_ns, uint64_t *id_out, size_t *bad,
+                    int *finished);
 /* The lifecycle of any provider's channel (ops->abort_batch, close, free). */
 int kvf_channel_abort_batch(kvf_channel *ch, uint64_t id);
 void kvf_channel_close(kvf_channel *ch);

@@ -85,8 +85,16 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     rqp *q = calloc(1, sizeof(*q));
     if (!q) return -1;
     q->ring = calloc(depth, sizeof(kvf_slice));
-    if (!q->ring || kvf_queue_init(&q->backlog)) { free(q->ring); free(q); return -1; }
-    if (kvf_queue_init(&q->incoming)) { kvf_queue_destroy(&q->backlog); free(q->ring); free(q); return -1; }
+    /* both scheduled (sched.c): slices go to the send queue by class,
+     * deadline and fair share, and a cancel drops them from either */
+    kvf_ctx *c = ch->base.ctx;
+    if (!q->ring || kvf_queue_init_sched(&q->backlog, c, 1, &q->mu)) { free(q->ring); free(q); return -1; }
+    if (kvf_queue_init_sched(&q->incoming, c, 1, &q->in_mu)) {
+        kvf_queue_destroy(&q->backlog);
+        free(q->ring);
+        free(q);
+        return -1;
+    }
     pthread_mutex_init(&q->mu, NULL);
     pthread_mutex_init(&q->in_mu, NULL);
     q->worker_posts = dev->worker_posts;
@@ -376,6 +384,10 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
     kvf_ctx *c = ch->base.ctx;
     for (int i = 0; i < nqps; i++) {
         rqp *q = ch->qps[i];
+        /* off the engine's list of scheduled queues first (takes its lock,
+         * which no cancel holds while waiting for q->mu: sched_mu first) */
+        kvf_queue_detach(&q->backlog);
+        kvf_queue_detach(&q->incoming);
         /* Without q->mu: only kvf_rdma_chan_drop_dev makes a QP GONE and
          * only kvf_rdma_chan_replace_qp takes it out of GONE; RdmaChannel
          * serialises both with close by its use_lock, so no QP enters or

@@ -41,9 +41,12 @@
 
 #define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
 #define TCP_POP 64           /* slices per sendmsg */
-/* Bytes per sendmsg: bounds what is already "on the wire" when a batch is
- * cancelled (its queued slices are dropped, these are not). */
-#define TCP_POP_BYTES (4u << 20)
+/* Bytes a sender claims per round (at least one slice): what the scheduler
+ * can no longer reorder once claimed, so a HIGH slice queued meanwhile
+ * waits for at most this much of this connection's earlier work (and what
+ * the kernel holds), and what is already "on the wire" when a batch is
+ * cancelled. */
+#define TCP_POP_BYTES (1u << 20)
 /* A submitter sends at most this much itself on an idle connection: copied
  * (small payloads), and in all (large payloads are spliced: no copy). */
 #define TCP_INLINE_BYTES (64u << 10)
@@ -71,6 +74,7 @@ typedef struct tcp_conn {
     uint64_t sent_bytes;      /* payload bytes framed on this connection */
     uint64_t moved;           /* slices handed to other connections when it failed */
     uint64_t failures;
+    uint32_t cancel_seen;     /* ctx->cancel_epoch at its last claim */
     int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
     /* What an inline submitter could not send without blocking: the tx
      * thread sends it before anything else (frames must not interleave). */
@@ -95,6 +99,7 @@ struct kvf_tcp_channel {
     uint64_t slice_size;
     _Atomic int closing;      /* close() or ack connection lost: fail, never move or rebuild */
     int ack_fd;               /* -1: acks come back on each data connection */
+    int express;              /* the connection kept for HIGH batches; -1: none */
     char *ack_buf;            /* partial ack frames between polls */
     size_t ack_len;
 };
@@ -184,6 +189,7 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
     size_t k = 0;
     uint64_t bytes = 0;
     *ncancel = 0;
+    uint32_t epoch = atomic_load_explicit(&ctx->cancel_epoch, memory_order_relaxed);
     while (k < max && *ncancel < TCP_POP && c->q.count && bytes < TCP_POP_BYTES) {
         kvf_slice x;
         kvf_queue_pop_locked(&c->q, &x, 1);
@@ -194,6 +200,13 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
         c->state[tag] = 1;
         s[k++] = x;
         bytes += x.len;
+    }
+    if (k && epoch != c->cancel_seen) {
+        /* a batch was cancelled: the target sends the acks it holds back
+         * (those of the cancelled batch's slices on the wire too) now */
+        c->cancel_seen = epoch;
+        s[k - 1].op |= KVF_OP_FLUSH;
+        c->inflight[S_TAG(s[k - 1])].op |= KVF_OP_FLUSH;
     }
     c->sent_bytes += bytes;
     return k;
@@ -459,11 +472,12 @@ static void conn_close_pipe(tcp_conn *c) {
 }
 
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, const int *fds, int nfds,
-                                     int ack_fd, uint64_t slice_size) {
+                                     int ack_fd, uint64_t slice_size, int express) {
     kvf_tcp_channel *ch = calloc(1, sizeof(*ch));
     if (!ch) return NULL;
     ch->base = (kvf_channel){&tcp_ops, ctx, remote};
     ch->ack_fd = ack_fd;
+    ch->express = express >= 0 && express < nfds && nfds > 1 ? express : -1;
     if (ack_fd >= 0) {
         ch->ack_buf = malloc(ACK_BUF);
         if (!ch->ack_buf) { free(ch); return NULL; }
@@ -478,7 +492,7 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, con
         tcp_conn *c = &ch->conns[i];
         c->ch = ch;
         c->fd = fds[i];
-        kvf_queue_init(&c->q);
+        kvf_queue_init_sched(&c->q, ctx, 1, NULL);
         for (uint32_t t = 0; t < TCP_WINDOW; t++) c->free_tags[t] = TCP_WINDOW - 1 - t;
         c->nfree = TCP_WINDOW;
         c->pipe_r = c->pipe_w = -1;
@@ -558,8 +572,20 @@ static uint64_t tcp_slice_size(kvf_channel *ch, uint64_t total) {
     return ((kvf_tcp_channel *)ch)->slice_size;
 }
 
+/* The connection a HIGH batch goes on whole (its express lane), or -1:
+ * this batch is spread over the others. The lane is used only while it is
+ * up and in QoS mode (FIFO mode: the plain baseline). */
+static int express_for(kvf_tcp_channel *ch, uint32_t slot) {
+    kvf_ctx *ctx = ch->base.ctx;
+    int x = ch->express;
+    if (x < 0 || atomic_load(&ch->conns[x].dead) || atomic_load_explicit(&ctx->sched_fifo, memory_order_relaxed))
+        return -1;
+    return ctx->batches[slot].prio == KVF_PRIO_HIGH ? x : -1;
+}
+
 /* Spreads one batch's slices over the live connections (least queued
- * bytes first) and sends small work on an idle connection right here. */
+ * bytes first; a HIGH batch on the express lane) and sends small work on
+ * an idle connection right here. */
 static void tcp_enqueue(kvf_channel *base, kvf_slice *s, size_t k, int flags) {
     (void)flags;
     kvf_tcp_channel *ch = (kvf_tcp_channel *)base;
@@ -569,9 +595,18 @@ static void tcp_enqueue(kvf_channel *base, kvf_slice *s, size_t k, int flags) {
      * stale value only makes placement slightly less even. */
     uint64_t load[64];
     int nc = ch->n < 64 ? ch->n : 64;
-    for (int i = 0; i < nc; i++)
+    int lane = express_for(ch, slot);
+    int others = 0;
+    for (int i = 0; i < nc; i++) {
         load[i] = atomic_load(&ch->conns[i].dead) ? UINT64_MAX
                                                    : __atomic_load_n(&ch->conns[i].q.bytes, __ATOMIC_RELAXED);
+        others += i != ch->express && load[i] != UINT64_MAX;
+    }
+    /* the express lane carries HIGH batches only, while any other is up */
+    if (ch->express >= 0 && ch->express < nc && others) {
+        for (int i = 0; i < nc; i++)
+            if ((lane >= 0) != (i == ch->express)) load[i] = UINT64_MAX;
+    }
     int *dest = malloc(k * sizeof(int));
     if (!dest) {
         for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, slot, KVF_ENOMEM, s[i].entry);
@@ -817,6 +852,7 @@ void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
         tcp_conn *c = &ch->conns[i];
         conn_reap(ch, c);
         conn_close_pipe(c);
+        kvf_queue_detach(&c->q);
     }
 }
 

@@ -15,6 +15,9 @@ A perf-test CLI in the spirit of Mooncake's ``transfer_engine_bench`` and
 ``pair``
     Starts a target in a child process on this machine, runs the initiator
     against it, then stops the target.
+``qos``
+    Short HIGH batches arriving while a LOW stream saturates the link, in
+    FIFO and QoS scheduling in one run (kvflow.cli.bench_qos).
 
 Examples::
 
@@ -22,6 +25,7 @@ Examples::
     kvflow-bench pair --sweep --block-size 4K,64K,1M,16M --json
     kvflow-bench target --listen 10.0.0.1:7777 --buffer-size 1G
     kvflow-bench initiator --target 10.0.0.1:7777 --listen 10.0.0.2:0 --op read
+    kvflow-bench qos --protocol tcp --json
 
 Sizes accept a plain byte count or a binary suffix: ``4K``, ``64KiB``, ``1M``,
 ``16MiB``, ``1G`` (K, KB and KiB all mean 1024 bytes, as in nixlbench).
@@ -43,6 +47,7 @@ import sys
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import kvflow
+from kvflow.cli import bench_qos
 from kvflow.cli.bench_layout import (
     argparse_type,
     BenchError,
@@ -409,12 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
     pair = roles.add_parser("pair", parents=[engine, layout, target_buffer, load],
                             help="start a local target process and run the load against it")
     pair.add_argument("--target-start-timeout", type=seconds, default=60.0, help=argparse.SUPPRESS)
+    bench_qos.add_parser(roles, size, count, seconds)
     return parser
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.role == "qos":
+        return args
     if args.block_sizes is None:
         default = DEFAULT_SWEEP if args.sweep else DEFAULT_BLOCK_SIZE
         args.block_sizes = parse_size_list(default)
@@ -427,6 +435,7 @@ _ROLES: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
     "target": run_target,
     "initiator": run_initiator,
     "pair": run_pair,
+    "qos": bench_qos.run_qos,
 }
 
 

@@ -24,6 +24,10 @@ from kvflow.engine.thread import EngineThread
 from kvflow.errors import KVFlowError, PeerUnreachableError, ProtocolError
 from kvflow.memory import Access
 
+# KVManager(priority_bytes=): a request's class from its KV bytes when the
+# server gives none: HIGH up to 64 MiB, LOW from 1 GiB.
+PRIORITY_BYTES = (64 << 20, 1 << 30)
+
 if TYPE_CHECKING:
     from kvflow.connector.receiver import KVReceiver
     from kvflow.connector.sender import KVSender
@@ -58,7 +62,11 @@ class KVManager:
     listen/protocols/secret and **engine_options go to the Engine;
     bootstrap_timeout: how long a request may wait for its peer to show up;
     transfer_timeout: how long a decode request may wait for its data once
-    its metadata is sent (then it fails and tells the prefill side).
+    its metadata is sent (then it fails and tells the prefill side);
+    priority_bytes: (high_max, low_min): a prefill request without a
+    priority from the server (KVSender.init(priority=)) gets one from its
+    KV size: HIGH up to high_max bytes, LOW from low_min, NORMAL between
+    (shortest first; the engine's aging bound keeps LOW from starving).
     """
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
@@ -66,7 +74,7 @@ class KVManager:
                  bootstrap_addr: str | None = None, listen: str = "127.0.0.1:0",
                  protocols: Any = None, secret: bytes | str | None = None,
                  bootstrap_timeout: float = 30.0, transfer_timeout: float = 60.0,
-                 **engine_options: Any) -> None:
+                 priority_bytes: tuple[int, int] = PRIORITY_BYTES, **engine_options: Any) -> None:
         self.kv_args = args
         self.mode = DisaggregationMode(disaggregation_mode)
         self.is_mla = bool(is_mla_backend)
@@ -74,6 +82,11 @@ class KVManager:
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_timeout = bootstrap_timeout
         self.transfer_timeout = transfer_timeout
+        high_max, low_min = priority_bytes
+        if not 0 <= high_max <= low_min:
+            raise KVFlowError(f"priority_bytes must be (high_max, low_min) with 0 <= high_max <= low_min, "
+                              f"not {priority_bytes!r}")
+        self.priority_bytes = (int(high_max), int(low_min))
         self._thread = EngineThread(name=f"kvflow-{self.mode.value}-{args.engine_rank}", listen=listen,
                                     protocols=protocols, secret=secret, **engine_options)
         self.engine = self._thread.start()

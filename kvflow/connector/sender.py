@@ -21,6 +21,7 @@ from kvflow.connector import layout, messages
 from kvflow.connector.request import Request
 from kvflow.connector.types import KVPoll
 from kvflow.errors import KVFlowError
+from kvflow import Priority
 
 if TYPE_CHECKING:
     from kvflow.connector.manager import KVManager
@@ -49,15 +50,28 @@ class KVSender(Request):
         self._transfers: list["Transfer"] = []
         self._meta_ready: asyncio.Future[None] | None = None
         self.batch_seconds: list[float] = []     # post → completion of each batch (one per layer when streaming)
+        self.priority = Priority.NORMAL          # set by init()
         mgr.call_soon(self._attach)
 
     # ------------------------------------------------------------ server's thread
-    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        """The request has `num_kv_indices` pages; its aux record is in aux slot `aux_index`."""
+    def init(self, num_kv_indices: int, aux_index: int | None = None, priority: Any = None) -> None:
+        """The request has `num_kv_indices` pages; its aux record is in aux
+        slot `aux_index`. priority: the server's class for the request (a
+        kvflow.Priority, e.g. from SGLang's request priority); None: from
+        its KV size (KVManager(priority_bytes=): shortest first)."""
         if num_kv_indices < 0:
             raise KVFlowError(f"room {self.room}: num_kv_indices must be >= 0")
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = aux_index
+        if priority is None:
+            nbytes = self.num_kv_indices * sum(int(n) for n in self.mgr.kv_args.kv_item_lens)
+            high_max, low_min = self.mgr.priority_bytes
+            priority = Priority.HIGH if nbytes <= high_max else Priority.LOW if nbytes >= low_min \
+                else Priority.NORMAL
+        try:
+            self.priority = Priority(priority)
+        except ValueError:
+            raise KVFlowError(f"room {self.room}: priority must be a kvflow.Priority, not {priority!r}") from None
 
     def send(self, kv_indices: Any, state_indices: Any = None) -> None:
         """Sends every layer of the next chunk of pages (prefill page
@@ -244,10 +258,10 @@ class KVSender(Request):
 
     def _write(self, peer: "Peer", la: Any, ra: Any, ln: Any, strides: Any = None) -> None:
         if strides is None:
-            t = peer.write_nowait(la, ra, ln)
+            t = peer.write_nowait(la, ra, ln, priority=self.priority)
         else:
             t = peer.write_nowait(la, ra, ln, counts=strides[0], local_strides=strides[1],
-                                  remote_strides=strides[2])
+                                  remote_strides=strides[2], priority=self.priority)
         self._transfers.append(t)
         self.metric.entries += len(ln)
         posted = time.perf_counter()

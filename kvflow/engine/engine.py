@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from kvflow import _core
-from kvflow.config import env_float, env_list, env_str
+from kvflow.config import env_bool, env_float, env_list, env_str
 from kvflow.control.client import dial
 from kvflow.control.descriptor import Descriptor, regions_to_wire
 from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
@@ -29,6 +29,7 @@ from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
 from kvflow.providers.tcp import TcpOptions, TcpProvider
+from kvflow.schedule.qos import AGING, SCHEDULING, aging_ns
 from kvflow.topology import Topology, cached_host_topology, parse_location
 
 __all__ = ["Engine", "PROVIDERS"]
@@ -124,7 +125,21 @@ class Engine:
     start() the engine publishes a record under kvflow/engines/<name> (name:
     default the engine's address; not of the form host:port) that expires
     metadata_ttl seconds after its last refresh (every metadata_ttl/3), and
-    connect() resolves names through that server.
+    connect() resolves names through that server;
+    qos_aging: the starvation bound of the transfer scheduler, seconds: a
+    priority class with queued slices is served at least once per interval
+    whatever runs above it (kvflow.schedule.qos; default 0.02);
+    scheduling: "qos" (priority classes, deadlines, fair share between
+    batches) or "fifo" (batches in arrival order, whole: priorities and
+    deadlines ignored; the baseline the QoS benchmark compares with);
+    tcp_express: one more tcp data connection per peer that carries HIGH
+    batches only, so that they never queue behind other batches' bytes in
+    the kernel's socket buffers (default: env KVFLOW_TCP_EXPRESS, else off:
+    on this 2-core test machine its extra threads cost more in the tail
+    than the lane saves; docs/qos.md has the numbers);
+    tcp_send_buffer, tcp_receive_buffer: SO_SNDBUF of the tcp data
+    connections it opens (512 KiB) and SO_RCVBUF of those it accepts
+    (1 MiB); 0: the kernel's autotuning (kvflow.providers.tcp.TcpOptions).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -135,7 +150,10 @@ class Engine:
                  rdma_qps: int = 2, rdma_slice_size: int = 256 << 10, rdma_ack_timeout: int | None = None,
                  keepalive: float | None = None, metadata: str | None = None,
                  name: str | None = None, metadata_ttl: float = 10.0,
-                 rails: Sequence[str] | None = None, location: str | None = None) -> None:
+                 rails: Sequence[str] | None = None, location: str | None = None,
+                 qos_aging: float = AGING, scheduling: str = "qos", tcp_express: bool | None = None,
+                 tcp_send_buffer: int = TcpOptions.send_buffer,
+                 tcp_receive_buffer: int = TcpOptions.receive_buffer) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -144,7 +162,11 @@ class Engine:
                     f"unknown protocol(s) {unknown or protocols!r}; available: {', '.join(PROVIDERS)}")
         if rails is None:
             rails = env_list("KVFLOW_TCP_RAILS")
-        self._tcp_options = TcpOptions(tcp_connections, rails, slice_size)
+        if tcp_express is None:
+            tcp_express = env_bool("KVFLOW_TCP_EXPRESS")
+            tcp_express = bool(tcp_express)
+        self._tcp_options = TcpOptions(tcp_connections, rails, slice_size, bool(tcp_express),
+                                       tcp_send_buffer, tcp_receive_buffer)
         if keepalive is None:
             keepalive = env_float("KVFLOW_KEEPALIVE")
             keepalive = 5.0 if keepalive is None else keepalive
@@ -171,6 +193,10 @@ class Engine:
         parse_location(self.location)
         self.topology: Topology | None = None
         self._local_workers = local_workers
+        self._qos_aging_ns = aging_ns(qos_aging)
+        if scheduling not in SCHEDULING:
+            raise InvalidArgumentError(f"scheduling must be one of {', '.join(SCHEDULING)}, not {scheduling!r}")
+        self.scheduling = scheduling
         self._inline_limit = inline_limit
         self._advertise = advertise
         self._rdma_options = RdmaOptions(list(rdma_devices) if rdma_devices is not None else None,
@@ -214,6 +240,8 @@ class Engine:
         auto = self._tcp_options.auto
         self.topology = cached_host_topology(fresh_addresses=auto)
         self._core = _core.Core(self._local_workers)
+        self._core.set_sched_age(self._qos_aging_ns)
+        self._core.set_sched_fifo(self.scheduling == "fifo")
         self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)
         ctx = ProviderContext(self._core, self._loop, self._batches, self._deliver, self._rekeyed,
                               self.topology, self.location, self.keepalive, _same_process)

@@ -20,6 +20,7 @@ from kvflow.control.wire import field
 from kvflow.memory import RemoteRegion
 from kvflow.engine.transfer import Transfer, batch_error
 from kvflow.providers.base import Provider
+from kvflow.schedule.qos import Priority, qos_args
 
 if TYPE_CHECKING:
     from kvflow.engine.engine import Engine
@@ -168,11 +169,13 @@ class Peer:
         return self._engine._batches.track(batch_id, self.address, op, nbytes, timeout)
 
     def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                counts: Any, local_strides: Any, remote_strides: Any) -> Transfer:
+                counts: Any, local_strides: Any, remote_strides: Any, priority: Any,
+                deadline: float | None) -> Transfer:
+        prio, deadline_ns = qos_args(priority, deadline)
         first = None
         if counts is not None or local_strides is not None or remote_strides is not None:
             la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        status, batch_id, aux = self._channel.submit(op, la, ra, ln)
+        status, batch_id, aux = self._channel.submit(op, la, ra, ln, prio, deadline_ns)
         if status:
             raise status_error(status, peer=self.address, op=op,
                                index=aux if first is None else entry_of(first, aux))
@@ -182,21 +185,23 @@ class Peer:
 
     def _submit_awaited(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
                         counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                        priority: Any = Priority.NORMAL, deadline: float | None = None,
                         first: Any = None, refresh: bool = True) -> Awaitable[None] | None:
         """Submits a batch its caller awaits at once: None if it already
         completed (inline, or polled to completion on this thread: no
         Transfer, no wake-up), else what to await. write() and read() await
         no other coroutine on that path: on Soft-RoCE under emulation each
         one costs as much as a tenth of the write."""
+        prio, deadline_ns = qos_args(priority, deadline)
         if counts is not None or local_strides is not None or remote_strides is not None:
             la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln)
+        status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln, True, prio, deadline_ns)
         if finished:                   # status and aux are the batch's
             if status:
                 raise batch_error(self._engine._batches, self.address, op, status, aux, first)
             return None
         if status == EREMOTE and refresh and not self._session.lost:
-            return self._after_refresh(op, la, ra, ln, timeout, first)
+            return self._after_refresh(op, la, ra, ln, timeout, first, prio, deadline)
         if status:
             raise status_error(status, peer=self.address, op=op,
                                index=aux if first is None else entry_of(first, aux))
@@ -207,16 +212,18 @@ class Peer:
         return t
 
     async def _after_refresh(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                             first: Any) -> None:
+                             first: Any, priority: int, deadline: float | None) -> None:
         # The peer may have registered memory we have not heard of yet.
         await self.refresh()
-        t = self._submit_awaited(op, la, ra, ln, timeout, first=first, refresh=False)
+        t = self._submit_awaited(op, la, ra, ln, timeout, priority=priority, deadline=deadline,
+                                 first=first, refresh=False)
         if t is not None:
             await t
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
-                    remote_strides: Any = None) -> None:
+                    remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                    deadline: float | None = None) -> None:
         """Writes one batch: entry i copies lengths[i] bytes from local_addrs[i]
         (this engine's registered memory) to remote_addrs[i] (the peer's).
         Returns once every byte has landed in the peer's memory.
@@ -228,42 +235,55 @@ class Peer:
         pages). The engine expands them (vectorised); each piece is its own
         slice on the wire, and errors name the strided entry.
 
+        priority (kvflow.Priority: HIGH, NORMAL, LOW) and deadline (seconds
+        from now, an urgency hint; None: none) order this batch's queued
+        slices against every other batch's (kvflow.schedule.qos): HIGH
+        before NORMAL before LOW, no class starved for longer than the
+        engine's qos_aging; within a class the earliest deadline first, and
+        batches without one share byte for byte. timeout still fails it.
+
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
         t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                                 counts, local_strides, remote_strides)
+                                 counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
             await t
 
     async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                    timeout: float | None = None, counts: Any = None, local_strides: Any = None,
-                   remote_strides: Any = None) -> None:
+                   remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                   deadline: float | None = None) -> None:
         """Reads one batch: entry i copies lengths[i] bytes from the peer's
-        remote_addrs[i] into local_addrs[i]. Strided entries and errors as write()."""
+        remote_addrs[i] into local_addrs[i]. Strided entries, priority,
+        deadline and errors as write()."""
         t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                                 counts, local_strides, remote_strides)
+                                 counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
             await t
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
-                     remote_strides: Any = None) -> Transfer:
-        """Starts a write and returns its Transfer (awaitable, cancellable).
-        Argument and validation errors raise here; transfer errors on await."""
+                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                     deadline: float | None = None) -> Transfer:
+        """Starts a write and returns its Transfer (awaitable, cancellable:
+        its slices still queued are dropped at once). Argument and
+        validation errors raise here; transfer errors on await."""
         return self._nowait(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                            counts, local_strides, remote_strides)
+                            counts, local_strides, remote_strides, priority, deadline)
 
     def read_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
-                    remote_strides: Any = None) -> Transfer:
+                    remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                    deadline: float | None = None) -> Transfer:
         """Starts a read and returns its Transfer."""
         return self._nowait(OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                            counts, local_strides, remote_strides)
+                            counts, local_strides, remote_strides, priority, deadline)
 
     # ------------------------------------------------------------ blocking callers
     def write_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                       timeout: float | None = None) -> None:
+                       timeout: float | None = None, priority: Priority = Priority.NORMAL,
+                       deadline: float | None = None) -> None:
         """write() for a thread that is not the engine's event loop (a
         blocking API such as the Mooncake-compatible one): returns once
         every byte landed. Where the provider allows it (local, tcp) the
@@ -275,15 +295,18 @@ class Peer:
         after `timeout` seconds (None: no limit), once the batch drained
         (at most CANCEL_GRACE more seconds); KVFlowError when called on the
         loop's own thread (it would block the loop: await write())."""
-        self._blocking(OP_WRITE, local_addrs, remote_addrs, lengths, timeout)
+        self._blocking(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, priority, deadline)
 
     def read_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                      timeout: float | None = None) -> None:
+                      timeout: float | None = None, priority: Priority = Priority.NORMAL,
+                      deadline: float | None = None) -> None:
         """read() for a thread that is not the engine's event loop; as
         write_blocking()."""
-        self._blocking(OP_READ, local_addrs, remote_addrs, lengths, timeout)
+        self._blocking(OP_READ, local_addrs, remote_addrs, lengths, timeout, priority, deadline)
 
-    def _blocking(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
+    def _blocking(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, priority: Any,
+                  deadline: float | None) -> None:
+        prio, deadline_ns = qos_args(priority, deadline)
         loop = self._engine._loop
         try:
             running = asyncio.get_running_loop()
@@ -293,10 +316,10 @@ class Peer:
             raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
                               "thread would block the loop: await write()/read() there", peer=self.address)
         if self.alive and self._provider is not None and self._provider.caps.detached and \
-                self._detached(op, la, ra, ln, timeout):
+                self._detached(op, la, ra, ln, timeout, prio, deadline_ns):
             return
-        coro = self.write(la, ra, ln, timeout=timeout) if op == OP_WRITE else \
-            self.read(la, ra, ln, timeout=timeout)
+        kw = {"timeout": timeout, "priority": prio, "deadline": deadline}
+        coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
         try:
             future = asyncio.run_coroutine_threadsafe(coro, loop)
         except RuntimeError:            # the loop closed under us
@@ -307,12 +330,13 @@ class Peer:
         except concurrent.futures.CancelledError:      # the loop cancelled it while closing
             raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
 
-    def _detached(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> bool:
+    def _detached(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, prio: int,
+                  deadline_ns: int) -> bool:
         """The calling thread's own path (write_blocking): True once done,
         False where the loop must do it (the peer's table lacks the range)."""
         core = self._engine._core
         try:
-            status, batch, aux = self._channel.submit_detached(op, la, ra, ln)
+            status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
             if status == EREMOTE:
                 return False       # the loop path refreshes the peer's regions and retries
             if status:

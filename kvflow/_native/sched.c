@@ -1,0 +1,462 @@
+/* The transfer scheduler: the order in which a provider's queue hands out
+ * its slices (kvf_queue in scheduled mode, kvf_queue_init_sched).
+ *
+ * A FIFO queue makes a short request wait behind every byte queued before
+ * it. A scheduled queue keeps one flow per batch (the batch's slices in
+ * this queue, in order) and takes the next slice by
+ *
+ *   1. class: HIGH before NORMAL before LOW (the batch's priority), except
+ *      that a lower class that has waited `age_ns` since it was last served
+ *      (or since it had work) is served first: every class with queued
+ *      slices gets a slice at least once per age_ns, whatever runs above it
+ *      (the starvation bound);
+ *   2. within a class, batches with a deadline first, earliest deadline
+ *      first (a binary heap), ties by arrival;
+ *   3. then the batches without a deadline, by deficit round robin over
+ *      bytes (quantum KVF_SCHED_QUANTUM): a huge batch and a small one share
+ *      the queue byte for byte instead of the small one waiting for all of
+ *      the huge one.
+ *
+ * Costs: a push is O(1) (a hash lookup of the batch's flow; O(log n) when it
+ * opens a flow with a deadline), a pop O(1) amortised (O(log n) when a flow
+ * with a deadline empties). No allocation per slice: a flow's slices live in
+ * one array that doubles; flows are recycled. Everything runs under the
+ * queue's own mutex, held by the caller (a push or pop never sends or posts).
+ *
+ * In FIFO mode (kvf_sched_set_fifo: a baseline, and for users who want
+ * arrival order) every batch is NORMAL without a deadline and the round
+ * robin's quantum is unbounded: batches go whole, in arrival order.
+ *
+ * Cancelling a batch removes its flows from every scheduled queue of the
+ * engine at once (kvf_sched_cancel): queued slices never wait for a sender
+ * to reach them; only slices already handed to a socket or a NIC are left
+ * to finish. */
+#include "kvf.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct kvf_flow {
+    uint32_t slot;          /* the batch's slot */
+    uint32_t cls;
+    uint64_t deadline;      /* absolute, CLOCK_MONOTONIC ns; UINT64_MAX: none */
+    uint64_t seq;           /* arrival order in this queue */
+    int64_t deficit;        /* DRR: bytes it may still send this round */
+    kvf_slice *v;           /* its slices: v[head .. head+n) */
+    uint32_t head, n, cap;
+    int32_t heap_i;         /* index in its class's deadline heap, -1: in the ring */
+    int32_t fifo;           /* opened in FIFO mode: served whole when its turn comes */
+    struct kvf_flow *next, *prev;   /* the class's round-robin ring */
+    struct kvf_flow *chain;         /* hash bucket chain; free list */
+} kvf_flow;
+
+typedef struct {
+    kvf_flow **heap;        /* flows with a deadline, min-heap by (deadline, seq) */
+    size_t nheap, capheap;
+    kvf_flow *rr;           /* the ring's current flow (NULL: ring empty) */
+    size_t count;           /* queued slices of this class */
+    uint64_t last_ns;       /* last served, or when it got work */
+} sched_class;
+
+struct kvf_sched {
+    kvf_ctx *ctx;
+    kvf_queue *q;
+    pthread_mutex_t *guard; /* the lock its users hold around push and pop */
+    int counted;            /* its slices count in ctx->n_slices_inflight */
+    int registered;         /* in ctx->scheds (cancels find it) */
+    sched_class cls[KVF_NPRIO];
+    kvf_flow **buckets;     /* by slot, chained */
+    size_t nbuckets, nflows;
+    kvf_flow *free;
+    uint64_t seq;
+    struct kvf_sched *next_in_ctx;
+};
+
+static uint64_t mono_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+uint64_t kvf_now_ns(void) { return mono_ns(); }
+
+void kvf_sched_set_age(kvf_ctx *c, uint64_t age_ns) {
+    atomic_store_explicit(&c->sched_age_ns, age_ns, memory_order_relaxed);
+}
+
+void kvf_sched_set_fifo(kvf_ctx *c, int on) {
+    atomic_store_explicit(&c->sched_fifo, on ? 1 : 0, memory_order_relaxed);
+}
+
+/* ------------------------------------------------------------ flow index */
+
+static size_t bucket_of(const kvf_sched *s, uint32_t slot) {
+    return (slot * 2654435761u) & (s->nbuckets - 1);
+}
+
+static kvf_flow *flow_find(const kvf_sched *s, uint32_t slot) {
+    for (kvf_flow *f = s->buckets[bucket_of(s, slot)]; f; f = f->chain)
+        if (f->slot == slot) return f;
+    return NULL;
+}
+
+static int index_grow(kvf_sched *s) {
+    size_t nb = s->nbuckets * 2;
+    kvf_flow **b = calloc(nb, sizeof(*b));
+    if (!b) return -1;
+    kvf_flow **old = s->buckets;
+    size_t on = s->nbuckets;
+    s->buckets = b;
+    s->nbuckets = nb;
+    for (size_t i = 0; i < on; i++) {
+        for (kvf_flow *f = old[i], *nx; f; f = nx) {
+            nx = f->chain;
+            size_t k = bucket_of(s, f->slot);
+            f->chain = b[k];
+            b[k] = f;
+        }
+    }
+    free(old);
+    return 0;
+}
+
+static void index_remove(kvf_sched *s, kvf_flow *f) {
+    kvf_flow **p = &s->buckets[bucket_of(s, f->slot)];
+    while (*p != f) p = &(*p)->chain;
+    *p = f->chain;
+    s->nflows--;
+}
+
+/* ------------------------------------------------------- deadline heaps */
+
+static int heap_less(const kvf_flow *a, const kvf_flow *b) {
+    return a->deadline < b->deadline || (a->deadline == b->deadline && a->seq < b->seq);
+}
+
+static void heap_set(sched_class *c, size_t i, kvf_flow *f) {
+    c->heap[i] = f;
+    f->heap_i = (int32_t)i;
+}
+
+static void heap_up(sched_class *c, size_t i) {
+    kvf_flow *f = c->heap[i];
+    while (i > 0 && heap_less(f, c->heap[(i - 1) / 2])) {
+        heap_set(c, i, c->heap[(i - 1) / 2]);
+        i = (i - 1) / 2;
+    }
+    heap_set(c, i, f);
+}
+
+static void heap_down(sched_class *c, size_t i) {
+    kvf_flow *f = c->heap[i];
+    for (;;) {
+        size_t l = 2 * i + 1, m = i;
+        kvf_flow *best = f;
+        if (l < c->nheap && heap_less(c->heap[l], best)) { m = l; best = c->heap[l]; }
+        if (l + 1 < c->nheap && heap_less(c->heap[l + 1], best)) { m = l + 1; best = c->heap[l + 1]; }
+        if (m == i) break;
+        heap_set(c, i, best);
+        i = m;
+    }
+    heap_set(c, i, f);
+}
+
+static int heap_push(sched_class *c, kvf_flow *f) {
+    if (c->nheap == c->capheap) {
+        size_t cap = c->capheap ? c->capheap * 2 : 16;
+        kvf_flow **h = realloc(c->heap, cap * sizeof(*h));
+        if (!h) return -1;
+        c->heap = h;
+        c->capheap = cap;
+    }
+    heap_set(c, c->nheap++, f);
+    heap_up(c, c->nheap - 1);
+    return 0;
+}
+
+static void heap_remove(sched_class *c, kvf_flow *f) {
+    size_t i = (size_t)f->heap_i;
+    kvf_flow *last = c->heap[--c->nheap];
+    f->heap_i = -1;
+    if (last == f) return;
+    heap_set(c, i, last);
+    heap_up(c, i);
+    heap_down(c, (size_t)last->heap_i);
+}
+
+/* ------------------------------------------------------------------ ring */
+
+static void ring_insert(sched_class *c, kvf_flow *f) {
+    if (!c->rr) {
+        f->next = f->prev = f;
+        c->rr = f;
+        return;
+    }
+    /* at the tail: just before the current flow, so it waits one round */
+    f->next = c->rr;
+    f->prev = c->rr->prev;
+    f->prev->next = f;
+    c->rr->prev = f;
+}
+
+static void ring_remove(sched_class *c, kvf_flow *f) {
+    if (f->next == f) {
+        c->rr = NULL;
+    } else {
+        f->prev->next = f->next;
+        f->next->prev = f->prev;
+        if (c->rr == f) c->rr = f->next;
+    }
+    f->next = f->prev = NULL;
+}
+
+/* ----------------------------------------------------------------- flows */
+
+static kvf_flow *flow_open(kvf_sched *s, uint32_t slot, uint64_t now) {
+    if (s->nflows + 1 > s->nbuckets && index_grow(s)) return NULL;
+    kvf_flow *f = s->free;
+    if (f) {
+        s->free = f->chain;
+    } else {
+        f = calloc(1, sizeof(*f));
+        if (!f) return NULL;
+    }
+    kvf_batch *b = &s->ctx->batches[slot];
+    int fifo = atomic_load_explicit(&s->ctx->sched_fifo, memory_order_relaxed);
+    f->slot = slot;
+    f->cls = fifo || b->prio < 0 || b->prio >= KVF_NPRIO ? KVF_PRIO_NORMAL : (uint32_t)b->prio;
+    f->deadline = b->deadline_ns && !fifo ? b->deadline_ns : UINT64_MAX;
+    f->fifo = fifo;
+    f->seq = s->seq++;
+    f->deficit = 0;
+    f->head = f->n = 0;
+    f->heap_i = -1;
+    sched_class *c = &s->cls[f->cls];
+    if (f->deadline != UINT64_MAX) {
+        if (heap_push(c, f)) { f->chain = s->free; s->free = f; return NULL; }
+    } else {
+        ring_insert(c, f);
+    }
+    if (c->count == 0) c->last_ns = now;
+    size_t k = bucket_of(s, slot);
+    f->chain = s->buckets[k];
+    s->buckets[k] = f;
+    s->nflows++;
+    return f;
+}
+
+static void flow_close(kvf_sched *s, kvf_flow *f) {
+    sched_class *c = &s->cls[f->cls];
+    if (f->heap_i >= 0) heap_remove(c, f);
+    else ring_remove(c, f);
+    index_remove(s, f);
+    f->chain = s->free;
+    s->free = f;
+}
+
+static int flow_append(kvf_flow *f, const kvf_slice *x) {
+    if (f->head + f->n == f->cap) {
+        if (f->head > 0 && f->n <= f->cap / 2) {
+            memmove(f->v, f->v + f->head, f->n * sizeof(kvf_slice));
+        } else {
+            uint32_t cap = f->cap ? f->cap * 2 : 8;
+            kvf_slice *v = malloc((size_t)cap * sizeof(kvf_slice));
+            if (!v) return -1;
+            if (f->n) memcpy(v, f->v + f->head, f->n * sizeof(kvf_slice));
+            free(f->v);
+            f->v = v;
+            f->cap = cap;
+        }
+        f->head = 0;
+    }
+    f->v[f->head + f->n++] = *x;
+    return 0;
+}
+
+/* ------------------------------------------------------------- the queue */
+
+static void sched_register(kvf_sched *s) {
+    kvf_ctx *c = s->ctx;
+    pthread_mutex_lock(&c->sched_mu);
+    s->next_in_ctx = c->scheds;
+    c->scheds = s;
+    s->registered = 1;
+    pthread_mutex_unlock(&c->sched_mu);
+}
+
+/* Takes the queue off the engine's list (its channel closed: nothing is
+ * queued any more, and the context may be freed before the channel). */
+static void sched_unregister(kvf_sched *s) {
+    if (!s->registered) return;
+    kvf_ctx *c = s->ctx;
+    pthread_mutex_lock(&c->sched_mu);
+    kvf_sched **p = &c->scheds;
+    while (*p && *p != s) p = &(*p)->next_in_ctx;
+    if (*p) *p = s->next_in_ctx;
+    s->registered = 0;
+    pthread_mutex_unlock(&c->sched_mu);
+}
+
+void kvf_queue_detach(kvf_queue *q) {
+    if (q->sched) sched_unregister(q->sched);
+}
+
+void kvf_sched_orphan_all(kvf_ctx *c) {
+    pthread_mutex_lock(&c->sched_mu);
+    for (kvf_sched *s = c->scheds; s; s = s->next_in_ctx) s->registered = 0;
+    c->scheds = NULL;
+    pthread_mutex_unlock(&c->sched_mu);
+}
+
+int kvf_queue_init_sched(kvf_queue *q, kvf_ctx *ctx, int counted, pthread_mutex_t *guard) {
+    if (kvf_queue_init(q) != KVF_OK) return KVF_ENOMEM;
+    kvf_sched *s = calloc(1, sizeof(*s));
+    if (s) s->buckets = calloc(16, sizeof(*s->buckets));
+    if (!s || !s->buckets) {
+        free(s);
+        kvf_queue_destroy(q);
+        return KVF_ENOMEM;
+    }
+    s->nbuckets = 16;
+    s->ctx = ctx;
+    s->q = q;
+    s->guard = guard ? guard : &q->mu;
+    s->counted = counted;
+    q->sched = s;
+    sched_register(s);
+    return KVF_OK;
+}
+
+static void free_flow(kvf_flow *f) {
+    free(f->v);
+    free(f);
+}
+
+void kvf_sched_free(kvf_sched *s) {
+    sched_unregister(s);
+    for (size_t i = 0; i < s->nbuckets; i++) {
+        for (kvf_flow *f = s->buckets[i], *nx; f; f = nx) {
+            nx = f->chain;
+            free_flow(f);
+        }
+    }
+    for (kvf_flow *f = s->free, *nx; f; f = nx) {
+        nx = f->chain;
+        free_flow(f);
+    }
+    for (int k = 0; k < KVF_NPRIO; k++) free(s->cls[k].heap);
+    free(s->buckets);
+    free(s);
+}
+
+int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x) {
+    uint64_t now = 0;
+    kvf_flow *f = flow_find(s, x->slot);
+    if (!f) {
+        now = mono_ns();
+        f = flow_open(s, x->slot, now);
+        if (!f) return KVF_ENOMEM;
+    }
+    if (flow_append(f, x)) {
+        if (f->n == 0) flow_close(s, f);
+        return KVF_ENOMEM;
+    }
+    s->cls[f->cls].count++;
+    return KVF_OK;
+}
+
+/* The class to serve now: the most overdue lower class (waited age_ns or
+ * more since it was last served), else the highest class with work. */
+static int pick_class(kvf_sched *s, uint64_t now, uint64_t age_ns) {
+    int best = -1;
+    uint64_t overdue = 0;
+    for (int k = 1; k < KVF_NPRIO; k++) {
+        sched_class *c = &s->cls[k];
+        if (!c->count || now - c->last_ns < age_ns) continue;
+        if (best < 0 || now - c->last_ns > overdue) { best = k; overdue = now - c->last_ns; }
+    }
+    if (best >= 0) return best;
+    for (int k = 0; k < KVF_NPRIO; k++) if (s->cls[k].count) return k;
+    return -1;
+}
+
+/* The flow whose head slice goes next in class c: the earliest deadline,
+ * else the round robin's current flow once its deficit covers the slice. */
+static kvf_flow *pick_flow(sched_class *c) {
+    if (c->nheap) return c->heap[0];
+    kvf_flow *f = c->rr;
+    if (f->fifo) return f;
+    while ((uint64_t)(f->deficit < 0 ? 0 : f->deficit) < f->v[f->head].len) {
+        f->deficit += KVF_SCHED_QUANTUM;
+        if ((uint64_t)f->deficit >= f->v[f->head].len) break;
+        c->rr = f = f->next;
+    }
+    return f;
+}
+
+static void take(kvf_sched *s, kvf_flow *f, kvf_slice *out) {
+    sched_class *c = &s->cls[f->cls];
+    *out = f->v[f->head++];
+    f->n--;
+    c->count--;
+    if (f->heap_i < 0 && !f->fifo) {
+        f->deficit -= (int64_t)out->len;
+        if (f->n && (uint64_t)(f->deficit < 0 ? 0 : f->deficit) < f->v[f->head].len) {
+            /* its quantum is spent: the next flow's turn */
+            c->rr = f->next;
+        }
+    }
+    if (f->n == 0) flow_close(s, f);
+}
+
+size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max) {
+    if (!max) return 0;
+    uint64_t now = mono_ns();
+    uint64_t age_ns = atomic_load_explicit(&s->ctx->sched_age_ns, memory_order_relaxed);
+    size_t n = 0;
+    while (n < max) {
+        int k = pick_class(s, now, age_ns);
+        if (k < 0) break;
+        sched_class *c = &s->cls[k];
+        take(s, pick_flow(c), &out[n++]);
+        c->last_ns = now;
+    }
+    return n;
+}
+
+/* Removes every queued slice of batch `slot` (into *out, malloc'd; the
+ * caller finishes them). Returns how many. */
+static size_t sched_remove_locked(kvf_sched *s, uint32_t slot, kvf_slice **out) {
+    kvf_flow *f = flow_find(s, slot);
+    *out = NULL;
+    if (!f) return 0;
+    size_t n = f->n;
+    kvf_slice *v = malloc(n * sizeof(kvf_slice));
+    if (!v) return 0;     /* left queued: the sender drops them (cancelled flag) */
+    memcpy(v, f->v + f->head, n * sizeof(kvf_slice));
+    for (size_t i = 0; i < n; i++) s->q->bytes -= v[i].len;
+    s->q->count -= n;
+    s->cls[f->cls].count -= n;
+    f->n = 0;
+    flow_close(s, f);
+    *out = v;
+    return n;
+}
+
+size_t kvf_sched_cancel(kvf_ctx *c, uint32_t slot) {
+    size_t total = 0;
+    pthread_mutex_lock(&c->sched_mu);
+    for (kvf_sched *s = c->scheds; s; s = s->next_in_ctx) {
+        kvf_slice *v;
+        pthread_mutex_lock(s->guard);
+        size_t n = sched_remove_locked(s, slot, &v);
+        pthread_mutex_unlock(s->guard);
+        if (n && s->counted) atomic_fetch_sub_explicit(&c->n_slices_inflight, (int64_t)n, memory_order_relaxed);
+        for (size_t i = 0; i < n; i++) kvf_slice_done(c, v[i].slot, KVF_ECANCELLED, v[i].entry);
+        free(v);
+        total += n;
+    }
+    pthread_mutex_unlock(&c->sched_mu);
+    return total;
+}

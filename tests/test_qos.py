@@ -1,0 +1,321 @@
+"""Transfer QoS: the native scheduler (kvflow/_native/sched.c) and what it
+gives every provider: priority classes, deadlines, fair share between
+batches, the starvation bound, FIFO mode, and cancelled work dropped from
+the queues at once.
+
+The order itself is checked on a scheduled queue outside any channel
+(kvflow._core.SchedQueue: the same C code every provider's queue runs),
+where it is deterministic; the providers are checked end to end by the
+order in which contending batches complete."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow import Priority, _core
+from kvflow.schedule.qos import qos_args
+
+from _batches import bounded
+from _providers import closed_leaks, params, skip_unavailable
+
+MiB = 1 << 20
+HIGH, NORMAL, LOW = int(Priority.HIGH), int(Priority.NORMAL), int(Priority.LOW)
+
+
+@pytest.fixture
+def core():
+    c = _core.Core(1)
+    yield c
+    c.close()
+
+
+def slots(popped):
+    return [s for s, _, _ in popped]
+
+
+def slot(bid):
+    return bid & 0xFFFFFFFF
+
+
+def drain_all(q, n=10_000):
+    out = []
+    while len(q):
+        out += q.pop(64)
+        assert len(out) <= n
+    return out
+
+
+# ------------------------------------------------------------ the scheduler
+
+def test_classes_go_high_normal_low(core):
+    q = _core.SchedQueue(core)
+    low, normal, high = q.batch(3, LOW), q.batch(3, NORMAL), q.batch(3, HIGH)
+    for e in range(3):                     # interleaved arrival, lowest class first
+        for b in (low, normal, high):
+            q.push(b, 4096, e)
+    got = drain_all(q)
+    assert slots(got) == [slot(high)] * 3 + [slot(normal)] * 3 + [slot(low)] * 3
+    assert [e for _, e, _ in got[:3]] == [0, 1, 2]      # a batch's slices stay in order
+    assert len(q) == 0 and q.bytes == 0
+
+
+def test_earliest_deadline_first_then_the_rest(core):
+    q = _core.SchedQueue(core)
+    none = q.batch(2, NORMAL)
+    late = q.batch(2, NORMAL, deadline_ns=50_000_000)
+    soon = q.batch(2, NORMAL, deadline_ns=1_000_000)
+    mid = q.batch(2, NORMAL, deadline_ns=10_000_000)
+    for b in (none, late, soon, mid):
+        q.push(b, 4096, 0)
+        q.push(b, 4096, 1)
+    assert slots(drain_all(q)) == [slot(b) for b in (soon, soon, mid, mid, late, late, none, none)]
+
+
+def test_batches_without_deadline_share_byte_for_byte(core):
+    """Deficit round robin: a huge batch queued first does not hold the
+    queue; a small one queued after it gets an equal share of bytes."""
+    q = _core.SchedQueue(core)
+    huge = q.batch(64, NORMAL)
+    for e in range(64):
+        q.push(huge, MiB, e)
+    small = q.batch(32, NORMAL)
+    for e in range(32):
+        q.push(small, 64 << 10, e)
+    got = drain_all(q)
+    # the small batch is done within the first few MiB, not after 64 MiB
+    last_small = max(i for i, (s, _, _) in enumerate(got) if s == slot(small))
+    bytes_before = sum(n for s, _, n in got[:last_small] if s == slot(huge))
+    assert bytes_before <= 3 * MiB, bytes_before
+    assert slots(got).count(slot(huge)) == 64
+
+
+def test_no_class_starves(core):
+    """A LOW slice waits at most the aging interval while HIGH keeps coming."""
+    core.set_sched_age(2_000_000)          # 2 ms
+    q = _core.SchedQueue(core)
+    low = q.batch(1, LOW)
+    q.push(low, 4096)
+    served_low_at = None
+    t0 = time.monotonic()
+    high_batches = []
+    while time.monotonic() - t0 < 1.0:
+        h = q.batch(1, HIGH)
+        high_batches.append(h)
+        q.push(h, 4096)
+        got = q.pop(1)
+        if got and got[0][0] == slot(low):
+            served_low_at = time.monotonic() - t0
+            break
+    assert served_low_at is not None, "the LOW slice starved behind HIGH"
+    assert served_low_at < 0.5
+    drain_all(q)
+
+
+def test_fifo_mode_is_arrival_order(core):
+    core.set_sched_fifo(True)
+    q = _core.SchedQueue(core)
+    a, b, c = q.batch(3, LOW), q.batch(3, HIGH, deadline_ns=1000), q.batch(3, NORMAL)
+    for bid in (a, b, c):
+        for e in range(3):
+            q.push(bid, MiB, e)
+    assert slots(drain_all(q)) == [slot(a)] * 3 + [slot(b)] * 3 + [slot(c)] * 3
+
+
+def test_cancel_drops_queued_slices_at_once(core):
+    q, other = _core.SchedQueue(core), _core.SchedQueue(core)
+    victim, keep = q.batch(100, NORMAL), q.batch(2, NORMAL)
+    for e in range(60):
+        q.push(victim, MiB, e)
+    for e in range(40):
+        other.push(victim, MiB, 60 + e)     # the same batch in a second queue
+    q.push(keep, 4096, 0)
+    q.push(keep, 4096, 1)
+    core.cancel(victim)
+    assert len(q) == 2 and q.bytes == 8192 and len(other) == 0
+    done = core.drain()                     # the batch finished: every slice was dropped
+    assert [(bid, st) for bid, st, _ in done] == [(victim, _core.STATUS["ECANCELLED"])]
+    assert slots(drain_all(q)) == [slot(keep)] * 2
+
+
+def test_many_batches_in_one_queue(core):
+    q = _core.SchedQueue(core)
+    bids = [q.batch(2, (HIGH, NORMAL, LOW)[i % 3]) for i in range(3000)]
+    for bid in bids:
+        q.push(bid, 4096, 0)
+    for bid in bids:
+        q.push(bid, 4096, 1)
+    got = drain_all(q)
+    assert len(got) == 6000
+    order = [slot(b) for b in bids]
+    cls = {slot(b): i % 3 for i, b in enumerate(bids)}
+    assert [cls[s] for s in slots(got)] == sorted(cls[s] for s in slots(got))
+    for bid in bids:                        # each batch's two slices in order
+        mine = [e for s, e, _ in got if s == slot(bid)]
+        assert mine == [0, 1]
+    assert set(slots(got)) == set(order)
+
+
+def test_qos_arguments_are_checked():
+    assert qos_args(Priority.HIGH, None) == (HIGH, 0)
+    assert qos_args(2, 0.5) == (LOW, 500_000_000)
+    for bad in (3, -1, "HIGH", None, 1.5):
+        with pytest.raises(kvflow.InvalidArgumentError, match="priority"):
+            qos_args(bad, None)
+    for bad in (-1, float("nan"), float("inf"), "1", True):
+        with pytest.raises(kvflow.InvalidArgumentError, match="deadline"):
+            qos_args(Priority.LOW, bad)
+    with pytest.raises(kvflow.InvalidArgumentError, match="qos_aging"):
+        kvflow.Engine(qos_aging=0)
+    with pytest.raises(kvflow.InvalidArgumentError, match="scheduling"):
+        kvflow.Engine(scheduling="lifo")
+
+
+# ------------------------------------------------------------ every provider
+
+class Pair:
+    def __init__(self, a, b, peer, src, dst, ls, rd):
+        self.a, self.b, self.peer, self.src, self.dst, self.ls, self.rd = a, b, peer, src, dst, ls, rd
+
+
+async def open_pair(protocol, nbytes, **kw):
+    skip_unavailable(protocol)
+    a = kvflow.Engine(protocols=(protocol,), **kw)
+    b = kvflow.Engine(protocols=(protocol,), **kw)
+    await bounded(a.start())
+    await bounded(b.start())
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    ls, rd = a.register(src), b.register(dst)
+    peer = await bounded(a.connect(b.address))
+    return Pair(a, b, peer, src, dst, ls, rd)
+
+
+async def close_pair(p):
+    await p.a.close()
+    await p.b.close()
+    assert not closed_leaks(p.a.counters()), p.a.counters()
+    assert not closed_leaks(p.b.counters()), p.b.counters()
+
+
+PROTOCOLS = params("local", "tcp", "rdma")
+
+
+async def contend(p):
+    """32 LOW 4 MiB batches queued, then one HIGH 1 MiB batch: how many LOW
+    batches completed before it."""
+    finished = []
+    lows = [p.peer.write_nowait([p.ls.addr + (i % 4) * 4 * MiB], [p.rd.addr + (i % 4) * 4 * MiB], [4 * MiB],
+                                priority=Priority.LOW) for i in range(32)]
+    for i, t in enumerate(lows):
+        t.add_done_callback(lambda _t, i=i: finished.append(i))
+    high = p.peer.write_nowait([p.ls.addr + 16 * MiB], [p.rd.addr + 16 * MiB], [MiB], priority=Priority.HIGH)
+    high.add_done_callback(lambda _t: finished.append("high"))
+    await bounded(asyncio.gather(high, *lows))
+    return finished.index("high")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_high_passes_queued_low_work(protocol):
+    p = await open_pair(protocol, 17 * MiB)
+    try:
+        before = await contend(p)
+        assert before <= 8, f"HIGH finished after {before} of 32 queued LOW batches"
+        assert bytes(p.dst[16 * MiB:17 * MiB]) == bytes(p.src[16 * MiB:17 * MiB])
+    finally:
+        await close_pair(p)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_fifo_engine_keeps_arrival_order(protocol):
+    """The baseline the benchmark compares with, and the check that the
+    test above has teeth: in FIFO mode HIGH waits for every LOW batch."""
+    p = await open_pair(protocol, 17 * MiB, scheduling="fifo")
+    try:
+        before = await contend(p)
+        assert before >= 24, f"FIFO: HIGH finished after only {before} of 32 earlier batches"
+    finally:
+        await close_pair(p)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_cancel_drops_queued_work_behind_other_work(protocol):
+    """A 1 GiB write queued behind another is cancelled long before the first
+    finishes: its queued slices leave the queues at once (rdma, emulated in
+    the VM: 64 MiB behind 64 MiB)."""
+    p = await open_pair(protocol, 16 * MiB)
+    n = 4 if protocol == "rdma" else 64
+    try:
+        entries = ([p.ls.addr] * n, [p.rd.addr] * n, [16 * MiB] * n)     # n x 16 MiB, rewriting 16 MiB
+        first = p.peer.write_nowait(*entries)
+        second = p.peer.write_nowait(*entries)
+        await asyncio.sleep(0.005)
+        t0 = time.perf_counter()
+        second.cancel()
+        with pytest.raises(kvflow.TransferCancelledError):
+            await bounded(second)
+        took = time.perf_counter() - t0
+        assert not first.done(), "the first 1 GiB write finished before the cancel came through"
+        await bounded(first)
+        assert took < 5.0
+        assert p.a.counters()["slices_inflight"] == 0
+        await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [4096], priority=Priority.HIGH))
+    finally:
+        await close_pair(p)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_priority_on_every_call(protocol):
+    """priority= and deadline= on write, read, the nowait and blocking calls
+    and strided entries; bad values are typed errors and lose nothing."""
+    p = await open_pair(protocol, 4 * MiB)
+    try:
+        p.src[:] = np.arange(4 * MiB, dtype=np.uint64).astype(np.uint8)
+        await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [MiB], priority=Priority.HIGH, deadline=0.001))
+        await bounded(p.peer.read([p.ls.addr + MiB], [p.rd.addr], [MiB], priority=Priority.LOW))
+        t = p.peer.write_nowait([p.ls.addr], [p.rd.addr + MiB], [64], counts=[1024], local_strides=[128],
+                                remote_strides=[256], priority=Priority.LOW, deadline=5)
+        await bounded(t)
+        await bounded(p.peer.read_nowait([p.ls.addr + 2 * MiB], [p.rd.addr], [4096], priority=Priority.NORMAL))
+        await bounded(asyncio.to_thread(p.peer.write_blocking, [p.ls.addr + 3 * MiB], [p.rd.addr + 3 * MiB],
+                                        [MiB], priority=Priority.HIGH, deadline=0.01))
+        await bounded(asyncio.to_thread(p.peer.read_blocking, [p.ls.addr + 3 * MiB], [p.rd.addr + 3 * MiB],
+                                        [MiB], priority=Priority.LOW))
+        assert bytes(p.dst[:MiB]) == bytes(p.src[:MiB])
+        assert bytes(p.src[MiB:2 * MiB]) == bytes(p.dst[:MiB])
+        for kw in ({"priority": 9}, {"priority": "high"}, {"deadline": -1}, {"deadline": float("nan")}):
+            with pytest.raises(kvflow.InvalidArgumentError):
+                await p.peer.write([p.ls.addr], [p.rd.addr], [64], **kw)
+            with pytest.raises(kvflow.InvalidArgumentError):
+                p.peer.write_nowait([p.ls.addr], [p.rd.addr], [64], **kw)
+        await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [64]))       # still usable
+    finally:
+        await close_pair(p)
+
+
+async def test_tcp_express_lane_carries_high_batches_only():
+    """tcp: one more data connection per peer, for HIGH batches alone: they
+    never wait behind other batches' bytes in the kernel's socket buffers."""
+    p = await open_pair("tcp", 8 * MiB, tcp_connections=2, tcp_express=True)
+    try:
+        conns = p.peer.connections()
+        assert len(conns) == 3, conns
+        await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [4 * MiB]))                  # NORMAL
+        await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [4 * MiB], priority=Priority.LOW))
+        assert p.peer.connections()[2]["bytes"] == 0
+        await bounded(p.peer.write([p.ls.addr + 4 * MiB], [p.rd.addr + 4 * MiB], [2 * MiB],
+                                   priority=Priority.HIGH))
+        after = p.peer.connections()
+        assert after[2]["bytes"] == 2 * MiB, after
+        assert sum(c["bytes"] for c in after[:2]) == 8 * MiB
+        assert bytes(p.dst[:6 * MiB]) == bytes(p.src[:6 * MiB])
+    finally:
+        await close_pair(p)
+    p = await open_pair("tcp", MiB)
+    try:
+        assert len(p.peer.connections()) == 2
+        await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [MiB], priority=Priority.HIGH))
+    finally:
+        await close_pair(p)
