@@ -16,10 +16,12 @@
  * timeout) hands what it still owned to the live connections: a slice is
  * sent again up to MAX_ATTEMPTS times (a write or read of the same bytes
  * to the same place is idempotent), so a dying rail costs throughput, not
- * data. The event loop rebuilds a dead connection (kvf_tcp_channel_replace). */
+ * data. The event loop rebuilds a dead connection (kvf_tcp_channel_replace).
+ *
+ * Framing and moving bytes into a socket are in tcp_send.c; what both
+ * files share is in tcp_int.h. */
 #define _GNU_SOURCE
-#include "kvf.h"
-#include "provider.h"
+#include "tcp_int.h"
 #include "sockio.h"
 
 #include <errno.h>
@@ -35,74 +37,6 @@
 #include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
-
-/* The slice's provider word: its in-flight tag on the connection (the ack names it). */
-#define S_TAG(s) ((s).word[0])
-
-#define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
-#define TCP_POP 64           /* slices per sendmsg */
-/* Bytes a sender claims per round (at least one slice): what the scheduler
- * can no longer reorder once claimed, so a HIGH slice queued meanwhile
- * waits for at most this much of this connection's earlier work (and what
- * the kernel holds), and what is already "on the wire" when a batch is
- * cancelled. */
-#define TCP_POP_BYTES (1u << 20)
-/* A submitter sends at most this much itself on an idle connection: copied
- * (small payloads), and in all (large payloads are spliced: no copy). */
-#define TCP_INLINE_BYTES (64u << 10)
-#define TCP_INLINE_SPLICE_BYTES (1u << 20)
-#define SPLICE_MIN (64u << 10)   /* write payloads from this size are spliced */
-#define PIPE_BYTES (1u << 20)
-#define KVF_OP_FLUSH 0x100u  /* slice flag (in op): ask the target for its acks now */
-#define MAX_ATTEMPTS 3       /* sends of one slice (on any connection) before its batch fails */
-
-/* ------------------------------------------------------------- initiator */
-
-typedef struct tcp_conn {
-    kvf_tcp_channel *ch;
-    int fd;
-    kvf_queue q;              /* q.mu also guards the in-flight table */
-    kvf_slice inflight[TCP_WINDOW];
-    /* 0 free; 1 posted (completable by an ack or by conn_fail); 2 owned by the
-     * receiver while a read payload lands (only the receiver completes it) */
-    uint8_t state[TCP_WINDOW];
-    uint32_t free_tags[TCP_WINDOW];
-    uint32_t nfree;
-    _Atomic int dead;
-    _Atomic unsigned epoch;   /* times it was rebuilt (acks carry it) */
-    int fail_status;
-    uint64_t sent_bytes;      /* payload bytes framed on this connection */
-    uint64_t moved;           /* slices handed to other connections when it failed */
-    uint64_t failures;
-    uint32_t cancel_seen;     /* ctx->cancel_epoch at its last claim */
-    int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
-    /* What an inline submitter could not send without blocking: the tx
-     * thread sends it before anything else (frames must not interleave). */
-    kvf_hdr pend_h[TCP_POP];
-    struct iovec pend_iov[2 * TCP_POP];
-    struct iovec *pend;
-    int pend_n;
-    /* A pipe for vmsplice()+splice(): large write payloads go to the socket
-     * by page reference instead of being copied into it (the target's ack,
-     * which completes the slice, proves the pages were read). -1: none. */
-    int pipe_r, pipe_w;
-    size_t pipe_cap;
-    size_t pipe_pending;      /* bytes an inline submitter left in the pipe */
-    pthread_t tx, rx;
-    int tx_started, rx_started;
-} tcp_conn;
-
-struct kvf_tcp_channel {
-    kvf_channel base;         /* ops, the context, the peer's regions (provider.h) */
-    int n;
-    tcp_conn *conns;
-    uint64_t slice_size;
-    _Atomic int closing;      /* close() or ack connection lost: fail, never move or rebuild */
-    int ack_fd;               /* -1: acks come back on each data connection */
-    int express;              /* the connection kept for HIGH batches; -1: none */
-    char *ack_buf;            /* partial ack frames between polls */
-    size_t ack_len;
-};
 
 static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status);
 static const kvf_provider_ops tcp_ops;
@@ -220,108 +154,6 @@ static void finish_cancelled(kvf_ctx *ctx, const kvf_slice *cancelled, size_t nc
     }
 }
 
-/* Frames claimed slices: one header each, and for writes the payload
- * straight from registered memory. Returns the iovec count. */
-static int frame_slices(const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov) {
-    int niov = 0;
-    for (size_t i = 0; i < k; i++) {
-        int w = (s[i].op & 0xff) == KVF_OP_WRITE;
-        h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ,
-                         (s[i].op & KVF_OP_FLUSH) ? KVF_HDR_FLUSH : 0, S_TAG(s[i]),
-                         s[i].remote, s[i].len, 0};
-        iov[niov++] = (struct iovec){&h[i], sizeof(kvf_hdr)};
-        if (w) iov[niov++] = (struct iovec){(void *)(uintptr_t)s[i].local, s[i].len};
-    }
-    return niov;
-}
-
-/* iov[i] is a write payload (it follows a header) large enough to splice. */
-static int is_spliced(const struct iovec *iov, int i) {
-    return i > 0 && iov[i].iov_len >= SPLICE_MIN && iov[i - 1].iov_len == sizeof(kvf_hdr);
-}
-
-/* Moves len bytes at p into the socket by page reference. */
-static int splice_payload(tcp_conn *c, const char *p, size_t len, int more) {
-    while (len > 0) {
-        struct iovec v = {(void *)p, len < c->pipe_cap ? len : c->pipe_cap};
-        ssize_t k = vmsplice(c->pipe_w, &v, 1, 0);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        p += k;
-        len -= k;
-        for (ssize_t done = 0; done < k;) {
-            ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, k - done,
-                               SPLICE_F_MOVE | ((more || len) ? SPLICE_F_MORE : 0));
-            if (m < 0 && errno == EINTR) continue;
-            if (m < 0 && errno == EAGAIN && sk_wait(c->fd, POLLOUT) == 0) continue;
-            if (m <= 0) return -1;
-            done += m;
-        }
-    }
-    return 0;
-}
-
-/* Sends framed slices (blocking): runs of headers and small payloads in one
- * sendmsg each, large write payloads spliced. */
-static int send_frames(tcp_conn *c, struct iovec *iov, int niov) {
-    if (c->pipe_w < 0) return niov ? sk_send_iov(c->fd, iov, niov) : 0;
-    int start = 0;
-    for (int i = 0; i < niov; i++) {
-        if (!is_spliced(iov, i)) continue;
-        /* iov[i] is a large payload: its header and everything before it
-         * go first (MSG_MORE: the payload follows at once) */
-        if (sk_send_iov_flags(c->fd, iov + start, i - start, MSG_MORE)) return -1;
-        if (splice_payload(c, iov[i].iov_base, iov[i].iov_len, i + 1 < niov)) return -1;
-        start = i + 1;
-    }
-    return start < niov ? sk_send_iov(c->fd, iov + start, niov - start) : 0;
-}
-
-/* send_frames without blocking, for the inline path. Returns how many of
- * the last iovecs are left (the first of them possibly partly sent), -1 on
- * error; *in_pipe gets the bytes left in the pipe, which must reach the
- * socket before those iovecs. */
-static int send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe) {
-    *in_pipe = 0;
-    int start = 0;
-    for (int i = 0; c->pipe_w >= 0 && i < niov; i++) {
-        if (!is_spliced(iov, i)) continue;
-        int left = sk_send_iov_flags(c->fd, iov + start, i - start, MSG_DONTWAIT | MSG_MORE);
-        if (left) return left < 0 ? -1 : left + (niov - i);
-        /* the pipe is empty here: the inline path runs only then */
-        struct iovec v = {iov[i].iov_base, iov[i].iov_len < c->pipe_cap ? iov[i].iov_len : c->pipe_cap};
-        ssize_t k = vmsplice(c->pipe_w, &v, 1, SPLICE_F_NONBLOCK);
-        if (k < 0) return (errno == EAGAIN || errno == EINTR) ? niov - i : -1;
-        iov[i].iov_base = (char *)iov[i].iov_base + k;
-        iov[i].iov_len -= k;
-        ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, k,
-                           SPLICE_F_MOVE | SPLICE_F_NONBLOCK | SPLICE_F_MORE);
-        if (m < 0) {
-            if (errno != EAGAIN && errno != EINTR) return -1;
-            m = 0;
-        }
-        if (m < k || iov[i].iov_len) {
-            *in_pipe = (size_t)(k - m);
-            return iov[i].iov_len ? niov - i : niov - i - 1;
-        }
-        start = i + 1;
-    }
-    return start < niov ? sk_send_iov_flags(c->fd, iov + start, niov - start, MSG_DONTWAIT) : 0;
-}
-
-/* Moves `n` bytes already in the pipe to the socket (blocking). */
-static int drain_pipe(tcp_conn *c, size_t n) {
-    while (n > 0) {
-        ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, n, SPLICE_F_MOVE | SPLICE_F_MORE);
-        if (m < 0 && errno == EINTR) continue;
-        if (m < 0 && errno == EAGAIN && sk_wait(c->fd, POLLOUT) == 0) continue;
-        if (m <= 0) return -1;
-        n -= m;
-    }
-    return 0;
-}
 
 static void *tcp_tx(void *arg) {
     tcp_conn *c = arg;
@@ -341,7 +173,7 @@ static void *tcp_tx(void *arg) {
             int n = c->pend_n;
             size_t in_pipe = c->pipe_pending;
             pthread_mutex_unlock(&c->q.mu);
-            bad = drain_pipe(c, in_pipe) || (n && send_frames(c, c->pend, n));
+            bad = tcp_drain_pipe(c, in_pipe) || (n && tcp_send_frames(c, c->pend, n));
             pthread_mutex_lock(&c->q.mu);
             c->pend_n = 0;
             c->pipe_pending = 0;
@@ -354,8 +186,8 @@ static void *tcp_tx(void *arg) {
         size_t k = claim_locked(c, s, cancelled, &ncancel);
         pthread_mutex_unlock(&c->q.mu);
         finish_cancelled(c->ch->base.ctx, cancelled, ncancel);
-        int niov = frame_slices(s, k, h, iov);
-        bad = send_frames(c, iov, niov);
+        int niov = tcp_frame_slices(s, k, h, iov);
+        bad = tcp_send_frames(c, iov, niov);
         pthread_mutex_lock(&c->q.mu);
         c->sending = 0;
         pthread_mutex_unlock(&c->q.mu);
@@ -455,21 +287,6 @@ static void *tcp_rx(void *arg) {
 
 #define ACK_BUF (64u << 10)
 
-/* The connection's splice pipe (none: payloads are copied instead). */
-static void conn_open_pipe(tcp_conn *c) {
-    int pfd[2];
-    if (pipe2(pfd, O_CLOEXEC) == 0) {
-        c->pipe_r = pfd[0];
-        c->pipe_w = pfd[1];
-        int cap = fcntl(pfd[1], F_SETPIPE_SZ, PIPE_BYTES);
-        if (cap < 0) cap = fcntl(pfd[1], F_GETPIPE_SZ);
-        c->pipe_cap = cap > 0 ? (size_t)cap : 65536;
-    }
-}
-
-static void conn_close_pipe(tcp_conn *c) {
-    if (c->pipe_r >= 0) { close(c->pipe_r); close(c->pipe_w); c->pipe_r = c->pipe_w = -1; }
-}
 
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, const int *fds, int nfds,
                                      int ack_fd, uint64_t slice_size, int express) {
@@ -496,7 +313,7 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, con
         for (uint32_t t = 0; t < TCP_WINDOW; t++) c->free_tags[t] = TCP_WINDOW - 1 - t;
         c->nfree = TCP_WINDOW;
         c->pipe_r = c->pipe_w = -1;
-        conn_open_pipe(c);
+        tcp_conn_open_pipe(c);
         if (c->fd < 0) {       /* its rail was down at connect: rebuilt later */
             c->dead = 1;
             c->fail_status = KVF_ELOST;
@@ -570,6 +387,35 @@ static int tcp_alive(kvf_channel *ch) { return any_alive((kvf_tcp_channel *)ch);
 static uint64_t tcp_slice_size(kvf_channel *ch, uint64_t total) {
     (void)total;
     return ((kvf_tcp_channel *)ch)->slice_size;
+}
+
+/* Small work on an idle connection: sent from the submitting thread
+ * instead of waking the sender (saves a thread hop per batch). Never
+ * blocks: what the socket (or pipe) does not take now is left to the
+ * sender thread, so a stalled peer cannot stall the loop. Called with
+ * c->q.mu held; returns with it released. */
+static void send_inline_unlock(tcp_conn *c) {
+    kvf_slice mine[TCP_POP], cancelled[TCP_POP];
+    size_t ncancel;
+    c->sending = 1;
+    size_t m = claim_locked(c, mine, cancelled, &ncancel);
+    pthread_mutex_unlock(&c->q.mu);
+    finish_cancelled(c->ch->base.ctx, cancelled, ncancel);
+    int niov = tcp_frame_slices(mine, m, c->pend_h, c->pend_iov);
+    size_t in_pipe = 0;
+    int left = niov ? tcp_send_frames_nb(c, c->pend_iov, niov, &in_pipe) : 0;
+    pthread_mutex_lock(&c->q.mu);
+    c->sending = 0;
+    if (left > 0) {
+        /* the last `left` iovecs (the first one partly sent) */
+        c->pend = c->pend_iov + (niov - left);
+        c->pend_n = left;
+    }
+    if (left >= 0) c->pipe_pending = in_pipe;
+    int more = c->q.count > 0 || c->pend_n || c->pipe_pending;
+    pthread_mutex_unlock(&c->q.mu);
+    if (left < 0) conn_fail(c, KVF_ELOST);
+    else if (more) pthread_cond_signal(&c->q.cv);
 }
 
 /* The connection a HIGH batch goes on whole (its express lane), or -1:
@@ -651,32 +497,7 @@ static void tcp_enqueue(kvf_channel *base, kvf_slice *s, size_t k, int flags) {
         int status = c->dead ? c->fail_status : KVF_ENOMEM;
         if (any && !c->sending && !c->pend_n && !c->pipe_pending && copied <= TCP_INLINE_BYTES &&
             bytes <= TCP_INLINE_SPLICE_BYTES && c->q.count <= TCP_POP && c->nfree >= c->q.count) {
-            /* Small work on an idle connection: send it from this thread
-             * instead of waking the sender (saves a thread hop per batch).
-             * Never blocks: what the socket (or pipe) does not take now is
-             * left to the sender thread, so a stalled peer cannot stall the
-             * loop. */
-            kvf_slice mine[TCP_POP], cancelled[TCP_POP];
-            size_t ncancel;
-            c->sending = 1;
-            size_t m = claim_locked(c, mine, cancelled, &ncancel);
-            pthread_mutex_unlock(&c->q.mu);
-            finish_cancelled(ctx, cancelled, ncancel);
-            int niov = frame_slices(mine, m, c->pend_h, c->pend_iov);
-            size_t in_pipe = 0;
-            int left = niov ? send_frames_nb(c, c->pend_iov, niov, &in_pipe) : 0;
-            pthread_mutex_lock(&c->q.mu);
-            c->sending = 0;
-            if (left > 0) {
-                /* the last `left` iovecs (the first one partly sent) */
-                c->pend = c->pend_iov + (niov - left);
-                c->pend_n = left;
-            }
-            if (left >= 0) c->pipe_pending = in_pipe;
-            int more = c->q.count > 0 || c->pend_n || c->pipe_pending;
-            pthread_mutex_unlock(&c->q.mu);
-            if (left < 0) conn_fail(c, KVF_ELOST);
-            else if (more) pthread_cond_signal(&c->q.cv);
+            send_inline_unlock(c);
         } else {
             pthread_mutex_unlock(&c->q.mu);
             if (any) pthread_cond_signal(&c->q.cv);
@@ -815,8 +636,8 @@ int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     if (!atomic_load(&c->dead)) return KVF_EINVAL;
     conn_reap(ch, c);
     /* a payload half-spliced when the connection died may sit in the pipe */
-    conn_close_pipe(c);
-    conn_open_pipe(c);
+    tcp_conn_close_pipe(c);
+    tcp_conn_open_pipe(c);
     pthread_mutex_lock(&c->q.mu);
     for (uint32_t t = 0; t < TCP_WINDOW; t++) {
         c->state[t] = 0;
@@ -851,7 +672,7 @@ void kvf_tcp_channel_close(kvf_tcp_channel *ch) {
     for (int i = 0; i < ch->n; i++) {
         tcp_conn *c = &ch->conns[i];
         conn_reap(ch, c);
-        conn_close_pipe(c);
+        tcp_conn_close_pipe(c);
         kvf_queue_detach(&c->q);
     }
 }

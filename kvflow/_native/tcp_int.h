@@ -1,0 +1,93 @@
+/* The tcp provider's initiator internals, shared by its files:
+ *
+ *   tcp_client.c  channels: placement, the sender and receiver threads, acks,
+ *                 failover, the provider ops
+ *   tcp_send.c    framing slices and moving them into a socket (sendmsg
+ *                 from registered memory; vmsplice + splice for large
+ *                 payloads; the non-blocking form for the inline path)
+ */
+#ifndef KVF_TCP_INT_H
+#define KVF_TCP_INT_H
+
+#include <stdatomic.h>
+#include <sys/uio.h>
+
+#include "kvf.h"
+#include "provider.h"
+#include "wire.h"
+
+/* The slice's provider word: its in-flight tag on the connection (the ack names it). */
+#define S_TAG(s) ((s).word[0])
+
+#define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
+#define TCP_POP 64           /* slices per sendmsg */
+/* Bytes a sender claims per round (at least one slice): what the scheduler
+ * can no longer reorder once claimed, so a HIGH slice queued meanwhile
+ * waits for at most this much of this connection's earlier work (and what
+ * the kernel holds), and what is already "on the wire" when a batch is
+ * cancelled. */
+#define TCP_POP_BYTES (1u << 20)
+/* A submitter sends at most this much itself on an idle connection: copied
+ * (small payloads), and in all (large payloads are spliced: no copy). */
+#define TCP_INLINE_BYTES (64u << 10)
+#define TCP_INLINE_SPLICE_BYTES (1u << 20)
+#define SPLICE_MIN (64u << 10)   /* write payloads from this size are spliced */
+#define PIPE_BYTES (1u << 20)
+#define KVF_OP_FLUSH 0x100u  /* slice flag (in op): ask the target for its acks now */
+#define MAX_ATTEMPTS 3       /* sends of one slice (on any connection) before its batch fails */
+
+typedef struct tcp_conn {
+    kvf_tcp_channel *ch;
+    int fd;
+    kvf_queue q;              /* q.mu also guards the in-flight table */
+    kvf_slice inflight[TCP_WINDOW];
+    /* 0 free; 1 posted (completable by an ack or by conn_fail); 2 owned by the
+     * receiver while a read payload lands (only the receiver completes it) */
+    uint8_t state[TCP_WINDOW];
+    uint32_t free_tags[TCP_WINDOW];
+    uint32_t nfree;
+    _Atomic int dead;
+    _Atomic unsigned epoch;   /* times it was rebuilt (acks carry it) */
+    int fail_status;
+    uint64_t sent_bytes;      /* payload bytes framed on this connection */
+    uint64_t moved;           /* slices handed to other connections when it failed */
+    uint64_t failures;
+    uint32_t cancel_seen;     /* ctx->cancel_epoch at its last claim */
+    int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
+    /* What an inline submitter could not send without blocking: the tx
+     * thread sends it before anything else (frames must not interleave). */
+    kvf_hdr pend_h[TCP_POP];
+    struct iovec pend_iov[2 * TCP_POP];
+    struct iovec *pend;
+    int pend_n;
+    /* A pipe for vmsplice()+splice(): large write payloads go to the socket
+     * by page reference instead of being copied into it (the target's ack,
+     * which completes the slice, proves the pages were read). -1: none. */
+    int pipe_r, pipe_w;
+    size_t pipe_cap;
+    size_t pipe_pending;      /* bytes an inline submitter left in the pipe */
+    pthread_t tx, rx;
+    int tx_started, rx_started;
+} tcp_conn;
+
+struct kvf_tcp_channel {
+    kvf_channel base;         /* ops, the context, the peer's regions (provider.h) */
+    int n;
+    tcp_conn *conns;
+    uint64_t slice_size;
+    _Atomic int closing;      /* close() or ack connection lost: fail, never move or rebuild */
+    int ack_fd;               /* -1: acks come back on each data connection */
+    int express;              /* the connection kept for HIGH batches; -1: none */
+    char *ack_buf;            /* partial ack frames between polls */
+    size_t ack_len;
+};
+
+/* tcp_send.c */
+int tcp_frame_slices(const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov);
+int tcp_send_frames(tcp_conn *c, struct iovec *iov, int niov);
+int tcp_send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe);
+int tcp_drain_pipe(tcp_conn *c, size_t n);
+void tcp_conn_open_pipe(tcp_conn *c);
+void tcp_conn_close_pipe(tcp_conn *c);
+
+#endif
