@@ -11,7 +11,7 @@ import numpy as np
 from kvflow._core import ACCESS
 from kvflow.errors import InvalidArgumentError
 
-__all__ = ["Access", "Region", "RemoteRegion", "buffer_span"]
+__all__ = ["Access", "Region", "RemoteRegion", "buffer_span", "host_mapping"]
 
 
 class Access(enum.IntFlag):
@@ -75,7 +75,9 @@ def buffer_span(buffer: Any) -> tuple[int, int, bool, Any]:
         ptr, length = int(buffer[0]), int(buffer[1])
         if ptr <= 0 or length <= 0 or ptr + length > 1 << 64:
             raise InvalidArgumentError(f"invalid raw buffer (ptr={ptr:#x}, length={length})")
-        return ptr, length, True, None
+        # nothing vouches for a raw range: it must be host memory this
+        # process has mapped, or the first transfer would fault
+        return ptr, length, host_mapping(ptr, length), None
     device = _device_memory(buffer)
     if device is not None:
         raise InvalidArgumentError(
@@ -93,7 +95,7 @@ def buffer_span(buffer: Any) -> tuple[int, int, bool, Any]:
             raise InvalidArgumentError("an object with data_ptr() needs nbytes or numel()/element_size()")
         if ptr <= 0 or length <= 0:
             raise InvalidArgumentError("cannot register an empty buffer")
-        return ptr, length, True, buffer
+        return ptr, length, host_mapping(ptr, length), buffer
     try:
         if isinstance(buffer, np.ndarray):
             arr = buffer
@@ -146,3 +148,46 @@ def _device_memory(buffer: Any) -> str | None:
     except Exception:           # torch raises for CPU tensors
         pass
     return None
+
+
+def _maps() -> list[tuple[int, int, str, str]]:
+    """This process's mappings: (start, end, permissions, what) sorted by start."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            lo, hi = parts[0].split("-")
+            out.append((int(lo, 16), int(hi, 16), parts[1], parts[5].strip() if len(parts) > 5 else ""))
+    return out
+
+
+def host_mapping(addr: int, length: int) -> bool:
+    """Checks that [addr, addr+length) is host memory this process has
+    mapped readable, from /proc/self/maps: a range with a hole (a raw
+    pointer into GPU memory, a freed buffer, a length past the end) or a
+    page without read access (PROT_NONE: a guard page, a GPU's address
+    reservation) raises InvalidArgumentError naming the first such
+    address, before anything could fault on it. Returns whether all of it
+    is writable too. One read of the maps file: microseconds per mapping,
+    whatever the range's size."""
+    end = addr + length
+    at = addr
+    writable = True
+    for lo, hi, perms, what in _maps():
+        if hi <= at:
+            continue
+        if lo > at:
+            break                               # a hole at `at`
+        if "r" not in perms:
+            raise InvalidArgumentError(
+                f"cannot register {addr:#x}+{length}: {at:#x} is mapped without read access "
+                f"({perms}{' ' + what if what else ''}): not host memory this process can read "
+                "(GPU memory needs the cuda provider, not built yet)")
+        writable = writable and "w" in perms
+        at = hi
+        if at >= end:
+            return writable
+    raise InvalidArgumentError(
+        f"cannot register {addr:#x}+{length}: {at:#x} is not mapped in this process "
+        "(a pointer into GPU memory, freed memory, or a length past the buffer's end?)")
+
