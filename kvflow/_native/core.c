@@ -606,13 +606,24 @@ int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s) {
     return KVF_OK;
 }
 
-size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max) {
+size_t kvf_queue_pop_bytes_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes) {
+    size_t k = 0;
     if (q->sched) {
-        size_t k = kvf_sched_pop_locked(q->sched, out, max);
+        k = kvf_sched_pop_locked(q->sched, out, max, max_bytes);
         for (size_t i = 0; i < k; i++) q->bytes -= out[i].len;
         q->count -= k;
         return k;
     }
+    uint64_t bytes = 0;
+    while (k < max && q->count && (!max_bytes || bytes < max_bytes)) {
+        kvf_queue_pop_locked(q, &out[k], 1);
+        bytes += out[k++].len;
+    }
+    return k;
+}
+
+size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max) {
+    if (q->sched) return kvf_queue_pop_bytes_locked(q, out, max, 0);
     size_t n = q->count < max ? q->count : max;
     for (size_t i = 0; i < n; i++) {
         out[i] = q->ring[q->head];

@@ -250,13 +250,16 @@ void kvf_queue_detach(kvf_queue *q);
 /* Caller holds q->mu. */
 int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s);
 size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max);
+/* Pops up to max slices, stopping once max_bytes were taken (at least one
+ * slice when any is queued). Caller holds q->mu. */
+size_t kvf_queue_pop_bytes_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes);
 /* The same, taking q->mu. */
 int kvf_queue_push(kvf_queue *q, const kvf_slice *s);
 size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max);
 
 /* sched.c: the scheduled mode (caller holds the queue's mu). */
 int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x);
-size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max);
+size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes);
 void kvf_sched_free(kvf_sched *s);
 /* The engine is being freed: its queues that were never detached forget it. */
 void kvf_sched_orphan_all(kvf_ctx *c);

@@ -138,12 +138,7 @@ static void *local_worker(void *arg) {
         pthread_mutex_lock(&p->q.mu);
         while (p->q.count == 0 && !p->q.closed) pthread_cond_wait(&p->q.cv, &p->q.mu);
         if (p->q.count == 0 && p->q.closed) { pthread_mutex_unlock(&p->q.mu); break; }
-        size_t n = 0;
-        uint64_t bytes = 0;
-        while (n < LOCAL_POP && p->q.count && bytes < LOCAL_POP_BYTES) {
-            n += kvf_queue_pop_locked(&p->q, &buf[n], 1);
-            bytes += buf[n - 1].len;
-        }
+        size_t n = kvf_queue_pop_bytes_locked(&p->q, buf, LOCAL_POP, LOCAL_POP_BYTES);
         int more = p->q.count > 0;
         pthread_mutex_unlock(&p->q.mu);
         if (more) pthread_cond_signal(&p->q.cv);   /* let another worker share */

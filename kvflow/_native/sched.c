@@ -79,6 +79,16 @@ static uint64_t mono_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
+/* The aging clock: the coarse monotonic clock (a few ns from the vDSO,
+ * ticks of 1-4 ms), read once per push of a new flow and once per pop
+ * call; plenty for a bound of tens of ms. Deadlines use mono_ns (they are
+ * only compared with each other). */
+static uint64_t coarse_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
 uint64_t kvf_now_ns(void) { return mono_ns(); }
 
 void kvf_sched_set_age(kvf_ctx *c, uint64_t age_ns) {
@@ -354,7 +364,7 @@ int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x) {
     uint64_t now = 0;
     kvf_flow *f = flow_find(s, x->slot);
     if (!f) {
-        now = mono_ns();
+        now = coarse_ns();
         f = flow_open(s, x->slot, now);
         if (!f) return KVF_ENOMEM;
     }
@@ -410,16 +420,17 @@ static void take(kvf_sched *s, kvf_flow *f, kvf_slice *out) {
     if (f->n == 0) flow_close(s, f);
 }
 
-size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max) {
+size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes) {
     if (!max) return 0;
-    uint64_t now = mono_ns();
+    uint64_t now = coarse_ns(), bytes = 0;
     uint64_t age_ns = atomic_load_explicit(&s->ctx->sched_age_ns, memory_order_relaxed);
     size_t n = 0;
-    while (n < max) {
+    while (n < max && (!max_bytes || bytes < max_bytes)) {
         int k = pick_class(s, now, age_ns);
         if (k < 0) break;
         sched_class *c = &s->cls[k];
-        take(s, pick_flow(c), &out[n++]);
+        take(s, pick_flow(c), &out[n]);
+        bytes += out[n++].len;
         c->last_ns = now;
     }
     return n;

@@ -124,9 +124,11 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
     uint64_t bytes = 0;
     *ncancel = 0;
     uint32_t epoch = atomic_load_explicit(&ctx->cancel_epoch, memory_order_relaxed);
-    while (k < max && *ncancel < TCP_POP && c->q.count && bytes < TCP_POP_BYTES) {
-        kvf_slice x;
-        kvf_queue_pop_locked(&c->q, &x, 1);
+    kvf_slice run[TCP_POP];
+    /* one run in the scheduler's order (max <= TCP_POP, so cancelled fits too) */
+    size_t got = kvf_queue_pop_bytes_locked(&c->q, run, max, TCP_POP_BYTES);
+    for (size_t i = 0; i < got; i++) {
+        kvf_slice x = run[i];
         if (kvf_batch_cancelled(ctx, x.slot)) { cancelled[(*ncancel)++] = x; continue; }
         uint32_t tag = c->free_tags[--c->nfree];
         S_TAG(x) = tag;

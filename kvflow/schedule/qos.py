@@ -30,9 +30,14 @@ class Priority(enum.IntEnum):
     LOW = _core.PRIO["LOW"]
 
 
+_NORMAL = int(Priority.NORMAL)
+
+
 def qos_args(priority: object, deadline: object) -> tuple[int, int]:
     """(class, deadline in ns from now; 0: none) for the native submit, or
     InvalidArgumentError naming what is wrong."""
+    if deadline is None and priority is Priority.NORMAL:
+        return _NORMAL, 0                   # the default, on every write: no enum lookup
     try:
         prio = Priority(priority)
     except (ValueError, TypeError):
