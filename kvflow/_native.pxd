@@ -48,7 +48,6 @@ cdef extern from "_native/kvf.h" nogil:
         KVF_PRIO_NORMAL
         KVF_PRIO_LOW
         KVF_NPRIO
-        KVF_SCHED_QUANTUM
         KVF_SCHED_AGE_NS
 
     ctypedef struct kvf_region:

@@ -75,9 +75,9 @@ def test_earliest_deadline_first_then_the_rest(core):
     assert slots(drain_all(q)) == [slot(b) for b in (soon, soon, mid, mid, late, late, none, none)]
 
 
-def test_batches_without_deadline_share_byte_for_byte(core):
-    """Deficit round robin: a huge batch queued first does not hold the
-    queue; a small one queued after it gets an equal share of bytes."""
+def test_a_small_batch_passes_a_huge_one(core):
+    """Shortest remaining first: a huge batch queued first does not hold
+    the queue; a small one queued after it goes ahead."""
     q = _core.SchedQueue(core)
     huge = q.batch(64, NORMAL)
     for e in range(64):
@@ -91,6 +91,41 @@ def test_batches_without_deadline_share_byte_for_byte(core):
     bytes_before = sum(n for s, _, n in got[:last_small] if s == slot(huge))
     assert bytes_before <= 3 * MiB, bytes_before
     assert slots(got).count(slot(huge)) == 64
+
+
+def test_equal_batches_finish_one_after_the_other(core):
+    """Of two equal batches, the one nearer its end goes on: completions stay
+    staggered (a submitter with two batches in flight refills one while the
+    other runs), where byte-for-byte sharing would end both together."""
+    q = _core.SchedQueue(core)
+    a, b = q.batch(16, NORMAL), q.batch(16, NORMAL)
+    for e in range(16):
+        q.push(a, MiB, e)
+        q.push(b, MiB, e)
+    assert slots(drain_all(q)) == [slot(a)] * 16 + [slot(b)] * 16
+
+
+def test_the_oldest_batch_of_a_class_does_not_starve(core):
+    """A huge batch behind a stream of smaller ones in its class is served
+    at least once per aging interval."""
+    core.set_sched_age(2_000_000)          # 2 ms
+    q = _core.SchedQueue(core)
+    huge = q.batch(64, NORMAL)
+    for e in range(64):
+        q.push(huge, MiB, e)
+    served, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < 0.2:
+        small = q.batch(1, NORMAL)
+        q.push(small, 4096)
+        got = q.pop(1)
+        served += slots(got)
+        if got[0][0] == slot(small):
+            q.done(small)                   # its batch slot goes back to the pool
+        time.sleep(0.0001)
+    assert slot(huge) in served, "the huge batch starved"
+    n = served.count(slot(huge))
+    assert 5 <= n <= 64, n                  # about once per 2-4 ms (the coarse clock's tick) over 200 ms
+    drain_all(q)
 
 
 def test_no_class_starves(core):

@@ -77,10 +77,8 @@ const kvf_region *kvf_rt_find_locked(const kvf_region_table *t, uint64_t addr, u
 /* ------------------------------------------------------------------- qos */
 
 /* Priority classes (kvflow.Priority): a batch's slices are taken from a
- * scheduled queue by class, then deadline, then deficit round robin (sched.c). */
+ * scheduled queue by class, then deadline, then fewest bytes left (sched.c). */
 enum { KVF_PRIO_HIGH = 0, KVF_PRIO_NORMAL = 1, KVF_PRIO_LOW = 2, KVF_NPRIO = 3 };
-/* Deficit round robin quantum: bytes a batch without a deadline may take per turn. */
-#define KVF_SCHED_QUANTUM (1u << 20)
 /* Default starvation bound: a class with queued slices is served at least this often. */
 #define KVF_SCHED_AGE_NS (20u * 1000u * 1000u)
 

@@ -11,21 +11,29 @@
  *      slices gets a slice at least once per age_ns, whatever runs above it
  *      (the starvation bound);
  *   2. within a class, batches with a deadline first, earliest deadline
- *      first (a binary heap), ties by arrival;
- *   3. then the batches without a deadline, by deficit round robin over
- *      bytes (quantum KVF_SCHED_QUANTUM): a huge batch and a small one share
- *      the queue byte for byte instead of the small one waiting for all of
- *      the huge one.
+ *      first;
+ *   3. then the batches without one, the one with the fewest bytes left in
+ *      this queue first (shortest remaining first: a small request queued
+ *      behind a huge one goes ahead of it, and of two equal ones the one
+ *      nearer its end finishes first, so completions stay staggered and a
+ *      submitter keeping a few batches in flight never sees them all end
+ *      together); ties by arrival;
+ *   4. except that the class's oldest batch, once it has waited age_ns
+ *      since it was last served, is served first: no batch starves behind
+ *      a stream of smaller ones (the same bound as between classes).
  *
- * Costs: a push is O(1) (a hash lookup of the batch's flow; O(log n) when it
- * opens a flow with a deadline), a pop O(1) amortised (O(log n) when a flow
- * with a deadline empties). No allocation per slice: a flow's slices live in
- * one array that doubles; flows are recycled. Everything runs under the
- * queue's own mutex, held by the caller (a push or pop never sends or posts).
+ * One binary heap per class orders its flows by (deadline, bytes left,
+ * arrival); an arrival-ordered ring finds the oldest. Costs: a push is
+ * O(log n) at most (a hash lookup of the batch's flow, and the flow moving
+ * down the heap as it grows; usually not at all), a pop O(log n) at most
+ * (the served flow moving up). No allocation per slice: a flow's slices
+ * live in one array that doubles; flows are recycled. Everything runs under
+ * the queue's own lock, held by the caller (a push or pop never sends or
+ * posts).
  *
  * In FIFO mode (kvf_sched_set_fifo: a baseline, and for users who want
- * arrival order) every batch is NORMAL without a deadline and the round
- * robin's quantum is unbounded: batches go whole, in arrival order.
+ * arrival order) every batch is NORMAL without a deadline and ordered by
+ * arrival alone: batches go whole, in the order they came.
  *
  * Cancelling a batch removes its flows from every scheduled queue of the
  * engine at once (kvf_sched_cancel): queued slices never wait for a sender
@@ -42,19 +50,20 @@ typedef struct kvf_flow {
     uint32_t cls;
     uint64_t deadline;      /* absolute, CLOCK_MONOTONIC ns; UINT64_MAX: none */
     uint64_t seq;           /* arrival order in this queue */
-    int64_t deficit;        /* DRR: bytes it may still send this round */
+    uint64_t left;          /* bytes queued here (the heap's second key; 0 in FIFO mode) */
     kvf_slice *v;           /* its slices: v[head .. head+n) */
     uint32_t head, n, cap;
-    int32_t heap_i;         /* index in its class's deadline heap, -1: in the ring */
-    int32_t fifo;           /* opened in FIFO mode: served whole when its turn comes */
-    struct kvf_flow *next, *prev;   /* the class's round-robin ring */
+    int32_t heap_i;         /* index in its class's heap */
+    int32_t fifo;           /* opened in FIFO mode: ordered by arrival only */
+    struct kvf_flow *next, *prev;   /* the class's ring, in arrival order */
     struct kvf_flow *chain;         /* hash bucket chain; free list */
 } kvf_flow;
 
 typedef struct {
-    kvf_flow **heap;        /* flows with a deadline, min-heap by (deadline, seq) */
+    kvf_flow **heap;        /* its flows, min-heap by (deadline, left, seq) */
     size_t nheap, capheap;
-    kvf_flow *rr;           /* the ring's current flow (NULL: ring empty) */
+    kvf_flow *oldest;       /* the ring's first flow (NULL: none) */
+    uint64_t oldest_ns;     /* when the oldest was last served, or became the oldest */
     size_t count;           /* queued slices of this class */
     uint64_t last_ns;       /* last served, or when it got work */
 } sched_class;
@@ -141,7 +150,9 @@ static void index_remove(kvf_sched *s, kvf_flow *f) {
 /* ------------------------------------------------------- deadline heaps */
 
 static int heap_less(const kvf_flow *a, const kvf_flow *b) {
-    return a->deadline < b->deadline || (a->deadline == b->deadline && a->seq < b->seq);
+    if (a->deadline != b->deadline) return a->deadline < b->deadline;
+    if (a->left != b->left) return a->left < b->left;
+    return a->seq < b->seq;
 }
 
 static void heap_set(sched_class *c, size_t i, kvf_flow *f) {
@@ -197,26 +208,30 @@ static void heap_remove(sched_class *c, kvf_flow *f) {
 
 /* ------------------------------------------------------------------ ring */
 
-static void ring_insert(sched_class *c, kvf_flow *f) {
-    if (!c->rr) {
+static void ring_insert(sched_class *c, kvf_flow *f, uint64_t now) {
+    if (!c->oldest) {
         f->next = f->prev = f;
-        c->rr = f;
+        c->oldest = f;
+        c->oldest_ns = now;
         return;
     }
-    /* at the tail: just before the current flow, so it waits one round */
-    f->next = c->rr;
-    f->prev = c->rr->prev;
+    /* at the tail: just before the oldest */
+    f->next = c->oldest;
+    f->prev = c->oldest->prev;
     f->prev->next = f;
-    c->rr->prev = f;
+    c->oldest->prev = f;
 }
 
-static void ring_remove(sched_class *c, kvf_flow *f) {
+static void ring_remove(sched_class *c, kvf_flow *f, uint64_t now) {
     if (f->next == f) {
-        c->rr = NULL;
+        c->oldest = NULL;
     } else {
         f->prev->next = f->next;
         f->next->prev = f->prev;
-        if (c->rr == f) c->rr = f->next;
+        if (c->oldest == f) {
+            c->oldest = f->next;
+            c->oldest_ns = now;     /* the next one's wait starts now */
+        }
     }
     f->next = f->prev = NULL;
 }
@@ -239,15 +254,12 @@ static kvf_flow *flow_open(kvf_sched *s, uint32_t slot, uint64_t now) {
     f->deadline = b->deadline_ns && !fifo ? b->deadline_ns : UINT64_MAX;
     f->fifo = fifo;
     f->seq = s->seq++;
-    f->deficit = 0;
+    f->left = 0;
     f->head = f->n = 0;
     f->heap_i = -1;
     sched_class *c = &s->cls[f->cls];
-    if (f->deadline != UINT64_MAX) {
-        if (heap_push(c, f)) { f->chain = s->free; s->free = f; return NULL; }
-    } else {
-        ring_insert(c, f);
-    }
+    if (heap_push(c, f)) { f->chain = s->free; s->free = f; return NULL; }
+    ring_insert(c, f, now);
     if (c->count == 0) c->last_ns = now;
     size_t k = bucket_of(s, slot);
     f->chain = s->buckets[k];
@@ -256,10 +268,10 @@ static kvf_flow *flow_open(kvf_sched *s, uint32_t slot, uint64_t now) {
     return f;
 }
 
-static void flow_close(kvf_sched *s, kvf_flow *f) {
+static void flow_close(kvf_sched *s, kvf_flow *f, uint64_t now) {
     sched_class *c = &s->cls[f->cls];
-    if (f->heap_i >= 0) heap_remove(c, f);
-    else ring_remove(c, f);
+    heap_remove(c, f);
+    ring_remove(c, f, now);
     index_remove(s, f);
     f->chain = s->free;
     s->free = f;
@@ -369,10 +381,15 @@ int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x) {
         if (!f) return KVF_ENOMEM;
     }
     if (flow_append(f, x)) {
-        if (f->n == 0) flow_close(s, f);
+        if (f->n == 0) flow_close(s, f, now ? now : coarse_ns());
         return KVF_ENOMEM;
     }
-    s->cls[f->cls].count++;
+    sched_class *c = &s->cls[f->cls];
+    c->count++;
+    if (!f->fifo) {
+        f->left += x->len;           /* its key grew: it may move down */
+        heap_down(c, (size_t)f->heap_i);
+    }
     return KVF_OK;
 }
 
@@ -391,33 +408,29 @@ static int pick_class(kvf_sched *s, uint64_t now, uint64_t age_ns) {
     return -1;
 }
 
-/* The flow whose head slice goes next in class c: the earliest deadline,
- * else the round robin's current flow once its deficit covers the slice. */
-static kvf_flow *pick_flow(sched_class *c) {
-    if (c->nheap) return c->heap[0];
-    kvf_flow *f = c->rr;
-    if (f->fifo) return f;
-    while ((uint64_t)(f->deficit < 0 ? 0 : f->deficit) < f->v[f->head].len) {
-        f->deficit += KVF_SCHED_QUANTUM;
-        if ((uint64_t)f->deficit >= f->v[f->head].len) break;
-        c->rr = f = f->next;
-    }
+/* The flow whose head slice goes next in class c: the heap's first
+ * (earliest deadline, else fewest bytes left), unless the class's oldest
+ * flow has waited age_ns since it was last served. */
+static kvf_flow *pick_flow(sched_class *c, uint64_t now, uint64_t age_ns) {
+    kvf_flow *f = c->heap[0];
+    if (c->oldest != f && now - c->oldest_ns >= age_ns) f = c->oldest;
     return f;
 }
 
-static void take(kvf_sched *s, kvf_flow *f, kvf_slice *out) {
+static void take(kvf_sched *s, kvf_flow *f, kvf_slice *out, uint64_t now) {
     sched_class *c = &s->cls[f->cls];
     *out = f->v[f->head++];
     f->n--;
     c->count--;
-    if (f->heap_i < 0 && !f->fifo) {
-        f->deficit -= (int64_t)out->len;
-        if (f->n && (uint64_t)(f->deficit < 0 ? 0 : f->deficit) < f->v[f->head].len) {
-            /* its quantum is spent: the next flow's turn */
-            c->rr = f->next;
-        }
+    if (f == c->oldest) c->oldest_ns = now;
+    if (f->n == 0) {
+        flow_close(s, f, now);
+        return;
     }
-    if (f->n == 0) flow_close(s, f);
+    if (!f->fifo) {
+        f->left -= out->len;         /* its key shrank: it may move up */
+        heap_up(c, (size_t)f->heap_i);
+    }
 }
 
 size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes) {
@@ -429,7 +442,7 @@ size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t m
         int k = pick_class(s, now, age_ns);
         if (k < 0) break;
         sched_class *c = &s->cls[k];
-        take(s, pick_flow(c), &out[n]);
+        take(s, pick_flow(c, now, age_ns), &out[n], now);
         bytes += out[n++].len;
         c->last_ns = now;
     }
@@ -450,7 +463,7 @@ static size_t sched_remove_locked(kvf_sched *s, uint32_t slot, kvf_slice **out) 
     s->q->count -= n;
     s->cls[f->cls].count -= n;
     f->n = 0;
-    flow_close(s, f);
+    flow_close(s, f, coarse_ns());
     *out = v;
     return n;
 }

@@ -239,8 +239,9 @@ class Peer:
         from now, an urgency hint; None: none) order this batch's queued
         slices against every other batch's (kvflow.schedule.qos): HIGH
         before NORMAL before LOW, no class starved for longer than the
-        engine's qos_aging; within a class the earliest deadline first, and
-        batches without one share byte for byte. timeout still fails it.
+        engine's qos_aging; within a class the earliest deadline first, then
+        the batch with the fewest bytes left (no batch starved longer than
+        qos_aging either). timeout still fails it.
 
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).

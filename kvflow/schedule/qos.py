@@ -5,9 +5,10 @@ scheduler (kvflow/_native/sched.c) orders every provider's queued slices by.
   queued slices is served at least once per `aging` interval (Engine(qos_aging=
   seconds), default AGING) whatever runs above it.
 - deadline: an urgency hint, seconds from the call: within a class, batches
-  with a deadline go first, earliest deadline first; the others share the
-  queue byte for byte (deficit round robin). A deadline never fails a batch
-  (timeout= does).
+  with a deadline go first, earliest deadline first; then the one with the
+  fewest bytes left (a small request passes a huge one queued before it),
+  the class's oldest batch served at least once per aging interval. A
+  deadline never fails a batch (timeout= does).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from kvflow.errors import InvalidArgumentError
 
 AGING = _core.SCHED["AGE_NS"] / 1e9
 SCHEDULING = ("qos", "fifo")       # Engine(scheduling=)
-QUANTUM = _core.SCHED["QUANTUM"]
 
 
 class Priority(enum.IntEnum):
