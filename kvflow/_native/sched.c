@@ -78,6 +78,7 @@ struct kvf_sched {
     kvf_flow **buckets;     /* by slot, chained */
     size_t nbuckets, nflows;
     kvf_flow *free;
+    kvf_flow *last;         /* the flow of the last push (a batch's slices come in runs) */
     uint64_t seq;
     struct kvf_sched *next_in_ctx;
 };
@@ -270,6 +271,7 @@ static kvf_flow *flow_open(kvf_sched *s, uint32_t slot, uint64_t now) {
 
 static void flow_close(kvf_sched *s, kvf_flow *f, uint64_t now) {
     sched_class *c = &s->cls[f->cls];
+    if (s->last == f) s->last = NULL;
     heap_remove(c, f);
     ring_remove(c, f, now);
     index_remove(s, f);
@@ -374,12 +376,13 @@ void kvf_sched_free(kvf_sched *s) {
 
 int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x) {
     uint64_t now = 0;
-    kvf_flow *f = flow_find(s, x->slot);
+    kvf_flow *f = s->last && s->last->slot == x->slot ? s->last : flow_find(s, x->slot);
     if (!f) {
         now = coarse_ns();
         f = flow_open(s, x->slot, now);
         if (!f) return KVF_ENOMEM;
     }
+    s->last = f;
     if (flow_append(f, x)) {
         if (f->n == 0) flow_close(s, f, now ? now : coarse_ns());
         return KVF_ENOMEM;
