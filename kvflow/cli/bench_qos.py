@@ -53,6 +53,8 @@ async def _pair(args: argparse.Namespace, scheduling: str, nbytes: int):
     protocols = None if args.protocol == "auto" else (args.protocol,)
     kw = {"protocols": protocols, "scheduling": scheduling, "tcp_connections": args.tcp_connections,
           "tcp_express": args.tcp_express}
+    if args.tcp_buffers is not None:
+        kw["tcp_send_buffer"], kw["tcp_receive_buffer"] = args.tcp_buffers
     a, b = kvflow.Engine(**kw), kvflow.Engine(**kw)
     await a.start()
     await b.start()
@@ -182,6 +184,13 @@ def interval(text: str) -> tuple[float, float]:
     return parts[0] / 1e3, parts[1] / 1e3
 
 
+def buffers(text: str) -> tuple[int, int]:
+    parts = [int(p) for p in text.split(",")]
+    if len(parts) != 2:
+        raise ValueError(text)
+    return parts[0], parts[1]
+
+
 def modes(text: str) -> tuple[str, ...]:
     out = tuple(m.strip() for m in text.split(","))
     if not out or any(m not in MODES for m in out):
@@ -195,6 +204,9 @@ def add_parser(roles: Any, size: Any, count: Any, seconds: Any) -> None:
     p.add_argument("--tcp-connections", type=count, default=2, metavar="N")
     p.add_argument("--tcp-express", action="store_true",
                    help="one more tcp connection per peer for HIGH batches (Engine(tcp_express=True))")
+    p.add_argument("--tcp-buffers", type=buffers, default=None, metavar="SEND,RECEIVE",
+                   help="SO_SNDBUF,SO_RCVBUF of the tcp data connections in bytes (0: the kernel's; "
+                        "default: the engine's, 512K,0)")
     p.add_argument("--modes", type=modes, default=MODES, help="comma-separated: fifo,qos (default both)")
     p.add_argument("--low-batches", type=count, default=64, metavar="N", help="LOW batches per round (64)")
     p.add_argument("--low-size", type=size, default=16 << 20, metavar="SIZE", help="bytes per LOW batch (16M)")

@@ -139,7 +139,7 @@ class Engine:
     than the lane saves; docs/qos.md has the numbers);
     tcp_send_buffer, tcp_receive_buffer: SO_SNDBUF of the tcp data
     connections it opens (512 KiB) and SO_RCVBUF of those it accepts
-    (1 MiB); 0: the kernel's autotuning (kvflow.providers.tcp.TcpOptions).
+    (0: the kernel's autotuning, the default there; kvflow.providers.tcp.TcpOptions).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,

@@ -155,10 +155,12 @@ class TcpOptions:
     slice_size: bytes per slice (a slice is one frame on the wire);
     send_buffer, receive_buffer: SO_SNDBUF of the data connections this
     engine opens and SO_RCVBUF of those it accepts (0: the kernel's
-    autotuning, up to several MiB each). Small buffers keep what the kernel
-    holds ahead of a HIGH slice small, so the scheduler's order is what the
-    wire sees; 512 KiB / 1 MiB carry a link of 100 us round trip at 5+ and
-    10+ GB/s per connection;
+    autotuning, up to several MiB each). A small send buffer keeps what the
+    kernel holds ahead of a HIGH slice small, so the scheduler's order is
+    what the wire sees; 512 KiB carry a link of 100 us round trip at 5+
+    GB/s per connection. The receive side stays autotuned by default: a
+    fixed 1 MiB one made the kernel prune (drop) queued data under load,
+    a 200 ms retransmission stall (docs/qos.md);
     express: one more connection per peer that carries HIGH batches only
     (Priority.HIGH), so that they never wait behind other batches' bytes
     in the kernel's socket buffers (Engine(tcp_express=), env KVFLOW_TCP_EXPRESS)."""
@@ -168,7 +170,7 @@ class TcpOptions:
     slice_size: int = 1 << 20
     express: bool = False
     send_buffer: int = 512 << 10
-    receive_buffer: int = 1 << 20
+    receive_buffer: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= MAX_CONNECTIONS or self.slice_size < 4096:
