@@ -85,13 +85,11 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     rqp *q = calloc(1, sizeof(*q));
     if (!q) return -1;
     q->ring = calloc(depth, sizeof(kvf_slice));
-    /* The backlog is scheduled (sched.c): slices go to the send queue by
-     * class, deadline and bytes left, and a cancel drops them from it.
-     * `incoming` is a plain FIFO: a transit the next post empties into the
-     * backlog (a cancelled batch's slices there are dropped at that post). */
+    /* both scheduled (sched.c): slices go to the send queue by class,
+     * deadline and fair share, and a cancel drops them from either */
     kvf_ctx *c = ch->base.ctx;
     if (!q->ring || kvf_queue_init_sched(&q->backlog, c, 1, &q->mu)) { free(q->ring); free(q); return -1; }
-    if (kvf_queue_init(&q->incoming)) {
+    if (kvf_queue_init_sched(&q->incoming, c, 1, &q->in_mu)) {
         kvf_queue_destroy(&q->backlog);
         free(q->ring);
         free(q);
