@@ -78,6 +78,16 @@ static void dev_slot_drop(kvf_rdma_dev *d, uint32_t slot, rqp *q) {
     pthread_mutex_unlock(&d->mu);
 }
 
+/* Frees a QP record whose verbs QP is gone (or was never made). */
+static void rqp_free(rqp *q) {
+    kvf_queue_destroy(&q->backlog);
+    kvf_queue_destroy(&q->incoming);
+    free(q->ring);
+    pthread_mutex_destroy(&q->mu);
+    pthread_mutex_destroy(&q->in_mu);
+    free(q);
+}
+
 int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, struct ibv_qp *qp,
                          uint32_t depth, int up) {
     /* a device already closed (freed: nothing to index) or no QP */
@@ -119,12 +129,7 @@ int kvf_rdma_chan_add_qp(kvf_rdma_chan *ch, kvf_rdma_dev *dev, uint32_t rdev, st
     pthread_mutex_unlock(&ch->mu);
     return q->index;
 fail:
-    kvf_queue_destroy(&q->backlog);
-    kvf_queue_destroy(&q->incoming);
-    free(q->ring);
-    pthread_mutex_destroy(&q->mu);
-    pthread_mutex_destroy(&q->in_mu);
-    free(q);
+    rqp_free(q);
     return -1;
 }
 
@@ -418,15 +423,7 @@ void kvf_rdma_chan_close(kvf_rdma_chan *ch) {
 }
 
 static void chan_destroy(kvf_rdma_chan *ch) {
-    for (int i = 0; i < ch->nqps; i++) {
-        rqp *q = ch->qps[i];
-        kvf_queue_destroy(&q->backlog);
-        kvf_queue_destroy(&q->incoming);
-        free(q->ring);
-        pthread_mutex_destroy(&q->mu);
-        pthread_mutex_destroy(&q->in_mu);
-        free(q);
-    }
+    for (int i = 0; i < ch->nqps; i++) rqp_free(ch->qps[i]);
     kvf_queue_destroy(&ch->parked);
     pthread_mutex_destroy(&ch->mu);
     free(ch);
