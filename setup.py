@@ -5,7 +5,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "sockio", "tcp_client", "tcp_send", "tcp_server")]
+NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "sockio", "tcp_client", "tcp_send", "tcp_server", "credit")]
 RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan")]
 debug = os.environ.get("KVFLOW_DEBUG") == "1"
 cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]

@@ -171,6 +171,26 @@ cdef class Core:
         if self.ctx != NULL and len(token) == 16:
             kvf_srv_remove_token(self.ctx, <const uint8_t *><char *>token)
 
+    def set_receive_window(self, uint64_t window):
+        """Caps the write payload bytes in flight toward this engine from
+        all initiators together (receiver credits; 0: no cap). Once, before
+        the first data connection is served."""
+        return kvf_srv_set_window(self._ctx(), window) == KVF_OK
+
+    def receive_window_stats(self):
+        """The receive window's pool: window, free, held (granted, not yet
+        landed or handed back), max_held (the most ever held at once),
+        grants, granted_bytes, recalls, returned_bytes, asks, violations
+        (payload bytes that landed without a grant: 0 unless a peer ignores
+        credits), holders (data connections) and waiting. None: no window."""
+        cdef kvf_credit_stats st
+        if self.ctx == NULL or kvf_srv_window_stats(self.ctx, &st) != KVF_OK:
+            return None
+        return {"window": st.window, "free": st.free, "held": st.held, "max_held": st.max_held,
+                "grants": st.grants, "granted_bytes": st.granted_bytes, "recalls": st.recalls,
+                "returned_bytes": st.returned_bytes, "asks": st.asks, "violations": st.violations,
+                "holders": st.holders, "waiting": st.waiting}
+
     def serve(self, int fd):
         """Hands an accepted data connection to a native server thread (which
         owns the descriptor from now on)."""
@@ -457,7 +477,7 @@ cdef class TcpChannel(Channel):
     cdef public uint64_t poll_max_ns   # 0: never poll on the caller's thread
 
     def __init__(self, Core core, RemoteTable table, str peer, fds, int ack_fd, uint64_t slice_size,
-                 int express=-1):
+                 int express=-1, uint64_t window=0):
         cdef int n = len(fds), i
         cdef int *v = <int *>malloc(n * sizeof(int))
         if v == NULL:
@@ -466,7 +486,7 @@ cdef class TcpChannel(Channel):
             v[i] = fds[i]
         cdef kvf_ctx *c = core._ctx()
         with nogil:
-            self.ch = kvf_tcp_channel_new(c, &table.t, v, n, ack_fd, slice_size, express)
+            self.ch = kvf_tcp_channel_new(c, &table.t, v, n, ack_fd, slice_size, express, window)
         free(v)
         if self.ch == NULL:
             raise MemoryError()
@@ -536,6 +556,21 @@ cdef class TcpChannel(Channel):
         for i in range(self.nfds):
             dead = kvf_tcp_channel_conn_stats(self.ch, i, &sent, &moved, &failures)
             out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures})
+        return out
+
+    def credit_stats(self):
+        """Per data connection, its receiver credits (when the target has a
+        receive window): credit held, asked for, waits for credit, grants,
+        recalls, and the slice length it waits to afford (0: none)."""
+        cdef uint64_t v[6]
+        cdef int i
+        out = []
+        if self.ch == NULL:
+            return out
+        for i in range(self.nfds):
+            if kvf_tcp_channel_credit_stats(self.ch, i, v) == 0:
+                out.append({"credit": v[0], "asked": v[1], "waits": v[2], "grants": v[3],
+                            "recalls": v[4], "need": v[5]})
         return out
 
     def replace(self, int index, int fd):

@@ -127,7 +127,7 @@ cdef extern from "_native/kvf.h" nogil:
     ctypedef struct kvf_tcp_channel:
         pass
     kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
-                                         int ack_fd, uint64_t slice_size, int express)
+                                         int ack_fd, uint64_t slice_size, int express, uint64_t window)
     int kvf_tcp_poll_acks(kvf_tcp_channel *ch)
     void kvf_set_loop_thread(int on)
     int kvf_tcp_channel_alive(kvf_tcp_channel *ch)
@@ -135,6 +135,7 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i)
     int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
                                    uint64_t *failures)
+    int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t *out)
     int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd)
     int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id)
     void kvf_tcp_channel_free(kvf_tcp_channel *ch)
@@ -146,6 +147,15 @@ cdef extern from "_native/kvf.h" nogil:
     void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token)
     int kvf_srv_serve(kvf_ctx *c, int fd)
     void kvf_srv_shutdown(kvf_ctx *c)
+    int kvf_srv_set_window(kvf_ctx *c, uint64_t window)
+
+cdef extern from "_native/credit.h" nogil:
+    ctypedef struct kvf_credit_stats:
+        uint64_t window, free, held, max_held
+        uint64_t grants, granted_bytes, recalls, returned_bytes, asks
+        uint64_t violations
+        uint64_t holders, waiting
+    int kvf_srv_window_stats(kvf_ctx *c, kvf_credit_stats *out)
 
 
 cdef extern from "_native/provider.h" nogil:

@@ -606,20 +606,31 @@ int kvf_queue_push_locked(kvf_queue *q, const kvf_slice *s) {
     return KVF_OK;
 }
 
-size_t kvf_queue_pop_bytes_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes) {
+size_t kvf_queue_pop_fit_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes,
+                                kvf_pop_budget *budget) {
     size_t k = 0;
+    if (budget) budget->blocked = 0;
     if (q->sched) {
-        k = kvf_sched_pop_locked(q->sched, out, max, max_bytes);
+        k = kvf_sched_pop_locked(q->sched, out, max, max_bytes, budget);
         for (size_t i = 0; i < k; i++) q->bytes -= out[i].len;
         q->count -= k;
         return k;
     }
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, counted = 0;
     while (k < max && q->count && (!max_bytes || bytes < max_bytes)) {
+        const kvf_slice *next = &q->ring[q->head];
+        if (budget && (next->op & 0xff) == budget->op) {
+            if (next->len > budget->bytes - counted) { budget->blocked = next->len; break; }
+            counted += next->len;
+        }
         kvf_queue_pop_locked(q, &out[k], 1);
         bytes += out[k++].len;
     }
     return k;
+}
+
+size_t kvf_queue_pop_bytes_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes) {
+    return kvf_queue_pop_fit_locked(q, out, max, max_bytes, NULL);
 }
 
 size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max) {

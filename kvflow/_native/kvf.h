@@ -135,6 +135,7 @@ typedef struct kvf_ctx {
     struct kvf_srv_conn *srv_conns;
     _Atomic int closing;
     _Atomic int n_pre_auth;    /* server connections still before their hello */
+    struct kvf_credit_pool *credit;   /* the receive window (credit.h); NULL: none */
 
     struct kvf_local_pool *local_pool;
 
@@ -251,13 +252,25 @@ size_t kvf_queue_pop_locked(kvf_queue *q, kvf_slice *out, size_t max);
 /* Pops up to max slices, stopping once max_bytes were taken (at least one
  * slice when any is queued). Caller holds q->mu. */
 size_t kvf_queue_pop_bytes_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes);
+/* A strict budget for pop_fit: slices of op `op` (0xff bits) take at most
+ * `bytes` in all. When the next slice does not fit, the pop stops there
+ * (nothing behind it passes it) and `blocked` gets its length. */
+typedef struct {
+    uint64_t bytes;
+    uint32_t op;
+    uint64_t blocked;
+} kvf_pop_budget;
+/* pop_bytes with a budget (NULL: none). Caller holds q->mu. */
+size_t kvf_queue_pop_fit_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes,
+                                kvf_pop_budget *budget);
 /* The same, taking q->mu. */
 int kvf_queue_push(kvf_queue *q, const kvf_slice *s);
 size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max);
 
 /* sched.c: the scheduled mode (caller holds the queue's mu). */
 int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x);
-size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes);
+size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes,
+                            kvf_pop_budget *budget);
 void kvf_sched_free(kvf_sched *s);
 /* The engine is being freed: its queues that were never detached forget it. */
 void kvf_sched_orphan_all(kvf_ctx *c);
@@ -288,9 +301,12 @@ typedef struct kvf_tcp_channel kvf_tcp_channel;
  * connected data sockets (hello done), acks on ack_fd (-1: on each).
  * express: the index of the connection kept for HIGH batches (-1: none):
  * nothing else is placed on it while another connection is up, so a HIGH
- * slice never waits behind other batches' bytes in the kernel's buffers. */
+ * slice never waits behind other batches' bytes in the kernel's buffers.
+ * window: the target's receive window from its hello acks (0: none):
+ * write payloads are then framed only against credit the target granted
+ * (credit.h), and slices are at most a quarter of it. */
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
-                                     int ack_fd, uint64_t slice_size, int express);
+                                     int ack_fd, uint64_t slice_size, int express, uint64_t window);
 /* Reads the write acks waiting on the channel's ack connection (never
  * blocks; called by the event loop when that socket is readable). Returns
  * -1 once the connection is gone (the channel is failed then). */
@@ -312,6 +328,8 @@ int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes,
  * discarded, so nothing of the batch lands later; the other slices they
  * carried move on) and returns how many. */
 int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id);
+/* Connection i's credits: held, asked for, waits, grants, recalls, need. */
+int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t out[6]);
 /* Replaces dead connection i by the connected (hello done) socket fd. */
 int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd);
 void kvf_tcp_channel_close(kvf_tcp_channel *ch);
@@ -322,5 +340,11 @@ void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token);
 int kvf_srv_serve(kvf_ctx *c, int fd);
 void kvf_srv_shutdown(kvf_ctx *c);
 void kvf_srv_free_sessions(kvf_ctx *c);
+/* Receiver credits: caps the write payload bytes in flight toward this
+ * engine from all initiators together at `window` (0: no cap). Once,
+ * before the first connection is served. */
+int kvf_srv_set_window(kvf_ctx *c, uint64_t window);
+struct kvf_credit_stats;
+int kvf_srv_window_stats(kvf_ctx *c, struct kvf_credit_stats *out);
 
 #endif

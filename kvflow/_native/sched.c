@@ -436,16 +436,25 @@ static void take(kvf_sched *s, kvf_flow *f, kvf_slice *out, uint64_t now) {
     }
 }
 
-size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes) {
+size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes,
+                            kvf_pop_budget *budget) {
     if (!max) return 0;
-    uint64_t now = coarse_ns(), bytes = 0;
+    uint64_t now = coarse_ns(), bytes = 0, counted = 0;
     uint64_t age_ns = atomic_load_explicit(&s->ctx->sched_age_ns, memory_order_relaxed);
     size_t n = 0;
     while (n < max && (!max_bytes || bytes < max_bytes)) {
         int k = pick_class(s, now, age_ns);
         if (k < 0) break;
         sched_class *c = &s->cls[k];
-        take(s, pick_flow(c, now, age_ns), &out[n], now);
+        kvf_flow *f = pick_flow(c, now, age_ns);
+        const kvf_slice *next = &f->v[f->head];
+        if (budget && (next->op & 0xff) == budget->op) {
+            /* the budget is strict and the order too: the next slice
+             * waits for budget rather than let a later one pass it */
+            if (next->len > budget->bytes - counted) { budget->blocked = next->len; break; }
+            counted += next->len;
+        }
+        take(s, f, &out[n], now);
         bytes += out[n++].len;
         c->last_ns = now;
     }

@@ -59,6 +59,10 @@ static void conn_fail(tcp_conn *c, int status) {
     c->dead = 1;
     c->fail_status = status;
     c->failures++;
+    /* its credits end with it: the target takes back what the connection
+     * held once it sees it close (resent slices spend credit again) */
+    c->credit = c->asked = c->ret_pending = c->need = 0;
+    c->ctl_n = 0;
     size_t nq = c->q.count, k = 0;
     kvf_slice *fail = malloc((nq + TCP_WINDOW) * sizeof(kvf_slice));
     if (fail) {
@@ -114,19 +118,54 @@ static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status) {
     }
 }
 
-/* Pops up to TCP_POP slices / TCP_POP_BYTES and gives each an in-flight tag;
+/* Waiting for credit: the next write slice costs more than it holds. */
+static inline int credit_blocked(const tcp_conn *c) { return c->need && c->credit < c->need; }
+
+/* After a claim with credits on: the credit frame to send first, if one is
+ * due (c->ctl). `blocked`: the next slice's length when it did not fit in
+ * the credit held. A connection that stops for credit hands back what it
+ * did not spend (so a waiter never sits on credit), and every connection
+ * asks ahead for what its queue holds, up to the window. */
+static void credit_ask_locked(tcp_conn *c, uint64_t blocked) {
+    uint64_t window = c->ch->window;
+    uint64_t goal = c->q.bytes < window ? c->q.bytes : window;
+    uint64_t unit = c->ch->slice_size;
+    uint64_t returned = c->ret_pending, want = 0;
+    c->ret_pending = 0;
+    if (blocked) {
+        returned += c->credit;
+        c->credit = 0;
+        c->need = blocked;
+        c->credit_waits++;
+        if (goal < unit) goal = unit;
+        want = goal > c->asked ? goal - c->asked : 0;
+    } else if (goal > c->credit + c->asked + TCP_ASK_AHEAD) {
+        want = goal - c->credit - c->asked;
+    }
+    if (!returned && !want && !blocked) return;
+    c->asked += want;
+    c->ctl = (kvf_hdr){KVF_MAGIC, KVF_F_CREDIT_ASK, blocked ? KVF_ASK_BLOCKED : 0, (uint32_t)unit,
+                       returned, 0, want};
+    c->ctl_n = 1;
+}
+
+/* Pops up to TCP_POP slices / TCP_POP_BYTES (and, with credits, write
+ * payloads up to the credit held) and gives each an in-flight tag;
  * slices of cancelled batches go to `cancelled` instead. Caller holds q.mu
- * and owns c->sending. Returns the number of slices to send. */
+ * and owns c->sending. Returns the number of slices to send; a credit
+ * frame to send before them may be left in c->ctl. */
 static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size_t *ncancel) {
     kvf_ctx *ctx = c->ch->base.ctx;
     size_t max = c->nfree < TCP_POP ? c->nfree : TCP_POP;
     size_t k = 0;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, spent = 0;
     *ncancel = 0;
     uint32_t epoch = atomic_load_explicit(&ctx->cancel_epoch, memory_order_relaxed);
     kvf_slice run[TCP_POP];
+    kvf_pop_budget budget = {c->credit, KVF_OP_WRITE, 0};
+    int credits = c->ch->window != 0;
     /* one run in the scheduler's order (max <= TCP_POP, so cancelled fits too) */
-    size_t got = kvf_queue_pop_bytes_locked(&c->q, run, max, TCP_POP_BYTES);
+    size_t got = kvf_queue_pop_fit_locked(&c->q, run, max, TCP_POP_BYTES, credits ? &budget : NULL);
     for (size_t i = 0; i < got; i++) {
         kvf_slice x = run[i];
         if (kvf_batch_cancelled(ctx, x.slot)) { cancelled[(*ncancel)++] = x; continue; }
@@ -136,6 +175,12 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
         c->state[tag] = 1;
         s[k++] = x;
         bytes += x.len;
+        if ((x.op & 0xff) == KVF_OP_WRITE) spent += x.len;
+    }
+    if (credits) {
+        c->credit -= spent;
+        if (got) c->need = 0;
+        credit_ask_locked(c, got ? 0 : budget.blocked);
     }
     if (k && epoch != c->cancel_seen) {
         /* a batch was cancelled: the target sends the acks it holds back
@@ -157,15 +202,23 @@ static void finish_cancelled(kvf_ctx *ctx, const kvf_slice *cancelled, size_t nc
 }
 
 
+/* Takes the credit frame claim_locked left (NULL: none) into *out. */
+static const kvf_hdr *take_ctl_locked(tcp_conn *c, kvf_hdr *out) {
+    if (!c->ctl_n) return NULL;
+    c->ctl_n = 0;
+    *out = c->ctl;
+    return out;
+}
+
 static void *tcp_tx(void *arg) {
     tcp_conn *c = arg;
     kvf_slice s[TCP_POP], cancelled[TCP_POP];
-    kvf_hdr h[TCP_POP];
-    struct iovec iov[2 * TCP_POP];
+    kvf_hdr h[TCP_POP + 1], ctl;
+    struct iovec iov[2 * TCP_POP + 1];
     for (;;) {
         pthread_mutex_lock(&c->q.mu);
-        while (!c->dead && !c->pend_n && !c->pipe_pending &&
-               (c->q.count == 0 || c->nfree == 0 || c->sending))
+        while (!c->dead && !c->pend_n && !c->pipe_pending && !(c->ret_pending && !c->sending) &&
+               (c->q.count == 0 || c->nfree == 0 || c->sending || credit_blocked(c)))
             pthread_cond_wait(&c->q.cv, &c->q.mu);
         if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
         c->sending = 1;
@@ -186,10 +239,11 @@ static void *tcp_tx(void *arg) {
         }
         size_t ncancel;
         size_t k = claim_locked(c, s, cancelled, &ncancel);
+        const kvf_hdr *cf = take_ctl_locked(c, &ctl);
         pthread_mutex_unlock(&c->q.mu);
         finish_cancelled(c->ch->base.ctx, cancelled, ncancel);
-        int niov = tcp_frame_slices(s, k, h, iov);
-        bad = tcp_send_frames(c, iov, niov);
+        int niov = tcp_frame_slices(cf, s, k, h, iov);
+        bad = niov ? tcp_send_frames(c, iov, niov) : 0;
         pthread_mutex_lock(&c->q.mu);
         c->sending = 0;
         pthread_mutex_unlock(&c->q.mu);
@@ -227,6 +281,26 @@ static void release_tag(tcp_conn *c, uint32_t tag) {
     pthread_mutex_unlock(&c->q.mu);
 }
 
+/* A grant adds to what the connection may send; a recall hands back what
+ * it has not spent (in its next credit frame). */
+static void credit_frame(tcp_conn *c, const kvf_hdr *h) {
+    pthread_mutex_lock(&c->q.mu);
+    int wake = 0;
+    if (h->type == KVF_F_CREDIT_GRANT) {
+        c->credit += h->addr;
+        c->asked = c->asked > h->addr ? c->asked - h->addr : 0;
+        c->grants++;
+        wake = c->need && c->credit >= c->need;
+    } else if (c->credit) {
+        c->ret_pending += c->credit;
+        c->credit = 0;
+        c->recalls++;
+        wake = 1;
+    }
+    pthread_mutex_unlock(&c->q.mu);
+    if (wake) pthread_cond_signal(&c->q.cv);
+}
+
 static void *tcp_rx(void *arg) {
     tcp_conn *c = arg;
     kvf_ctx *ctx = c->ch->base.ctx;
@@ -239,7 +313,10 @@ static void *tcp_rx(void *arg) {
         if (h.magic != KVF_MAGIC) { status = KVF_EPROTO; break; }
         r.big = h.len >= RD_BUF / 4;
         kvf_slice s;
-        if (h.type == KVF_F_WRITE_ACK) {
+        if (h.type == KVF_F_CREDIT_GRANT || h.type == KVF_F_CREDIT_RECALL) {
+            if (!c->ch->window || h.len) { status = KVF_EPROTO; break; }
+            credit_frame(c, &h);
+        } else if (h.type == KVF_F_WRITE_ACK) {
             int t = take_tag(c, h.tag, &s, 0);
             if (t <= 0) { status = t < 0 ? KVF_ELOST : KVF_EPROTO; break; }
             if ((s.op & 0xff) != KVF_OP_WRITE) {
@@ -291,9 +368,12 @@ static void *tcp_rx(void *arg) {
 
 
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, const int *fds, int nfds,
-                                     int ack_fd, uint64_t slice_size, int express) {
+                                     int ack_fd, uint64_t slice_size, int express, uint64_t window) {
     kvf_tcp_channel *ch = calloc(1, sizeof(*ch));
     if (!ch) return NULL;
+    ch->window = window;
+    /* every slice must fit a grant, and a few must fit the window at once */
+    if (window && slice_size > window / 4) slice_size = window / 4 > 4096 ? window / 4 : 4096;
     ch->base = (kvf_channel){&tcp_ops, ctx, remote};
     ch->ack_fd = ack_fd;
     ch->express = express >= 0 && express < nfds && nfds > 1 ? express : -1;
@@ -398,12 +478,14 @@ static uint64_t tcp_slice_size(kvf_channel *ch, uint64_t total) {
  * c->q.mu held; returns with it released. */
 static void send_inline_unlock(tcp_conn *c) {
     kvf_slice mine[TCP_POP], cancelled[TCP_POP];
+    kvf_hdr ctl;
     size_t ncancel;
     c->sending = 1;
     size_t m = claim_locked(c, mine, cancelled, &ncancel);
+    const kvf_hdr *cf = take_ctl_locked(c, &ctl);
     pthread_mutex_unlock(&c->q.mu);
     finish_cancelled(c->ch->base.ctx, cancelled, ncancel);
-    int niov = tcp_frame_slices(mine, m, c->pend_h, c->pend_iov);
+    int niov = tcp_frame_slices(cf, mine, m, c->pend_h, c->pend_iov);
     size_t in_pipe = 0;
     int left = niov ? tcp_send_frames_nb(c, c->pend_iov, niov, &in_pipe) : 0;
     pthread_mutex_lock(&c->q.mu);
@@ -414,7 +496,7 @@ static void send_inline_unlock(tcp_conn *c) {
         c->pend_n = left;
     }
     if (left >= 0) c->pipe_pending = in_pipe;
-    int more = c->q.count > 0 || c->pend_n || c->pipe_pending;
+    int more = c->q.count > 0 || c->pend_n || c->pipe_pending || c->ret_pending;
     pthread_mutex_unlock(&c->q.mu);
     if (left < 0) conn_fail(c, KVF_ELOST);
     else if (more) pthread_cond_signal(&c->q.cv);
@@ -497,7 +579,8 @@ static void tcp_enqueue(kvf_channel *base, kvf_slice *s, size_t k, int flags) {
                 copied += s[i].len;
         }
         int status = c->dead ? c->fail_status : KVF_ENOMEM;
-        if (any && !c->sending && !c->pend_n && !c->pipe_pending && copied <= TCP_INLINE_BYTES &&
+        if (any && !c->sending && !c->pend_n && !c->pipe_pending && !credit_blocked(c) &&
+            copied <= TCP_INLINE_BYTES &&
             bytes <= TCP_INLINE_SPLICE_BYTES && c->q.count <= TCP_POP && c->nfree >= c->q.count) {
             send_inline_unlock(c);
         } else {
@@ -632,6 +715,20 @@ int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes,
     return dead;
 }
 
+int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t out[6]) {
+    if (i < 0 || i >= ch->n) return -1;
+    tcp_conn *c = &ch->conns[i];
+    pthread_mutex_lock(&c->q.mu);
+    out[0] = c->credit;
+    out[1] = c->asked;
+    out[2] = c->credit_waits;
+    out[3] = c->grants;
+    out[4] = c->recalls;
+    out[5] = c->need;
+    pthread_mutex_unlock(&c->q.mu);
+    return 0;
+}
+
 int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     if (i < 0 || i >= ch->n || atomic_load(&ch->closing)) return KVF_EINVAL;
     tcp_conn *c = &ch->conns[i];
@@ -649,6 +746,8 @@ int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     c->pend_n = 0;
     c->pipe_pending = 0;
     c->sending = 0;
+    c->credit = c->asked = c->ret_pending = c->need = 0;
+    c->ctl_n = 0;
     c->fd = fd;
     sk_nodelay(fd);
     atomic_fetch_add(&ch->base.ctx->n_sockets, 1);

@@ -21,6 +21,9 @@
 
 #define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
 #define TCP_POP 64           /* slices per sendmsg */
+/* With credits: ask ahead once the queue exceeds what is held and asked
+ * for by this much. */
+#define TCP_ASK_AHEAD (256u << 10)
 /* Bytes a sender claims per round (at least one slice): what the scheduler
  * can no longer reorder once claimed, so a HIGH slice queued meanwhile
  * waits for at most this much of this connection's earlier work (and what
@@ -53,11 +56,20 @@ typedef struct tcp_conn {
     uint64_t moved;           /* slices handed to other connections when it failed */
     uint64_t failures;
     uint32_t cancel_seen;     /* ctx->cancel_epoch at its last claim */
+    /* Receiver credits (when the channel has a window; all under q.mu):
+     * write payload bytes this connection may still frame, asked for and
+     * not granted yet, to hand back in the next credit frame, and the
+     * length of the slice it waits to afford (0: not waiting). */
+    uint64_t credit, asked, ret_pending, need;
+    uint64_t credit_waits;    /* times it stopped for credit */
+    uint64_t grants, recalls;
+    kvf_hdr ctl;              /* a credit ask to send before the next frames */
+    int ctl_n;
     int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
     /* What an inline submitter could not send without blocking: the tx
      * thread sends it before anything else (frames must not interleave). */
-    kvf_hdr pend_h[TCP_POP];
-    struct iovec pend_iov[2 * TCP_POP];
+    kvf_hdr pend_h[TCP_POP + 1];          /* + a credit frame */
+    struct iovec pend_iov[2 * TCP_POP + 1];
     struct iovec *pend;
     int pend_n;
     /* A pipe for vmsplice()+splice(): large write payloads go to the socket
@@ -78,12 +90,13 @@ struct kvf_tcp_channel {
     _Atomic int closing;      /* close() or ack connection lost: fail, never move or rebuild */
     int ack_fd;               /* -1: acks come back on each data connection */
     int express;              /* the connection kept for HIGH batches; -1: none */
+    uint64_t window;          /* the target's receive window: credits on (0: off) */
     char *ack_buf;            /* partial ack frames between polls */
     size_t ack_len;
 };
 
 /* tcp_send.c */
-int tcp_frame_slices(const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov);
+int tcp_frame_slices(const kvf_hdr *ctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov);
 int tcp_send_frames(tcp_conn *c, struct iovec *iov, int niov);
 int tcp_send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe);
 int tcp_drain_pipe(tcp_conn *c, size_t n);

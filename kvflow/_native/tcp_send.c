@@ -13,10 +13,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-/* Frames claimed slices: one header each, and for writes the payload
- * straight from registered memory. Returns the iovec count. */
-int tcp_frame_slices(const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov) {
+/* Frames claimed slices: a credit frame first (ctl, or NULL), then one
+ * header each, and for writes the payload straight from registered
+ * memory. h has room for k + 1 headers. Returns the iovec count. */
+int tcp_frame_slices(const kvf_hdr *ctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov) {
     int niov = 0;
+    if (ctl) {
+        *h = *ctl;
+        iov[niov++] = (struct iovec){h++, sizeof(kvf_hdr)};
+    }
     for (size_t i = 0; i < k; i++) {
         int w = (s[i].op & 0xff) == KVF_OP_WRITE;
         h[i] = (kvf_hdr){KVF_MAGIC, w ? KVF_F_WRITE : KVF_F_READ_REQ,

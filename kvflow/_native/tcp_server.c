@@ -3,8 +3,12 @@
  * After the session token of an authenticated handshake, each WRITE is
  * checked against the local region table (whole range inside one region
  * with WRITE access) before its payload is received straight into place;
- * acks are coalesced and sent on the session's ack connection. */
+ * acks are coalesced and sent on the session's ack connection. With a
+ * receive window (kvf_srv_set_window), each data connection is a holder
+ * of the engine's credit pool (credit.c): its grants and recalls go out on
+ * the connection itself, and each landed payload gives its bytes back. */
 #define _GNU_SOURCE
+#include "credit.h"
 #include "kvf.h"
 #include "sockio.h"
 
@@ -44,6 +48,8 @@ typedef struct kvf_session {
 } kvf_session;
 
 typedef struct kvf_srv_conn {
+    kvf_credit_holder credit; /* first: the pool's send callback finds the connection from it */
+    pthread_mutex_t wmu;      /* serialises writers of fd (its thread; credit frames from any) */
     kvf_ctx *ctx;
     kvf_session *session;
     int index;                /* the initiator's data connection index */
@@ -69,7 +75,11 @@ static void srv_flush(void *arg) {
         sent = 1;
     }
     pthread_mutex_unlock(&se->mu);
-    if (!sent && sk_send_all(s->fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
+    if (!sent) {
+        pthread_mutex_lock(&s->wmu);
+        if (sk_send_all(s->fd, s->acks, s->nacks * sizeof(kvf_hdr))) s->broken = 1;
+        pthread_mutex_unlock(&s->wmu);
+    }
     s->nacks = 0;
 }
 
@@ -137,6 +147,7 @@ static int srv_hello(kvf_srv_conn *s, kvf_hdr *h) {
     if (ok) s->session = session_get(s->ctx, tok);
     ok = ok && s->session;
     kvf_hdr ack = {KVF_MAGIC, KVF_F_HELLO_ACK, ok ? KVF_OK : KVF_EPROTO, 0, 0, 0, 0};
+    if (ok && h->tag == KVF_ROLE_DATA && s->ctx->credit) ack.aux = s->ctx->credit->window;
     if (ok && h->tag == KVF_ROLE_ACK) {
         /* Publish the ack connection before answering: the initiator opens
          * its data connections only after this hello is acknowledged. */
@@ -177,6 +188,8 @@ static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
     r->deadline_ns = 0;
     if (st != KVF_OK) io = sk_read_exact(r, NULL, h->len);
     if (io) return io;
+    /* landed (or dropped): its bytes are no longer in flight toward us */
+    if (ctx->credit) kvf_credit_landed(ctx->credit, &s->credit, h->len);
     srv_ack(s, h->tag, st);
     if (h->status & KVF_HDR_FLUSH) srv_flush(s);
     return 0;
@@ -193,8 +206,19 @@ static int srv_read_frame(kvf_srv_conn *s, const kvf_hdr *h) {
     kvf_hdr resp = {KVF_MAGIC, KVF_F_READ_RESP, ok ? KVF_OK : KVF_EREMOTE, h->tag, 0, ok ? h->len : 0, 0};
     struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h->addr, ok ? h->len : 0}};
     /* bounded: the region table's read lock is held meanwhile */
+    pthread_mutex_lock(&s->wmu);
     int bad = sk_send_iov_until(s->fd, v, ok ? 2 : 1, sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull);
+    pthread_mutex_unlock(&s->wmu);
     pthread_rwlock_unlock(&ctx->local.lock);
+    return bad;
+}
+
+/* The pool's way to this connection's initiator (credit.h). */
+static int srv_credit_send(kvf_credit_holder *h, const kvf_hdr *frame) {
+    kvf_srv_conn *s = (kvf_srv_conn *)h;
+    pthread_mutex_lock(&s->wmu);
+    int bad = sk_send_all(s->fd, frame, sizeof(*frame));
+    pthread_mutex_unlock(&s->wmu);
     return bad;
 }
 
@@ -212,6 +236,10 @@ static void srv_loop(kvf_srv_conn *s) {
         return;
     }
     s->index = h.status;
+    if (ctx->credit) {
+        s->credit.send = srv_credit_send;
+        kvf_credit_join(ctx->credit, &s->credit);
+    }
     sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0};
     r.buf = malloc(RD_BUF);
     r.flush = srv_flush;
@@ -225,6 +253,8 @@ static void srv_loop(kvf_srv_conn *s) {
             if (srv_write_frame(s, &r, &h)) break;
         } else if (h.type == KVF_F_READ_REQ) {
             if (srv_read_frame(s, &h)) break;
+        } else if (h.type == KVF_F_CREDIT_ASK && ctx->credit && h.len == 0) {
+            kvf_credit_ask(ctx->credit, &s->credit, h.addr, h.aux, h.tag, h.status & KVF_ASK_BLOCKED);
         } else {
             break;
         }
@@ -242,6 +272,8 @@ static void *srv_thread(void *arg) {
     kvf_srv_conn *s = arg;
     kvf_ctx *c = s->ctx;
     srv_loop(s);
+    /* before the socket closes: the pool sends on it */
+    if (c->credit) kvf_credit_leave(c->credit, &s->credit);
     srv_hello_done(s);
     pthread_mutex_lock(&c->srv_mu);
     if (s->session) session_put_locked(c, s->session);
@@ -254,6 +286,7 @@ static void *srv_thread(void *arg) {
     pthread_detach(pthread_self());
     pthread_cond_broadcast(&c->srv_cv);
     pthread_mutex_unlock(&c->srv_mu);
+    pthread_mutex_destroy(&s->wmu);
     free(s);
     return NULL;   /* touches nothing of ctx after the unlock: ctx may be freed now */
 }
@@ -270,11 +303,13 @@ int kvf_srv_serve(kvf_ctx *c, int fd) {
     s->ctx = c;
     s->fd = fd;
     s->pre_auth = 1;
+    pthread_mutex_init(&s->wmu, NULL);
     pthread_mutex_lock(&c->srv_mu);
     if (pthread_create(&s->th, NULL, srv_thread, s) != 0) {
         pthread_mutex_unlock(&c->srv_mu);
         atomic_fetch_sub(&c->n_pre_auth, 1);
         close(fd);
+        pthread_mutex_destroy(&s->wmu);
         free(s);
         return KVF_ENOMEM;
     }
@@ -323,7 +358,22 @@ void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token) {
 
 /* Frees what is left of the session table (every connection thread has
  * ended). */
+int kvf_srv_set_window(kvf_ctx *c, uint64_t window) {
+    if (c->credit || c->srv_conns) return KVF_EINVAL;   /* once, before anything is served */
+    if (!window) return KVF_OK;
+    c->credit = kvf_credit_pool_new(window);
+    return c->credit ? KVF_OK : KVF_ENOMEM;
+}
+
+int kvf_srv_window_stats(kvf_ctx *c, kvf_credit_stats *out) {
+    if (!c->credit) return KVF_EINVAL;
+    kvf_credit_stats_get(c->credit, out);
+    return KVF_OK;
+}
+
 void kvf_srv_free_sessions(kvf_ctx *c) {
+    kvf_credit_pool_free(c->credit);
+    c->credit = NULL;
     while (c->sessions) {
         kvf_session *se = c->sessions;
         c->sessions = se->next;

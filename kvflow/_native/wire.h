@@ -18,12 +18,20 @@
 enum {
     KVF_F_HELLO = 1,      /* client -> server: addr,aux = session token; len = version;
                            * tag = role (KVF_ROLE_*), status = data connection index */
-    KVF_F_HELLO_ACK = 2,  /* server -> client: status 0 = accepted */
+    KVF_F_HELLO_ACK = 2,  /* server -> client: status 0 = accepted; aux = the target's
+                           * receive window (0: no credits) */
     KVF_F_WRITE = 3,      /* addr,len + payload: land it at addr; status KVF_HDR_FLUSH:
                            * the last of its batch here, send the pending acks now */
     KVF_F_WRITE_ACK = 4,  /* tag, status; aux = index of the data connection it answers */
     KVF_F_READ_REQ = 5,   /* tag, addr, len: send me these bytes */
     KVF_F_READ_RESP = 6,  /* tag, status, len + payload */
+    /* Receiver credits (credit.h), when the target's HELLO_ACK carried a
+     * window in aux; header-only frames on a data connection: */
+    KVF_F_CREDIT_ASK = 7,    /* initiator -> target: addr = unspent bytes handed back,
+                              * aux = bytes more wanted, tag = its slice size, status
+                              * KVF_ASK_BLOCKED: it stopped for credit (needs one slice now) */
+    KVF_F_CREDIT_GRANT = 8,  /* target -> initiator: addr = bytes granted */
+    KVF_F_CREDIT_RECALL = 9, /* target -> initiator: hand back what is not spent (addr: held) */
 };
 
 /* Roles of a connection. Write acks travel on the session's ack connection
@@ -40,6 +48,7 @@ enum { KVF_ROLE_DATA = 0, KVF_ROLE_ACK = 1 };
 #define KVF_CONN_EPOCH_MAX 3
 
 #define KVF_HDR_FLUSH 1
+#define KVF_ASK_BLOCKED 1
 
 typedef struct {
     uint16_t magic;

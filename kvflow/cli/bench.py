@@ -18,6 +18,9 @@ A perf-test CLI in the spirit of Mooncake's ``transfer_engine_bench`` and
 ``qos``
     Short HIGH batches arriving while a LOW stream saturates the link, in
     FIFO and QoS scheduling in one run (kvflow.cli.bench_qos).
+``incast``
+    Several senders writing to one receiver at once, with and without a
+    receive window (receiver credits), in one run (kvflow.cli.bench_incast).
 
 Examples::
 
@@ -26,6 +29,7 @@ Examples::
     kvflow-bench target --listen 10.0.0.1:7777 --buffer-size 1G
     kvflow-bench initiator --target 10.0.0.1:7777 --listen 10.0.0.2:0 --op read
     kvflow-bench qos --protocol tcp --json
+    kvflow-bench incast --senders 3 --windows 0,4M,16M
 
 Sizes accept a plain byte count or a binary suffix: ``4K``, ``64KiB``, ``1M``,
 ``16MiB``, ``1G`` (K, KB and KiB all mean 1024 bytes, as in nixlbench).
@@ -47,7 +51,7 @@ import sys
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import kvflow
-from kvflow.cli import bench_qos
+from kvflow.cli import bench_incast, bench_qos
 from kvflow.cli.bench_layout import (
     argparse_type,
     BenchError,
@@ -415,13 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start a local target process and run the load against it")
     pair.add_argument("--target-start-timeout", type=seconds, default=60.0, help=argparse.SUPPRESS)
     bench_qos.add_parser(roles, size, count, seconds)
+    bench_incast.add_parser(roles, size, count, seconds)
     return parser
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.role == "qos":
+    if args.role in ("qos", "incast"):
         return args
     if args.block_sizes is None:
         default = DEFAULT_SWEEP if args.sweep else DEFAULT_BLOCK_SIZE
@@ -436,6 +441,7 @@ _ROLES: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
     "initiator": run_initiator,
     "pair": run_pair,
     "qos": bench_qos.run_qos,
+    "incast": bench_incast.run_incast,
 }
 
 

@@ -41,12 +41,13 @@ def percentile(values: list[float], q: float) -> float:
 class Progress:
     """One line per event on stderr (a terminal or a log file alike)."""
 
-    def __init__(self, out: TextIO | None) -> None:
+    def __init__(self, out: TextIO | None, mode: str = "qos") -> None:
         self.out = out
+        self.mode = mode
 
     def __call__(self, text: str) -> None:
         if self.out is not None:
-            print(f"kvflow-bench qos: {text}", file=self.out, flush=True)
+            print(f"kvflow-bench {self.mode}: {text}", file=self.out, flush=True)
 
 
 async def _pair(args: argparse.Namespace, scheduling: str, nbytes: int):

@@ -29,6 +29,7 @@ from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
 from kvflow.providers.tcp import TcpOptions, TcpProvider
+from kvflow.schedule.credits import window_bytes
 from kvflow.schedule.qos import AGING, SCHEDULING, aging_ns
 from kvflow.topology import Topology, cached_host_topology, parse_location
 
@@ -139,7 +140,12 @@ class Engine:
     than the lane saves; docs/qos.md has the numbers);
     tcp_send_buffer, tcp_receive_buffer: SO_SNDBUF of the tcp data
     connections it opens (512 KiB) and SO_RCVBUF of those it accepts
-    (0: the kernel's autotuning, the default there; kvflow.providers.tcp.TcpOptions).
+    (0: the kernel's autotuning, the default there; kvflow.providers.tcp.TcpOptions);
+    receive_window: receiver credits: the most write payload bytes that
+    all initiators together may have in flight toward this engine (None:
+    no cap; at least 256 KiB): they send only against credit it grants,
+    so N senders toward it stop at the window instead of overrunning its
+    link (tcp; kvflow.schedule.credits, receive_window_stats()).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -153,7 +159,8 @@ class Engine:
                  rails: Sequence[str] | None = None, location: str | None = None,
                  qos_aging: float = AGING, scheduling: str = "qos", tcp_express: bool | None = None,
                  tcp_send_buffer: int = TcpOptions.send_buffer,
-                 tcp_receive_buffer: int = TcpOptions.receive_buffer) -> None:
+                 tcp_receive_buffer: int = TcpOptions.receive_buffer,
+                 receive_window: int | None = None) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -197,6 +204,7 @@ class Engine:
         if scheduling not in SCHEDULING:
             raise InvalidArgumentError(f"scheduling must be one of {', '.join(SCHEDULING)}, not {scheduling!r}")
         self.scheduling = scheduling
+        self.receive_window = window_bytes(receive_window)
         self._inline_limit = inline_limit
         self._advertise = advertise
         self._rdma_options = RdmaOptions(list(rdma_devices) if rdma_devices is not None else None,
@@ -242,6 +250,8 @@ class Engine:
         self._core = _core.Core(self._local_workers)
         self._core.set_sched_age(self._qos_aging_ns)
         self._core.set_sched_fifo(self.scheduling == "fifo")
+        if self.receive_window and not self._core.set_receive_window(self.receive_window):
+            raise MemoryError("kvflow: cannot allocate the receive window's pool")
         self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)
         ctx = ProviderContext(self._core, self._loop, self._batches, self._deliver, self._rekeyed,
                               self.topology, self.location, self.keepalive, _same_process)
@@ -521,6 +531,16 @@ class Engine:
     def counters(self) -> dict[str, int]:
         """Live native resources (sockets, threads, slices, batches in flight)."""
         return self._core.counters() if self._core is not None else {}
+
+    def receive_window_stats(self) -> dict[str, int] | None:
+        """The receive window's pool (None without one, or before start()):
+        window, free, held (granted to initiators and not landed or handed
+        back yet), max_held (the most held at once: never above the
+        window), grants, granted_bytes, recalls, returned_bytes, asks,
+        holders (data connections), waiting, and violations (payload bytes
+        that landed without credit covering them: 0 unless a peer ignores
+        credits)."""
+        return self._core.receive_window_stats() if self._core is not None else None
 
     # ------------------------------------------------------------ notifications
     async def notifications(self) -> AsyncIterator[tuple[str, bytes]]:

@@ -28,7 +28,8 @@ from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext
 from kvflow.schedule.rails import MAX_CONNECTIONS, DataConn, RailPlan, RailWatcher, check_rails
 from kvflow.tasks import cancel_and_wait
 
-__all__ = ["TcpOptions", "TcpProvider", "bind_source", "control_addresses", "hello_frame", "open_data_socket", "tune_data_socket"]
+__all__ = ["TcpOptions", "TcpProvider", "bind_source", "control_addresses", "hello_frame", "open_data_connection",
+           "open_data_socket", "tune_data_socket"]
 
 log = logging.getLogger("kvflow")
 
@@ -85,6 +86,18 @@ async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int
     paired with), sends the hello and waits for its acceptance. Returns the
     non-blocking socket; raises PeerUnreachableError (or ProtocolError when
     the target refuses the hello)."""
+    s, _ = await open_data_connection(loop, host, port, token, role, index, keepalive=keepalive,
+                                      peer=peer, timeout=timeout, source=source, send_buffer=send_buffer)
+    return s
+
+
+async def open_data_connection(loop: asyncio.AbstractEventLoop, host: str, port: int, token: bytes,
+                               role: int, index: int, *, keepalive: float, peer: str,
+                               timeout: float = CONNECT_TIMEOUT, source: str | None = None,
+                               send_buffer: int = 0) -> tuple[socket.socket, int]:
+    """open_data_socket, and the target's receive window from its hello
+    acceptance (0: none; otherwise write payloads go only against the
+    credit it grants)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -113,10 +126,10 @@ async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int
             via = f" from {source}" if source is not None else ""
             raise PeerUnreachableError(f"cannot open a data connection to {host}:{port}{via}: {why}",
                                        peer=peer) from None
-        magic, kind, status = DATA_HEADER.unpack(ack)[:3]
+        magic, kind, status, _tag, _addr, _len, window = DATA_HEADER.unpack(ack)
         if magic != DATA_MAGIC or kind != DATA_HELLO_ACK or status != 0:
             raise ProtocolError(f"{peer}: data connection to {host}:{port} refused", peer=peer)
-        return s
+        return s, window
     except BaseException:
         s.close()
         raise
@@ -316,12 +329,16 @@ class TcpProvider(Provider):
         plan = [DataConn(i, host, port, source) for i, (source, host, port) in enumerate(lanes)]
         keepalive = self.ctx.keepalive
 
-        def open_one(c: DataConn, role: int, index: int | None = None) -> Awaitable[socket.socket]:
+        windows: list[int] = []     # the target's receive window, as its hello acceptances say
+
+        async def open_one(c: DataConn, role: int, index: int | None = None) -> socket.socket:
             # index: the hello's index byte (a rebuilt connection's carries its epoch)
-            return open_data_socket(self.ctx.loop, c.host, c.port, token, role,
-                                    c.index if index is None else index,
-                                    keepalive=keepalive, peer=link.address, source=c.source,
-                                    send_buffer=self.options.send_buffer)
+            s, window = await open_data_connection(self.ctx.loop, c.host, c.port, token, role,
+                                                   c.index if index is None else index,
+                                                   keepalive=keepalive, peer=link.address, source=c.source,
+                                                   send_buffer=self.options.send_buffer)
+            windows.append(window)
+            return s
 
         ack_sock: socket.socket | None = None
         got: list[Any] = []
@@ -353,7 +370,7 @@ class TcpProvider(Provider):
         fds = [g.detach() if isinstance(g, socket.socket) else -1 for g in got]
         channel = _core.TcpChannel(self.ctx.core, link.table, link.address, fds,
                                    ack_sock.detach() if ack_sock is not None else -1, self.options.slice_size,
-                                   len(plan) - 1 if express else -1)
+                                   len(plan) - 1 if express else -1, max(windows, default=0))
         self._watchers[id(channel)] = RailWatcher(link.address, lambda: link.alive, channel, plan,
                                                   lambda c, tag: open_one(c, DATA_ROLE_DATA, tag))
         return channel
