@@ -585,3 +585,43 @@ def test_peer_that_stops_answering_times_out_then_works(make, child, monkeypatch
     os.kill(proc.pid, signal.SIGCONT)
     assert a.transfer_sync_write(peer, ptr(src, 8192), raddr + 8192, 4096) == 0
     assert (read_back(proc, 8192, 4096) == src[8192:12288]).all()
+
+
+# ---------------------------------------------------------------- kvflow's option: priorities
+
+
+def test_transfer_priority_option(make):
+    """set_transfer_priority / transfer_priority (kvflow only): a HIGH
+    write from one thread passes a LOW stream another thread started; bad
+    values give -1 (or InvalidArgumentError from the context manager)."""
+    a, b = make(), make()
+    size = 256 * MiB
+    src = np.ones(size, np.uint8)
+    dst = np.zeros(size + MiB, np.uint8)
+    assert a.register_memory(ptr(src), size) == 0 and b.register_memory(ptr(dst), dst.nbytes) == 0
+    assert a.set_transfer_priority("urgent") == -1
+    assert isinstance(a.last_error, kvflow.InvalidArgumentError)
+    assert a.set_transfer_priority(kvflow.Priority.NORMAL, deadline=-1) == -1
+    with pytest.raises(kvflow.InvalidArgumentError):
+        with a.transfer_priority(7):
+            pass
+    assert a.transfer_sync_write(name(b), ptr(src), ptr(dst), MiB) == 0     # connected
+    assert a.set_transfer_priority(kvflow.Priority.LOW) == 0
+    n = 16
+    stream = a.batch_transfer_async_write(name(b), [ptr(src) + k * (size // n) for k in range(n)],
+                                          [ptr(dst) + k * (size // n) for k in range(n)], [size // n] * n)
+    assert stream
+    high_done = []
+
+    def high():
+        with a.transfer_priority(kvflow.Priority.HIGH):
+            assert a.transfer_sync_write(name(b), ptr(src), ptr(dst) + size, 64 << 10) == 0
+        high_done.append(a.transfer_check_status(stream))
+
+    t = threading.Thread(target=high)
+    t.start()
+    t.join(60)
+    assert high_done == [0], "the HIGH write did not pass the LOW stream"     # 0: still in flight
+    assert a.get_batch_transfer_status([stream]) == 0
+    assert (dst[:size] == 1).all() and (dst[size:size + (64 << 10)] == 1).all()
+    assert a.set_transfer_priority() == 0

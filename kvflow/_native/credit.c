@@ -103,7 +103,7 @@ static void grant_locked(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t g) {
  * small slices are handed on in batches. */
 static uint64_t least_locked(const kvf_credit_holder *h, uint64_t fair) {
     if (h->need) return h->need;
-    uint64_t chunk = fair / 8 > MIN_GRANT ? fair / 8 : MIN_GRANT;
+    uint64_t chunk = fair / 4 > MIN_GRANT ? fair / 4 : MIN_GRANT;
     if (chunk < h->unit) chunk = h->unit;
     return h->want < chunk ? h->want : chunk;
 }

@@ -56,7 +56,7 @@ async def _pair(args: argparse.Namespace, scheduling: str, nbytes: int):
           "tcp_express": args.tcp_express}
     if args.tcp_buffers is not None:
         kw["tcp_send_buffer"], kw["tcp_receive_buffer"] = args.tcp_buffers
-    a, b = kvflow.Engine(**kw), kvflow.Engine(**kw)
+    a, b = kvflow.Engine(**kw), kvflow.Engine(**kw, receive_window=args.receive_window or None)
     await a.start()
     await b.start()
     src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
@@ -208,6 +208,8 @@ def add_parser(roles: Any, size: Any, count: Any, seconds: Any) -> None:
     p.add_argument("--tcp-buffers", type=buffers, default=None, metavar="SEND,RECEIVE",
                    help="SO_SNDBUF,SO_RCVBUF of the tcp data connections in bytes (0: the kernel's; "
                         "default: the engine's, 512K,0)")
+    p.add_argument("--receive-window", type=size, default=None, metavar="SIZE",
+                   help="the target's Engine(receive_window=) in both modes (default none)")
     p.add_argument("--modes", type=modes, default=MODES, help="comma-separated: fifo,qos (default both)")
     p.add_argument("--low-batches", type=count, default=64, metavar="N", help="LOW batches per round (64)")
     p.add_argument("--low-size", type=size, default=16 << 20, metavar="SIZE", help="bytes per LOW batch (16M)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import contextlib
 import ctypes
 import itertools
 import json
@@ -13,7 +14,7 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any, Coroutine, Sequence
+from typing import Any, Coroutine, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -28,6 +29,7 @@ from kvflow.engine.peer import Peer
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerUnreachableError, TransferTimeoutError
 from kvflow.memory import Region, RemoteRegion
+from kvflow.schedule.qos import Priority, qos_args
 
 log = logging.getLogger("kvflow.compat.mooncake")
 
@@ -102,6 +104,7 @@ class TransferEngine:
         self._managed: dict[int, tuple[np.ndarray, mmap.mmap]] = {}
         self._managed_lock = threading.Lock()
         self._notifies: collections.deque[TransferNotify] = collections.deque()
+        self._qos = threading.local()       # set_transfer_priority(): per calling thread
         self._finalizer: Any = None
         self.last_error: KVFlowError | None = None
 
@@ -257,6 +260,37 @@ class TransferEngine:
     def read_bytes_from_buffer(source_address: int, length: int) -> bytes:
         """`length` bytes at source_address."""
         return ctypes.string_at(source_address, length)
+
+    # ------------------------------------------------------------ kvflow's option: priorities
+    def set_transfer_priority(self, priority: Priority = Priority.NORMAL,
+                              deadline: float | None = None) -> int:
+        """kvflow's option (Mooncake has none): the class (kvflow.Priority)
+        and deadline (seconds from each call; None: none) of the transfers
+        that the calling thread starts from now on, with every transfer
+        call of this class; other threads keep theirs (default NORMAL, no
+        deadline). 0, or -1 for a bad value (last_error says which)."""
+        try:
+            qos_args(priority, deadline)
+        except InvalidArgumentError as e:
+            return self._fail(e)
+        self._qos.value = (Priority(priority), deadline)
+        return OK
+
+    @contextlib.contextmanager
+    def transfer_priority(self, priority: Priority, deadline: float | None = None) -> Iterator[None]:
+        """set_transfer_priority() for a `with` block, on the calling thread;
+        the previous setting comes back at its end. InvalidArgumentError
+        for a bad value."""
+        before = getattr(self._qos, "value", None)
+        qos_args(priority, deadline)
+        self._qos.value = (Priority(priority), deadline)
+        try:
+            yield
+        finally:
+            self._qos.value = before
+
+    def _priority(self) -> tuple[Priority, float | None]:
+        return getattr(self._qos, "value", None) or (Priority.NORMAL, None)
 
     # ------------------------------------------------------------ transfers
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
@@ -501,7 +535,7 @@ class TransferEngine:
         la, ra, ln, timeout = self._columns(la, ra, ln)
         waiter = Waiter()
         self._inflight.add(waiter)
-        self._queued.append(self._run(write, target, la, ra, ln, timeout, notify, waiter))
+        self._queued.append(self._run(write, target, la, ra, ln, timeout, notify, waiter, self._priority()))
         # Enqueue before reading the flag, which _drain clears before it
         # drains: either that drain takes this entry or this call wakes the
         # loop again. Two callers may both wake it: harmless.
@@ -558,8 +592,10 @@ class TransferEngine:
             return None
         try:
             la, ra, ln, timeout = self._columns(la, ra, ln)
+            priority, deadline = self._priority()
             if len(ln):
-                (peer.write_blocking if write else peer.read_blocking)(la, ra, ln, timeout=timeout)
+                (peer.write_blocking if write else peer.read_blocking)(la, ra, ln, timeout=timeout,
+                                                                       priority=priority, deadline=deadline)
         except KVFlowError as e:
             return self._fail(e)
         return OK
@@ -588,7 +624,8 @@ class TransferEngine:
         return peer
 
     async def _run(self, write: bool, target: str, la: Sequence[int], ra: Sequence[int],
-                   ln: Sequence[int], timeout: float, notify: Any, waiter: Waiter) -> None:
+                   ln: Sequence[int], timeout: float, notify: Any, waiter: Waiter,
+                   qos: tuple[Priority, float | None]) -> None:
         # Until it succeeds: a coroutine cancelled or closed (GeneratorExit,
         # when the engine closes) on the way must not report success.
         error: KVFlowError | None = KVFlowError("the transfer engine was closed")
@@ -597,10 +634,11 @@ class TransferEngine:
             if peer is None or not peer.alive:
                 peer = await self._connect(target)
             if len(ln):
+                priority, deadline = qos
                 if write:
-                    await peer.write(la, ra, ln, timeout=timeout)
+                    await peer.write(la, ra, ln, timeout=timeout, priority=priority, deadline=deadline)
                 else:
-                    await peer.read(la, ra, ln, timeout=timeout)
+                    await peer.read(la, ra, ln, timeout=timeout, priority=priority, deadline=deadline)
             if notify is not None:
                 await peer.notify(msgpack.packb((NOTIFY_TAG, str(notify.name), str(notify.msg))))
             error = None
