@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import msgpack
@@ -34,6 +35,19 @@ TTL = 1.0
 # store timeout, never more; the slack absorbs a loaded CI machine.
 FAST = STORE_TIMEOUT + 1.5
 BINARIES = {"redis": "redis-server", "etcd": "etcd"}
+# Mooncake's HTTP metadata server (its wheel's mooncake/http_metadata_server.py,
+# mooncake_http_metadata_server), run with this Python.
+HTTP_SERVER = "mooncake.http_metadata_server"
+
+
+def _http_server_missing() -> str | None:
+    import importlib.util
+    try:
+        found = importlib.util.find_spec(HTTP_SERVER) is not None
+    except ImportError:
+        found = False
+    return None if found else "Mooncake's HTTP metadata server is not installed (pip install " \
+                              "mooncake-transfer-engine-non-cuda)"
 
 
 def _free_port() -> int:
@@ -49,7 +63,8 @@ def _unavailable(why: str) -> None:
 
 
 class MetadataServer:
-    """A real redis-server or etcd on loopback, owned by one test."""
+    """A real redis-server, etcd or Mooncake HTTP metadata server on
+    loopback, owned by one test."""
 
     def __init__(self, kind: str, workdir) -> None:
         self.kind = kind
@@ -61,7 +76,7 @@ class MetadataServer:
 
     @property
     def url(self) -> str:
-        return f"{self.kind}://127.0.0.1:{self.port}"
+        return f"{self.kind}://127.0.0.1:{self.port}" + ("/metadata" if self.kind == "http" else "")
 
     def start(self) -> None:
         self.starts += 1
@@ -69,6 +84,9 @@ class MetadataServer:
         if self.kind == "redis":
             argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "no", "--dir", str(self.workdir)]
+        elif self.kind == "http":           # in memory: a restart starts empty
+            argv = [sys.executable, "-m", HTTP_SERVER, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--log-level", "WARNING"]
         else:
             # A fresh data dir per start: a restart loses every key and lease,
             # as a server that restarts from scratch would. Short heartbeat and
@@ -97,6 +115,12 @@ class MetadataServer:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
                     s.sendall(b"PING\r\n")
                     return s.recv(16).startswith(b"+PONG")
+            if self.kind == "http":
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metadata?key=up", timeout=1)
+                except urllib.error.HTTPError as e:
+                    return e.code == 404         # up, and the key unknown
+                return True
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
                 return json.load(r).get("health") == "true"
         except (OSError, ValueError):
@@ -112,9 +136,12 @@ class MetadataServer:
         self.start()
 
 
-@pytest.fixture(params=sorted(BINARIES))
+@pytest.fixture(params=[*sorted(BINARIES), "http"])
 def server(request, tmp_path):
-    if shutil.which(BINARIES[request.param]) is None:
+    if request.param == "http":
+        if (why := _http_server_missing()) is not None:
+            _unavailable(why)
+    elif shutil.which(BINARIES[request.param]) is None:
         _unavailable(f"{BINARIES[request.param]} is not installed (Debian: redis-server, etcd-server)")
     s = MetadataServer(request.param, tmp_path)
     s.start()
@@ -232,7 +259,11 @@ async def test_publish_lookup_connect_by_name_and_write(server, make_engine, loc
     rec = await _record(init, "decode-0", lambda r: [x.name for x in r.descriptor.regions] == ["kv"])
     assert (rec.name, rec.address, rec.incarnation) == ("decode-0", target.address, target._incarnation)
     assert init.name == init.address                    # the default name
-    assert set(await init.directory()) >= {"decode-0", init.address}
+    if server.kind == "http":
+        with pytest.raises(kvflow.KVFlowError, match="cannot list"):   # the protocol has no listing
+            await init.directory()
+    else:
+        assert set(await init.directory()) >= {"decode-0", init.address}
     peer = await bounded(init.connect("decode-0"))
     assert peer is await init.connect(target.address)    # one peer per address, however reached
     assert peer.descriptor.incarnation == target._incarnation
@@ -251,6 +282,9 @@ async def test_close_removes_the_record(server, store, make_engine):
 
 
 async def test_killed_engine_record_expires(server, store, children):
+    if server.kind == "http":
+        pytest.skip("Mooncake's HTTP metadata protocol has no expiry: a killed engine's record stays "
+                    "until the next engine of its name overwrites it (as with Mooncake's own engines)")
     child = await children(server.url, "doomed")
     rec = await _record_via(store, "doomed")
     assert rec.incarnation == child.incarnation
@@ -312,7 +346,8 @@ async def test_server_down_fails_fast_and_p2p_still_works(server, make_engine, l
     dst = local_mem(target, 64 << 10)
     src = local_mem(init, 64 << 10)
     server.kill()
-    for call in (lambda: init.connect("t"), lambda: init.lookup("t"), init.directory):
+    calls = [lambda: init.connect("t"), lambda: init.lookup("t")] + ([init.directory] if server.kind != "http" else [])
+    for call in calls:
         t0 = time.monotonic()
         with pytest.raises(kvflow.PeerUnreachableError):
             await bounded(call())
@@ -347,6 +382,8 @@ async def test_deleted_record_is_republished(server, store, make_engine):
     key = "kvflow/engines/stubborn"
     if server.kind == "redis":
         assert await store._call("DEL", key) == 1
+    elif server.kind == "http":
+        assert (await store._call("DELETE", "stubborn")).status == 200
     else:
         doc = await store._post("/v3/kv/deleterange", {"key": base64.b64encode(key.encode()).decode()})
         assert doc.get("deleted") == "1"
@@ -367,7 +404,8 @@ async def test_malformed_records_are_rejected(server, store, make_engine):
             await init.lookup(name)
         with pytest.raises(kvflow.ProtocolError):
             await init.connect(name)
-    assert set(await init.directory()) == {"good"}         # the bad ones are left out, not fatal
+    if server.kind != "http":                                # (no listing there)
+        assert set(await init.directory()) == {"good"}     # the bad ones are left out, not fatal
     for name in ("garbage", "wrongshape", "noregions"):
         await store.remove(name)
 
@@ -375,7 +413,7 @@ async def test_malformed_records_are_rejected(server, store, make_engine):
 # ---------------------------------------------------------------- without a server
 
 
-@pytest.mark.parametrize("scheme", sorted(BINARIES))
+@pytest.mark.parametrize("scheme", [*sorted(BINARIES), "http"])
 async def test_silent_server_is_bounded(scheme, make_engine):
     """A server that accepts and never answers (a hung or black-holed host)
     costs one store timeout, in start(), connect() and close() alike."""
@@ -405,7 +443,8 @@ async def test_silent_server_is_bounded(scheme, make_engine):
         await silent.wait_closed()
 
 
-@pytest.mark.parametrize("url", ["redis://", "redis://h", "etcd://h:1/x", "http://h:1", "redis://h:1/db", 7])
+@pytest.mark.parametrize("url", ["redis://", "redis://h", "etcd://h:1/x", "http://h", "http://u:p@h:1",
+                                 "https://h:1", "redis://h:1/db", 7])
 def test_bad_metadata_urls(url):
     with pytest.raises(kvflow.InvalidArgumentError):
         kvflow.Engine(metadata=url)

@@ -1,7 +1,9 @@
 """Cluster metadata: where engines publish their records and find each
-other by name (Redis or etcd), besides peer-to-peer handshakes.
+other by name (Redis, etcd, or Mooncake's HTTP metadata server), besides
+peer-to-peer handshakes.
 
-`Engine(metadata="redis://host:port[/db]" | "etcd://host:port", name=...,
+`Engine(metadata="redis://host:port[/db]" | "etcd://host:port" |
+"http://host:port[/path]", name=...,
 metadata_ttl=...)` publishes `kvflow/engines/<name>` and resolves names in
 `connect()`; this package holds the record format (`EngineRecord`), the
 backend contract (`MetadataStore`) and one class per backend. Nothing here

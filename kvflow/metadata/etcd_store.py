@@ -1,5 +1,5 @@
-"""etcd backend: the v3 API through etcd's HTTP/JSON gateway, over asyncio
-streams (no HTTP library: five POST endpoints, one request per connection).
+"""etcd backend: the v3 API through etcd's HTTP/JSON gateway (five POST
+endpoints, one request per connection: kvflow.metadata.http).
 
 A record is a key attached to a lease of ceil(ttl) seconds (etcd leases are
 whole seconds); refresh is one lease keep-alive plus a count of the key, so
@@ -20,6 +20,8 @@ import math
 from typing import Any
 
 from kvflow.errors import AuthenticationError, KVFlowError, PeerUnreachableError, ProtocolError
+from kvflow.metadata import http
+from kvflow.metadata.http import HttpReply
 from kvflow.metadata.store import KEY_PREFIX, MAX_RECORD, STORE_TIMEOUT, MetadataStore
 
 __all__ = ["EtcdStore"]
@@ -42,39 +44,17 @@ class _NotFound(KVFlowError):
     """gRPC NOT_FOUND (an unknown or expired lease)."""
 
 
-def _decode_body(raw: bytes, url: str) -> tuple[int, Any]:
-    head, sep, body = raw.partition(b"\r\n\r\n")
-    if not sep:
-        raise ProtocolError(f"metadata server {url}: truncated HTTP response")
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        status = int(lines[0].split()[1])
-    except (IndexError, ValueError):
-        raise ProtocolError(f"metadata server {url}: not an HTTP response: {lines[0][:60]!r}") from None
-    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        out, pos = bytearray(), 0
-        while True:
-            eol = body.find(b"\r\n", pos)
-            try:
-                size = int(body[pos:eol].split(b";")[0], 16)
-            except ValueError:
-                raise ProtocolError(f"metadata server {url}: malformed chunked body") from None
-            if size == 0 or eol < 0:
-                break                    # trailers (grpc-gateway sends some) are ignored
-            out += body[eol + 2:eol + 2 + size]
-            pos = eol + 2 + size + 2
-        body = bytes(out)
+def _decode_body(reply: HttpReply, url: str) -> tuple[int, Any]:
     # A streaming endpoint (lease keep-alive) answers newline-delimited
     # messages; we send one request and read the first answer.
-    first = body.strip().split(b"\n", 1)[0]
+    first = reply.body.strip().split(b"\n", 1)[0]
     try:
         doc = json.loads(first) if first else {}
     except ValueError:
-        raise ProtocolError(f"metadata server {url}: answer is not JSON (HTTP {status})") from None
+        raise ProtocolError(f"metadata server {url}: answer is not JSON (HTTP {reply.status})") from None
     if not isinstance(doc, dict):
-        raise ProtocolError(f"metadata server {url}: answer is not a JSON object (HTTP {status})")
-    return status, doc
+        raise ProtocolError(f"metadata server {url}: answer is not a JSON object (HTTP {reply.status})")
+    return reply.status, doc
 
 
 class EtcdStore(MetadataStore):
@@ -87,14 +67,10 @@ class EtcdStore(MetadataStore):
         self._lease: str | None = None
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            raw = await asyncio.wait_for(self._exchange(path, json.dumps(body).encode()), self.timeout)
-        except asyncio.TimeoutError:
-            raise PeerUnreachableError(
-                f"metadata server {self.url} did not answer within {self.timeout:g} s") from None
-        except OSError as e:
-            raise PeerUnreachableError(f"metadata server {self.url} unreachable: {e}", errno=e.errno) from None
-        status, doc = _decode_body(raw, self.url)
+        reply = await http.request(self._host, self._port, "POST", path, json.dumps(body).encode(),
+                                   url=self.url, timeout=self.timeout, limit=MAX_RESPONSE,
+                                   content_type="application/json")
+        status, doc = _decode_body(reply, self.url)
         if "result" in doc and isinstance(doc["result"], dict):
             doc = doc["result"]
         elif "error" in doc and isinstance(doc["error"], dict):     # a stream's error
@@ -110,23 +86,6 @@ class EtcdStore(MetadataStore):
         if code in (GRPC_DEADLINE, GRPC_UNAVAILABLE) or status >= 500:
             raise PeerUnreachableError(message)
         raise ProtocolError(message)
-
-    async def _exchange(self, path: str, payload: bytes) -> bytes:
-        reader, writer = await asyncio.open_connection(self._host, self._port)
-        try:
-            writer.write(f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\n"
-                         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-                         "Connection: close\r\n\r\n".encode() + payload)
-            await writer.drain()
-            chunks, size = [], 0
-            while chunk := await reader.read(1 << 16):
-                size += len(chunk)
-                if size > MAX_RESPONSE:
-                    raise ProtocolError(f"metadata server {self.url}: answer exceeds {MAX_RESPONSE} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            writer.close()
 
     async def _grant(self, ttl: float) -> str:
         doc = await self._post("/v3/lease/grant", {"TTL": max(1, math.ceil(ttl))})

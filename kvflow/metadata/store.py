@@ -124,8 +124,10 @@ def check_name(name: str) -> str:
 
 def open_store(url: str, *, timeout: float = STORE_TIMEOUT) -> MetadataStore | None:
     """The store for a metadata URL: None or "p2p" (no store), "redis://
-    [[user]:password@]host:port[/db]", "etcd://host:port". Opens nothing yet.
-    Raises InvalidArgumentError for anything else."""
+    [[user]:password@]host:port[/db]", "etcd://host:port", or
+    "http://host:port[/path]" (Mooncake's HTTP metadata server; path
+    default /metadata). Opens nothing yet. Raises InvalidArgumentError for
+    anything else."""
     if url is None or url == "p2p":
         return None
     if not isinstance(url, str):
@@ -135,9 +137,16 @@ def open_store(url: str, *, timeout: float = STORE_TIMEOUT) -> MetadataStore | N
         host, port = parts.hostname, parts.port
     except ValueError as e:
         raise InvalidArgumentError(f"metadata URL {url!r}: {e}") from None
-    if parts.scheme not in ("redis", "etcd") or not host or port is None or parts.query or parts.fragment:
+    if parts.scheme not in ("redis", "etcd", "http") or not host or port is None or parts.query or \
+            parts.fragment:
         raise InvalidArgumentError(
-            f"metadata URL {url!r}: expected 'p2p', 'redis://host:port[/db]' or 'etcd://host:port'")
+            f"metadata URL {url!r}: expected 'p2p', 'redis://host:port[/db]', 'etcd://host:port' or "
+            "'http://host:port[/path]'")
+    if parts.scheme == "http":
+        if parts.username or parts.password:
+            raise InvalidArgumentError(f"metadata URL {url!r}: the HTTP metadata server takes no credentials")
+        from kvflow.metadata.http_store import HttpStore
+        return HttpStore(host, port, parts.path or "/metadata", timeout=timeout)
     if parts.scheme == "redis":
         from kvflow.metadata.redis_store import RedisStore
         db_text = parts.path.lstrip("/")
