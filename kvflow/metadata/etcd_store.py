@@ -13,7 +13,6 @@ status codes arrive in an error body, {"error", "code"}.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import math
