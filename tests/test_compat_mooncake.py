@@ -23,7 +23,7 @@ import pytest
 
 import kvflow
 from kvflow.compat import mooncake as compat
-from _providers import closed_leaks
+from _providers import closed_leaks, rdma_devices as compat_rdma_devices
 
 MiB = 1 << 20
 GUARD = 0x5A        # fill of the bytes around a target's registered range
@@ -296,20 +296,53 @@ def test_write_into_unregistered_memory_fails_then_works_again(pair):
 
 def test_initialize_refuses_what_kvflow_cannot_do(make):
     eng = compat.TransferEngine()
-    for server in ("etcd://127.0.0.1:2379", "redis://127.0.0.1:6379", "http://127.0.0.1:8080/metadata",
-                   "127.0.0.1:2379"):
+    for server in ("etcd://127.0.0.1:1", "redis://127.0.0.1:1", "http://127.0.0.1:1/metadata", "127.0.0.1:1"):
         t0 = time.monotonic()
+        assert eng.initialize("127.0.0.1", server, "tcp", "") == -1      # nobody there: as Mooncake, -1
+        assert time.monotonic() - t0 < 5
+        assert isinstance(eng.last_error, kvflow.PeerUnreachableError), (server, eng.last_error)
+    for server in ("zk://127.0.0.1:2181", "etcd://a:1,b:2", ""):
         assert eng.initialize("127.0.0.1", server, "tcp", "") == -1
-        assert time.monotonic() - t0 < 1
-        assert "P2PHANDSHAKE" in str(eng.last_error)
+        assert "P2PHANDSHAKE" in str(eng.last_error) or "one etcd endpoint" in str(eng.last_error)
+    assert eng.initialize_ext("127.0.0.1", "redis://127.0.0.1:1", "tcp", "", "etcd") == -1   # type mismatch
     assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
     # before initialize(): negative codes, not a crash
     assert eng.register_memory(4096, 4096) == -1
     assert eng.transfer_sync_write("127.0.0.1:1", 4096, 4096, 1) == -1
     assert eng.batch_transfer_async_write("127.0.0.1:1", [4096], [4096], [1]) == 0
     assert eng.get_rpc_port() == -1
+    assert eng.get_engine() is None
+    with pytest.raises(NotImplementedError, match="no C\\+\\+ TransferEngine"):
+        eng.get_engine_ptr()
     eng = make()
     assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1     # twice
+    assert isinstance(eng.get_engine(), kvflow.Engine)
+
+
+def test_module_flags_say_what_kvflow_has(api):
+    names = ("SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL", "SUPPORT_MUSA")
+    for n in names:
+        assert isinstance(getattr(api, n), bool), n
+    if api is compat:
+        assert compat.SUPPORT_CUDA == kvflow.features["cuda"]
+        assert not any(getattr(compat, n) for n in names[1:])
+
+
+def test_rdma_without_a_device_falls_back_to_tcp(make, caplog, monkeypatch):
+    """Mooncake warns and uses tcp when protocol "rdma" finds no device
+    (SGLang's wrapper passes "rdma" unless told otherwise); MC_FORCE_TCP too."""
+    if compat_rdma_devices():
+        pytest.skip("this host has RDMA devices: no fallback to see")
+    with caplog.at_level("WARNING", logger="kvflow.compat.mooncake"):
+        eng = make(protocol="rdma")
+    assert "falling back to tcp" in caplog.text
+    monkeypatch.setenv("MC_FORCE_TCP", "true")
+    other = make(protocol="rdma")
+    buf, src = np.zeros(4096, np.uint8), pattern(4096, 9)
+    assert eng.register_memory(ptr(buf), 4096) == 0 and other.register_memory(ptr(src), 4096) == 0
+    assert other.transfer_sync_write(name(eng), ptr(src), ptr(buf), 4096) == 0
+    assert (buf == src).all()
+    assert eng.get_engine().descriptor().data and not eng.get_engine().descriptor().rdma
 
 
 def test_hostname_with_port_and_auto(make):
@@ -324,13 +357,6 @@ def test_hostname_with_port_and_auto(make):
     assert eng.register_memory(ptr(buf), 4096) == 0 and auto.register_memory(ptr(src), 4096) == 0
     assert auto.transfer_sync_write(name(eng), ptr(src), ptr(buf), 4096) == 0    # same process: memcpy
     assert (buf == src).all()
-
-
-@pytest.mark.skipif(bool(__import__("kvflow.providers.rdma.provider").providers.rdma.provider.device_names()), reason="this host has RDMA devices")
-def test_rdma_without_devices_fails_initialize():
-    eng = compat.TransferEngine()
-    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1
-    assert "RDMA" in str(eng.last_error)
 
 
 def test_last_error_is_the_typed_exception(kpair):

@@ -9,7 +9,6 @@ transfer runs."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys

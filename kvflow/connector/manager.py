@@ -87,7 +87,7 @@ class KVManager:
             raise KVFlowError(f"priority_bytes must be (high_max, low_min) with 0 <= high_max <= low_min, "
                               f"not {priority_bytes!r}")
         self.priority_bytes = (int(high_max), int(low_min))
-        self._thread = EngineThread(name=f"kvflow-{self.mode.value}-{args.engine_rank}", listen=listen,
+        self._thread = EngineThread(thread_name=f"kvflow-{self.mode.value}-{args.engine_rank}", listen=listen,
                                     protocols=protocols, secret=secret, **engine_options)
         self.engine = self._thread.start()
         self.address = self.engine.address

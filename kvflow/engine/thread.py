@@ -25,15 +25,16 @@ T = TypeVar("T")
 
 
 class EngineThread:
-    """Runs `Engine(**engine_options)` on a daemon thread's event loop.
+    """Runs `Engine(**engine_options)` on a daemon thread's event loop
+    (the thread is called `thread_name`; `name=` is the engine's).
 
     `start()` returns once the engine listens (raises what Engine.start
     raised); `close()` closes the engine and stops the thread (idempotent).
     """
 
-    def __init__(self, name: str = "kvflow-engine", **engine_options: Any) -> None:
+    def __init__(self, thread_name: str = "kvflow-engine", **engine_options: Any) -> None:
         self._options = engine_options
-        self._name = name
+        self._name = thread_name
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine: Engine | None = None
         self._thread: threading.Thread | None = None

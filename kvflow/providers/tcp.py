@@ -10,7 +10,7 @@ import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Any, Awaitable
+from typing import Any
 
 from kvflow import _core
 from kvflow.control.descriptor import Descriptor

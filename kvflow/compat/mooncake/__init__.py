@@ -33,10 +33,19 @@ when the batch completed, wakes the caller, which sleeps on its thread's
 eventfd meanwhile. Mooncake's sync calls instead poll for completion on the
 caller's thread: a core kept busy, and no wake-up at the end.
 
+Code that imports `mooncake.engine` itself (Mooncake's own tests and
+examples, SGLang's and vLLM's connectors) runs on kvflow unchanged with the
+stand-in package on its path::
+
+    PYTHONPATH=$(python -m kvflow.compat.mooncake.shim) python their_script.py
+
 Every difference from Mooncake is listed in docs/mooncake.md.
 """
-from kvflow.compat.mooncake.codes import (P2PHANDSHAKE, Read, TransferNotify, TransferOpcode,
-                                          Write)
+from kvflow.compat.mooncake.codes import (P2PHANDSHAKE, SUPPORT_CUDA, SUPPORT_EFA, SUPPORT_HIP,
+                                          SUPPORT_INTRA_NVLINK, SUPPORT_MNNVL, SUPPORT_MUSA, Read,
+                                          TransferNotify, TransferOpcode, Write)
 from kvflow.compat.mooncake.engine import TransferEngine
+from kvflow.compat.mooncake.shim import shim_path
 
-__all__ = ["P2PHANDSHAKE", "TransferEngine", "TransferNotify", "TransferOpcode", "Read", "Write"]
+__all__ = ["P2PHANDSHAKE", "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL",
+           "SUPPORT_MUSA", "TransferEngine", "TransferNotify", "TransferOpcode", "Read", "Write", "shim_path"]

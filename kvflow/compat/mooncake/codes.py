@@ -7,6 +7,16 @@ import os
 
 P2PHANDSHAKE = "P2PHANDSHAKE"
 
+# Mooncake's module flags (mooncake.engine.SUPPORT_*), with what kvflow can
+# do: no GPU memory yet (the CUDA module is not built), and no EFA, ROCm,
+# NVLink (intra-node or multi-node) or MUSA transports.
+SUPPORT_CUDA = False
+SUPPORT_EFA = False
+SUPPORT_HIP = False
+SUPPORT_INTRA_NVLINK = False
+SUPPORT_MNNVL = False
+SUPPORT_MUSA = False
+
 # Mooncake's return codes (mooncake-transfer-engine/include/error.h).
 OK = 0
 ERR_INVALID_ARGUMENT = -1
@@ -53,6 +63,11 @@ class TransferNotify:
 
     def __repr__(self) -> str:
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+
+def env_true(name: str) -> bool:
+    """A Mooncake flag variable (MC_FORCE_TCP=1/true/yes/on) is set."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def transfer_timeout() -> float:

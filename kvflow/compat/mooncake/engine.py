@@ -21,8 +21,9 @@ import numpy as np
 
 from kvflow.compat.mooncake.codes import (
     CONNECT_TIMEOUT, ERR_ADDRESS_NOT_REGISTERED, ERR_ADDRESS_OVERLAPPED, ERR_INVALID_ARGUMENT,
-    ERR_SOCKET, NOTIFY_TAG, OK, P2PHANDSHAKE, PROTOCOLS, REGION_PREFIX, SMALL_BATCH, STATUS_DONE,
-    STATUS_FAILED, STATUS_PENDING, STATUS_TIMEOUT, TransferNotify, TransferOpcode, transfer_timeout)
+    ERR_SOCKET, NOTIFY_TAG, OK, PROTOCOLS, REGION_PREFIX, SMALL_BATCH, STATUS_DONE,
+    STATUS_FAILED, STATUS_PENDING, STATUS_TIMEOUT, TransferNotify, TransferOpcode, env_true, transfer_timeout)
+from kvflow.compat.mooncake.metadata import metadata_url, segment_key
 from kvflow.compat.mooncake.waiting import EAGER_TASKS, Waiter, drive, shutdown
 from kvflow.engine.engine import Engine
 from kvflow.engine.peer import Peer
@@ -107,48 +108,101 @@ class TransferEngine:
         self._qos = threading.local()       # set_transfer_priority(): per calling thread
         self._finalizer: Any = None
         self.last_error: KVFlowError | None = None
+        self._segment = ""          # with a metadata server: this engine's segment name
 
     # ------------------------------------------------------------ lifecycle
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
                    device_name: str) -> int:
-        """Starts the engine listening on `local_hostname` ("host" or
-        "host:port"). metadata_server must be "P2PHANDSHAKE"; protocol
-        "tcp", "rdma" or "auto"; device_name: RDMA devices, comma-separated
+        """Starts the engine. metadata_server: "P2PHANDSHAKE" (peers name
+        this engine "host:get_rpc_port()"; it listens on local_hostname's
+        port when it has one), or a metadata server: "http://host:port/path"
+        (Mooncake's HTTP metadata server), "etcd://host:port",
+        "redis://host:port", or a bare "host:port" (etcd), where this engine
+        is published under local_hostname as its segment name (and listens
+        on a free port). protocol "tcp", "rdma" (tcp, with a warning, when
+        no RDMA device can be opened, or when MC_FORCE_TCP is set, as
+        Mooncake does) or "auto"; device_name: RDMA devices, comma-separated
         ("" for all). Returns 0, or -1 (logged)."""
-        if self._thread is not None:
-            return self._fail(InvalidArgumentError("initialize(): this TransferEngine is already initialized"))
-        if metadata_server != P2PHANDSHAKE:
-            return self._fail(InvalidArgumentError(
-                f"metadata server {metadata_server!r} is not supported: kvflow has no etcd/redis/http "
-                f"metadata service; use {P2PHANDSHAKE!r} (each engine serves its own descriptor)"))
-        if protocol not in PROTOCOLS:
-            return self._fail(InvalidArgumentError(
-                f"protocol {protocol!r} is not supported; use one of {', '.join(PROTOCOLS)}"))
-        devices = [d.strip() for d in (device_name or "").split(",") if d.strip()]
-        listen, host = _listen_address(local_hostname or "127.0.0.1")
-        options: dict[str, Any] = {"listen": listen, "protocols": PROTOCOLS[protocol]}
-        if protocol != "tcp" and devices:
-            options["rdma_devices"] = devices
-        thread = EngineThread(name="kvflow-mooncake", **options)
-        try:
-            engine = thread.start()
-            if protocol == "rdma" and thread.call_sync(lambda: engine.descriptor().rdma) is None:
-                raise KVFlowError(f"protocol 'rdma': no RDMA device could be opened"
-                                  f"{' among ' + device_name if devices else ''} (see the kvflow log)")
-            thread.submit(_collect_notifies(engine, self._notifies))
-        except (KVFlowError, OSError) as e:
-            thread.close()
-            return self._fail(e if isinstance(e, KVFlowError) else KVFlowError(str(e)))
-        self._thread, self._engine, self._loop = thread, engine, thread.loop
-        self._address, self._local_hostname = engine.address, host
-        self._finalizer = weakref.finalize(self, shutdown, thread, self._inflight, self._queued)
-        return OK
+        return self._initialize(local_hostname, metadata_server, protocol, device_name, None)
 
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,
                        device_name: str, metadata_type: str) -> int:
-        """initialize() with Mooncake's explicit metadata type: only
-        metadata_server "P2PHANDSHAKE" is supported (the type is then unused)."""
-        return self.initialize(local_hostname, metadata_server, protocol, device_name)
+        """initialize() with Mooncake's explicit metadata type ("etcd",
+        "redis" or "http") for a metadata_server given without a scheme."""
+        return self._initialize(local_hostname, metadata_server, protocol, device_name, metadata_type or None)
+
+    def _initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
+                    metadata_type: str | None) -> int:
+        if self._thread is not None:
+            return self._fail(InvalidArgumentError("initialize(): this TransferEngine is already initialized"))
+        if protocol not in PROTOCOLS:
+            return self._fail(InvalidArgumentError(
+                f"protocol {protocol!r} is not supported; use one of {', '.join(PROTOCOLS)}"))
+        try:
+            url = metadata_url(metadata_server, metadata_type)
+        except InvalidArgumentError as e:
+            return self._fail(e)
+        if protocol == "rdma" and env_true("MC_FORCE_TCP"):
+            log.info("kvflow.compat.mooncake: MC_FORCE_TCP is set: protocol 'tcp' instead of 'rdma'")
+            protocol = "tcp"
+        devices = [d.strip() for d in (device_name or "").split(",") if d.strip()]
+        segment = local_hostname or "127.0.0.1"
+        listen, host = _listen_address(segment)
+        options: dict[str, Any] = {"listen": listen, "protocols": PROTOCOLS[protocol]}
+        if url is not None:
+            # the name carries the port; the listener takes a free one (Mooncake's
+            # default without MC_LEGACY_RPC_PORT_BINDING)
+            options.update(listen=f"{listen.rpartition(':')[0]}:0", metadata=url, name=segment_key(segment))
+        if protocol != "tcp" and devices:
+            options["rdma_devices"] = devices
+        try:
+            thread, engine = self._start_engine(options, protocol, device_name, devices)
+        except (KVFlowError, OSError) as e:
+            return self._fail(e if isinstance(e, KVFlowError) else KVFlowError(str(e)))
+        self._thread, self._engine, self._loop = thread, engine, thread.loop
+        self._address, self._local_hostname = engine.address, host
+        self._segment = segment if url is not None else ""
+        self._finalizer = weakref.finalize(self, shutdown, thread, self._inflight, self._queued)
+        return OK
+
+    def _start_engine(self, options: dict[str, Any], protocol: str, device_name: str,
+                      devices: list[str]) -> tuple[EngineThread, Engine]:
+        """The engine on its thread; for "rdma" without a usable device, a
+        warning and a tcp engine instead (Mooncake's fallback)."""
+        thread = EngineThread(thread_name="kvflow-mooncake", **options)
+        try:
+            engine = thread.start()
+            if protocol == "rdma" and thread.call_sync(lambda: engine.descriptor().rdma) is None:
+                thread.close()
+                log.warning("kvflow.compat.mooncake: protocol 'rdma': no RDMA device could be opened%s; "
+                            "falling back to tcp", f" among {device_name}" if devices else "")
+                options = {k: v for k, v in options.items() if k != "rdma_devices"}
+                thread = EngineThread(thread_name="kvflow-mooncake", **{**options, "protocols": PROTOCOLS["tcp"]})
+                engine = thread.start()
+            if options.get("metadata"):
+                # as Mooncake, fail when the server does not take our record
+                # (kvflow's Engine would start anyway and publish later)
+                thread.call(engine.lookup(options["name"]))
+            thread.submit(_collect_notifies(engine, self._notifies))
+        except BaseException:
+            thread.close()
+            raise
+        return thread, engine
+
+    def get_engine(self) -> Engine | None:
+        """The kvflow Engine behind this TransferEngine (None before
+        initialize()). Mooncake returns its C++ engine here; kvflow's runs
+        on its own event-loop thread, so call its coroutines there
+        (EngineThread.call_sync / submit), not from this thread's loop."""
+        return self._engine
+
+    def get_engine_ptr(self) -> int:
+        """Mooncake returns the address of its C++ TransferEngine, for C++
+        extensions that drive it directly. kvflow has no such object: this
+        raises NotImplementedError (it never returns a pointer that
+        something could dereference)."""
+        raise NotImplementedError("kvflow.compat.mooncake: there is no C++ TransferEngine behind this engine; "
+                                  "use get_engine() for the kvflow Engine")
 
     def get_rpc_port(self) -> int:
         """The port peers reach this engine on: they name it "host:port"."""
@@ -238,7 +292,8 @@ class TransferEngine:
         if self._thread is None:
             return self._fail(self._not_running(), 0)
         try:
-            if segment_name in (self._address, self._local_hostname):
+            if segment_name in (self._address, self._local_hostname) or \
+                    (self._segment and segment_name == self._segment):
                 return self._thread.call_sync(lambda: _first_region(list(self._regions.values())))
             return self._blocking(self._first_remote(segment_name))
         except KVFlowError as e:
@@ -619,7 +674,9 @@ class TransferEngine:
     # Coroutines below run on the engine's loop.
     async def _connect(self, target: str) -> Peer:
         assert self._engine is not None
-        peer = await self._engine.connect(target, timeout=CONNECT_TIMEOUT)
+        # with a metadata server every target is a segment name, looked up there
+        peer = await self._engine.connect(segment_key(target) if self._segment else target,
+                                          timeout=CONNECT_TIMEOUT)
         self._peers[target] = peer
         return peer
 
