@@ -98,6 +98,13 @@ class Peer:
     def regions(self) -> list[RemoteRegion]:
         return list(self._regions)
 
+    def estimate(self, nbytes: int, entries: int = 1) -> float:
+        """Seconds a batch of `nbytes` in `entries` entries is expected to
+        take toward this peer on an idle link (its provider's estimate)."""
+        if self._provider is None:
+            raise PeerLostError(f"peer {self.address} is closed", peer=self.address)
+        return self._provider.estimate(nbytes, entries)
+
     def region(self, name: str) -> RemoteRegion:
         """The peer's region called `name`; KeyError if it has none."""
         for r in self._regions:

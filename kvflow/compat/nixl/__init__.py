@@ -1,0 +1,55 @@
+"""NIXL's Python API (`nixl._api`, the `nixl._bindings` names API-level code
+touches, `nixl._utils`, `nixl.logging`), backed by kvflow.
+
+Code written for NIXL runs unchanged with the stand-in `nixl` package on
+its path::
+
+    PYTHONPATH=$(python -m kvflow.compat.nixl.shim) python their_script.py
+
+or by importing `kvflow.compat.nixl` in place of `nixl`. Each `nixl_agent`
+is one kvflow Engine on its own event-loop thread; agents exchange metadata
+(`get_agent_metadata` / `add_remote_agent`, or through the metadata
+listener), then transfers are kvflow batches over whichever provider
+reaches the peer (same process: memcpy; same host: process_vm_writev;
+else rdma or tcp).
+
+Differences from NIXL 1.5 (every one known):
+- Backends: the one plugin is "UCX" (what NIXL code asks for); kvflow picks
+  the transport per peer, so "UCX" means local, tcp or rdma here. Other
+  names (GDS, POSIX, OBJ, UCCL, ...) are not available:
+  `create_backend` raises nixlNotFoundError, as NIXL does for a missing
+  plugin.
+- Memory: DRAM only. VRAM, FILE, BLOCK and OBJ descriptors raise
+  nixlNotSupportedError when registered or transferred (GPU memory comes
+  with kvflow's GPU work); `prep_mem_view` raises it too.
+- Metadata is kvflow's (an agent's name and its engine's address; the
+  registered memory comes from the engine's handshake), so kvflow agents
+  and NIXL agents do not talk to each other. The listener's frames are
+  kvflow's own as well.
+- Metadata goes peer to peer only: `send_local_metadata`,
+  `fetch_remote_metadata` and `invalidate_local_metadata` need an ip_addr
+  (no etcd: NIXL_ETCD_ENDPOINTS is not read) and raise
+  nixlNotSupportedError without one. Partial metadata is accepted; it
+  carries connection info only (the memory comes from the handshake).
+- The engine listens on 127.0.0.1, or on KVFLOW_NIXL_HOST: set it to an
+  address other hosts reach for agents on several hosts. The metadata
+  listener binds 0.0.0.0 as NIXL's does, and prints
+  "MD listener is listening on port N".
+- `transfer()` returns "PROC" (the post is handed to the engine's loop),
+  never "DONE" at once. Reposting a transfer still in progress raises
+  nixlRepostActiveError. Strided (Nx5) descriptor arrays raise
+  nixlNotSupportedError.
+- `estimate_xfer_cost` is the provider's idle-link estimate.
+- Telemetry (`get_xfer_telemetry`, when NIXL_TELEMETRY_ENABLE or
+  capture_telemetry turns it on) is measured per post; no telemetry sink
+  is written (NIXL_TELEMETRY_DIR is not read).
+- NIXL's raw C++-style `nixlAgent` bindings are not reproduced:
+  `_bindings.nixlAgent` is kvflow's agent core with the method names the
+  API layer calls.
+"""
+from kvflow.compat.nixl._api import (DEFAULT_COMM_PORT, nixl_agent, nixl_agent_config, nixl_backend_handle,
+                                     nixl_prepped_dlist_handle, nixl_thread_sync_t, nixl_xfer_handle)
+from kvflow.compat.nixl.shim import shim_path
+
+__all__ = ["DEFAULT_COMM_PORT", "nixl_agent", "nixl_agent_config", "nixl_backend_handle",
+           "nixl_prepped_dlist_handle", "nixl_thread_sync_t", "nixl_xfer_handle", "shim_path"]

@@ -1,0 +1,539 @@
+"""kvflow's NIXL agent core (`nixl._bindings.nixlAgent` for the API layer):
+one kvflow Engine on an EngineThread per agent.
+
+- Agents know each other by metadata: `getLocalMD()` is the agent's name
+  and its engine's address; `loadRemoteMD()` connects to that engine (the
+  handshake brings its registered memory) and names the peer.
+- Transfers are kvflow batches (peer.write/read), one per post; a
+  notification goes after the batch has completed (peer.notify), so the
+  target sees it only once the data is there.
+- The metadata listener (useListenThread) is an asyncio server on the
+  engine's loop: peers push their metadata to it, fetch ours, or
+  invalidate theirs; the frames are kvflow's own (4-byte length +
+  msgpack), between kvflow agents.
+Errors are NIXL's exception classes; kvflow's error is chained."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import struct
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvflow.compat.nixl import _bindings as B
+from kvflow.engine.peer import Peer
+from kvflow.engine.thread import EngineThread
+from kvflow.errors import KVFlowError
+
+log = logging.getLogger("kvflow.compat.nixl")
+
+MD_TAG = "kvflow-nixl-md"
+NOTIF_TAG = "kvflow-nixl-notif"
+MD_VERSION = 1
+PLUGINS = {"UCX": ["DRAM"]}        # the backend name NIXL code asks for; kvflow picks the provider per peer
+MAX_FRAME = 16 << 20
+CONNECT_TIMEOUT = 10.0
+
+
+class BackendHandle:
+    """A created backend (NIXL's opaque handle): its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<kvflow.compat.nixl backend {self.name}>"
+
+
+class Xfer:
+    """A transfer request: its columns, peer and notification, and the
+    state of its latest post."""
+
+    __slots__ = ("op", "la", "ra", "ln", "peer", "remote", "notif", "state", "error", "future",
+                 "start_us", "post_ns", "done_ns", "t0")
+
+    def __init__(self, op: int, la: np.ndarray, ra: np.ndarray, ln: np.ndarray, peer: Peer, remote: str,
+                 notif: bytes) -> None:
+        self.op, self.la, self.ra, self.ln, self.peer, self.remote, self.notif = op, la, ra, ln, peer, remote, notif
+        self.state: str | None = None          # None (never posted), "PROC", "DONE", "ERR"
+        self.error: BaseException | None = None
+        self.future: Any = None
+        self.start_us = self.post_ns = self.done_ns = self.t0 = 0
+
+
+def _bytes(msg: Any) -> bytes:
+    if isinstance(msg, (bytes, bytearray, memoryview)):
+        return bytes(msg)
+    if isinstance(msg, str):
+        return msg.encode()
+    raise B.nixlInvalidParamError(f"a notification is bytes or str, not {type(msg).__name__}")
+
+
+def _covered(spans: list[tuple[int, int]], addrs: np.ndarray, lens: np.ndarray) -> int:
+    """Index of the first descriptor not inside one of `spans` ((addr, end)
+    pairs), or -1 when all are."""
+    if not len(addrs):
+        return -1
+    if not spans:
+        return 0
+    spans = sorted(spans)
+    starts = np.array([s for s, _ in spans], dtype=np.uint64)
+    ends = np.array([e for _, e in spans], dtype=np.uint64)
+    i = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    ok = (i >= 0) & (addrs + lens <= ends[np.maximum(i, 0)])
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else -1
+
+
+def telemetry_enabled(capture: bool) -> bool:
+    """NIXL_TELEMETRY_ENABLE, when set, decides (y/yes/1/true/on); else the config."""
+    env = os.environ.get("NIXL_TELEMETRY_ENABLE")
+    if env is not None:
+        return env.strip().lower() in ("y", "yes", "1", "true", "on")
+    return bool(capture)
+
+
+class AgentCore:
+    def __init__(self, name: str, config: B.nixlAgentConfig) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("a NIXL agent needs a non-empty name")
+        self.name = name
+        self.config = config
+        host = os.environ.get("KVFLOW_NIXL_HOST") or "127.0.0.1"
+        self._thread = EngineThread(thread_name=f"kvflow-nixl-{name[:16]}", listen=f"{host}:0")
+        self._engine = self._thread.start()
+        self._finalizer = weakref.finalize(self, self._thread.close)
+        self._lock = threading.Lock()
+        self._regions: dict[int, Any] = {}                  # address -> kvflow Region
+        self._remotes: dict[str, Peer] = {}
+        # what each remote agent's metadata announced: (addr, end) spans
+        self._known: dict[str, list[tuple[int, int]]] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        self._xfers: dict[int, Xfer] = {}
+        self._dlists: dict[int, tuple[str, B._DList, Peer | None]] = {}
+        self._ids = itertools.count(1)
+        self._backends: dict[str, BackendHandle] = {}
+        self._telemetry = telemetry_enabled(config.captureTelemetry)
+        self.listen_port = 0
+        self._thread.submit(self._collect_notifs())
+        if config.useListenThread:
+            self.listen_port = self._thread.call(self._listen(int(config.listenPort)))
+
+    # ------------------------------------------------------------ plugins and backends
+    def getAvailPlugins(self) -> list[str]:
+        return list(PLUGINS)
+
+    def getPluginParams(self, plugin: str) -> tuple[dict[str, str], list[str]]:
+        if plugin not in PLUGINS:
+            raise B.nixlNotFoundError(f"no plugin {plugin!r} (kvflow provides {', '.join(PLUGINS)})")
+        return {}, list(PLUGINS[plugin])
+
+    def createBackend(self, backend: str, params: dict[str, str]) -> BackendHandle:
+        if backend not in PLUGINS:
+            raise B.nixlNotFoundError(f"no backend {backend!r} (kvflow provides {', '.join(PLUGINS)})")
+        return self._backends.setdefault(backend, BackendHandle(backend))
+
+    def getBackendParams(self, handle: BackendHandle) -> tuple[dict[str, str], list[str]]:
+        return self.getPluginParams(handle.name)
+
+    # ------------------------------------------------------------ memory
+    def _check_host(self, dlist: B._DList) -> None:
+        if dlist.getType() != B.DRAM_SEG:
+            raise B.nixlNotSupportedError(f"kvflow.compat.nixl moves host memory (DRAM) only, not "
+                                          f"{dlist.getType().name}")
+
+    def registerMem(self, descs: B.nixlRegDList, backends: list[Any] = ()) -> None:
+        if not isinstance(descs, B.nixlRegDList):
+            raise B.nixlInvalidParamError("registerMem takes a nixlRegDList")
+        self._check_host(descs)
+        done: list[int] = []
+        try:
+            for addr, length in zip(descs.addrs.tolist(), descs.lens.tolist()):
+                region = self._thread.call_sync(self._engine.register, (addr, length))
+                self._regions[addr] = region
+                done.append(addr)
+        except KVFlowError as e:
+            for addr in done:
+                self._thread.call_sync(self._engine.deregister, self._regions.pop(addr))
+            raise B.nixlInvalidParamError(str(e)) from e
+
+    def deregisterMem(self, descs: B.nixlRegDList, backends: list[Any] = ()) -> None:
+        missing = [a for a in descs.addrs.tolist() if a not in self._regions]
+        if missing:
+            raise B.nixlNotFoundError(f"{missing[0]:#x} is not registered")
+        for addr in descs.addrs.tolist():
+            self._thread.call_sync(self._engine.deregister, self._regions.pop(addr))
+
+    def queryMem(self, descs: B.nixlRegDList, backend: BackendHandle) -> list[dict[str, str] | None]:
+        spans = [(r.addr, r.addr + r.length) for r in self._regions.values()]
+        return [None if _covered(spans, descs.addrs[i:i + 1], descs.lens[i:i + 1]) >= 0
+                else {"mem_type": "DRAM", "registered": "true"} for i in range(descs.descCount())]
+
+    def _local_spans(self) -> list[tuple[int, int]]:
+        return [(r.addr, r.addr + r.length) for r in self._regions.values()]
+
+    # ------------------------------------------------------------ remote agents and metadata
+    def getLocalMD(self) -> bytes:
+        """Name, engine address, and the memory registered now (as NIXL's
+        metadata, a snapshot: memory registered later needs new metadata)."""
+        return msgpack.packb({"tag": MD_TAG, "version": MD_VERSION, "name": self.name,
+                              "address": self._engine.address, "spans": self._local_spans()})
+
+    def getLocalPartialMD(self, descs: B.nixlRegDList, inc_conn_info: bool, backends: list[Any] = ()) -> bytes:
+        """Metadata about `descs` only (added to what the peer knows), with
+        the connection info when asked."""
+        if not isinstance(descs, B.nixlRegDList):
+            raise B.nixlInvalidParamError("partial metadata takes a nixlRegDList")
+        bad = _covered(self._local_spans(), descs.addrs, descs.lens)
+        if bad >= 0:
+            raise B.nixlNotFoundError(f"descriptor {bad} of the partial metadata is not registered")
+        md: dict[str, Any] = {"tag": MD_TAG, "version": MD_VERSION, "name": self.name, "partial": True,
+                              "spans": [(int(a), int(a) + int(n)) for a, n in zip(descs.addrs, descs.lens)]}
+        if inc_conn_info:
+            md["address"] = self._engine.address
+        return msgpack.packb(md)
+
+    def loadRemoteMD(self, metadata: bytes) -> bytes:
+        return self._thread.call(self._load_md(metadata)).encode()
+
+    async def _load_md(self, metadata: bytes) -> str:
+        try:
+            md = msgpack.unpackb(metadata)
+            ok = isinstance(md, dict) and md.get("tag") == MD_TAG and isinstance(md.get("name"), str)
+        except (ValueError, TypeError, msgpack.ExtraData):
+            ok = False
+        if not ok:
+            raise B.nixlInvalidParamError("not the metadata of a kvflow.compat.nixl agent")
+        name = md["name"]
+        peer = self._remotes.get(name)
+        try:
+            if "address" in md:
+                fresh = await self._engine.connect(md["address"], timeout=CONNECT_TIMEOUT)
+                peer = fresh
+            elif peer is None:
+                raise B.nixlNotFoundError(f"partial metadata of {name!r} without connection info, "
+                                          "and its connection info was never loaded")
+            await peer.refresh()                 # its registered memory as of now
+        except KVFlowError as e:
+            raise B.nixlBackendError(f"cannot reach agent {name!r}: {e}") from e
+        spans = [tuple(x) for x in md.get("spans") or []]
+        with self._lock:
+            self._remotes[name] = peer
+            self._known[name] = (self._known.get(name, []) + spans) if md.get("partial") else spans
+        return name
+
+    def invalidateRemoteMD(self, agent: str) -> None:
+        with self._lock:
+            peer = self._remotes.pop(agent, None)
+            self._known.pop(agent, None)
+        if peer is None:
+            raise B.nixlNotFoundError(f"remote agent {agent!r} is not loaded")
+
+    def checkRemoteMD(self, agent: str, descs: B.nixlXferDList) -> int:
+        peer = self._remotes.get(agent)
+        if peer is None:
+            return B.NIXL_ERR_NOT_FOUND
+        if descs.descCount() and _covered(self._spans_of(agent), descs.addrs, descs.lens) >= 0:
+            return B.NIXL_ERR_NOT_FOUND
+        return B.NIXL_SUCCESS
+
+    def makeConnection(self, agent: str, backends: list[Any] = ()) -> None:
+        self._peer(agent)
+
+    def _peer(self, agent: str) -> Peer:
+        peer = self._remotes.get(agent)
+        if peer is None and agent == self.name:      # loopback
+            peer = self._thread.call(self._engine.connect(self._engine.address, timeout=CONNECT_TIMEOUT))
+            with self._lock:
+                self._remotes[agent] = peer
+        if peer is None:
+            raise B.nixlNotFoundError(f"remote agent {agent!r} is not loaded (add_remote_agent)")
+        return peer
+
+    # ------------------------------------------------------------ the metadata listener
+    async def _listen(self, port: int) -> int:
+        server = await asyncio.start_server(self._serve_md, "0.0.0.0", port)
+        self._server = server
+        real = server.sockets[0].getsockname()[1]
+        print(f"MD listener is listening on port {real}", file=sys.stderr, flush=True)
+        return real
+
+    async def _serve_md(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                msg = await _read_frame(reader)
+                if msg is None:
+                    return
+                op = msg.get("op")
+                if op == "md":
+                    await self._load_md(msg["md"])
+                elif op == "fetch":
+                    match = msg.get("name") in ("", self.name)
+                    _write_frame(writer, {"md": self.getLocalMD()} if match else {"error": "no such agent"})
+                    await writer.drain()
+                elif op == "invalidate":
+                    with self._lock:
+                        self._remotes.pop(msg.get("name"), None)
+                        self._known.pop(msg.get("name"), None)
+        except Exception as e:  # noqa: BLE001 - one bad peer must not end the listener
+            log.warning("kvflow.compat.nixl: %s: metadata listener: %s", self.name, e)
+        finally:
+            writer.close()
+
+    async def _exchange(self, ip: str, port: int, msg: dict[str, Any], want_reply: bool) -> Any:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), CONNECT_TIMEOUT)
+        try:
+            _write_frame(writer, msg)
+            await writer.drain()
+            return await asyncio.wait_for(_read_frame(reader), CONNECT_TIMEOUT) if want_reply else None
+        finally:
+            writer.close()
+
+    async def _background(self, what: str, coro: Any) -> None:
+        try:
+            await coro
+        except Exception as e:  # noqa: BLE001 - NIXL's listener logs these too
+            log.warning("kvflow.compat.nixl: %s: %s failed: %s", self.name, what, e)
+
+    def sendLocalMD(self, ip: str = "", port: int = B.DEFAULT_COMM_PORT) -> None:
+        self._send_md(self.getLocalMD(), ip, port)
+
+    def sendLocalPartialMD(self, descs: B.nixlRegDList, inc_conn_info: bool, backends: list[Any], ip: str,
+                           port: int, label: str) -> None:
+        self._send_md(self.getLocalPartialMD(descs, inc_conn_info, backends), ip, port)
+
+    def _send_md(self, md: bytes, ip: str, port: int) -> None:
+        if not ip:
+            raise B.nixlNotSupportedError("kvflow.compat.nixl exchanges metadata peer to peer only "
+                                          "(an ip_addr is needed; no central metadata server)")
+        self._thread.submit(self._background(f"sending metadata to {ip}:{port}",
+                                              self._exchange(ip, port, {"op": "md", "md": md}, False)))
+
+    def fetchRemoteMD(self, agent: str, ip: str = "", port: int = B.DEFAULT_COMM_PORT, label: str = "") -> None:
+        if not ip:
+            raise B.nixlNotSupportedError("kvflow.compat.nixl fetches metadata peer to peer only (an ip_addr is needed)")
+
+        async def fetch() -> None:
+            reply = await self._exchange(ip, port, {"op": "fetch", "name": agent}, True)
+            if not isinstance(reply, dict) or "md" not in reply:
+                raise B.nixlNotFoundError(f"{ip}:{port} has no agent {agent!r}")
+            await self._load_md(reply["md"])
+
+        self._thread.submit(self._background(f"fetching {agent!r} from {ip}:{port}", fetch()))
+
+    def invalidateLocalMD(self, ip: str = "", port: int = B.DEFAULT_COMM_PORT) -> None:
+        if not ip:
+            raise B.nixlNotSupportedError("kvflow.compat.nixl invalidates peer to peer only (an ip_addr is needed)")
+        self._thread.submit(self._background(
+            f"invalidating at {ip}:{port}", self._exchange(ip, port, {"op": "invalidate", "name": self.name}, False)))
+
+    # ------------------------------------------------------------ notifications
+    async def _collect_notifs(self) -> None:
+        async for _, data in self._engine.notifications():
+            try:
+                tag, sender, msg = msgpack.unpackb(data)
+            except (ValueError, TypeError, msgpack.ExtraData):
+                continue
+            if tag == NOTIF_TAG and isinstance(sender, str) and isinstance(msg, bytes):
+                with self._lock:
+                    self._notifs.setdefault(sender, []).append(msg)
+
+    def getNotifs(self, notifs: dict[str, list[bytes]], backends: list[Any] = ()) -> dict[str, list[bytes]]:
+        with self._lock:
+            new, self._notifs = self._notifs, {}
+        for sender, msgs in new.items():
+            notifs.setdefault(sender, []).extend(msgs)
+        return notifs
+
+    def genNotif(self, agent: str, msg: Any, backend: Any = None) -> None:
+        peer = self._peer(agent)
+        packed = msgpack.packb([NOTIF_TAG, self.name, _bytes(msg)])
+        self._thread.call(peer.notify(packed))
+
+    # ------------------------------------------------------------ transfers
+    def _spans_of(self, agent: str) -> list[tuple[int, int]]:
+        """The remote memory its metadata announced (loopback: ours)."""
+        if agent == self.name and agent not in self._known:
+            return self._local_spans()
+        return self._known.get(agent, [])
+
+    def _check_remote(self, agent: str, peer: Peer, dlist: B._DList) -> None:
+        bad = _covered(self._spans_of(agent), dlist.addrs, dlist.lens)
+        if bad >= 0:
+            a, n = int(dlist.addrs[bad]), int(dlist.lens[bad])
+            raise B.nixlNotFoundError(f"descriptor {bad} ({a:#x}+{n}) is not in memory agent {agent!r} registered")
+
+    def _check_local(self, dlist: B._DList) -> None:
+        self._check_host(dlist)
+        bad = _covered(self._local_spans(), dlist.addrs, dlist.lens)
+        if bad >= 0:
+            a, n = int(dlist.addrs[bad]), int(dlist.lens[bad])
+            raise B.nixlNotFoundError(f"local descriptor {bad} ({a:#x}+{n}) is not in registered memory")
+
+    def createXferReq(self, op: int, local: B.nixlXferDList, remote: B.nixlXferDList, agent: str,
+                      notif: Any = b"", backends: list[Any] = ()) -> int:
+        op = B.nixl_xfer_op_t(op)
+        if not isinstance(local, B.nixlXferDList) or not isinstance(remote, B.nixlXferDList):
+            raise B.nixlInvalidParamError("initialize_xfer takes two nixlXferDLists")
+        if local.descCount() != remote.descCount():
+            raise B.nixlInvalidParamError(f"{local.descCount()} local and {remote.descCount()} remote descriptors")
+        if not np.array_equal(local.lens, remote.lens):
+            raise B.nixlMismatchError("local and remote descriptor lengths differ")
+        peer = self._peer(agent)
+        self._check_local(local)
+        self._check_host(remote)
+        self._check_remote(agent, peer, remote)
+        return self._new_xfer(Xfer(op, local.addrs.copy(), remote.addrs.copy(), local.lens.copy(), peer, agent,
+                                   _bytes(notif)))
+
+    def _new_xfer(self, x: Xfer) -> int:
+        h = next(self._ids)
+        with self._lock:
+            self._xfers[h] = x
+        return h
+
+    def prepXferDlist(self, agent: str, dlist: B.nixlXferDList, backends: list[Any] = ()) -> int:
+        if not isinstance(dlist, B.nixlXferDList):
+            raise B.nixlInvalidParamError("prep_xfer_dlist takes a nixlXferDList")
+        if agent == B.NIXL_INIT_AGENT:
+            self._check_local(dlist)
+            peer = None
+        else:
+            peer = self._peer(agent)
+            self._check_host(dlist)
+            self._check_remote(agent, peer, dlist)
+        h = next(self._ids)
+        with self._lock:
+            self._dlists[h] = (agent, dlist, peer)
+        return h
+
+    def makeXferReq(self, op: int, local: int, local_idx: Any, remote: int, remote_idx: Any, notif: Any = b"",
+                    backends: list[Any] = (), skip_desc_merge: bool = False) -> int:
+        op = B.nixl_xfer_op_t(op)
+        try:
+            lagent, ldl, _ = self._dlists[local]
+            ragent, rdl, peer = self._dlists[remote]
+        except KeyError:
+            raise B.nixlInvalidParamError("unknown or released prepared descriptor list") from None
+        if lagent != B.NIXL_INIT_AGENT or peer is None:
+            raise B.nixlInvalidParamError("make_prepped_xfer takes a local list, then a remote one")
+        li, ri = np.asarray(local_idx, dtype=np.int64), np.asarray(remote_idx, dtype=np.int64)
+        if li.shape != ri.shape or li.ndim != 1:
+            raise B.nixlInvalidParamError(f"{li.size} local and {ri.size} remote indices")
+        for idx, dl, side in ((li, ldl, "local"), (ri, rdl, "remote")):
+            if idx.size and (idx.min() < 0 or idx.max() >= dl.descCount()):
+                raise B.nixlInvalidParamError(f"a {side} index is outside its list of {dl.descCount()}")
+        ln = ldl.lens[li]
+        if not np.array_equal(ln, rdl.lens[ri]):
+            raise B.nixlMismatchError("local and remote descriptor lengths differ")
+        return self._new_xfer(Xfer(op, ldl.addrs[li], rdl.addrs[ri], ln, peer, ragent, _bytes(notif)))
+
+    def releasedDlistH(self, handle: int) -> None:
+        with self._lock:
+            if self._dlists.pop(handle, None) is None:
+                raise B.nixlInvalidParamError("unknown or already released descriptor list handle")
+
+    def _xfer(self, handle: int) -> Xfer:
+        x = self._xfers.get(handle)
+        if x is None:
+            raise B.nixlInvalidParamError("unknown or released transfer handle")
+        return x
+
+    def postXferReq(self, handle: int, notif: Any = b"") -> int:
+        x = self._xfer(handle)
+        if x.state == "PROC":
+            raise B.nixlRepostActiveError("the transfer is still in progress")
+        if notif:
+            x.notif = _bytes(notif)
+        x.state, x.error = "PROC", None
+        x.start_us, x.t0 = time.time_ns() // 1000, time.perf_counter_ns()
+        x.future = self._thread.submit(self._run(x))
+        x.post_ns = time.perf_counter_ns() - x.t0
+        return B.NIXL_IN_PROG
+
+    async def _run(self, x: Xfer) -> None:
+        try:
+            if len(x.ln):
+                if x.op == B.NIXL_WRITE:
+                    await x.peer.write(x.la, x.ra, x.ln)
+                else:
+                    await x.peer.read(x.la, x.ra, x.ln)
+            if x.notif:
+                await x.peer.notify(msgpack.packb([NOTIF_TAG, self.name, x.notif]))
+            x.done_ns = time.perf_counter_ns() - x.t0
+            x.state = "DONE"
+        except asyncio.CancelledError:
+            x.state = "ERR"
+            raise
+        except Exception as e:  # noqa: BLE001 - reported through the state
+            x.error, x.state = e, "ERR"
+            log.warning("kvflow.compat.nixl: %s: transfer to %r failed: %s", self.name, x.remote, e)
+
+    def getXferStatus(self, handle: int) -> int:
+        state = self._xfer(handle).state
+        if state == "DONE":
+            return B.NIXL_SUCCESS
+        if state == "PROC":
+            return B.NIXL_IN_PROG
+        if state is None:
+            return B.NIXL_ERR_NOT_POSTED
+        return B.NIXL_ERR_BACKEND
+
+    def getXferTelemetry(self, handle: int) -> B.nixlXferTelemetry:
+        x = self._xfer(handle)
+        if not self._telemetry:
+            raise B.nixlNoTelemetryError("telemetry is off (NIXL_TELEMETRY_ENABLE, or capture_telemetry)")
+        if x.state is None:
+            raise B.nixlNotPostedError("the transfer was never posted")
+        done = x.done_ns if x.state == "DONE" else time.perf_counter_ns() - x.t0
+        return B.nixlXferTelemetry(x.start_us, max(1, x.post_ns // 1000), max(1, done // 1000),
+                                   int(x.ln.sum()), len(x.ln))
+
+    def queryXferBackend(self, handle: int) -> BackendHandle:
+        self._xfer(handle)
+        return self._backends.get("UCX") or self.createBackend("UCX", {})
+
+    def estimateXferCost(self, handle: int) -> tuple[int, int, int]:
+        x = self._xfer(handle)
+        seconds = x.peer.estimate(int(x.ln.sum()), len(x.ln))
+        return int(seconds * 1e6), int(seconds * 1e6 / 2), int(B.NIXL_COST_ANALYTICAL_BACKEND)
+
+    def releaseXferReq(self, handle: int) -> None:
+        x = self._xfer(handle)
+        if x.state == "PROC" and x.future is not None:
+            x.future.cancel()               # the batch is cancelled: nothing of it lands later
+        with self._lock:
+            self._xfers.pop(handle, None)
+
+    def prepMemView(self, dlist: Any, backends: list[Any] = ()) -> int:
+        raise B.nixlNotSupportedError("memory views need GPU device memory, which kvflow does not move yet")
+
+    def releaseMemView(self, mvh: int) -> None:
+        raise B.nixlNotSupportedError("memory views need GPU device memory, which kvflow does not move yet")
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> Any:
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError:
+        return None
+    (n,) = struct.unpack(">I", head)
+    if n > MAX_FRAME:
+        raise ValueError(f"a metadata frame of {n} bytes")
+    return msgpack.unpackb(await reader.readexactly(n))
+
+
+def _write_frame(writer: asyncio.StreamWriter, msg: Any) -> None:
+    body = msgpack.packb(msg)
+    writer.write(struct.pack(">I", len(body)) + body)
+
+
+__all__ = ["AgentCore", "BackendHandle", "telemetry_enabled"]

@@ -1,0 +1,201 @@
+"""kvflow.compat.nixl: NIXL's Python API on kvflow. NIXL's own tests and
+examples run in tests/test_upstream_nixl.py; these check what they leave
+out: every byte, both directions, bad input (typed NIXL errors, nothing
+moved, the agent still usable), notifications after the data, prepared
+lists by index, reposts, release while in flight, and telemetry numbers."""
+from __future__ import annotations
+
+import ctypes
+import pickle
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvflow.compat.nixl import _bindings as B
+from kvflow.compat.nixl import nixl_agent, nixl_agent_config
+
+MiB = 1 << 20
+
+
+def wait_state(agent, handle, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while (st := agent.check_xfer_state(handle)) == "PROC":
+        assert time.monotonic() < deadline, "the transfer did not finish"
+        time.sleep(0.0005)
+    return st
+
+
+@pytest.fixture
+def pair():
+    a = nixl_agent(f"a-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    b = nixl_agent(f"b-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    src = np.random.default_rng(1).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    dst = np.zeros(4 * MiB, dtype=np.uint8)
+    ra = a.register_memory([(src.ctypes.data, src.nbytes, 0, "src")], "DRAM")
+    rb = b.register_memory([(dst.ctypes.data, dst.nbytes, 0, "dst")], "DRAM")
+    assert ra is not None and rb is not None
+    assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+    assert b.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
+    return a, b, src, dst
+
+
+def descs(agent, base, offsets, length):
+    return agent.get_xfer_descs([(base + o, length, 0) for o in offsets], "DRAM")
+
+
+def test_write_read_and_notification_after_the_data(pair):
+    a, b, src, dst = pair
+    offs = [0, 3 * 65536 + 7, MiB + 1, 3 * MiB]
+    h = a.initialize_xfer("WRITE", descs(a, src.ctypes.data, offs, 65536),
+                          descs(a, dst.ctypes.data, offs, 65536), b.name, b"layer-0")
+    assert a.transfer(h) in ("PROC", "DONE")
+    # the notification arrives only once the data is there
+    deadline = time.monotonic() + 30
+    while not b.check_remote_xfer_done(a.name, b"layer-"):
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    for o in offs:
+        assert np.array_equal(dst[o:o + 65536], src[o:o + 65536])
+    assert wait_state(a, h) == "DONE"
+    untouched = np.ones(dst.size, bool)
+    for o in offs:
+        untouched[o:o + 65536] = False
+    assert not dst[untouched].any(), "bytes landed outside the descriptors"
+    # and back: READ into a fresh part of src's neighbour
+    back = np.zeros(65536, np.uint8)
+    a.register_memory([(back.ctypes.data, back.nbytes, 0, "")], "DRAM")
+    r = a.initialize_xfer("READ", a.get_xfer_descs([(back.ctypes.data, 65536, 0)], "DRAM"),
+                          descs(a, dst.ctypes.data, [offs[1]], 65536), b.name)
+    a.transfer(r)
+    assert wait_state(a, r) == "DONE"
+    assert np.array_equal(back, src[offs[1]:offs[1] + 65536])
+    a.release_xfer_handle(h)
+    a.release_xfer_handle(r)
+
+
+def test_prepared_lists_by_index_and_reposts(pair):
+    a, b, src, dst = pair
+    n, size = 64, 16384
+    local = a.prep_xfer_dlist("", descs(a, src.ctypes.data, [i * size for i in range(n)], size))
+    remote = a.prep_xfer_dlist(b.name, descs(a, dst.ctypes.data, [i * size for i in range(n)], size))
+    idx = np.array([3, 7, 9, 63], dtype=np.int32)
+    h = a.make_prepped_xfer("WRITE", local, idx, remote, idx[::-1].copy())
+    for _ in range(3):                          # a handle is posted again once done
+        assert a.transfer(h) != "ERR"
+        assert wait_state(a, h) == "DONE"
+    for i, j in zip(idx, idx[::-1]):
+        assert np.array_equal(dst[j * size:(j + 1) * size], src[i * size:(i + 1) * size])
+    with pytest.raises(B.nixlInvalidParamError):
+        a.make_prepped_xfer("WRITE", local, [0, n], remote, [0, 1])          # index out of range
+    with pytest.raises(KeyError):
+        a.make_prepped_xfer("COPY", local, [0], remote, [0])
+    a.release_dlist_handle(local)
+    a.release_dlist_handle(remote)
+
+
+def test_bad_input_is_refused_and_the_agent_stays_usable(pair):
+    a, b, src, dst = pair
+    s, d = src.ctypes.data, dst.ctypes.data
+    with pytest.raises(B.nixlNotFoundError):                                  # nobody of that name
+        a.initialize_xfer("WRITE", descs(a, s, [0], 64), descs(a, d, [0], 64), "nobody")
+    with pytest.raises(B.nixlNotFoundError):                                  # past the peer's memory
+        a.initialize_xfer("WRITE", descs(a, s, [0], 64), descs(a, d, [dst.nbytes - 32], 64), b.name)
+    other = np.zeros(4096, np.uint8)
+    with pytest.raises(B.nixlNotFoundError):                                  # local side not registered
+        a.initialize_xfer("WRITE", descs(a, other.ctypes.data, [0], 64), descs(a, d, [0], 64), b.name)
+    with pytest.raises(B.nixlMismatchError):
+        a.initialize_xfer("WRITE", descs(a, s, [0], 64), descs(a, d, [0], 128), b.name)
+    with pytest.raises(B.nixlInvalidParamError):
+        a.initialize_xfer("WRITE", descs(a, s, [0, 64], 64), descs(a, d, [0], 64), b.name)
+    with pytest.raises(B.nixlNotSupportedError):
+        a.register_memory([(other.ctypes.data, 4096, 0, "")], "VRAM")
+    with pytest.raises(B.nixlNotFoundError):
+        a.create_backend("GDS")
+    assert a.get_xfer_descs([(1, 2)], "DRAM") is None and a.get_reg_descs([(1, 2, 0)], "DRAM") is None
+    assert not dst.any(), "a refused transfer moved bytes"
+    # still usable
+    h = a.initialize_xfer("WRITE", descs(a, s, [0], 4096), descs(a, d, [0], 4096), b.name)
+    a.transfer(h)
+    assert wait_state(a, h) == "DONE" and np.array_equal(dst[:4096], src[:4096])
+    # a removed agent is gone; metadata brings it back
+    a.remove_remote_agent(b.name)
+    with pytest.raises(B.nixlNotFoundError):
+        a.initialize_xfer("WRITE", descs(a, s, [0], 64), descs(a, d, [0], 64), b.name)
+    assert not a.check_remote_metadata(b.name)
+    a.add_remote_agent(b.get_agent_metadata())
+    assert a.check_remote_metadata(b.name, descs(a, d, [0], 64))
+
+
+def test_repost_while_active_and_release_in_flight(pair):
+    a, b, src, dst = pair
+    big = np.ones(256 * MiB, np.uint8)
+    sink = np.zeros(256 * MiB, np.uint8)
+    a.register_memory([(big.ctypes.data, big.nbytes, 0, "")], "DRAM")
+    b.register_memory([(sink.ctypes.data, sink.nbytes, 0, "")], "DRAM")
+    a.add_remote_agent(b.get_agent_metadata())            # the new region is in the metadata now
+    n = 256
+    h = a.initialize_xfer("WRITE", descs(a, big.ctypes.data, [i * MiB for i in range(n)], MiB),
+                          descs(a, sink.ctypes.data, [i * MiB for i in range(n)], MiB), b.name)
+    assert a.transfer(h) == "PROC"
+    with pytest.raises(B.nixlRepostActiveError):
+        a.transfer(h)
+    a.release_xfer_handle(h)                             # cancels what is still queued
+    time.sleep(0.5)
+    h2 = a.initialize_xfer("WRITE", descs(a, src.ctypes.data, [0], 4096), descs(a, dst.ctypes.data, [0], 4096),
+                           b.name)
+    a.transfer(h2)
+    assert wait_state(a, h2) == "DONE" and np.array_equal(dst[:4096], src[:4096])
+
+
+def test_descriptor_lists_pickle_and_trim():
+    reg = B.nixlRegDList(B.DRAM_SEG, [(4096, 100, 0, "meta"), (8192, 50, 1, b"x")])
+    assert reg[0] == (4096, 100, 0, b"meta") and reg.descCount() == 2
+    again = pickle.loads(pickle.dumps(reg))
+    assert again == reg and again.getType() == B.DRAM_SEG
+    xfer = reg.trim()
+    assert isinstance(xfer, B.nixlXferDList) and xfer[1] == (8192, 50, 1)
+    with pytest.raises(TypeError):
+        B.nixlXferDList(B.DRAM_SEG, [(1, 2, 3, 4)])
+    arr = B.nixlXferDList(B.DRAM_SEG, np.array([[1, 2, 0], [3, 4, 0]], dtype=np.uint64))
+    assert arr[1] == (3, 4, 0) and pickle.loads(pickle.dumps(arr)) == arr
+
+
+def test_telemetry_numbers(monkeypatch, pair):
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")
+    a = nixl_agent(f"t-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    _, b, src, dst = pair
+    a.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    a.add_remote_agent(b.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", descs(a, src.ctypes.data, [0, MiB], MiB),
+                          descs(a, dst.ctypes.data, [0, MiB], MiB), b.name)
+    t0 = time.time()
+    a.transfer(h)
+    assert wait_state(a, h) == "DONE"
+    t = a.get_xfer_telemetry(h)
+    assert (t.descCount, t.totalBytes) == (2, 2 * MiB)
+    assert abs(t.startTime / 1e6 - t0) < 5
+    assert 0 < t.postDuration <= t.xferDuration < 30e6
+    assert ctypes.string_at(dst.ctypes.data, 8) == src[:8].tobytes()
+
+
+def test_listener_with_port_zero(capfd):
+    a = nixl_agent(f"l-{uuid.uuid4()}", nixl_agent_config(True, True, 0))
+    port = a.agent.listen_port
+    assert port > 0 and f"MD listener is listening on port {port}" in capfd.readouterr().err
+    b = nixl_agent(f"m-{uuid.uuid4()}", nixl_agent_config(True, True, 0))
+    b.send_local_metadata("127.0.0.1", port)
+    b.fetch_remote_metadata(a.name, "127.0.0.1", port)
+    deadline = time.monotonic() + 10
+    while not (a.check_remote_metadata(b.name) and b.check_remote_metadata(a.name)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    b.send_notif(a.name, b"hello")
+    while not a.check_remote_xfer_done(b.name, b"hello"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    b.invalidate_local_metadata("127.0.0.1", port)
+    while a.check_remote_metadata(b.name):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

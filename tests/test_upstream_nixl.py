@@ -1,0 +1,102 @@
+"""NIXL's own Python API tests and two-peer examples (tests/upstream/nixl,
+unchanged) on kvflow.compat.nixl, and on the real NIXL (the nixl-cu12
+wheel) for reference, same machine, same files.
+
+Real NIXL 1.5.1 passes the API tests and finishes each example ("Test
+Complete." on both sides, the data verified), and then its process crashes
+in its own teardown (SIGSEGV at exit, on this machine); for it the runs are
+judged by their output. kvflow's must also exit 0."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvflow
+from kvflow.compat.nixl import shim_path
+
+UPSTREAM = Path(__file__).parent / "upstream" / "nixl"
+ROOT = str(Path(kvflow.__file__).resolve().parents[1])
+IMPLS = ["kvflow", "nixl"]
+
+
+def _env(impl: str) -> dict[str, str]:
+    if impl == "nixl" and importlib.util.find_spec("nixl_cu12") is None:
+        pytest.skip("the nixl-cu12 wheel is not installed (the reference)")
+    first = shim_path() if impl == "kvflow" else str(UPSTREAM / "reference")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NIXL_", "KVFLOW_"))}
+    env["PYTHONPATH"] = os.pathsep.join([first, ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _finished(impl: str, proc: subprocess.CompletedProcess | subprocess.Popen, out: str) -> None:
+    assert "Test Complete." in out, out[-3000:]
+    if impl == "kvflow":
+        assert proc.returncode == 0, out[-3000:]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nixl_api_tests(impl):
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", "pytest.ini", "-p", "no:cacheprovider",
+                          "test/python/test_nixl_api.py"], cwd=UPSTREAM, env=_env(impl), capture_output=True,
+                         text=True, timeout=600, stdin=subprocess.DEVNULL)
+    out = run.stdout + run.stderr
+    summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", out)
+    assert summary and "failed" not in out[-500:], out[-4000:]
+    assert int(summary.group(1)) == 21, out[-2000:]          # 24 tests: 3 skip, as upstream
+    if impl == "kvflow":                                      # (NIXL's crashes at exit here)
+        assert run.returncode == 0, out[-2000:]
+
+
+@pytest.mark.parametrize("example", ["basic_two_peers", "expanded_two_peers"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_two_peer_examples(impl, example, tmp_path):
+    env, port = _env(impl), _port()
+    cwd = UPSTREAM / "examples" / "python"
+    argv = [sys.executable, f"{example}.py", "--ip", "127.0.0.1", "--port", str(port)]
+    log = open(tmp_path / "target.log", "w+")
+    target = subprocess.Popen([*argv, "--mode", "target"], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while "listening on port" not in (tmp_path / "target.log").read_text() and \
+                "Running test" not in (tmp_path / "target.log").read_text():
+            assert target.poll() is None, (tmp_path / "target.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the target did not come up"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        init = subprocess.run([*argv, "--mode", "initiator"], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+        target.wait(60)
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait()
+        log.close()
+    _finished(impl, init, init.stdout + init.stderr)
+    _finished(impl, target, (tmp_path / "target.log").read_text())
+    assert "verification passed" in init.stdout + init.stderr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_partial_metadata_example(impl):
+    env = _env(impl)
+    env["NIXL_ETCD_ENDPOINTS"] = ""      # the example deletes it when not using etcd
+    run = subprocess.run([sys.executable, "partial_md_example.py"], cwd=UPSTREAM / "examples" / "python", env=env,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    out = run.stdout + run.stderr
+    _finished(impl, run, out)
+    assert "Correct exception" in out and "Incorrect success" not in out, out[-3000:]
