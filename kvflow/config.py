@@ -53,6 +53,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "submitting thread does", "1 on software devices, 0 on NICs"),
     Variable("KVFLOW_RDMA_SPIN_NS", "nanoseconds a device's worker spins for work on the wire before it "
              "sleeps", "200000"),
+    Variable("KVFLOW_NIXL_HOST", "the address kvflow.compat.nixl agents' engines listen on and publish in "
+             "their metadata (set one other hosts reach)", "127.0.0.1"),
+    Variable("KVFLOW_NIXL_PROTOCOLS", "comma-separated kvflow providers kvflow.compat.nixl agents may use "
+             "(local, rdma, tcp)", "all (kvflow picks per peer)"),
 )}
 
 

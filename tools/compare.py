@@ -47,9 +47,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "tools", "baselines")
-ENGINES = ("kvflow", "mooncake", "mooncake-compat", "nixl", "ceilings")
+ENGINES = ("kvflow", "mooncake", "mooncake-compat", "nixl", "nixl-compat", "ceilings")
 # kvflow behind another engine's API: compared with that engine, not an alternative to kvflow
-COMPAT = {"mooncake-compat": "mooncake"}
+COMPAT = {"mooncake-compat": "mooncake", "nixl-compat": "nixl"}
 CEILINGS = {"socket", "process_vm_writev", "memcpy"}
 
 # metric per group, and whether higher is better
@@ -121,6 +121,8 @@ def plan(args) -> list[dict]:
         add("tcp", label, "mooncake-compat", "mooncake-compat", "tcp",
             base_cmd("mooncake_bench.py", pa, "--impl", "kvflow"))
         add("tcp", label, "nixl", "nixl", "ucx-tcp", base_cmd("nixl_bench.py", pa, "--transport", "tcp"))
+        add("tcp", label, "nixl-compat", "nixl-compat", "kvflow-tcp",
+            base_cmd("nixl_bench.py", pa, "--transport", "tcp", "--impl", "kvflow"))
         add("tcp", label, "ceilings", "socket", "tcp", base_cmd("ceilings.py", pa, "--kind", "socket"))
     for bs in args.sizes:
         pa = point_args(bs, args.batch, d, c, False)
@@ -128,6 +130,8 @@ def plan(args) -> list[dict]:
         add("local", label, "kvflow", "kvflow", "local", kvflow_cmd("local", pa))
         add("local", label, "nixl", "nixl", "ucx-cma", base_cmd("nixl_bench.py", pa, "--transport", "cma"))
         add("local", label, "nixl", "nixl", "ucx-sm", base_cmd("nixl_bench.py", pa, "--transport", "sm"))
+        add("local", label, "nixl-compat", "nixl-compat", "kvflow-cma",
+            base_cmd("nixl_bench.py", pa, "--transport", "cma", "--impl", "kvflow"))
         add("local", label, "ceilings", "process_vm_writev", "local", base_cmd("ceilings.py", pa, "--kind", "pvm"))
         add("local", label, "ceilings", "memcpy", "local", base_cmd("ceilings.py", pa, "--kind", "memcpy"))
     pa = point_args(4096, 1, d, 1, False)
@@ -136,10 +140,14 @@ def plan(args) -> list[dict]:
     add("lat-tcp", "4 KiB x1", "mooncake-compat", "mooncake-compat", "tcp",
         base_cmd("mooncake_bench.py", pa, "--impl", "kvflow"))
     add("lat-tcp", "4 KiB x1", "nixl", "nixl", "ucx-tcp", base_cmd("nixl_bench.py", pa, "--transport", "tcp"))
+    add("lat-tcp", "4 KiB x1", "nixl-compat", "nixl-compat", "kvflow-tcp",
+        base_cmd("nixl_bench.py", pa, "--transport", "tcp", "--impl", "kvflow"))
     add("lat-tcp", "4 KiB x1", "ceilings", "socket", "tcp", base_cmd("ceilings.py", pa, "--kind", "socket"))
     add("lat-local", "4 KiB x1", "kvflow", "kvflow", "local", kvflow_cmd("local", pa))
     add("lat-local", "4 KiB x1", "nixl", "nixl", "ucx-cma", base_cmd("nixl_bench.py", pa, "--transport", "cma"))
     add("lat-local", "4 KiB x1", "nixl", "nixl", "ucx-sm", base_cmd("nixl_bench.py", pa, "--transport", "sm"))
+    add("lat-local", "4 KiB x1", "nixl-compat", "nixl-compat", "kvflow-cma",
+        base_cmd("nixl_bench.py", pa, "--transport", "cma", "--impl", "kvflow"))
     add("lat-local", "4 KiB x1", "ceilings", "process_vm_writev", "local", base_cmd("ceilings.py", pa, "--kind", "pvm"))
     pa = point_args(4096, args.batch, d, args.scatter_concurrency, True)
     label = f"4 KiB b{args.batch} c{args.scatter_concurrency}"

@@ -18,6 +18,7 @@ from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.control.wire import field
 from kvflow.memory import RemoteRegion
+from kvflow.engine.posted import PostedTransfer
 from kvflow.engine.transfer import Transfer, batch_error
 from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
@@ -363,6 +364,42 @@ class Peer:
         if status:
             raise batch_error(self._engine._batches, self.address, op, status, entry, None)
         return True
+
+    # ------------------------------------------------------------ posted from a thread, polled there
+    def post_write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                   priority: Priority = Priority.NORMAL, deadline: float | None = None) -> PostedTransfer:
+        """Starts a write from a thread that is not the engine's loop and
+        returns at once: poll() the PostedTransfer for its completion (NIXL's
+        post-then-poll; kvflow.engine.posted). Raises what write() raises
+        for bad input, before anything moves."""
+        return self._post(OP_WRITE, local_addrs, remote_addrs, lengths, priority, deadline)
+
+    def post_read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
+                  priority: Priority = Priority.NORMAL, deadline: float | None = None) -> PostedTransfer:
+        """post_write() for a read."""
+        return self._post(OP_READ, local_addrs, remote_addrs, lengths, priority, deadline)
+
+    def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
+        prio, deadline_ns = qos_args(priority, deadline)
+        loop = self._engine._loop
+        if self.alive and self._provider is not None and self._provider.caps.detached:
+            try:
+                status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
+            except RuntimeError:
+                raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+            if status == 0:
+                return PostedTransfer(self._engine._core, batch, error_of=lambda st, entry: batch_error(
+                    self._engine._batches, self.address, op, st, entry, None))
+            if status != EREMOTE:
+                raise status_error(status, peer=self.address, op=op, index=aux)
+        # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
+        kw = {"priority": prio, "deadline": deadline}
+        coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
+        try:
+            return PostedTransfer(future=asyncio.run_coroutine_threadsafe(coro, loop))
+        except RuntimeError:
+            coro.close()
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
 
     # ------------------------------------------------------------ notifications
     async def notify(self, data: bytes) -> None:

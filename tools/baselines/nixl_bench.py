@@ -21,6 +21,9 @@ check_xfer_state itself.  The target over tcp runs NIXL's progress thread
 that thread busy-polls one core).  Over cma/sm the puts are one-sided CMA, so
 the target only polls UCX every 1 ms (--target-progress lazy), which leaves
 the CPU to the initiator and measured fastest (or equal) here.
+--impl kvflow: the same script on kvflow.compat.nixl (NIXL's API on kvflow):
+tcp is kvflow's tcp provider, cma/sm its same-host provider
+(process_vm_writev); the UCX settings are not used then.
 Per batch the initiator calls make_prepped_xfer on descriptor lists prepared
 once (how vLLM's NIXL connector drives it), transfer(), then polls.
 --api reuse instead re-posts `concurrency` handles created once (nixlbench's
@@ -37,6 +40,19 @@ import common
 import numpy as np
 
 TLS = {"tcp": "tcp", "cma": "cma,tcp", "sm": "sm,self"}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def use_kvflow(transport: str) -> None:
+    """`nixl` is kvflow.compat.nixl from now on, here and in the target child."""
+    shim = os.path.join(ROOT, "kvflow", "compat", "nixl", "shim", "root")
+    for path in (ROOT, shim):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.environ["PYTHONPATH"] = os.pathsep.join([shim, ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    os.environ["KVFLOW_NIXL_PROTOCOLS"] = "tcp" if transport == "tcp" else "local"
 
 
 def load_nixl():
@@ -104,7 +120,7 @@ def initiator(args) -> None:
         [__file__, "--role", "target", "--block-size", str(args.block_size),
          "--batch", str(args.batch), "--max-region", str(args.max_region),
          "--target-progress", args.target_progress]
-        + (["--scatter"] if args.scatter else []), env=dict(os.environ))
+        + (["--scatter"] if args.scatter else []) + ["--impl", args.impl], env=dict(os.environ))
     try:
         agent = make_agent("initiator", progress_thread=False)
         offs, region = common.layout(args.block_size, args.batch, args.scatter,
@@ -164,9 +180,9 @@ def initiator(args) -> None:
         agent.remove_remote_agent(remote)
         agent.deregister_memory(reg)
         entries = batches * args.batch
-        proto = "ucx-" + args.transport
-        res = common.result("nixl", proto, args, entries * args.block_size, secs,
-                            lats, entries)
+        proto = ("kvflow-" if args.impl == "kvflow" else "ucx-") + args.transport
+        res = common.result("nixl-compat" if args.impl == "kvflow" else "nixl", proto, args,
+                            entries * args.block_size, secs, lats, entries)
         res.update(api=args.api, concurrency=args.concurrency, scatter=args.scatter,
                    ucx_tls=tls, target_progress=args.target_progress)
         common.emit(common.finish_peer(peer, res))
@@ -188,7 +204,11 @@ def main() -> None:
                    "a busy poll loop, or a poll every 1 ms (auto: lazy for cma "
                    "and sm, else thread)")
     p.add_argument("--role", default="initiator", choices=["initiator", "target"])
+    p.add_argument("--impl", default="nixl", choices=["nixl", "kvflow"],
+                   help="nixl: NIXL itself; kvflow: kvflow.compat.nixl")
     args = p.parse_args()
+    if args.impl == "kvflow":
+        use_kvflow(args.transport)
     (target if args.role == "target" else initiator)(args)
     # Even after the explicit teardown, nixl-cu12 1.5.1 still sometimes
     # segfaults (SIGSEGV, exit -11) while the interpreter destroys the agent

@@ -65,7 +65,7 @@ class TransferNotify:
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
 
 
-def env_true(name: str) -> bool:
+def mooncake_flag(name: str) -> bool:
     """A Mooncake flag variable (MC_FORCE_TCP=1/true/yes/on) is set."""
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -22,7 +22,7 @@ import numpy as np
 from kvflow.compat.mooncake.codes import (
     CONNECT_TIMEOUT, ERR_ADDRESS_NOT_REGISTERED, ERR_ADDRESS_OVERLAPPED, ERR_INVALID_ARGUMENT,
     ERR_SOCKET, NOTIFY_TAG, OK, PROTOCOLS, REGION_PREFIX, SMALL_BATCH, STATUS_DONE,
-    STATUS_FAILED, STATUS_PENDING, STATUS_TIMEOUT, TransferNotify, TransferOpcode, env_true, transfer_timeout)
+    STATUS_FAILED, STATUS_PENDING, STATUS_TIMEOUT, TransferNotify, TransferOpcode, mooncake_flag, transfer_timeout)
 from kvflow.compat.mooncake.metadata import metadata_url, segment_key
 from kvflow.compat.mooncake.waiting import EAGER_TASKS, Waiter, drive, shutdown
 from kvflow.engine.engine import Engine
@@ -142,7 +142,7 @@ class TransferEngine:
             url = metadata_url(metadata_server, metadata_type)
         except InvalidArgumentError as e:
             return self._fail(e)
-        if protocol == "rdma" and env_true("MC_FORCE_TCP"):
+        if protocol == "rdma" and mooncake_flag("MC_FORCE_TCP"):
             log.info("kvflow.compat.mooncake: MC_FORCE_TCP is set: protocol 'tcp' instead of 'rdma'")
             protocol = "tcp"
         devices = [d.strip() for d in (device_name or "").split(",") if d.strip()]

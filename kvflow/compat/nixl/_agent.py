@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 
 from kvflow.compat.nixl import _bindings as B
+from kvflow.config import env_list, env_str
 from kvflow.engine.peer import Peer
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import KVFlowError
@@ -41,6 +42,7 @@ MD_VERSION = 1
 PLUGINS = {"UCX": ["DRAM"]}        # the backend name NIXL code asks for; kvflow picks the provider per peer
 MAX_FRAME = 16 << 20
 CONNECT_TIMEOUT = 10.0
+CANCEL_WAIT = 5.0      # a released in-flight transfer: its cancelled batch is collected within this
 
 
 class BackendHandle:
@@ -57,7 +59,7 @@ class Xfer:
     """A transfer request: its columns, peer and notification, and the
     state of its latest post."""
 
-    __slots__ = ("op", "la", "ra", "ln", "peer", "remote", "notif", "state", "error", "future",
+    __slots__ = ("op", "la", "ra", "ln", "peer", "remote", "notif", "state", "error", "future", "posted",
                  "start_us", "post_ns", "done_ns", "t0")
 
     def __init__(self, op: int, la: np.ndarray, ra: np.ndarray, ln: np.ndarray, peer: Peer, remote: str,
@@ -66,6 +68,7 @@ class Xfer:
         self.state: str | None = None          # None (never posted), "PROC", "DONE", "ERR"
         self.error: BaseException | None = None
         self.future: Any = None
+        self.posted: Any = None              # a PostedTransfer (no notification: the caller's thread polls it)
         self.start_us = self.post_ns = self.done_ns = self.t0 = 0
 
 
@@ -107,8 +110,10 @@ class AgentCore:
             raise ValueError("a NIXL agent needs a non-empty name")
         self.name = name
         self.config = config
-        host = os.environ.get("KVFLOW_NIXL_HOST") or "127.0.0.1"
-        self._thread = EngineThread(thread_name=f"kvflow-nixl-{name[:16]}", listen=f"{host}:0")
+        host = env_str("KVFLOW_NIXL_HOST") or "127.0.0.1"
+        protocols = env_list("KVFLOW_NIXL_PROTOCOLS")
+        self._thread = EngineThread(thread_name=f"kvflow-nixl-{name[:16]}", listen=f"{host}:0",
+                                    protocols=protocols or None)
         self._engine = self._thread.start()
         self._finalizer = weakref.finalize(self, self._thread.close)
         self._lock = threading.Lock()
@@ -453,9 +458,18 @@ class AgentCore:
             raise B.nixlRepostActiveError("the transfer is still in progress")
         if notif:
             x.notif = _bytes(notif)
-        x.state, x.error = "PROC", None
+        x.state, x.error, x.future, x.posted = "PROC", None, None, None
         x.start_us, x.t0 = time.time_ns() // 1000, time.perf_counter_ns()
-        x.future = self._thread.submit(self._run(x))
+        if x.notif or not len(x.ln):
+            # the notification must follow the data even if nobody polls: the loop chains them
+            x.future = self._thread.submit(self._run(x))
+        else:
+            try:                # posted on this thread, polled on this thread: no loop hop
+                x.posted = (x.peer.post_write if x.op == B.NIXL_WRITE else x.peer.post_read)(x.la, x.ra, x.ln)
+            except KVFlowError as e:
+                x.error, x.state = e, "ERR"
+                log.warning("kvflow.compat.nixl: %s: transfer to %r refused: %s", self.name, x.remote, e)
+                return B.NIXL_ERR_BACKEND
         x.post_ns = time.perf_counter_ns() - x.t0
         return B.NIXL_IN_PROG
 
@@ -477,11 +491,29 @@ class AgentCore:
             x.error, x.state = e, "ERR"
             log.warning("kvflow.compat.nixl: %s: transfer to %r failed: %s", self.name, x.remote, e)
 
+    def _poll_posted(self, x: Xfer) -> None:
+        try:
+            done = x.posted.poll()
+        except KVFlowError as e:
+            x.error, x.state, x.posted = e, "ERR", None
+            log.warning("kvflow.compat.nixl: %s: transfer to %r failed: %s", self.name, x.remote, e)
+            return
+        if done:
+            x.done_ns, x.state, x.posted = time.perf_counter_ns() - x.t0, "DONE", None
+
     def getXferStatus(self, handle: int) -> int:
-        state = self._xfer(handle).state
+        x = self._xfer(handle)
+        if x.posted is not None:
+            self._poll_posted(x)
+            return B.NIXL_SUCCESS if x.state == "DONE" else B.NIXL_IN_PROG if x.state == "PROC" else \
+                B.NIXL_ERR_BACKEND
+        state = x.state
         if state == "DONE":
             return B.NIXL_SUCCESS
         if state == "PROC":
+            # A caller that polls in a loop must not starve the engine's loop
+            # thread of the GIL (it finishes the transfer): hand it over.
+            time.sleep(0)
             return B.NIXL_IN_PROG
         if state is None:
             return B.NIXL_ERR_NOT_POSTED
@@ -510,6 +542,12 @@ class AgentCore:
         x = self._xfer(handle)
         if x.state == "PROC" and x.future is not None:
             x.future.cancel()               # the batch is cancelled: nothing of it lands later
+        if x.posted is not None:
+            x.posted.cancel()
+            try:                            # collected, so that its slot is free again
+                x.posted.wait(timeout=CANCEL_WAIT)
+            except (KVFlowError, TimeoutError):
+                pass
         with self._lock:
             self._xfers.pop(handle, None)
 
