@@ -45,6 +45,21 @@ CONNECT_TIMEOUT = 10.0
 CANCEL_WAIT = 5.0      # a released in-flight transfer: its cancelled batch is collected within this
 
 
+class Prepped:
+    """A prepared descriptor list: its agent ("" for local), its columns
+    (contiguous), the one length all its descriptors share (or None), and
+    the peer (None for local)."""
+
+    __slots__ = ("agent", "addrs", "lens", "uniform", "peer", "count")
+
+    def __init__(self, agent: str, dlist: Any, peer: Any) -> None:
+        self.agent, self.peer = agent, peer
+        self.addrs = np.ascontiguousarray(dlist.addrs)
+        self.lens = np.ascontiguousarray(dlist.lens)
+        self.count = len(self.lens)
+        self.uniform = int(self.lens[0]) if self.count and bool((self.lens == self.lens[0]).all()) else None
+
+
 class BackendHandle:
     """A created backend (NIXL's opaque handle): its name."""
 
@@ -123,7 +138,7 @@ class AgentCore:
         self._known: dict[str, list[tuple[int, int]]] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._xfers: dict[int, Xfer] = {}
-        self._dlists: dict[int, tuple[str, B._DList, Peer | None]] = {}
+        self._dlists: dict[int, Prepped] = {}
         self._ids = itertools.count(1)
         self._backends: dict[str, BackendHandle] = {}
         self._telemetry = telemetry_enabled(config.captureTelemetry)
@@ -417,29 +432,30 @@ class AgentCore:
             self._check_remote(agent, peer, dlist)
         h = next(self._ids)
         with self._lock:
-            self._dlists[h] = (agent, dlist, peer)
+            self._dlists[h] = Prepped(agent, dlist, peer)
         return h
 
     def makeXferReq(self, op: int, local: int, local_idx: Any, remote: int, remote_idx: Any, notif: Any = b"",
                     backends: list[Any] = (), skip_desc_merge: bool = False) -> int:
         op = B.nixl_xfer_op_t(op)
-        try:
-            lagent, ldl, _ = self._dlists[local]
-            ragent, rdl, peer = self._dlists[remote]
-        except KeyError:
-            raise B.nixlInvalidParamError("unknown or released prepared descriptor list") from None
-        if lagent != B.NIXL_INIT_AGENT or peer is None:
+        lp, rp = self._dlists.get(local), self._dlists.get(remote)
+        if lp is None or rp is None:
+            raise B.nixlInvalidParamError("unknown or released prepared descriptor list")
+        if lp.agent != B.NIXL_INIT_AGENT or rp.peer is None:
             raise B.nixlInvalidParamError("make_prepped_xfer takes a local list, then a remote one")
-        li, ri = np.asarray(local_idx, dtype=np.int64), np.asarray(remote_idx, dtype=np.int64)
-        if li.shape != ri.shape or li.ndim != 1:
-            raise B.nixlInvalidParamError(f"{li.size} local and {ri.size} remote indices")
-        for idx, dl, side in ((li, ldl, "local"), (ri, rdl, "remote")):
-            if idx.size and (idx.min() < 0 or idx.max() >= dl.descCount()):
-                raise B.nixlInvalidParamError(f"a {side} index is outside its list of {dl.descCount()}")
-        ln = ldl.lens[li]
-        if not np.array_equal(ln, rdl.lens[ri]):
+        li, ri = np.asarray(local_idx), np.asarray(remote_idx)
+        if li.shape != ri.shape or li.ndim != 1 or (li.size and (li.dtype.kind not in "iu" or ri.dtype.kind not in "iu")):
+            raise B.nixlInvalidParamError(f"{li.size} local and {ri.size} remote indices (1-D integers)")
+        try:
+            if li.size and (li.min() < 0 or ri.min() < 0):
+                raise IndexError
+            la, ra, ln = lp.addrs[li], rp.addrs[ri], lp.lens[li]
+        except IndexError:
+            raise B.nixlInvalidParamError(f"an index is outside its list ({lp.count} local, "
+                                          f"{rp.count} remote)") from None
+        if (lp.uniform is None or lp.uniform != rp.uniform) and not np.array_equal(ln, rp.lens[ri]):
             raise B.nixlMismatchError("local and remote descriptor lengths differ")
-        return self._new_xfer(Xfer(op, ldl.addrs[li], rdl.addrs[ri], ln, peer, ragent, _bytes(notif)))
+        return self._new_xfer(Xfer(op, la, ra, ln, rp.peer, rp.agent, _bytes(notif)))
 
     def releasedDlistH(self, handle: int) -> None:
         with self._lock:
