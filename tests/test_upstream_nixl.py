@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import kvflow
+from _metadata_servers import MetadataServer, _unavailable as unavailable
 from kvflow.compat.nixl import shim_path
 
 UPSTREAM = Path(__file__).parent / "upstream" / "nixl"
@@ -97,6 +99,26 @@ def test_partial_metadata_example(impl):
     env["NIXL_ETCD_ENDPOINTS"] = ""      # the example deletes it when not using etcd
     run = subprocess.run([sys.executable, "partial_md_example.py"], cwd=UPSTREAM / "examples" / "python", env=env,
                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    out = run.stdout + run.stderr
+    _finished(impl, run, out)
+    assert "Correct exception" in out and "Incorrect success" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_partial_metadata_example_through_etcd(impl, tmp_path):
+    """The same example with --etcd: metadata through a real etcd
+    (NIXL_ETCD_ENDPOINTS) instead of the listeners."""
+    env = _env(impl)
+    if shutil.which("etcd") is None:
+        unavailable("etcd is not installed (Debian: etcd-server)")
+    etcd = MetadataServer("etcd", tmp_path)
+    etcd.start()
+    try:
+        env["NIXL_ETCD_ENDPOINTS"] = f"http://127.0.0.1:{etcd.port}"
+        run = subprocess.run([sys.executable, "partial_md_example.py", "--etcd"], cwd=UPSTREAM / "examples" / "python",
+                             env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    finally:
+        etcd.kill()
     out = run.stdout + run.stderr
     _finished(impl, run, out)
     assert "Correct exception" in out and "Incorrect success" not in out, out[-3000:]

@@ -26,11 +26,13 @@ Differences from NIXL 1.5 (every one known):
   registered memory comes from the engine's handshake), so kvflow agents
   and NIXL agents do not talk to each other. The listener's frames are
   kvflow's own as well.
-- Metadata goes peer to peer only: `send_local_metadata`,
-  `fetch_remote_metadata` and `invalidate_local_metadata` need an ip_addr
-  (no etcd: NIXL_ETCD_ENDPOINTS is not read) and raise
-  nixlNotSupportedError without one. Partial metadata is accepted; it
-  carries connection info only (the memory comes from the handshake).
+- Metadata without an ip_addr goes through etcd (NIXL_ETCD_ENDPOINTS: the
+  first endpoint; kvflow's etcd store, keys under kvflow/engines/nixl/,
+  kept for an hour unless sent again), with labels for partial metadata.
+  An invalidation removes the agent's keys, but agents that loaded them
+  keep them (there is no watch). Without either, those calls raise
+  nixlInvalidParamError. Partial metadata adds the listed memory to what
+  the peer knows.
 - The engine listens on 127.0.0.1, or on KVFLOW_NIXL_HOST: set it to an
   address other hosts reach for agents on several hosts. The metadata
   listener binds 0.0.0.0 as NIXL's does, and prints

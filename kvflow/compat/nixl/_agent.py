@@ -43,6 +43,29 @@ PLUGINS = {"UCX": ["DRAM"]}        # the backend name NIXL code asks for; kvflow
 MAX_FRAME = 16 << 20
 CONNECT_TIMEOUT = 10.0
 CANCEL_WAIT = 5.0      # a released in-flight transfer: its cancelled batch is collected within this
+# Metadata in etcd (NIXL_ETCD_ENDPOINTS): kept this long (an etcd lease), and
+# a fetch waits this long for a key that is not there yet.
+ETCD_TTL = 3600.0
+ETCD_WAIT = 5.0
+
+
+def etcd_store(endpoints: str) -> Any:
+    """kvflow's etcd store for NIXL_ETCD_ENDPOINTS ("http://host:port", the
+    first of a comma-separated list); None when unset or empty."""
+    first = next((e.strip() for e in endpoints.split(",") if e.strip()), "")
+    if not first:
+        return None
+    from urllib.parse import urlsplit
+
+    from kvflow.metadata.etcd_store import EtcdStore
+    parts = urlsplit(first if "://" in first else f"http://{first}")
+    if not parts.hostname or not parts.port:
+        raise B.nixlInvalidParamError(f"NIXL_ETCD_ENDPOINTS {endpoints!r}: expected http://host:port")
+    return EtcdStore(parts.hostname, parts.port)
+
+
+def etcd_key(agent: str, label: str = "") -> str:
+    return f"nixl/{agent}/{label}"
 
 
 class Prepped:
@@ -143,6 +166,7 @@ class AgentCore:
         self._backends: dict[str, BackendHandle] = {}
         self._telemetry = telemetry_enabled(config.captureTelemetry)
         self.listen_port = 0
+        self._etcd = etcd_store(os.environ.get("NIXL_ETCD_ENDPOINTS", ""))
         self._thread.submit(self._collect_notifs())
         if config.useListenThread:
             self.listen_port = self._thread.call(self._listen(int(config.listenPort)))
@@ -328,18 +352,37 @@ class AgentCore:
 
     def sendLocalPartialMD(self, descs: B.nixlRegDList, inc_conn_info: bool, backends: list[Any], ip: str,
                            port: int, label: str) -> None:
-        self._send_md(self.getLocalPartialMD(descs, inc_conn_info, backends), ip, port)
+        self._send_md(self.getLocalPartialMD(descs, inc_conn_info, backends), ip, port, label)
 
-    def _send_md(self, md: bytes, ip: str, port: int) -> None:
+    def _send_md(self, md: bytes, ip: str, port: int, label: str = "") -> None:
         if not ip:
-            raise B.nixlNotSupportedError("kvflow.compat.nixl exchanges metadata peer to peer only "
-                                          "(an ip_addr is needed; no central metadata server)")
+            store = self._central()
+            self._thread.submit(self._background(f"publishing metadata in {store.url}",
+                                                  store.publish(etcd_key(self.name, label), md, ETCD_TTL)))
+            return
         self._thread.submit(self._background(f"sending metadata to {ip}:{port}",
                                               self._exchange(ip, port, {"op": "md", "md": md}, False)))
 
+    def _central(self) -> Any:
+        if self._etcd is None:
+            raise B.nixlInvalidParamError("no ip_addr, and no metadata server (NIXL_ETCD_ENDPOINTS is not set)")
+        return self._etcd
+
     def fetchRemoteMD(self, agent: str, ip: str = "", port: int = B.DEFAULT_COMM_PORT, label: str = "") -> None:
         if not ip:
-            raise B.nixlNotSupportedError("kvflow.compat.nixl fetches metadata peer to peer only (an ip_addr is needed)")
+            store = self._central()
+
+            async def from_etcd() -> None:
+                deadline = time.monotonic() + ETCD_WAIT
+                while (md := await store.lookup(etcd_key(agent, label))) is None:
+                    if time.monotonic() > deadline:
+                        raise B.nixlNotFoundError(f"{store.url} has no metadata of {agent!r}"
+                                                  f"{f' labelled {label!r}' if label else ''}")
+                    await asyncio.sleep(0.02)
+                await self._load_md(md)
+
+            self._thread.submit(self._background(f"fetching {agent!r} from {store.url}", from_etcd()))
+            return
 
         async def fetch() -> None:
             reply = await self._exchange(ip, port, {"op": "fetch", "name": agent}, True)
@@ -351,7 +394,11 @@ class AgentCore:
 
     def invalidateLocalMD(self, ip: str = "", port: int = B.DEFAULT_COMM_PORT) -> None:
         if not ip:
-            raise B.nixlNotSupportedError("kvflow.compat.nixl invalidates peer to peer only (an ip_addr is needed)")
+            # every key this agent published goes with its lease
+            store = self._central()
+            self._thread.submit(self._background(f"removing metadata from {store.url}",
+                                                  store.remove(etcd_key(self.name))))
+            return
         self._thread.submit(self._background(
             f"invalidating at {ip}:{port}", self._exchange(ip, port, {"op": "invalidate", "name": self.name}, False)))
 
