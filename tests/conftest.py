@@ -21,6 +21,10 @@ are child processes (``tests/_target.py``), nothing is mocked.
 
 from __future__ import annotations
 
+# Upstream projects' own tests (unchanged copies) run in subprocesses, with
+# their own configuration: tests/test_upstream_*.py.
+collect_ignore = ["upstream"]
+
 import asyncio
 import faulthandler
 import gc
