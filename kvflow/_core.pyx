@@ -530,6 +530,19 @@ cdef class TcpChannel(Channel):
             kvf_set_loop_thread(0)
         return rc == 0
 
+    def poll_acks_here(self):
+        """poll_acks() for a thread that is not the loop's, polling for its
+        own detached batches (PostedTransfer): their acks finish them here,
+        with no wait for the loop; completions of the loop's batches go to
+        it as usual. Returns False once the ack connection is gone."""
+        cdef int rc = 0
+        with self.use_lock:
+            if self.ch == NULL or self.ack_fd < 0:
+                return False
+            with nogil:
+                rc = kvf_tcp_poll_acks(self.ch)
+        return rc == 0
+
     @property
     def alive(self):
         return self.ch != NULL and kvf_tcp_channel_alive(self.ch)

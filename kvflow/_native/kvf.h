@@ -308,8 +308,10 @@ typedef struct kvf_tcp_channel kvf_tcp_channel;
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
                                      int ack_fd, uint64_t slice_size, int express, uint64_t window);
 /* Reads the write acks waiting on the channel's ack connection (never
- * blocks; called by the event loop when that socket is readable). Returns
- * -1 once the connection is gone (the channel is failed then). */
+ * blocks; called by the event loop when that socket is readable, or by a
+ * thread polling its own detached batches: one reader at a time, a second
+ * caller returns at once). Returns -1 once the connection is gone (the
+ * channel is failed then). */
 int kvf_tcp_poll_acks(kvf_tcp_channel *ch);
 /* Set by the event-loop thread around work whose completions it drains
  * itself right after: those completions need no eventfd wake-up. */

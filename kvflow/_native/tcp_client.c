@@ -375,6 +375,7 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, con
     /* every slice must fit a grant, and a few must fit the window at once */
     if (window && slice_size > window / 4) slice_size = window / 4 > 4096 ? window / 4 : 4096;
     ch->base = (kvf_channel){&tcp_ops, ctx, remote};
+    pthread_mutex_init(&ch->ack_mu, NULL);
     ch->ack_fd = ack_fd;
     ch->express = express >= 0 && express < nfds && nfds > 1 ? express : -1;
     if (ack_fd >= 0) {
@@ -444,8 +445,18 @@ static int ack_one(kvf_tcp_channel *ch, const kvf_hdr *h) {
     return bad ? -1 : 0;
 }
 
+static int poll_acks_locked(kvf_tcp_channel *ch);
+
 int kvf_tcp_poll_acks(kvf_tcp_channel *ch) {
     if (ch->ack_fd < 0) return -1;
+    /* another thread is reading them: it finishes what is there */
+    if (pthread_mutex_trylock(&ch->ack_mu)) return 0;
+    int rc = poll_acks_locked(ch);
+    pthread_mutex_unlock(&ch->ack_mu);
+    return rc;
+}
+
+static int poll_acks_locked(kvf_tcp_channel *ch) {
     for (;;) {
         ssize_t g = recv(ch->ack_fd, ch->ack_buf + ch->ack_len, ACK_BUF - ch->ack_len, MSG_DONTWAIT);
         if (g < 0 && errno == EINTR) continue;
@@ -784,5 +795,6 @@ void kvf_tcp_channel_free(kvf_tcp_channel *ch) {
     for (int i = 0; i < ch->n; i++) kvf_queue_destroy(&ch->conns[i].q);
     free(ch->conns);
     free(ch->ack_buf);
+    pthread_mutex_destroy(&ch->ack_mu);
     free(ch);
 }

@@ -93,6 +93,7 @@ struct kvf_tcp_channel {
     uint64_t window;          /* the target's receive window: credits on (0: off) */
     char *ack_buf;            /* partial ack frames between polls */
     size_t ack_len;
+    pthread_mutex_t ack_mu;   /* one reader of ack_fd at a time (the loop, or a thread polling its batches) */
 };
 
 /* tcp_send.c */

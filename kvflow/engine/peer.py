@@ -389,7 +389,8 @@ class Peer:
                 raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
             if status == 0:
                 return PostedTransfer(self._engine._core, batch, error_of=lambda st, entry: batch_error(
-                    self._engine._batches, self.address, op, st, entry, None))
+                    self._engine._batches, self.address, op, st, entry, None),
+                    progress=self._provider.poller(self._channel))
             if status != EREMOTE:
                 raise status_error(status, peer=self.address, op=op, index=aux)
         # the loop's path (rdma; or the peer's table lacks the range: it is asked again)

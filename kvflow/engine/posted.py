@@ -20,6 +20,8 @@ __all__ = ["PostedTransfer"]
 # woken at once by its completion): a caller polling in a loop leaves the
 # engine's threads room to finish it, instead of holding the GIL.
 POLL_WAIT = 50e-6
+# ... or only looks, where this thread moves it on itself (progress)
+POLL_WAIT_SELF = 1e-9
 
 
 class PostedTransfer:
@@ -27,11 +29,13 @@ class PostedTransfer:
     error if it failed), `wait(timeout)` blocks for it, `cancel()` stops it
     (its queued slices are dropped; poll() then raises)."""
 
-    __slots__ = ("_core", "_batch", "_future", "_error_of", "_done", "_error")
+    __slots__ = ("_core", "_batch", "_future", "_error_of", "_done", "_error", "_progress")
 
     def __init__(self, core: Any = None, batch: int = 0, future: concurrent.futures.Future | None = None,
-                 error_of: Callable[[int, int], KVFlowError] | None = None) -> None:
+                 error_of: Callable[[int, int], KVFlowError] | None = None,
+                 progress: Callable[[], object] | None = None) -> None:
         self._core, self._batch, self._future, self._error_of = core, batch, future, error_of
+        self._progress = progress       # the provider's way to move it on from this thread (tcp: read acks)
         self._done = batch == 0 and future is None          # completed inline
         self._error: BaseException | None = None
 
@@ -59,7 +63,10 @@ class PostedTransfer:
                     self._error = e
             else:
                 try:
-                    if not self._finish(*self._core.wait_detached(self._batch, POLL_WAIT)):
+                    if self._progress is not None:
+                        self._progress()
+                    wait = POLL_WAIT_SELF if self._progress is not None else POLL_WAIT
+                    if not self._finish(*self._core.wait_detached(self._batch, wait)):
                         return False
                 except RuntimeError:                        # the engine closed meanwhile
                     self._done, self._error = True, PeerLostError("the engine was closed")

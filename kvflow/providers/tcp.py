@@ -383,6 +383,10 @@ class TcpProvider(Provider):
             self._acks[id(channel)] = channel.ack_fd
             self.ctx.loop.add_reader(channel.ack_fd, self._on_acks, channel)
 
+    def poller(self, channel: Any) -> Any:
+        # the write acks a posting thread waits for come on the ack connection
+        return channel.poll_acks_here if channel.ack_fd >= 0 else None
+
     def _on_acks(self, channel: Any) -> None:
         # Write acks read on the loop thread; their batches finish right here.
         if not channel.poll_acks():
