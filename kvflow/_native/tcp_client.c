@@ -228,7 +228,7 @@ static void *tcp_tx(void *arg) {
             int n = c->pend_n;
             size_t in_pipe = c->pipe_pending;
             pthread_mutex_unlock(&c->q.mu);
-            bad = tcp_drain_pipe(c, in_pipe) || (n && tcp_send_frames(c, c->pend, n));
+            bad = tcp_drain_pipe(c, in_pipe, n > 0) || (n && tcp_send_frames(c, c->pend, n));
             pthread_mutex_lock(&c->q.mu);
             c->pend_n = 0;
             c->pipe_pending = 0;

@@ -100,7 +100,7 @@ struct kvf_tcp_channel {
 int tcp_frame_slices(const kvf_hdr *ctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov);
 int tcp_send_frames(tcp_conn *c, struct iovec *iov, int niov);
 int tcp_send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe);
-int tcp_drain_pipe(tcp_conn *c, size_t n);
+int tcp_drain_pipe(tcp_conn *c, size_t n, int more);
 void tcp_conn_open_pipe(tcp_conn *c);
 void tcp_conn_close_pipe(tcp_conn *c);
 

@@ -94,8 +94,10 @@ int tcp_send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe
         if (k < 0) return (errno == EAGAIN || errno == EINTR) ? niov - i : -1;
         iov[i].iov_base = (char *)iov[i].iov_base + k;
         iov[i].iov_len -= k;
+        /* MORE only when frames follow: on the last payload it would hold
+         * back the tail segment (up to the kernel's 200 ms cork timer) */
         ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, k,
-                           SPLICE_F_MOVE | SPLICE_F_NONBLOCK | SPLICE_F_MORE);
+                           SPLICE_F_MOVE | SPLICE_F_NONBLOCK | ((i + 1 < niov || iov[i].iov_len) ? SPLICE_F_MORE : 0));
         if (m < 0) {
             if (errno != EAGAIN && errno != EINTR) return -1;
             m = 0;
@@ -109,10 +111,11 @@ int tcp_send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe
     return start < niov ? sk_send_iov_flags(c->fd, iov + start, niov - start, MSG_DONTWAIT) : 0;
 }
 
-/* Moves `n` bytes already in the pipe to the socket (blocking). */
-int tcp_drain_pipe(tcp_conn *c, size_t n) {
+/* Moves `n` bytes already in the pipe to the socket (blocking); `more`:
+ * frames follow at once (else the tail is not held back). */
+int tcp_drain_pipe(tcp_conn *c, size_t n, int more) {
     while (n > 0) {
-        ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, n, SPLICE_F_MOVE | SPLICE_F_MORE);
+        ssize_t m = splice(c->pipe_r, NULL, c->fd, NULL, n, SPLICE_F_MOVE | (more ? SPLICE_F_MORE : 0));
         if (m < 0 && errno == EINTR) continue;
         if (m < 0 && errno == EAGAIN && sk_wait(c->fd, POLLOUT) == 0) continue;
         if (m <= 0) return -1;
