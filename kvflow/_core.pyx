@@ -331,6 +331,27 @@ cdef class Channel:
         self.use_lock = threading.Lock()
         core.channels.add(self)
 
+    def stats(self):
+        """This channel's batch numbers, counted once per batch as it
+        finishes (kvf_chan_stats): per op ("write", "read") batches, bytes
+        (of those that succeeded), failed, latency_buckets (bucket i: how
+        many took under 2^(i+1) us; bucket 0 under 2 us, the last the rest)
+        and latency_sum_ns; failures_by_status (KVF_E* code -> count).
+        None once the channel is closed."""
+        cdef kvf_chan_stats *st
+        cdef int o, i
+        if self.cch == NULL or self.cch.stats == NULL:
+            return None
+        st = self.cch.stats
+        out = {}
+        for o in range(2):
+            out["read" if o else "write"] = {
+                "batches": st.batches[o], "bytes": st.bytes[o], "failed": st.failed[o],
+                "latency_buckets": [st.lat[o][i] for i in range(KVF_LAT_BUCKETS)],
+                "latency_sum_ns": st.lat_sum_ns[o]}
+        out["failures_by_status"] = {i: st.by_status[i] for i in range(KVF_NSTATUS) if st.by_status[i]}
+        return out
+
     cdef uint64_t _poll_budget(self, uint64_t total):
         """Nanoseconds to poll for a batch of `total` bytes (0: never)."""
         return 0

@@ -158,9 +158,21 @@ cdef extern from "_native/credit.h" nogil:
     int kvf_srv_window_stats(kvf_ctx *c, kvf_credit_stats *out)
 
 
+cdef extern from "_native/kvf.h" nogil:
+    enum:
+        KVF_LAT_BUCKETS
+        KVF_NSTATUS
+    ctypedef struct kvf_chan_stats:
+        uint64_t batches[2]
+        uint64_t bytes[2]
+        uint64_t failed[2]
+        uint64_t by_status[16]
+        uint64_t lat[2][28]
+        uint64_t lat_sum_ns[2]
+
 cdef extern from "_native/provider.h" nogil:
     ctypedef struct kvf_channel:
-        pass
+        kvf_chan_stats *stats
     int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,
                         size_t n, const kvf_qos *qos, uint64_t budget_ns, uint64_t *id_out, size_t *bad,
                         int *finished)

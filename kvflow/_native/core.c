@@ -172,6 +172,11 @@ void kvf_ctx_free_common(kvf_ctx *c) {
     pthread_cond_destroy(&c->srv_cv);
     kvf_sched_orphan_all(c);
     pthread_mutex_destroy(&c->sched_mu);
+    while (c->chan_stats) {
+        kvf_chan_stats *st = c->chan_stats;
+        c->chan_stats = st->next;
+        free(st);
+    }
 }
 
 static __thread int tls_detached;
@@ -201,6 +206,7 @@ int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out) {
     atomic_store_explicit(&b->status, KVF_OK, memory_order_relaxed);
     atomic_store_explicit(&b->cancelled, 0, memory_order_relaxed);
     atomic_store_explicit(&b->err_entry, 0, memory_order_relaxed);
+    b->stats = NULL;                 /* kvf_submit names it; a provider's own batches are not counted */
     b->detached = tls_detached;
     b->prio = KVF_PRIO_NORMAL;
     b->deadline_ns = 0;
@@ -281,6 +287,22 @@ static void completion_push(kvf_ctx *c, uint32_t slot) {
     }
 }
 
+void kvf_chan_stats_record(kvf_chan_stats *st, int op, uint64_t bytes, int status, uint64_t ns) {
+    int o = op == KVF_OP_READ;
+    atomic_fetch_add_explicit(&st->batches[o], 1, memory_order_relaxed);
+    if (status != KVF_OK) {
+        atomic_fetch_add_explicit(&st->failed[o], 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&st->by_status[status > 0 && status < KVF_NSTATUS ? status : 0], 1,
+                                  memory_order_relaxed);
+        return;
+    }
+    atomic_fetch_add_explicit(&st->bytes[o], bytes, memory_order_relaxed);
+    uint64_t us = ns / 1000;
+    int i = us < 2 ? 0 : 63 - __builtin_clzll(us);     /* floor(log2(us)) */
+    atomic_fetch_add_explicit(&st->lat[o][i < KVF_LAT_BUCKETS ? i : KVF_LAT_BUCKETS - 1], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&st->lat_sum_ns[o], ns, memory_order_relaxed);
+}
+
 void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry) {
     kvf_batch *b = &c->batches[slot];
     if (status != KVF_OK) {
@@ -289,8 +311,23 @@ void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry) {
             atomic_store_explicit(&b->err_entry, entry, memory_order_relaxed);
     }
     /* acq_rel: the last decrementer sees every other slice's status store. */
-    if (atomic_fetch_sub_explicit(&b->remaining, 1, memory_order_acq_rel) == 1)
+    if (atomic_fetch_sub_explicit(&b->remaining, 1, memory_order_acq_rel) == 1) {
+        if (b->stats)
+            kvf_chan_stats_record(b->stats, b->op, b->bytes, atomic_load_explicit(&b->status, memory_order_relaxed),
+                                  kvf_now_ns() - b->t0_ns);
         completion_push(c, slot);
+    }
+}
+
+int kvf_channel_init(kvf_channel *ch, const kvf_provider_ops *ops, kvf_ctx *ctx, kvf_region_table *remote) {
+    kvf_chan_stats *st = calloc(1, sizeof(*st));
+    *ch = (kvf_channel){ops, ctx, remote, st};
+    if (!st) return KVF_ENOMEM;
+    pthread_mutex_lock(&ctx->pool_mu);
+    st->next = ctx->chan_stats;
+    ctx->chan_stats = st;
+    pthread_mutex_unlock(&ctx->pool_mu);
+    return KVF_OK;
 }
 
 static void batch_free(kvf_ctx *c, uint32_t slot) {
@@ -496,12 +533,14 @@ int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, 
         *bad = 0;
         return KVF_ELOST;
     }
+    uint64_t t0 = ch->stats ? kvf_now_ns() : 0;
     if (ops->run_inline) {
         size_t failed = 0;
         rc = ops->run_inline(ch, s, k, total, &failed);
         if (rc >= 0) {
             if (rc) *bad = s[failed].entry;
             free(s);
+            if (ch->stats) kvf_chan_stats_record(ch->stats, op, total, rc, kvf_now_ns() - t0);
             return rc;
         }
     }
@@ -511,6 +550,11 @@ int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, 
         free(s);
         return rc;
     }
+    kvf_batch *b = &ch->ctx->batches[(uint32_t)id];
+    b->stats = ch->stats;
+    b->t0_ns = t0;
+    b->bytes = total;
+    b->op = op;
     for (size_t i = 0; i < k; i++) s[i].slot = (uint32_t)id;
     /* The seam (provider.h): the batch's class and deadline, which the
      * providers' scheduled queues order it by (sched.c); a relay takes the

@@ -91,6 +91,20 @@ typedef struct {
 
 #define KVF_MAX_BATCHES (1u << 16)
 
+/* A channel's batch numbers (engine.metrics()): counted once per batch, as
+ * it finishes, with relaxed atomics. Latency bucket i holds batches that
+ * took less than 2^(i+1) us (bucket 0: under 2 us), the last one the rest. */
+#define KVF_LAT_BUCKETS 28
+#define KVF_NSTATUS 16
+typedef struct kvf_chan_stats {
+    _Atomic uint64_t batches[2], bytes[2], failed[2];   /* by op: write, read */
+    _Atomic uint64_t by_status[KVF_NSTATUS];            /* failed batches by KVF_E* status */
+    _Atomic uint64_t lat[2][KVF_LAT_BUCKETS];
+    _Atomic uint64_t lat_sum_ns[2];
+    struct kvf_chan_stats *next;                        /* the engine's list (freed with it) */
+} kvf_chan_stats;
+void kvf_chan_stats_record(kvf_chan_stats *st, int op, uint64_t bytes, int status, uint64_t ns);
+
 typedef struct {
     _Atomic uint64_t remaining;  /* slices not yet finished (+1 held by the submitter) */
     _Atomic int32_t status;      /* first error wins (CAS from KVF_OK) */
@@ -101,6 +115,9 @@ typedef struct {
     int32_t detached;            /* waited for by its submitting thread, never drained */
     int32_t prio;                /* KVF_PRIO_*, set before its slices are queued */
     uint64_t deadline_ns;        /* absolute (CLOCK_MONOTONIC); 0: none */
+    kvf_chan_stats *stats;       /* where it is counted when it finishes (NULL: nowhere) */
+    uint64_t t0_ns, bytes;
+    int32_t op;
 } kvf_batch;
 
 typedef struct {
@@ -136,6 +153,7 @@ typedef struct kvf_ctx {
     _Atomic int closing;
     _Atomic int n_pre_auth;    /* server connections still before their hello */
     struct kvf_credit_pool *credit;   /* the receive window (credit.h); NULL: none */
+    kvf_chan_stats *chan_stats;       /* every channel's stats block (guarded by pool_mu) */
 
     struct kvf_local_pool *local_pool;
 

@@ -247,7 +247,7 @@ kvf_local_channel *kvf_local_channel_new(kvf_ctx *c, kvf_region_table *remote, i
                                          uint64_t inline_limit) {
     kvf_local_channel *lc = calloc(1, sizeof(*lc));
     if (!lc) return NULL;
-    lc->base = (kvf_channel){&local_ops, c, remote};
+    if (kvf_channel_init(&lc->base, &local_ops, c, remote) != KVF_OK) { free(lc); return NULL; }
     lc->pid = pid;
     lc->inline_limit = inline_limit;
     return lc;

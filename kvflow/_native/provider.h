@@ -74,7 +74,12 @@ struct kvf_channel {
     const kvf_provider_ops *ops;
     kvf_ctx *ctx;                 /* the engine's native context */
     kvf_region_table *remote;     /* the peer's regions, as its descriptor says */
+    kvf_chan_stats *stats;        /* its batches' numbers (owned by ctx: they outlive the channel) */
 };
+
+/* Sets a provider's channel base: ops, context, the peer's table, and its
+ * stats block. KVF_ENOMEM when the block cannot be allocated. */
+int kvf_channel_init(kvf_channel *ch, const kvf_provider_ops *ops, kvf_ctx *ctx, kvf_region_table *remote);
 
 /* Submits one batch on any provider's channel, with its class and deadline
  * (qos; NULL: NORMAL, none). KVF_OK with *id_out the

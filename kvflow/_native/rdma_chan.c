@@ -38,7 +38,7 @@ kvf_rdma_chan *kvf_rdma_chan_new(kvf_ctx *c, kvf_region_table *remote, uint64_t 
                                  uint64_t token) {
     kvf_rdma_chan *ch = calloc(1, sizeof(*ch));
     if (!ch) return NULL;
-    ch->base = (kvf_channel){&rdma_ops, c, remote};
+    if (kvf_channel_init(&ch->base, &rdma_ops, c, remote) != KVF_OK) { free(ch); return NULL; }
     ch->slice_size = slice_size;
     ch->token = token;
     pthread_mutex_init(&ch->mu, NULL);

@@ -374,7 +374,7 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, con
     ch->window = window;
     /* every slice must fit a grant, and a few must fit the window at once */
     if (window && slice_size > window / 4) slice_size = window / 4 > 4096 ? window / 4 : 4096;
-    ch->base = (kvf_channel){&tcp_ops, ctx, remote};
+    if (kvf_channel_init(&ch->base, &tcp_ops, ctx, remote) != KVF_OK) { free(ch); return NULL; }
     pthread_mutex_init(&ch->ack_mu, NULL);
     ch->ack_fd = ack_fd;
     ch->express = express >= 0 && express < nfds && nfds > 1 ? express : -1;

@@ -19,6 +19,7 @@ from kvflow.control.client import dial
 from kvflow.control.descriptor import Descriptor, regions_to_wire
 from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
 from kvflow.control.wire import encode
+from kvflow.engine.metrics import engine_metrics
 from kvflow.engine.peer import Peer
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
@@ -531,6 +532,17 @@ class Engine:
     def counters(self) -> dict[str, int]:
         """Live native resources (sockets, threads, slices, batches in flight)."""
         return self._core.counters() if self._core is not None else {}
+
+    def metrics(self) -> dict[str, Any]:
+        """Engine-level numbers (kvflow.engine.metrics; docs/metrics.md):
+        per peer, its provider and per operation batches, bytes, failures
+        by kind and latency (mean, p50, p99, the histogram), its tcp
+        connections (bytes, slices moved when one failed, rebuilds); what
+        is in flight; the native resources; the receive window's pool.
+        Batches are counted by the native core as they finish, so the
+        numbers cost no Python per batch; `kvflow.metrics` exports them
+        to Prometheus."""
+        return engine_metrics(self)
 
     def receive_window_stats(self) -> dict[str, int] | None:
         """The receive window's pool (None without one, or before start()):

@@ -1,0 +1,101 @@
+"""Prometheus export of `engine.metrics()` (prometheus-client is optional:
+`pip install prometheus-client`).
+
+    from prometheus_client import start_http_server
+    kvflow.metrics.register_prometheus(engine)      # the default registry
+    start_http_server(9400)
+
+Metric names (labels peer, provider, op unless said):
+
+| name | kind | what |
+|---|---|---|
+| kvflow_batches_total | counter | batches finished (succeeded or failed) |
+| kvflow_bytes_total | counter | bytes of the batches that succeeded |
+| kvflow_batch_failures_total | counter | failed batches |
+| kvflow_failures_by_kind_total | counter | failed batches by kind (labels peer, provider, kind: ELOST, ECANCELLED, ...) |
+| kvflow_batch_latency_seconds | histogram | submission to completion, succeeded batches (buckets: powers of two of us) |
+| kvflow_moved_slices_total | counter | slices handed to another tcp connection when one failed (peer, provider) |
+| kvflow_connection_failures_total | counter | tcp data connections that failed (peer, provider) |
+| kvflow_inflight_batches, kvflow_inflight_slices | gauge | what is in flight now (no labels) |
+| kvflow_receive_window_bytes, kvflow_receive_window_held_bytes | gauge | the receive window and what is granted of it |
+| kvflow_receive_window_violations_bytes_total | counter | payload that landed without credit |
+
+Every scrape reads the native counters at once; nothing is kept here.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+__all__ = ["EngineCollector", "register_prometheus"]
+
+
+class EngineCollector:
+    """A prometheus_client collector for one engine (several engines: one
+    collector each, with a distinct `engine` label value)."""
+
+    def __init__(self, engine: Any, name: str | None = None) -> None:
+        self.engine = engine
+        self.name = name
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        m = self.engine.metrics()
+        extra = ["engine"] if self.name else []
+        tag = [self.name] if self.name else []
+        op_labels = extra + ["peer", "provider", "op"]
+        batches = CounterMetricFamily("kvflow_batches", "batches finished", labels=op_labels)
+        nbytes = CounterMetricFamily("kvflow_bytes", "bytes of the batches that succeeded", labels=op_labels)
+        failed = CounterMetricFamily("kvflow_batch_failures", "failed batches", labels=op_labels)
+        kinds = CounterMetricFamily("kvflow_failures_by_kind", "failed batches by kind",
+                                    labels=extra + ["peer", "provider", "kind"])
+        latency = HistogramMetricFamily("kvflow_batch_latency_seconds", "submission to completion",
+                                        labels=op_labels)
+        moved = CounterMetricFamily("kvflow_moved_slices", "slices moved to another tcp connection",
+                                    labels=extra + ["peer", "provider"])
+        conn_failures = CounterMetricFamily("kvflow_connection_failures", "tcp data connections that failed",
+                                            labels=extra + ["peer", "provider"])
+        for peer, pm in sorted(m["peers"].items()):
+            for op in ("write", "read"):
+                s = pm[op]
+                labels = tag + [peer, pm["provider"], op]
+                batches.add_metric(labels, s["batches"])
+                nbytes.add_metric(labels, s["bytes"])
+                failed.add_metric(labels, s["failed"])
+                cumulative, buckets = 0, []
+                for bound, n in s["latency_buckets"]:
+                    cumulative += n
+                    buckets.append(("+Inf" if bound == float("inf") else repr(bound / 1e6), cumulative))
+                mean = s["latency_mean_us"] or 0.0
+                latency.add_metric(labels, buckets, sum_value=mean * cumulative / 1e6)
+            for kind, n in sorted(pm["failures"].items()):
+                kinds.add_metric(tag + [peer, pm["provider"], kind], n)
+            moved.add_metric(tag + [peer, pm["provider"]], pm["moved_slices"])
+            conn_failures.add_metric(tag + [peer, pm["provider"]], pm["connection_failures"])
+        yield from (batches, nbytes, failed, kinds, latency, moved, conn_failures)
+        for key in ("batches", "slices"):
+            g = GaugeMetricFamily(f"kvflow_inflight_{key}", f"{key} in flight now", labels=extra)
+            g.add_metric(tag, m["inflight"][key])
+            yield g
+        rw = m["receive_window"]
+        if rw is not None:
+            for name, key, what in (("kvflow_receive_window_bytes", "window", "the receive window"),
+                                    ("kvflow_receive_window_held_bytes", "held", "granted, not landed")):
+                g = GaugeMetricFamily(name, what, labels=extra)
+                g.add_metric(tag, rw[key])
+                yield g
+            c = CounterMetricFamily("kvflow_receive_window_violations_bytes", "payload landed without credit",
+                                    labels=extra)
+            c.add_metric(tag, rw["violations"])
+            yield c
+
+
+def register_prometheus(engine: Any, registry: Any = None, name: str | None = None) -> EngineCollector:
+    """Registers an EngineCollector for `engine` with `registry` (default:
+    prometheus_client's) and returns it. ImportError without
+    prometheus-client."""
+    from prometheus_client import REGISTRY
+
+    collector = EngineCollector(engine, name)
+    (registry if registry is not None else REGISTRY).register(collector)
+    return collector

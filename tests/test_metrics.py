@@ -1,0 +1,84 @@
+"""engine.metrics() and its Prometheus export: the numbers of real
+transfers, counted by the native core."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import kvflow
+from _batches import bounded
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "local"])
+async def test_counts_bytes_failures_and_latency(make_engine, protocol):
+    a = await make_engine(protocols=[protocol])
+    b = await make_engine(protocols=[protocol])
+    src, dst = np.ones(256 * MiB, np.uint8), np.zeros(256 * MiB, np.uint8)
+    a.register(src)
+    b.register(dst)
+    peer = await bounded(a.connect(b.address))
+    for _ in range(7):
+        await peer.write([src.ctypes.data, src.ctypes.data + MiB], [dst.ctypes.data, dst.ctypes.data + MiB],
+                         [65536, 4096])
+    await peer.read([src.ctypes.data], [dst.ctypes.data], [8192])
+    if protocol == "tcp":        # the calling thread's own path (detached batches) is counted too
+        await asyncio.to_thread(peer.write_blocking, [src.ctypes.data], [dst.ctypes.data], [4096])
+    # one cancelled batch, counted as a failure of kind ECANCELLED
+    n = 128
+    first = peer.write_nowait([src.ctypes.data + i * MiB for i in range(n)],
+                              [dst.ctypes.data + i * MiB for i in range(n)], [MiB] * n)
+    second = peer.write_nowait([src.ctypes.data + i * MiB for i in range(n)],
+                               [dst.ctypes.data + i * MiB for i in range(n)], [MiB] * n)
+    second.cancel()
+    with pytest.raises(kvflow.TransferCancelledError):
+        await bounded(second)
+    await bounded(first)
+    m = a.metrics()
+    pm = m["peers"][b.address]
+    assert pm["provider"] == protocol
+    w, r = pm["write"], pm["read"]
+    blocking = 1 if protocol == "tcp" else 0
+    assert w["batches"] == 7 + blocking + 2 and w["failed"] == 1
+    assert w["bytes"] == 7 * (65536 + 4096) + blocking * 4096 + n * MiB
+    assert (r["batches"], r["bytes"], r["failed"]) == (1, 8192, 0)
+    assert pm["failures"] == {"ECANCELLED": 1}
+    assert sum(c for _, c in w["latency_buckets"]) == w["batches"] - w["failed"]
+    assert 0 < w["latency_mean_us"] < 60e6 and w["latency_p50_us"] <= w["latency_p99_us"]
+    assert m["inflight"] == {"batches": 0, "slices": 0}
+    assert m["receive_window"] is None and m["resources"]["batches"] == 0
+    # the target counts nothing of it: it initiated nothing
+    assert b.metrics()["peers"] == {}
+
+
+async def test_prometheus_export(make_engine):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvflow.metrics import register_prometheus
+
+    a = await make_engine(protocols=["tcp"])
+    b = await make_engine(protocols=["tcp"], receive_window=4 * MiB)
+    src, dst = np.ones(MiB, np.uint8), np.zeros(MiB, np.uint8)
+    a.register(src)
+    b.register(dst)
+    peer = await bounded(a.connect(b.address))
+    for _ in range(3):
+        await peer.write([src.ctypes.data], [dst.ctypes.data], [MiB])
+    registry = prometheus_client.CollectorRegistry()
+    register_prometheus(a, registry, name="prefill-0")
+    register_prometheus(b, registry, name="decode-0")
+    labels = {"engine": "prefill-0", "op": "write", "peer": b.address, "provider": "tcp"}
+    value = registry.get_sample_value
+    assert value("kvflow_batches_total", labels) == 3
+    assert value("kvflow_bytes_total", labels) == 3 * MiB
+    assert value("kvflow_batch_latency_seconds_count", labels) == 3
+    assert value("kvflow_batch_latency_seconds_bucket", {**labels, "le": "+Inf"}) == 3
+    assert 0 < value("kvflow_batch_latency_seconds_sum", labels) < 60
+    assert value("kvflow_batch_failures_total", labels) == 0
+    assert value("kvflow_receive_window_bytes", {"engine": "decode-0"}) == 4 * MiB
+    assert value("kvflow_receive_window_violations_bytes_total", {"engine": "decode-0"}) == 0
+    assert value("kvflow_inflight_batches", {"engine": "prefill-0"}) == 0
+    text = prometheus_client.generate_latest(registry).decode()      # the exposition itself renders
+    assert "# TYPE kvflow_batch_latency_seconds histogram" in text
