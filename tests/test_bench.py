@@ -109,3 +109,14 @@ def test_layout_wraps_inside_max_region_and_slots_do_not_overlap():
     b = small.slot_arrays(1, 0, 0)[0]
     assert not set(a.tolist()) & set(b.tolist())       # each slot its own entries
     assert np.all(np.diff(np.sort(np.concatenate([a, b]))) == 2 * 4096)   # a gap after each
+
+
+def test_progress_lines_in_a_log_and_the_metrics_summary():
+    """--progress writes progress to a stderr that is not a terminal, one
+    line each; a human run ends with what the engine's counters saw."""
+    p = bench("pair", "--protocol", "tcp", "--block-size", "64K", "--batch", "8", "--duration", "2.5",
+              "--warmup", "0", "--progress")
+    lines = [ln for ln in p.stderr.splitlines() if "GB/s" in ln]
+    assert len(lines) >= 2 and all("\r" not in ln for ln in lines), p.stderr[-2000:]
+    summary = [ln for ln in p.stderr.splitlines() if "metrics (tcp)" in ln]
+    assert summary and "write " in summary[0] and "0 failed" in summary[0], p.stderr[-2000:]

@@ -105,6 +105,25 @@ def _make_engine(args: argparse.Namespace, listen: str) -> kvflow.Engine:
     )
 
 
+def metrics_summary(engine: kvflow.Engine, peer: str) -> str:
+    """One line of what the engine's native counters saw toward `peer`
+    (engine.metrics()): batches, failures, latency."""
+    m = engine.metrics()["peers"].get(peer)
+    if m is None:
+        return "metrics: none (the peer's channel is closed)"
+    parts = []
+    for op in ("write", "read"):
+        s = m[op]
+        if not s["batches"]:
+            continue
+        lat = "" if s["latency_mean_us"] is None else (
+            f", latency mean {s['latency_mean_us']:.0f} us, p50 <{s['latency_p50_us']:.0f} us, "
+            f"p99 <{s['latency_p99_us']:.0f} us")
+        parts.append(f"{op} {s['batches']} batches, {format_size(s['bytes'])}, {s['failed']} failed{lat}")
+    failures = ", ".join(f"{k} {v}" for k, v in sorted(m["failures"].items()))
+    return f"metrics ({m['provider']}): " + ("; ".join(parts) or "no batches") + (f"; failures: {failures}" if failures else "")
+
+
 def _log(args: argparse.Namespace, message: str) -> None:
     if not getattr(args, "quiet", False):
         print(f"kvflow-bench: {message}", file=sys.stderr, flush=True)
@@ -213,7 +232,8 @@ async def run_initiator(args: argparse.Namespace, target: Optional[str] = None) 
     buffer = HostBuffer(needed_span)
     buffer.fill_pattern(args.seed, INITIATOR_PATTERN_TAG)
     reporter = Reporter(args.json, sys.stdout)
-    progress = sys.stderr if (not args.json and not args.no_progress and sys.stderr.isatty()) else None
+    progress = sys.stderr if (args.progress or (not args.json and not args.no_progress and sys.stderr.isatty())) \
+        else None
     needed = kvflow.Access.WRITE if args.op == "write" else kvflow.Access.READ
     mismatches = 0
 
@@ -251,6 +271,8 @@ async def run_initiator(args: argparse.Namespace, target: Optional[str] = None) 
                     result.verified = await verify_run(router, peer, buffer, layout, 0, args)
                     mismatches += not result.verified
                 reporter.row(result)
+            if not args.json:
+                _log(args, metrics_summary(engine, peer.address))
         finally:
             await router.close()
             engine.deregister(region)
@@ -396,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--json", action="store_true",
                        help="print one JSON object per run instead of a table")
     group.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    group.add_argument("--progress", action="store_true",
+                       help="progress on stderr even when it is not a terminal (a log): one line per second")
     group.add_argument("--timeout", type=seconds, default=30.0, metavar="SECONDS",
                        help="per-batch timeout in seconds (default %(default)s)")
     group.add_argument("--connect-timeout", type=seconds, default=10.0, help=argparse.SUPPRESS)

@@ -258,9 +258,11 @@ async def _show_progress(state: _RunState, args: argparse.Namespace, label: str,
     last_ns, last_bytes = perf_ns(), 0
     begun_ns = last_ns
     width = 0
+    # a terminal gets one line rewritten in place; a log one line per second
+    tty = hasattr(stream, "isatty") and stream.isatty()
     try:
         while True:
-            await asyncio.sleep(_PROGRESS_INTERVAL_S)
+            await asyncio.sleep(_PROGRESS_INTERVAL_S if tty else 1.0)
             now_ns, done = perf_ns(), state.bytes_done
             rate = (done - last_bytes) / max(now_ns - last_ns, 1)  # bytes/ns == GB/s
             last_ns, last_bytes = now_ns, done
@@ -273,7 +275,12 @@ async def _show_progress(state: _RunState, args: argparse.Namespace, label: str,
             else:
                 shown = state.bytes_measured
                 phase = f"{(now_ns - state.phase_start_ns) / 1e9:5.1f}/{args.duration:g} s"
-            line = f"\r{label}  {format_size(shown):>11}  {rate:8.3f} GB/s  {phase}"
+            line = f"{label}  {format_size(shown):>11}  {rate:8.3f} GB/s  {phase}"
+            if not tty:
+                stream.write(f"kvflow-bench: {line}\n")
+                stream.flush()
+                continue
+            line = "\r" + line
             width = max(width, len(line))
             stream.write(line.ljust(width))
             stream.flush()
