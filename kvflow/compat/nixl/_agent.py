@@ -217,7 +217,7 @@ class AgentCore:
             self._thread.call_sync(self._engine.deregister, self._regions.pop(addr))
 
     def queryMem(self, descs: B.nixlRegDList, backend: BackendHandle) -> list[dict[str, str] | None]:
-        spans = [(r.addr, r.addr + r.length) for r in self._regions.values()]
+        spans = self._local_spans()
         return [None if _covered(spans, descs.addrs[i:i + 1], descs.lens[i:i + 1]) >= 0
                 else {"mem_type": "DRAM", "registered": "true"} for i in range(descs.descCount())]
 
