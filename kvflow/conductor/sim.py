@@ -1,0 +1,398 @@
+"""A discrete-event simulation of a PD-disaggregated cluster driven by the
+conductor, for replaying request traces.
+
+The conductor routes with its estimates; this module is the ground truth it
+is measured against:
+- prefill instances run their queue in order, each request taking
+  `PrefillModel.time(tokens, prefix)`, after any prefix it fetches from
+  another instance has landed;
+- every instance has one NIC (`LinkModel`); prefix moves and the prefill ->
+  decode KV streams share it, and a stream runs while its prefill computes
+  (layer by layer), ending at most one layer's worth after it;
+- decode instances run continuous batches: each step takes
+  `DecodeModel.step_time(batch, context)`, a request joins when its KV has
+  landed and its memory (prompt + output) fits the KV pool, and leaves when
+  its last token is out;
+- TTFT is arrival to the end of the prefill (the first token); TBT is the
+  paper's: the mean of a request's longest 10% token intervals, the first
+  interval counting the wait for the decode instance.
+
+Everything is deterministic for a seed (only the `random` policy draws).
+Decode steps are not simulated one by one: between two events every
+sequence of a batch advances by the same number of tokens, so a decode
+instance keeps a token clock and an epoch log of step times, and one event
+per arrival or departure suffices.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .conductor import Conductor
+from .estimators import (
+    KV_BYTES_PER_TOKEN_70B, PAPER_DRAM_TOKENS, PAPER_LAYERS, DecodeModel, LinkModel, PrefillModel,
+)
+from .policies import PrefillPolicy
+from .trace import TRACE_BLOCK_TOKENS, TraceRequest
+from .types import Decision, InstanceSpec, Rejected, RejectionMode, Request, Role
+
+__all__ = ["ClusterConfig", "RequestOutcome", "Simulation", "SimResult"]
+
+_ARRIVE, _MOVED, _PREFILL_START, _PREFILLED, _AT_DECODE, _DECODE_TICK = range(6)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    prefill: int = 8
+    decode: int = 8
+    cache_blocks: int | None = PAPER_DRAM_TOKENS // TRACE_BLOCK_TOKENS   # per prefill instance
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_70B
+    layers: int = PAPER_LAYERS
+    prefill_model: PrefillModel = field(default_factory=PrefillModel)
+    decode_model: DecodeModel = field(default_factory=DecodeModel)
+    link: LinkModel = field(default_factory=LinkModel)
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode instance")
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    index: int
+    arrival_s: float
+    tokens: int
+    output_tokens: int
+    prefill: str = ""
+    decode: str = ""
+    rejected: str = ""            # the RejectReason value, "" if served
+    prefill_start_s: float = math.nan
+    prefill_s: float = 0.0
+    ttft_s: float = math.nan
+    tbt_s: float = math.nan       # mean of the longest 10% token intervals
+    finish_s: float = math.nan
+    blocks: int = 0
+    reused_blocks: int = 0
+    moved_blocks: int = 0
+
+    @property
+    def completed(self) -> bool:
+        return not self.rejected and not math.isnan(self.finish_s)
+
+
+@dataclass
+class SimResult:
+    outcomes: list[RequestOutcome]
+    span_s: float
+    moved_bytes: int
+    wasted_prefill_s: float
+    prefill_busy_s: float
+
+
+class _PrefillServer:
+    __slots__ = ("name", "free_at")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.free_at = 0.0
+
+
+class _Nic:
+    __slots__ = ("free_at",)
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+
+
+@dataclass(slots=True)
+class _Seq:
+    rid: str
+    out: RequestOutcome
+    v0: float            # the token clock when it joined
+    v_end: float         # ... when its last token is out
+    ctx0: int            # prompt tokens
+    epoch0: int          # the epoch it joined in
+    first_gap_s: float   # prefill end -> its first decode step began
+    reserve: int         # KV pool tokens it holds (prompt + output)
+
+
+class _DecodeServer:
+    """A continuous batch with a token clock: `v` counts the decode steps
+    every sequence has taken since the start; a sequence that joined at v0
+    with k tokens to generate leaves at v0 + k."""
+
+    def __init__(self, name: str, model: DecodeModel, capacity: int) -> None:
+        self.name = name
+        self.model = model
+        self.capacity = capacity
+        self.v = 0.0
+        self.t = 0.0
+        self.version = 0
+        self.seqs: dict[str, _Seq] = {}
+        self.ends: list[tuple[float, str]] = []
+        self.waiting: deque[tuple[str, RequestOutcome, int]] = deque()
+        self.used = 0
+        self.ctx0_sum = 0
+        self.v0_sum = 0.0
+        self.epoch_v: list[float] = [0.0]
+        self.epoch_tbt: list[float] = [0.0]
+
+    def step_s(self) -> float:
+        n = len(self.seqs)
+        if n == 0:
+            return 0.0
+        ctx = self.ctx0_sum + n * self.v - self.v0_sum
+        return self.model.step_time(n, int(ctx))
+
+    def advance(self, t: float) -> None:
+        if t <= self.t:
+            return
+        step = self.epoch_tbt[-1]
+        if step > 0:
+            self.v += (t - self.t) / step
+        self.t = t
+
+    def new_epoch(self) -> None:
+        self.epoch_v.append(self.v)
+        self.epoch_tbt.append(self.step_s())
+        self.version += 1
+
+    def next_end(self) -> float | None:
+        while self.ends and self.ends[0][1] not in self.seqs:
+            heapq.heappop(self.ends)
+        if not self.ends:
+            return None
+        step = self.epoch_tbt[-1]
+        return self.t + max(0.0, self.ends[0][0] - self.v) * step
+
+    def join(self, rid: str, out: RequestOutcome, ready_s: float, reserve: int) -> None:
+        k = out.output_tokens - 1
+        seq = _Seq(rid, out, self.v, self.v + k, out.tokens, len(self.epoch_v), self.t - ready_s, reserve)
+        self.seqs[rid] = seq
+        heapq.heappush(self.ends, (seq.v_end, rid))
+        self.used += reserve
+        self.ctx0_sum += seq.ctx0
+        self.v0_sum += seq.v0
+
+    def leave(self, seq: _Seq) -> None:
+        del self.seqs[seq.rid]
+        self.used -= seq.reserve
+        self.ctx0_sum -= seq.ctx0
+        self.v0_sum -= seq.v0
+
+    def tbt_of(self, seq: _Seq) -> float:
+        """Mean of the longest 10% of the sequence's token intervals: the
+        step times of the epochs it lived through, weighted by its steps in
+        each, and its first interval (wait + first step)."""
+        k = seq.out.output_tokens - 1
+        parts: list[tuple[float, float]] = []
+        ev, et = self.epoch_v, self.epoch_tbt
+        j = seq.epoch0
+        # The epoch it joined in starts at its v0 (it was opened by the join).
+        first_step = et[j] if j < len(et) else 0.0
+        parts.append((seq.first_gap_s + first_step, 1.0))
+        remaining_lo = seq.v0 + 1.0
+        hi = seq.v_end
+        n = len(ev)
+        while j < n and remaining_lo < hi:
+            lo_e = ev[j]
+            hi_e = ev[j + 1] if j + 1 < n else math.inf
+            lo, up = max(lo_e, remaining_lo), min(hi_e, hi)
+            if up > lo:
+                parts.append((et[j], up - lo))
+            j += 1
+        take = max(1.0, math.ceil(0.1 * k))
+        parts.sort(key=lambda p: -p[0])
+        total, got = 0.0, 0.0
+        for step, cnt in parts:
+            c = min(cnt, take - got)
+            total += step * c
+            got += c
+            if got >= take:
+                break
+        return total / got if got else 0.0
+
+
+class Simulation:
+    """One replay of `trace` through a `Conductor` with `policy`."""
+
+    def __init__(self, trace: Sequence[TraceRequest], policy: PrefillPolicy, cluster: ClusterConfig,
+                 *, speedup: float = 1.0, slo_ttft_s: float = 30.0, slo_tbt_s: float = 0.1,
+                 rejection: RejectionMode = RejectionMode.NONE) -> None:
+        if not speedup > 0:
+            raise ValueError(f"speedup must be positive, got {speedup}")
+        self.trace = trace
+        self.cluster = cluster
+        self.speedup = speedup
+        c = cluster
+        self.conductor = Conductor(policy=policy, rejection=rejection, slo_ttft_s=slo_ttft_s,
+                                   slo_tbt_s=slo_tbt_s, prefill_model=c.prefill_model,
+                                   decode_model=c.decode_model, kv_bytes_per_token=c.kv_bytes_per_token,
+                                   link=c.link)
+        self.prefill = {f"p{i}": _PrefillServer(f"p{i}") for i in range(c.prefill)}
+        self.decode = {f"d{i}": _DecodeServer(f"d{i}", c.decode_model, c.decode_model.kv_capacity_tokens)
+                       for i in range(c.decode)}
+        self.nic = {name: _Nic() for name in [*self.prefill, *self.decode]}
+        for name in self.prefill:
+            self.conductor.register(InstanceSpec(name, Role.PREFILL, cache_blocks=c.cache_blocks))
+        for name in self.decode:
+            self.conductor.register(InstanceSpec(name, Role.DECODE, kv_capacity_tokens=c.decode_model.kv_capacity_tokens))
+        self._events: list[tuple[float, int, int, str]] = []
+        self._seq = 0
+        self._outcomes: list[RequestOutcome] = []
+        self._by_id: dict[str, RequestOutcome] = {}
+        self._decisions: dict[str, Decision] = {}
+        self._wasted = 0.0
+        self._busy = 0.0
+
+    def _push(self, t: float, kind: int, key: str) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, key))
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        trace = self.trace
+        t0 = trace[0].arrival_s if trace else 0.0
+        for r in trace:
+            out = RequestOutcome(r.index, (r.arrival_s - t0) / self.speedup, r.tokens, r.output_tokens)
+            self._outcomes.append(out)
+            self._by_id[str(r.index)] = out
+        for r, out in zip(trace, self._outcomes):
+            self._push(out.arrival_s, _ARRIVE, str(r.index))
+        total, done = len(trace), 0
+        events = self._events
+        by_index = {str(r.index): r for r in trace}
+        while events:
+            t, _, kind, key = heapq.heappop(events)
+            if kind == _ARRIVE:
+                self._arrive(t, by_index[key])
+                done += 1
+                if progress is not None and (done % 256 == 0 or done == total):
+                    progress(done, total)
+            elif kind == _MOVED:
+                self.conductor.on_transfer_done(key, t)
+            elif kind == _PREFILL_START:
+                self._prefill_start(t, key)
+            elif kind == _PREFILLED:
+                self.conductor.on_prefill_done(key, t)
+            elif kind == _AT_DECODE:
+                self._at_decode(t, key)
+            else:
+                name, version = key.rsplit("#", 1)
+                d = self.decode[name]
+                if int(version) == d.version:
+                    self._decode_tick(t, d)
+        span = self._outcomes[-1].arrival_s if self._outcomes else 0.0
+        return SimResult(self._outcomes, span, self.conductor.stats.moved_bytes, self._wasted, self._busy)
+
+    # -- the stages -----------------------------------------------------------
+
+    def _arrive(self, now: float, r: TraceRequest) -> None:
+        rid = str(r.index)
+        out = self._by_id[rid]
+        req = Request(rid, r.tokens, r.keys, r.output_tokens, self.cluster.block_tokens)
+        dec = self.conductor.route(req, now)
+        out.blocks = len(r.keys)
+        if isinstance(dec, Rejected):
+            out.rejected = dec.reason.value
+            return
+        self._decisions[rid] = dec
+        out.prefill, out.decode = dec.prefill, dec.decode
+        out.reused_blocks, out.moved_blocks = dec.prefix_blocks, len(dec.blocks_to_move)
+        c = self.cluster
+        kvb = c.kv_bytes_per_token
+        ready = now
+        if dec.prefix_source is not None:
+            moved_tokens = req.cached_tokens(dec.prefix_blocks) - req.cached_tokens(dec.cached_blocks)
+            src, dst = self.nic[dec.prefix_source], self.nic[dec.prefill]
+            start = max(now, src.free_at, dst.free_at)
+            ready = start + c.link.time(moved_tokens * kvb)
+            src.free_at = dst.free_at = ready
+            self._push(ready, _MOVED, rid)
+        p = self.prefill[dec.prefill]
+        start = max(now, p.free_at, ready)
+        dur = c.prefill_model.time(r.tokens, req.cached_tokens(dec.prefix_blocks))
+        end = start + dur
+        p.free_at = end
+        self._busy += dur
+        out.prefill_start_s, out.prefill_s = start, dur
+        out.ttft_s = end - now
+        self._push(start, _PREFILL_START, rid)
+        self._push(end, _PREFILLED, rid)
+
+    def _prefill_start(self, now: float, rid: str) -> None:
+        """The KV streams to decode while the prefill computes, layer by
+        layer: it ends one layer's worth after the prefill at the earliest,
+        later when either NIC is busy. Taken on the NICs when the prefill
+        starts, not when it was routed: a NIC is a queue in time order, and
+        a stream booked for a prefill that starts in a minute must not hold
+        back the transfers before it."""
+        out = self._by_id[rid]
+        c = self.cluster
+        tx = out.tokens * c.kv_bytes_per_token / c.link.bandwidth_Bps
+        src, dst = self.nic[out.prefill], self.nic[out.decode]
+        tx_start = max(now, src.free_at, dst.free_at)
+        src.free_at = dst.free_at = tx_start + tx
+        end = out.prefill_start_s + out.prefill_s
+        landed = max(end + tx / c.layers, tx_start + tx) + c.link.latency_s
+        self._push(landed, _AT_DECODE, rid)
+
+    def _at_decode(self, now: float, rid: str) -> None:
+        out = self._by_id[rid]
+        rej = self.conductor.admit_decode(rid, now)
+        if rej is not None:
+            out.rejected = rej.reason.value
+            self._wasted += out.prefill_s
+            return
+        if out.output_tokens <= 1:
+            out.tbt_s = 0.0
+            out.finish_s = now
+            self.conductor.on_decode_done(rid, now, out.output_tokens)
+            return
+        d = self.decode[out.decode]
+        d.advance(now)
+        d.waiting.append((rid, out, out.tokens + out.output_tokens))
+        if self._admit_waiting(d):
+            d.new_epoch()
+            self._schedule_tick(d)
+
+    def _admit_waiting(self, d: _DecodeServer) -> bool:
+        """Let waiting requests join while the KV pool holds them (in order);
+        True if any joined (the caller opens a new epoch)."""
+        joined = False
+        while d.waiting:
+            rid, out, reserve = d.waiting[0]
+            if d.seqs and d.used + reserve > d.capacity:
+                break   # FIFO: the head waits for memory, and so does everyone behind it
+            d.waiting.popleft()
+            prefill_end = out.arrival_s + out.ttft_s
+            d.join(rid, out, prefill_end, reserve)
+            joined = True
+        return joined
+
+    def _schedule_tick(self, d: _DecodeServer) -> None:
+        t = d.next_end()
+        if t is not None:
+            self._push(t, _DECODE_TICK, f"{d.name}#{d.version}")
+
+    def _decode_tick(self, now: float, d: _DecodeServer) -> None:
+        d.advance(now)
+        left = False
+        # Sequences whose last token is out (within rounding of the clock).
+        while d.ends and d.ends[0][0] <= d.v + 1e-6:
+            _, rid = heapq.heappop(d.ends)
+            seq = d.seqs.get(rid)
+            if seq is None:
+                continue
+            d.leave(seq)
+            seq.out.tbt_s = d.tbt_of(seq)
+            seq.out.finish_s = now
+            self.conductor.on_decode_done(rid, now, seq.out.output_tokens)
+            left = True
+        if left:
+            self._admit_waiting(d)
+            d.new_epoch()
+        self._schedule_tick(d)
