@@ -14,7 +14,11 @@ Not thread-safe: one router task (or the simulator's loop) owns it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import math
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .estimators import KV_BYTES_PER_TOKEN_70B, DecodeModel, LinkModel, PrefillModel, TransferModel
 from .index import PrefixIndex
@@ -32,6 +36,7 @@ class _Prefill:
     queue: dict[str, float] = field(default_factory=dict)   # request -> expected end
     queued_tokens: int = 0
     queued_new_tokens: int = 0
+    pending: dict[int, int] = field(default_factory=dict)   # blocks its queued requests will cache
 
 
 @dataclass
@@ -81,12 +86,13 @@ class Conductor:
                  kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_70B,
                  link: TransferModel | None = None,
                  links: Callable[[str, str], TransferModel] | None = None,
-                 expected_output_tokens: int = 256) -> None:
+                 expected_output_tokens: int = 256, predict_margin: float = 1.0) -> None:
         if not isinstance(rejection, RejectionMode):
             raise TypeError(f"rejection must be a RejectionMode, got {rejection!r}")
         if slo_ttft_s <= 0 or slo_tbt_s <= 0:
             raise ValueError("SLOs must be positive")
         self.policy = policy if policy is not None else KVCacheCentric()
+        self.predict_margin = predict_margin
         self.rejection = rejection
         self.slo_ttft_s = slo_ttft_s
         self.slo_tbt_s = slo_tbt_s
@@ -101,6 +107,9 @@ class Conductor:
         self._flights: dict[str, _Flight] = {}
         self._out_mean = float(expected_output_tokens)
         self._decode_s_mean: float | None = None   # t_d of the predictive variant
+        self._durations: deque[float] = deque(maxlen=2048)
+        self._durations_sorted: np.ndarray | None = None
+        self._ends_since_sort = 0
         self.stats = ConductorStats()
 
     # -- instances -----------------------------------------------------------
@@ -150,13 +159,19 @@ class Conductor:
             if m > best:
                 best_src, best = name, m
         cands = [Candidate(name, matches[name], max(0.0, p.free_at - now), len(p.queue),
-                           p.queued_tokens, p.queued_new_tokens, len(self.index.cache(name)))
+                           p.queued_tokens, p.queued_new_tokens, len(self.index.cache(name)),
+                           self._ready_blocks(p, keys, matches[name]))
                  for name, p in self._prefill.items()]
+        ready = {c.name: c.ready_blocks for c in cands}
         view = RoutingView(request, cands, best_src, best, self.prefill_model,
                            lambda s, d, n: self._transfer_s(request, s, d, matches[d], n, now))
         choice = self.policy.choose(view)
         p = self._prefill[choice.instance]
         cached = matches[choice.instance]
+        # Blocks that requests queued ahead on the instance will have cached
+        # when this one starts count as cached, unless a move replaces them.
+        if choice.prefix_source is None or choice.move_blocks <= 0:
+            cached = ready[choice.instance]
         move = choice.move_blocks
         if choice.prefix_source is None or move <= 0:
             source, move = None, 0
@@ -184,9 +199,8 @@ class Conductor:
                     return self._reject(request, RejectReason.DECODE_LOAD,
                                         f"decode {d.spec.name} TBT {now_tbt * 1e3:.0f} ms now", d.spec.name)
             elif self.rejection is RejectionMode.PREDICTIVE:
-                batch, pctx = self._predicted_load(d, now + ttft)
-                pred = self.decode_model.step_time(batch + 1, pctx + ctx)
-                if pred > self.slo_tbt_s or pctx + ctx > d.capacity:
+                pred, pctx = self._predicted_peak(d, now + ttft, ctx, now)
+                if pred > self.slo_tbt_s or pctx > d.capacity:
                     return self._reject(request, RejectReason.PREDICTED_DECODE_LOAD,
                                         f"decode {d.spec.name} TBT {pred * 1e3:.0f} ms predicted", d.spec.name)
 
@@ -201,6 +215,8 @@ class Conductor:
         p.queued_tokens += request.tokens
         p.queued_new_tokens += new_tokens
         self.index.pin(p.spec.name, keys[:cached])
+        for k in keys:
+            p.pending[k] = p.pending.get(k, 0) + 1
         if source is not None:
             self.index.pin(source, decision.blocks_to_move)
             src = self._prefill[source]
@@ -250,6 +266,7 @@ class Conductor:
         expected = p.queue.pop(request_id, now)
         p.queued_tokens -= f.request.tokens
         p.queued_new_tokens -= f.new_tokens
+        self._unpend(p, f.request.keys)
         if p.queue:
             p.free_at += now - expected       # later (or earlier) than estimated: the rest shifts
         else:
@@ -292,6 +309,8 @@ class Conductor:
             # t_d, the uniform decode time of the predictive variant: a slow
             # moving average of what decodes really take.
             self._decode_s_mean = dur if self._decode_s_mean is None else 0.95 * self._decode_s_mean + 0.05 * dur
+            self._durations.append(dur)
+            self._ends_since_sort += 1
         if output_tokens:
             self._out_mean = 0.95 * self._out_mean + 0.05 * output_tokens
 
@@ -311,6 +330,7 @@ class Conductor:
             p.queue.pop(request_id)
             p.queued_tokens -= f.request.tokens
             p.queued_new_tokens -= f.new_tokens
+            self._unpend(p, f.request.keys)
             self.index.unpin(dec.prefill, f.request.keys[:dec.cached_blocks])
             if not f.moving and dec.blocks_to_move:
                 self.index.unpin(dec.prefill, dec.blocks_to_move)
@@ -354,24 +374,101 @@ class Conductor:
                                      best.running_ctx + best.reserved_ctx + ctx)
         return best, best_t
 
-    def _predicted_load(self, d: _Decode, t: float) -> tuple[int, int]:
-        """Requests decoding on `d` at time `t`: those decoding now that will
-        not have finished (each decode taking t_d), and those on their way
-        that will have arrived (Mooncake's system-level prediction, per
-        instance)."""
-        td = self._decode_s_mean
-        if td is None:
-            td = self._out_mean * self.slo_tbt_s / 2
-        batch, ctx = 0, 0
-        for c, start in d.running.values():
-            if start + td > t:
-                batch += 1
-                ctx += c
-        for c, ready in d.reserved.values():
-            if ready <= t < ready + td:
-                batch += 1
-                ctx += c
-        return batch, ctx
+    def _ready_blocks(self, p: _Prefill, keys: Sequence[int], cached: int) -> int:
+        """The request's prefix that `p` will hold when a request routed
+        there now starts: its cached blocks, extended by blocks requests
+        queued ahead of it are computing (they finish first: the queue is
+        FIFO, and their blocks get pinned by this request's route)."""
+        pending = p.pending
+        if not pending:
+            return cached
+        cache = self.index.cache(p.spec.name)
+        n = cached
+        for k in keys[cached:]:
+            if k in pending or k in cache:
+                n += 1
+            else:
+                break
+        return n
+
+    @staticmethod
+    def _unpend(p: _Prefill, keys: Sequence[int]) -> None:
+        pending = p.pending
+        for k in keys:
+            left = pending.get(k, 0) - 1
+            if left > 0:
+                pending[k] = left
+            else:
+                pending.pop(k, None)
+
+    def _decode_time_s(self) -> float:
+        """t_d, the uniform decode time of the predictive variant."""
+        if self._decode_s_mean is not None:
+            return self._decode_s_mean
+        return self._out_mean * self.slo_tbt_s / 2
+
+    def _survival(self) -> np.ndarray | None:
+        """Observed decode durations, sorted (refreshed every 64 ends), for
+        S(x), the fraction of decodes that last longer than x."""
+        if len(self._durations) < 32:
+            return None
+        if self._durations_sorted is None or self._ends_since_sort >= 64:
+            self._durations_sorted = np.sort(np.fromiter(self._durations, float))
+            self._ends_since_sort = 0
+        return self._durations_sorted
+
+    def _predicted_peak(self, d: _Decode, ready: float, ctx: int, now: float) -> tuple[float, float]:
+        """The worst TBT and KV use expected on `d` while this request would
+        decode there, over [ready, ready + t_d), with it added.
+
+        A system-level prediction, as Mooncake's: no request's output length
+        is known, but the distribution of decode times is. A request that
+        has decoded for a seconds is still there at time tau with
+        probability S(a + tau - now) / S(a); one on its way that lands at r,
+        with S(tau - r). Length-biased: the requests still running are the
+        long ones, which a uniform t_d (the paper's first cut) undercounts.
+        Before 32 decodes have ended, a uniform t_d stands in for S.
+
+        Checking the whole window, not only its first instant, is what keeps
+        one admission from breaking an earlier one: a request admitted
+        before this one but landing after it is inside this window, so this
+        one is refused rather than the earlier one crowded out at decode."""
+        td = self._decode_time_s()
+        sorted_d = self._survival()
+        run_ctx = np.fromiter((c for c, _ in d.running.values()), float, len(d.running))
+        run_age = np.fromiter((now - s for _, s in d.running.values()), float, len(d.running))
+        res_ctx = np.fromiter((c for c, _ in d.reserved.values()), float, len(d.reserved))
+        res_at = np.fromiter((r for _, r in d.reserved.values()), float, len(d.reserved))
+
+        if sorted_d is None:
+            def surv(x: np.ndarray) -> np.ndarray:
+                return (x < td).astype(float)
+        else:
+            total = float(len(sorted_d))
+
+            def surv(x: np.ndarray) -> np.ndarray:
+                return 1.0 - np.searchsorted(sorted_d, x, side="right") / total
+        s_age = surv(run_age)
+        s_age = np.where(s_age > 0, s_age, 1.0)   # older than any seen: assume it stays
+        model = self.decode_model
+        worst_t, worst_ctx = 0.0, 0.0
+        for frac in (0.0, 0.25, 0.5, 0.75):
+            tau = ready + frac * td
+            w_run = np.minimum(1.0, surv(run_age + (tau - now)) / s_age)
+            w_run = np.where(run_age + (tau - now) >= sorted_d[-1], 1.0, w_run) \
+                if sorted_d is not None and len(run_age) else w_run
+            w_res = np.where(res_at <= tau, surv(np.maximum(0.0, tau - res_at)), 0.0)
+            # Each request is there or not (Bernoulli): the count's spread
+            # is sum w(1 - w); `predict_margin` standard deviations over the
+            # mean, so that an admission near the limit is not a coin toss.
+            v_run, v_res = w_run * (1.0 - w_run), w_res * (1.0 - w_res)
+            z = self.predict_margin
+            n = 1.0 + float(w_run.sum()) + float(w_res.sum()) + z * math.sqrt(float(v_run.sum() + v_res.sum()))
+            c = ctx + float(w_run @ run_ctx) + float(w_res @ res_ctx) \
+                + z * math.sqrt(float(v_run @ (run_ctx * run_ctx) + v_res @ (res_ctx * res_ctx)))
+            worst_t = max(worst_t, model.step_time(max(1, round(n)), int(c)))
+            worst_ctx = max(worst_ctx, c)
+        return worst_t, worst_ctx
 
     def _moved_bytes(self, request: Request, cached: int, move: int) -> int:
         tokens = request.cached_tokens(cached + move) - request.cached_tokens(cached)

@@ -38,6 +38,8 @@ class Candidate:
     queued_tokens: int        # their prompt tokens
     queued_new_tokens: int    # their tokens still to compute (prompt minus prefix)
     cache_blocks_used: int    # blocks in its prefix cache
+    ready_blocks: int         # cached_blocks, extended by blocks the requests queued ahead
+                              # will have computed when a request routed now starts
 
 
 @dataclass(slots=True)
@@ -90,7 +92,14 @@ class KVCacheCentric:
     waits in the instance's queue, so the TTFT of that option is
     max(queue, transfer) + prefill, not their sum; the simulator and a live
     router both start it then. A fetch leaves a replica on the instance:
-    hot-spot replication."""
+    hot-spot replication.
+
+    The conductor knows what it has routed: blocks that requests queued on
+    an instance are computing count as that instance's prefix
+    (`Candidate.ready_blocks`), since they are cached by the time a request
+    routed behind them starts. KV-event routers (Dynamo) only see blocks
+    once computed, so a conversation's next turn arriving while the last
+    one still queues finds nothing."""
 
     name = "kvcache"
 
@@ -106,9 +115,9 @@ class KVCacheCentric:
         full = model.time(req.tokens, req.cached_tokens(best)) if best_src is not None else 0.0
         choice, ttft = None, float("inf")
         for c in view.candidates:
-            t = c.queue_s + model.time(req.tokens, req.cached_tokens(c.cached_blocks))
+            t = c.queue_s + model.time(req.tokens, req.cached_tokens(c.ready_blocks))
             pick = PrefillChoice(c.name)
-            if best_src is not None and best > c.cached_blocks and best > self.threshold * c.cached_blocks:
+            if best_src is not None and best > c.ready_blocks and best > self.threshold * c.ready_blocks:
                 move = best - c.cached_blocks
                 t_move = max(c.queue_s, view.transfer_s(best_src, c.name, move)) + full
                 if t_move < t:

@@ -4,8 +4,9 @@ conductor, for replaying request traces.
 The conductor routes with its estimates; this module is the ground truth it
 is measured against:
 - prefill instances run their queue in order, each request taking
-  `PrefillModel.time(tokens, prefix)`, after any prefix it fetches from
-  another instance has landed;
+  `PrefillModel.time(tokens, prefix)` with the prefix its instance's cache
+  holds when it starts, after any prefix it fetches from another instance
+  has landed;
 - every instance has one NIC (`LinkModel`); prefix moves and the prefill ->
   decode KV streams share it, and a stream runs while its prefill computes
   (layer by layer), ending at most one layer's worth after it;
@@ -41,7 +42,7 @@ from .types import Decision, InstanceSpec, Rejected, RejectionMode, Request, Rol
 
 __all__ = ["ClusterConfig", "RequestOutcome", "Simulation", "SimResult"]
 
-_ARRIVE, _MOVED, _PREFILL_START, _PREFILLED, _AT_DECODE, _DECODE_TICK = range(6)
+_ARRIVE, _MOVED, _PREFILLED, _AT_DECODE, _DECODE_TICK = range(5)
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,12 @@ class SimResult:
 
 
 class _PrefillServer:
-    __slots__ = ("name", "free_at")
+    __slots__ = ("name", "queue", "busy")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.free_at = 0.0
+        self.queue: deque[str] = deque()
+        self.busy = False
 
 
 class _Nic:
@@ -246,6 +248,8 @@ class Simulation:
         self._outcomes: list[RequestOutcome] = []
         self._by_id: dict[str, RequestOutcome] = {}
         self._decisions: dict[str, Decision] = {}
+        self._requests: dict[str, Request] = {}
+        self._moving: set[str] = set()
         self._wasted = 0.0
         self._busy = 0.0
 
@@ -273,11 +277,9 @@ class Simulation:
                 if progress is not None and (done % 256 == 0 or done == total):
                     progress(done, total)
             elif kind == _MOVED:
-                self.conductor.on_transfer_done(key, t)
-            elif kind == _PREFILL_START:
-                self._prefill_start(t, key)
+                self._moved(t, key)
             elif kind == _PREFILLED:
-                self.conductor.on_prefill_done(key, t)
+                self._prefilled(t, key)
             elif kind == _AT_DECODE:
                 self._at_decode(t, key)
             else:
@@ -293,7 +295,9 @@ class Simulation:
     def _arrive(self, now: float, r: TraceRequest) -> None:
         rid = str(r.index)
         out = self._by_id[rid]
-        req = Request(rid, r.tokens, r.keys, r.output_tokens, self.cluster.block_tokens)
+        # The conductor is not told the output length: a live router does not know it.
+        req = Request(rid, r.tokens, r.keys, 0, self.cluster.block_tokens)
+        self._requests[rid] = req
         dec = self.conductor.route(req, now)
         out.blocks = len(r.keys)
         if isinstance(dec, Rejected):
@@ -301,29 +305,54 @@ class Simulation:
             return
         self._decisions[rid] = dec
         out.prefill, out.decode = dec.prefill, dec.decode
-        out.reused_blocks, out.moved_blocks = dec.prefix_blocks, len(dec.blocks_to_move)
+        out.moved_blocks = len(dec.blocks_to_move)
         c = self.cluster
-        kvb = c.kv_bytes_per_token
-        ready = now
         if dec.prefix_source is not None:
             moved_tokens = req.cached_tokens(dec.prefix_blocks) - req.cached_tokens(dec.cached_blocks)
             src, dst = self.nic[dec.prefix_source], self.nic[dec.prefill]
             start = max(now, src.free_at, dst.free_at)
-            ready = start + c.link.time(moved_tokens * kvb)
+            ready = start + c.link.time(moved_tokens * c.kv_bytes_per_token)
             src.free_at = dst.free_at = ready
+            self._moving.add(rid)
             self._push(ready, _MOVED, rid)
         p = self.prefill[dec.prefill]
-        start = max(now, p.free_at, ready)
-        dur = c.prefill_model.time(r.tokens, req.cached_tokens(dec.prefix_blocks))
-        end = start + dur
-        p.free_at = end
-        self._busy += dur
-        out.prefill_start_s, out.prefill_s = start, dur
-        out.ttft_s = end - now
-        self._push(start, _PREFILL_START, rid)
-        self._push(end, _PREFILLED, rid)
+        p.queue.append(rid)
+        self._try_start(p, now)
 
-    def _prefill_start(self, now: float, rid: str) -> None:
+    def _moved(self, now: float, rid: str) -> None:
+        self.conductor.on_transfer_done(rid, now)
+        self._moving.discard(rid)
+        self._try_start(self.prefill[self._decisions[rid].prefill], now)
+
+    def _try_start(self, p: _PrefillServer, now: float) -> None:
+        """Start the head of `p`'s queue if `p` is idle and the prefix the
+        head fetches has landed (the queue is FIFO: the head holds it). The
+        prefix it reuses is what `p`'s cache holds now, matched as a server
+        matches its prefix cache when it schedules a request: blocks routed
+        as cached were pinned, moved ones landed and were pinned, and blocks
+        that requests ahead of it computed since may extend them."""
+        if p.busy or not p.queue or p.queue[0] in self._moving:
+            return
+        rid = p.queue.popleft()
+        req = self._requests[rid]
+        out = self._by_id[rid]
+        prefix = self.conductor.index.cache(p.name).match(req.keys)
+        dur = self.cluster.prefill_model.time(req.tokens, req.cached_tokens(prefix))
+        p.busy = True
+        self._busy += dur
+        out.reused_blocks = prefix
+        out.prefill_start_s, out.prefill_s = now, dur
+        out.ttft_s = now + dur - out.arrival_s
+        self._push(now + dur, _PREFILLED, rid)
+        self._stream_to_decode(now, rid)
+
+    def _prefilled(self, now: float, rid: str) -> None:
+        self.conductor.on_prefill_done(rid, now)
+        p = self.prefill[self._decisions[rid].prefill]
+        p.busy = False
+        self._try_start(p, now)
+
+    def _stream_to_decode(self, now: float, rid: str) -> None:
         """The KV streams to decode while the prefill computes, layer by
         layer: it ends one layer's worth after the prefill at the earliest,
         later when either NIC is busy. Taken on the NICs when the prefill

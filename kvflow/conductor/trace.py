@@ -3,6 +3,7 @@
 `hash_ids` (one id per 512-token block; equal ids, equal prefixes)."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from dataclasses import dataclass
@@ -22,11 +23,12 @@ class TraceRequest:
 
 
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
-    """Read a trace file, in arrival order. ValueError naming the line for
-    a malformed record (missing field, negative length, ids that do not
-    fit the length)."""
+    """Read a trace file (plain or .gz), in arrival order. ValueError naming
+    the line for a malformed record (missing field, negative length, ids
+    that do not fit the length)."""
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

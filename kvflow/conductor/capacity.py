@@ -1,0 +1,137 @@
+"""Capacity, as the Mooncake paper measures it: the highest request rate at
+which a policy still serves `--target` (90%) of the requests within the
+SLOs, TTFT <= 30 s and TBT <= each of the thresholds I, II and III, found by
+replaying the trace faster and faster (`--speedup`) and bisecting.
+
+    python -m kvflow.conductor.capacity --trace FILE [--policy all] [--prefill 8 --decode 8] [--json]
+
+Replays run without rejection (every request is served, late or not), so
+one replay gives the attainment at every TBT threshold. Policies run in
+parallel, one process each, up to the CPU count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from .metrics import TBT_THRESHOLDS_S, attainment
+from .policies import POLICIES
+from .replay import _policies, replay_one
+from .trace import TraceRequest, load_trace
+
+__all__ = ["Capacity", "find_capacity", "main"]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    policy: str
+    tbt_s: float
+    speedup: float        # the highest speedup found meeting the target (0: not even the lowest tried)
+    rate_rps: float       # requests per second at that speedup
+    runs: int
+
+
+def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decode: int,
+                  slo_ttft_s: float = 30.0, thresholds: tuple[float, ...] = TBT_THRESHOLDS_S,
+                  target: float = 0.9, precision: float = 0.02, lo: float = 0.25, hi: float = 64.0,
+                  threshold: float | None = None) -> list[Capacity]:
+    """The capacity of `policy` at each TBT threshold: the largest speedup
+    whose replay meets both SLOs for `target` of the requests, within a
+    factor `1 + precision`. Attainment is taken to fall as the speedup
+    grows (more load); the search brackets by doubling, then bisects in log
+    space. A replay is reused across thresholds."""
+    memo: dict[float, tuple[float, ...]] = {}
+    span = trace[-1].arrival_s - trace[0].arrival_s
+
+    def attain(sp: float) -> tuple[float, ...]:
+        if sp not in memo:
+            _, res = replay_one(trace, policy, prefill=prefill, decode=decode, speedup=sp,
+                                slo_ttft_s=slo_ttft_s, slo_tbt_s=min(thresholds), threshold=threshold)
+            memo[sp] = tuple(attainment(res.outcomes, slo_ttft_s, t) for t in thresholds)
+        return memo[sp]
+
+    out = []
+    for i, thr in enumerate(thresholds):
+        ok = lambda sp: attain(sp)[i] >= target   # noqa: E731
+        a = 1.0
+        if ok(a):
+            b = a * 2
+            while b <= hi and ok(b):
+                a, b = b, b * 2
+            if b > hi:
+                out.append(Capacity(policy, thr, a, len(trace) * a / span, len(memo)))
+                continue
+        else:
+            b = a
+            a = a / 2
+            while a >= lo and not ok(a):
+                b, a = a, a / 2
+            if a < lo:
+                out.append(Capacity(policy, thr, 0.0, 0.0, len(memo)))
+                continue
+        while b / a > 1 + precision:
+            m = math.sqrt(a * b)
+            if ok(m):
+                a = m
+            else:
+                b = m
+        out.append(Capacity(policy, thr, a, len(trace) * a / span, len(memo)))
+    return out
+
+
+def _one(args: tuple) -> list[Capacity]:
+    path, limit, policy, prefill, decode, slo_ttft, target, threshold = args
+    trace = load_trace(path, limit)
+    return find_capacity(trace, policy, prefill=prefill, decode=decode, slo_ttft_s=slo_ttft,
+                         target=target, threshold=threshold)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvflow.conductor.capacity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--policy", type=_policies, default=list(POLICIES))
+    ap.add_argument("--prefill", type=int, default=8)
+    ap.add_argument("--decode", type=int, default=8)
+    ap.add_argument("--slo-ttft", type=float, default=30.0)
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--threshold", type=float, default=None, help="kvcache_balancing_threshold")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    jobs = [(args.trace, args.limit, p, args.prefill, args.decode, args.slo_ttft, args.target, args.threshold)
+            for p in args.policy]
+    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
+        results = list(pool.map(_one, jobs))
+    caps = {c.policy: c for r in results for c in r if c.tbt_s == TBT_THRESHOLDS_S[0]}
+    print(f"capacity on {args.trace}: {args.prefill} prefill + {args.decode} decode, >= {args.target:.0%}"
+          f" of requests within TTFT {args.slo_ttft:g} s and TBT I/II/III (requests/s; x speedup)")
+    rows = []
+    for r in results:
+        line = f"{r[0].policy:>20}"
+        for c in r:
+            line += f"   {c.tbt_s * 1e3:>3.0f} ms: {c.rate_rps:7.2f} rps (x{c.speedup:.2f})"
+            rows.append({"policy": c.policy, "tbt_s": c.tbt_s, "speedup": c.speedup, "rate_rps": c.rate_rps,
+                         "runs": c.runs})
+        print(line)
+    if "kvcache" in caps:
+        ours = caps["kvcache"].rate_rps
+        others = {p: c.rate_rps for p, c in caps.items() if p != "kvcache"}
+        if others:
+            best = max(others, key=others.get)
+            print(f"kvcache / best other ({best}): {ours / others[best]:.2f}x" if others[best] else
+                  f"kvcache: {ours:.2f} rps, every other policy 0")
+            if "least_loaded" in others and others["least_loaded"]:
+                print(f"kvcache / least_loaded: {ours / others['least_loaded']:.2f}x")
+    if args.json:
+        print(json.dumps({"capacity": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
