@@ -317,11 +317,13 @@ class Model:
         qk = self._apply_rope(qkv[:, :hq + hkv], cos, sin)
         return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
-        """Attention of q [T, Hq, D] over k, v [S, Hkv, D]; returns [T, Hq * D]."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over k, v [S, Hkv, D] (causal, or under a boolean
+        [T, S] mask of the keys each query sees); returns [T, Hq * D]."""
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=causal, enable_gqa=True)                                  # [1, Hq, T, D]
+            attn_mask=mask, is_causal=causal, enable_gqa=True)                  # [1, Hq, T, D]
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
     def _finish_layer(self, w: _LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -352,24 +354,37 @@ class Model:
 
     @torch.inference_mode()
     def prefill(self, tokens: Sequence[int], pool: KVPool, pages: np.ndarray | Sequence[int],
-                on_layer: Callable[[int], None] | None = None) -> int:
-        """Run the whole prompt in one forward pass, writing its K/V into ``pool``; returns the first
+                on_layer: Callable[[int], None] | None = None, *, cached: int = 0) -> int:
+        """Run the prompt in one forward pass, writing its K/V into ``pool``; returns the first
         generated token (greedy).
 
         Token ``t``'s K/V go to page ``pages[t // page_size]``, slot ``t % page_size``, in
-        every layer. ``on_layer(i)`` is called as soon as layer ``i``'s K/V are in the pool,
+        every layer. With ``cached`` > 0 the K/V of positions ``[0, cached)`` are already in
+        those pages (a prefix cache hit, or pages copied from another server): only positions
+        ``[cached, len(tokens))`` are computed, attending over the cached keys read back from
+        the pool. ``on_layer(i)`` is called as soon as layer ``i``'s K/V are in the pool,
         before the rest of layer ``i`` (attention, MLP) and before layer ``i + 1``: the hook
-        through which sending layer ``i`` overlaps the computation that follows. Exceptions from ``on_layer`` propagate (the pool then holds the
-        layers written so far).
+        through which sending layer ``i`` overlaps the computation that follows. Exceptions
+        from ``on_layer`` propagate (the pool then holds the layers written so far).
 
         Raises ValueError for an empty prompt, token ids outside the vocabulary, pages that
-        cannot hold the prompt or lie outside the pool, or a pool of another config.
+        cannot hold the prompt or lie outside the pool, a pool of another config, or
+        ``cached`` outside ``[0, len(tokens))`` (the last token is always computed: it gives
+        the first output token).
         """
         t = self._check_tokens(tokens)
         self._check_pool(pool)
-        slots = pool.token_slots(pages, 0, t.numel())
-        cos, sin = self._rope(torch.arange(t.numel()))
-        h = self.embed[t]
+        n = t.numel()
+        if not 0 <= cached < n:
+            raise ValueError(f"cached must be in [0, {n}) for a {n}-token prompt, got {cached}")
+        slots = pool.token_slots(pages, cached, n)
+        cos, sin = self._rope(torch.arange(cached, n))
+        h = self.embed[t[cached:]]
+        c = self.config
+        if cached:
+            page_t = pool.page_table(pages, n)
+            # query i (position cached + i) sees keys 0 .. cached + i
+            mask = torch.arange(n)[None, :] <= torch.arange(cached, n)[:, None]
         for i, w in enumerate(self.layers):
             q, k, v = self._qkv(w, h, cos, sin)
             # Write this layer's K/V first, announce them, then finish the layer: K/V are
@@ -379,7 +394,13 @@ class Model:
             pool.rows(pool.v[i]).index_copy_(0, slots, v.reshape(v.shape[0], -1))
             if on_layer is not None:
                 on_layer(i)
-            h = self._finish_layer(w, h, self._attend(q, k, v, causal=True))
+            if cached:
+                k_all = pool.k[i].index_select(0, page_t).view(-1, c.num_kv_heads, c.head_dim)[:n]
+                v_all = pool.v[i].index_select(0, page_t).view(-1, c.num_kv_heads, c.head_dim)[:n]
+                attn = self._attend(q, k_all, v_all, causal=False, mask=mask)
+            else:
+                attn = self._attend(q, k, v, causal=True)
+            h = self._finish_layer(w, h, attn)
         return self._next_token(h[-1])
 
     @torch.inference_mode()

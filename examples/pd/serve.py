@@ -149,20 +149,26 @@ async def decode_server(args: argparse.Namespace) -> None:
         max_new = int(body.get("max_new_tokens", 16))
         if not tokens or max_new < 1:
             return web.json_response({"error": "need a prompt and max_new_tokens >= 1"}, status=400)
+        # A router in front (examples/pd/routed.py) names the prefill server
+        # (and its bootstrap) per request, and adds fields for the prefill
+        # request (which prefix to fetch first); without one, --prefill.
+        prefill_addr = str(body.get("prefill") or args.prefill)
+        bootstrap = str(body.get("bootstrap") or args.bootstrap)
+        extra = body.get("prefill_request") or {}
         room = random.getrandbits(63)
         pages = w.pool.alloc(w.pool.pages_for(len(tokens) + max_new - 1))
         slot = w.pool.alloc_slot()
-        receiver = KVReceiver(mgr, args.bootstrap, room, prefill_dp_rank=0)
+        receiver = KVReceiver(mgr, bootstrap, room, prefill_dp_rank=0)
         receiver.send_metadata(pages[:w.pool.pages_for(len(tokens))], aux_index=slot)
 
         async def ask_prefill() -> dict[str, Any]:
             try:
-                async with http.post(f"http://{args.prefill}/prefill",
-                                     json={"room": room, "tokens": tokens}) as resp:
+                async with http.post(f"http://{prefill_addr}/prefill",
+                                     json={**extra, "room": room, "tokens": tokens}) as resp:
                     return await resp.json()
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 receiver.abort()            # nobody will send: do not wait out the timeout
-                return {"error": f"prefill server {args.prefill}: {e!r}"}
+                return {"error": f"prefill server {prefill_addr}: {e!r}"}
         prefill = asyncio.create_task(ask_prefill())
         try:
             state = await receiver.wait(args.request_timeout)
@@ -176,7 +182,7 @@ async def decode_server(args: argparse.Namespace) -> None:
                      "ttft_s": t_landed - t_arrival, "prefill_compute_s": pinfo["prefill_compute_s"],
                      "exposed_s": receiver.metric.exposed_s, "bytes": receiver.metric.transfer_total_bytes,
                      "entries": pinfo["entries"], "layer_transfer_s": pinfo["layer_transfer_s"],
-                     "total_s": time.perf_counter() - t_arrival}
+                     "total_s": time.perf_counter() - t_arrival, "prefill": pinfo}
             return web.json_response(reply)
         finally:
             if not prefill.done():
