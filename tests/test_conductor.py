@@ -22,10 +22,9 @@ from kvflow.conductor import (
     make_policy,
 )
 from kvflow.conductor.capacity import find_capacity
-from kvflow.conductor.metrics import percentile, summarize
+from kvflow.conductor.metrics import percentile
 from kvflow.conductor.policies import Candidate, KVCacheCentric, RoutingView, SGLangCacheAware
 from kvflow.conductor.replay import replay_one
-from kvflow.conductor.sim import ClusterConfig, Simulation
 from kvflow.conductor.trace import load_trace
 
 TRACES = os.path.join(os.path.dirname(__file__), "data", "traces")

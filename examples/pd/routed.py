@@ -48,7 +48,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -57,19 +56,19 @@ import numpy as np
 
 import kvflow
 from kvflow.conductor import (
-    Conductor, Decision, InstanceSpec, LinkModel, PeerTransferModel, PrefillModel, Rejected, Request, Role,
+    Conductor, Decision, InstanceSpec, PeerTransferModel, PrefillModel, Rejected, Request, Role,
 )
 from kvflow.conductor.blocks import block_keys
-from kvflow.connector import BootstrapServer, DisaggregationMode, KVManager, KVPoll, KVSender
+from kvflow.connector import DisaggregationMode, KVManager, KVPoll, KVSender
 
 try:                                        # run as a module or as a script
     from examples.pd import serve
-    from examples.pd.model import KVPool, Model
+    from examples.pd.model import KVPool
     from examples.pd.prefix_cache import PrefixCache
 except ImportError:                         # pragma: no cover
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from examples.pd import serve
-    from examples.pd.model import KVPool, Model
+    from examples.pd.model import KVPool
     from examples.pd.prefix_cache import PrefixCache
 
 
@@ -438,94 +437,49 @@ async def bootstrap_server(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- run everything
 
-class RoutedCluster:
+class RoutedCluster(serve.ServerGroup):
     """Bootstraps, prefill servers (with prefix caches), decode servers and
     the router, as child processes."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        me = [sys.executable, "-m", "examples.pd.routed"]
+        super().__init__(args)
         flags = serve.model_flags(args)
-        self.procs: list[subprocess.Popen] = []
         self.prefill: list[str] = []
         self.decode: list[str] = []
-        prefill_items, decode_items = [], []
+        self.router_args: list[str] = []
         for i in range(args.prefill_servers):
             bport, pport = serve.free_port(), serve.free_port()
-            self.procs.append(subprocess.Popen(me + ["bootstrap", "--port", str(bport)], env=env, cwd=root))
-            self.procs.append(subprocess.Popen(
-                me + ["prefill", "--port", str(pport), "--bootstrap", f"127.0.0.1:{bport}",
-                      "--cache-pages", str(args.cache_pages)] + flags, env=env, cwd=root))
+            self.spawn("examples.pd.routed", ["bootstrap", "--port", str(bport)])
+            self.spawn("examples.pd.routed", ["prefill", "--port", str(pport), "--bootstrap", f"127.0.0.1:{bport}",
+                                              "--cache-pages", str(args.cache_pages)] + flags)
             self.prefill.append(f"127.0.0.1:{pport}")
-            prefill_items.append(f"p{i}=127.0.0.1:{pport}@127.0.0.1:{bport}")
+            self.router_args += ["--prefill", f"p{i}=127.0.0.1:{pport}@127.0.0.1:{bport}"]
         for i in range(args.decode_servers):
             dport = serve.free_port()
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "examples.pd.serve", "decode", "--port", str(dport)] + flags,
-                env=env, cwd=root))
+            self.spawn("examples.pd.serve", ["decode", "--port", str(dport)] + flags)
             self.decode.append(f"127.0.0.1:{dport}")
-            decode_items.append(f"d{i}=127.0.0.1:{dport}")
-        self.router_args = [*itertools.chain.from_iterable(("--prefill", x) for x in prefill_items),
-                            *itertools.chain.from_iterable(("--decode", x) for x in decode_items)]
+            self.router_args += ["--decode", f"d{i}=127.0.0.1:{dport}"]
         self.router = f"127.0.0.1:{serve.free_port()}"
-        self._env, self._root, self._me, self._flags = env, root, me, flags
-
-    async def _wait(self, addrs: list[str], timeout: float) -> None:
-        import aiohttp
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            for addr in addrs:
-                while True:
-                    if any(p.poll() is not None for p in self.procs):
-                        raise RuntimeError("a server exited during start-up")
-                    try:
-                        async with http.get(f"http://{addr}/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{addr} did not come up in {timeout:g} s")
-                    await asyncio.sleep(0.2)
 
     async def start(self, timeout: float = 180.0) -> None:
-        await self._wait(self.prefill + self.decode, timeout)
-        port = self.router.rsplit(":", 1)[1]
-        self.procs.append(subprocess.Popen(
-            self._me + ["router", "--port", port, "--page-size", str(self.args.page_size),
-                        "--cache-pages", str(self.args.cache_pages), "--protocol", self.args.protocol,
-                        "--request-timeout", str(self.args.request_timeout)] + self.router_args,
-            env=self._env, cwd=self._root))
-        await self._wait([self.router], timeout)
+        """Wait for the servers, then start the router (it asks each
+        prefill server for its replication engine on start-up)."""
+        await self.wait_healthy(self.prefill + self.decode, timeout)
+        a = self.args
+        self.spawn("examples.pd.routed", ["router", "--port", self.router.rsplit(":", 1)[1],
+                                          "--page-size", str(a.page_size), "--cache-pages", str(a.cache_pages),
+                                          "--protocol", a.protocol, "--request-timeout", str(a.request_timeout)]
+                   + self.router_args)
+        await self.wait_healthy([self.router], timeout)
 
     async def generate(self, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
-        import aiohttp
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.args.request_timeout)) as http:
-            async with http.post(f"http://{self.router}/generate",
-                                 json={"tokens": tokens, "max_new_tokens": max_new_tokens}) as r:
-                body = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"generate failed ({r.status}): {body}")
-                return body
+        return await self.post_generate(self.router, tokens, max_new_tokens)
 
     async def stats(self) -> dict[str, Any]:
         import aiohttp
         async with aiohttp.ClientSession() as http:
             async with http.get(f"http://{self.router}/stats") as r:
                 return await r.json()
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(self.procs):
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def conversations(args: argparse.Namespace) -> list[list[list[int]]]:
@@ -568,18 +522,7 @@ async def run(args: argparse.Namespace) -> int:
                   f"{r['ttft_s'] * 1e3:>8.1f}  {r['tokens'][:6]}")
         print("router:", json.dumps(await cluster.stats()))
         if args.check:
-            import torch
-            torch.set_num_threads(args.threads)
-            cfg = serve.model_config(args)
-            model = Model(cfg, seed=args.seed)
-            pool = KVPool(cfg, args.pages, args.page_size)
-            bad = 0
-            for prompt, r in results:
-                pages = pool.alloc(pool.pages_for(len(prompt) + args.max_new_tokens - 1))
-                bad += model.generate(prompt, args.max_new_tokens, pool, pages) != r["tokens"]
-                pool.free(pages)
-            print("check against single-process generation:", "OK" if not bad else f"{bad} MISMATCHES")
-            return 1 if bad else 0
+            return serve.check_against_reference(args, [(p, r["tokens"]) for p, r in results])
         return 0
     finally:
         cluster.close()

@@ -266,29 +266,26 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             "--transfer-timeout", str(args.transfer_timeout), "--request-timeout", str(args.request_timeout)]
 
 
-class Cluster:
-    """Bootstrap, prefill and decode servers as child processes."""
+class ServerGroup:
+    """Server processes started by one runner: waits for their /health,
+    posts /generate requests, stops them (SIGTERM, then SIGKILL)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        ports = [free_port() for _ in range(3)]
-        self.bootstrap = f"127.0.0.1:{ports[0]}"
-        self.prefill = f"127.0.0.1:{ports[1]}"
-        self.decode = f"127.0.0.1:{ports[2]}"
-        me = [sys.executable, "-m", "examples.pd.serve"]
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.procs = [subprocess.Popen(me + ["bootstrap", "--port", str(ports[0])], env=env, cwd=root)]
-        self.procs.append(subprocess.Popen(me + ["prefill", "--port", str(ports[1]), "--bootstrap", self.bootstrap]
-                                           + model_flags(args), env=env, cwd=root))
-        self.procs.append(subprocess.Popen(me + ["decode", "--port", str(ports[2]), "--bootstrap", self.bootstrap,
-                                                 "--prefill", self.prefill] + model_flags(args), env=env, cwd=root))
+        self.procs: list[subprocess.Popen] = []
+        self.root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.env = {**os.environ, "PYTHONPATH": self.root + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
-    async def wait_ready(self, timeout: float = 120.0) -> None:
+    def spawn(self, module: str, argv: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", module, *argv], env=self.env, cwd=self.root)
+        self.procs.append(p)
+        return p
+
+    async def wait_healthy(self, addrs: list[str], timeout: float) -> None:
         import aiohttp
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as http:
-            for addr in (self.bootstrap, self.prefill, self.decode):
+            for addr in addrs:
                 while True:
                     if any(p.poll() is not None for p in self.procs):
                         raise RuntimeError("a server exited during start-up")
@@ -302,24 +299,15 @@ class Cluster:
                         raise TimeoutError(f"{addr} did not come up in {timeout:g} s")
                     await asyncio.sleep(0.2)
 
-    async def generate(self, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
+    async def post_generate(self, addr: str, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
         import aiohttp
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.args.request_timeout)) as http:
-            async with http.post(f"http://{self.decode}/generate",
+            async with http.post(f"http://{addr}/generate",
                                  json={"tokens": tokens, "max_new_tokens": max_new_tokens}) as r:
                 body = await r.json()
                 if r.status != 200:
                     raise RuntimeError(f"generate failed ({r.status}): {body}")
                 return body
-
-    async def metrics(self) -> dict[str, Any]:
-        import aiohttp
-        async with aiohttp.ClientSession() as http:
-            out = {}
-            for role, addr in (("prefill", self.prefill), ("decode", self.decode)):
-                async with http.get(f"http://{addr}/metrics") as r:
-                    out[role] = await r.json()
-            return out
 
     def close(self) -> None:
         for p in reversed(self.procs):
@@ -333,11 +321,59 @@ class Cluster:
                 p.wait()
 
 
+class Cluster(ServerGroup):
+    """Bootstrap, prefill and decode servers as child processes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        ports = [free_port() for _ in range(3)]
+        self.bootstrap = f"127.0.0.1:{ports[0]}"
+        self.prefill = f"127.0.0.1:{ports[1]}"
+        self.decode = f"127.0.0.1:{ports[2]}"
+        me = "examples.pd.serve"
+        self.spawn(me, ["bootstrap", "--port", str(ports[0])])
+        self.spawn(me, ["prefill", "--port", str(ports[1]), "--bootstrap", self.bootstrap] + model_flags(args))
+        self.spawn(me, ["decode", "--port", str(ports[2]), "--bootstrap", self.bootstrap,
+                        "--prefill", self.prefill] + model_flags(args))
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        await self.wait_healthy([self.bootstrap, self.prefill, self.decode], timeout)
+
+    async def generate(self, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
+        return await self.post_generate(self.decode, tokens, max_new_tokens)
+
+    async def metrics(self) -> dict[str, Any]:
+        import aiohttp
+        async with aiohttp.ClientSession() as http:
+            out = {}
+            for role, addr in (("prefill", self.prefill), ("decode", self.decode)):
+                async with http.get(f"http://{addr}/metrics") as r:
+                    out[role] = await r.json()
+            return out
+
+
 def prompts(args: argparse.Namespace) -> list[list[int]]:
     rng = random.Random(args.seed)
     lengths = [args.prompt_tokens] + [rng.randint(1, max(1, args.prompt_tokens // 2))
                                       for _ in range(args.requests - 1)]
     return [[rng.randrange(model_config(args).vocab_size) for _ in range(n)] for n in lengths]
+
+
+def check_against_reference(args: argparse.Namespace, pairs: list[tuple[list[int], list[int]]]) -> int:
+    """Compare (prompt, tokens) pairs with single-process generation; prints
+    the verdict, returns the exit status (1 on any mismatch)."""
+    import torch
+    torch.set_num_threads(args.threads)
+    cfg = model_config(args)
+    model = Model(cfg, seed=args.seed)
+    pool = KVPool(cfg, args.pages, args.page_size)
+    bad = 0
+    for prompt, tokens in pairs:
+        pages = pool.alloc(pool.pages_for(len(prompt) + args.max_new_tokens - 1))
+        bad += model.generate(prompt, args.max_new_tokens, pool, pages) != tokens
+        pool.free(pages)
+    print("check against single-process generation:", "OK" if not bad else f"{bad} MISMATCHES")
+    return 1 if bad else 0
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -366,19 +402,7 @@ async def run(args: argparse.Namespace) -> int:
                   f"{first[len(first) // 2] * 1e3:.2f} ms, one layer's transfer p50 {layer[len(layer) // 2] * 1e3:.2f} ms")
         print("metrics:", json.dumps(await cluster.metrics()))
         if args.check:
-            import torch
-            torch.set_num_threads(args.threads)
-            cfg = model_config(args)
-            model = Model(cfg, seed=args.seed)
-            pool = KVPool(cfg, args.pages, args.page_size)
-            bad = 0
-            for p, r in zip(reqs, results):
-                pages = pool.alloc(pool.pages_for(len(p) + args.max_new_tokens - 1))
-                want = model.generate(p, args.max_new_tokens, pool, pages)
-                pool.free(pages)
-                bad += want != r["tokens"]
-            print("check against single-process generation:", "OK" if not bad else f"{bad} MISMATCHES")
-            return 1 if bad else 0
+            return check_against_reference(args, [(p, r["tokens"]) for p, r in zip(reqs, results)])
         return 0
     finally:
         cluster.close()

@@ -24,7 +24,7 @@ from .policies import POLICIES
 from .replay import _policies, replay_one
 from .trace import TraceRequest, load_trace
 
-__all__ = ["Capacity", "find_capacity", "main"]
+__all__ = ["Capacity", "find_capacity", "overload_study", "main"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,25 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
     return out
 
 
+def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_ttft_s: float = 30.0,
+                   slo_tbt_s: float = 0.1, factor: float = 2.0, policy: str = "kvcache") -> dict[str, object]:
+    """The paper's overload experiment: find where `least_loaded` first
+    misses the SLOs (its capacity at `slo_tbt_s`), replay `policy` at
+    `factor` times that rate under each rejection variant, and return what
+    each rejected and wasted."""
+    cap = find_capacity(trace, "least_loaded", prefill=prefill, decode=decode, slo_ttft_s=slo_ttft_s,
+                        thresholds=(slo_tbt_s,))[0]
+    speedup = cap.speedup * factor
+    rows = {}
+    for mode in ("baseline", "early", "predictive"):
+        s, _ = replay_one(trace, policy, prefill=prefill, decode=decode, speedup=speedup,
+                          slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s, rejection=mode)
+        rows[mode] = {k: s[k] for k in ("rejected", "rejected_before_prefill", "rejected_at_decode",
+                                        "wasted_prefill_s", "goodput_rps", "slo_attainment", "completed")}
+    return {"least_loaded_capacity_speedup": cap.speedup, "speedup": speedup, "rate_rps": len(trace) * speedup /
+            (trace[-1].arrival_s - trace[0].arrival_s), "variants": rows}
+
+
 def _one(args: tuple) -> list[Capacity]:
     path, limit, policy, prefill, decode, slo_ttft, target, threshold = args
     trace = load_trace(path, limit)
@@ -102,8 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threshold", type=float, default=None, help="kvcache_balancing_threshold")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--overload", action="store_true",
+                    help="instead: replay kvcache at twice least_loaded's capacity under each rejection variant")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.overload:
+        study = overload_study(load_trace(args.trace, args.limit), prefill=args.prefill, decode=args.decode,
+                               slo_ttft_s=args.slo_ttft)
+        print(f"overload on {args.trace}: {args.prefill} prefill + {args.decode} decode; least_loaded first misses"
+              f" at x{study['least_loaded_capacity_speedup']:.2f}; kvcache replayed at x{study['speedup']:.2f}"
+              f" ({study['rate_rps']:.2f} requests/s)")
+        print(f"{'rejection':>10} {'rejected':>8} {'before':>7} {'at decode':>9} {'wasted prefill s':>16}"
+              f" {'goodput rps':>11} {'within SLO':>10}")
+        for mode, r in study["variants"].items():    # type: ignore[union-attr]
+            print(f"{mode:>10} {r['rejected']:>8} {r['rejected_before_prefill']:>7} {r['rejected_at_decode']:>9}"
+                  f" {r['wasted_prefill_s']:>16.0f} {r['goodput_rps']:>11.2f} {r['slo_attainment']:>10.3f}")
+        if args.json:
+            print(json.dumps(study))
+        return 0
     jobs = [(args.trace, args.limit, p, args.prefill, args.decode, args.slo_ttft, args.target, args.threshold)
             for p in args.policy]
     with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:

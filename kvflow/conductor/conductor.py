@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .estimators import KV_BYTES_PER_TOKEN_70B, DecodeModel, LinkModel, PrefillModel, TransferModel
-from .index import PrefixIndex
+from .index import PrefixIndex, add_counts, drop_counts
 from .policies import Candidate, KVCacheCentric, PrefillPolicy, RoutingView
 from .types import Decision, InstanceSpec, Rejected, RejectionMode, RejectReason, Request, Role
 
@@ -215,8 +215,7 @@ class Conductor:
         p.queued_tokens += request.tokens
         p.queued_new_tokens += new_tokens
         self.index.pin(p.spec.name, keys[:cached])
-        for k in keys:
-            p.pending[k] = p.pending.get(k, 0) + 1
+        add_counts(p.pending, keys)
         if source is not None:
             self.index.pin(source, decision.blocks_to_move)
             src = self._prefill[source]
@@ -248,8 +247,9 @@ class Conductor:
         evicted = self.index.insert(dec.prefill, dec.blocks_to_move)
         self.index.pin(dec.prefill, dec.blocks_to_move)
         if dec.prefix_source in self._prefill:
-            evicted_src = self.index.unpin(dec.prefix_source, dec.blocks_to_move)
-            del evicted_src   # the source's own evictions are its business
+            # What the source evicts now that the blocks are free again shows
+            # in the index; its server reports its own evictions (on_evict).
+            self.index.unpin(dec.prefix_source, dec.blocks_to_move)
         return evicted
 
     def on_prefill_done(self, request_id: str, now: float) -> list[int]:
@@ -393,13 +393,7 @@ class Conductor:
 
     @staticmethod
     def _unpend(p: _Prefill, keys: Sequence[int]) -> None:
-        pending = p.pending
-        for k in keys:
-            left = pending.get(k, 0) - 1
-            if left > 0:
-                pending[k] = left
-            else:
-                pending.pop(k, None)
+        drop_counts(p.pending, keys)
 
     def _decode_time_s(self) -> float:
         """t_d, the uniform decode time of the predictive variant."""

@@ -14,7 +14,23 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-__all__ = ["BlockCache", "PrefixIndex"]
+__all__ = ["BlockCache", "PrefixIndex", "add_counts", "drop_counts"]
+
+
+def add_counts(counts: dict[int, int], keys: Iterable[int]) -> None:
+    """One more use of each of `keys`."""
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+
+
+def drop_counts(counts: dict[int, int], keys: Iterable[int]) -> None:
+    """One use fewer of each of `keys`; a key at zero leaves the dict."""
+    for k in keys:
+        left = counts.get(k, 0) - 1
+        if left > 0:
+            counts[k] = left
+        else:
+            counts.pop(k, None)
 
 
 class BlockCache:
@@ -71,20 +87,12 @@ class BlockCache:
     def pin(self, keys: Iterable[int]) -> None:
         """Keep `keys` from eviction until `unpin`; counted, so two requests
         can pin one block."""
-        pins = self._pins
-        for k in keys:
-            pins[k] = pins.get(k, 0) + 1
+        add_counts(self._pins, keys)
 
     def unpin(self, keys: Iterable[int]) -> list[int]:
         """Release one pin of each of `keys`; returns blocks evicted now
         that the cache may shrink back to its capacity."""
-        pins = self._pins
-        for k in keys:
-            left = pins.get(k, 0) - 1
-            if left > 0:
-                pins[k] = left
-            else:
-                pins.pop(k, None)
+        drop_counts(self._pins, keys)
         return self._shrink()
 
     def remove(self, keys: Iterable[int]) -> list[int]:
@@ -198,15 +206,7 @@ class PrefixIndex:
         return gone
 
     def _count(self, keys: Iterable[int]) -> None:
-        r = self._replicas
-        for k in keys:
-            r[k] = r.get(k, 0) + 1
+        add_counts(self._replicas, keys)
 
     def _uncount(self, keys: Iterable[int]) -> None:
-        r = self._replicas
-        for k in keys:
-            left = r[k] - 1
-            if left:
-                r[k] = left
-            else:
-                del r[k]
+        drop_counts(self._replicas, keys)
