@@ -17,6 +17,7 @@ from kvflow.cli.bench import Layout
 FIELDS = {"protocol", "op", "block_size", "batch", "bytes", "seconds", "gbps",
           "latency_p50_us", "latency_p99_us", "entries_per_s"}
 TIMEOUT = 120
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -120,3 +121,35 @@ def test_progress_lines_in_a_log_and_the_metrics_summary():
     assert len(lines) >= 2 and all("\r" not in ln for ln in lines), p.stderr[-2000:]
     summary = [ln for ln in p.stderr.splitlines() if "metrics (tcp)" in ln]
     assert summary and "write " in summary[0] and "0 failed" in summary[0], p.stderr[-2000:]
+
+
+def test_sweep_over_block_sizes_and_batches_with_a_plot(tmp_path):
+    """--batch takes a list with --sweep (a row per batch and size) and
+    --plot draws the sweep (throughput and latency against block size)."""
+    png = tmp_path / "sweep.png"
+    rows = results(bench("pair", "--protocol", "tcp", "--block-size", "4K,64K", "--batch", "4,16", "--sweep",
+                         "--duration", "0.2", "--warmup", "0.05", "--json", "--no-progress", "--plot", str(png)))
+    assert [(r["batch"], r["block_size"]) for r in rows] == [(4, 4096), (4, 65536), (16, 4096), (16, 65536)]
+    assert all(r["bytes"] > 0 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    p = bench("pair", "--batch", "4,16", check=False)
+    assert p.returncode == 2 and "--sweep" in p.stderr
+    p = bench("pair", "--plot", str(tmp_path / "no" / "such" / "dir.png"), "--total-bytes", "64K",
+              "--no-progress", check=False)
+    assert p.returncode == 1 and "cannot write" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_compare_plots_the_side_by_side_table(tmp_path):
+    """tools/compare.py --plot draws the table it measured; --from-json
+    redraws a saved run without measuring."""
+    out, png, png2 = tmp_path / "rows.json", tmp_path / "cmp.png", tmp_path / "again.png"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compare.py"), "--only", "kvflow,ceilings",
+                        "--groups", "tcp", "--sizes", "64K", "--duration", "0.3", "--json", str(out),
+                        "--plot", str(png)], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["engine"] for r in rows if r.get("status") == "ok"} == {"kvflow", "socket"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compare.py"), "--from-json", str(out),
+                        "--plot", str(png2)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0 and "64 KiB" in p.stdout and png2.read_bytes()[:4] == b"\x89PNG"

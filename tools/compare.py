@@ -2,7 +2,8 @@
 
     python tools/compare.py                      # everything, 3 s per point
     python tools/compare.py --duration 1 --sizes 4K,1M --only kvflow,ceilings
-    python tools/compare.py --repeat 3 --markdown --json results.json
+    python tools/compare.py --repeat 3 --markdown --json results.json --plot results.png
+    python tools/compare.py --from-json results.json --plot results.png   # no new runs
 
 Every measurement runs in its own subprocess(es) and prints one JSON object
 (engine, protocol, op, block_size, batch, bytes, seconds, gbps, latency_p50_us,
@@ -289,6 +290,49 @@ def versions() -> dict:
     return v
 
 
+def plot_rows(rows: list[dict], path: str) -> str:
+    """The table as grouped bars, one panel per group: each point's metric
+    per engine (kvflow first), the kvflow / best-alternative ratio written
+    over kvflow's bar. Needs matplotlib."""
+    sys.path.insert(0, ROOT)
+    from kvflow.cli.bench_plot import pyplot
+    plt = pyplot()
+    groups = list(dict.fromkeys(r["group"] for r in rows if r.get("status") == "ok"))
+    if not groups:
+        raise SystemExit("compare.py: nothing measured, nothing to plot")
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 3.6 * len(groups)), squeeze=False)
+    for ax, group in zip((a[0] for a in axes), groups):
+        metric, higher = METRIC[group]
+        ok = [r for r in rows if r["group"] == group and r.get("status") == "ok" and r.get(metric)]
+        points = list(dict.fromkeys(r["point"] for r in ok))
+        series = list(dict.fromkeys(f"{r['engine']} {r['protocol']}" for r in ok
+                                    if r["engine"] == "kvflow"))
+        series += [x for x in dict.fromkeys(f"{r['engine']} {r['protocol']}" for r in ok) if x not in series]
+        width = 0.8 / max(1, len(series))
+        for i, name in enumerate(series):
+            xs, ys, ratio = [], [], []
+            for j, pt in enumerate(points):
+                r = next((r for r in ok if r["point"] == pt and f"{r['engine']} {r['protocol']}" == name), None)
+                if r is not None:
+                    xs.append(j + (i - (len(series) - 1) / 2) * width)
+                    ys.append(r[metric])
+                    ratio.append(r.get("vs_best_alt"))
+            bars = ax.bar(xs, ys, width, label=name)
+            for bar, q in zip(bars, ratio):
+                if q is not None:
+                    ax.annotate(f"{q:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(points)), points)
+        ax.set_ylabel(metric + ("" if higher else " (lower is better)"))
+        ax.set_title(TITLE.get(group, group), fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -312,7 +356,16 @@ def main(argv=None) -> int:
                    help="run each point N times and keep the best (noisy shared cores)")
     p.add_argument("--json", metavar="FILE", help="write all rows (and versions) as JSON")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the table as bars (needs matplotlib)")
+    p.add_argument("--from-json", metavar="FILE", help="do not measure: render (and --plot) a --json file")
     args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)["rows"]
+        print(render(rows, args.markdown))
+        if args.plot:
+            print(f"wrote {plot_rows(rows, args.plot)}", file=sys.stderr)
+        return 0
     bad = [x for x in args.only if x not in ENGINES] + [g for g in args.groups if g not in METRIC]
     if bad:
         p.error(f"unknown --only/--groups value(s): {', '.join(bad)}")
@@ -331,6 +384,8 @@ def main(argv=None) -> int:
     add_ratios(rows)
     print(render(rows, args.markdown))
     print(("\n" if args.markdown else "") + LEGEND)
+    if args.plot:
+        print(f"wrote {plot_rows(rows, args.plot)}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"versions": versions(), "args": {k: v for k, v in vars(args).items()

@@ -52,6 +52,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import kvflow
 from kvflow.cli import bench_incast, bench_qos
+from kvflow.cli.bench_plot import check_plotting, plot_sweep
 from kvflow.cli.bench_layout import (
     argparse_type,
     BenchError,
@@ -65,6 +66,7 @@ from kvflow.cli.bench_layout import (
     Layout,
     MIN_TARGET_BUFFER,
     non_negative_float,
+    parse_count_list,
     parse_size,
     parse_size_list,
     positive_float,
@@ -218,8 +220,10 @@ async def _serve_requests(engine: kvflow.Engine, buffer: HostBuffer, args: argpa
 
 
 def _layouts(args: argparse.Namespace) -> list[Layout]:
+    """One layout per (batch, block size) of the sweep, batches outermost."""
     return [
-        Layout(size, args.batch, args.concurrency, args.scatter, args.max_region)
+        Layout(size, batch, args.concurrency, args.scatter, args.max_region)
+        for batch in args.batches
         for size in args.block_sizes
     ]
 
@@ -257,10 +261,12 @@ async def run_initiator(args: argparse.Namespace, target: Optional[str] = None) 
                 raise BenchError(f"the target's region does not allow {args.op}")
             if not args.json:
                 _log(args, (
-                    f"{args.op} to {target} over {peer.transport}: batches of {args.batch} "
+                    f"{args.op} to {target} over {peer.transport}: batches of "
+                    f"{','.join(map(str, args.batches))} "
                     f"entries, {args.concurrency} in flight, "
                     f"{'scattered' if args.scatter else 'contiguous'} entries"
                 ))
+            results = []
             for index, layout in enumerate(layouts):
                 if args.verify and index:
                     # Fresh contents per run, so a run that moved nothing
@@ -271,8 +277,12 @@ async def run_initiator(args: argparse.Namespace, target: Optional[str] = None) 
                     result.verified = await verify_run(router, peer, buffer, layout, 0, args)
                     mismatches += not result.verified
                 reporter.row(result)
+                results.append(result)
             if not args.json:
                 _log(args, metrics_summary(engine, peer.address))
+            if args.plot:
+                path = plot_sweep(results, args.plot, title=f"kvflow-bench {args.op} over {peer.transport}")
+                _log(args, f"wrote {path}")
         finally:
             await router.close()
             engine.deregister(region)
@@ -360,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     size = argparse_type(parse_size)
     sizes = argparse_type(parse_size_list)
     count = argparse_type(positive_int)
+    counts = argparse_type(parse_count_list)
     seconds = argparse_type(positive_float)
     seconds0 = argparse_type(non_negative_float)
 
@@ -385,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--block-size", type=sizes, default=None, dest="block_sizes", metavar="SIZE[,SIZE...]",
                        help=f"bytes per entry, e.g. 4K, 64KiB, 1M; a list with --sweep "
                             f"(default {DEFAULT_BLOCK_SIZE}, with --sweep {DEFAULT_SWEEP})")
-    group.add_argument("--batch", type=count, default=32, metavar="N", help="entries per batch (default %(default)s)")
+    group.add_argument("--batch", type=counts, default=(32,), dest="batches", metavar="N[,N...]",
+                       help="entries per batch (default 32; a list with --sweep)")
     group.add_argument("--concurrency", type=count, default=4, metavar="N",
                        help="batches in flight (default %(default)s)")
     group.add_argument("--scatter", action="store_true",
@@ -415,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="unmeasured seconds before each run (default %(default)s)")
     group.add_argument("--verify", action="store_true",
                        help="check after each run that both sides hold the same bytes")
+    group.add_argument("--plot", metavar="FILE.png", default=None,
+                       help="write throughput and latency against block size (a line per batch) "
+                            "to FILE.png (needs matplotlib)")
     group.add_argument("--json", action="store_true",
                        help="print one JSON object per run instead of a table")
     group.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -457,6 +472,10 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         args.block_sizes = parse_size_list(default)
     elif len(args.block_sizes) > 1 and not args.sweep and args.role != "target":
         parser.error("several block sizes need --sweep")
+    if len(args.batches) > 1 and not args.sweep and args.role != "target":
+        parser.error("several batch sizes need --sweep")
+    if getattr(args, "plot", None):
+        check_plotting()        # fail before a run, not after it
     return args
 
 

@@ -116,6 +116,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def parse_count_list(text: str) -> tuple[int, ...]:
+    """Parse a comma-separated list of positive counts (``16,64``)."""
+    parts = [part for part in text.split(",") if part.strip()]
+    if not parts:
+        raise ValueError(f"no counts in {text!r}")
+    return tuple(positive_int(part) for part in parts)
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also rejects NaN
