@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 import kvflow
+import kvflow.metrics
 
 
 def layer_kv(seed: int, layer: int, pages: int, page_bytes: int) -> np.ndarray:
@@ -82,6 +83,7 @@ async def prefill(args: argparse.Namespace) -> int:
             nbytes = args.layers * args.pages * page_bytes
             print(f"request {request}: {nbytes / 2**20:.1f} MiB in {args.layers} layers via {peer.transport}, "
                   f"{elapsed * 1e3:.1f} ms (incl. compute), verified={line['verified']}")
+        print(kvflow.metrics.summary(engine, peer.address))
     await proc.wait()
     return 1 if failures else 0
 

@@ -336,8 +336,9 @@ cdef class Channel:
         finishes (kvf_chan_stats): per op ("write", "read") batches, bytes
         (of those that succeeded), failed, latency_buckets (bucket i: how
         many took under 2^(i+1) us; bucket 0 under 2 us, the last the rest)
-        and latency_sum_ns; failures_by_status (KVF_E* code -> count).
-        None once the channel is closed."""
+        and latency_sum_ns, inflight_batches and inflight_bytes (submitted
+        and not finished: queued or on the wire); failures_by_status
+        (KVF_E* code -> count). None once the channel is closed."""
         cdef kvf_chan_stats *st
         cdef int o, i
         if self.cch == NULL or self.cch.stats == NULL:
@@ -348,7 +349,8 @@ cdef class Channel:
             out["read" if o else "write"] = {
                 "batches": st.batches[o], "bytes": st.bytes[o], "failed": st.failed[o],
                 "latency_buckets": [st.lat[o][i] for i in range(KVF_LAT_BUCKETS)],
-                "latency_sum_ns": st.lat_sum_ns[o]}
+                "latency_sum_ns": st.lat_sum_ns[o],
+                "inflight_batches": st.inflight_batches[o], "inflight_bytes": st.inflight_bytes[o]}
         out["failures_by_status"] = {i: st.by_status[i] for i in range(KVF_NSTATUS) if st.by_status[i]}
         return out
 

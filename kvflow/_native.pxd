@@ -169,6 +169,8 @@ cdef extern from "_native/kvf.h" nogil:
         uint64_t by_status[16]
         uint64_t lat[2][28]
         uint64_t lat_sum_ns[2]
+        int64_t inflight_batches[2]
+        int64_t inflight_bytes[2]
 
 cdef extern from "_native/provider.h" nogil:
     ctypedef struct kvf_channel:

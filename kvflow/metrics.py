@@ -16,7 +16,8 @@ Metric names (labels peer, provider, op unless said):
 | kvflow_batch_latency_seconds | histogram | submission to completion, succeeded batches (buckets: powers of two of us) |
 | kvflow_moved_slices_total | counter | slices handed to another tcp connection when one failed (peer, provider) |
 | kvflow_connection_failures_total | counter | tcp data connections that failed (peer, provider) |
-| kvflow_inflight_batches, kvflow_inflight_slices | gauge | what is in flight now (no labels) |
+| kvflow_peer_inflight_batches, kvflow_peer_inflight_bytes | gauge | batches submitted toward the peer and not finished (queued or on the wire), and their bytes |
+| kvflow_inflight_batches, kvflow_inflight_slices | gauge | what is in flight now, the whole engine (no labels) |
 | kvflow_receive_window_bytes, kvflow_receive_window_held_bytes | gauge | the receive window and what is granted of it |
 | kvflow_receive_window_violations_bytes_total | counter | payload that landed without credit |
 
@@ -26,7 +27,35 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-__all__ = ["EngineCollector", "register_prometheus"]
+__all__ = ["EngineCollector", "register_prometheus", "summary"]
+
+
+def _size(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.4g} {unit}"
+    return f"{int(n)} B"
+
+
+def summary(engine: Any, peer: str) -> str:
+    """One line of what the engine's native counters saw toward `peer`
+    (engine.metrics()): batches, bytes, failures, latency; what a bench or
+    an example prints at its end."""
+    m = engine.metrics()["peers"].get(peer)
+    if m is None:
+        return "metrics: none (the peer's channel is closed)"
+    parts = []
+    for op in ("write", "read"):
+        s = m[op]
+        if not s["batches"]:
+            continue
+        lat = "" if s["latency_mean_us"] is None else (
+            f", latency mean {s['latency_mean_us']:.0f} us, p50 <{s['latency_p50_us']:.0f} us, "
+            f"p99 <{s['latency_p99_us']:.0f} us")
+        parts.append(f"{op} {s['batches']} batches, {_size(s['bytes'])}, {s['failed']} failed{lat}")
+    failures = ", ".join(f"{k} {v}" for k, v in sorted(m["failures"].items()))
+    return (f"metrics ({m['provider']}): " + ("; ".join(parts) or "no batches")
+            + (f"; failures: {failures}" if failures else ""))
 
 
 class EngineCollector:
@@ -55,11 +84,17 @@ class EngineCollector:
                                     labels=extra + ["peer", "provider"])
         conn_failures = CounterMetricFamily("kvflow_connection_failures", "tcp data connections that failed",
                                             labels=extra + ["peer", "provider"])
+        q_batches = GaugeMetricFamily("kvflow_peer_inflight_batches", "batches submitted, not finished",
+                                      labels=op_labels)
+        q_bytes = GaugeMetricFamily("kvflow_peer_inflight_bytes", "bytes of the batches submitted, not finished",
+                                    labels=op_labels)
         for peer, pm in sorted(m["peers"].items()):
             for op in ("write", "read"):
                 s = pm[op]
                 labels = tag + [peer, pm["provider"], op]
                 batches.add_metric(labels, s["batches"])
+                q_batches.add_metric(labels, s["inflight_batches"])
+                q_bytes.add_metric(labels, s["inflight_bytes"])
                 nbytes.add_metric(labels, s["bytes"])
                 failed.add_metric(labels, s["failed"])
                 cumulative, buckets = 0, []
@@ -72,7 +107,7 @@ class EngineCollector:
                 kinds.add_metric(tag + [peer, pm["provider"], kind], n)
             moved.add_metric(tag + [peer, pm["provider"]], pm["moved_slices"])
             conn_failures.add_metric(tag + [peer, pm["provider"]], pm["connection_failures"])
-        yield from (batches, nbytes, failed, kinds, latency, moved, conn_failures)
+        yield from (batches, nbytes, failed, kinds, latency, moved, conn_failures, q_batches, q_bytes)
         for key in ("batches", "slices"):
             g = GaugeMetricFamily(f"kvflow_inflight_{key}", f"{key} in flight now", labels=extra)
             g.add_metric(tag, m["inflight"][key])

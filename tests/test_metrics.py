@@ -33,6 +33,10 @@ async def test_counts_bytes_failures_and_latency(make_engine, protocol):
                               [dst.ctypes.data + i * MiB for i in range(n)], [MiB] * n)
     second = peer.write_nowait([src.ctypes.data + i * MiB for i in range(n)],
                                [dst.ctypes.data + i * MiB for i in range(n)], [MiB] * n)
+    # both queued toward the peer: 256 MiB submitted and not finished (the
+    # first may have started, none of it can have finished by now)
+    q = a.metrics()["peers"][b.address]["write"]
+    assert q["inflight_batches"] >= 1 and q["inflight_bytes"] >= n * MiB
     second.cancel()
     with pytest.raises(kvflow.TransferCancelledError):
         await bounded(second)
@@ -49,6 +53,7 @@ async def test_counts_bytes_failures_and_latency(make_engine, protocol):
     assert sum(c for _, c in w["latency_buckets"]) == w["batches"] - w["failed"]
     assert 0 < w["latency_mean_us"] < 60e6 and w["latency_p50_us"] <= w["latency_p99_us"]
     assert m["inflight"] == {"batches": 0, "slices": 0}
+    assert (w["inflight_batches"], w["inflight_bytes"], r["inflight_batches"], r["inflight_bytes"]) == (0, 0, 0, 0)
     assert m["receive_window"] is None and m["resources"]["batches"] == 0
     # the target counts nothing of it: it initiated nothing
     assert b.metrics()["peers"] == {}
@@ -77,6 +82,7 @@ async def test_prometheus_export(make_engine):
     assert value("kvflow_batch_latency_seconds_bucket", {**labels, "le": "+Inf"}) == 3
     assert 0 < value("kvflow_batch_latency_seconds_sum", labels) < 60
     assert value("kvflow_batch_failures_total", labels) == 0
+    assert value("kvflow_peer_inflight_batches", labels) == 0 and value("kvflow_peer_inflight_bytes", labels) == 0
     assert value("kvflow_receive_window_bytes", {"engine": "decode-0"}) == 4 * MiB
     assert value("kvflow_receive_window_violations_bytes_total", {"engine": "decode-0"}) == 0
     assert value("kvflow_inflight_batches", {"engine": "prefill-0"}) == 0

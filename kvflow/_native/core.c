@@ -312,9 +312,14 @@ void kvf_slice_done(kvf_ctx *c, uint32_t slot, int status, uint64_t entry) {
     }
     /* acq_rel: the last decrementer sees every other slice's status store. */
     if (atomic_fetch_sub_explicit(&b->remaining, 1, memory_order_acq_rel) == 1) {
-        if (b->stats)
-            kvf_chan_stats_record(b->stats, b->op, b->bytes, atomic_load_explicit(&b->status, memory_order_relaxed),
+        if (b->stats) {
+            kvf_chan_stats *st = b->stats;
+            int o = b->op == KVF_OP_READ;
+            atomic_fetch_sub_explicit(&st->inflight_batches[o], 1, memory_order_relaxed);
+            atomic_fetch_sub_explicit(&st->inflight_bytes[o], (int64_t)b->bytes, memory_order_relaxed);
+            kvf_chan_stats_record(st, b->op, b->bytes, atomic_load_explicit(&b->status, memory_order_relaxed),
                                   kvf_now_ns() - b->t0_ns);
+        }
         completion_push(c, slot);
     }
 }
@@ -555,6 +560,13 @@ int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, 
     b->t0_ns = t0;
     b->bytes = total;
     b->op = op;
+    if (b->stats) {
+        /* before the enqueue: its last slice may finish (and take these
+         * back off) as soon as it is handed over */
+        int o = op == KVF_OP_READ;
+        atomic_fetch_add_explicit(&b->stats->inflight_batches[o], 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->stats->inflight_bytes[o], (int64_t)total, memory_order_relaxed);
+    }
     for (size_t i = 0; i < k; i++) s[i].slot = (uint32_t)id;
     /* The seam (provider.h): the batch's class and deadline, which the
      * providers' scheduled queues order it by (sched.c); a relay takes the

@@ -101,6 +101,10 @@ typedef struct kvf_chan_stats {
     _Atomic uint64_t by_status[KVF_NSTATUS];            /* failed batches by KVF_E* status */
     _Atomic uint64_t lat[2][KVF_LAT_BUCKETS];
     _Atomic uint64_t lat_sum_ns[2];
+    /* Submitted through kvf_submit and not finished yet (queued or on the
+     * wire), by op: up at submission, down as the batch finishes. Relaxed:
+     * a gauge read from another thread, never a synchronisation point. */
+    _Atomic int64_t inflight_batches[2], inflight_bytes[2];
     struct kvf_chan_stats *next;                        /* the engine's list (freed with it) */
 } kvf_chan_stats;
 void kvf_chan_stats_record(kvf_chan_stats *st, int op, uint64_t bytes, int status, uint64_t ns);

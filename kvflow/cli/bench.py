@@ -51,6 +51,7 @@ import sys
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import kvflow
+import kvflow.metrics
 from kvflow.cli import bench_incast, bench_qos
 from kvflow.cli.bench_plot import check_plotting, plot_sweep
 from kvflow.cli.bench_layout import (
@@ -108,22 +109,8 @@ def _make_engine(args: argparse.Namespace, listen: str) -> kvflow.Engine:
 
 
 def metrics_summary(engine: kvflow.Engine, peer: str) -> str:
-    """One line of what the engine's native counters saw toward `peer`
-    (engine.metrics()): batches, failures, latency."""
-    m = engine.metrics()["peers"].get(peer)
-    if m is None:
-        return "metrics: none (the peer's channel is closed)"
-    parts = []
-    for op in ("write", "read"):
-        s = m[op]
-        if not s["batches"]:
-            continue
-        lat = "" if s["latency_mean_us"] is None else (
-            f", latency mean {s['latency_mean_us']:.0f} us, p50 <{s['latency_p50_us']:.0f} us, "
-            f"p99 <{s['latency_p99_us']:.0f} us")
-        parts.append(f"{op} {s['batches']} batches, {format_size(s['bytes'])}, {s['failed']} failed{lat}")
-    failures = ", ".join(f"{k} {v}" for k, v in sorted(m["failures"].items()))
-    return f"metrics ({m['provider']}): " + ("; ".join(parts) or "no batches") + (f"; failures: {failures}" if failures else "")
+    """One line of what the engine's native counters saw toward `peer`."""
+    return kvflow.metrics.summary(engine, peer)
 
 
 def _log(args: argparse.Namespace, message: str) -> None:

@@ -41,6 +41,7 @@ def _op_summary(s: dict[str, Any]) -> dict[str, Any]:
     buckets = s["latency_buckets"]
     ok = sum(buckets)
     return {"batches": s["batches"], "bytes": s["bytes"], "failed": s["failed"],
+            "inflight_batches": s["inflight_batches"], "inflight_bytes": s["inflight_bytes"],
             "latency_mean_us": s["latency_sum_ns"] / ok / 1000 if ok else None,
             "latency_p50_us": percentile_us(buckets, 0.50), "latency_p99_us": percentile_us(buckets, 0.99),
             "latency_buckets": list(zip(BUCKETS_US, buckets))}
