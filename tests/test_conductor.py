@@ -61,17 +61,16 @@ def test_block_keys_are_chained_and_cover_full_blocks_only():
 def test_block_cache_lru_skips_pinned_blocks():
     c = BlockCache("p0", 3)
     assert c.insert([1, 2, 3]) == []
-    c.touch([1])                                  # 2 is now the coldest
-    assert c.insert([4]) == [2]
-    c.pin([3])
-    assert c.insert([5]) == [1]                   # 3 is pinned, 1 goes
+    assert c.insert([4]) == [3]                   # the chain's tail goes first
+    c.pin([2])
+    assert c.insert([5]) == [1]                   # 2 is pinned, 1 goes
     c.pin([4])
     c.pin([5])
     assert c.insert([6]) == [6]                   # the only unpinned block is the new one
     c.pin([7])
     assert c.insert([7]) == [] and len(c) == 4    # everything pinned: over capacity for now
     assert c.unpin([4]) == [4]                    # shrinks back when a pin is released
-    assert len(c) == 3 and c.match([3, 5]) == 2 and c.match([9, 3]) == 0
+    assert len(c) == 3 and c.match([2, 5]) == 2 and c.match([9, 2]) == 0
     assert c.remove([5, 42]) == [5]
 
 
@@ -84,11 +83,11 @@ def test_prefix_index_counts_replicas_and_finds_the_best_holder():
     assert idx.replicas(1) == 2 and idx.replicas(3) == 1
     assert idx.best([1, 2, 3, 4]) == ("a", 3)
     assert idx.matches([1, 2, 7]) == {"a": 2, "b": 2}
-    assert idx.insert("b", [8]) == [1] and idx.replicas(1) == 1     # evicted from b
+    assert idx.insert("b", [8]) == [2] and idx.replicas(2) == 1     # b's tail block goes
     idx.remove("a", [1])
-    assert idx.replicas(1) == 0 and idx.best([1, 2]) == (None, 0)
+    assert idx.replicas(1) == 1 and idx.best([1, 2]) == ("b", 1)
     idx.drop("a")
-    assert idx.replicas(2) == 1 and idx.names() == ["b"]
+    assert idx.replicas(2) == 0 and idx.replicas(1) == 1 and idx.names() == ["b"]
     with pytest.raises(ValueError):
         idx.add("b", None)
 
@@ -422,3 +421,57 @@ def test_conductor_uses_the_public_api_only():
                     f"{path.name} imports {node.module}"
             if isinstance(node, ast.ImportFrom) and node.level == 2:
                 raise AssertionError(f"{path.name} imports from the package above (..{node.module})")
+
+
+def test_queue_estimate_shifts_once_when_a_prefill_runs_late():
+    c = Conductor()
+    c.register(InstanceSpec("p0", Role.PREFILL))
+    c.register(InstanceSpec("d0", Role.DECODE))
+    ds = [c.route(Request(f"r{i}", 4096, ()), 0.0) for i in range(3)]
+    ends = [d.est_queue_s + d.est_prefill_s for d in ds]
+    # r0 ends 5 s late, r1 exactly on its shifted estimate: r2 is expected 5 s late, no more
+    c.on_prefill_done("r0", ends[0] + 5.0)
+    c.on_prefill_done("r1", ends[1] + 5.0)
+    p = c._prefill["p0"]
+    assert p.free_at == pytest.approx(ends[2] + 5.0)
+    # forgetting a queued request takes its time out of the queue
+    c.route(Request("r3", 4096, ()), 0.0)
+    c.forget("r2")
+    assert p.free_at == pytest.approx(ends[2] + 5.0)      # r3 moved up into r2's place
+    # an unknown (forgotten) request's reports are ignored
+    assert c.on_prefill_done("r2", 1.0) == [] and c.admit_decode("r2", 1.0) is None
+    c.on_decode_done("r2", 2.0)
+
+
+def test_predictive_admission_counts_only_decodes_still_running():
+    c = Conductor(rejection=RejectionMode.PREDICTIVE, slo_tbt_s=10.0)
+    c.register(InstanceSpec("p0", Role.PREFILL))
+    c.register(InstanceSpec("d0", Role.DECODE, kv_capacity_tokens=100_000))
+    # 40 decodes seen, each 1 s long
+    for i in range(40):
+        c.route(Request(f"h{i}", 100, ()), 0.0)
+        c.on_prefill_done(f"h{i}", 0.0)
+        c.admit_decode(f"h{i}", 0.0)
+        c.on_decode_done(f"h{i}", 1.0)
+    d = c._decode["d0"]
+    # 20 requests of 4000 tokens decoding for 0.5 s: gone within 0.5 s more
+    for i in range(20):
+        c.route(Request(f"a{i}", 4000, ()), 9.5)
+        c.on_prefill_done(f"a{i}", 9.5)
+        assert c.admit_decode(f"a{i}", 9.5) is None
+    _, ctx_later = c._predicted_peak(d, 11.0, 1000, 10.0)     # after they have all ended
+    _, ctx_now = c._predicted_peak(d, 10.0, 1000, 10.0)       # while they run
+    assert ctx_later < 5000 < 60_000 < ctx_now
+    # one decoding for longer than any decode seen is taken to stay
+    c.route(Request("old", 4000, ()), 0.0)
+    c.on_prefill_done("old", 0.0)
+    c.admit_decode("old", 0.0)
+    _, ctx_old = c._predicted_peak(d, 11.0, 1000, 10.0)
+    assert ctx_old >= ctx_later + 4000
+
+
+def test_eviction_takes_a_prefix_tail_first():
+    c = BlockCache("p", 4)
+    c.insert([1, 2, 3])
+    c.insert([7, 8])                   # evicts 3, the tail of the older chain
+    assert c.match([1, 2, 3]) == 2 and c.match([7, 8]) == 2

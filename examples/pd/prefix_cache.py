@@ -3,8 +3,9 @@ KV pool, keyed by chained block keys (`kvflow.conductor.block_keys`, one
 block per page), least recently used first.
 
 A page in the cache belongs to the cache; a request that reuses it pins it
-(`acquire`) for as long as its prefill reads it, and eviction takes only
-unpinned pages. After a prefill the request's full pages are handed to the
+(`acquire`) for as long as its prefill reads it, pages handed to the cache
+(`insert`) come pinned until their transfer is done, and eviction takes only
+unpinned pages, a chain's tail before its head. After a prefill the request's full pages are handed to the
 cache (`insert`); a page whose block is already cached (a fetched copy of a
 block computed meanwhile) stays the caller's, to free when done with it.
 """
@@ -43,14 +44,18 @@ class PrefixCache:
 
     def acquire(self, keys: Sequence[int]) -> list[int]:
         """Pin the cached prefix of `keys` and return its pages (most
-        recently used now)."""
+        recently used now, its first page most of all: eviction takes a
+        chain's tail first). Release exactly the keys of the pages returned."""
         pages = self.match(keys)
-        for k in keys[:len(pages)]:
+        got = keys[:len(pages)]
+        for k in got:
             self._pins[k] = self._pins.get(k, 0) + 1
+        for k in reversed(got):
             self._pages.move_to_end(k)
         return pages
 
     def release(self, keys: Sequence[int]) -> None:
+        """Drop one pin of each of `keys` (each pinned by acquire or insert)."""
         for k in keys:
             left = self._pins.get(k, 0) - 1
             if left > 0:
@@ -61,16 +66,21 @@ class PrefixCache:
 
     def insert(self, keys: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Hand `pages` (one per key, owned by the caller until now) to the
-        cache; returns the pages it did not take (their blocks were cached
+        cache, every key pinned once (release them when the pages may be
+        evicted: after their transfer, or once matched): pinned before the
+        cache shrinks, so new pages are never evicted as they arrive.
+        Returns the pages it did not take (their blocks were cached
         already): they stay the caller's, to free once nothing reads them."""
         kept = []
         for k, p in zip(keys, pages):
+            self._pins[k] = self._pins.get(k, 0) + 1
             if k in self._pages:
-                self._pages.move_to_end(k)
                 if self._pages[k] != p:
                     kept.append(int(p))
             else:
                 self._pages[k] = int(p)
+        for k in reversed(keys[:len(pages)]):
+            self._pages.move_to_end(k)
         self._shrink(0)
         return kept
 

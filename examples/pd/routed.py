@@ -74,6 +74,10 @@ except ImportError:                         # pragma: no cover
 
 # ---------------------------------------------------------------- prefill with a prefix cache
 
+#: Seconds a prefix lease pins its pages at most (a reader reads in milliseconds).
+LEASE_S = 60.0
+
+
 def region_names(layers: int) -> list[str]:
     return [f"k{i}" for i in range(layers)] + [f"v{i}" for i in range(layers)]
 
@@ -89,7 +93,7 @@ class PrefillState:
         self.cache = PrefixCache(self.pool, args.cache_pages)
         self.engine: kvflow.Engine | None = None
         self.peers: dict[str, kvflow.Peer] = {}
-        self.leases: dict[int, list[int]] = {}
+        self.leases: dict[int, tuple[list[int], float]] = {}   # id -> (keys pinned, expiry)
         self.lease_ids = itertools.count(1)
         self.lock = asyncio.Lock()           # the pool allocator and the cache are not shared safely
         self.turn = asyncio.Lock()           # one forward pass at a time, in arrival order
@@ -136,8 +140,11 @@ class PrefillState:
                 raise
             return keys[:n], mine
         finally:
-            async with http.post(f"http://{source}/unlease", json={"lease": lease["lease"]}) as r:
-                await r.read()
+            try:
+                async with http.post(f"http://{source}/unlease", json={"lease": lease["lease"]}) as r:
+                    await r.read()
+            except Exception as e:      # the source expires the lease on its own
+                print(f"unlease {lease['lease']} at {source}: {e!r}", file=sys.stderr)
 
 
 async def prefill_server(args: argparse.Namespace) -> None:
@@ -170,9 +177,8 @@ async def prefill_server(args: argparse.Namespace) -> None:
                       file=sys.stderr)
             else:
                 async with st.lock:
-                    dup = cache.insert(fetched, mine)
+                    dup = cache.insert(fetched, mine)     # pinned until matched below
                     pool.free(dup)          # blocks cached meanwhile: nobody reads these copies
-                    cache.acquire(fetched)
                 moved = len(fetched) - len(dup)
         fetch_s = time.perf_counter() - t0
         sender = KVSender(mgr, args.bootstrap, room)
@@ -192,12 +198,17 @@ async def prefill_server(args: argparse.Namespace) -> None:
                     cache.release(keys[hit_used:len(hit)])
                     hit = hit[:hit_used]
                 cached = hit_used * ps
+                new: list[int] = []
                 try:
                     new = cache.alloc(pool.pages_for(len(tokens)) - len(hit))
                     slot = pool.alloc_slot()
-                except Exception:
+                except Exception as e:
                     cache.release(keys[:len(hit)])
-                    raise
+                    pool.free(new)
+                    sender.abort()
+                    sender.clear()
+                    return web.json_response({"room": room, "state": "Failed", "error": f"no room: {e!r}",
+                                              "evicted": cache.take_evicted()}, status=503)
             pages = np.array(hit + new, dtype=np.int32)
             sender.init(len(pages), aux_index=slot)
 
@@ -216,14 +227,15 @@ async def prefill_server(args: argparse.Namespace) -> None:
                 first, compute_s, ok = -1, 0.0, False
                 print(f"prefill room {room}: {e!r}", file=sys.stderr)
             own = list(new)
+            pinned = keys[:len(hit)]
             if ok:
                 # The prompt's full pages join the cache as soon as they are
                 # computed (the next request in line may reuse them), pinned
                 # until the decode server has them all.
                 async with st.lock:
-                    not_taken = set(cache.insert(keys[len(hit):full], new[:full - len(hit)]))
-                    cache.acquire(keys[:full])
-                    cache.release(keys[:len(hit)])
+                    fresh = keys[len(hit):full]
+                    not_taken = set(cache.insert(fresh, new[:full - len(hit)]))
+                    pinned = keys[:full]
                 own = [p for p in new[:full - len(hit)] if p in not_taken] + new[full - len(hit):]
         try:
             state = await sender.wait(args.request_timeout) if ok else KVPoll.Failed
@@ -233,7 +245,7 @@ async def prefill_server(args: argparse.Namespace) -> None:
         finally:
             sender.clear()
         async with st.lock:
-            cache.release(keys[:full] if ok else keys[:len(hit)])
+            cache.release(pinned)
             pool.free(own)
             pool.free_slot(slot)
             evicted = cache.take_evicted()
@@ -246,22 +258,31 @@ async def prefill_server(args: argparse.Namespace) -> None:
             reply["error"] = str(sender.error)
         return web.json_response(reply, status=200 if state is KVPoll.Success else 502)
 
+    def expire_leases(now: float) -> None:
+        """Leases whose reader never said it was done (it died, or its
+        unlease was lost) release their pins after LEASE_S."""
+        for lid in [lid for lid, (_, until) in st.leases.items() if until < now]:
+            cache.release(st.leases.pop(lid)[0])
+
     async def lease(request: web.Request) -> web.Response:
         keys = [int(k) for k in (await request.json())["keys"]]
         async with st.lock:
+            now = time.monotonic()
+            expire_leases(now)
             pages = cache.acquire(keys)
             lid = next(st.lease_ids)
-            st.leases[lid] = keys[:len(pages)]
+            st.leases[lid] = (keys[:len(pages)], now + LEASE_S)
         assert st.engine is not None
         return web.json_response({"lease": lid, "pages": pages, "engine": st.engine.address})
 
     async def unlease(request: web.Request) -> web.Response:
         lid = int((await request.json())["lease"])
         async with st.lock:
-            keys = st.leases.pop(lid, None)
-            if keys is not None:
-                cache.release(keys)
-        return web.json_response({"ok": keys is not None})
+            held = st.leases.pop(lid, None)
+            if held is not None:
+                cache.release(held[0])
+            expire_leases(time.monotonic())
+        return web.json_response({"ok": held is not None})
 
     async def info(_: web.Request) -> web.Response:
         assert st.engine is not None
@@ -357,8 +378,9 @@ class Router:
         paddr, boot = self.prefill[dec.prefill]
         extra: dict[str, Any] = {}
         if dec.prefix_source is not None:
-            extra["fetch"] = {"from": self.prefill[dec.prefix_source][0],
-                              "keys": list(req.keys[:dec.prefix_blocks])}
+            # Only the blocks the conductor moves: the rest of the prefix is
+            # in the prefill server's cache already.
+            extra["fetch"] = {"from": self.prefill[dec.prefix_source][0], "keys": list(dec.blocks_to_move)}
         try:
             async with http.post(f"http://{self.decode[dec.decode][0]}/generate",
                                  json={"tokens": tokens, "max_new_tokens": max_new, "prefill": paddr,
@@ -370,14 +392,19 @@ class Router:
             return 502, {"error": f"decode server {dec.decode}: {e!r}"}
         pinfo = reply.get("prefill") or {}
         now = loop.time()
+        evicted = [int(k) for k in pinfo.get("evicted", [])]
+        if evicted:
+            c.on_evict(dec.prefill, evicted)
         if status != 200:
             c.forget(rid)
             return status, reply
-        c.on_transfer_done(rid, now)
-        c.on_prefill_done(rid, now)
-        for k in pinfo.get("evicted", []):
-            c.on_evict(dec.prefill, [int(k)])
-        c.admit_decode(rid, now)
+        # The router hears of each stage only with the reply: it reports
+        # them at the times the servers measured (the conductor's queue
+        # estimate for the prefill server is high until then).
+        t_kv = t0 + float(reply.get("ttft_s", now - t0))
+        c.on_transfer_done(rid, t0 + float(pinfo.get("fetch_s", 0.0)))
+        c.on_prefill_done(rid, t_kv)
+        c.admit_decode(rid, t_kv)
         c.on_decode_done(rid, now, max_new)
         self.learn(len(tokens), int(pinfo.get("cached_tokens", 0)), float(pinfo.get("prefill_compute_s", 0.0)))
         reply["route"] = {"prefill": dec.prefill, "decode": dec.decode, "prefix_source": dec.prefix_source,

@@ -33,7 +33,7 @@ class _Prefill:
     spec: InstanceSpec
     free_at: float = 0.0               # when everything routed here is expected done
     egress_free_at: float = 0.0        # when its link is done with the moves it sources
-    queue: dict[str, float] = field(default_factory=dict)   # request -> expected end
+    queue: dict[str, list[float]] = field(default_factory=dict)  # request -> [expected end, duration], FIFO
     queued_tokens: int = 0
     queued_new_tokens: int = 0
     pending: dict[int, int] = field(default_factory=dict)   # blocks its queued requests will cache
@@ -209,7 +209,7 @@ class Conductor:
                             tuple(keys[cached:cached + move]), cached, queue_s, transfer_s, prefill_s,
                             ttft, tbt)
         end = start + prefill_s
-        p.queue[request.id] = end
+        p.queue[request.id] = [end, prefill_s]
         p.free_at = max(p.free_at, end)
         new_tokens = request.tokens - prefix_tokens
         p.queued_tokens += request.tokens
@@ -237,15 +237,20 @@ class Conductor:
     def on_transfer_done(self, request_id: str, now: float) -> list[int]:
         """The prefix `route` told the prefill instance to fetch has landed
         there: it is now a replica (counted in the index, pinned until the
-        prefill ends). Returns blocks its cache evicted to make room."""
-        f = self._flights[request_id]
-        if not f.moving:
+        prefill ends). Returns blocks its cache evicted to make room. A
+        request no longer known (forgotten) is ignored, as by every on_*."""
+        f = self._flights.get(request_id)
+        if f is None or not f.moving:
             return []
         f.moving = False
         dec = f.decision
         assert dec.prefix_source is not None
-        evicted = self.index.insert(dec.prefill, dec.blocks_to_move)
+        if dec.prefill not in self._prefill:
+            return []
+        # Pinned before they are inserted: a cache full of pinned blocks
+        # would otherwise evict the replica as it lands.
         self.index.pin(dec.prefill, dec.blocks_to_move)
+        evicted = self.index.insert(dec.prefill, dec.blocks_to_move)
         if dec.prefix_source in self._prefill:
             # What the source evicts now that the blocks are free again shows
             # in the index; its server reports its own evictions (on_evict).
@@ -256,19 +261,27 @@ class Conductor:
         """The prefill of `request_id` ended at `now`: its blocks are cached
         on the prefill instance (returns what that evicted) and its KV is on
         its way to the decode instance."""
-        f = self._flights[request_id]
+        f = self._flights.get(request_id)
+        if f is None:
+            return []
         if f.moving:   # a transfer that was not reported: count it as landed
             self.on_transfer_done(request_id, now)
         dec = f.decision
         p = self._prefill.get(dec.prefill)
-        if p is None:
+        if p is None or request_id not in p.queue:
             return []
-        expected = p.queue.pop(request_id, now)
+        expected, _ = p.queue.pop(request_id)
         p.queued_tokens -= f.request.tokens
         p.queued_new_tokens -= f.new_tokens
         self._unpend(p, f.request.keys)
         if p.queue:
-            p.free_at += now - expected       # later (or earlier) than estimated: the rest shifts
+            # Later (or earlier) than estimated: everything queued behind it
+            # shifts, once (their own ends move with it, so the next
+            # completion is measured against the shifted estimate).
+            delta = now - expected
+            for entry in p.queue.values():
+                entry[0] += delta
+            p.free_at += delta
         else:
             p.free_at = now
         keys = f.request.keys
@@ -282,7 +295,9 @@ class Conductor:
         a rejection mode other than NONE the decode side checks its load
         again (Mooncake's local double check), and a request it refuses is
         rejected, its prefill wasted. None when it starts decoding."""
-        f = self._flights[request_id]
+        f = self._flights.get(request_id)
+        if f is None:       # forgotten (failed, or its instance left)
+            return None
         d = self._decode.get(f.decision.decode)
         if d is None:
             return self._drop(request_id, RejectReason.NO_INSTANCE, "its decode instance left")
@@ -300,7 +315,9 @@ class Conductor:
     def on_decode_done(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
         """The request finished decoding (`output_tokens` generated, if
         known: it tunes the expected output length)."""
-        f = self._flights.pop(request_id)
+        f = self._flights.pop(request_id, None)
+        if f is None:       # forgotten (failed, or its instance left)
+            return
         d = self._decode.get(f.decision.decode)
         if d is not None and request_id in d.running:
             ctx, start = d.running.pop(request_id)
@@ -327,7 +344,14 @@ class Conductor:
         dec = f.decision
         p = self._prefill.get(dec.prefill)
         if p is not None and request_id in p.queue:
+            # Its estimated prefill leaves the queue: those behind it move up.
+            behind, dur = False, p.queue[request_id][1]
+            for rid, entry in p.queue.items():
+                if behind:
+                    entry[0] -= dur
+                behind = behind or rid == request_id
             p.queue.pop(request_id)
+            p.free_at = max(p.queue.values(), key=lambda e: e[0])[0] if p.queue else p.free_at - dur
             p.queued_tokens -= f.request.tokens
             p.queued_new_tokens -= f.new_tokens
             self._unpend(p, f.request.keys)
@@ -442,15 +466,19 @@ class Conductor:
 
             def surv(x: np.ndarray) -> np.ndarray:
                 return 1.0 - np.searchsorted(sorted_d, x, side="right") / total
-        s_age = surv(run_age)
-        s_age = np.where(s_age > 0, s_age, 1.0)   # older than any seen: assume it stays
+        # A request already decoding for longer than any decode seen (or
+        # than t_d, before any was seen) says the distribution is wrong
+        # about it: it is taken to stay. The others are still there at tau
+        # with probability S(age + tau - now) / S(age).
+        horizon = float(sorted_d[-1]) if sorted_d is not None else td
+        old = run_age >= horizon
+        s_age = np.where(old, 1.0, surv(run_age))
+        s_age = np.where(s_age > 0, s_age, 1.0)
         model = self.decode_model
         worst_t, worst_ctx = 0.0, 0.0
         for frac in (0.0, 0.25, 0.5, 0.75):
             tau = ready + frac * td
-            w_run = np.minimum(1.0, surv(run_age + (tau - now)) / s_age)
-            w_run = np.where(run_age + (tau - now) >= sorted_d[-1], 1.0, w_run) \
-                if sorted_d is not None and len(run_age) else w_run
+            w_run = np.where(old, 1.0, np.minimum(1.0, surv(run_age + (tau - now)) / s_age))
             w_res = np.where(res_at <= tau, surv(np.maximum(0.0, tau - res_at)), 0.0)
             # Each request is there or not (Bernoulli): the count's spread
             # is sum w(1 - w); `predict_margin` standard deviations over the

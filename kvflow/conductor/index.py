@@ -63,21 +63,26 @@ class BlockCache:
             n += 1
         return n
 
-    def touch(self, keys: Iterable[int]) -> None:
-        """Mark cached `keys` as just used (keys not cached are ignored)."""
+    def touch(self, keys: Sequence[int]) -> None:
+        """Mark cached `keys` (a prefix, in order) as just used; keys not
+        cached are ignored. Last to first, so that a prefix's first block is
+        its most recently used: eviction takes a chain's tail before its
+        head (a head gone leaves the rest unmatchable), as vLLM and SGLang
+        evict."""
         lru = self._lru
-        for k in keys:
+        for k in reversed(keys):
             if k in lru:
                 lru.move_to_end(k)
 
-    def insert(self, keys: Iterable[int]) -> list[int]:
-        """Cache `keys` (most recently used), evicting least recently used
+    def insert(self, keys: Sequence[int]) -> list[int]:
+        """Cache `keys` (a prefix, in order; most recently used, the first
+        block most of all, as `touch`), evicting least recently used
         unpinned blocks past the capacity; returns the evicted keys. When
         every cached block is pinned the cache stays over its capacity until
         pins are released (a request in flight is never robbed of its
         prefix)."""
         lru = self._lru
-        for k in keys:
+        for k in reversed(keys):
             if k in lru:
                 lru.move_to_end(k)
             else:
