@@ -23,9 +23,12 @@ from kvflow import Priority
 
 MiB = 1 << 20
 WINDOW = 1 * MiB
-# Frame headers (32 bytes a slice, and credit frames) travel outside the
-# credits: at 256 KiB slices far less than this.
-HEADER_SLACK = 64 << 10
+# What the samples may show beyond the window: frame headers (32 bytes a
+# slice, and credit frames) travel outside the credits, at 256 KiB slices a
+# few KiB; and one `ss` dump reads the sockets one after another, so bytes
+# that move from a sender's notsent into the receiver's Recv-Q while it runs
+# are counted on both sides (a CI run saw 479 bytes over 64 KiB once).
+HEADER_SLACK = 128 << 10
 
 
 class SocketSampler:
