@@ -25,7 +25,6 @@ if ROOT not in sys.path:
 from _batches import TIME_SCALE  # noqa: E402
 from _providers import PROTOCOLS, params, skip_unavailable  # noqa: E402
 from examples.pd import serve  # noqa: E402
-from examples.pd.model import KVPool, Model  # noqa: E402
 
 
 def options(protocol: str, **kw) -> argparse.Namespace:
@@ -36,12 +35,7 @@ def options(protocol: str, **kw) -> argparse.Namespace:
     return argparse.Namespace(**ns)
 
 
-def reference(args: argparse.Namespace, prompt: list[int]) -> list[int]:
-    torch.set_num_threads(1)
-    cfg = serve.model_config(args)
-    pool = KVPool(cfg, args.pages, args.page_size)
-    pages = pool.alloc(pool.pages_for(len(prompt) + args.max_new_tokens - 1))
-    return Model(cfg, seed=args.seed).generate(prompt, args.max_new_tokens, pool, pages)
+reference = serve.reference_tokens
 
 
 @pytest.mark.parametrize("protocol", params(*PROTOCOLS))

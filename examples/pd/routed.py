@@ -458,10 +458,6 @@ async def router_server(args: argparse.Namespace) -> None:
         await router.engine.close()
 
 
-async def bootstrap_server(args: argparse.Namespace) -> None:
-    await serve.bootstrap_server(args)
-
-
 # ---------------------------------------------------------------- run everything
 
 class RoutedCluster(serve.ServerGroup):
@@ -563,18 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap", default="127.0.0.1:8998", help="prefill: its bootstrap server")
     ap.add_argument("--prefill", action="append", default=[], help="router: NAME=HTTP@BOOTSTRAP (repeat)")
     ap.add_argument("--decode", action="append", default=[], help="router: NAME=HTTP (repeat)")
-    ap.add_argument("--protocol", default="auto", choices=["auto", "local", "tcp", "rdma"])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pages", type=int, default=2048)
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per page, and per prefix block")
+    serve.add_model_args(ap, threads=1)
     ap.add_argument("--cache-pages", type=int, default=1024, help="prefill: pages its prefix cache may keep")
-    ap.add_argument("--slots", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--slo-ttft", type=float, default=30.0, help="router: TTFT SLO (s)")
-    ap.add_argument("--transfer-timeout", type=float, default=60.0)
-    ap.add_argument("--request-timeout", type=float, default=serve.REQUEST_TIMEOUT)
     ap.add_argument("--prefill-servers", type=int, default=2, help="run")
     ap.add_argument("--decode-servers", type=int, default=2, help="run")
     ap.add_argument("--sessions", type=int, default=3, help="run: concurrent conversations")
@@ -583,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=6)
     ap.add_argument("--check", action="store_true", help="run: compare with single-process generation")
     args = ap.parse_args(argv)
-    role = {"bootstrap": bootstrap_server, "prefill": prefill_server, "router": router_server, "run": run}
+    role = {"bootstrap": serve.bootstrap_server, "prefill": prefill_server, "router": router_server, "run": run}
     return asyncio.run(role[args.role](args)) or 0
 
 

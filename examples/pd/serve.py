@@ -41,8 +41,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 from kvflow.connector import BootstrapServer, DisaggregationMode, KVArgs, KVManager, KVPoll, KVReceiver, KVSender
 
 try:                                        # run as a module or as a script
@@ -259,6 +257,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_model_args(ap: argparse.ArgumentParser, threads: int = 2) -> None:
+    """The options every server process of the example takes (the model,
+    its pool, the transport, timeouts): what model_flags passes on."""
+    ap.add_argument("--protocol", default="auto", choices=["auto", "local", "tcp", "rdma"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pages", type=int, default=2048)
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page (and per prefix block)")
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--transfer-timeout", type=float, default=60.0,
+                    help="decode: seconds a request may wait for its KV once its metadata is sent "
+                         "(prefill queueing included)")
+    ap.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT,
+                    help="seconds one HTTP request may take, end to end")
+
+
+def reference_tokens(args: argparse.Namespace, prompt: list[int]) -> list[int]:
+    """What single-process generation gives for `prompt` (the same weights,
+    one pool): what every disaggregated run must reproduce."""
+    import torch
+    torch.set_num_threads(args.threads)
+    cfg = model_config(args)
+    pool = KVPool(cfg, args.pages, args.page_size)
+    pages = pool.alloc(pool.pages_for(len(prompt) + args.max_new_tokens - 1))
+    return Model(cfg, seed=args.seed).generate(prompt, args.max_new_tokens, pool, pages)
+
+
 def model_flags(args: argparse.Namespace) -> list[str]:
     return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--seed", str(args.seed),
             "--pages", str(args.pages), "--page-size", str(args.page_size), "--slots", str(args.slots),
@@ -362,16 +389,7 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 def check_against_reference(args: argparse.Namespace, pairs: list[tuple[list[int], list[int]]]) -> int:
     """Compare (prompt, tokens) pairs with single-process generation; prints
     the verdict, returns the exit status (1 on any mismatch)."""
-    import torch
-    torch.set_num_threads(args.threads)
-    cfg = model_config(args)
-    model = Model(cfg, seed=args.seed)
-    pool = KVPool(cfg, args.pages, args.page_size)
-    bad = 0
-    for prompt, tokens in pairs:
-        pages = pool.alloc(pool.pages_for(len(prompt) + args.max_new_tokens - 1))
-        bad += model.generate(prompt, args.max_new_tokens, pool, pages) != tokens
-        pool.free(pages)
+    bad = sum(reference_tokens(args, prompt) != tokens for prompt, tokens in pairs)
     print("check against single-process generation:", "OK" if not bad else f"{bad} MISMATCHES")
     return 1 if bad else 0
 
@@ -415,19 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--bootstrap", default="127.0.0.1:8998")
     ap.add_argument("--prefill", default="127.0.0.1:8100", help="decode: the prefill server's HTTP address")
-    ap.add_argument("--protocol", default="auto", choices=["auto", "local", "tcp", "rdma"])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pages", type=int, default=2048)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--slots", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--transfer-timeout", type=float, default=60.0,
-                    help="decode: seconds a request may wait for its KV once its metadata is sent "
-                         "(prefill queueing included)")
-    ap.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT,
-                    help="seconds one HTTP request may take, end to end")
+    add_model_args(ap)
     ap.add_argument("--requests", type=int, default=4, help="run: concurrent requests")
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="run: the longest prompt")
     ap.add_argument("--max-new-tokens", type=int, default=8)

@@ -108,11 +108,6 @@ def _make_engine(args: argparse.Namespace, listen: str) -> kvflow.Engine:
     )
 
 
-def metrics_summary(engine: kvflow.Engine, peer: str) -> str:
-    """One line of what the engine's native counters saw toward `peer`."""
-    return kvflow.metrics.summary(engine, peer)
-
-
 def _log(args: argparse.Namespace, message: str) -> None:
     if not getattr(args, "quiet", False):
         print(f"kvflow-bench: {message}", file=sys.stderr, flush=True)
@@ -266,7 +261,7 @@ async def run_initiator(args: argparse.Namespace, target: Optional[str] = None) 
                 reporter.row(result)
                 results.append(result)
             if not args.json:
-                _log(args, metrics_summary(engine, peer.address))
+                _log(args, kvflow.metrics.summary(engine, peer.address))
             if args.plot:
                 path = plot_sweep(results, args.plot, title=f"kvflow-bench {args.op} over {peer.transport}")
                 _log(args, f"wrote {path}")

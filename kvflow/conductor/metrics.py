@@ -6,8 +6,11 @@ import math
 from collections.abc import Sequence
 
 from .sim import RequestOutcome, SimResult
+from .types import RejectReason
 
 __all__ = ["summarize", "attainment", "percentile", "TBT_THRESHOLDS_S"]
+
+_AT_DECODE = RejectReason.DECODE_FULL.value     # the one reason given after the prefill
 
 #: The paper's TBT thresholds I, II and III.
 TBT_THRESHOLDS_S = (0.1, 0.2, 0.3)
@@ -42,8 +45,8 @@ def summarize(result: SimResult, *, policy: str, slo_ttft_s: float, slo_tbt_s: f
     done = [o for o in outs if o.completed]
     ttft = [o.ttft_s for o in done]
     tbt = [o.tbt_s for o in done]
-    routed = [o for o in outs if o.rejected not in ("ttft_slo", "decode_load", "predicted_decode_load",
-                                                     "no_instance")]
+    # routed: everything but what the conductor refused before prefill
+    routed = [o for o in outs if o.rejected in ("", _AT_DECODE)]
     blocks = sum(o.blocks for o in routed)
     reused = sum(o.reused_blocks for o in routed)
     span = result.span_s if result.span_s > 0 else math.nan
@@ -57,8 +60,8 @@ def summarize(result: SimResult, *, policy: str, slo_ttft_s: float, slo_tbt_s: f
         "rate_rps": len(outs) / span,
         "completed": len(done),
         "rejected": len(rejected),
-        "rejected_before_prefill": sum(1 for o in rejected if o.rejected != "decode_full"),
-        "rejected_at_decode": sum(1 for o in rejected if o.rejected == "decode_full"),
+        "rejected_before_prefill": sum(1 for o in rejected if o.rejected != _AT_DECODE),
+        "rejected_at_decode": sum(1 for o in rejected if o.rejected == _AT_DECODE),
         "goodput_rps": good / span,
         "slo_attainment": good / len(outs) if outs else math.nan,
         "ttft_p50_s": percentile(ttft, 50),

@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         for sp in args.speedup:
             summary, res = replay_one(trace, pol, prefill=args.prefill, decode=args.decode, speedup=sp,
                                       slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
-                                      rejection=args.rejection, seed=args.seed,
-                                      cache_blocks=args.cache_blocks if args.cache_blocks != 0 else 0,
+                                      rejection=args.rejection, seed=args.seed, cache_blocks=args.cache_blocks,
                                       threshold=args.threshold, progress=True)
             rows.append(summary)
             results[(pol, sp)] = res
@@ -160,13 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in plot_runs(rows, results, args.plot, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt):
             print(f"wrote {path}")
     if args.json:
-        print(json.dumps(rows[0] if len(rows) == 1 else {"runs": rows}, allow_nan=False, default=str)
-              if not _has_nan(rows) else json.dumps(_nan_to_none(rows[0] if len(rows) == 1 else {"runs": rows})))
+        # NaN (a percentile of nothing) is not JSON: null instead
+        print(json.dumps(_nan_to_none(rows[0] if len(rows) == 1 else {"runs": rows}), allow_nan=False))
     return 0
-
-
-def _has_nan(rows: list[dict[str, object]]) -> bool:
-    return any(isinstance(v, float) and math.isnan(v) for r in rows for v in r.values())
 
 
 def _nan_to_none(obj: object) -> object:
