@@ -6,7 +6,9 @@ lists by index, reposts, release while in flight, and telemetry numbers."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import pickle
+import socket
 import time
 import uuid
 
@@ -199,3 +201,27 @@ def test_listener_with_port_zero(capfd):
     while a.check_remote_metadata(b.name):
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_a_dropped_agent_is_released(capfd):
+    """NIXL's agent is a C++ object freed with its Python wrapper; kvflow's
+    must go the same way: its thread, its listener and its engine stop once
+    nothing holds it (in-flight work on its loop must not keep it alive, or
+    every agent a server ever made would run on and keep pinging its peers)."""
+    a = nixl_agent(f"r-{uuid.uuid4()}", nixl_agent_config(True, True, 0))
+    b = nixl_agent(f"s-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    assert b.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
+    assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+    b.send_notif(a.name, b"hello")
+    deadline = time.monotonic() + 10
+    while not a.check_remote_xfer_done(b.name, b"hello"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    port, threads = a.agent.listen_port, {a.agent._thread._thread, b.agent._thread._thread}
+    del a, b
+    gc.collect()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), f"{t.name} still runs after its agent was dropped"
+    with socket.socket() as s:       # the listener's port is closed
+        assert s.connect_ex(("127.0.0.1", port)) != 0

@@ -15,6 +15,7 @@ Errors are NIXL's exception classes; kvflow's error is chained."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -142,6 +143,59 @@ def telemetry_enabled(capture: bool) -> bool:
     return bool(capture)
 
 
+class NotifInbox:
+    """Notifications received and not yet taken by getNotifs, per sender."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_sender: dict[str, list[bytes]] = {}
+
+    def add(self, sender: str, msg: bytes) -> None:
+        with self._lock:
+            self._by_sender.setdefault(sender, []).append(msg)
+
+    def take(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            new, self._by_sender = self._by_sender, {}
+        return new
+
+
+async def _collect_notifs(engine: Any, inbox: NotifInbox) -> None:
+    async for _, data in engine.notifications():
+        try:
+            tag, sender, msg = msgpack.unpackb(data)
+        except (ValueError, TypeError, msgpack.ExtraData):
+            continue
+        if tag == NOTIF_TAG and isinstance(sender, str) and isinstance(msg, bytes):
+            inbox.add(sender, msg)
+
+
+async def _serve_md(agent_ref: "weakref.ref[AgentCore]", reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
+    """A peer's connection to the metadata listener; holds the agent only
+    while it answers a request."""
+    name = "?"
+    try:
+        while (msg := await _read_frame(reader)) is not None:
+            agent = agent_ref()
+            if agent is None:
+                return
+            name = agent.name
+            await agent._answer_md(msg, writer)
+            del agent
+    except Exception as e:  # noqa: BLE001 - one bad peer must not end the listener
+        log.warning("kvflow.compat.nixl: %s: metadata listener: %s", name, e)
+    finally:
+        writer.close()
+
+
+def _shut_down(thread: EngineThread, servers: list[asyncio.AbstractServer]) -> None:
+    """What a released agent leaves: its listener and its engine thread."""
+    for server in servers:
+        thread.call_soon(server.close)
+    thread.close()
+
+
 class AgentCore:
     def __init__(self, name: str, config: B.nixlAgentConfig) -> None:
         if not isinstance(name, str) or not name:
@@ -153,13 +207,18 @@ class AgentCore:
         self._thread = EngineThread(thread_name=f"kvflow-nixl-{name[:16]}", listen=f"{host}:0",
                                     protocols=protocols or None)
         self._engine = self._thread.start()
-        self._finalizer = weakref.finalize(self, self._thread.close)
+        # Nothing running on the engine's loop holds the agent (the notification
+        # collector has only the inbox, the listener a weak reference): a NIXL
+        # agent that is dropped is released, and this stops its thread, its
+        # listener and its engine.
+        self._servers: list[asyncio.AbstractServer] = []
+        self._finalizer = weakref.finalize(self, _shut_down, self._thread, self._servers)
         self._lock = threading.Lock()
         self._regions: dict[int, Any] = {}                  # address -> kvflow Region
         self._remotes: dict[str, Peer] = {}
         # what each remote agent's metadata announced: (addr, end) spans
         self._known: dict[str, list[tuple[int, int]]] = {}
-        self._notifs: dict[str, list[bytes]] = {}
+        self._inbox = NotifInbox()
         self._xfers: dict[int, Xfer] = {}
         self._dlists: dict[int, Prepped] = {}
         self._ids = itertools.count(1)
@@ -167,7 +226,7 @@ class AgentCore:
         self._telemetry = telemetry_enabled(config.captureTelemetry)
         self.listen_port = 0
         self._etcd = etcd_store(os.environ.get("NIXL_ETCD_ENDPOINTS", ""))
-        self._thread.submit(self._collect_notifs())
+        self._thread.submit(_collect_notifs(self._engine, self._inbox))
         if config.useListenThread:
             self.listen_port = self._thread.call(self._listen(int(config.listenPort)))
 
@@ -304,33 +363,25 @@ class AgentCore:
 
     # ------------------------------------------------------------ the metadata listener
     async def _listen(self, port: int) -> int:
-        server = await asyncio.start_server(self._serve_md, "0.0.0.0", port)
-        self._server = server
+        server = await asyncio.start_server(functools.partial(_serve_md, weakref.ref(self)), "0.0.0.0", port)
+        self._servers.append(server)
         real = server.sockets[0].getsockname()[1]
         print(f"MD listener is listening on port {real}", file=sys.stderr, flush=True)
         return real
 
-    async def _serve_md(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                msg = await _read_frame(reader)
-                if msg is None:
-                    return
-                op = msg.get("op")
-                if op == "md":
-                    await self._load_md(msg["md"])
-                elif op == "fetch":
-                    match = msg.get("name") in ("", self.name)
-                    _write_frame(writer, {"md": self.getLocalMD()} if match else {"error": "no such agent"})
-                    await writer.drain()
-                elif op == "invalidate":
-                    with self._lock:
-                        self._remotes.pop(msg.get("name"), None)
-                        self._known.pop(msg.get("name"), None)
-        except Exception as e:  # noqa: BLE001 - one bad peer must not end the listener
-            log.warning("kvflow.compat.nixl: %s: metadata listener: %s", self.name, e)
-        finally:
-            writer.close()
+    async def _answer_md(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """One request to the metadata listener."""
+        op = msg.get("op")
+        if op == "md":
+            await self._load_md(msg["md"])
+        elif op == "fetch":
+            match = msg.get("name") in ("", self.name)
+            _write_frame(writer, {"md": self.getLocalMD()} if match else {"error": "no such agent"})
+            await writer.drain()
+        elif op == "invalidate":
+            with self._lock:
+                self._remotes.pop(msg.get("name"), None)
+                self._known.pop(msg.get("name"), None)
 
     async def _exchange(self, ip: str, port: int, msg: dict[str, Any], want_reply: bool) -> Any:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), CONNECT_TIMEOUT)
@@ -403,19 +454,8 @@ class AgentCore:
             f"invalidating at {ip}:{port}", self._exchange(ip, port, {"op": "invalidate", "name": self.name}, False)))
 
     # ------------------------------------------------------------ notifications
-    async def _collect_notifs(self) -> None:
-        async for _, data in self._engine.notifications():
-            try:
-                tag, sender, msg = msgpack.unpackb(data)
-            except (ValueError, TypeError, msgpack.ExtraData):
-                continue
-            if tag == NOTIF_TAG and isinstance(sender, str) and isinstance(msg, bytes):
-                with self._lock:
-                    self._notifs.setdefault(sender, []).append(msg)
-
     def getNotifs(self, notifs: dict[str, list[bytes]], backends: list[Any] = ()) -> dict[str, list[bytes]]:
-        with self._lock:
-            new, self._notifs = self._notifs, {}
+        new = self._inbox.take()
         for sender, msgs in new.items():
             notifs.setdefault(sender, []).extend(msgs)
         return notifs
