@@ -583,15 +583,20 @@ cdef class TcpChannel(Channel):
 
     def conn_stats(self):
         """Per data connection: up, payload bytes sent, slices moved away
-        when it failed, failures."""
+        when it failed, failures; its queue: slices and bytes waiting for
+        it (queued_slices, queued_bytes) and slices sent and not yet
+        acknowledged (inflight_slices)."""
         cdef uint64_t sent = 0, moved = 0, failures = 0
+        cdef uint64_t q[3]
         cdef int i, dead
         out = []
         if self.ch == NULL:
             return out
         for i in range(self.nfds):
             dead = kvf_tcp_channel_conn_stats(self.ch, i, &sent, &moved, &failures)
-            out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures})
+            kvf_tcp_channel_conn_queue(self.ch, i, q)
+            out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures,
+                        "queued_slices": q[0], "queued_bytes": q[1], "inflight_slices": q[2]})
         return out
 
     def credit_stats(self):

@@ -135,6 +135,7 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i)
     int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
                                    uint64_t *failures)
+    int kvf_tcp_channel_conn_queue(kvf_tcp_channel *ch, int i, uint64_t out[3])
     int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t *out)
     int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd)
     int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id)

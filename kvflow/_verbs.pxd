@@ -233,6 +233,7 @@ cdef extern from "_native/rdma.h" nogil:
                           uint64_t raddr, uint32_t rkey, uint32_t len, uint64_t *id_out)
     int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
                                uint64_t *wrs, uint64_t *bytes, uint32_t *qpn)
+    int kvf_rdma_chan_qp_queue(kvf_rdma_chan *ch, int index, uint64_t out[4])
     int kvf_rdma_chan_nqps(kvf_rdma_chan *ch)
     void kvf_rdma_chan_close(kvf_rdma_chan *ch)
     void kvf_rdma_chan_free(kvf_rdma_chan *ch)

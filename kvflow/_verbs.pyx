@@ -619,18 +619,27 @@ cdef class RdmaChannel(Channel):
             rc = kvf_rdma_post_one(self.ch, index, op, laddr, lkey, raddr, rkey, length, &bid)
         return rc, bid
 
-    def stats(self):
+    def qp_stats(self):
         """Per QP: device index, remote device index, state, work requests
-        and bytes posted, and its verbs QP number (0 once destroyed)."""
+        and bytes posted, its verbs QP number (0 once destroyed), and its
+        queue: work requests posted and not retired (outstanding_wrs) and
+        their bytes (inflight_bytes), slices and bytes waiting to be posted
+        (backlog_slices, backlog_bytes). (Channel.stats() is the batch
+        numbers every channel has.)"""
         cdef uint32_t dev, rdev, qpn
         cdef uint64_t wrs, nbytes
+        cdef uint64_t q[4]
         cdef int i, st
         out = []
         if self.ch == NULL:
             return out
         for i in range(kvf_rdma_chan_nqps(self.ch)):
             st = kvf_rdma_chan_qp_stats(self.ch, i, &dev, &rdev, &wrs, &nbytes, &qpn)
-            out.append({"dev": dev, "rdev": rdev, "state": st, "wrs": wrs, "bytes": nbytes, "qpn": qpn})
+            q[0] = q[1] = q[2] = q[3] = 0
+            kvf_rdma_chan_qp_queue(self.ch, i, q)
+            out.append({"dev": dev, "rdev": rdev, "state": st, "wrs": wrs, "bytes": nbytes, "qpn": qpn,
+                        "outstanding_wrs": q[0], "inflight_bytes": q[1], "backlog_slices": q[2],
+                        "backlog_bytes": q[3]})
         return out
 
     @property

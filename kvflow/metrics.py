@@ -15,7 +15,10 @@ Metric names (labels peer, provider, op unless said):
 | kvflow_failures_by_kind_total | counter | failed batches by kind (labels peer, provider, kind: ELOST, ECANCELLED, ...) |
 | kvflow_batch_latency_seconds | histogram | submission to completion, succeeded batches (buckets: powers of two of us) |
 | kvflow_moved_slices_total | counter | slices handed to another tcp connection when one failed (peer, provider) |
-| kvflow_connection_failures_total | counter | tcp data connections that failed (peer, provider) |
+| kvflow_connection_failures_total | counter | tcp data connections or rdma QPs that failed (peer, provider) |
+| kvflow_repairs_total | counter | tcp data connections rebuilt, rdma QPs brought back (peer, provider) |
+| kvflow_connection_queued_slices, kvflow_connection_queued_bytes | gauge | per tcp data connection or rdma QP (labels peer, provider, connection): slices and bytes waiting for it |
+| kvflow_connection_inflight_slices | gauge | per tcp data connection or rdma QP: slices sent and not acknowledged (tcp), work requests posted and not retired (rdma) |
 | kvflow_peer_inflight_batches, kvflow_peer_inflight_bytes | gauge | batches submitted toward the peer and not finished (queued or on the wire), and their bytes |
 | kvflow_inflight_batches, kvflow_inflight_slices | gauge | what is in flight now, the whole engine (no labels) |
 | kvflow_receive_window_bytes, kvflow_receive_window_held_bytes | gauge | the receive window and what is granted of it |
@@ -82,8 +85,18 @@ class EngineCollector:
                                         labels=op_labels)
         moved = CounterMetricFamily("kvflow_moved_slices", "slices moved to another tcp connection",
                                     labels=extra + ["peer", "provider"])
-        conn_failures = CounterMetricFamily("kvflow_connection_failures", "tcp data connections that failed",
+        conn_failures = CounterMetricFamily("kvflow_connection_failures",
+                                            "tcp data connections or rdma QPs that failed",
                                             labels=extra + ["peer", "provider"])
+        repairs = CounterMetricFamily("kvflow_repairs", "tcp data connections rebuilt, rdma QPs brought back",
+                                      labels=extra + ["peer", "provider"])
+        conn_labels = extra + ["peer", "provider", "connection"]
+        c_slices = GaugeMetricFamily("kvflow_connection_queued_slices", "slices waiting for the connection",
+                                     labels=conn_labels)
+        c_bytes = GaugeMetricFamily("kvflow_connection_queued_bytes", "bytes waiting for the connection",
+                                    labels=conn_labels)
+        c_inflight = GaugeMetricFamily("kvflow_connection_inflight_slices",
+                                       "slices on the connection, not acknowledged", labels=conn_labels)
         q_batches = GaugeMetricFamily("kvflow_peer_inflight_batches", "batches submitted, not finished",
                                       labels=op_labels)
         q_bytes = GaugeMetricFamily("kvflow_peer_inflight_bytes", "bytes of the batches submitted, not finished",
@@ -107,7 +120,14 @@ class EngineCollector:
                 kinds.add_metric(tag + [peer, pm["provider"], kind], n)
             moved.add_metric(tag + [peer, pm["provider"]], pm["moved_slices"])
             conn_failures.add_metric(tag + [peer, pm["provider"]], pm["connection_failures"])
-        yield from (batches, nbytes, failed, kinds, latency, moved, conn_failures, q_batches, q_bytes)
+            repairs.add_metric(tag + [peer, pm["provider"]], pm["repairs"])
+            for c in pm["connections"]:
+                labels = tag + [peer, pm["provider"], str(c["index"])]
+                c_slices.add_metric(labels, c["queued_slices"])
+                c_bytes.add_metric(labels, c["queued_bytes"])
+                c_inflight.add_metric(labels, c["inflight_slices"])
+        yield from (batches, nbytes, failed, kinds, latency, moved, conn_failures, repairs, q_batches, q_bytes,
+                    c_slices, c_bytes, c_inflight)
         for key in ("batches", "slices"):
             g = GaugeMetricFamily(f"kvflow_inflight_{key}", f"{key} in flight now", labels=extra)
             g.add_metric(tag, m["inflight"][key])

@@ -62,7 +62,6 @@ def main() -> int:
     # one rank, no torch.distributed: the pipeline group is never used at pp_size 1
     runtime_context.get_parallel().override_permanently(pp_group=None)
 
-    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
                                                  TransferBackend, get_kv_class, get_kv_transfer_buf_infos,
                                                  setup_state_kv_args)
@@ -121,89 +120,65 @@ def main() -> int:
         cursor += sizes[room]
     deadline = time.monotonic() + TIMEOUT
 
+    def item_range(buf_lens: list[int], b: int, index: int) -> slice:
+        return slice(index * buf_lens[b], (index + 1) * buf_lens[b])
+
     if mode is DisaggregationMode.PREFILL:
         senders = {}
         for i, room in enumerate(rooms):
             for b, buf in enumerate(bufs):
-                item = kv_args.kv_item_lens[b]
                 for k, p in enumerate(pages[room]):
-                    buf[p * item:(p + 1) * item] = pattern(room, k, b, 0, item)
+                    buf[item_range(kv_args.kv_item_lens, b, p)] = pattern(room, k, b, 0, kv_args.kv_item_lens[b])
             for a, buf in enumerate(aux):
-                item = kv_args.aux_item_lens[a]
-                buf[(i + 1) * item:(i + 2) * item] = pattern(room, 0, a, 1, item)
+                buf[item_range(kv_args.aux_item_lens, a, i + 1)] = pattern(room, 0, a, 1, kv_args.aux_item_lens[a])
             senders[room] = get_kv_class(tb, KVClassType.SENDER)(
                 mgr=mgr, bootstrap_addr=addr, bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
-        pending = dict(senders)
-        inited: set[int] = set()
-        while pending:
-            assert time.monotonic() < deadline, f"prefill: rooms {sorted(pending)} did not finish"
-            for room, s in list(pending.items()):
-                st = s.poll()
-                if st == KVPoll.Failed:
-                    try:
-                        s.failure_exception()
-                    except Exception as e:  # noqa: BLE001 - reported
-                        report["rooms"][room] = {"state": "Failed", "error": str(e)}
-                    del pending[room]
-                elif st == KVPoll.WaitingForInput and room not in inited:
-                    # finalize_bootstrap, then send_kv_chunk in two chunks as chunked prefill does
-                    prefix = s.pop_decode_prefix_len()
-                    s.init(len(pages[room]), rooms.index(room) + 1)
-                    inited.add(room)
-                    half = len(pages[room]) // 2
-                    chunks = [pages[room][:half], pages[room][half:]] if half else [pages[room]]
-                    for chunk in chunks:
-                        if s.should_send_kv_chunk(len(chunk), chunk is chunks[-1]):
-                            s.send(chunk)
-                    report["rooms"][room] = {"decode_prefix_len": prefix}
-                elif st == KVPoll.Success:
-                    report["rooms"].setdefault(room, {})["state"] = "Success"
-                    m = s.get_transfer_metric()
-                    report["rooms"][room]["bytes"] = m.transfer_total_bytes
-                    s.clear()
-                    del pending[room]
-            time.sleep(0.002)
+
+        def start(room: int, s) -> None:
+            # finalize_bootstrap, then send_kv_chunk in two chunks as chunked prefill does
+            prefix = s.pop_decode_prefix_len()
+            s.init(len(pages[room]), rooms.index(room) + 1)
+            half = len(pages[room]) // 2
+            chunks = [pages[room][:half], pages[room][half:]] if half else [pages[room]]
+            for chunk in chunks:
+                if s.should_send_kv_chunk(len(chunk), chunk is chunks[-1]):
+                    s.send(chunk)
+            report["rooms"][room] = {"decode_prefix_len": prefix}
+
+        def landed(room: int, s) -> None:
+            report["rooms"].setdefault(room, {}).update(state="Success",
+                                                        bytes=s.get_transfer_metric().transfer_total_bytes)
+
+        drive(senders, "prefill", start, landed, report, deadline)
         time.sleep(1.0)     # let the decode side read its status before the manager goes
     else:
-        receivers = {}
         while not mgr.try_ensure_parallel_info(addr):
             assert time.monotonic() < deadline, "decode: no parallel info from the prefill bootstrap server"
             time.sleep(0.05)
+        receivers = {}
         for room in rooms:
             r = get_kv_class(tb, KVClassType.RECEIVER)(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
             r.init(0)
             receivers[room] = r
-        pending = dict(receivers)
-        sent: set[int] = set()
-        while pending:
-            assert time.monotonic() < deadline, f"decode: rooms {sorted(pending)} did not finish"
-            for room, r in list(pending.items()):
-                st = r.poll()
-                if st == KVPoll.Failed:
-                    try:
-                        r.failure_exception()
-                    except Exception as e:  # noqa: BLE001 - reported
-                        report["rooms"][room] = {"state": "Failed", "error": str(e)}
-                    del pending[room]
-                elif st == KVPoll.WaitingForInput and room not in sent:
-                    dst = pages[room] + POOL_PAGES if room in bad_rooms else pages[room]
-                    r.send_metadata(dst, rooms.index(room) + 1)
-                    sent.add(room)
-                elif st == KVPoll.Success:
-                    bad = 0
-                    for b, buf in enumerate(bufs):
-                        item = kv_args.kv_item_lens[b]
-                        for k, p in enumerate(pages[room]):
-                            bad += not np.array_equal(buf[p * item:(p + 1) * item], pattern(room, k, b, 0, item))
-                    i = rooms.index(room)
-                    for a, buf in enumerate(aux):
-                        item = kv_args.aux_item_lens[a]
-                        bad += not np.array_equal(buf[(i + 1) * item:(i + 2) * item], pattern(room, 0, a, 1, item))
-                    nbytes = sum(kv_args.kv_item_lens) * len(pages[room]) + sum(kv_args.aux_item_lens)
-                    report["rooms"][room] = {"state": "Success", "bad_items": bad, "verified_bytes": nbytes}
-                    r.clear()
-                    del pending[room]
-            time.sleep(0.002)
+
+        def start(room: int, r) -> None:
+            dst = pages[room] + POOL_PAGES if room in bad_rooms else pages[room]
+            r.send_metadata(dst, rooms.index(room) + 1)
+
+        def landed(room: int, r) -> None:
+            bad = 0
+            for b, buf in enumerate(bufs):
+                for k, p in enumerate(pages[room]):
+                    want = pattern(room, k, b, 0, kv_args.kv_item_lens[b])
+                    bad += not np.array_equal(buf[item_range(kv_args.kv_item_lens, b, p)], want)
+            i = rooms.index(room)
+            for a, buf in enumerate(aux):
+                want = pattern(room, 0, a, 1, kv_args.aux_item_lens[a])
+                bad += not np.array_equal(buf[item_range(kv_args.aux_item_lens, a, i + 1)], want)
+            nbytes = sum(kv_args.kv_item_lens) * len(pages[room]) + sum(kv_args.aux_item_lens)
+            report["rooms"][room] = {"state": "Success", "bad_items": bad, "verified_bytes": nbytes}
+
+        drive(receivers, "decode", start, landed, report, deadline)
     if mode is DisaggregationMode.DECODE:
         # nothing outside the requests' own pages was written (page 0 and the unused ones stay zero)
         used = np.zeros(POOL_PAGES, bool)
@@ -219,6 +194,33 @@ def main() -> int:
         json.dump(report, f)
     del bootstrap
     os._exit(0)     # SGLang's managers run non-daemon helpers; the test only needs the report
+
+
+def drive(requests: dict, role: str, start, landed, report: dict, deadline: float) -> None:
+    """The scheduler's part: polls every request until it is Success or
+    Failed; start(room, obj) once it waits for input, landed(room, obj) on
+    Success, then clear()."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pending, started = dict(requests), set()
+    while pending:
+        assert time.monotonic() < deadline, f"{role}: rooms {sorted(pending)} did not finish"
+        for room, obj in list(pending.items()):
+            st = obj.poll()
+            if st == KVPoll.Failed:
+                try:
+                    obj.failure_exception()
+                except Exception as e:  # noqa: BLE001 - reported
+                    report["rooms"][room] = {"state": "Failed", "error": str(e)}
+                del pending[room]
+            elif st == KVPoll.WaitingForInput and room not in started:
+                started.add(room)
+                start(room, obj)
+            elif st == KVPoll.Success:
+                landed(room, obj)
+                obj.clear()
+                del pending[room]
+        time.sleep(0.002)
 
 
 def ctypes_buf(ptr: int, n: int):

@@ -9,6 +9,7 @@ import pytest
 
 import kvflow
 from _batches import bounded
+from _providers import params, skip_unavailable
 
 MiB = 1 << 20
 
@@ -88,3 +89,42 @@ async def test_prometheus_export(make_engine):
     assert value("kvflow_inflight_batches", {"engine": "prefill-0"}) == 0
     text = prometheus_client.generate_latest(registry).decode()      # the exposition itself renders
     assert "# TYPE kvflow_batch_latency_seconds histogram" in text
+
+
+@pytest.mark.parametrize("protocol", params("tcp", "rdma"))
+async def test_connection_queues_are_reported(make_engine, protocol):
+    """Per tcp data connection or rdma QP: what waits for it and what is on
+    it, up while a batch streams and back to zero after; engine.metrics()
+    works on every provider (on rdma it once raised: the channel's per-QP
+    list stood where the batch numbers were read)."""
+    skip_unavailable(protocol)
+    a = await make_engine(protocols=[protocol])
+    b = await make_engine(protocols=[protocol])
+    n = 32
+    src, dst = np.ones(n * MiB, np.uint8), np.zeros(n * MiB, np.uint8)
+    a.register(src)
+    b.register(dst)
+    peer = await bounded(a.connect(b.address))
+    await bounded(peer.write([src.ctypes.data], [dst.ctypes.data], [4096]))
+    seen = 0
+    t = peer.write_nowait([src.ctypes.data + i * MiB for i in range(n)],
+                          [dst.ctypes.data + i * MiB for i in range(n)], [MiB] * n)
+    while not t.done():
+        conns = a.metrics()["peers"][b.address]["connections"]
+        seen = max(seen, sum(c["queued_slices"] + c["inflight_slices"] for c in conns))
+        await asyncio.sleep(0)
+    await bounded(t)
+    pm = a.metrics()["peers"][b.address]
+    assert pm["provider"] == protocol and pm["write"]["batches"] == 2 and pm["write"]["failed"] == 0
+    conns = pm["connections"]
+    assert conns and all(c["up"] for c in conns), conns
+    assert seen > 0, "no queued or in-flight slice seen while 32 MiB streamed"
+    assert all(c["queued_slices"] == c["queued_bytes"] == c["inflight_slices"] == 0 for c in conns), conns
+    assert pm["repairs"] == 0 and pm["connection_failures"] == 0
+    assert sum(c["bytes"] for c in conns) >= n * MiB
+    prometheus = pytest.importorskip("prometheus_client")
+    registry = prometheus.CollectorRegistry()
+    from kvflow.metrics import register_prometheus
+    register_prometheus(a, registry=registry)
+    text = prometheus.generate_latest(registry).decode()
+    assert "kvflow_connection_queued_slices{" in text and "kvflow_repairs_total{" in text

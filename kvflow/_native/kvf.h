@@ -347,6 +347,7 @@ int kvf_tcp_channel_idle(kvf_tcp_channel *ch);
 int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i);
 int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
                                uint64_t *failures);
+int kvf_tcp_channel_conn_queue(kvf_tcp_channel *ch, int i, uint64_t out[3]);
 /* A cancelled batch whose slices are still on the wire after the grace
  * period: resets the connections that hold them (their unsent bytes are
  * discarded, so nothing of the batch lands later; the other slices they

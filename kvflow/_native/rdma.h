@@ -136,6 +136,7 @@ int kvf_rdma_post_one(kvf_rdma_chan *ch, int index, int op, uint64_t laddr, uint
  * event to its channel slot). */
 int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t *rdev,
                            uint64_t *wrs, uint64_t *bytes, uint32_t *qpn);
+int kvf_rdma_chan_qp_queue(kvf_rdma_chan *ch, int index, uint64_t out[4]);
 int kvf_rdma_chan_nqps(kvf_rdma_chan *ch);
 /* Device `d` is gone (removed or fatal): destroys the channel's QPs on it
  * at once (what they carried goes to the other devices' QPs) and leaves

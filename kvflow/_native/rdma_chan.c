@@ -274,6 +274,25 @@ int kvf_rdma_chan_qp_stats(kvf_rdma_chan *ch, int index, uint32_t *dev, uint32_t
     return st;
 }
 
+/* QP `index`'s queue: work requests posted and not retired, their bytes,
+ * and the slices (and bytes) waiting to be posted (its backlog and what
+ * submitters handed its worker). */
+int kvf_rdma_chan_qp_queue(kvf_rdma_chan *ch, int index, uint64_t out[4]) {
+    rqp *q = chan_qp(ch, index);
+    if (!q) return -1;
+    pthread_mutex_lock(&q->mu);
+    out[0] = q->head - q->tail;
+    out[1] = q->inflight;
+    out[2] = q->backlog.count;
+    out[3] = q->backlog.bytes;
+    pthread_mutex_lock(&q->in_mu);
+    out[2] += q->incoming.count;
+    out[3] += q->incoming.bytes;
+    pthread_mutex_unlock(&q->in_mu);
+    pthread_mutex_unlock(&q->mu);
+    return 0;
+}
+
 static int rdma_open(kvf_channel *ch) { return !((kvf_rdma_chan *)ch)->closed; }
 
 static uint64_t rdma_slice_size(kvf_channel *ch, uint64_t total) {

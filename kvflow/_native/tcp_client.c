@@ -726,6 +726,19 @@ int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes,
     return dead;
 }
 
+/* Data connection i's queue: slices and bytes waiting for it, and slices
+ * framed and not acknowledged yet (in-flight tags). */
+int kvf_tcp_channel_conn_queue(kvf_tcp_channel *ch, int i, uint64_t out[3]) {
+    if (i < 0 || i >= ch->n) return -1;
+    tcp_conn *c = &ch->conns[i];
+    pthread_mutex_lock(&c->q.mu);
+    out[0] = c->q.count;
+    out[1] = c->q.bytes;
+    out[2] = TCP_WINDOW - c->nfree;
+    pthread_mutex_unlock(&c->q.mu);
+    return 0;
+}
+
 int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t out[6]) {
     if (i < 0 || i >= ch->n) return -1;
     tcp_conn *c = &ch->conns[i];

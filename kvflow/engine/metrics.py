@@ -58,7 +58,8 @@ def peer_metrics(peer: "Peer") -> dict[str, Any] | None:
             "failures": {_STATUS_NAMES.get(code, str(code)): n for code, n in stats["failures_by_status"].items()},
             "connections": conns,
             "moved_slices": sum(c.get("moved", 0) for c in conns),
-            "connection_failures": sum(c.get("failures", 0) for c in conns)}
+            "connection_failures": sum(c.get("failures", 0) for c in conns),
+            "repairs": sum(c.get("rebuilt", 0) + c.get("repairs", 0) for c in conns)}
 
 
 def engine_metrics(engine: "Engine") -> dict[str, Any]:

@@ -169,7 +169,10 @@ class Peer:
         """tcp: one entry per data connection (index, endpoint: the rail,
         source: the local rail it is bound to or None, local: the address
         it left from, up, bytes sent, slices moved to other connections
-        when it failed, failures, rebuilds). Empty for the other providers."""
+        when it failed, failures, rebuilds; its queue: queued_slices,
+        queued_bytes, inflight_slices). rdma: one entry per QP (device,
+        state, work requests and bytes posted, the same queue fields and
+        inflight_bytes, failures, repairs). Empty for local."""
         return self._provider.connections(self._channel) if self._provider is not None else []
 
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:

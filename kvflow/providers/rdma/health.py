@@ -23,7 +23,7 @@ __all__ = ["DeviceHealth"]
 
 log = logging.getLogger("kvflow")
 
-QP_GONE = -2                   # RdmaChannel.stats() "state" of a QP destroyed with its (removed) device
+QP_GONE = -2                   # RdmaChannel.qp_stats() "state" of a QP destroyed with its (removed) device
 
 
 class DeviceHealth:
@@ -166,7 +166,7 @@ class DeviceHealth:
         self._reopen_backoff.succeeded()
         self._watch(d)
         self.ctx.rekeyed({rid: (reg.lkeys, reg.rkeys) for rid, reg in self._mrs.items()})
-        gone = [(peer, ch, i) for peer, ch, i in self._qps_on(index) if ch.stats()[i]["state"] == QP_GONE]
+        gone = [(peer, ch, i) for peer, ch, i in self._qps_on(index) if ch.qp_stats()[i]["state"] == QP_GONE]
         for peer, ch, i in gone:
             self._start_repair(peer, ch, i)
         self._extend_all()
@@ -219,7 +219,7 @@ class DeviceHealth:
         QP is left to its initiator, which sees its own QP fail."""
         d = self.devices[index]
         for peer, ch, i in self._qps_on(index):
-            st = ch.stats()[i]
+            st = ch.qp_stats()[i]
             if st["qpn"] == qpn:
                 log.warning("kvflow: rdma device %s: QP %d (QP %d to %s): %s; reconnecting",
                             d.name, qpn, i, peer.address, what)
@@ -231,7 +231,7 @@ class DeviceHealth:
 
     def _qps_on(self, index: int) -> list[tuple[PeerLink, Any, int]]:
         return [(peer, ch, i) for peer, ch in self._channels.values()
-                for i, st in enumerate(ch.stats()) if st["dev"] == index]
+                for i, st in enumerate(ch.qp_stats()) if st["dev"] == index]
 
     def _take_out(self, index: int, why: str) -> None:
         """Device `index` is out of service now (a port error): its QPs
@@ -247,7 +247,7 @@ class DeviceHealth:
         log.warning("kvflow: rdma device %s out of service (%s): its traffic moves to the other devices",
                     d.name, why)
         for peer, ch, i in self._qps_on(index):
-            if ch.stats()[i]["state"] in (1, 2):
+            if ch.qp_stats()[i]["state"] in (1, 2):
                 ch.break_qp(i)
                 self._start_repair(peer, ch, i)
 
@@ -327,7 +327,7 @@ class DeviceHealth:
         so does what is submitted later; a later connect() to that address
         pairs the devices still in service."""
         for token, (peer, ch) in list(self._channels.items()):
-            stats = ch.stats()
+            stats = ch.qp_stats()
             if stats and all(s["state"] == QP_GONE for s in stats):
                 log.warning("kvflow: no rdma device left toward %s (all its QPs were on removed devices); "
                             "closing the peer: connect again to use the devices in service", peer.address)

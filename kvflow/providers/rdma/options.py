@@ -20,8 +20,9 @@ __all__ = ["RdmaOptions", "available", "check_ack_timeout", "choose_ack_timeout"
            "device_names", "is_software"]
 
 QP_DEPTH = 128                 # send-queue entries per QP
-QP_UP = 1                      # RdmaChannel.stats() "state": 1 up, 2 probing, 0 broken, -1 closed,
+QP_UP = 1                      # RdmaChannel.qp_stats() "state": 1 up, 2 probing, 0 broken, -1 closed,
 QP_GONE = -2                   # -2 destroyed with its (removed) device
+QP_STATES = {1: "up", 2: "probing", 0: "broken", -1: "closed", -2: "gone"}
 PROBE_TIMEOUT = 5.0            # reachability read per QP
 MAX_TARGET_QPS = 256           # per control session
 REPAIR_MIN = 0.2               # first back-off of a broken QP's repair (doubles)

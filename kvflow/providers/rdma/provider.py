@@ -34,6 +34,7 @@ from kvflow.providers.rdma.options import (  # noqa: F401 (re-exported: the prov
     NOTIFY_SLOTS,
     PROBE_TIMEOUT,
     QP_DEPTH,
+    QP_STATES,
     REOPEN_RETRY,
     RdmaOptions,
     _verbs,
@@ -152,6 +153,8 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         self._extending: set[int] = set()                             # channel tokens being extended
         self._extend_again: set[int] = set()
         self._all_down: dict[int, float] = {}                         # token -> since when no QP is up
+        # token -> QP index -> [breaks, repairs (back in service), repair attempts]
+        self._qp_counts: dict[int, dict[int, list[int]]] = {}
         self.device_errors = [0] * len(self.devices)                  # QP breaks and device events per device
         # Devices out of service: index -> why (a port error, or gone). A
         # down device's QPs carry nothing; their repairs back off and probe,
@@ -369,7 +372,7 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
                 base = slot * _verbs.RECV_BYTES
                 self._notify_buf[base:base + len(data)] = np.frombuffer(data, dtype=np.uint8)
                 addr = int(self._notify_buf.__array_interface__["data"][0]) + base
-                for i, st in enumerate(ch.stats()):
+                for i, st in enumerate(ch.qp_stats()):
                     if st["state"] == 1:
                         dev = ch.qp_device(i)
                         status, bid = ch.post_one(i, _verbs.OP_SEND, addr, self.notify_keys[0][dev.index],
@@ -467,6 +470,31 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         self._channels.pop(token, None)
         self._all_down.pop(token, None)
         self._remote_qpns.pop(token, None)
+        self._qp_counts.pop(token, None)
+
+    def connections(self, channel: Any) -> list[dict[str, Any]]:
+        """One entry per QP: index, device and remote device (names/index),
+        state ("up", "probing", "broken", "closed", "gone"), work requests
+        and bytes posted, its queue (queued_slices and queued_bytes waiting
+        to be posted; inflight_slices and inflight_bytes: work requests
+        posted and not retired), failures (times it broke), repairs (times
+        it came back) and repair_attempts."""
+        counts = self._qp_counts.get(getattr(channel, "token", -1), {})
+        out = []
+        for i, st in enumerate(channel.qp_stats()):
+            breaks, repairs, attempts = counts.get(i, (0, 0, 0))
+            dev = self.devices[st["dev"]] if st["dev"] < len(self.devices) else None
+            out.append({"index": i, "device": dev.name if dev is not None else str(st["dev"]),
+                        "remote_device": st["rdev"], "state": QP_STATES.get(st["state"], str(st["state"])),
+                        "up": st["state"] == 1, "wrs": st["wrs"], "bytes": st["bytes"], "qpn": st["qpn"],
+                        "queued_slices": st["backlog_slices"], "queued_bytes": st["backlog_bytes"],
+                        "inflight_slices": st["outstanding_wrs"], "inflight_bytes": st["inflight_bytes"],
+                        "failures": breaks, "repairs": repairs, "repair_attempts": attempts})
+        return out
+
+    def count_qp(self, ch: Any, index: int, what: int) -> None:
+        """Counts a break (0), a repair (1) or a repair attempt (2) of QP `index`."""
+        self._qp_counts.setdefault(ch.token, {}).setdefault(index, [0, 0, 0])[what] += 1
 
     async def close(self) -> None:
         """Closes every device and what is on it. Repairs are cancelled

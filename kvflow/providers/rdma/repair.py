@@ -20,7 +20,7 @@ __all__ = ["QpRepair"]
 
 log = logging.getLogger("kvflow")
 
-QP_UP = 1                      # RdmaChannel.stats() "state": 1 up, 2 probing, 0 broken, -1 closed,
+QP_UP = 1                      # RdmaChannel.qp_stats() "state": 1 up, 2 probing, 0 broken, -1 closed,
 QP_GONE = -2                   # -2 destroyed with its (removed) device
 
 
@@ -75,7 +75,7 @@ class QpRepair:
                     pairs = self._wanted_pairs(peer, peer.descriptor.rdma["devices"])
                 except ProviderUnavailableError:
                     return
-                have = {(st["dev"], st["rdev"]) for st in ch.stats()}
+                have = {(st["dev"], st["rdev"]) for st in ch.qp_stats()}
                 missing = [p for p in pairs if p not in have]
                 if missing:
                     qps = []
@@ -103,7 +103,7 @@ class QpRepair:
         back with the right bytes). Raises ProviderUnavailableError."""
         raddr, rkeys, cookie = peer.descriptor.rdma["probe"]
         dev = ch.qp_device(i)
-        rdev = ch.stats()[i]["rdev"]
+        rdev = ch.qp_stats()[i]["rdev"]
         async with self._probe_slots:
             # a landing slot of its own (probes of other peers and QPs run at once)
             index = self._probe_free.pop()
@@ -150,6 +150,7 @@ class QpRepair:
         self._repairing.add(key)
         dev = ch.qp_device(index)
         self.device_errors[dev.index] += 1
+        self.count_qp(ch, index, 0)
         backoff = Backoff(REPAIR_MIN, REPAIR_MAX, self.ctx.loop.time)
         backoff.failed()
         try:
@@ -161,15 +162,17 @@ class QpRepair:
                     await self._wait_back(dev.index, backoff.delay)
                     if dev.index in self.device_gone:
                         return
+                self.count_qp(ch, index, 2)
                 why = await self._reconnect(peer, ch, index)
                 if why is None:
+                    self.count_qp(ch, index, 1)
                     if self.device_down.pop(dev.index, None) is not None:
                         log.info("kvflow: rdma device %s answers again: back in service", dev.name)
                     self._all_down.pop(ch.token, None)
                     log.info("kvflow: rdma QP %d to %s on %s is back", index, peer.address, dev.name)
                     return
                 loop = self.ctx.loop
-                if not any(q["state"] == QP_UP for q in ch.stats()):
+                if not any(q["state"] == QP_UP for q in ch.qp_stats()):
                     since = self._all_down.setdefault(ch.token, loop.time())
                     if loop.time() - since > max(DEAD_AFTER, self.ctx.keepalive):
                         log.warning("kvflow: no rdma QP to %s works (last: %s); closing the peer",
@@ -187,7 +190,7 @@ class QpRepair:
     async def _reconnect(self, peer: PeerLink, ch: Any, index: int) -> str | None:
         """One repair attempt of QP `index`: None when it is in service
         again, else why not."""
-        st = ch.stats()[index]
+        st = ch.qp_stats()[index]
         dev = self.devices[st["dev"]]        # for a QP that went with its device: the one reopened
         rdev = st["rdev"]
         qp = None
@@ -223,7 +226,7 @@ class QpRepair:
         was gone gets QPs on it."""
         for p, ch in list(self._channels.values()):
             if p is peer:
-                for st in ch.stats():
+                for st in ch.qp_stats():
                     if st["state"] not in (QP_UP, QP_GONE) and st["dev"] not in self.device_down:
                         self._wake(st["dev"])
                 self._extend_soon(peer, ch)     # a device of the peer's it connected without
