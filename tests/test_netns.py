@@ -162,3 +162,19 @@ async def test_rails_from_topology_pair_and_fail_over(topo):
     assert r.detect_s is not None and r.detect_s < 2 * KEEPALIVE + 2 * SLACK, r
     assert r.recover_s is not None and r.recover_s < 10 * SLACK, r
     assert r.transfers > 10
+
+
+async def test_peers_of_one_engine_share_a_bottleneck(topo):
+    """Fair share between the peers of one engine (issue 18): behind one
+    rate-limited link, a peer with small writes keeps about half of it while
+    another streams 16 MiB writes, and none of its writes waits for that
+    backlog (each of the peers' tcp connections is a flow of its own; the
+    kernel shares the link between flows)."""
+    r = await faults.case_fair(topo, SECONDS, KEEPALIVE)
+    show(r)
+    assert_sound(r)
+    t = r.throughput
+    assert t["B alone"] > 0 and t["A with B"] > 0, r
+    assert t["jain"] >= 0.9, r
+    assert t["B with A"] >= 0.3 * t["B alone"], r
+    assert t["B slowest with A s"] < 2.0 * SLACK, r

@@ -20,6 +20,9 @@ each, veth links), while faults happen:
            target pick their rails themselves (rails="auto"), pair them and
            bind each connection to its rail; the initiator's rail 1 goes down
            and comes back
+  fair     not a fault: fair share between two peers of one engine behind
+           one bottleneck (tbf on this host's rails); B's 1 MiB writes keep
+           about half the link while A streams 16 MiB ones (a huge request)
 
 Every case reports bytes sent, bytes verified (the target hashes what
 landed; the initiator compares), transfers failed and with which error, the
@@ -769,6 +772,106 @@ async def case_three(topo: Topology, seconds: float, keepalive: float, *, silent
     return report
 
 
+async def _stream(peer: kvflow.Peer, laddr: int, raddr: int, size: int, depth: int, stop: asyncio.Event,
+                  done: list[tuple[float, int, float]]) -> None:
+    """Keeps `depth` writes of `size` bytes in flight until `stop`; `done`
+    gets (loop time, bytes, seconds) of each completed write."""
+    loop = asyncio.get_running_loop()
+
+    async def one() -> None:
+        while not stop.is_set():
+            t0 = loop.time()
+            await peer.write([laddr], [raddr], [size], timeout=60)
+            done.append((loop.time(), size, loop.time() - t0))
+
+    await asyncio.gather(*(one() for _ in range(depth)))
+
+
+def _window(done: list[tuple[float, int, float]], t0: float, t1: float) -> tuple[float, float]:
+    """(B/s, the slowest write's seconds) of the writes that ended in [t0, t1)."""
+    inside = [(n, s) for t, n, s in done if t0 <= t < t1]
+    return sum(n for n, _ in inside) / (t1 - t0), max((s for _, s in inside), default=0.0)
+
+
+async def case_fair(topo: Topology, seconds: float, keepalive: float, rate: str = "400mbit") -> Report:
+    """Two peers of one engine behind one bottleneck (tbf at `rate` on this
+    host's side of each rail): B streams 1 MiB writes (16 in flight) alone,
+    then while A streams 16 MiB writes (4 in flight, 64 MiB queued at any
+    time: a huge request). Fair share: B keeps about half the link, and no
+    write of B's waits for A's backlog. The targets' copies are checked at
+    the end. throughput: B alone, A and B together; notes: Jain's index of
+    the two together, and B's slowest write alone and with A."""
+    report = Report(f"fair share: two peers behind one {rate} bottleneck")
+    loop = asyncio.get_running_loop()
+    a, b = Target(topo, keepalive, host=0), Target(topo, keepalive, host=1)
+    eng: kvflow.Engine | None = None
+    stop_a, stop_b = asyncio.Event(), asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+    shaped = [topo.links[1], topo.links[2]]
+    try:
+        for dev in shaped:
+            _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "512kb", "latency", "20ms")
+        await _all_or_none(a.start(), b.start())
+        eng, src, laddr = await _initiator(topo, keepalive)
+        src[:] = np.random.default_rng(9).integers(0, 256, REGION, dtype=np.uint8)
+        peer_a, peer_b = await asyncio.gather(eng.connect(a.address), eng.connect(b.address))
+        done_a: list[tuple[float, int, float]] = []
+        done_b: list[tuple[float, int, float]] = []
+        tasks.append(loop.create_task(_stream(peer_b, laddr, b.addr, 1 << 20, 16, stop_b, done_b)))
+        third = seconds / 3
+        await asyncio.sleep(third / 3)                   # B's ramp-up
+        t1 = loop.time()
+        await asyncio.sleep(third)
+        t2 = loop.time()
+        tasks.append(loop.create_task(_stream(peer_a, laddr, a.addr, 16 << 20, 4, stop_a, done_a)))
+        await asyncio.sleep(third / 3)                   # A's ramp-up
+        t3 = loop.time()
+        await asyncio.sleep(third)
+        t4 = loop.time()
+        stop_a.set()
+        stop_b.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        b_alone, b_slow_alone = _window(done_b, t1, t2)
+        b_both, b_slow_both = _window(done_b, t3, t4)
+        a_both, a_slow = _window(done_a, t3, t4)
+        report.throughput = {"B alone": b_alone, "B with A": b_both, "A with B": a_both}
+        jain = (a_both + b_both) ** 2 / (2 * (a_both ** 2 + b_both ** 2)) if a_both + b_both else 0.0
+        report.notes.append(f"MB/s: B alone {b_alone / 1e6:.1f}; together A {a_both / 1e6:.1f}, "
+                            f"B {b_both / 1e6:.1f} (B keeps {b_both / b_alone:.2f} of its rate alone); "
+                            f"Jain's index {jain:.3f}" if b_alone else "B moved nothing alone")
+        report.notes.append(f"slowest write: B alone {b_slow_alone * 1e3:.0f} ms, B with A "
+                            f"{b_slow_both * 1e3:.0f} ms, A (16 MiB) {a_slow * 1e3:.0f} ms")
+        report.throughput["jain"] = jain
+        report.throughput["B slowest with A s"] = b_slow_both
+        report.transfers = len(done_a) + len(done_b)
+        report.slowest_s = max(b_slow_both, a_slow, b_slow_alone)
+        for target, size in ((a, 16 << 20), (b, 1 << 20)):
+            report.bytes_sent += size
+            got = (await target.shas([(0, size)]))[0]
+            if got == hashlib.sha256(src[:size]).hexdigest():
+                report.bytes_verified += size
+            else:
+                report.corrupted += 1
+    finally:
+        stop_a.set()
+        stop_b.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for dev in shaped:
+            _tc("qdisc", "del", "dev", dev, "root", check=False)
+        if eng is not None:
+            await eng.close()
+        await asyncio.gather(a.stop(), b.stop())
+    return report
+
+
+def _tc(*args: str, check: bool = True) -> None:
+    r = subprocess.run(["tc", *args], capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"tc {' '.join(args)} failed: {r.stderr.strip()}")
+
+
 async def _all_or_none(*aws: Awaitable[Any]) -> list[Any]:
     """Runs `aws` at once; when one fails the others are cancelled (and
     awaited) and its error raised as it is (asyncio.TaskGroup would do the
@@ -909,7 +1012,7 @@ def _after(seconds: float) -> asyncio.Event:
 
 
 CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage, "late": case_late,
-         "netem": case_netem, "three": case_three, "auto": case_auto,
+         "netem": case_netem, "three": case_three, "auto": case_auto, "fair": case_fair,
          "three-silent": functools.partial(case_three, silent=True)}
 
 
