@@ -178,3 +178,20 @@ async def test_peers_of_one_engine_share_a_bottleneck(topo):
     assert t["jain"] >= 0.9, r
     assert t["B with A"] >= 0.3 * t["B alone"], r
     assert t["B slowest with A s"] < 2.0 * SLACK, r
+
+
+async def test_incast_window_behind_a_bottleneck(topo):
+    """Receiver credits where incast happens (issue 18): three senders, one
+    receiver whose rails are shaped (its NIC). With a 4 MiB receive window
+    the senders hold at most the window unacknowledged toward it (without
+    one, what their socket buffers take), at no cost in throughput: the
+    link, not the grant path, sets the pace."""
+    window = 4 << 20
+    r = await faults.case_incast(topo, 1.5 * SECONDS, KEEPALIVE, windows=(0, window))
+    show(r)
+    assert_sound(r)
+    t, q = r.throughput, r.rails
+    assert t["no window"] > 0, r
+    assert t["window 4 MiB"] >= 0.9 * t["no window"], r
+    assert q["window 4 MiB"]["send_queued"] <= window + (256 << 10), r
+    assert q["no window"]["send_queued"] > window, "the contrast: without a window the senders queue more"

@@ -20,6 +20,9 @@ each, veth links), while faults happen:
            target pick their rails themselves (rails="auto"), pair them and
            bind each connection to its rail; the initiator's rail 1 goes down
            and comes back
+  incast   not a fault: three senders write to one receiver behind a shaped
+           link, with and without a receive window (throughput, and what
+           queues and drops at the bottleneck)
   fair     not a fault: fair share between two peers of one engine behind
            one bottleneck (tbf on this host's rails); B's 1 MiB writes keep
            about half the link while A streams 16 MiB ones (a huge request)
@@ -45,6 +48,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -201,12 +205,13 @@ async def _stdin_lines() -> asyncio.StreamReader:
 
 
 async def serve_target(listen: str, rails: list[str] | None, size: int, keepalive: float,
-                       hash_port: int | None = None) -> None:
+                       hash_port: int | None = None, receive_window: int | None = None) -> None:
     """The target (runs inside the namespace): registers `size` bytes as
     "kv", says where on stdout, then answers hash requests from stdin (and,
     with `hash_port`, from tcp clients on the listen host: an initiator in
     another namespace verifies its writes there)."""
-    async with kvflow.Engine(listen, rails=rails, protocols=("tcp",), keepalive=keepalive) as eng:
+    async with kvflow.Engine(listen, rails=rails, protocols=("tcp",), keepalive=keepalive,
+                             receive_window=receive_window) as eng:
         buf = np.zeros(size, dtype=np.uint8)
         region = eng.register(buf, name="kv")
 
@@ -332,10 +337,11 @@ class Target(Child, Hashes):
     role = "target"
 
     def __init__(self, topo: Topology, keepalive: float, host: int = 0, *, auto_rails: bool = False,
-                 hash_port: bool = False) -> None:
+                 hash_port: bool = False, receive_window: int | None = None) -> None:
         super().__init__(topo, keepalive, host)
         self.auto_rails = auto_rails
         self.hash_port = hash_port
+        self.receive_window = receive_window
         self.address = ""
         self.addr = 0
         self.data: list[tuple[str, int]] = []
@@ -347,6 +353,8 @@ class Target(Child, Hashes):
             args += ["--rails", f"{t.target(1, k)},{t.target(2, k)}"]
         if self.hash_port:
             args += ["--hash-port", str(TARGET_PORT + 1)]
+        if self.receive_window:
+            args += ["--receive-window", str(self.receive_window)]
         hello = await self._spawn(args, {"KVFLOW_TCP_RAILS": "auto"} if self.auto_rails else None)
         self.address, self.addr = hello["address"], hello["addr"]
         self.data = [(h, p) for h, p in hello["data"]]
@@ -866,6 +874,107 @@ async def case_fair(topo: Topology, seconds: float, keepalive: float, rate: str 
     return report
 
 
+def _qdisc_backlog(ns: str, dev: str) -> tuple[int, int]:
+    """(bytes queued now, packets dropped so far) of `dev`'s root qdisc in `ns`."""
+    out = subprocess.run(["tc", "-n", ns, "-s", "qdisc", "show", "dev", dev], capture_output=True,
+                         text=True).stdout
+    backlog = re.search(r"backlog (\d+)([KM]?)b", out)
+    dropped = re.search(r"dropped (\d+)", out)
+    scale = {"": 1, "K": 1000, "M": 1000000}
+    return (int(backlog.group(1)) * scale[backlog.group(2)] if backlog else 0,
+            int(dropped.group(1)) if dropped else 0)
+
+
+def _send_queued(dsts: list[str]) -> int:
+    """Bytes this host's tcp sockets to `dsts` hold unacknowledged (Send-Q:
+    queued in the kernel or on the wire toward the receiver)."""
+    total = 0
+    for dst in dsts:
+        out = subprocess.run(["ss", "-tnH", "state", "established", "dst", dst], capture_output=True,
+                             text=True).stdout
+        total += sum(int(line.split()[1]) for line in out.splitlines() if line.strip())
+    return total
+
+
+async def case_incast(topo: Topology, seconds: float, keepalive: float, rate: str = "400mbit",
+                      windows: tuple[int, ...] = (0, 4 << 20, 16 << 20), senders: int = 3) -> Report:
+    """Incast behind a real bottleneck: `senders` engines on this host write
+    to one target whose rails are shaped at `rate` toward it (tbf on the
+    switch ports: the target's NIC), once per receive window (0: none).
+    Each sender keeps 4 writes of 4 MiB in flight. throughput: aggregate
+    B/s per window; notes: the ratio to no window, the most bytes the
+    senders' sockets held unacknowledged toward the receiver (what a window
+    bounds), the most queued at the bottleneck and the packets it dropped.
+    The target's copy is checked after each round."""
+    report = Report(f"incast: {senders} senders, one receiver behind {rate}")
+    loop = asyncio.get_running_loop()
+    ports = ["p0x1", "p0x2"]                   # the switch's ports toward host 0's rails
+    size, depth = 4 << 20, 4
+    try:
+        for dev in ports:
+            _tc("-n", topo.switch, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "512kb",
+                "latency", "50ms")
+        for window in windows:
+            target = Target(topo, keepalive, receive_window=window or None)
+            engines: list[kvflow.Engine] = []
+            stop = asyncio.Event()
+            tasks: list[asyncio.Task[None]] = []
+            try:
+                await target.start()
+                src = np.random.default_rng(window % 997).integers(0, 256, REGION, dtype=np.uint8)
+                for _ in range(senders):
+                    eng = kvflow.Engine(f"{topo.host(0)}:0", protocols=("tcp",), keepalive=keepalive)
+                    await eng.start()
+                    engines.append(eng)
+                laddrs = [eng.register(src).addr for eng in engines]
+                peers = await asyncio.gather(*(eng.connect(target.address) for eng in engines))
+                drops0 = sum(_qdisc_backlog(topo.switch, d)[1] for d in ports)
+                done: list[tuple[float, int, float]] = []
+                tasks = [loop.create_task(_stream(p, la, target.addr, size, depth, stop, done))
+                         for p, la in zip(peers, laddrs)]
+                await asyncio.sleep(seconds / 6)            # ramp-up
+                t0, peak, queued = loop.time(), 0, 0
+                rails = [topo.target(1), topo.target(2)]
+                while loop.time() - t0 < seconds / 3:
+                    peak = max(peak, sum(_qdisc_backlog(topo.switch, d)[0] for d in ports))
+                    queued = max(queued, await asyncio.to_thread(_send_queued, rails))
+                    await asyncio.sleep(0.05)
+                t1 = loop.time()
+                stop.set()
+                await asyncio.wait_for(asyncio.gather(*tasks), 120)
+                drops = sum(_qdisc_backlog(topo.switch, d)[1] for d in ports) - drops0
+                rate_bps, slowest = _window(done, t0, t1)
+                name = f"window {window >> 20} MiB" if window else "no window"
+                report.throughput[name] = rate_bps
+                report.notes.append(f"{name}: {rate_bps / 1e6:.1f} MB/s, senders' unacknowledged bytes peak "
+                                    f"{queued / 2**20:.1f} MiB, bottleneck queue peak {peak / 1e3:.0f} kB, "
+                                    f"{drops} packets dropped, slowest 4 MiB write {slowest:.2f} s")
+                report.transfers += len(done)
+                report.slowest_s = max(report.slowest_s, slowest)
+                report.bytes_sent += size
+                if (await target.shas([(0, size)]))[0] == hashlib.sha256(src[:size]).hexdigest():
+                    report.bytes_verified += size
+                else:
+                    report.corrupted += 1
+                report.rails[name] = {"peak_backlog": peak, "dropped": drops, "send_queued": queued}
+            finally:
+                stop.set()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for eng in engines:
+                    await eng.close()
+                await target.stop()
+        base = report.throughput.get("no window")
+        if base:
+            report.notes.append("vs no window: " + ", ".join(f"{k} {v / base:.2f}"
+                                                             for k, v in report.throughput.items()))
+    finally:
+        for dev in ports:
+            _tc("-n", topo.switch, "qdisc", "del", "dev", dev, "root", check=False)
+    return report
+
+
 def _tc(*args: str, check: bool = True) -> None:
     r = subprocess.run(["tc", *args], capture_output=True, text=True)
     if check and r.returncode:
@@ -1013,6 +1122,7 @@ def _after(seconds: float) -> asyncio.Event:
 
 CASES = {"rail": case_rail, "kill": case_kill, "garbage": case_garbage, "late": case_late,
          "netem": case_netem, "three": case_three, "auto": case_auto, "fair": case_fair,
+         "incast": case_incast,
          "three-silent": functools.partial(case_three, silent=True)}
 
 
@@ -1048,6 +1158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-target", metavar="LISTEN", help=argparse.SUPPRESS)
     ap.add_argument("--rails", help=argparse.SUPPRESS)
     ap.add_argument("--hash-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--receive-window", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-initiator", metavar="TARGET", help=argparse.SUPPRESS)
     ap.add_argument("--listen", help=argparse.SUPPRESS)
     ap.add_argument("--hashes", help=argparse.SUPPRESS)
@@ -1055,7 +1166,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.serve_target:
         rails = a.rails.split(",") if a.rails else None
-        asyncio.run(serve_target(a.serve_target, rails, REGION, a.keepalive, a.hash_port))
+        asyncio.run(serve_target(a.serve_target, rails, REGION, a.keepalive, a.hash_port, a.receive_window))
         return 0
     if a.serve_initiator:
         asyncio.run(serve_initiator(a.listen, a.rails.split(","), a.serve_initiator, a.hashes, a.region,
