@@ -1,7 +1,7 @@
 """One PD role of SGLang's disaggregation, run by tests/test_sglang_backend.py
 in its own process (SGLang's runtime context is per process):
 
-    python tests/_sglang_pd.py prefill|decode BACKEND BOOTSTRAP_PORT ROOMS OUT.json
+    python tests/_sglang_pd.py prefill|decode BACKEND BOOTSTRAP_PORT ROOMS OUT.json [mha|mla]
 
 ROOMS: comma-separated bootstrap rooms; a room written "7x" is one whose
 decode side gives page indices past the end of its pool (bad input: the
@@ -11,7 +11,8 @@ must still succeed).
 Everything on the SGLang side is SGLang's own code, as its schedulers run it
 (sglang/srt/disaggregation/prefill.py and decode.py): the server arguments
 published as the process's runtime context, get_kv_class for the backend,
-KVArgs filled from SGLang's real MHATokenToKVPool and MetadataBuffers (on the
+KVArgs filled from SGLang's real MHATokenToKVPool (or MLATokenToKVPool: one
+latent buffer per layer, SGLang's MLA path) and MetadataBuffers (on the
 CPU), the bootstrap server, the manager, one sender or receiver per request
 with the schedulers' call order. What stands in for the scheduler is only the
 loop that polls them. BACKEND "kvflow" is registered by the PYTHONPATH shim
@@ -51,6 +52,7 @@ def pattern(room: int, page: int, layer: int, kind: int, nbytes: int) -> np.ndar
 
 def main() -> int:
     role, backend, port, rooms_arg, out = sys.argv[1:6]
+    mla = sys.argv[6:7] == ["mla"]
     rooms = [int(r.rstrip("x")) for r in rooms_arg.split(",")]
     bad_rooms = {int(r[:-1]) for r in rooms_arg.split(",") if r.endswith("x")}
     from sglang.srt import runtime_context
@@ -65,12 +67,17 @@ def main() -> int:
     from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
                                                  TransferBackend, get_kv_class, get_kv_transfer_buf_infos,
                                                  setup_state_kv_args)
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     tb = TransferBackend(backend)
     mode = DisaggregationMode(role)
-    pool = MHATokenToKVPool(POOL_PAGES * PAGE, PAGE, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu", False,
-                            start_layer=0, end_layer=LAYERS)
+    if mla:
+        pool = MLATokenToKVPool(POOL_PAGES * PAGE, PAGE, DTYPE, kv_lora_rank=128, qk_rope_head_dim=32,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False, start_layer=0,
+                                end_layer=LAYERS)
+    else:
+        pool = MHATokenToKVPool(POOL_PAGES * PAGE, PAGE, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu", False,
+                                start_layer=0, end_layer=LAYERS)
     meta = MetadataBuffers(len(rooms) + 2, hidden_size=64, hidden_states_dtype=DTYPE, max_sampling_mask_tokens=1)
 
     # prefill.py / decode.py _init_kv_manager, for a plain MHA pool at TP 1
@@ -86,8 +93,9 @@ def main() -> int:
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(pool)
     kv_args.num_draft_entries = 0
     kv_args.kv_layer_ids = []
-    kv_args.kv_head_num = HEADS
-    kv_args.total_kv_head_num = HEADS
+    if not mla:                     # prefill.py sets the head counts for MHA pools only
+        kv_args.kv_head_num = HEADS
+        kv_args.total_kv_head_num = HEADS
     kv_args.page_size = PAGE
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
     kv_args.ib_device = ""
@@ -102,13 +110,13 @@ def main() -> int:
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import \
             init_mooncake_transfer_engine
         init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
-    mgr = get_kv_class(tb, KVClassType.MANAGER)(kv_args, mode, sa, False)
+    mgr = get_kv_class(tb, KVClassType.MANAGER)(kv_args, mode, sa, mla)
     bufs = [np.frombuffer((ctypes_buf(p, n)), dtype=np.uint8) for p, n in
             zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)]
     aux = [np.frombuffer(ctypes_buf(p, n), dtype=np.uint8) for p, n in
            zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens)]
     addr = f"127.0.0.1:{port}"
-    report: dict = {"role": role, "backend": backend, "manager": type(mgr).__name__,
+    report: dict = {"role": role, "backend": backend, "manager": type(mgr).__name__, "buffers": len(bufs),
                     "engine": type(getattr(mgr, "engine", None)).__name__, "rooms": {}}
     # Requests of several sizes; page indices scattered over the pool, different on each side.
     sizes = {room: 1 + (room * 7) % 40 for room in rooms}

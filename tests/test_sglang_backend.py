@@ -41,14 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pd(tmp_path: Path, backend: str, rooms: str) -> tuple[dict, dict]:
+def run_pd(tmp_path: Path, backend: str, rooms: str, pool: str = "mha") -> tuple[dict, dict]:
     port = free_port()
     from kvflow.compat.sglang.shim import shim_path
     path = [shim_path()] if backend == "kvflow" else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     outs = {role: tmp_path / f"{role}.json" for role in ("prefill", "decode")}
     procs = {role: subprocess.Popen([sys.executable, str(HERE / "_sglang_pd.py"), role, backend, str(port), rooms,
-                                     str(outs[role])], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     str(outs[role]), pool], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
              for role in ("prefill", "decode")}
     logs = {}
@@ -117,9 +117,13 @@ def test_the_shim_installs_only_once_sglang_is_imported():
     assert r.returncode == 0 and "TransferBackend.KVFLOW" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
-def test_sglang_moves_every_page_through_kvflow(tmp_path):
+@pytest.mark.parametrize("pool", ["mha", "mla"])
+def test_sglang_moves_every_page_through_kvflow(tmp_path, pool):
+    """MHA: K and V buffers per layer; MLA: one latent buffer per layer
+    (SGLang's MLA transfer path)."""
     rooms = "11,12,13,14,15,16"
-    prefill, decode = run_pd(tmp_path, "kvflow", rooms)
+    prefill, decode = run_pd(tmp_path, "kvflow", rooms, pool)
+    assert decode["buffers"] == (4 if pool == "mla" else 8)
     assert prefill["manager"] == decode["manager"] == "KVFlowKVManager"
     assert prefill["engine"] == "KVFlowTransferEngine"
     for room in rooms.split(","):
