@@ -24,6 +24,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 real = spec.loader
 
                 class Loader(importlib.abc.Loader):
+                    def __getattr__(self, name):  # noqa: ANN001 - get_source etc.: tracebacks, inspect
+                        return getattr(real, name)
+
                     def create_module(self, spec):  # noqa: ANN001
                         return real.create_module(spec)
 
