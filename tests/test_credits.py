@@ -27,8 +27,14 @@ WINDOW = 1 * MiB
 # slice, and credit frames) travel outside the credits, at 256 KiB slices a
 # few KiB; and one `ss` dump reads the sockets one after another, so bytes
 # that move from a sender's notsent into the receiver's Recv-Q while it runs
-# are counted on both sides (a CI run saw 479 bytes over 64 KiB once).
+# are counted on both sides. That double count can reach what is in flight,
+# itself at most the window (CI runs saw 479 bytes over 64 KiB, then
+# 1,311,040 bytes against 1 MiB + 128 KiB), so a sample is bounded by twice
+# the window; the pool's own books (max_held <= window, no violations) are
+# the exact check, and the contrast test without a window still queues far
+# above this bound (8-20 MB).
 HEADER_SLACK = 128 << 10
+SAMPLE_BOUND = 2 * WINDOW + HEADER_SLACK
 
 
 class SocketSampler:
@@ -135,7 +141,7 @@ async def test_three_senders_stay_within_the_window():
     for i, per in enumerate(conns):
         assert all(c["grants"] > 0 for c in per), (i, per)
     assert samples, "the sampler saw nothing"
-    assert max(samples) <= WINDOW + HEADER_SLACK, (max(samples), sorted(samples)[-10:])
+    assert max(samples) <= SAMPLE_BOUND, (max(samples), sorted(samples)[-10:])
 
 
 async def test_without_a_window_the_kernel_queues_more():
@@ -143,7 +149,7 @@ async def test_without_a_window_the_kernel_queues_more():
     load without a window queues more than the window in the kernel."""
     stats, samples, _ = await incast(None)
     assert stats is None
-    assert max(samples) > WINDOW + HEADER_SLACK, max(samples)
+    assert max(samples) > SAMPLE_BOUND, max(samples)
 
 
 async def test_connections_that_end_give_their_credit_back():
