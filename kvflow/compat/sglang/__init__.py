@@ -91,8 +91,7 @@ def _classes() -> dict[str, type]:
         pass
 
     _installed["classes"] = {"manager": KVFlowKVManager, "sender": KVFlowKVSender,
-                             "receiver": KVFlowKVReceiver, "bootstrap_server": KVFlowKVBootstrapServer,
-                             "engine": KVFlowTransferEngine}
+                             "receiver": KVFlowKVReceiver, "bootstrap_server": KVFlowKVBootstrapServer}
     return _installed["classes"]
 
 

@@ -3,7 +3,6 @@ disaggregation utils are imported (see kvflow.compat.sglang.shim)."""
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 
 _TARGET = "sglang.srt.disaggregation.utils"
