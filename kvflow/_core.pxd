@@ -31,3 +31,5 @@ cdef class Channel:
     cdef kvf_channel *cch
     cdef uint64_t _poll_budget(self, uint64_t total)
     cdef _polled(self, uint64_t budget, uint64_t took)
+    cdef tuple _submit(self, int op, object local_addrs, object remote_addrs, object lengths, bint poll,
+                       int prio, uint64_t deadline_ns)

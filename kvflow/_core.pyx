@@ -5,7 +5,7 @@ Everything here is thin: arguments are checked and handed to C with the GIL
 released; results come back as plain status codes, which kvflow.errors maps
 to exceptions in one place.
 """
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t, INT64_MAX
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
 from cpython.long cimport PyLong_AsUnsignedLongLong
@@ -15,6 +15,9 @@ import threading
 import time
 import weakref
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
 
 from kvflow.arrays import as_u64
 from kvflow.errors import InvalidArgumentError
@@ -170,6 +173,12 @@ cdef class Core:
     def remove_token(self, bytes token):
         if self.ctx != NULL and len(token) == 16:
             kvf_srv_remove_token(self.ctx, <const uint8_t *><char *>token)
+
+    def set_tcp_busy_poll(self, uint64_t ns):
+        """How long a served tcp data connection's thread that finds no
+        frame keeps looking (yielding the CPU) before it sleeps (0: never);
+        for connections served from now on."""
+        kvf_srv_set_spin(self._ctx(), ns)
 
     def set_receive_window(self, uint64_t window):
         """Caps the write payload bytes in flight toward this engine from
@@ -379,9 +388,7 @@ cdef class Channel:
         """Submits without polling: for callers that do not await the batch
         at once (write_nowait), whose completions must come through the
         eventfd like any other."""
-        status, bid, aux, _ = self.submit_poll(op, local_addrs, remote_addrs, lengths, False, prio,
-                                               deadline_ns)
-        return status, bid, aux
+        return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns)[:3]
 
     def submit_detached(self, int op, local_addrs, remote_addrs, lengths, int prio=KVF_PRIO_NORMAL,
                         uint64_t deadline_ns=0):
@@ -392,7 +399,7 @@ cdef class Channel:
         with self.use_lock:
             kvf_set_detached(1)
             try:
-                return self.submit(op, local_addrs, remote_addrs, lengths, prio, deadline_ns)
+                return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns)[:3]
             finally:
                 kvf_set_detached(0)
 
@@ -405,6 +412,10 @@ cdef class Channel:
         the batch's (0 or the error of its first failed slice) and aux that
         slice's entry. Only the event loop's thread may poll: completions
         found while polling are pushed as that thread's (no eventfd)."""
+        return self._submit(op, local_addrs, remote_addrs, lengths, poll, prio, deadline_ns)
+
+    cdef tuple _submit(self, int op, object local_addrs, object remote_addrs, object lengths, bint poll,
+                       int prio, uint64_t deadline_ns):
         cdef uint64_t small[3][SMALL]
         cdef const uint64_t *la
         cdef const uint64_t *ra
@@ -489,6 +500,95 @@ def probe_process(int pid, uint64_t addr, size_t length):
     return rc if rc else buf
 
 
+cdef inline int64_t index_at(const char *base, int typenum, Py_ssize_t j) noexcept nogil:
+    if typenum == cnp.NPY_INT64:
+        return (<const int64_t *>base)[j]
+    if typenum == cnp.NPY_INT32:
+        return (<const int32_t *>base)[j]
+    if typenum == cnp.NPY_UINT32:
+        return (<const uint32_t *>base)[j]
+    cdef uint64_t u = (<const uint64_t *>base)[j]          # NPY_UINT64
+    return -1 if u > <uint64_t>INT64_MAX else <int64_t>u
+
+
+cdef cnp.ndarray index_column(object values, str what):
+    """`values` as a contiguous 1-D ndarray of int32, int64, uint32 or
+    uint64 (no copy where it already is one)."""
+    cdef cnp.ndarray arr
+    cdef int t
+    if isinstance(values, cnp.ndarray):
+        arr = <cnp.ndarray>values
+        t = cnp.PyArray_TYPE(arr)
+        if cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr) and \
+                (t == cnp.NPY_INT64 or t == cnp.NPY_INT32 or t == cnp.NPY_UINT32 or t == cnp.NPY_UINT64):
+            return arr
+    arr = cnp.PyArray_FROM_O(values)
+    if cnp.PyArray_NDIM(arr) != 1:
+        raise IndexError(f"{what}: a 1-D list of indices, not {cnp.PyArray_NDIM(arr)}-D")
+    if cnp.PyArray_SIZE(arr) == 0:
+        return cnp.PyArray_ZEROS(1, cnp.PyArray_DIMS(arr), cnp.NPY_INT64, 0)
+    if arr.dtype.kind not in "iu":
+        raise IndexError(f"{what}: integer indices, not {arr.dtype}")
+    if arr.dtype.kind == "u":
+        return cnp.PyArray_FROMANY(arr, cnp.NPY_UINT64, 1, 1, cnp.NPY_ARRAY_C_CONTIGUOUS)
+    return cnp.PyArray_FROMANY(arr, cnp.NPY_INT64, 1, 1, cnp.NPY_ARRAY_C_CONTIGUOUS)
+
+
+def take_pairs(cnp.ndarray laddrs not None, cnp.ndarray llens not None, cnp.ndarray raddrs not None,
+               cnp.ndarray rlens not None, local_idx, remote_idx):
+    """Entries picked by index from two descriptor tables (a local and a
+    remote one, each as contiguous uint64 address and length columns):
+    returns (local_addrs, remote_addrs, lengths, mismatch), three new
+    uint64 columns and the first position whose local and remote lengths
+    differ (-1: none). Indices are 1-D integer arrays or lists; one outside
+    its table, or counts that differ, raise IndexError naming it. NIXL's
+    make_prepped_xfer in one call, without a numpy temporary."""
+    cdef Py_ssize_t nl = cnp.PyArray_DIM(laddrs, 0), nr = cnp.PyArray_DIM(raddrs, 0), k, j
+    cdef int64_t a, b
+    cdef int64_t mismatch = -1
+    for col in (laddrs, llens, raddrs, rlens):
+        if cnp.PyArray_TYPE(col) != cnp.NPY_UINT64 or cnp.PyArray_NDIM(col) != 1 or \
+                not cnp.PyArray_IS_C_CONTIGUOUS(col):
+            raise TypeError("take_pairs: the tables are contiguous 1-D uint64 columns")
+    if cnp.PyArray_DIM(llens, 0) != nl or cnp.PyArray_DIM(rlens, 0) != nr:
+        raise TypeError("take_pairs: a table's columns differ in length")
+    cdef cnp.ndarray li = index_column(local_idx, "local indices")
+    cdef cnp.ndarray ri = index_column(remote_idx, "remote indices")
+    k = cnp.PyArray_DIM(li, 0)
+    if cnp.PyArray_DIM(ri, 0) != k:
+        raise IndexError(f"{k} local and {cnp.PyArray_DIM(ri, 0)} remote indices")
+    cdef cnp.npy_intp dims[1]
+    dims[0] = k
+    cdef cnp.ndarray la = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT64, 0)
+    cdef cnp.ndarray ra = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT64, 0)
+    cdef cnp.ndarray ln = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT64, 0)
+    cdef const char *lip = <const char *>cnp.PyArray_DATA(li)
+    cdef const char *rip = <const char *>cnp.PyArray_DATA(ri)
+    cdef int lt = cnp.PyArray_TYPE(li), rt = cnp.PyArray_TYPE(ri)
+    cdef const uint64_t *sla = <const uint64_t *>cnp.PyArray_DATA(laddrs)
+    cdef const uint64_t *sll = <const uint64_t *>cnp.PyArray_DATA(llens)
+    cdef const uint64_t *sra = <const uint64_t *>cnp.PyArray_DATA(raddrs)
+    cdef const uint64_t *srl = <const uint64_t *>cnp.PyArray_DATA(rlens)
+    cdef uint64_t *dla = <uint64_t *>cnp.PyArray_DATA(la)
+    cdef uint64_t *dra = <uint64_t *>cnp.PyArray_DATA(ra)
+    cdef uint64_t *dln = <uint64_t *>cnp.PyArray_DATA(ln)
+    for j in range(k):
+        a = index_at(lip, lt, j)
+        b = index_at(rip, rt, j)
+        if a < 0 or a >= nl:
+            raise IndexError(f"local index {a if a >= 0 else local_idx[j]} at position {j} is outside "
+                             f"its list of {nl}")
+        if b < 0 or b >= nr:
+            raise IndexError(f"remote index {b if b >= 0 else remote_idx[j]} at position {j} is outside "
+                             f"its list of {nr}")
+        dla[j] = sla[a]
+        dra[j] = sra[b]
+        dln[j] = sll[a]
+        if mismatch < 0 and sll[a] != srl[b]:
+            mismatch = j
+    return la, ra, ln, mismatch
+
+
 cdef class TcpChannel(Channel):
     """The tcp provider toward one peer: several connected data sockets, each
     with a native sender and receiver thread."""
@@ -553,17 +653,27 @@ cdef class TcpChannel(Channel):
             kvf_set_loop_thread(0)
         return rc == 0
 
-    def poll_acks_here(self):
+    def poll_acks_here(self, uint64_t batch_id=0, double budget=0.0):
         """poll_acks() for a thread that is not the loop's, polling for its
         own detached batches (PostedTransfer): their acks finish them here,
         with no wait for the loop; completions of the loop's batches go to
-        it as usual. Returns False once the ack connection is gone."""
+        it as usual. With a batch and a budget (seconds), it keeps reading,
+        yielding the CPU, until that batch finished or the budget passed:
+        the ack is a round trip away, and the GIL stays released meanwhile
+        (a GIL hand-off to the loop's thread and back would cost two
+        wake-ups). Returns False once the ack connection is gone."""
         cdef int rc = 0
+        cdef uint64_t until = mono_ns() + <uint64_t>(budget * 1e9) if budget > 0 else 0
+        cdef kvf_ctx *c = self.core._ctx()
         with self.use_lock:
             if self.ch == NULL or self.ack_fd < 0:
                 return False
             with nogil:
                 rc = kvf_tcp_poll_acks(self.ch)
+                while rc == 0 and batch_id and until and not kvf_batch_finished(c, batch_id) \
+                        and mono_ns() < until:
+                    sched_yield()
+                    rc = kvf_tcp_poll_acks(self.ch)
         return rc == 0
 
     @property

@@ -113,6 +113,7 @@ cdef extern from "_native/kvf.h" nogil:
     size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap)
     int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry)
     void kvf_set_detached(int on)
+    int kvf_batch_finished(kvf_ctx *c, uint64_t id)
     int kvf_batch_wait(kvf_ctx *c, uint64_t id, uint64_t spin_ns, uint64_t timeout_ns, int *status,
                        uint64_t *entry)
 
@@ -149,6 +150,7 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_srv_serve(kvf_ctx *c, int fd)
     void kvf_srv_shutdown(kvf_ctx *c)
     int kvf_srv_set_window(kvf_ctx *c, uint64_t window)
+    void kvf_srv_set_spin(kvf_ctx *c, uint64_t ns)
 
 cdef extern from "_native/credit.h" nogil:
     ctypedef struct kvf_credit_stats:

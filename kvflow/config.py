@@ -42,6 +42,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "one rail on the listen host", "Engine(rails=)"),
     Variable("KVFLOW_TCP_EXPRESS", "1: one more tcp connection per peer carries HIGH batches only; 0: none",
              "0", "Engine(tcp_express=)"),
+    Variable("KVFLOW_TCP_BUSY_POLL", "seconds a tcp data connection's serving thread looks for the next frame "
+             "before it sleeps; 0: at once", "0.00005", "Engine(tcp_busy_poll=)"),
     Variable("KVFLOW_TOPOLOGY", "a JSON topology file overriding what discovery found", "none (sysfs)",
              "Topology.load()"),
     Variable("KVFLOW_RDMA_DEVICES", "comma-separated RDMA devices to use", "all", "Engine(rdma_devices=)"),

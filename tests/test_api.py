@@ -3,6 +3,7 @@ Engine lifecycle, keyword-only arguments. Transfers here use in-process tcp."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import enum
 import os
@@ -418,3 +419,33 @@ async def test_transfer_object(make_engine, make_target):
     assert t.nbytes == 10 + 40 * KiB
     assert await bounded(t) is None
     assert t.done()
+
+
+def test_tcp_busy_poll_is_validated(monkeypatch):
+    for bad in (-1e-6, 0.5, True, "50us", float("nan")):
+        with pytest.raises(kvflow.InvalidArgumentError, match="tcp_busy_poll"):
+            kvflow.Engine(tcp_busy_poll=bad)
+    monkeypatch.setenv("KVFLOW_TCP_BUSY_POLL", "0.02")
+    with pytest.raises(kvflow.InvalidArgumentError, match="tcp_busy_poll"):
+        kvflow.Engine()
+    monkeypatch.setenv("KVFLOW_TCP_BUSY_POLL", "0")
+    kvflow.Engine()
+    kvflow.Engine(tcp_busy_poll=0.001)
+
+
+@pytest.mark.parametrize("busy_poll", [0, 0.002])
+async def test_tcp_moves_bytes_with_and_without_busy_poll(busy_poll):
+    """The target's serving thread either sleeps at once or looks again for
+    2 ms first: the bytes land either way, one small write after another."""
+    async with kvflow.Engine(protocols=["tcp"], tcp_busy_poll=busy_poll) as a, \
+            kvflow.Engine(protocols=["tcp"], tcp_busy_poll=busy_poll) as b:
+        src = np.arange(1 << 16, dtype=np.uint8)
+        dst = np.zeros(1 << 16, np.uint8)
+        rs = a.register(src)
+        b.register(dst, name="dst", access=kvflow.Access.WRITE)
+        peer = await asyncio.wait_for(a.connect(b.address), 10)
+        rd = peer.region("dst")
+        for i in range(16):
+            await asyncio.wait_for(peer.write([rs.addr + i * 4096], [rd.addr + i * 4096], [4096]), 10)
+            await asyncio.sleep(0.003 if i % 4 == 0 else 0)      # sometimes past the busy poll
+        assert np.array_equal(dst, src)

@@ -236,3 +236,37 @@ def test_a_dropped_agent_is_released(capfd):
         assert not t.is_alive(), f"{t.name} still runs after its agent was dropped"
     with socket.socket() as s:       # the listener's port is closed
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_prepared_indices_are_checked_natively(pair):
+    """make_prepped_xfer picks, bounds-checks and compares in one native
+    pass (kvflow._core.take_pairs): every index form NIXL callers use, and
+    every bad one refused with NIXL's error and nothing moved."""
+    a, b, src, dst = pair
+    n, size = 8, 4096
+    remote_name = a.add_remote_agent(b.get_agent_metadata())       # bytes, as NIXL returns it
+    local = a.prep_xfer_dlist("", descs(a, src.ctypes.data, [i * size for i in range(n)], size))
+    remote = a.prep_xfer_dlist(remote_name, descs(a, dst.ctypes.data, [i * size for i in range(n)], size))
+    odd = a.prep_xfer_dlist(b.name, a.get_xfer_descs([(dst.ctypes.data, size, 0),
+                                                      (dst.ctypes.data + size, 2 * size, 0)], "DRAM"))
+    bad = [([n], [0]), ([-1], [0]), ([0], [-1]), (np.array([2 ** 63 + 1], np.uint64), [0]),
+           ([0, 1], [0]), ([0.5], [0]), ([[0]], [[0]])]
+    for li, ri in bad:
+        with pytest.raises(B.nixlInvalidParamError):
+            a.make_prepped_xfer("WRITE", local, li, remote, ri)
+    with pytest.raises(B.nixlMismatchError):                                # 4 KiB against 8 KiB
+        a.make_prepped_xfer("WRITE", local, [0, 1], odd, [0, 1])
+    assert not dst.any(), "a refused transfer moved bytes"
+    forms = [[1, 2], (3,), np.array([4], np.int64), np.array([5], np.uint32), np.array([6, 7], np.uint64),
+             np.arange(8, dtype=np.int32)[::7]]                       # strided: copied to contiguous
+    for li in forms:
+        h = a.make_prepped_xfer("WRITE", local, li, remote, li)
+        st = a.transfer(h)
+        assert st in ("PROC", "DONE"), st
+        assert wait_state(a, h) == "DONE"
+        assert a.transfer(h) != "ERR" and wait_state(a, h) == "DONE"     # posted again once done
+        a.release_xfer_handle(h)
+        for i in np.asarray(li).tolist():
+            assert np.array_equal(dst[i * size:(i + 1) * size], src[i * size:(i + 1) * size])
+    for h in (local, remote, odd):
+        a.release_dlist_handle(h)

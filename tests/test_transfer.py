@@ -149,6 +149,38 @@ async def test_many_coroutines_in_flight(pair, local_mem):
     assert await bounded(p.target.sha("rw")) == sha256(remote_expected)
 
 
+async def test_a_loop_of_awaited_writes_lets_the_loop_run(pair, local_mem):
+    """Small writes that finish inline (local: copied on the caller's
+    thread; tcp: polled to completion) do not suspend their coroutine. A
+    caller awaiting them back to back must still let other tasks run: the
+    engine yields at least once a millisecond (Engine._inline_turn)."""
+    p = pair
+    src = local_mem(p.eng, 64 * KiB)
+    src.view[:] = pattern(21, len(src.view))
+    ra = p.raddr("rw")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    tick = asyncio.get_running_loop().create_task(ticker())
+    await asyncio.sleep(0)
+    start, writes = ticks, 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.2:
+        await p.peer.write([src.addr], [ra], [64 * KiB])
+        writes += 1
+    ran = ticks - start
+    tick.cancel()
+    assert writes > 0
+    # one turn per millisecond at least: about 200 in 0.2 s; a starved loop gives 0
+    assert ran >= 20, f"the other task ran {ran} times during {writes} writes in 0.2 s"
+    assert await bounded(p.target.sha("rw", 0, 64 * KiB)) == sha256(src.view[:])
+
+
 async def test_nowait_awaited_later(pair, local_mem):
     """write_nowait/read_nowait return Transfers at once; awaiting them later (in
     any order, or through gather) completes them; nbytes and done() agree."""

@@ -157,6 +157,7 @@ typedef struct kvf_ctx {
     _Atomic int closing;
     _Atomic int n_pre_auth;    /* server connections still before their hello */
     struct kvf_credit_pool *credit;   /* the receive window (credit.h); NULL: none */
+    _Atomic uint64_t srv_spin_ns;     /* a served connection's thread looks again this long before it sleeps */
     kvf_chan_stats *chan_stats;       /* every channel's stats block (guarded by pool_mu) */
 
     struct kvf_local_pool *local_pool;
@@ -369,6 +370,10 @@ void kvf_srv_free_sessions(kvf_ctx *c);
  * engine from all initiators together at `window` (0: no cap). Once,
  * before the first connection is served. */
 int kvf_srv_set_window(kvf_ctx *c, uint64_t window);
+/* How long a served data connection's thread, finding no frame, keeps
+ * looking (yielding the CPU) before it sleeps in poll(): 0 never. For
+ * connections served from now on. */
+void kvf_srv_set_spin(kvf_ctx *c, uint64_t ns);
 struct kvf_credit_stats;
 int kvf_srv_window_stats(kvf_ctx *c, struct kvf_credit_stats *out);
 

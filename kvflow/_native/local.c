@@ -2,9 +2,10 @@
  * (process_vm_writev/readv, cross-memory attach).
  *
  * Small batches run inline in the caller's thread (no thread hop, no
- * wake-up: a same-host 4 KiB write costs one system call); larger ones are
- * cut into slices that a small pool of workers drains, so the event loop is
- * never blocked by a big copy. */
+ * wake-up: a same-host 4 KiB write costs one system call) when nothing is
+ * queued; larger ones, and any behind queued work, are cut into slices that
+ * a small pool of workers drains in the scheduler's order, so the event
+ * loop is never blocked by a big copy. */
 #define _GNU_SOURCE
 #include "kvf.h"
 #include "provider.h"
@@ -209,6 +210,13 @@ static uint64_t local_slice_size(kvf_channel *ch, uint64_t total) {
 static int local_run_inline(kvf_channel *ch, kvf_slice *s, size_t n, uint64_t total, size_t *failed) {
     kvf_local_channel *lc = (kvf_local_channel *)ch;
     if (total > lc->inline_limit) return -1;
+    /* Behind queued work a batch waits its turn: the scheduler (or FIFO
+     * order) places it, instead of it passing the queue on this thread. */
+    kvf_queue *q = &ch->ctx->local_pool->q;
+    pthread_mutex_lock(&q->mu);
+    size_t queued = q->count;
+    pthread_mutex_unlock(&q->mu);
+    if (queued) return -1;
     for (size_t i = 0; i < n; i++) S_PID(s[i]) = (uint32_t)lc->pid;
     *failed = SIZE_MAX;
     return xfer_run(s, n, failed);

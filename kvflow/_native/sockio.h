@@ -25,6 +25,7 @@ typedef struct {
     int idle_poll; /* wait for a frame with poll(): SO_RCVTIMEO then bounds a frame */
     uint64_t deadline_ns;  /* CLOCK_MONOTONIC; 0: none. Past it, reads fail */
     int nonblocking;       /* fd is O_NONBLOCK: wait in poll() instead of failing on EAGAIN */
+    uint64_t spin_ns;      /* idle_poll: look again this long (yielding) before sleeping in poll() */
 } sk_reader;
 
 /* Waits until fd is readable/writable (`events`); -1 on error. */

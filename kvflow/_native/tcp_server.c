@@ -240,7 +240,7 @@ static void srv_loop(kvf_srv_conn *s) {
         s->credit.send = srv_credit_send;
         kvf_credit_join(ctx->credit, &s->credit);
     }
-    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0};
+    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0, atomic_load(&ctx->srv_spin_ns)};
     r.buf = malloc(RD_BUF);
     r.flush = srv_flush;
     r.arg = s;
@@ -364,6 +364,8 @@ int kvf_srv_set_window(kvf_ctx *c, uint64_t window) {
     c->credit = kvf_credit_pool_new(window);
     return c->credit ? KVF_OK : KVF_ENOMEM;
 }
+
+void kvf_srv_set_spin(kvf_ctx *c, uint64_t ns) { atomic_store(&c->srv_spin_ns, ns); }
 
 int kvf_srv_window_stats(kvf_ctx *c, kvf_credit_stats *out) {
     if (!c->credit) return KVF_EINVAL;

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import weakref
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -44,6 +45,9 @@ _PROVIDER_CLASSES: tuple[type[Provider], ...] = (LocalProvider, RdmaProvider, Tc
 PROVIDERS = tuple(c.name for c in _PROVIDER_CLASSES)
 # every reply type a provider's request() may get back
 _REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES))
+# Awaited batches that finish without suspending give the loop a turn at
+# least this often (Engine._inline_turn).
+INLINE_TURN_NS = 1_000_000
 
 # This process's running engines by address (for the same-process check).
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
@@ -146,13 +150,17 @@ class Engine:
     all initiators together may have in flight toward this engine (None:
     no cap; at least 256 KiB): they send only against credit it grants,
     so N senders toward it stop at the window instead of overrunning its
-    link (tcp; kvflow.schedule.credits, receive_window_stats()).
+    link (tcp; kvflow.schedule.credits, receive_window_stats());
+    tcp_busy_poll: seconds a thread serving a tcp data connection keeps
+    looking for the next frame (yielding the CPU) before it sleeps (50 us;
+    0: at once; env KVFLOW_TCP_BUSY_POLL): small writes back to back find
+    it awake instead of paying a wake-up (TcpOptions).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
                  secret: bytes | str | None = None, tcp_connections: int = 2,
                  local_workers: int = 2, slice_size: int = 1 << 20,
-                 inline_limit: int = 64 << 10, advertise: str | None = None,
+                 inline_limit: int = 1 << 20, advertise: str | None = None,
                  rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
                  rdma_qps: int = 2, rdma_slice_size: int = 256 << 10, rdma_ack_timeout: int | None = None,
                  keepalive: float | None = None, metadata: str | None = None,
@@ -161,7 +169,7 @@ class Engine:
                  qos_aging: float = AGING, scheduling: str = "qos", tcp_express: bool | None = None,
                  tcp_send_buffer: int = TcpOptions.send_buffer,
                  tcp_receive_buffer: int = TcpOptions.receive_buffer,
-                 receive_window: int | None = None) -> None:
+                 receive_window: int | None = None, tcp_busy_poll: float | None = None) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -173,8 +181,11 @@ class Engine:
         if tcp_express is None:
             tcp_express = env_bool("KVFLOW_TCP_EXPRESS")
             tcp_express = bool(tcp_express)
+        if tcp_busy_poll is None:
+            tcp_busy_poll = env_float("KVFLOW_TCP_BUSY_POLL")
+            tcp_busy_poll = TcpOptions.busy_poll if tcp_busy_poll is None else tcp_busy_poll
         self._tcp_options = TcpOptions(tcp_connections, rails, slice_size, bool(tcp_express),
-                                       tcp_send_buffer, tcp_receive_buffer)
+                                       tcp_send_buffer, tcp_receive_buffer, tcp_busy_poll)
         if keepalive is None:
             keepalive = env_float("KVFLOW_KEEPALIVE")
             keepalive = 5.0 if keepalive is None else keepalive
@@ -230,6 +241,7 @@ class Engine:
         self.data_address = ""
         self._started = False
         self._closed = False
+        self._turn_ns = 0          # _inline_turn(): when awaited batches that finished inline last yielded
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Engine":
@@ -654,6 +666,17 @@ class Engine:
                          allowed[k + 1])
         raise ProviderUnavailableError(
             f"{peer.address}: no allowed provider reaches the peer ({reason})", peer=peer.address)
+
+    def _inline_turn(self) -> bool:
+        """True when an awaited write()/read() that finished without
+        suspending (inline, or polled to completion) should yield to the
+        loop: at most once per INLINE_TURN_NS. A caller awaiting small
+        same-host writes in a loop would otherwise never let the loop run."""
+        now = time.monotonic_ns()
+        if now - self._turn_ns < INLINE_TURN_NS:
+            return False
+        self._turn_ns = now
+        return True
 
     def _forget_peer(self, peer: Peer) -> None:
         if self._peers.get(peer.address) is peer:

@@ -30,6 +30,8 @@ __all__ = ["Peer"]
 
 log = logging.getLogger("kvflow")
 
+_NORMAL = int(Priority.NORMAL)
+
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 
@@ -261,6 +263,8 @@ class Peer:
                                  counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
             await t
+        elif self._engine._inline_turn():
+            await asyncio.sleep(0)
 
     async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                    timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -273,6 +277,8 @@ class Peer:
                                  counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
             await t
+        elif self._engine._inline_turn():
+            await asyncio.sleep(0)
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -383,14 +389,17 @@ class Peer:
         return self._post(OP_READ, local_addrs, remote_addrs, lengths, priority, deadline)
 
     def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
-        prio, deadline_ns = qos_args(priority, deadline)
-        loop = self._engine._loop
-        if self.alive and self._provider is not None and self._provider.caps.detached:
+        prio, deadline_ns = (_NORMAL, 0) if priority is Priority.NORMAL and deadline is None else \
+            qos_args(priority, deadline)
+        provider = self._provider
+        if provider is not None and provider.caps.detached and self.alive:
             try:
                 status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
             except RuntimeError:
                 raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
             if status == 0:
+                if batch == 0:
+                    return PostedTransfer()             # it completed inline
                 return PostedTransfer(self._engine._core, batch, error_of=lambda st, entry: batch_error(
                     self._engine._batches, self.address, op, st, entry, None),
                     progress=self._provider.poller(self._channel))
@@ -400,7 +409,7 @@ class Peer:
         kw = {"priority": prio, "deadline": deadline}
         coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
         try:
-            return PostedTransfer(future=asyncio.run_coroutine_threadsafe(coro, loop))
+            return PostedTransfer(future=asyncio.run_coroutine_threadsafe(coro, self._engine._loop))
         except RuntimeError:
             coro.close()
             raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None

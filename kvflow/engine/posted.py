@@ -64,7 +64,7 @@ class PostedTransfer:
             else:
                 try:
                     if self._progress is not None:
-                        self._progress()
+                        self._progress(self._batch, POLL_WAIT)
                     wait = POLL_WAIT_SELF if self._progress is not None else POLL_WAIT
                     if not self._finish(*self._core.wait_detached(self._batch, wait)):
                         return False

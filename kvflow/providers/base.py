@@ -209,10 +209,12 @@ class Provider:
         on an idle link (QoS and the conductor's transfer-time estimate)."""
         raise NotImplementedError
 
-    def poller(self, channel: Any) -> "Callable[[], object] | None":
+    def poller(self, channel: Any) -> "Callable[[int, float], object] | None":
         """What a thread polling its own detached batches (PostedTransfer)
         calls to move them on without the loop (tcp: read the write acks
-        itself); None: the loop's work finishes them."""
+        itself), as progress(batch_id, budget): it may keep at it for up to
+        `budget` seconds until that batch finished; None: the loop's work
+        finishes them."""
         return None
 
     def device_names(self) -> list[str] | None:

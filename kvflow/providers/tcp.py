@@ -34,6 +34,7 @@ __all__ = ["TcpOptions", "TcpProvider", "bind_source", "control_addresses", "hel
 log = logging.getLogger("kvflow")
 
 CONNECT_TIMEOUT = 3.0       # a rail whose SYN goes unanswered this long is down
+MAX_BUSY_POLL = 0.01        # TcpOptions.busy_poll: longer would be a core spent, not a wake-up saved
 
 
 def tune_data_socket(s: socket.socket, keepalive: float) -> None:
@@ -176,7 +177,11 @@ class TcpOptions:
     a 200 ms retransmission stall (docs/qos.md);
     express: one more connection per peer that carries HIGH batches only
     (Priority.HIGH), so that they never wait behind other batches' bytes
-    in the kernel's socket buffers (Engine(tcp_express=), env KVFLOW_TCP_EXPRESS)."""
+    in the kernel's socket buffers (Engine(tcp_express=), env KVFLOW_TCP_EXPRESS);
+    busy_poll: seconds a served data connection's thread that finds no
+    frame keeps looking (yielding the CPU) before it sleeps (0: at once).
+    The next small write after an ack then finds it awake: a wake-up from
+    poll() is a cross-CPU interrupt, 20 us and more in a VM (docs/results.md)."""
 
     connections: int = 2
     rails: list[str] | str | None = None
@@ -184,6 +189,7 @@ class TcpOptions:
     express: bool = False
     send_buffer: int = 512 << 10
     receive_buffer: int = 0
+    busy_poll: float = 50e-6
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= MAX_CONNECTIONS or self.slice_size < 4096:
@@ -192,6 +198,9 @@ class TcpOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not (v == 0 or 4096 <= v <= 1 << 30):
                 raise InvalidArgumentError(f"tcp {name} must be 0 (the kernel's) or 4 KiB..1 GiB, not {v!r}")
+        v = self.busy_poll
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BUSY_POLL:
+            raise InvalidArgumentError(f"tcp_busy_poll must be 0..{MAX_BUSY_POLL:g} seconds, not {v!r}")
         if self.rails is not None and not isinstance(self.rails, str):
             self.rails = list(self.rails)       # once: a generator would be spent by the "auto" test
         if self.auto:
@@ -252,6 +261,7 @@ class TcpProvider(Provider):
         """The rails (use_topology), then a data listener per rail (one on
         the listen host without rails)."""
         self.use_topology(await control_addresses(self._host, self._advertise) if self.options.auto else [])
+        self.ctx.core.set_tcp_busy_poll(int(self.options.busy_poll * 1e9))
         adv = self._advertise or (self._host if self._host not in ("0.0.0.0", "::") else socket.gethostname())
         for rail in self.rails.rails or [self._host]:
             ds = socket.socket(socket.AF_INET6 if ":" in rail else socket.AF_INET)

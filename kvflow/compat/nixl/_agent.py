@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from kvflow._core import take_pairs
 from kvflow.compat.nixl import _bindings as B
 from kvflow.config import env_list, env_str
 from kvflow.engine.peer import Peer
@@ -71,17 +72,15 @@ def etcd_key(agent: str, label: str = "") -> str:
 
 class Prepped:
     """A prepared descriptor list: its agent ("" for local), its columns
-    (contiguous), the one length all its descriptors share (or None), and
-    the peer (None for local)."""
+    (contiguous uint64) and the peer (None for local)."""
 
-    __slots__ = ("agent", "addrs", "lens", "uniform", "peer", "count")
+    __slots__ = ("agent", "addrs", "lens", "peer", "count")
 
     def __init__(self, agent: str, dlist: Any, peer: Any) -> None:
         self.agent, self.peer = agent, peer
-        self.addrs = np.ascontiguousarray(dlist.addrs)
-        self.lens = np.ascontiguousarray(dlist.lens)
+        self.addrs = np.ascontiguousarray(dlist.addrs, dtype=np.uint64)
+        self.lens = np.ascontiguousarray(dlist.lens, dtype=np.uint64)
         self.count = len(self.lens)
-        self.uniform = int(self.lens[0]) if self.count and bool((self.lens == self.lens[0]).all()) else None
 
 
 class BackendHandle:
@@ -109,6 +108,12 @@ class Xfer:
         self.future: Any = None
         self.posted: Any = None              # a PostedTransfer (no notification: the caller's thread polls it)
         self.start_us = self.post_ns = self.done_ns = self.t0 = 0
+
+
+def _name(agent: Any) -> Any:
+    """An agent name as NIXL's bindings take it: str, or bytes (what
+    add_remote_agent returns; pybind11 takes both for a std::string)."""
+    return agent.decode() if isinstance(agent, (bytes, bytearray)) else agent
 
 
 def _bytes(msg: Any) -> bytes:
@@ -334,6 +339,7 @@ class AgentCore:
         return name
 
     def invalidateRemoteMD(self, agent: str) -> None:
+        agent = _name(agent)
         with self._lock:
             peer = self._remotes.pop(agent, None)
             self._known.pop(agent, None)
@@ -341,6 +347,7 @@ class AgentCore:
             raise B.nixlNotFoundError(f"remote agent {agent!r} is not loaded")
 
     def checkRemoteMD(self, agent: str, descs: B.nixlXferDList) -> int:
+        agent = _name(agent)
         peer = self._remotes.get(agent)
         if peer is None:
             return B.NIXL_ERR_NOT_FOUND
@@ -349,6 +356,7 @@ class AgentCore:
         return B.NIXL_SUCCESS
 
     def makeConnection(self, agent: str, backends: list[Any] = ()) -> None:
+        agent = _name(agent)
         self._peer(agent)
 
     def _peer(self, agent: str) -> Peer:
@@ -420,6 +428,7 @@ class AgentCore:
         return self._etcd
 
     def fetchRemoteMD(self, agent: str, ip: str = "", port: int = B.DEFAULT_COMM_PORT, label: str = "") -> None:
+        agent = _name(agent)
         if not ip:
             store = self._central()
 
@@ -461,6 +470,7 @@ class AgentCore:
         return notifs
 
     def genNotif(self, agent: str, msg: Any, backend: Any = None) -> None:
+        agent = _name(agent)
         peer = self._peer(agent)
         packed = msgpack.packb([NOTIF_TAG, self.name, _bytes(msg)])
         self._thread.call(peer.notify(packed))
@@ -487,6 +497,7 @@ class AgentCore:
 
     def createXferReq(self, op: int, local: B.nixlXferDList, remote: B.nixlXferDList, agent: str,
                       notif: Any = b"", backends: list[Any] = ()) -> int:
+        agent = _name(agent)
         op = B.nixl_xfer_op_t(op)
         if not isinstance(local, B.nixlXferDList) or not isinstance(remote, B.nixlXferDList):
             raise B.nixlInvalidParamError("initialize_xfer takes two nixlXferDLists")
@@ -503,11 +514,11 @@ class AgentCore:
 
     def _new_xfer(self, x: Xfer) -> int:
         h = next(self._ids)
-        with self._lock:
-            self._xfers[h] = x
+        self._xfers[h] = x          # one dict operation: atomic, no lock needed
         return h
 
     def prepXferDlist(self, agent: str, dlist: B.nixlXferDList, backends: list[Any] = ()) -> int:
+        agent = _name(agent)
         if not isinstance(dlist, B.nixlXferDList):
             raise B.nixlInvalidParamError("prep_xfer_dlist takes a nixlXferDList")
         if agent == B.NIXL_INIT_AGENT:
@@ -524,25 +535,21 @@ class AgentCore:
 
     def makeXferReq(self, op: int, local: int, local_idx: Any, remote: int, remote_idx: Any, notif: Any = b"",
                     backends: list[Any] = (), skip_desc_merge: bool = False) -> int:
-        op = B.nixl_xfer_op_t(op)
+        if op is not B.NIXL_WRITE and op is not B.NIXL_READ:
+            op = B.nixl_xfer_op_t(op)
         lp, rp = self._dlists.get(local), self._dlists.get(remote)
         if lp is None or rp is None:
             raise B.nixlInvalidParamError("unknown or released prepared descriptor list")
         if lp.agent != B.NIXL_INIT_AGENT or rp.peer is None:
             raise B.nixlInvalidParamError("make_prepped_xfer takes a local list, then a remote one")
-        li, ri = np.asarray(local_idx), np.asarray(remote_idx)
-        if li.shape != ri.shape or li.ndim != 1 or (li.size and (li.dtype.kind not in "iu" or ri.dtype.kind not in "iu")):
-            raise B.nixlInvalidParamError(f"{li.size} local and {ri.size} remote indices (1-D integers)")
-        try:
-            if li.size and (li.min() < 0 or ri.min() < 0):
-                raise IndexError
-            la, ra, ln = lp.addrs[li], rp.addrs[ri], lp.lens[li]
-        except IndexError:
-            raise B.nixlInvalidParamError(f"an index is outside its list ({lp.count} local, "
-                                          f"{rp.count} remote)") from None
-        if (lp.uniform is None or lp.uniform != rp.uniform) and not np.array_equal(ln, rp.lens[ri]):
-            raise B.nixlMismatchError("local and remote descriptor lengths differ")
-        return self._new_xfer(Xfer(op, la, ra, ln, rp.peer, rp.agent, _bytes(notif)))
+        try:        # picked, bounds-checked and compared in one native pass
+            la, ra, ln, mismatch = take_pairs(lp.addrs, lp.lens, rp.addrs, rp.lens, local_idx, remote_idx)
+        except IndexError as e:
+            raise B.nixlInvalidParamError(f"make_prepped_xfer: {e} ({lp.count} local, {rp.count} remote "
+                                          "descriptors)") from None
+        if mismatch >= 0:
+            raise B.nixlMismatchError(f"local and remote descriptor lengths differ at position {mismatch}")
+        return self._new_xfer(Xfer(op, la, ra, ln, rp.peer, rp.agent, _bytes(notif) if notif else b""))
 
     def releasedDlistH(self, handle: int) -> None:
         with self._lock:
@@ -556,24 +563,34 @@ class AgentCore:
         return x
 
     def postXferReq(self, handle: int, notif: Any = b"") -> int:
-        x = self._xfer(handle)
+        x = self._xfers.get(handle)
+        if x is None:
+            raise B.nixlInvalidParamError("unknown or released transfer handle")
         if x.state == "PROC":
             raise B.nixlRepostActiveError("the transfer is still in progress")
         if notif:
             x.notif = _bytes(notif)
         x.state, x.error, x.future, x.posted = "PROC", None, None, None
-        x.start_us, x.t0 = time.time_ns() // 1000, time.perf_counter_ns()
+        if self._telemetry:
+            x.start_us, x.t0 = time.time_ns() // 1000, time.perf_counter_ns()
         if x.notif or not len(x.ln):
             # the notification must follow the data even if nobody polls: the loop chains them
             x.future = self._thread.submit(self._run(x))
         else:
             try:                # posted on this thread, polled on this thread: no loop hop
-                x.posted = (x.peer.post_write if x.op == B.NIXL_WRITE else x.peer.post_read)(x.la, x.ra, x.ln)
+                posted = (x.peer.post_write if x.op is B.NIXL_WRITE else x.peer.post_read)(x.la, x.ra, x.ln)
             except KVFlowError as e:
                 x.error, x.state = e, "ERR"
                 log.warning("kvflow.compat.nixl: %s: transfer to %r refused: %s", self.name, x.remote, e)
                 return B.NIXL_ERR_BACKEND
-        x.post_ns = time.perf_counter_ns() - x.t0
+            if posted.done():   # completed inline (a small same-host write): NIXL says so at once
+                x.state = "DONE"
+                if self._telemetry:
+                    x.post_ns = x.done_ns = time.perf_counter_ns() - x.t0
+                return B.NIXL_SUCCESS
+            x.posted = posted
+        if self._telemetry:
+            x.post_ns = time.perf_counter_ns() - x.t0
         return B.NIXL_IN_PROG
 
     async def _run(self, x: Xfer) -> None:
@@ -602,21 +619,24 @@ class AgentCore:
             log.warning("kvflow.compat.nixl: %s: transfer to %r failed: %s", self.name, x.remote, e)
             return
         if done:
-            x.done_ns, x.state, x.posted = time.perf_counter_ns() - x.t0, "DONE", None
+            x.state, x.posted = "DONE", None
+            if self._telemetry:
+                x.done_ns = time.perf_counter_ns() - x.t0
 
     def getXferStatus(self, handle: int) -> int:
-        x = self._xfer(handle)
+        x = self._xfers.get(handle)
+        if x is None:
+            raise B.nixlInvalidParamError("unknown or released transfer handle")
         if x.posted is not None:
             self._poll_posted(x)
-            return B.NIXL_SUCCESS if x.state == "DONE" else B.NIXL_IN_PROG if x.state == "PROC" else \
-                B.NIXL_ERR_BACKEND
         state = x.state
         if state == "DONE":
             return B.NIXL_SUCCESS
         if state == "PROC":
-            # A caller that polls in a loop must not starve the engine's loop
-            # thread of the GIL (it finishes the transfer): hand it over.
-            time.sleep(0)
+            if x.future is not None:
+                # A caller that polls in a loop must not starve the engine's loop
+                # thread of the GIL (it finishes the transfer): hand it over.
+                time.sleep(0)
             return B.NIXL_IN_PROG
         if state is None:
             return B.NIXL_ERR_NOT_POSTED
@@ -646,7 +666,9 @@ class AgentCore:
         return int(seconds * 1e6), int(seconds * 1e6 / 2), int(B.NIXL_COST_ANALYTICAL_BACKEND)
 
     def releaseXferReq(self, handle: int) -> None:
-        x = self._xfer(handle)
+        x = self._xfers.get(handle)
+        if x is None:
+            raise B.nixlInvalidParamError("unknown or released transfer handle")
         if x.state == "PROC" and x.future is not None:
             x.future.cancel()               # the batch is cancelled: nothing of it lands later
         if x.posted is not None:
@@ -655,8 +677,7 @@ class AgentCore:
                 x.posted.wait(timeout=CANCEL_WAIT)
             except (KVFlowError, TimeoutError):
                 pass
-        with self._lock:
-            self._xfers.pop(handle, None)
+        self._xfers.pop(handle, None)
 
     def prepMemView(self, dlist: Any, backends: list[Any] = ()) -> int:
         raise B.nixlNotSupportedError("memory views need GPU device memory, which kvflow does not move yet")

@@ -55,6 +55,7 @@ class nixl_agent_config:
 class _Handle:
     """An integer handle of the agent core, released once."""
 
+    __slots__ = ("_agent", "_handle", "_released", "__weakref__")
     _release = ""
 
     def __init__(self, agent: Any, value: int) -> None:
@@ -72,10 +73,12 @@ class _Handle:
 
 
 class nixl_xfer_handle(_Handle):
+    __slots__ = ()
     _release = "releaseXferReq"
 
 
 class nixl_prepped_dlist_handle(_Handle):
+    __slots__ = ()
     _release = "releasedDlistH"
 
 
@@ -152,7 +155,7 @@ class nixl_agent:
         self.backend_options[backend], self.backend_mems[backend] = self.agent.getBackendParams(handle)
 
     def _handles(self, backends: list[str]) -> list[Any]:
-        return [self.backends[b] for b in backends]
+        return [self.backends[b] for b in backends] if backends else []
 
     # ------------------------------------------------------------ memory
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
@@ -181,7 +184,7 @@ class nixl_agent:
         if isinstance(xfer_list, np.ndarray) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5:
             raise nixlBind.nixlNotSupportedError("strided (Nx5) descriptor lists are not supported by "
                                                  "kvflow.compat.nixl yet")
-        local = agent_name in ("", "NIXL_INIT_AGENT")
+        local = agent_name in ("", "NIXL_INIT_AGENT", b"", b"NIXL_INIT_AGENT")
         descs = self.get_xfer_descs(xfer_list, mem_type)
         if descs is None:
             raise nixlBind.nixlInvalidParamError("prep_xfer_dlist: the descriptors could not be made")
@@ -212,10 +215,10 @@ class nixl_agent:
         return nixl_xfer_handle(self.agent, handle)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
-        return _STATES.get(int(self.agent.postXferReq(handle._handle, notif_msg)), "ERR")
+        return _STATES.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")   # IntEnum keys hash as ints
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
-        return _STATES.get(int(self.agent.getXferStatus(handle._handle)), "ERR")
+        return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
         return self.agent.getXferTelemetry(handle._handle)
