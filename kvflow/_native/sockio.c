@@ -154,10 +154,15 @@ int sk_read_header(sk_reader *r, kvf_hdr *h) {
         ssize_t g = r->idle_poll ? sk_recv(r, dst, want, MSG_DONTWAIT) : -1;
         if (g < 0 && r->idle_poll && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
         if (g < 0 && r->flush) r->flush(r->arg);
-        /* A peer that sends again within spin_ns (the next small write
-         * after its ack) finds this thread awake: a wake-up from poll()
-         * costs a cross-CPU interrupt, tens of microseconds in a VM. */
-        if (g < 0 && r->idle_poll && r->spin_ns) {
+        /* After a batch's last frame, a peer that sends its next batch
+         * within spin_ns (the next small write after its ack) finds this
+         * thread awake: a wake-up from poll() costs a cross-CPU interrupt,
+         * tens of microseconds in a VM. Mid-batch (the sender is slower
+         * than this thread) it sleeps at once: looking then would take
+         * the CPU the sender needs. */
+        int armed = r->spin_armed;
+        r->spin_armed = 0;
+        if (g < 0 && r->idle_poll && r->spin_ns && armed) {
             uint64_t until = sk_now_ns() + r->spin_ns;
             do {
                 sched_yield();

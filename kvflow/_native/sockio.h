@@ -26,6 +26,7 @@ typedef struct {
     uint64_t deadline_ns;  /* CLOCK_MONOTONIC; 0: none. Past it, reads fail */
     int nonblocking;       /* fd is O_NONBLOCK: wait in poll() instead of failing on EAGAIN */
     uint64_t spin_ns;      /* idle_poll: look again this long (yielding) before sleeping in poll() */
+    int spin_armed;        /* ... when the last frame ended a batch (set by the caller, cleared here) */
 } sk_reader;
 
 /* Waits until fd is readable/writable (`events`); -1 on error. */

@@ -305,7 +305,7 @@ static void credit_frame(tcp_conn *c, const kvf_hdr *h) {
 static void *tcp_rx(void *arg) {
     tcp_conn *c = arg;
     kvf_ctx *ctx = c->ch->base.ctx;
-    sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0, 0, 1, 0};
+    sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0, 0, 1, 0, 0};
     int status = KVF_ELOST;
     if (!r.buf) { conn_fail(c, KVF_ENOMEM); return NULL; }
     for (;;) {

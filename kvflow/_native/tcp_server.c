@@ -191,7 +191,10 @@ static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
     /* landed (or dropped): its bytes are no longer in flight toward us */
     if (ctx->credit) kvf_credit_landed(ctx->credit, &s->credit, h->len);
     srv_ack(s, h->tag, st);
-    if (h->status & KVF_HDR_FLUSH) srv_flush(s);
+    if (h->status & KVF_HDR_FLUSH) {
+        srv_flush(s);
+        r->spin_armed = 1;      /* the batch's last frame here: the next one is a round trip away */
+    }
     return 0;
 }
 
@@ -240,7 +243,7 @@ static void srv_loop(kvf_srv_conn *s) {
         s->credit.send = srv_credit_send;
         kvf_credit_join(ctx->credit, &s->credit);
     }
-    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0, atomic_load(&ctx->srv_spin_ns)};
+    sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0, atomic_load(&ctx->srv_spin_ns), 0};
     r.buf = malloc(RD_BUF);
     r.flush = srv_flush;
     r.arg = s;
@@ -253,6 +256,7 @@ static void srv_loop(kvf_srv_conn *s) {
             if (srv_write_frame(s, &r, &h)) break;
         } else if (h.type == KVF_F_READ_REQ) {
             if (srv_read_frame(s, &h)) break;
+            r.spin_armed = (h.status & KVF_HDR_FLUSH) != 0;
         } else if (h.type == KVF_F_CREDIT_ASK && ctx->credit && h.len == 0) {
             kvf_credit_ask(ctx->credit, &s->credit, h.addr, h.aux, h.tag, h.status & KVF_ASK_BLOCKED);
         } else {
