@@ -402,7 +402,7 @@ class Peer:
                     return PostedTransfer()             # it completed inline
                 return PostedTransfer(self._engine._core, batch, error_of=lambda st, entry: batch_error(
                     self._engine._batches, self.address, op, st, entry, None),
-                    progress=self._provider.poller(self._channel))
+                    progress=self._provider.poller(self._channel), nbytes=aux)
             if status != EREMOTE:
                 raise status_error(status, peer=self.address, op=op, index=aux)
         # the loop's path (rdma; or the peer's table lacks the range: it is asked again)

@@ -22,6 +22,10 @@ __all__ = ["PostedTransfer"]
 POLL_WAIT = 50e-6
 # ... or only looks, where this thread moves it on itself (progress)
 POLL_WAIT_SELF = 1e-9
+# A batch up to this size that this thread moves on itself is looked for
+# for up to POLL_WAIT per poll (its ack is a round trip away); a larger one
+# is only looked at: looking longer would take the CPU its senders need.
+SPIN_BYTES = 64 << 10
 
 
 class PostedTransfer:
@@ -29,13 +33,14 @@ class PostedTransfer:
     error if it failed), `wait(timeout)` blocks for it, `cancel()` stops it
     (its queued slices are dropped; poll() then raises)."""
 
-    __slots__ = ("_core", "_batch", "_future", "_error_of", "_done", "_error", "_progress")
+    __slots__ = ("_core", "_batch", "_future", "_error_of", "_done", "_error", "_progress", "_budget")
 
     def __init__(self, core: Any = None, batch: int = 0, future: concurrent.futures.Future | None = None,
                  error_of: Callable[[int, int], KVFlowError] | None = None,
-                 progress: Callable[[], object] | None = None) -> None:
+                 progress: Callable[[int, float], object] | None = None, nbytes: int = 0) -> None:
         self._core, self._batch, self._future, self._error_of = core, batch, future, error_of
         self._progress = progress       # the provider's way to move it on from this thread (tcp: read acks)
+        self._budget = POLL_WAIT if nbytes <= SPIN_BYTES else 0.0
         self._done = batch == 0 and future is None          # completed inline
         self._error: BaseException | None = None
 
@@ -64,7 +69,7 @@ class PostedTransfer:
             else:
                 try:
                     if self._progress is not None:
-                        self._progress(self._batch, POLL_WAIT)
+                        self._progress(self._batch, self._budget)
                     wait = POLL_WAIT_SELF if self._progress is not None else POLL_WAIT
                     if not self._finish(*self._core.wait_detached(self._batch, wait)):
                         return False
