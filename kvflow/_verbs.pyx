@@ -622,10 +622,10 @@ cdef class RdmaChannel(Channel):
     def qp_stats(self):
         """Per QP: device index, remote device index, state, work requests
         and bytes posted, its verbs QP number (0 once destroyed), and its
-        queue: work requests posted and not retired (outstanding_wrs) and
-        their bytes (inflight_bytes), slices and bytes waiting to be posted
-        (backlog_slices, backlog_bytes). (Channel.stats() is the batch
-        numbers every channel has.)"""
+        queue under the names tcp connections use: work requests posted and
+        not retired (inflight_slices) and their bytes (inflight_bytes),
+        slices and bytes waiting to be posted (queued_slices, queued_bytes).
+        (Channel.stats() is the batch numbers every channel has.)"""
         cdef uint32_t dev, rdev, qpn
         cdef uint64_t wrs, nbytes
         cdef uint64_t q[4]
@@ -638,8 +638,8 @@ cdef class RdmaChannel(Channel):
             q[0] = q[1] = q[2] = q[3] = 0
             kvf_rdma_chan_qp_queue(self.ch, i, q)
             out.append({"dev": dev, "rdev": rdev, "state": st, "wrs": wrs, "bytes": nbytes, "qpn": qpn,
-                        "outstanding_wrs": q[0], "inflight_bytes": q[1], "backlog_slices": q[2],
-                        "backlog_bytes": q[3]})
+                        "inflight_slices": q[0], "inflight_bytes": q[1], "queued_slices": q[2],
+                        "queued_bytes": q[3]})
         return out
 
     @property

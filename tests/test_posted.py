@@ -79,3 +79,25 @@ def test_cancel_drops_it(pair):
         second.wait(timeout=30)
     first.wait(timeout=60)
     assert np.array_equal(dst, src)
+
+
+def test_a_poll_of_a_running_batch_returns_within_its_wait(pair):
+    """poll() waits at most POLL_WAIT (50 us) for a batch still running:
+    the native wait's 1 ms naps stop at its timeout (they once slept the
+    whole millisecond). Median of the polls that found it running."""
+    _, _, peer, src, dst = pair
+    n = 16
+    polls = []
+    for _ in range(4):          # 4 x 64 MiB: long enough to poll it many times
+        t = peer.post_write([src.ctypes.data + i * 4 * MiB for i in range(n)],
+                            [dst.ctypes.data + i * 4 * MiB for i in range(n)], [4 * MiB] * n)
+        while True:
+            t0 = time.perf_counter()
+            done = t.poll()
+            if done:
+                break
+            polls.append(time.perf_counter() - t0)
+    assert np.array_equal(dst, src)
+    if len(polls) < 10:
+        pytest.skip(f"the batches finished within {len(polls)} polls")
+    assert float(np.median(polls)) < 0.0009, f"median poll {np.median(polls) * 1e6:.0f} us over {len(polls)}"

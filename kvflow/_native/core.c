@@ -357,10 +357,13 @@ int kvf_batch_wait(kvf_ctx *c, uint64_t id, uint64_t spin_ns, uint64_t timeout_n
             sched_yield();
         } else {
             if (timeout_ns && now - start >= timeout_ns) return KVF_ECANCELLED;
-            /* sleep until a detached batch finishes (or 1 ms: a bound, not a poll) */
+            /* sleep until a detached batch finishes (or 1 ms: a bound, not
+             * a poll; never past the timeout) */
+            uint64_t nap = 1000000;
+            if (timeout_ns && timeout_ns - (now - start) < nap) nap = timeout_ns - (now - start);
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += 1000000;
+            until.tv_nsec += (long)nap;
             if (until.tv_nsec >= 1000000000) { until.tv_sec++; until.tv_nsec -= 1000000000; }
             pthread_mutex_lock(&c->comp_mu);
             if (atomic_load_explicit(&b->remaining, memory_order_acquire) != 0)

@@ -23,8 +23,9 @@ POLL_WAIT = 50e-6
 # ... or only looks, where this thread moves it on itself (progress)
 POLL_WAIT_SELF = 1e-9
 # A batch up to this size that this thread moves on itself is looked for
-# for up to POLL_WAIT per poll (its ack is a round trip away); a larger one
-# is only looked at: looking longer would take the CPU its senders need.
+# for up to POLL_WAIT per poll (its ack is a round trip away); for a larger
+# one the poll sleeps up to POLL_WAIT: looking would take the CPU its
+# senders need.
 SPIN_BYTES = 64 << 10
 
 
@@ -68,9 +69,15 @@ class PostedTransfer:
                     self._error = e
             else:
                 try:
+                    # A small batch this thread moves on itself: its acks
+                    # are looked for (natively, up to POLL_WAIT), then it is
+                    # only looked at. Anything else: a wait of up to
+                    # POLL_WAIT that sleeps, leaving the CPU to the threads
+                    # that send it (a poller that spins in Python took the
+                    # core its senders needed).
                     if self._progress is not None:
                         self._progress(self._batch, self._budget)
-                    wait = POLL_WAIT_SELF if self._progress is not None else POLL_WAIT
+                    wait = POLL_WAIT_SELF if self._budget and self._progress is not None else POLL_WAIT
                     if not self._finish(*self._core.wait_detached(self._batch, wait)):
                         return False
                 except RuntimeError:                        # the engine closed meanwhile

@@ -55,6 +55,9 @@ __all__ = ["RdmaOptions", "RdmaProvider", "available", "device_names"]
 
 log = logging.getLogger("kvflow")
 
+# A QP's queue in RdmaChannel.qp_stats(), under the names tcp connections use
+QUEUE_FIELDS = ("queued_slices", "queued_bytes", "inflight_slices", "inflight_bytes")
+
 
 def _ordered(names: list[str], topology: Topology | None, location: str) -> list[str]:
     """The devices (of `names`) that serve memory at `location`: the
@@ -487,8 +490,7 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
             out.append({"index": i, "device": dev.name if dev is not None else str(st["dev"]),
                         "remote_device": st["rdev"], "state": QP_STATES.get(st["state"], str(st["state"])),
                         "up": st["state"] == 1, "wrs": st["wrs"], "bytes": st["bytes"], "qpn": st["qpn"],
-                        "queued_slices": st["backlog_slices"], "queued_bytes": st["backlog_bytes"],
-                        "inflight_slices": st["outstanding_wrs"], "inflight_bytes": st["inflight_bytes"],
+                        **{k: st[k] for k in QUEUE_FIELDS},
                         "failures": breaks, "repairs": repairs, "repair_attempts": attempts})
         return out
 
