@@ -78,7 +78,7 @@ class PostedTransfer:
                     if self._progress is not None:
                         self._progress(self._batch, self._budget)
                     wait = POLL_WAIT_SELF if self._budget and self._progress is not None else POLL_WAIT
-                    if not self._finish(*self._core.wait_detached(self._batch, wait)):
+                    if not self._finish(*self._core.wait_detached(self._batch, wait, wait)):
                         return False
                 except RuntimeError:                        # the engine closed meanwhile
                     self._done, self._error = True, PeerLostError("the engine was closed")
