@@ -519,7 +519,7 @@ cdef cnp.ndarray index_column(object values, str what):
     if isinstance(values, cnp.ndarray):
         arr = <cnp.ndarray>values
         t = cnp.PyArray_TYPE(arr)
-        if cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr) and \
+        if cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr) and cnp.PyArray_ISNOTSWAPPED(arr) and \
                 (t == cnp.NPY_INT64 or t == cnp.NPY_INT32 or t == cnp.NPY_UINT32 or t == cnp.NPY_UINT64):
             return arr
     arr = cnp.PyArray_FROM_O(values)

@@ -55,7 +55,7 @@ def test_write_read_and_notification_after_the_data(pair):
     assert a.transfer(h) in ("PROC", "DONE")
     # the notification arrives only once the data is there
     deadline = time.monotonic() + 30
-    while not b.check_remote_xfer_done(a.name, b"layer-"):
+    while not b.check_remote_xfer_done(a.name.encode(), b"layer-"):     # the bytes name add_remote_agent gives
         assert time.monotonic() < deadline
         time.sleep(0.0005)
     for o in offs:

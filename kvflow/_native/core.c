@@ -238,6 +238,7 @@ int kvf_batch_cancelled(kvf_ctx *c, uint32_t slot) {
 }
 
 int kvf_batch_finished(kvf_ctx *c, uint64_t id) {
+    if (id_slot(id) >= KVF_MAX_BATCHES) return 0;
     kvf_batch *b = &c->batches[id_slot(id)];
     return b->gen == id_gen(id) && atomic_load_explicit(&b->remaining, memory_order_acquire) == 0;
 }

@@ -203,8 +203,11 @@ static int local_open(kvf_channel *ch) {
 }
 
 static uint64_t local_slice_size(kvf_channel *ch, uint64_t total) {
-    /* an inline batch is one run per coalesced entry: no need to cut it */
-    return total <= ((kvf_local_channel *)ch)->inline_limit ? UINT64_MAX / 2 : LOCAL_SLICE;
+    /* A batch that may run inline is one run per coalesced entry (no need
+     * to cut it) while that keeps every run within a slice: behind queued
+     * work it goes to the workers after all. */
+    uint64_t limit = ((kvf_local_channel *)ch)->inline_limit;
+    return total <= limit && limit <= LOCAL_SLICE ? UINT64_MAX / 2 : LOCAL_SLICE;
 }
 
 static int local_run_inline(kvf_channel *ch, kvf_slice *s, size_t n, uint64_t total, size_t *failed) {

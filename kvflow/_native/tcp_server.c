@@ -250,6 +250,7 @@ static void srv_loop(kvf_srv_conn *s) {
     if (!r.buf) return;
     while (!s->broken && !atomic_load(&ctx->closing)) {
         if (sk_read_header(&r, &h)) break;
+        r.spin_armed = 0;       /* armed again only by this frame, if it ends a batch */
         if (h.magic != KVF_MAGIC || h.len > KVF_MAX_PAYLOAD) break;   /* garbage: drop the peer */
         r.big = h.type == KVF_F_WRITE && h.len >= RD_BUF / 4;
         if (h.type == KVF_F_WRITE) {

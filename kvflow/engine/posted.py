@@ -17,15 +17,17 @@ from kvflow.errors import KVFlowError, PeerLostError
 __all__ = ["PostedTransfer"]
 
 # A poll that finds the batch running waits this long for it (GIL released,
-# woken at once by its completion): a caller polling in a loop leaves the
+# looking at it and yielding the CPU): a caller polling in a loop leaves the
 # engine's threads room to finish it, instead of holding the GIL.
 POLL_WAIT = 50e-6
 # ... or only looks, where this thread moves it on itself (progress)
 POLL_WAIT_SELF = 1e-9
-# A batch up to this size that this thread moves on itself is looked for
-# for up to POLL_WAIT per poll (its ack is a round trip away); for a larger
-# one the poll sleeps up to POLL_WAIT: looking would take the CPU its
-# senders need.
+# A batch up to this size that this thread moves on itself has its acks
+# read for up to POLL_WAIT per poll (its ack is a round trip away); for a
+# larger one the acks already there are read, then the poll waits for the
+# batch for up to POLL_WAIT, yielding the CPU (a sleep until another thread
+# woke it cost a wake-up per batch: 111-115 us against 95-96 us for 64 x
+# 4 KiB over tcp).
 SPIN_BYTES = 64 << 10
 
 
@@ -70,11 +72,11 @@ class PostedTransfer:
             else:
                 try:
                     # A small batch this thread moves on itself: its acks
-                    # are looked for (natively, up to POLL_WAIT), then it is
-                    # only looked at. Anything else: a wait of up to
-                    # POLL_WAIT that sleeps, leaving the CPU to the threads
-                    # that send it (a poller that spins in Python took the
-                    # core its senders needed).
+                    # are read (natively, up to POLL_WAIT), then it is only
+                    # looked at. Anything else: a native wait of up to
+                    # POLL_WAIT that yields the CPU while it looks (a poller
+                    # spinning in Python held the GIL and the core its
+                    # senders needed).
                     if self._progress is not None:
                         self._progress(self._batch, self._budget)
                     wait = POLL_WAIT_SELF if self._budget and self._progress is not None else POLL_WAIT

@@ -250,6 +250,8 @@ class nixl_agent:
     def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes, backends: list[str] = [],
                                tag_is_prefix: bool = True) -> bool:  # noqa: B006
         self.update_notifs(backends)
+        if isinstance(remote_agent_name, (bytes, bytearray)):   # as add_remote_agent returns it
+            remote_agent_name = remote_agent_name.decode()
         msgs = self.notifs.get(remote_agent_name, [])
         for i, msg in enumerate(msgs):
             if (msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg):
