@@ -30,8 +30,6 @@ __all__ = ["Peer"]
 
 log = logging.getLogger("kvflow")
 
-_NORMAL = int(Priority.NORMAL)
-
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 
@@ -389,8 +387,7 @@ class Peer:
         return self._post(OP_READ, local_addrs, remote_addrs, lengths, priority, deadline)
 
     def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
-        prio, deadline_ns = (_NORMAL, 0) if priority is Priority.NORMAL and deadline is None else \
-            qos_args(priority, deadline)
+        prio, deadline_ns = qos_args(priority, deadline)     # its own fast path for the default
         provider = self._provider
         if provider is not None and provider.caps.detached and self.alive:
             try:
