@@ -563,9 +563,7 @@ class AgentCore:
         return x
 
     def postXferReq(self, handle: int, notif: Any = b"") -> int:
-        x = self._xfers.get(handle)
-        if x is None:
-            raise B.nixlInvalidParamError("unknown or released transfer handle")
+        x = self._xfer(handle)
         if x.state == "PROC":
             raise B.nixlRepostActiveError("the transfer is still in progress")
         if notif:
@@ -624,9 +622,7 @@ class AgentCore:
                 x.done_ns = time.perf_counter_ns() - x.t0
 
     def getXferStatus(self, handle: int) -> int:
-        x = self._xfers.get(handle)
-        if x is None:
-            raise B.nixlInvalidParamError("unknown or released transfer handle")
+        x = self._xfer(handle)
         if x.posted is not None:
             self._poll_posted(x)
         state = x.state
@@ -666,9 +662,7 @@ class AgentCore:
         return int(seconds * 1e6), int(seconds * 1e6 / 2), int(B.NIXL_COST_ANALYTICAL_BACKEND)
 
     def releaseXferReq(self, handle: int) -> None:
-        x = self._xfers.get(handle)
-        if x is None:
-            raise B.nixlInvalidParamError("unknown or released transfer handle")
+        x = self._xfer(handle)
         if x.state == "PROC" and x.future is not None:
             x.future.cancel()               # the batch is cancelled: nothing of it lands later
         if x.posted is not None:
