@@ -44,6 +44,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "0", "Engine(tcp_express=)"),
     Variable("KVFLOW_TCP_BUSY_POLL", "seconds a tcp data connection's serving thread looks for the next frame "
              "before it sleeps; 0: at once", "0.00005", "Engine(tcp_busy_poll=)"),
+    Variable("KVFLOW_TCP_CONGESTION", "the tcp data connections' congestion control: auto (a pacing one, BBR, "
+             "becomes cubic within this host), system, or an algorithm name", "auto", "Engine(tcp_congestion=)"),
     Variable("KVFLOW_TOPOLOGY", "a JSON topology file overriding what discovery found", "none (sysfs)",
              "Topology.load()"),
     Variable("KVFLOW_RDMA_DEVICES", "comma-separated RDMA devices to use", "all", "Engine(rdma_devices=)"),

@@ -183,6 +183,8 @@ static __thread int tls_detached;
 
 void kvf_set_detached(int on) { tls_detached = on; }
 
+void kvf_thread_name(const char *name) { pthread_setname_np(pthread_self(), name); }
+
 static inline uint32_t id_slot(uint64_t id) { return (uint32_t)id; }
 static inline uint32_t id_gen(uint64_t id) { return (uint32_t)(id >> 32); }
 

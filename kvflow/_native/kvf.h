@@ -209,6 +209,8 @@ int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry);
  * back). With the flag set, batches this thread allocates are detached:
  * never pushed to the completion ring, finished by kvf_batch_wait. */
 void kvf_set_detached(int on);
+/* Names the calling (engine-owned) thread, as top -H, perf and gdb show it. */
+void kvf_thread_name(const char *name);
 /* Waits (spinning for spin_ns, then sleeping) until detached batch `id`
  * finished or timeout_ns passed (0: forever). KVF_OK: finished, its status
  * in *status (and *entry), its slot freed; KVF_ECANCELLED: timed out, the

@@ -133,6 +133,7 @@ static void run_and_complete(kvf_ctx *c, kvf_slice *s, size_t n) {
 }
 
 static void *local_worker(void *arg) {
+    kvf_thread_name("kvf-local");
     kvf_local_pool *p = arg;
     kvf_slice buf[LOCAL_POP];
     for (;;) {

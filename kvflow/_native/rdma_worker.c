@@ -208,6 +208,7 @@ static int worker_post_ready(kvf_rdma_dev *d) {
 }
 
 static void *dev_worker(void *arg) {
+    kvf_thread_name("kvf-rdma");
     kvf_rdma_dev *d = arg;
     struct ibv_wc wc[POLL_BATCH];
     uint64_t last = now_ns();

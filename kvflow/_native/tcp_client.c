@@ -212,6 +212,7 @@ static const kvf_hdr *take_ctl_locked(tcp_conn *c, kvf_hdr *out) {
 }
 
 static void *tcp_tx(void *arg) {
+    kvf_thread_name("kvf-tcp-tx");
     tcp_conn *c = arg;
     kvf_slice s[TCP_POP], cancelled[TCP_POP];
     kvf_hdr h[TCP_POP + 1], ctl;
@@ -303,6 +304,7 @@ static void credit_frame(tcp_conn *c, const kvf_hdr *h) {
 }
 
 static void *tcp_rx(void *arg) {
+    kvf_thread_name("kvf-tcp-rx");
     tcp_conn *c = arg;
     kvf_ctx *ctx = c->ch->base.ctx;
     sk_reader r = {c->fd, malloc(RD_BUF), 0, 0, NULL, NULL, 0, 0, 0, 1, 0, 0};

@@ -274,6 +274,7 @@ static void srv_loop(kvf_srv_conn *s) {
  * leaving the list, so kvf_srv_shutdown() never shuts down a descriptor
  * number that was already reused. */
 static void *srv_thread(void *arg) {
+    kvf_thread_name("kvf-tcp-serve");
     kvf_srv_conn *s = arg;
     kvf_ctx *c = s->ctx;
     srv_loop(s);

@@ -154,7 +154,11 @@ class Engine:
     tcp_busy_poll: seconds a thread serving a tcp data connection keeps
     looking for the next frame (yielding the CPU) before it sleeps (50 us;
     0: at once; env KVFLOW_TCP_BUSY_POLL): small writes back to back find
-    it awake instead of paying a wake-up (TcpOptions).
+    it awake instead of paying a wake-up (TcpOptions);
+    tcp_congestion: the tcp data connections' congestion control: "auto"
+    (default; env KVFLOW_TCP_CONGESTION): a pacing one (BBR) is replaced
+    by cubic on connections within this host, where pacing only costs;
+    "system": the host's; or an algorithm the kernel offers.
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -169,7 +173,8 @@ class Engine:
                  qos_aging: float = AGING, scheduling: str = "qos", tcp_express: bool | None = None,
                  tcp_send_buffer: int = TcpOptions.send_buffer,
                  tcp_receive_buffer: int = TcpOptions.receive_buffer,
-                 receive_window: int | None = None, tcp_busy_poll: float | None = None) -> None:
+                 receive_window: int | None = None, tcp_busy_poll: float | None = None,
+                 tcp_congestion: str | None = None) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -184,8 +189,10 @@ class Engine:
         if tcp_busy_poll is None:
             tcp_busy_poll = env_float("KVFLOW_TCP_BUSY_POLL")
             tcp_busy_poll = TcpOptions.busy_poll if tcp_busy_poll is None else tcp_busy_poll
+        if tcp_congestion is None:
+            tcp_congestion = env_str("KVFLOW_TCP_CONGESTION") or TcpOptions.congestion
         self._tcp_options = TcpOptions(tcp_connections, rails, slice_size, bool(tcp_express),
-                                       tcp_send_buffer, tcp_receive_buffer, tcp_busy_poll)
+                                       tcp_send_buffer, tcp_receive_buffer, tcp_busy_poll, tcp_congestion)
         if keepalive is None:
             keepalive = env_float("KVFLOW_KEEPALIVE")
             keepalive = 5.0 if keepalive is None else keepalive

@@ -24,6 +24,7 @@ from kvflow.control.wire import (
     DATA_WIRE_VERSION,
 )
 from kvflow.errors import InvalidArgumentError, PeerUnreachableError, ProtocolError, ProviderUnavailableError
+from kvflow.providers import congestion as cc
 from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext
 from kvflow.schedule.rails import MAX_CONNECTIONS, DataConn, RailPlan, RailWatcher, check_rails
 from kvflow.tasks import cancel_and_wait
@@ -82,20 +83,22 @@ def hello_frame(token: bytes, role: int, index: int) -> bytes:
 async def open_data_socket(loop: asyncio.AbstractEventLoop, host: str, port: int, token: bytes,
                            role: int, index: int, *, keepalive: float, peer: str,
                            timeout: float = CONNECT_TIMEOUT, source: str | None = None,
-                           send_buffer: int = 0) -> socket.socket:
+                           send_buffer: int = 0, congestion: str = cc.SYSTEM) -> socket.socket:
     """Connects (from local address `source` when given: the rail it was
     paired with), sends the hello and waits for its acceptance. Returns the
     non-blocking socket; raises PeerUnreachableError (or ProtocolError when
-    the target refuses the hello)."""
+    the target refuses the hello). `congestion`: its TCP congestion
+    control (kvflow.providers.congestion)."""
     s, _ = await open_data_connection(loop, host, port, token, role, index, keepalive=keepalive,
-                                      peer=peer, timeout=timeout, source=source, send_buffer=send_buffer)
+                                      peer=peer, timeout=timeout, source=source, send_buffer=send_buffer,
+                                      congestion=congestion)
     return s
 
 
 async def open_data_connection(loop: asyncio.AbstractEventLoop, host: str, port: int, token: bytes,
                                role: int, index: int, *, keepalive: float, peer: str,
                                timeout: float = CONNECT_TIMEOUT, source: str | None = None,
-                               send_buffer: int = 0) -> tuple[socket.socket, int]:
+                               send_buffer: int = 0, congestion: str = cc.SYSTEM) -> tuple[socket.socket, int]:
     """open_data_socket, and the target's receive window from its hello
     acceptance (0: none; otherwise write payloads go only against the
     credit it grants)."""
@@ -110,6 +113,7 @@ async def open_data_connection(loop: asyncio.AbstractEventLoop, host: str, port:
         async def handshake() -> bytes:
             if source is not None:
                 bind_source(s, source)
+            cc.before_connect(s, host, port, congestion)
             await loop.sock_connect(s, (host, port))
             await loop.sock_sendall(s, hello_frame(token, role, index))
             ack = b""
@@ -181,7 +185,12 @@ class TcpOptions:
     busy_poll: seconds a served data connection's thread that finds no
     frame keeps looking (yielding the CPU) before it sleeps (0: at once).
     The next small write after an ack then finds it awake: a wake-up from
-    poll() is a cross-CPU interrupt, 20 us and more in a VM (docs/results.md)."""
+    poll() is a cross-CPU interrupt, 20 us and more in a VM (docs/results.md);
+    congestion: the data connections' TCP congestion control: "auto"
+    (a pacing one such as BBR is replaced by cubic on connections within
+    this host, where its pacing only costs), "system" (the host's), or an
+    algorithm name (kvflow.providers.congestion; Engine(tcp_congestion=),
+    env KVFLOW_TCP_CONGESTION)."""
 
     connections: int = 2
     rails: list[str] | str | None = None
@@ -190,6 +199,7 @@ class TcpOptions:
     send_buffer: int = 512 << 10
     receive_buffer: int = 0
     busy_poll: float = 50e-6
+    congestion: str = cc.AUTO
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= MAX_CONNECTIONS or self.slice_size < 4096:
@@ -201,6 +211,7 @@ class TcpOptions:
         v = self.busy_poll
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BUSY_POLL:
             raise InvalidArgumentError(f"tcp_busy_poll must be 0..{MAX_BUSY_POLL:g} seconds, not {v!r}")
+        self.congestion = cc.check_congestion(self.congestion)
         if self.rails is not None and not isinstance(self.rails, str):
             self.rails = list(self.rails)       # once: a generator would be spent by the "auto" test
         if self.auto:
@@ -271,11 +282,13 @@ class TcpProvider(Provider):
                 # before listen(): accepted connections inherit it, and the
                 # window scale they offer in the handshake matches it
                 ds.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.options.receive_buffer)
+            # before listen(): what it accepts starts with it (kvflow.providers.congestion)
+            host_cc = cc.listener(ds, self.options.congestion)
             ds.bind((rail, 0))
             ds.listen(256)
             ds.setblocking(False)
             self.endpoints.append((rail if self.rails.rails else adv, ds.getsockname()[1]))
-            self._accepts.append(self.ctx.loop.create_task(self._accept(ds)))
+            self._accepts.append(self.ctx.loop.create_task(self._accept(ds, host_cc)))
 
     async def close(self) -> None:
         await cancel_and_wait(self._accepts)
@@ -289,7 +302,7 @@ class TcpProvider(Provider):
             self.ctx.loop.remove_reader(fd)
         self._acks.clear()
 
-    async def _accept(self, listener: socket.socket) -> None:
+    async def _accept(self, listener: socket.socket, host_cc: str) -> None:
         loop = self.ctx.loop
         where = "%s:%d" % listener.getsockname()[:2]
         while True:
@@ -308,6 +321,7 @@ class TcpProvider(Provider):
                 continue
             conn.setblocking(True)
             tune_data_socket(conn, self.ctx.keepalive)
+            cc.accepted(conn, host_cc)
             # The native thread checks the session token before touching memory.
             self.ctx.core.serve(conn.detach())
 
@@ -346,7 +360,8 @@ class TcpProvider(Provider):
             s, window = await open_data_connection(self.ctx.loop, c.host, c.port, token, role,
                                                    c.index if index is None else index,
                                                    keepalive=keepalive, peer=link.address, source=c.source,
-                                                   send_buffer=self.options.send_buffer)
+                                                   send_buffer=self.options.send_buffer,
+                                                   congestion=self.options.congestion)
             windows.append(window)
             return s
 
