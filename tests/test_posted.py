@@ -84,7 +84,7 @@ def test_cancel_drops_it(pair):
 def test_a_poll_of_a_running_batch_returns_within_its_wait(pair):
     """poll() waits at most POLL_WAIT (50 us) for a batch still running:
     the native wait's 1 ms naps stop at its timeout (they once slept the
-    whole millisecond). Median of the polls that found it running."""
+    whole millisecond). A low quantile of the polls that found it running."""
     _, _, peer, src, dst = pair
     n = 16
     polls = []
@@ -100,4 +100,9 @@ def test_a_poll_of_a_running_batch_returns_within_its_wait(pair):
     assert np.array_equal(dst, src)
     if len(polls) < 10:
         pytest.skip(f"the batches finished within {len(polls)} polls")
-    assert float(np.median(polls)) < 0.0009, f"median poll {np.median(polls) * 1e6:.0f} us over {len(polls)}"
+    # The old naps made every such poll last 1 ms or more; a poll that is
+    # merely descheduled on these two shared cores (the transfer's own
+    # threads run meanwhile) lasts as long now and then, so a low quantile
+    # tells the two apart where the median did not (1.4 ms in 1 run of 8).
+    low = float(np.percentile(polls, 20))
+    assert low < 0.0009, f"20th percentile poll {low * 1e6:.0f} us over {len(polls)}"

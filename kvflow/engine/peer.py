@@ -18,7 +18,7 @@ from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.control.wire import field
 from kvflow.memory import RemoteRegion
-from kvflow.engine.posted import PostedTransfer
+from kvflow.engine.posted import COMPLETED, PostedTransfer
 from kvflow.engine.transfer import Transfer, batch_error
 from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
@@ -396,7 +396,7 @@ class Peer:
                 raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
             if status == 0:
                 if batch == 0:
-                    return PostedTransfer()             # it completed inline
+                    return COMPLETED                    # it completed inline
                 return PostedTransfer(self._engine._core, batch, error_of=lambda st, entry: batch_error(
                     self._engine._batches, self.address, op, st, entry, None),
                     progress=self._provider.poller(self._channel), nbytes=aux)

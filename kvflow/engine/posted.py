@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from kvflow.errors import KVFlowError, PeerLostError
 
-__all__ = ["PostedTransfer"]
+__all__ = ["COMPLETED", "PostedTransfer"]
 
 # A poll that finds the batch running waits this long for it (GIL released,
 # looking at it and yielding the CPU): a caller polling in a loop leaves the
@@ -121,3 +121,9 @@ class PostedTransfer:
 
     def done(self) -> bool:
         return self._done
+
+
+# What a post that completed inline returns: finished, no error, and never
+# changed again (every method of a finished PostedTransfer only reads), so
+# one instance serves every such post.
+COMPLETED = PostedTransfer()

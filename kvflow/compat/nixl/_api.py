@@ -201,9 +201,9 @@ class nixl_agent:
                           local_indices: Union[list[int], np.ndarray], remote_xfer_side: nixl_prepped_dlist_handle,
                           remote_indices: Union[list[int], np.ndarray], notif_msg: bytes = b"",
                           backends: list[str] = [], skip_desc_merge: bool = False) -> nixl_xfer_handle:  # noqa: B006
-        op = self.nixl_ops[operation]
-        handle = self.agent.makeXferReq(op, local_xfer_side._handle, local_indices, remote_xfer_side._handle,
-                                        remote_indices, notif_msg, self._handles(backends), skip_desc_merge)
+        handle = self.agent.makeXferReq(self.nixl_ops[operation], local_xfer_side._handle, local_indices,
+                                        remote_xfer_side._handle, remote_indices, notif_msg,
+                                        self._handles(backends) if backends else (), skip_desc_merge)
         return nixl_xfer_handle(self.agent, handle)
 
     def initialize_xfer(self, operation: str, local_descs: nixlBind.nixlXferDList,
