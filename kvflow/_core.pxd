@@ -25,11 +25,20 @@ cdef class Channel:
     cdef Core core
     cdef RemoteTable table
     cdef readonly str peer
-    cdef object use_lock          # submit_detached (another thread) vs close
+    # Threads other than the loop's (submit_detached, poll_acks_here,
+    # abort) use the native channel outside any lock, counted in `users`
+    # under use_lock; close() waits (idle) until none is left inside.
+    cdef object use_lock
+    cdef object idle
+    cdef int users
+    cdef bint closing
     # The provider's native channel (provider.h): every batch goes through
     # kvf_submit_poll on it. NULL before it exists and once it is closed.
     cdef kvf_channel *cch
     cdef uint64_t _poll_budget(self, uint64_t total)
     cdef _polled(self, uint64_t budget, uint64_t took)
+    cdef bint _enter(self)
+    cdef void _leave(self)
+    cdef void _quiesce(self)
     cdef tuple _submit(self, int op, object local_addrs, object remote_addrs, object lengths, bint poll,
                        int prio, uint64_t deadline_ns)

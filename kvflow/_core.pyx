@@ -338,7 +338,31 @@ cdef class Channel:
         self.table = table
         self.peer = peer
         self.use_lock = threading.Lock()
+        self.idle = threading.Condition(self.use_lock)
         core.channels.add(self)
+
+    cdef bint _enter(self):
+        """A thread starts using the native channel (False: it is closed or
+        closing). Several may be inside at once: the native calls are
+        thread-safe; only freeing the channel must wait for them."""
+        with self.use_lock:
+            if self.cch == NULL or self.closing:
+                return False
+            self.users += 1
+            return True
+
+    cdef void _leave(self):
+        with self.use_lock:
+            self.users -= 1
+            if self.closing and self.users == 0:
+                self.idle.notify_all()
+
+    cdef void _quiesce(self):
+        """With use_lock held (close()): lets no thread in any more and
+        waits for those inside (an inline send, an ack spin: microseconds)."""
+        self.closing = True
+        while self.users:
+            self.idle.wait()
 
     def stats(self):
         """This channel's batch numbers, counted once per batch as it
@@ -377,10 +401,12 @@ cdef class Channel:
         connections still holding its slices: kvf_tcp_channel_abort_batch).
         Returns how many it reset (0 for providers that need not)."""
         cdef int n = 0
-        with self.use_lock:
-            if self.cch != NULL:
+        if self._enter():
+            try:
                 with nogil:
                     n = kvf_channel_abort_batch(self.cch, batch_id)
+            finally:
+                self._leave()
         return n
 
     def submit(self, int op, local_addrs, remote_addrs, lengths, int prio=KVF_PRIO_NORMAL,
@@ -395,13 +421,16 @@ cdef class Channel:
         """submit() for a thread that then blocks in Core.wait_detached()
         (not the event loop's): the batch never reaches the completion
         ring, so neither the submission nor the completion goes through the
-        loop. Safe against a concurrent close()."""
-        with self.use_lock:
-            kvf_set_detached(1)
-            try:
-                return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns)[:3]
-            finally:
-                kvf_set_detached(0)
+        loop. Safe against a concurrent close(); threads submit side by
+        side (none waits for another's inline send)."""
+        if not self._enter():
+            return KVF_ECLOSED, 0, 0
+        kvf_set_detached(1)
+        try:
+            return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns)[:3]
+        finally:
+            kvf_set_detached(0)
+            self._leave()
 
     def submit_poll(self, int op, local_addrs, remote_addrs, lengths, bint poll=True,
                     int prio=KVF_PRIO_NORMAL, uint64_t deadline_ns=0):
@@ -665,15 +694,17 @@ cdef class TcpChannel(Channel):
         cdef int rc = 0
         cdef uint64_t until = mono_ns() + <uint64_t>(budget * 1e9) if budget > 0 else 0
         cdef kvf_ctx *c = self.core._ctx()
-        with self.use_lock:
-            if self.ch == NULL or self.ack_fd < 0:
-                return False
+        if self.ack_fd < 0 or not self._enter():
+            return False
+        try:
             with nogil:
                 rc = kvf_tcp_poll_acks(self.ch)
                 while rc == 0 and batch_id and until and not kvf_batch_finished(c, batch_id) \
                         and mono_ns() < until:
                     sched_yield()
                     rc = kvf_tcp_poll_acks(self.ch)
+        finally:
+            self._leave()
         return rc == 0
 
     @property
@@ -741,6 +772,7 @@ cdef class TcpChannel(Channel):
         """Fails what is still queued or in flight, joins the threads, closes
         the sockets. Idempotent."""
         with self.use_lock:
+            self._quiesce()
             if self.ch != NULL:
                 self.cch = NULL
                 with nogil:

@@ -650,6 +650,7 @@ cdef class RdmaChannel(Channel):
         """Destroys the QPs (nothing touches memory after this returns) and
         fails what was queued or in flight. Idempotent."""
         with self.use_lock:
+            self._quiesce()
             if self.ch != NULL:
                 self.cch = NULL
                 with nogil:

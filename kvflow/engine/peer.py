@@ -18,7 +18,7 @@ from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.control.wire import field
 from kvflow.memory import RemoteRegion
-from kvflow.engine.posted import COMPLETED, PostedTransfer
+from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.transfer import Transfer, batch_error
 from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
@@ -359,6 +359,12 @@ class Peer:
                 raise status_error(status, peer=self.address, op=op, index=aux)
             if batch == 0:
                 return True        # completed inline
+            progress = self._provider.poller(self._channel)
+            if progress is not None and aux <= SPIN_BYTES:
+                # a small batch's acks are read right here (tcp: a round
+                # trip away) rather than by the loop, which would then wake
+                # this thread: two wake-ups saved
+                progress(batch, min(timeout, DETACHED_SPIN) if timeout else DETACHED_SPIN)
             rc, status, entry = core.wait_detached(batch, timeout or 0.0, DETACHED_SPIN)
             if rc:
                 core.cancel(batch)
