@@ -7,7 +7,7 @@ of this host's addresses) replaces a pacing one (BBR) by cubic, else reno.
 BBR paces every send to its estimate of the path's bandwidth, and on a path
 with no link at all that estimate swings from run to run: on this machine
 (default BBR) 64 x 4 KiB writes over loopback moved 1.3-6.1 GB/s in runs of
-one and the same command, 5.5-6.3 with cubic (docs/results.md). "system"
+one and the same command, 5.0-6.3 with cubic (docs/results.md). "system"
 never touches it; any other value is an algorithm the kernel offers
 (tcp_available_congestion_control), set on every data connection.
 
@@ -74,14 +74,14 @@ def current(s: socket.socket) -> str:
         return ""
 
 
-def _set(s: socket.socket, name: str) -> bool:
+def _set(s: socket.socket, name: str, warn: bool = True) -> bool:
     try:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
         return True
     except OSError as e:
         # EPERM: not in tcp_allowed_congestion_control and no CAP_NET_ADMIN;
         # ENOENT: its module is not loaded
-        if name not in _warned:
+        if warn and name not in _warned:
             _warned.add(name)
             log.warning("kvflow: tcp congestion control %r refused on a data connection (%s); "
                         "the host's stays", name, e.strerror or e)
@@ -92,7 +92,9 @@ def _unpace(s: socket.socket) -> bool:
     """Gives `s` an unpaced algorithm if it has a pacing one; True if it did."""
     if not current(s).startswith(PACING_PREFIX):
         return False
-    return any(_set(s, name) for name in UNPACED)
+    # cubic is often not allowed without CAP_NET_ADMIN: only the last
+    # refusal is worth a warning
+    return any(_set(s, name, warn=name == UNPACED[-1]) for name in UNPACED)
 
 
 def _is_loopback(host: str) -> bool:
@@ -103,10 +105,16 @@ def _is_loopback(host: str) -> bool:
 
 
 def route_stays_here(host: str, port: int) -> bool:
-    """The route to `host` leaves from `host` itself: it is one of this
-    host's addresses (a UDP connect() picks the route; nothing is sent)."""
+    """The route to address `host` leaves from `host` itself: it is one of
+    this host's addresses (a UDP connect() picks the route; nothing is
+    sent). A host name is not looked up (that would block the caller's
+    event loop): False."""
     if _is_loopback(host):
         return True
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_DGRAM) as u:
