@@ -84,7 +84,7 @@ def test_cancel_drops_it(pair):
 def test_a_poll_of_a_running_batch_returns_within_its_wait(pair):
     """poll() waits at most POLL_WAIT (50 us) for a batch still running:
     the native wait's 1 ms naps stop at its timeout (they once slept the
-    whole millisecond). A low quantile of the polls that found it running."""
+    whole millisecond). The shortest of the polls that found it running."""
     _, _, peer, src, dst = pair
     n = 16
     polls = []
@@ -100,9 +100,10 @@ def test_a_poll_of_a_running_batch_returns_within_its_wait(pair):
     assert np.array_equal(dst, src)
     if len(polls) < 10:
         pytest.skip(f"the batches finished within {len(polls)} polls")
-    # The old naps made every such poll last 1 ms or more; a poll that is
+    # The old naps made every such poll last 1 ms or more. A poll that is
     # merely descheduled on these two shared cores (the transfer's own
-    # threads run meanwhile) lasts as long now and then, so a low quantile
-    # tells the two apart where the median did not (1.4 ms in 1 run of 8).
-    low = float(np.percentile(polls, 20))
-    assert low < 0.0009, f"20th percentile poll {low * 1e6:.0f} us over {len(polls)}"
+    # threads run meanwhile) lasts as long too, often under CI's load (the
+    # median: 1.4 ms in 1 run of 8; the 20th percentile: 1.1 ms in a CI
+    # run): only the shortest poll tells the two apart.
+    shortest = min(polls)
+    assert shortest < 0.0009, f"shortest poll {shortest * 1e6:.0f} us over {len(polls)}"
