@@ -6,7 +6,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "sockio", "tcp_client", "tcp_send", "tcp_server", "credit")]
-RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan")]
+RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan", "rdma_credit")]
 debug = os.environ.get("KVFLOW_DEBUG") == "1"
 cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]
 if debug:
@@ -38,9 +38,10 @@ if have_verbs():
     extensions.append(Extension(
         "kvflow._verbs",
         # core.c is compiled in again: the batch pool and completion ring
-        # code must be reachable from the rdma workers; the state itself is
-        # the one context that kvflow._core created.
-        ["kvflow/_verbs.pyx", "kvflow/_native/core.c", "kvflow/_native/sched.c", *RDMA],
+        # code must be reachable from the rdma workers; so is credit.c, the
+        # receive window's pool, which rdma target QPs join. The state itself
+        # is the one context that kvflow._core created.
+        ["kvflow/_verbs.pyx", "kvflow/_native/core.c", "kvflow/_native/sched.c", "kvflow/_native/credit.c", *RDMA],
         include_dirs=["kvflow", numpy.get_include()],
         extra_compile_args=cflags + ["-fvisibility=hidden"],
         extra_link_args=["-pthread"],

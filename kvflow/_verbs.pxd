@@ -184,6 +184,8 @@ cdef extern from "_native/rdma.h" nogil:
         KVF_RDMA_EV_NOTIFY
         KVF_RDMA_EV_BROKEN
         KVF_RDMA_RECV_BYTES
+        KVF_RDMA_TARGET_DEPTH
+        KVF_RDMA_CREDIT_INLINE
 
     ctypedef struct kvf_rdma_event:
         uint32_t kind
@@ -200,6 +202,8 @@ cdef extern from "_native/rdma.h" nogil:
     ctypedef struct kvf_rdma_chan:
         pass
     ctypedef struct kvf_rdma_events:
+        pass
+    ctypedef struct kvf_rdma_target:
         pass
 
     void kvf_rdma_count(kvf_ctx *c, int64_t mrs, int64_t qps)
@@ -236,4 +240,8 @@ cdef extern from "_native/rdma.h" nogil:
     int kvf_rdma_chan_qp_queue(kvf_rdma_chan *ch, int index, uint64_t out[4])
     int kvf_rdma_chan_nqps(kvf_rdma_chan *ch)
     void kvf_rdma_chan_close(kvf_rdma_chan *ch)
+    void kvf_rdma_chan_set_window(kvf_rdma_chan *ch, uint64_t window)
+    int kvf_rdma_chan_credit_stats(kvf_rdma_chan *ch, int index, uint64_t out[6])
+    int kvf_rdma_target_new(kvf_rdma_dev *d, ibv_qp *qp, kvf_rdma_target **out)
+    void kvf_rdma_target_free(kvf_rdma_target *t)
     void kvf_rdma_chan_free(kvf_rdma_chan *ch)

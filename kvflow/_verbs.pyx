@@ -247,24 +247,36 @@ cdef class Device:
     def release(self, int depth):
         self.qps_used -= depth + 1
 
-    def create_qp(self, int depth, bint target=False):
-        """A new RC QP in INIT. Target QPs receive notifications through the
-        device's SRQ and never send."""
+    def create_qp(self, int depth, bint target=False, bint credits=False):
+        """A new RC QP in INIT. Every QP receives through the device's SRQ
+        (a target's: notifications and credit asks; an initiator's: credit
+        grants). A target QP sends nothing but, with `credits` (the engine
+        has a receive window), the grants of the window it joins as one
+        holder: it gets KVF_RDMA_TARGET_DEPTH send-queue entries, counted
+        against the CQ, instead of `depth`."""
         cdef ibv_qp_init_attr ia
         cdef ibv_qp_attr a
+        cdef kvf_rdma_target *tgt = NULL
         self._check_open()
+        if target and credits:
+            depth = KVF_RDMA_TARGET_DEPTH
+            if not self.reserve(depth):
+                raise VerbsError(f"{self.name}: completion queue full (too many QPs)")
         memset(&ia, 0, sizeof(ia))
         ia.send_cq = kvf_rdma_dev_cq(self.dev)
         ia.recv_cq = kvf_rdma_dev_rcq(self.dev)
-        ia.srq = kvf_rdma_dev_srq(self.dev) if target else NULL
+        ia.srq = kvf_rdma_dev_srq(self.dev)
         ia.cap.max_send_wr = depth
-        ia.cap.max_recv_wr = 0 if target else 1
+        ia.cap.max_recv_wr = 0
         ia.cap.max_send_sge = 1
         ia.cap.max_recv_sge = 1
+        ia.cap.max_inline_data = KVF_RDMA_CREDIT_INLINE
         ia.qp_type = IBV_QPT_RC
         ia.sq_sig_all = 0
         cdef ibv_qp *qp = ibv_create_qp(self.pd, &ia)
         if qp == NULL:
+            if target and credits:
+                self.release(depth)
             raise VerbsError(f"{self.name}: cannot create a queue pair (depth {depth})")
         memset(&a, 0, sizeof(a))
         a.qp_state = IBV_QPS_INIT
@@ -272,13 +284,18 @@ cdef class Device:
         a.port_num = <uint8_t>self.port
         a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
         kvf_rdma_count(self.kc, 0, 1)
-        if ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS):
+        if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)
+                or (target and credits and kvf_rdma_target_new(self.dev, qp, &tgt) != KVF_OK)):
             kvf_rdma_destroy_qp(self.kc, qp)
+            if target and credits:
+                self.release(depth)
             raise VerbsError(f"{self.name}: cannot move a queue pair to INIT")
         q = Qp()
         q.qp = qp
         q.dev = self
         q.depth = depth
+        q.tgt = tgt
+        q.reserved = depth if target and credits else 0
         q.psn = int.from_bytes(os.urandom(3), "little")
         self.qps.add(q)
         return q
@@ -389,6 +406,8 @@ cdef class Qp:
     (then the native side owns and destroys it)."""
 
     cdef ibv_qp *qp
+    cdef kvf_rdma_target *tgt      # a target QP's place in the receive window (NULL: none)
+    cdef int reserved              # CQ entries its device counts for it (a target QP with credits)
     cdef readonly Device dev
     cdef readonly uint32_t psn
     cdef readonly int depth
@@ -445,15 +464,30 @@ cdef class Qp:
         """Destroys the verbs QP (counted) unless it was handed over or
         destroyed already; its device's close() calls this first, so the
         context is still there. Idempotent."""
+        self._leave_window()
         if self.qp != NULL:
             kvf_rdma_destroy_qp(self.dev.kc, self.qp)
             self.qp = NULL
         if self.dev is not None and self.dev.qps is not None:
             self.dev.qps.discard(self)
 
+    cdef _leave_window(self):
+        # before the QP goes: the window no longer sends grants on it, and
+        # what it held returns to the pool
+        if self.tgt != NULL:
+            with nogil:
+                kvf_rdma_target_free(self.tgt)
+            self.tgt = NULL
+        if self.reserved and self.dev is not None:
+            self.dev.release(self.reserved)
+            self.reserved = 0
+
     def __dealloc__(self):
         # not destroy(): no new weak reference to an object being freed (its
         # WeakSet entry went with it)
+        if self.tgt != NULL and self.dev is not None:
+            kvf_rdma_target_free(self.tgt)
+            self.tgt = NULL
         if self.qp != NULL and self.dev is not None:
             kvf_rdma_destroy_qp(self.dev.kc, self.qp)
             self.qp = NULL
@@ -640,6 +674,28 @@ cdef class RdmaChannel(Channel):
             out.append({"dev": dev, "rdev": rdev, "state": st, "wrs": wrs, "bytes": nbytes, "qpn": qpn,
                         "inflight_slices": q[0], "inflight_bytes": q[1], "queued_slices": q[2],
                         "queued_bytes": q[3]})
+        return out
+
+    def set_window(self, uint64_t window):
+        """The target's receive window (its accept says it; 0: none):
+        write slices then go only against credit it granted, each at most a
+        quarter of the window. Before the channel is used."""
+        if self.ch != NULL and window:
+            kvf_rdma_chan_set_window(self.ch, window)
+
+    def credit_stats(self):
+        """Per QP, its receiver credits (when the target has a receive
+        window): credit held, asked for, waits for credit, grants, recalls,
+        and the slice length it waits to afford (0: none)."""
+        cdef uint64_t v[6]
+        cdef int i
+        out = []
+        if self.ch == NULL:
+            return out
+        for i in range(kvf_rdma_chan_nqps(self.ch)):
+            if kvf_rdma_chan_credit_stats(self.ch, i, v) == 0:
+                out.append({"credit": v[0], "asked": v[1], "waits": v[2], "grants": v[3],
+                            "recalls": v[4], "need": v[5]})
         return out
 
     @property

@@ -175,8 +175,7 @@ void kvf_credit_leave(kvf_credit_pool *p, kvf_credit_holder *h) {
     pthread_mutex_unlock(&p->mu);
 }
 
-void kvf_credit_landed(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t len) {
-    pthread_mutex_lock(&p->mu);
+static void landed_locked(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t len) {
     if (h->held >= len) {
         h->held -= len;
         p->free += len;
@@ -186,14 +185,25 @@ void kvf_credit_landed(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t len) {
         h->held = 0;
     }
     if (!h->held) h->recalled = 0;
+}
+
+void kvf_credit_landed(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t len) {
+    pthread_mutex_lock(&p->mu);
+    landed_locked(p, h, len);
     distribute_locked(p);
     pthread_mutex_unlock(&p->mu);
 }
 
 void kvf_credit_ask(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t returned, uint64_t want,
                     uint64_t unit, int blocked) {
+    kvf_credit_report(p, h, 0, returned, want, unit, blocked);
+}
+
+void kvf_credit_report(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t landed, uint64_t returned,
+                       uint64_t want, uint64_t unit, int blocked) {
     uint64_t need = blocked ? unit : 0;
     pthread_mutex_lock(&p->mu);
+    if (landed) landed_locked(p, h, landed);
     p->st.asks++;
     if (returned > h->held) returned = h->held;   /* never more than it holds */
     h->held -= returned;

@@ -1,7 +1,8 @@
 /* Receiver credits (the target side): one pool of `window` bytes per engine
  * that caps what all initiators together may have in flight toward it.
  *
- * Credits are counted per data connection (a holder). An initiator spends
+ * Credits are counted per data connection (a holder: a tcp connection,
+ * or an rdma target QP, rdma_credit.c). An initiator spends
  * credit for every write payload it frames on a connection and asks for
  * more on it; the target takes the bytes back when the payload has landed
  * (or was dropped), so
@@ -72,6 +73,11 @@ void kvf_credit_landed(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t len);
  * back all it held unspent), so it needs one unit at least, now. */
 void kvf_credit_ask(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t returned, uint64_t want,
                     uint64_t unit, int blocked);
+/* An ask that also reports `landed` payload bytes: the rdma provider's,
+ * whose target does not see one-sided writes land (its initiator reports
+ * its completions). */
+void kvf_credit_report(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t landed, uint64_t returned,
+                       uint64_t want, uint64_t unit, int blocked);
 void kvf_credit_stats_get(kvf_credit_pool *p, kvf_credit_stats *out);
 
 #endif

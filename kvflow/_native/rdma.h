@@ -143,6 +143,26 @@ int kvf_rdma_chan_nqps(kvf_rdma_chan *ch);
  * them QP_GONE: repaired only if the device is reopened (replace_qp).
  * Returns how many there were. */
 int kvf_rdma_chan_drop_dev(kvf_rdma_chan *ch, kvf_rdma_dev *d);
+/* Receiver credits (rdma_credit.c). The target's window (its accept says
+ * it) for this channel: write slices are then posted only against credit
+ * its pool granted, and cut to a quarter of the window at most. Before the
+ * channel is used. */
+void kvf_rdma_chan_set_window(kvf_rdma_chan *ch, uint64_t window);
+/* QP `index`'s credits: held, asked for, waits for credit, grants,
+ * recalls, the slice length it waits to afford (0: none). */
+int kvf_rdma_chan_credit_stats(kvf_rdma_chan *ch, int index, uint64_t out[6]);
+/* A target QP (made by the control path, with at least KVF_RDMA_TARGET_DEPTH
+ * send-queue entries and KVF_RDMA_CREDIT_INLINE inline bytes) joins the
+ * engine's receive window as one holder: its initiator's asks arrive on it
+ * and its grants leave on it. *out NULL: the engine has no window. Freed
+ * (leaving the window, giving back what it held) before its QP is
+ * destroyed. */
+typedef struct kvf_rdma_target kvf_rdma_target;
+#define KVF_RDMA_TARGET_DEPTH 8
+#define KVF_RDMA_CREDIT_INLINE 64
+int kvf_rdma_target_new(kvf_rdma_dev *d, struct ibv_qp *qp, kvf_rdma_target **out);
+void kvf_rdma_target_free(kvf_rdma_target *t);
+
 /* Fails everything queued or in flight (KVF_ELOST) after destroying the QPs,
  * so nothing more touches memory. Idempotent. */
 void kvf_rdma_chan_close(kvf_rdma_chan *ch);

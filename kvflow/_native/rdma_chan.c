@@ -177,6 +177,7 @@ int kvf_rdma_chan_replace_qp(kvf_rdma_chan *ch, int index, kvf_rdma_dev *dev, st
     q->unsig = 0;
     q->unsig_bytes = 0;
     q->inflight = 0;
+    rdma_credit_reset_locked(q);
     q->state = up ? QP_UP : QP_PROBING;
     pthread_mutex_unlock(&q->mu);
     return up ? kvf_rdma_chan_qp_up(ch, index) : KVF_OK;

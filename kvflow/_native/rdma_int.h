@@ -6,6 +6,7 @@
  *                  batch over a channel's QPs, breaking a QP
  *   rdma_worker.c  completions, the per-device worker thread, the device
  *   rdma_chan.c    channels and their QPs' lifecycle, the provider ops
+ *   rdma_credit.c  receiver credits: the receive window over RC QPs
  *
  * Like those files, built only where libibverbs is (setup.py, have_verbs). */
 #ifndef KVF_RDMA_INT_H
@@ -34,6 +35,11 @@
 #define WORKER_CHAIN 16
 #define POST_ALL ((size_t)-1)
 #define RECV_FLAG (1ull << 63)
+/* wr_id of a credit message (rdma_credit.c), not a slice: an initiator's
+ * QP slot and generation as a slice's would be, or with TGT_FLAG too, a
+ * target QP's id in the low 32 bits. */
+#define CTL_FLAG (1ull << 62)
+#define TGT_FLAG (1ull << 61)
 /* Bytes posted and not yet completed, per QP. Enough to keep a NIC busy
  * (4 MiB is ~160 us at 200 Gb/s, and several QPs run at once), small enough
  * that a cancelled or timed-out batch stops quickly: only what is posted
@@ -85,6 +91,16 @@ typedef struct rqp {
     _Atomic uint32_t nincoming;
     int worker_posts;        /* dev->worker_posts (read without a lock) */
     int ready;               /* in the device's ready list (guarded by dev->ready_mu) */
+    /* Receiver credits, when the target has a receive window (ch->window;
+     * under mu), as a tcp connection keeps them (tcp_int.h): write bytes it
+     * may still post, asked for and not granted, unspent bytes to hand back,
+     * completed write bytes to report, the slice it waits to afford (0:
+     * none) and whether it said so; credit messages posted and not
+     * completed (they take send-queue entries outside the ring). */
+    uint64_t credit, asked, ret_pending, landed, need;
+    int need_told;
+    uint32_t ctl_out;
+    uint64_t credit_waits, grants, recalls;
 } rqp;
 
 struct kvf_rdma_dev {
@@ -120,6 +136,9 @@ struct kvf_rdma_dev {
     uint32_t *ready;         /* ring of MAX_SLOTS slots */
     uint32_t ready_head;
     _Atomic uint32_t nready;
+    /* Target QPs holding receiver credits (rdma_credit.c), under mu. */
+    struct kvf_rdma_target *targets;
+    uint32_t next_target;
 };
 
 struct kvf_rdma_chan {
@@ -130,6 +149,7 @@ struct kvf_rdma_chan {
     rqp *qps[MAX_QPS];
     int nqps;
     kvf_queue parked;        /* slices waiting for any QP to come back */
+    uint64_t window;         /* the target's receive window: credits on (0: off) */
     uint32_t rr;
     int closed;
     _Atomic int refs;        /* the owner's + workers' re-dispatching */
@@ -166,6 +186,20 @@ void rdma_dispatch_queue(kvf_rdma_chan *ch, kvf_queue *retry);
 /* rdma_worker.c: handles n completions of device d (send or receive), as
  * its worker does; also called by a polling caller (rdma_poll). */
 void rdma_handle(kvf_rdma_dev *d, struct ibv_wc *wc, int n);
+
+/* rdma_credit.c: receiver credits over the data path (see there). The
+ * initiator's side, under q->mu: what a QP may post (strict budget for
+ * pop_fit), its asks and reports, a grant or recall that arrived; the
+ * target's: a credit message received, and a target QP's message sent. */
+uint32_t rdma_credit_depth(const rqp *q);
+void rdma_credit_spent_locked(rqp *q, uint64_t spent, uint64_t blocked);
+void rdma_credit_ask_locked(rqp *q);
+void rdma_credit_reset_locked(rqp *q);
+/* A received message with the credit immediate: 1 when it was one (on the
+ * initiator: *q_out is the QP it was for, locked, for the caller to post
+ * and unlock; NULL when nothing is to be done). */
+int rdma_credit_recv(kvf_rdma_dev *d, const struct ibv_wc *wc, const uint8_t *buf, rqp **q_out);
+void rdma_credit_target_sent(kvf_rdma_dev *d, uint32_t id);
 
 /* rdma_chan.c: the channel's references (the owner's, and a worker's while
  * it re-dispatches); the last one frees it. */

@@ -77,28 +77,32 @@ void rdma_take_incoming_locked(rqp *q, kvf_queue *to) {
 void rdma_qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
     kvf_ctx *c = q->ch->base.ctx;
     if (qp_live(q->state)) rdma_take_incoming_locked(q, &q->backlog);
-    while (max_wrs && qp_live(q->state) && q->backlog.count && q->head - q->tail < q->depth &&
+    int credits = q->ch->window != 0;
+    uint32_t depth = rdma_credit_depth(q);
+    while (max_wrs && qp_live(q->state) && q->backlog.count && q->head - q->tail < depth &&
            (q->inflight < MAX_INFLIGHT_BYTES || q->head == q->tail)) {
-        size_t room = q->depth - (size_t)(q->head - q->tail);
+        size_t room = depth - (size_t)(q->head - q->tail);
         if (room > CHAIN) room = CHAIN;
         if (room > max_wrs) room = max_wrs;
-        /* take slices while the byte budget lasts (at least one) */
-        size_t want = 0;
-        uint64_t budget = q->inflight < MAX_INFLIGHT_BYTES ? MAX_INFLIGHT_BYTES - q->inflight : 0;
-        for (size_t i = 0; i < room && i < q->backlog.count; i++) {
-            uint64_t l = q->backlog.ring[(q->backlog.head + i) % q->backlog.cap].len;
-            if (want && l > budget) break;
-            budget = l > budget ? 0 : budget - l;
-            want++;
-        }
+        /* in the scheduler's order while the byte cap lasts (at least one
+         * slice), and with credits, write slices only against credit held */
+        uint64_t cap = q->inflight < MAX_INFLIGHT_BYTES ? MAX_INFLIGHT_BYTES - q->inflight : 1;
+        kvf_pop_budget budget = {q->credit, KVF_OP_WRITE, 0};
         kvf_slice tmp[CHAIN];
-        size_t k = kvf_queue_pop_locked(&q->backlog, tmp, want);
+        size_t k = kvf_queue_pop_fit_locked(&q->backlog, tmp, room, cap, credits ? &budget : NULL);
+        if (credits) {
+            uint64_t spent = 0;
+            for (size_t i = 0; i < k; i++) if ((tmp[i].op & 0xff) == KVF_OP_WRITE) spent += tmp[i].len;
+            rdma_credit_spent_locked(q, spent, k ? 0 : budget.blocked);
+        }
+        if (k == 0) break;                    /* waiting for credit */
         struct ibv_send_wr wr[CHAIN];
         struct ibv_sge sge[CHAIN];
         size_t m = 0;
         for (size_t i = 0; i < k; i++) {
             kvf_slice *s = &tmp[i];
             if (s->op <= KVF_OP_READ && kvf_batch_cancelled(c, s->slot)) {
+                if (credits && s->op == KVF_OP_WRITE) q->credit += s->len;   /* not spent after all */
                 slice_finish(c, s, KVF_ECANCELLED);
                 continue;
             }
@@ -156,6 +160,7 @@ void rdma_qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
         }
         q->head += m;
     }
+    if (credits) rdma_credit_ask_locked(q);
     if (!max_wrs && qp_live(q->state) && q->backlog.count) ready_push_locked(q);
 }
 
@@ -187,6 +192,7 @@ int rdma_qp_take_down_locked(rqp *q, kvf_queue *retry) {
     atomic_fetch_sub_explicit(&q->dev->posted, (int64_t)(q->head - q->tail), memory_order_relaxed);
     q->tail = q->head;
     q->inflight = 0;
+    rdma_credit_reset_locked(q);
     kvf_slice tmp[64];
     size_t k;
     while ((k = kvf_queue_pop_locked(&q->backlog, tmp, 64)) > 0)

@@ -50,6 +50,7 @@ static int retryable(int s) {
 static void retire(rqp *q, uint64_t seq, int status) {
     kvf_slice *s = &q->ring[seq % q->depth];
     q->inflight -= s->len;
+    if (s->op == KVF_OP_WRITE) q->landed += s->len;    /* reported to the target's window (credits) */
     atomic_fetch_sub_explicit(&q->dev->posted, 1, memory_order_relaxed);
     slice_finish(q->ch->base.ctx, s, status);
 }
@@ -61,9 +62,23 @@ static void post_recv(kvf_rdma_dev *d, int i) {
     ibv_post_srq_recv(d->srq, &wr, &bad);
 }
 
+static void qp_post_unlock(rqp *q, kvf_queue *retry, size_t max_wrs);
+
 static void on_recv(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     int i = (int)(wc->wr_id & 0xffffffffu);
     if (i < 0 || i >= d->recv_bufs) return;
+    rqp *q = NULL;
+    if (wc->status == IBV_WC_SUCCESS && wc->opcode == IBV_WC_RECV &&
+        rdma_credit_recv(d, wc, d->recv_buf + (size_t)i * KVF_RDMA_RECV_BYTES, &q)) {
+        /* a credit message; a grant or recall left its QP locked, to post */
+        post_recv(d, i);
+        if (q) {
+            kvf_queue retry;
+            kvf_queue_init(&retry);
+            qp_post_unlock(q, &retry, d->worker_posts ? WORKER_CHAIN : POST_ALL);
+        }
+        return;
+    }
     if (wc->status == IBV_WC_SUCCESS && wc->opcode == IBV_WC_RECV) {
         uint32_t len = wc->byte_len <= KVF_RDMA_RECV_BYTES ? wc->byte_len : KVF_RDMA_RECV_BYTES;
         uint8_t *data = malloc(len ? len : 1);
@@ -92,6 +107,10 @@ static void qp_post_unlock(rqp *q, kvf_queue *retry, size_t max_wrs) {
 }
 
 static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
+    if ((wc->wr_id & (CTL_FLAG | TGT_FLAG)) == (CTL_FLAG | TGT_FLAG)) {
+        rdma_credit_target_sent(d, (uint32_t)wc->wr_id);
+        return;
+    }
     uint32_t slot = (uint32_t)(wc->wr_id >> 48) & (MAX_SLOTS - 1);
     uint32_t gen = (uint32_t)(wc->wr_id >> 32) & 0xffff;
     uint32_t seq32 = (uint32_t)wc->wr_id;
@@ -101,6 +120,17 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     pthread_mutex_lock(&q->mu);
     pthread_mutex_unlock(&d->mu);
     if (!qp_live(q->state) || q->gen != gen) { pthread_mutex_unlock(&q->mu); return; }
+    if (wc->wr_id & CTL_FLAG) {
+        /* an initiator's credit message: its entry is free; a failed one
+         * breaks the QP (its credit could not be asked for or reported) */
+        q->ctl_out--;
+        atomic_fetch_sub_explicit(&q->dev->posted, 1, memory_order_relaxed);
+        kvf_queue retry;
+        kvf_queue_init(&retry);
+        if (wc->status != IBV_WC_SUCCESS) rdma_qp_break_locked(q, wc->status, &retry);
+        qp_post_unlock(q, &retry, d->worker_posts ? WORKER_CHAIN : POST_ALL);
+        return;
+    }
     uint64_t seq = q->tail + (uint32_t)(seq32 - (uint32_t)q->tail);
     if (seq >= q->head) { pthread_mutex_unlock(&q->mu); return; }
     kvf_ctx *c = q->ch->base.ctx;
@@ -114,6 +144,7 @@ static void on_send(kvf_rdma_dev *d, const struct ibv_wc *wc) {
     } else {
         kvf_slice failed = q->ring[seq % q->depth];
         q->inflight -= failed.len;
+        if (failed.op == KVF_OP_WRITE) q->landed += failed.len;    /* no longer in flight either */
         atomic_fetch_sub_explicit(&q->dev->posted, 1, memory_order_relaxed);
         q->tail = seq + 1;
         if (retryable(wc->status) && failed.op <= KVF_OP_READ && failed.attempts < MAX_ATTEMPTS)
@@ -275,8 +306,8 @@ kvf_rdma_dev *kvf_rdma_dev_new(kvf_ctx *c, kvf_rdma_events *ev, struct ibv_conte
     fcntl(d->chan->fd, F_SETFL, fcntl(d->chan->fd, F_GETFL) | O_NONBLOCK);
     d->cq = ibv_create_cq(ctx, cq_size, NULL, d->chan, 0);
     if (!d->cq) goto fail;
-    /* one entry per receive buffer (the SRQ's), and the initiator QPs' single
-     * receive WR each, which is never posted */
+    /* one entry per receive buffer (the SRQ's: every QP receives through
+     * it, notifications and credit messages) */
     d->rcq = ibv_create_cq(ctx, recv_bufs + 1, NULL, d->chan, 0);
     if (!d->rcq) goto fail;
     struct ibv_srq_init_attr sa = {.attr = {.max_wr = (uint32_t)recv_bufs, .max_sge = 1}};

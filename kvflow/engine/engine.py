@@ -150,7 +150,7 @@ class Engine:
     all initiators together may have in flight toward this engine (None:
     no cap; at least 256 KiB): they send only against credit it grants,
     so N senders toward it stop at the window instead of overrunning its
-    link (tcp; kvflow.schedule.credits, receive_window_stats());
+    link (tcp and rdma; kvflow.schedule.credits, receive_window_stats());
     tcp_busy_poll: seconds a thread serving a tcp data connection keeps
     looking for the next frame (yielding the CPU) before it sleeps (50 us;
     0: at once; env KVFLOW_TCP_BUSY_POLL): small writes back to back find
@@ -274,7 +274,8 @@ class Engine:
             raise MemoryError("kvflow: cannot allocate the receive window's pool")
         self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)
         ctx = ProviderContext(self._core, self._loop, self._batches, self._deliver, self._rekeyed,
-                              self.topology, self.location, self.keepalive, _same_process)
+                              self.topology, self.location, self.keepalive, _same_process,
+                              receive_window=self.receive_window or 0)
         self._local = LocalProvider(ctx, inline_limit=self._inline_limit)
         self._tcp = TcpProvider(ctx, self._tcp_options, host=host, advertise=self._advertise)
         self._providers = {self._local.name: self._local, self._tcp.name: self._tcp}

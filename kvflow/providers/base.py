@@ -102,8 +102,9 @@ class ProviderContext:
     notifications that arrive on the data path go (`deliver(peer, data)`),
     whom to tell when regions got new keys (`rekeyed`: region id -> (lkeys,
     rkeys), after a device came back), the host topology and the memory
-    location, the peer-liveness keepalive, and whether this process's
-    engine at an address is that very engine (`same_process`)."""
+    location, the peer-liveness keepalive, whether this process's
+    engine at an address is that very engine (`same_process`), and its
+    receive window (`receive_window`, bytes; 0: none)."""
 
     core: Any
     loop: asyncio.AbstractEventLoop
@@ -114,6 +115,7 @@ class ProviderContext:
     location: str
     keepalive: float
     same_process: Callable[[str, "Descriptor"], bool] = field(default=lambda address, desc: False)
+    receive_window: int = 0
 
 
 class Provider:

@@ -349,6 +349,11 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         answers = _accepted(reply, len(qps), peer.address)
         # a device retired during the await destroyed our QPs on it
         self._check_live(peer, {dev.index for dev, _, _ in qps})
+        # the target's receive window: writes go against its credit
+        window = reply.get("window", 0)
+        if not isinstance(window, int) or window < 0:
+            raise ProtocolError(f"{peer.address}: rdma_accept: bad window {window!r}")
+        ch.set_window(window)
         for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps, answers):
             qp.connect(qpn, psn, gid, lid, mtu)
         added = []
@@ -418,7 +423,7 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
                 if not ok:
                     raise ProtocolError("rdma_connect: malformed QP entry")
                 dev = self.devices[rdev]
-                qp = dev.create_qp(1, target=True)
+                qp = dev.create_qp(1, target=True, credits=self.ctx.receive_window > 0)
                 made.append(qp)
                 qp.connect(qpn, psn, gid, lid, mtu)
                 out.append([qp.qpn, qp.psn, dev.gid, dev.lid, dev.mtu])
@@ -434,7 +439,7 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
             key = (qp.dev.index, qp.qpn)
             self._targets[key] = (peer_address, qp)
             mine.append(key)
-        return {"t": "rdma_accept", "qps": out}
+        return {"t": "rdma_accept", "qps": out, "window": self.ctx.receive_window}
 
     def _drop_target(self, session: Any, key: tuple[Any, ...]) -> None:
         """Destroys this session's target QP `key` = (device index, qpn):
