@@ -1,8 +1,8 @@
 """kvflow-bench incast: N senders toward one receiver, with and without a
 receive window (receiver credits), in one run.
 
-Engines on this machine, all in this process (the data path runs on their
-native threads): one receiver and --senders senders, each writing --size
+Engines on this machine, all in this process, over --protocol (tcp or
+rdma; the data path runs on their native threads): one receiver and --senders senders, each writing --size
 bytes (one batch of --entries entries) to its own part of the receiver's
 buffer, all at once, --rounds times per setting. The settings (--windows:
 0 is no window, else Engine(receive_window=bytes)) alternate round by round,
@@ -36,7 +36,7 @@ def jain(values: list[float]) -> float:
 
 async def run_round(args: argparse.Namespace, window: int, dst: np.ndarray,
                     srcs: list[np.ndarray]) -> dict[str, Any]:
-    recv = kvflow.Engine(protocols=["tcp"], receive_window=window or None,
+    recv = kvflow.Engine(protocols=[args.protocol], receive_window=window or None,
                          tcp_connections=args.tcp_connections)
     senders: list[kvflow.Engine] = []
     await recv.start()
@@ -44,7 +44,7 @@ async def run_round(args: argparse.Namespace, window: int, dst: np.ndarray,
         rd = recv.register(dst).addr
         peers = []
         for src in srcs:
-            e = kvflow.Engine(protocols=["tcp"], tcp_connections=args.tcp_connections)
+            e = kvflow.Engine(protocols=[args.protocol], tcp_connections=args.tcp_connections)
             senders.append(e)
             await e.start()
             peers.append((await e.connect(recv.address), e.register(src).addr))
@@ -138,6 +138,8 @@ def add_parser(roles: Any, size: Any, count: Any, seconds: Any) -> None:
     p.add_argument("--windows", type=windows, default=[0, 4 << 20], metavar="W[,W...]",
                    help="receive windows to compare, 0 or none: no window (default 0,4M)")
     p.add_argument("--rounds", type=count, default=3, metavar="N", help="rounds per window, alternating (3)")
+    p.add_argument("--protocol", choices=("tcp", "rdma"), default="tcp",
+                   help="the provider every engine uses (tcp)")
     p.add_argument("--tcp-connections", type=count, default=2, metavar="N")
     p.add_argument("--timeout", type=seconds, default=120.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true", help="one JSON object per window")
