@@ -38,18 +38,44 @@ HEADER_SLACK = 128 << 10
 SAMPLE_BOUND = 2 * WINDOW + HEADER_SLACK
 
 
-class SocketSampler:
-    """Samples, in a thread, the payload queued in the kernel toward the
-    receiver's data port: what every sender's socket has not sent yet
-    (its `notsent`; Send-Q would also count bytes sent and not yet acked,
-    which sit in the receiver's queue too) plus what every receiver socket
-    has received and not read (Recv-Q, where the local end is the port)."""
+class Sampler:
+    """Calls `_sample()` over and over in a thread while in use, keeping
+    what it returns in `samples`."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    pause = 0.0
+
+    def __init__(self) -> None:
         self.samples: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._sample())
+            time.sleep(self.pause)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+class SocketSampler(Sampler):
+    """Samples the payload queued in the kernel toward the receiver's data
+    port: what every sender's socket has not sent yet (its `notsent`;
+    Send-Q would also count bytes sent and not yet acked, which sit in the
+    receiver's queue too) plus what every receiver socket has received and
+    not read (Recv-Q, where the local end is the port)."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__()
+        self.port = port
 
     def _sample(self) -> int:
         out = subprocess.run(["ss", "-tnHi", "state", "established"], capture_output=True, text=True,
@@ -67,43 +93,21 @@ class SocketSampler:
                 total += next((int(x[8:]) for x in f if x.startswith("notsent:")), 0)
         return total
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self._sample())
 
-    def __enter__(self) -> "SocketSampler":
-        self._thread.start()
-        return self
+class QpSampler(Sampler):
+    """Samples the bytes the senders' rdma QPs have posted and not seen
+    complete (each QP's inflight_bytes): on RC what is on its way into the
+    receiver's memory, counted by the QPs' send queues, not by the credit
+    books."""
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
-class QpSampler:
-    """Samples, in a thread, the bytes the senders' rdma QPs have posted and
-    not seen complete (each QP's inflight_bytes): on RC what is on its way
-    into the receiver's memory, counted by the QPs' send queues, not by the
-    credit books."""
+    pause = 0.0005
 
     def __init__(self, channels: list) -> None:
+        super().__init__()
         self.channels = channels
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(sum(q["inflight_bytes"] for ch in self.channels for q in ch.qp_stats()))
-            time.sleep(0.0005)
-
-    def __enter__(self) -> "QpSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+    def _sample(self) -> int:
+        return sum(q["inflight_bytes"] for ch in self.channels for q in ch.qp_stats())
 
 
 async def incast(window: int | None, *, nsend: int = 3, size: int = 48 * MiB, entries: int = 48,
