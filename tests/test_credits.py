@@ -208,17 +208,21 @@ async def test_rdma_three_senders_stay_within_the_window(protocol):
     for i, per in enumerate(conns):
         assert per and all(c["grants"] > 0 for c in per), (i, per)
     assert samples and max(samples) > 0, "the sampler saw nothing in flight"
-    assert max(samples) <= WINDOW, (max(samples), sorted(samples)[-10:])
+    # one sample reads the QPs one after another, so bytes can be counted on
+    # one QP before they complete and on another that spent the credit they
+    # freed (a 2-device VM run saw 1.5 MiB against 1 MiB): bounded by twice
+    # the window, as tcp's; the pool's max_held above is the exact check
+    assert max(samples) <= 2 * WINDOW, (max(samples), sorted(samples)[-10:])
 
 
 @pytest.mark.parametrize("protocol", params("rdma"))
 async def test_rdma_without_a_window_more_is_in_flight(protocol):
     """The contrast for the test above: without a window the same senders
-    have more than the window posted at once."""
+    have more than that test's bound posted at once."""
     skip_unavailable(protocol)
     stats, samples, _ = await incast(None, size=8 * MiB, entries=32, protocol=protocol)
     assert stats is None
-    assert max(samples) > WINDOW, max(samples)
+    assert max(samples) > 2 * WINDOW, max(samples)
 
 
 async def test_without_a_window_the_kernel_queues_more():
@@ -304,7 +308,7 @@ async def test_reads_priorities_and_cancel_with_a_window(protocol):
     recv = kvflow.Engine(protocols=[protocol], receive_window=WINDOW)
     e = kvflow.Engine(protocols=[protocol])
     # the Soft-RoCE VM is emulated and slow: a shorter stream there
-    n = 64 if protocol == "tcp" else 16
+    n = 64 if protocol == "tcp" else 48
     await recv.start()
     await e.start()
     try:
