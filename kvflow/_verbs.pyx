@@ -284,12 +284,16 @@ cdef class Device:
         a.port_num = <uint8_t>self.port
         a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
         kvf_rdma_count(self.kc, 0, 1)
-        if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)
-                or (target and credits and kvf_rdma_target_new(self.dev, qp, &tgt) != KVF_OK)):
+        problem = None
+        if ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS):
+            problem = "cannot move a queue pair to INIT"
+        elif target and credits and kvf_rdma_target_new(self.dev, qp, &tgt) != KVF_OK:
+            problem = "no memory for a target queue pair's place in the receive window"
+        if problem is not None:
             kvf_rdma_destroy_qp(self.kc, qp)
             if target and credits:
                 self.release(depth)
-            raise VerbsError(f"{self.name}: cannot move a queue pair to INIT")
+            raise VerbsError(f"{self.name}: {problem}")
         q = Qp()
         q.qp = qp
         q.dev = self

@@ -55,7 +55,8 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.samples.append(self._sample())
-            time.sleep(self.pause)
+            if self.pause:
+                time.sleep(self.pause)
 
     def __enter__(self) -> "Sampler":
         self._thread.start()
@@ -306,11 +307,12 @@ async def test_reads_priorities_and_cancel_with_a_window(protocol, request):
     the engine and the pool stay usable."""
     skip_unavailable(protocol)
     if protocol == "rdma" and len(rdma_devices()) >= 2:
-        # found 2026-12-02, not fixed yet: with QPs on two devices the HIGH
-        # write finished only after the whole LOW stream (one device: it
-        # passes); the test runs and is reported, not hidden
-        request.applymarker(pytest.mark.xfail(reason="rdma credits on 2 devices: HIGH waits behind the "
-                                                     "LOW stream (open bug, issue 18)", strict=False))
+        # found 2026-12-02, not understood yet: with QPs on two devices the
+        # HIGH write sometimes finished only after the whole LOW stream (1 of
+        # 3 runs with 48 x 1 MiB, 1 of 1 with 16; one device: always passes);
+        # the test runs and is reported (XFAIL or XPASS), not hidden
+        request.applymarker(pytest.mark.xfail(reason="rdma credits on 2 devices: HIGH sometimes waits behind "
+                                                     "the LOW stream (open bug, issue 18)", strict=False))
     recv = kvflow.Engine(protocols=[protocol], receive_window=WINDOW)
     e = kvflow.Engine(protocols=[protocol])
     # the Soft-RoCE VM is emulated and slow: a shorter stream there

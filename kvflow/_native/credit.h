@@ -80,4 +80,75 @@ void kvf_credit_report(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t landed
                        uint64_t want, uint64_t unit, int blocked);
 void kvf_credit_stats_get(kvf_credit_pool *p, kvf_credit_stats *out);
 
+/* ------------------------------------------------------- the initiator's side
+ *
+ * What one data connection (tcp) or QP (rdma) holds of a target's window,
+ * under that connection's or QP's own lock; both providers ask, spend and
+ * take grants and recalls through these. */
+
+/* Ask ahead once the queue exceeds what is held and asked for by this much. */
+#define KVF_CREDIT_ASK_AHEAD (256u << 10)
+
+typedef struct {
+    uint64_t credit;         /* write payload bytes it may still send */
+    uint64_t asked;          /* asked for, not granted yet */
+    uint64_t ret_pending;    /* unspent, to hand back in the next ask (a recall's) */
+    uint64_t need;           /* the slice it waits to afford (0: not waiting) */
+    uint64_t waits, grants, recalls;
+} kvf_credit_wallet;
+
+/* Its connection or QP ended: its credit went with the target's holder. */
+static inline void kvf_wallet_reset(kvf_credit_wallet *w) {
+    w->credit = w->asked = w->ret_pending = w->need = 0;
+}
+
+/* How much to ask for, `goal` being what its queue holds (up to the
+ * window; at least one slice when blocked): when blocked (it stopped for
+ * credit and hands back all it holds), what it has not asked for yet;
+ * else only once the goal exceeds what it holds and asked for by
+ * KVF_CREDIT_ASK_AHEAD. */
+static inline uint64_t kvf_wallet_want(const kvf_credit_wallet *w, uint64_t goal, int blocked) {
+    if (blocked) return goal > w->asked ? goal - w->asked : 0;
+    return goal > w->credit + w->asked + KVF_CREDIT_ASK_AHEAD ? goal - w->credit - w->asked : 0;
+}
+
+/* The ask went out: `want` more asked for, what was pending handed back,
+ * and, blocked, all it held (the caller put it in the ask). */
+static inline void kvf_wallet_asked(kvf_credit_wallet *w, uint64_t want, int blocked) {
+    w->ret_pending = 0;
+    w->asked += want;
+    if (blocked) {
+        w->credit = 0;
+        w->waits++;
+    }
+}
+
+/* A grant of `bytes`: 1 when it now affords the slice it waited for. */
+static inline int kvf_wallet_grant(kvf_credit_wallet *w, uint64_t bytes) {
+    w->credit += bytes;
+    w->asked = w->asked > bytes ? w->asked - bytes : 0;
+    w->grants++;
+    return w->need && w->credit >= w->need;
+}
+
+/* A recall: what it has not spent is handed back with its next ask; 1
+ * when there was some. */
+static inline int kvf_wallet_recall(kvf_credit_wallet *w) {
+    if (!w->credit) return 0;
+    w->ret_pending += w->credit;
+    w->credit = 0;
+    w->recalls++;
+    return 1;
+}
+
+/* held, asked for, waits, grants, recalls, need (the stats calls' order) */
+static inline void kvf_wallet_stats(const kvf_credit_wallet *w, uint64_t out[6]) {
+    out[0] = w->credit;
+    out[1] = w->asked;
+    out[2] = w->waits;
+    out[3] = w->grants;
+    out[4] = w->recalls;
+    out[5] = w->need;
+}
+
 #endif

@@ -44,13 +44,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "credit.h"
-
 #define KVF_RDMA_CREDIT_IMM 0x4b464331u   /* "KFC1" */
 #define CTL_MAX 4                         /* credit messages in flight per initiator QP */
-/* Ask ahead once the backlog exceeds what is held and asked for by this
- * much (as tcp connections do). */
-#define ASK_AHEAD (256u << 10)
 
 typedef struct {
     uint16_t magic;      /* KVF_MAGIC */
@@ -108,12 +103,12 @@ uint32_t rdma_credit_depth(const rqp *q) {
 /* After a pop with credits on: `spent` write bytes taken; `blocked`: the
  * next slice's length when it did not fit the credit held. */
 void rdma_credit_spent_locked(rqp *q, uint64_t spent, uint64_t blocked) {
-    q->credit -= spent;
+    q->cr.credit -= spent;
     if (blocked) {
-        if (q->need != blocked) q->need_told = 0;
-        q->need = blocked;
+        if (q->cr.need != blocked) q->need_told = 0;
+        q->cr.need = blocked;
     } else if (spent) {
-        q->need = 0;
+        q->cr.need = 0;
         q->need_told = 0;
     }
 }
@@ -133,17 +128,16 @@ void rdma_credit_ask_locked(rqp *q) {
     uint64_t window = q->ch->window;
     if (!window || q->state != QP_UP || q->ctl_out >= CTL_MAX) return;
     if (q->head - q->tail + q->ctl_out >= q->depth) return;
+    kvf_credit_wallet *w = &q->cr;
     uint64_t unit = q->ch->slice_size;
     uint64_t goal = q->backlog.bytes < window ? q->backlog.bytes : window;
-    int blocked = q->need && q->credit < q->need && !q->need_told;
-    uint64_t returned = q->ret_pending, want = 0;
+    int blocked = w->need && w->credit < w->need && !q->need_told;
+    uint64_t returned = w->ret_pending;
     if (blocked) {
-        returned += q->credit;
-        if (goal < q->need) goal = q->need;
-        want = goal > q->asked ? goal - q->asked : 0;
-    } else if (goal > q->credit + q->asked + ASK_AHEAD) {
-        want = goal - q->credit - q->asked;
+        returned += w->credit;
+        if (goal < unit) goal = unit;
     }
+    uint64_t want = kvf_wallet_want(w, goal, blocked);
     int report = q->landed && (q->landed >= report_bytes(q) || q->inflight == 0);
     if (!blocked && !want && !returned && !report) return;
     credit_msg m = {KVF_MAGIC, KVF_F_CREDIT_ASK, blocked ? KVF_ASK_BLOCKED : 0,
@@ -152,19 +146,15 @@ void rdma_credit_ask_locked(rqp *q) {
     if (post_msg(q->qp, id, &m)) return;      /* retried at the next post or completion */
     q->ctl_out++;
     rdma_dev_posted(q->dev, 1);
-    q->ret_pending = 0;
+    kvf_wallet_asked(w, want, blocked);
     q->landed = 0;
-    q->asked += want;
-    if (blocked) {
-        q->credit = 0;
-        q->need_told = 1;
-        q->credit_waits++;
-    }
+    if (blocked) q->need_told = 1;
 }
 
 /* The QP broke or was replaced: its credit went with its target QP. */
 void rdma_credit_reset_locked(rqp *q) {
-    q->credit = q->asked = q->ret_pending = q->landed = q->need = 0;
+    kvf_wallet_reset(&q->cr);
+    q->landed = 0;
     q->need_told = 0;
     atomic_fetch_sub_explicit(&q->dev->posted, (int64_t)q->ctl_out, memory_order_relaxed);
     q->ctl_out = 0;
@@ -176,12 +166,7 @@ int kvf_rdma_chan_credit_stats(kvf_rdma_chan *ch, int index, uint64_t out[6]) {
     pthread_mutex_unlock(&ch->mu);
     if (!q) return -1;
     pthread_mutex_lock(&q->mu);
-    out[0] = q->credit;
-    out[1] = q->asked;
-    out[2] = q->credit_waits;
-    out[3] = q->grants;
-    out[4] = q->recalls;
-    out[5] = q->need;
+    kvf_wallet_stats(&q->cr, out);
     pthread_mutex_unlock(&q->mu);
     return 0;
 }
@@ -199,25 +184,25 @@ static rqp *initiator_msg(kvf_rdma_dev *d, const credit_msg *m) {
         pthread_mutex_unlock(&q->mu);
         return NULL;
     }
-    if (m->type == KVF_F_CREDIT_GRANT) {
-        q->credit += m->bytes;
-        q->asked = q->asked > m->bytes ? q->asked - m->bytes : 0;
-        q->grants++;
-    } else if (q->credit) {
-        /* a recall: hand back what is not spent (in the next ask) */
-        q->ret_pending += q->credit;
-        q->credit = 0;
-        q->recalls++;
-    }
+    if (m->type == KVF_F_CREDIT_GRANT) kvf_wallet_grant(&q->cr, m->bytes);
+    else kvf_wallet_recall(&q->cr);      /* handed back in the next ask */
     return q;
 }
 
 /* --------------------------------------------------------------- target */
 
-static kvf_rdma_target *target_find_locked(kvf_rdma_dev *d, uint32_t qpn, uint32_t id, int by_id) {
-    for (kvf_rdma_target *t = d->targets; t; t = t->next)
-        if (by_id ? t->id == id : t->qpn == qpn) return t;
-    return NULL;
+/* The device's target QP with QP number qpn (an ask's), or id (a sent
+ * message's wr_id). Caller holds d->mu. */
+static kvf_rdma_target *target_by_qpn_locked(kvf_rdma_dev *d, uint32_t qpn) {
+    kvf_rdma_target *t = d->targets;
+    while (t && t->qpn != qpn) t = t->next;
+    return t;
+}
+
+static kvf_rdma_target *target_by_id_locked(kvf_rdma_dev *d, uint32_t id) {
+    kvf_rdma_target *t = d->targets;
+    while (t && t->id != id) t = t->next;
+    return t;
 }
 
 /* Sends what waits, while the target QP's send queue has room. Caller holds
@@ -280,9 +265,9 @@ void kvf_rdma_target_free(kvf_rdma_target *t) {
     for (kvf_rdma_target **x = &d->targets; *x; x = &(*x)->next)
         if (*x == t) { *x = t->next; break; }
     kvf_credit_leave(p, &t->h);
-    pthread_mutex_lock(&p->mu);
+    /* stable now: sends (under the pool's lock) ended with the leave, and
+     * completions take d->mu, held here */
     atomic_fetch_sub_explicit(&d->posted, (int64_t)t->out, memory_order_relaxed);
-    pthread_mutex_unlock(&p->mu);
     pthread_mutex_unlock(&d->mu);
     free(t);
 }
@@ -291,7 +276,7 @@ void rdma_credit_target_sent(kvf_rdma_dev *d, uint32_t id) {
     kvf_credit_pool *p = d->c->credit;
     if (!p) return;
     pthread_mutex_lock(&d->mu);
-    kvf_rdma_target *t = target_find_locked(d, 0, id, 1);
+    kvf_rdma_target *t = target_by_id_locked(d, id);
     if (t) {
         pthread_mutex_lock(&p->mu);
         t->out--;
@@ -315,7 +300,7 @@ int rdma_credit_recv(kvf_rdma_dev *d, const struct ibv_wc *wc, const uint8_t *bu
         kvf_credit_pool *p = d->c->credit;
         if (!p) return 1;                             /* no window here: nothing to grant */
         pthread_mutex_lock(&d->mu);
-        kvf_rdma_target *t = target_find_locked(d, wc->qp_num, 0, 0);
+        kvf_rdma_target *t = target_by_qpn_locked(d, wc->qp_num);
         if (t) {
             atomic_store(&t->echo, m.echo);
             kvf_credit_report(p, &t->h, m.landed, m.bytes, m.want, m.unit, m.flags & KVF_ASK_BLOCKED);

@@ -14,6 +14,7 @@
 
 #include <time.h>
 
+#include "credit.h"
 #include "rdma.h"
 #include "provider.h"
 
@@ -92,15 +93,14 @@ typedef struct rqp {
     int worker_posts;        /* dev->worker_posts (read without a lock) */
     int ready;               /* in the device's ready list (guarded by dev->ready_mu) */
     /* Receiver credits, when the target has a receive window (ch->window;
-     * under mu), as a tcp connection keeps them (tcp_int.h): write bytes it
-     * may still post, asked for and not granted, unspent bytes to hand back,
-     * completed write bytes to report, the slice it waits to afford (0:
-     * none) and whether it said so; credit messages posted and not
-     * completed (they take send-queue entries outside the ring). */
-    uint64_t credit, asked, ret_pending, landed, need;
+     * under mu): its wallet (credit.h), as a tcp connection's; completed
+     * write bytes to report; whether it said that it waits for cr.need;
+     * credit messages posted and not completed (they take send-queue
+     * entries outside the ring). */
+    kvf_credit_wallet cr;
+    uint64_t landed;
     int need_told;
     uint32_t ctl_out;
-    uint64_t credit_waits, grants, recalls;
 } rqp;
 
 struct kvf_rdma_dev {

@@ -85,14 +85,15 @@ void rdma_qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
         if (room > CHAIN) room = CHAIN;
         if (room > max_wrs) room = max_wrs;
         /* in the scheduler's order while the byte cap lasts (at least one
-         * slice), and with credits, write slices only against credit held */
-        uint64_t cap = q->inflight < MAX_INFLIGHT_BYTES ? MAX_INFLIGHT_BYTES - q->inflight : 1;
-        kvf_pop_budget budget = {q->credit, KVF_OP_WRITE, 0};
+         * slice; the loop's test keeps inflight below the cap), and with
+         * credits, write slices only against credit held */
+        uint64_t cap = MAX_INFLIGHT_BYTES - q->inflight;
+        kvf_pop_budget budget = {q->cr.credit, KVF_OP_WRITE, 0};
         kvf_slice tmp[CHAIN];
         size_t k = kvf_queue_pop_fit_locked(&q->backlog, tmp, room, cap, credits ? &budget : NULL);
         if (credits) {
             uint64_t spent = 0;
-            for (size_t i = 0; i < k; i++) if ((tmp[i].op & 0xff) == KVF_OP_WRITE) spent += tmp[i].len;
+            for (size_t i = 0; i < k; i++) if (tmp[i].op == KVF_OP_WRITE) spent += tmp[i].len;
             rdma_credit_spent_locked(q, spent, k ? 0 : budget.blocked);
         }
         if (k == 0) break;                    /* waiting for credit */
@@ -102,7 +103,7 @@ void rdma_qp_post_locked(rqp *q, kvf_queue *retry, size_t max_wrs) {
         for (size_t i = 0; i < k; i++) {
             kvf_slice *s = &tmp[i];
             if (s->op <= KVF_OP_READ && kvf_batch_cancelled(c, s->slot)) {
-                if (credits && s->op == KVF_OP_WRITE) q->credit += s->len;   /* not spent after all */
+                if (credits && s->op == KVF_OP_WRITE) q->cr.credit += s->len;   /* not spent after all */
                 slice_finish(c, s, KVF_ECANCELLED);
                 continue;
             }

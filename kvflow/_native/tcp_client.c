@@ -62,7 +62,7 @@ static void conn_fail(tcp_conn *c, int status) {
     c->failures++;
     /* its credits end with it: the target takes back what the connection
      * held once it sees it close (resent slices spend credit again) */
-    c->credit = c->asked = c->ret_pending = c->need = 0;
+    kvf_wallet_reset(&c->cr);
     c->ctl_n = 0;
     size_t nq = c->q.count, k = 0;
     kvf_slice *fail = malloc((nq + TCP_WINDOW) * sizeof(kvf_slice));
@@ -120,7 +120,7 @@ static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status) {
 }
 
 /* Waiting for credit: the next write slice costs more than it holds. */
-static inline int credit_blocked(const tcp_conn *c) { return c->need && c->credit < c->need; }
+static inline int credit_blocked(const tcp_conn *c) { return c->cr.need && c->cr.credit < c->cr.need; }
 
 /* After a claim with credits on: the credit frame to send first, if one is
  * due (c->ctl). `blocked`: the next slice's length when it did not fit in
@@ -131,20 +131,15 @@ static void credit_ask_locked(tcp_conn *c, uint64_t blocked) {
     uint64_t window = c->ch->window;
     uint64_t goal = c->q.bytes < window ? c->q.bytes : window;
     uint64_t unit = c->ch->slice_size;
-    uint64_t returned = c->ret_pending, want = 0;
-    c->ret_pending = 0;
+    uint64_t returned = c->cr.ret_pending;
     if (blocked) {
-        returned += c->credit;
-        c->credit = 0;
-        c->need = blocked;
-        c->credit_waits++;
+        returned += c->cr.credit;
+        c->cr.need = blocked;
         if (goal < unit) goal = unit;
-        want = goal > c->asked ? goal - c->asked : 0;
-    } else if (goal > c->credit + c->asked + TCP_ASK_AHEAD) {
-        want = goal - c->credit - c->asked;
     }
+    uint64_t want = kvf_wallet_want(&c->cr, goal, blocked != 0);
+    kvf_wallet_asked(&c->cr, want, blocked != 0);
     if (!returned && !want && !blocked) return;
-    c->asked += want;
     c->ctl = (kvf_hdr){KVF_MAGIC, KVF_F_CREDIT_ASK, blocked ? KVF_ASK_BLOCKED : 0, (uint32_t)unit,
                        returned, 0, want};
     c->ctl_n = 1;
@@ -163,7 +158,7 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
     *ncancel = 0;
     uint32_t epoch = atomic_load_explicit(&ctx->cancel_epoch, memory_order_relaxed);
     kvf_slice run[TCP_POP];
-    kvf_pop_budget budget = {c->credit, KVF_OP_WRITE, 0};
+    kvf_pop_budget budget = {c->cr.credit, KVF_OP_WRITE, 0};
     int credits = c->ch->window != 0;
     /* one run in the scheduler's order (max <= TCP_POP, so cancelled fits too) */
     size_t got = kvf_queue_pop_fit_locked(&c->q, run, max, TCP_POP_BYTES, credits ? &budget : NULL);
@@ -179,8 +174,8 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
         if ((x.op & 0xff) == KVF_OP_WRITE) spent += x.len;
     }
     if (credits) {
-        c->credit -= spent;
-        if (got) c->need = 0;
+        c->cr.credit -= spent;
+        if (got) c->cr.need = 0;
         credit_ask_locked(c, got ? 0 : budget.blocked);
     }
     if (k && epoch != c->cancel_seen) {
@@ -219,7 +214,7 @@ static void *tcp_tx(void *arg) {
     struct iovec iov[2 * TCP_POP + 1];
     for (;;) {
         pthread_mutex_lock(&c->q.mu);
-        while (!c->dead && !c->pend_n && !c->pipe_pending && !(c->ret_pending && !c->sending) &&
+        while (!c->dead && !c->pend_n && !c->pipe_pending && !(c->cr.ret_pending && !c->sending) &&
                (c->q.count == 0 || c->nfree == 0 || c->sending || credit_blocked(c)))
             pthread_cond_wait(&c->q.cv, &c->q.mu);
         if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
@@ -287,18 +282,7 @@ static void release_tag(tcp_conn *c, uint32_t tag) {
  * it has not spent (in its next credit frame). */
 static void credit_frame(tcp_conn *c, const kvf_hdr *h) {
     pthread_mutex_lock(&c->q.mu);
-    int wake = 0;
-    if (h->type == KVF_F_CREDIT_GRANT) {
-        c->credit += h->addr;
-        c->asked = c->asked > h->addr ? c->asked - h->addr : 0;
-        c->grants++;
-        wake = c->need && c->credit >= c->need;
-    } else if (c->credit) {
-        c->ret_pending += c->credit;
-        c->credit = 0;
-        c->recalls++;
-        wake = 1;
-    }
+    int wake = h->type == KVF_F_CREDIT_GRANT ? kvf_wallet_grant(&c->cr, h->addr) : kvf_wallet_recall(&c->cr);
     pthread_mutex_unlock(&c->q.mu);
     if (wake) pthread_cond_signal(&c->q.cv);
 }
@@ -510,7 +494,7 @@ static void send_inline_unlock(tcp_conn *c) {
         c->pend_n = left;
     }
     if (left >= 0) c->pipe_pending = in_pipe;
-    int more = c->q.count > 0 || c->pend_n || c->pipe_pending || c->ret_pending;
+    int more = c->q.count > 0 || c->pend_n || c->pipe_pending || c->cr.ret_pending;
     pthread_mutex_unlock(&c->q.mu);
     if (left < 0) conn_fail(c, KVF_ELOST);
     else if (more) pthread_cond_signal(&c->q.cv);
@@ -746,12 +730,7 @@ int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t out[6]) {
     if (i < 0 || i >= ch->n) return -1;
     tcp_conn *c = &ch->conns[i];
     pthread_mutex_lock(&c->q.mu);
-    out[0] = c->credit;
-    out[1] = c->asked;
-    out[2] = c->credit_waits;
-    out[3] = c->grants;
-    out[4] = c->recalls;
-    out[5] = c->need;
+    kvf_wallet_stats(&c->cr, out);
     pthread_mutex_unlock(&c->q.mu);
     return 0;
 }
@@ -773,7 +752,7 @@ int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     c->pend_n = 0;
     c->pipe_pending = 0;
     c->sending = 0;
-    c->credit = c->asked = c->ret_pending = c->need = 0;
+    kvf_wallet_reset(&c->cr);
     c->ctl_n = 0;
     c->fd = fd;
     sk_nodelay(fd);

@@ -12,6 +12,7 @@
 #include <stdatomic.h>
 #include <sys/uio.h>
 
+#include "credit.h"
 #include "kvf.h"
 #include "provider.h"
 #include "wire.h"
@@ -21,9 +22,6 @@
 
 #define TCP_WINDOW 1024      /* in-flight slices per connection (tag space) */
 #define TCP_POP 64           /* slices per sendmsg */
-/* With credits: ask ahead once the queue exceeds what is held and asked
- * for by this much. */
-#define TCP_ASK_AHEAD (256u << 10)
 /* Bytes a sender claims per round (at least one slice): what the scheduler
  * can no longer reorder once claimed, so a HIGH slice queued meanwhile
  * waits for at most this much of this connection's earlier work (and what
@@ -56,13 +54,7 @@ typedef struct tcp_conn {
     uint64_t moved;           /* slices handed to other connections when it failed */
     uint64_t failures;
     uint32_t cancel_seen;     /* ctx->cancel_epoch at its last claim */
-    /* Receiver credits (when the channel has a window; all under q.mu):
-     * write payload bytes this connection may still frame, asked for and
-     * not granted yet, to hand back in the next credit frame, and the
-     * length of the slice it waits to afford (0: not waiting). */
-    uint64_t credit, asked, ret_pending, need;
-    uint64_t credit_waits;    /* times it stopped for credit */
-    uint64_t grants, recalls;
+    kvf_credit_wallet cr;     /* receiver credits (when the channel has a window; under q.mu) */
     kvf_hdr ctl;              /* a credit ask to send before the next frames */
     int ctl_n;
     int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */

@@ -2,9 +2,9 @@
 receive window (receiver credits), in one run.
 
 Engines on this machine, all in this process, over --protocol (tcp or
-rdma; the data path runs on their native threads): one receiver and --senders senders, each writing --size
-bytes (one batch of --entries entries) to its own part of the receiver's
-buffer, all at once, --rounds times per setting. The settings (--windows:
+rdma; the data path runs on their native threads): one receiver and
+--senders senders, each writing --size bytes (one batch of --entries
+entries) to its own part of the receiver's buffer, all at once, --rounds times per setting. The settings (--windows:
 0 is no window, else Engine(receive_window=bytes)) alternate round by round,
 so that drift on a shared machine hits them alike.
 

@@ -275,7 +275,7 @@ class Engine:
         self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)
         ctx = ProviderContext(self._core, self._loop, self._batches, self._deliver, self._rekeyed,
                               self.topology, self.location, self.keepalive, _same_process,
-                              receive_window=self.receive_window or 0)
+                              receive_window=self.receive_window)
         self._local = LocalProvider(ctx, inline_limit=self._inline_limit)
         self._tcp = TcpProvider(ctx, self._tcp_options, host=host, advertise=self._advertise)
         self._providers = {self._local.name: self._local, self._tcp.name: self._tcp}

@@ -351,7 +351,7 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         self._check_live(peer, {dev.index for dev, _, _ in qps})
         # the target's receive window: writes go against its credit
         window = reply.get("window", 0)
-        if not isinstance(window, int) or window < 0:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ProtocolError(f"{peer.address}: rdma_accept: bad window {window!r}")
         ch.set_window(window)
         for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps, answers):
