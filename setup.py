@@ -1,9 +1,12 @@
 """Builds kvflow's native core (Cython over plain C)."""
 import os
+import shutil
+import subprocess
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "sockio", "tcp_client", "tcp_send", "tcp_server", "credit")]
 RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan", "rdma_credit")]
@@ -19,6 +22,48 @@ def have_verbs() -> bool:
         return False
     return any(os.path.exists(os.path.join(d, "infiniband", "verbs.h"))
                for d in ("/usr/include", "/usr/local/include"))
+
+
+def find_nvcc() -> str | None:
+    """nvcc for the CUDA module's device code: KVFLOW_CUDA=off skips it,
+    on requires it, auto (the default) builds it where nvcc is found."""
+    mode = os.environ.get("KVFLOW_CUDA", "auto").lower()
+    if mode not in ("auto", "on", "off"):
+        raise SystemExit(f"KVFLOW_CUDA must be auto, on or off, not {mode!r}")
+    if mode == "off":
+        return None
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    nvcc = shutil.which("nvcc") or next(
+        (p for p in (os.path.join(cuda_home, "bin", "nvcc"),) if os.path.exists(p)), None)
+    if nvcc is None and mode == "on":
+        raise SystemExit("KVFLOW_CUDA=on but nvcc is not on PATH nor in $CUDA_HOME/bin")
+    return nvcc
+
+
+# Hopper and Ampere machine code, plus Hopper PTX the driver compiles for
+# anything newer.
+NVCC_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+              "-gencode", "arch=compute_90,code=compute_90"]
+CUDA_SOURCE = "kvflow/_cuda/kernels.cu"
+CUDA_FATBIN = "kvflow/_cuda/kvflow_kernels.fatbin"
+
+
+class BuildWithCuda(build_ext):
+    """build_ext, and then the CUDA module's fatbin when nvcc is found
+    (into the source tree for in-place builds, else into build_lib)."""
+
+    def run(self) -> None:
+        super().run()
+        nvcc = find_nvcc()
+        out = CUDA_FATBIN if self.inplace else os.path.join(self.build_lib, CUDA_FATBIN)
+        if nvcc is None:
+            if self.inplace and os.path.exists(CUDA_FATBIN):
+                os.remove(CUDA_FATBIN)      # KVFLOW_CUDA=off: not built, and features say so
+            return
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        cmd = [nvcc, "-fatbin", "-O3", *NVCC_ARCHS, "-o", out, CUDA_SOURCE]
+        print(" ".join(cmd))
+        subprocess.run(cmd, check=True)
 
 
 extensions = [
@@ -51,6 +96,7 @@ if have_verbs():
     ))
 
 setup(
+    cmdclass={"build_ext": BuildWithCuda},
     ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"},
                           compile_time_env={"KVFLOW_DEBUG": int(debug)}),
 )

@@ -16,6 +16,7 @@ __all__ = [
     "ProviderUnavailableError",
     "TopologyError",
     "VerbsError",
+    "CudaError",
 ]
 
 
@@ -88,3 +89,11 @@ class VerbsError(KVFlowError, OSError):
     def __init__(self, *args: object) -> None:
         errno, message = args if len(args) == 2 else (None, args[0] if args else "")
         KVFlowError.__init__(self, str(message), errno=errno if isinstance(errno, int) else None)
+
+
+class CudaError(KVFlowError):
+    """A CUDA driver call failed; `code` is its CUresult."""
+
+    def __init__(self, message: str, *, code: int | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.code = code

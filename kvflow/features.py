@@ -3,6 +3,7 @@ one raises ProviderUnavailableError."""
 from __future__ import annotations
 
 from kvflow import _core
+from kvflow._cuda import built as _cuda_built
 
 try:
     from kvflow import _verbs  # noqa: F401
@@ -15,6 +16,6 @@ features: dict[str, bool] = {
     "local": True,
     "verbs": _HAVE_VERBS,       # the rdma provider was built (devices are found at run time)
     "rdma": _HAVE_VERBS,
-    "cuda": False,      # CUDA module: not built yet
+    "cuda": _cuda_built(),  # the CUDA module was built (nvcc); kvflow.cuda.available(): a device here
     "debug": bool(getattr(_core, "DEBUG", False)),
 }

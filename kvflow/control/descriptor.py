@@ -118,7 +118,9 @@ def rdma_from_wire(v: Any) -> dict[str, Any] | None:
 
 
 def regions_to_wire(regions: list[RemoteRegion]) -> list[list[Any]]:
-    return [[r.addr, r.length, int(r.access), r.name, list(r.rkeys)] for r in regions]
+    # host regions: [addr, length, access, name, rkeys]; GPU memory adds its device
+    return [[r.addr, r.length, int(r.access), r.name, list(r.rkeys)] +
+            ([r.device] if r.kind == "cuda" else []) for r in regions]
 
 
 def regions_from_wire(v: Any) -> list[RemoteRegion]:
@@ -127,7 +129,10 @@ def regions_from_wire(v: Any) -> list[RemoteRegion]:
         for item in v:
             addr, length, access, name, *rest = item
             rkeys = rest[0] if rest else []
-            if len(rest) > 1 or not isinstance(rkeys, list) or len(rkeys) > MAX_DEVS or not all(
+            device = rest[1] if len(rest) > 1 else None
+            if device is not None and not (isinstance(device, int) and 0 <= device < 1 << 16):
+                raise ValueError
+            if len(rest) > 2 or not isinstance(rkeys, list) or len(rkeys) > MAX_DEVS or not all(
                     isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys):
                 raise ValueError
             if not (isinstance(addr, int) and isinstance(length, int) and isinstance(access, int)):
@@ -136,7 +141,8 @@ def regions_from_wire(v: Any) -> list[RemoteRegion]:
                 raise ValueError
             if name is not None and not isinstance(name, str):
                 raise TypeError
-            out.append(RemoteRegion(addr, length, name, Access(access & 3), tuple(rkeys)))
+            out.append(RemoteRegion(addr, length, name, Access(access & 3), tuple(rkeys),
+                                    *(("cuda", device) if device is not None else ())))
     except (TypeError, ValueError):
         raise ProtocolError("descriptor: malformed region list") from None
     return out

@@ -12,9 +12,10 @@ server stays up.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from kvflow.control.auth import NONCE_BYTES, check_proof, proof
 from kvflow.control.descriptor import Descriptor
@@ -32,8 +33,10 @@ MIN_KEEPALIVE, MAX_KEEPALIVE = 0.05, 3600.0
 PRE_AUTH_FRAME = 64 << 10          # hello and auth frames are small
 SESSION_BUFFER_LIMIT = 64 << 20    # unread control data after which a session is dropped
 
-# handler(peer address, session, message) -> the reply (sent with the request's "rid")
-Handler = Callable[[str, Any, dict[str, Any]], dict[str, Any]]
+# handler(peer address, session, message) -> the reply (sent with the request's
+# "rid"), an awaitable of it (sent when done, while the session reads on), or
+# None (a message that wants no answer)
+Handler = Callable[[str, Any, dict[str, Any]], "dict[str, Any] | Awaitable[dict[str, Any]] | None"]
 
 
 class ControlServer:
@@ -114,6 +117,22 @@ class ControlServer:
                 self._remove_token(token)
             writer.close()
 
+    def _answer_later(self, writer: asyncio.StreamWriter, rid: Any, reply: Awaitable[dict[str, Any]]) -> None:
+        async def answer() -> None:
+            try:
+                out = await reply
+            except ProtocolError as e:
+                out = {"t": "error", "code": "protocol", "message": str(e)}
+            except Exception as e:             # the handler failed: say so, the session stays
+                log.warning("kvflow: a control handler failed: %s", e)
+                out = {"t": "error", "code": "internal", "message": f"{type(e).__name__}: {e}"}
+            if not writer.is_closing():
+                writer.write(encode({**out, "rid": rid}))
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._tasks.add(task)     # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)   # type: ignore[arg-type]
+
     async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                        ) -> tuple[bytes, str, float | None] | None:
         """The handshake: (session token, the client's address, the silence
@@ -177,6 +196,11 @@ class ControlServer:
                 await writer.drain()      # a peer that asks but never reads gets no more
             elif t in self.handlers:
                 reply = self.handlers[t](peer_addr, writer, msg)
+                if reply is None:                   # a message that wants no answer
+                    continue
+                if inspect.isawaitable(reply):      # answered when done; the session reads on
+                    self._answer_later(writer, msg.get("rid"), reply)
+                    continue
                 writer.write(encode({**reply, "rid": msg.get("rid")}))
                 await writer.drain()
             elif t == "bye":

@@ -27,6 +27,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, Peer
     ProviderUnavailableError
 from kvflow.memory import LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
+from kvflow.engine.gpu import REPLIES as GPU_REPLIES, STAGING_BYTES, STAGING_SLOT, GpuMemory
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
@@ -44,7 +45,7 @@ log = logging.getLogger("kvflow")
 _PROVIDER_CLASSES: tuple[type[Provider], ...] = (LocalProvider, RdmaProvider, TcpProvider)
 PROVIDERS = tuple(c.name for c in _PROVIDER_CLASSES)
 # every reply type a provider's request() may get back
-_REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES))
+_REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), GPU_REPLIES)
 # Awaited batches that finish without suspending give the loop a turn at
 # least this often (Engine._inline_turn).
 INLINE_TURN_NS = 1_000_000
@@ -158,7 +159,11 @@ class Engine:
     tcp_congestion: the tcp data connections' congestion control: "auto"
     (default; env KVFLOW_TCP_CONGESTION): a pacing one (BBR) is replaced
     by cubic on connections within this host, where pacing only costs;
-    "system": the host's; or an algorithm the kernel offers.
+    "system": the host's; or an algorithm the kernel offers;
+    staging_bytes: the host memory (pinned) that transfers of GPU memory
+    are staged through, half for this engine's outgoing slices and half
+    lent to peers writing into its GPU memory (64 MiB; allocated once, when
+    GPU memory is first moved; kvflow.engine.gpu).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -174,7 +179,7 @@ class Engine:
                  tcp_send_buffer: int = TcpOptions.send_buffer,
                  tcp_receive_buffer: int = TcpOptions.receive_buffer,
                  receive_window: int | None = None, tcp_busy_poll: float | None = None,
-                 tcp_congestion: str | None = None) -> None:
+                 tcp_congestion: str | None = None, staging_bytes: int = STAGING_BYTES) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -246,6 +251,10 @@ class Engine:
         self._incarnation = int.from_bytes(os.urandom(8), "little") >> 1
         self.address = ""
         self.data_address = ""
+        if staging_bytes < 2 * STAGING_SLOT:
+            raise InvalidArgumentError(f"staging_bytes must be at least {2 * STAGING_SLOT} (two slots)")
+        self._staging_bytes = int(staging_bytes)
+        self._gpu: GpuMemory | None = None      # made when GPU memory is first registered
         self._started = False
         self._closed = False
         self._turn_ns = 0          # _inline_turn(): when awaited batches that finished inline last yielded
@@ -334,7 +343,20 @@ class Engine:
                 else:
                     why = f"no {cls.name} on {self.address}: {self._unavailable.get(cls.name, 'not started')}"
                     handlers[kind] = lambda peer, session, msg, error=error, why=why: {"t": error, "message": why}
+        handlers["stage_lease"] = self._on_stage("on_lease")
+        handlers["stage_land"] = self._on_stage("on_land")
+        handlers["stage_release"] = self._on_stage("on_release")
         return handlers
+
+    def _on_stage(self, name: str) -> Callable[[str, Any, dict[str, Any]], Any]:
+        """A staged GPU write's control message, answered by this engine's
+        GPU memory (kvflow.engine.gpu), or refused where it has none."""
+        def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
+            if self._gpu is None:
+                return None if name == "on_release" else \
+                    {"t": "stage_error", "message": f"{self.address} has no GPU memory registered"}
+            return getattr(self._gpu, name)(peer, session, msg)
+        return handle
 
     def _device_names(self) -> list[str] | None:
         for p in self._providers.values():
@@ -363,6 +385,9 @@ class Engine:
     async def _teardown(self) -> None:
         if self._server is not None:
             await self._server.close()
+        if self._gpu is not None:
+            gpu, self._gpu = self._gpu, None
+            gpu.close()
         if self._tcp is not None:
             await self._tcp.close()
         if self._core is not None:
@@ -389,6 +414,8 @@ class Engine:
     def _drop_session(self, session: Any) -> None:
         for p in self._providers.values():
             p.drop_session(session)
+        if self._gpu is not None:
+            self._gpu.drop_session(session)
 
     def _deliver(self, peer: str, data: bytes) -> None:
         self._notifications.put_nowait((peer, data))
@@ -401,12 +428,19 @@ class Engine:
         that is not contiguous memory, overlaps a registered region, or is
         read-only while WRITE access is asked."""
         self._check_open()
-        addr, length, writable, keep = buffer_span(buffer)
+        span = buffer_span(buffer)
+        addr, length, writable, keep = span.addr, span.length, span.writable, span.keep
         access = Access(access)
         if (access & Access.WRITE) and not writable:
             raise InvalidArgumentError("buffer is read-only: register it with access=Access.READ")
         if name is not None and any(r.name == name for r in self._regions.values()):
             raise InvalidArgumentError(f"a region named {name!r} is already registered")
+        if span.kind == "cuda":
+            return self._register_gpu(span, name, access)
+        return self._register_host(addr, length, name, access, writable, keep)
+
+    def _register_host(self, addr: int, length: int, name: str | None, access: Access, writable: bool,
+                       keep: Any) -> Region:
         rid = self._core.add_region(addr, length, int(access) | (LOCAL_WRITE if writable else 0))
         if not rid:
             raise InvalidArgumentError(
@@ -431,11 +465,46 @@ class Engine:
         self._regions_changed()
         return region
 
+    def _register_gpu(self, span: Any, name: str | None, access: Access) -> Region:
+        """GPU memory: kept out of the native core's tables (no CPU path may
+        touch it); transfers that reach it are staged (kvflow.engine.gpu)."""
+        gpu = self._gpu_memory()
+        self._gpu_ids -= 1
+        region = Region(span.addr, span.length, name, access, self._gpu_ids, span.keep,
+                        kind="cuda", device=span.device)
+        if not gpu.local.add(region):
+            raise InvalidArgumentError(f"region {span.addr:#x}+{span.length} overlaps a registered GPU region")
+        self._regions[region.id] = region
+        self._regions_changed()
+        return region
+
+    _gpu_ids = 0        # GPU regions' ids: negative, apart from the native core's
+
+    def _gpu_memory(self) -> GpuMemory:
+        if self._gpu is None:
+            from kvflow._cuda import driver as drv
+            from kvflow.providers.cuda.copier import CudaCopyEngine
+
+            def pinned(nbytes: int) -> tuple[int, Any]:
+                buf = drv.PinnedHost(nbytes)
+                return buf.addr, buf
+
+            self._gpu = GpuMemory(
+                staging_bytes=self._staging_bytes, slot_bytes=STAGING_SLOT,
+                register_host=lambda a, n, nm: self._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
+                deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned)
+        return self._gpu
+
     def deregister(self, region: Region) -> None:
         """Removes a region; returns once no peer is writing into it."""
         self._check_open()
         if self._regions.pop(region.id, None) is None:
             raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
+        if region.kind == "cuda":
+            assert self._gpu is not None
+            self._gpu.local.remove(region)
+            self._regions_changed()
+            return
         self._core.remove_region(region.id)
         for p in self._providers.values():
             p.deregister(region.id)     # the NICs refuse its keys from now on
@@ -446,7 +515,7 @@ class Engine:
         return sorted(self._regions.values(), key=lambda r: r.addr)
 
     def _remote_regions(self) -> list[RemoteRegion]:
-        return [RemoteRegion(r.addr, r.length, r.name, r.access, r.rkeys) for r in self.regions]
+        return [RemoteRegion(r.addr, r.length, r.name, r.access, r.rkeys, r.kind, r.device) for r in self.regions]
 
     def _regions_changed(self) -> None:
         self._generation += 1

@@ -9,6 +9,8 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+import numpy as np
+
 from kvflow import _core
 from kvflow._core import OP_READ, OP_WRITE
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, TransferTimeoutError
@@ -18,6 +20,7 @@ from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.control.wire import field
 from kvflow.memory import RemoteRegion
+from kvflow.engine.gpu import remote_table
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.transfer import Transfer, batch_error
 from kvflow.providers.base import Provider
@@ -114,10 +117,21 @@ class Peer:
         raise KeyError(f"peer {self.address} has no region named {name!r}")
 
     def _set_regions(self, regions: list[RemoteRegion]) -> None:
-        if not self._table.update([(r.addr, r.length, int(r.access), r.rkeys) for r in regions]):
+        # GPU memory stays out of the native table: only staged batches reach it
+        if not self._table.update([(r.addr, r.length, int(r.access), r.rkeys) for r in regions
+                                   if r.kind == "host"]):
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
+        self._gpu_table = remote_table(regions)
         self._regions = regions
+
+    def _staged(self, la: Any, ra: Any) -> bool:
+        """Whether a batch reads or writes GPU memory (either side): it is
+        staged (kvflow.engine.gpu) instead of going to the native core."""
+        gpu = self._engine._gpu
+        if gpu is None:
+            return bool(self._gpu_table) and self._gpu_table.any_in(np.asarray(ra, dtype=np.uint64))
+        return gpu.touches(la, ra, self._gpu_table)
 
     def _on_regions(self, msg: dict[str, Any]) -> None:
         """A "regions" push: the peer's regions (with their rkeys) and, from
@@ -254,9 +268,17 @@ class Peer:
         the batch with the fewest bytes left (no batch starved longer than
         qos_aging either). timeout still fails it.
 
+        GPU memory on either side (a CUDA region of this engine or of the
+        peer) is staged through host bounce buffers (kvflow.engine.gpu);
+        strided entries, priority and deadline do not apply to it yet.
+
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
+        if self._gpu_table or self._engine._gpu is not None:
+            if self._staged(local_addrs, remote_addrs):
+                await self._staged_op(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts)
+                return
         t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
                                  counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
@@ -270,13 +292,46 @@ class Peer:
                    deadline: float | None = None) -> None:
         """Reads one batch: entry i copies lengths[i] bytes from the peer's
         remote_addrs[i] into local_addrs[i]. Strided entries, priority,
-        deadline and errors as write()."""
+        deadline and errors as write(); reads into this engine's GPU memory
+        are staged."""
+        if self._gpu_table or self._engine._gpu is not None:
+            if self._staged(local_addrs, remote_addrs):
+                await self._staged_op(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts)
+                return
         t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout,
                                  counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
             await t
         elif self._engine._inline_turn():
             await asyncio.sleep(0)
+
+    async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any) -> None:
+        if counts is not None:
+            raise InvalidArgumentError("strided entries are not staged yet: pass GPU memory as plain entries",
+                                       peer=self.address)
+        gpu = self._engine._gpu
+        if gpu is None:             # host memory here, GPU memory there: only writes land in it
+            gpu = self._engine._gpu_memory()
+
+        async def host(op_: int, l: Any, r: Any, n: Any) -> None:
+            t = self._submit_awaited(op_, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
+                                     np.asarray(n, dtype=np.uint64), None)
+            if t is not None:
+                await t
+
+        async def write(l: Any, r: Any, n: Any) -> None:
+            await host(OP_WRITE, l, r, n)
+
+        async def read(l: Any, r: Any, n: Any) -> None:
+            await host(OP_READ, l, r, n)
+
+        run = gpu.write(self, la, ra, ln, write, self._gpu_table) if op == OP_WRITE else \
+            gpu.read(self, la, ra, ln, read, self._gpu_table)
+        try:
+            await asyncio.wait_for(run, timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeoutError(f"staged transfer to {self.address} timed out after {timeout} s",
+                                       peer=self.address) from None
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -509,6 +564,10 @@ class _Link:
 
     async def request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         return await self._peer._session.request(msg, timeout)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """A control message that needs no reply."""
+        self._peer._session.send(msg)
 
     async def close(self) -> None:
         await self._peer.close()

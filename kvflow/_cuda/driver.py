@@ -1,0 +1,280 @@
+"""The CUDA driver API as kvflow uses it, through cuda-python
+(`cuda.bindings.driver`): initialising, pointer queries, primary contexts,
+streams, events, pinned host memory, copies and IPC handles.
+
+Importing this module imports nothing of CUDA: `cuda.bindings` is loaded,
+and cuInit called, on the first call that needs it. On a machine without
+cuda-bindings or without a driver, available() is False and reason() says
+why; every other call raises ProviderUnavailableError with that reason.
+A driver call that fails raises CudaError naming the call and the error.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.errors import CudaError, ProviderUnavailableError
+
+__all__ = ["Event", "PinnedHost", "Stream", "available", "copy_async", "device_count", "driver",
+           "ipc_close", "ipc_handle", "ipc_open", "pointer_location", "reason", "use_device", "worth_asking",
+           "IPC_HANDLE_BYTES"]
+
+IPC_HANDLE_BYTES = 64           # sizeof(CUipcMemHandle)
+
+_lock = threading.Lock()
+_cu: Any = None                 # cuda.bindings.driver, once cuInit succeeded
+_why: str | None = None         # why CUDA is not usable here, once tried
+_contexts: dict[int, Any] = {}  # device ordinal -> retained primary context
+
+
+def _load() -> Any:
+    global _cu, _why
+    if _cu is not None:
+        return _cu
+    with _lock:
+        if _cu is not None or _why is not None:
+            return _cu
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError as e:            # cuda-python not installed
+            _why = f"cuda-bindings is not installed ({e})"
+            return None
+        try:
+            err, = cu.cuInit(0)
+        except Exception as e:              # no libcuda: DynamicLibNotFoundError (a RuntimeError)
+            _why = f"no CUDA driver on this machine ({type(e).__name__}: {e})"
+            return None
+        if err != cu.CUresult.CUDA_SUCCESS:
+            _why = f"cuInit failed: {_name(cu, err)}"
+            return None
+        err, n = cu.cuDeviceGetCount()
+        if err != cu.CUresult.CUDA_SUCCESS or n == 0:
+            _why = "the CUDA driver sees no device"
+            return None
+        _cu = cu
+        return cu
+
+
+def _name(cu: Any, err: Any) -> str:
+    try:
+        _, text = cu.cuGetErrorName(err)
+        return text.decode() if isinstance(text, bytes) else str(text)
+    except Exception:
+        return str(err)
+
+
+def available() -> bool:
+    """Whether a CUDA device is usable here (never raises)."""
+    try:
+        return _load() is not None
+    except Exception:                       # anything odd about the install: not usable
+        return False
+
+
+def worth_asking() -> bool:
+    """Whether the driver could know a raw pointer: cuda-python is loaded
+    already, or this machine has an NVIDIA driver's device nodes. Where
+    neither holds, nothing is imported and the answer is False at once."""
+    if _cu is not None:
+        return True
+    if _why is not None:
+        return False
+    return "cuda.bindings.driver" in sys.modules or os.path.exists("/dev/nvidiactl") or \
+        os.path.exists("/proc/driver/nvidia")
+
+
+def reason() -> str | None:
+    """Why CUDA is not usable here (None when it is)."""
+    return None if available() else _why
+
+
+def driver() -> Any:
+    """cuda.bindings.driver, initialised; ProviderUnavailableError if CUDA
+    is not usable here."""
+    cu = _load()
+    if cu is None:
+        raise ProviderUnavailableError(f"CUDA is not usable here: {_why}")
+    return cu
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpacks a cuda-bindings result tuple: raises CudaError unless its
+    first element is CUDA_SUCCESS; returns the one value after it (or the
+    tuple of them, or None)."""
+    cu = driver()
+    if not isinstance(result, tuple):
+        result = (result,)
+    err = result[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{what} failed: {_name(cu, err)}", code=int(err))
+    rest = result[1:]
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+def device_count() -> int:
+    """CUDA devices usable here (0 without a driver)."""
+    if not available():
+        return 0
+    return int(check(_cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def use_device(ordinal: int) -> Any:
+    """Makes device `ordinal`'s primary context current on this thread
+    (retained once per process, as the runtime API and torch share it)."""
+    cu = driver()
+    ctx = _contexts.get(ordinal)
+    if ctx is None:
+        with _lock:
+            ctx = _contexts.get(ordinal)
+            if ctx is None:
+                dev = check(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+                ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                _contexts[ordinal] = ctx
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a pointer the driver knows lives: kind "cuda" (device memory
+    of `device`) or "host" (pinned or registered host memory), and the
+    allocation holding it (base, size) for device memory."""
+
+    kind: str
+    device: int
+    base: int = 0
+    size: int = 0
+
+
+def pointer_location(ptr: int) -> Location | None:
+    """What the driver knows of `ptr`: None for memory it does not know
+    (plain pageable host memory) or when CUDA is not usable here."""
+    if not available():
+        return None
+    cu = _cu
+    attrs = [cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+             cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+             cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED]
+    err, values = cu.cuPointerGetAttributes(len(attrs), attrs, ptr)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return None
+    mtype, ordinal, managed = values
+    mtype = int(mtype) if not hasattr(mtype, "value") else int(mtype.value)
+    if mtype == 0:                          # not a pointer the driver knows
+        return None
+    if mtype == int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE) and not managed:
+        base, size = check(cu.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        return Location("cuda", int(ordinal), int(base), int(size))
+    return Location("host", int(ordinal) if ordinal is not None else -1)
+
+
+class Stream:
+    """A non-blocking stream on one device, the engine's own."""
+
+    def __init__(self, device: int) -> None:
+        cu = driver()
+        use_device(device)
+        self.device = device
+        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def close(self) -> None:
+        if self.handle is not None:
+            use_device(self.device)
+            check(_cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
+            self.handle = None
+
+
+class Event:
+    """An event without timing (the cheap kind), recorded on a stream and
+    polled with done()."""
+
+    def __init__(self, device: int) -> None:
+        cu = driver()
+        use_device(device)
+        self.device = device
+        self.handle = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def record(self, stream: Stream) -> None:
+        check(_cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+
+    def done(self) -> bool:
+        err, = _cu.cuEventQuery(self.handle)
+        if err == _cu.CUresult.CUDA_SUCCESS:
+            return True
+        if err == _cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise CudaError(f"cuEventQuery failed: {_name(_cu, err)}", code=int(err))
+
+    def close(self) -> None:
+        if self.handle is not None:
+            check(_cu.cuEventDestroy(self.handle), "cuEventDestroy")
+            self.handle = None
+
+
+def event_done(handle: Any) -> bool:
+    """Whether a foreign event (a torch.cuda.Event's cuda_event, a CUevent,
+    an int handle) has completed."""
+    cu = driver()
+    if isinstance(handle, int):
+        handle = cu.CUevent(handle)
+    err, = cu.cuEventQuery(handle)
+    if err == cu.CUresult.CUDA_SUCCESS:
+        return True
+    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    raise CudaError(f"cuEventQuery failed: {_name(cu, err)}", code=int(err))
+
+
+class PinnedHost:
+    """Page-locked host memory (cuMemHostAlloc, portable to every context):
+    the staging pipeline's bounce buffers."""
+
+    def __init__(self, size: int, device: int = 0) -> None:
+        cu = driver()
+        use_device(device)
+        portable = int(getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 1))
+        self.addr = int(check(cu.cuMemHostAlloc(size, portable), "cuMemHostAlloc"))
+        self.size = size
+
+    def close(self) -> None:
+        if self.addr:
+            check(_cu.cuMemFreeHost(self.addr), "cuMemFreeHost")
+            self.addr = 0
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    """Queues a copy of `nbytes` on `stream`: any direction, the driver
+    tells host from device by unified addressing."""
+    check(_cu.cuMemcpyAsync(dst, src, nbytes, stream.handle), "cuMemcpyAsync")
+
+
+def ipc_handle(ptr: int) -> bytes:
+    """The 64-byte IPC handle of the device allocation holding `ptr` (a
+    peer process opens it with ipc_open and adds ptr's offset from the
+    allocation's base)."""
+    cu = driver()
+    handle = check(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def ipc_open(raw: bytes, device: int) -> int:
+    """Maps a peer's allocation from its IPC handle into this process (on
+    `device`'s context); returns its base address here."""
+    cu = driver()
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise CudaError(f"an IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(raw)}")
+    use_device(device)
+    handle = cu.CUipcMemHandle()
+    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+    lazy = int(getattr(getattr(cu, "CUipcMem_flags", None), "CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS", 1))
+    return int(check(cu.cuIpcOpenMemHandle(handle, lazy), "cuIpcOpenMemHandle"))
+
+
+def ipc_close(base: int) -> None:
+    check(driver().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")

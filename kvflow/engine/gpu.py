@@ -1,0 +1,421 @@
+"""An engine's GPU memory: its CUDA regions, and transfers to and from
+them over the host providers through the staging pipeline
+(kvflow.providers.cuda.staging).
+
+CUDA regions never enter the native core's region tables, so no CPU path
+(memcpy, sendmsg, recv, a verbs MR) is ever handed a device address. A
+batch that touches one goes here instead:
+
+- write from local GPU memory: each slot is filled by a device→host copy
+  and drained by a host write of the slot to the peer;
+- read into local GPU memory: each slot is filled by a host read from the
+  peer and drained by a host→device copy;
+- write into a peer's GPU memory: the peer lends slots of its inbox (a
+  host region it registered for this, `stage_lease`), the slot is written
+  there over the host path, and the peer copies it into its GPU memory
+  (`stage_land`) before it answers; the write completes after the last
+  answer. The peer checks every destination against its own CUDA regions
+  (WRITE access) and the slot against the lease, so nothing lands outside
+  registered memory.
+
+Reads of a peer's GPU memory are not staged yet (ProviderUnavailableError
+says so). Staging memory is bounded per engine (Engine(staging_bytes=)),
+half for outgoing slots and half for the inbox, allocated once when first
+used.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvflow.control.wire import field
+from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError, ProviderUnavailableError,
+                           RemoteAccessError)
+from kvflow.memory import Access, Region, RemoteRegion
+from kvflow.providers.cuda.copier import CopyEngine
+from kvflow.providers.cuda.staging import BouncePool, Packed, Slot, pack, run_staged
+
+__all__ = ["GpuMemory", "STAGING_BYTES", "STAGING_SLOT", "REPLIES"]
+
+log = logging.getLogger("kvflow")
+
+STAGING_BYTES = 64 << 20        # Engine(staging_bytes=): per engine, outgoing + inbox
+STAGING_SLOT = 4 << 20          # one slot: a slice of the pipeline
+LEASE_SLOTS = 4                 # inbox slots one staged write asks for
+REPLIES = frozenset({"stage_leased", "stage_landed", "stage_error"})
+
+
+class _Table:
+    """Regions by start address: the one that holds [addr, addr+n), in O(log n)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._regions: list[Any] = []
+
+    def set(self, regions: Sequence[Any]) -> None:
+        ordered = sorted(regions, key=lambda r: r.addr)
+        self._starts = [r.addr for r in ordered]
+        self._regions = ordered
+
+    def add(self, region: Any) -> bool:
+        i = bisect.bisect_left(self._starts, region.addr)
+        if i > 0 and self._regions[i - 1].end > region.addr:
+            return False
+        if i < len(self._regions) and self._regions[i].addr < region.end:
+            return False
+        self._starts.insert(i, region.addr)
+        self._regions.insert(i, region)
+        return True
+
+    def remove(self, region: Any) -> None:
+        i = bisect.bisect_left(self._starts, region.addr)
+        if i < len(self._regions) and self._regions[i] is region:
+            del self._starts[i], self._regions[i]
+
+    def find(self, addr: int, n: int) -> Any:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr + n <= self._regions[i].end:
+            return self._regions[i]
+        return None
+
+    def any_in(self, addrs: np.ndarray) -> bool:
+        """Whether any address lies inside a region (vectorised)."""
+        if not self._regions:
+            return False
+        starts = np.asarray(self._starts, dtype=np.uint64)
+        ends = np.asarray([r.end for r in self._regions], dtype=np.uint64)
+        i = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+        ok = i >= 0
+        return bool(np.any(ok & (addrs < ends[np.maximum(i, 0)])))
+
+    def __bool__(self) -> bool:
+        return bool(self._regions)
+
+    def __iter__(self):
+        return iter(self._regions)
+
+
+@dataclass
+class _Lease:
+    session: Any
+    slots: list[Slot]
+
+
+class GpuMemory:
+    """One engine's CUDA regions and staged transfers. `register_host(addr,
+    length)` / `deregister_host(region)` register the staging memory with
+    the engine as host regions; `copier(device)` makes a copy engine;
+    `allocate(nbytes) -> (addr, keepalive)` the staging memory (pinned)."""
+
+    def __init__(self, *, staging_bytes: int, slot_bytes: int,
+                 register_host: Callable[[int, int, str], Region], deregister_host: Callable[[Region], None],
+                 copier: Callable[[int], CopyEngine], allocate: Callable[[int], tuple[int, Any]]) -> None:
+        half = max(slot_bytes, staging_bytes // 2)
+        count = max(1, half // slot_bytes)
+        self.slot_bytes = slot_bytes
+        self._register_host = register_host
+        self._deregister_host = deregister_host
+        self._make_copier = copier
+        self._copiers: dict[int, CopyEngine] = {}
+        self._host_regions: list[Region] = []
+        self.local = _Table()
+        self.outgoing = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.out"))
+        self.inbox = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in"))
+        self._leases: dict[int, _Lease] = {}            # lease id -> lease
+        self._lease_id = 0
+
+    def _allocator(self, allocate: Callable[[int], tuple[int, Any]], name: str) -> Callable[[int], tuple[int, Any]]:
+        def make(nbytes: int) -> tuple[int, Any]:
+            addr, keep = allocate(nbytes)
+            self._host_regions.append(self._register_host(addr, nbytes, name))
+            return addr, keep
+        return make
+
+    def copier(self, device: int) -> CopyEngine:
+        c = self._copiers.get(device)
+        if c is None:
+            c = self._copiers[device] = self._make_copier(device)
+        return c
+
+    def close(self) -> None:
+        for c in self._copiers.values():
+            c.close()
+        self._copiers.clear()
+        for r in self._host_regions:
+            try:
+                self._deregister_host(r)
+            except KVFlowError:
+                pass
+        self._host_regions.clear()
+        for pool in (self.outgoing, self.inbox):
+            keep = pool.close()
+            close = getattr(keep, "close", None)
+            if close is not None:
+                close()
+
+    # ------------------------------------------------------------ routing
+    def touches(self, la: Any, ra: Any, remote: "_Table") -> bool:
+        """Whether a batch reads or writes GPU memory on either side."""
+        if not self.local and not remote:
+            return False
+        return self.local.any_in(np.asarray(la, dtype=np.uint64)) or \
+            remote.any_in(np.asarray(ra, dtype=np.uint64))
+
+    def _device_of(self, entries: list[tuple[int, int, int, int]], table: "_Table", side: str,
+                   peer: str) -> int | None:
+        """The one GPU the entries' `side` addresses lie on (None: all host);
+        raises if they mix GPUs or host and GPU memory."""
+        devices = set()
+        for _, la, ra, n in entries:
+            addr = la if side == "local" else ra
+            r = table.find(addr, n)
+            devices.add(None if r is None else r.device)
+        if len(devices) > 1:
+            raise InvalidArgumentError(
+                f"a staged batch's {side} entries must all be in one GPU's memory or all in host memory",
+                peer=peer)
+        return devices.pop()
+
+    # ------------------------------------------------------------ initiator
+    async def write(self, peer: Any, la: Any, ra: Any, ln: Any, host_write: Callable[..., Any],
+                    remote: "_Table") -> None:
+        """A write that reads local GPU memory or lands in the peer's (or
+        both), staged. `host_write(local, remote, lengths)` is the peer's
+        host-memory write."""
+        packed = pack(la, ra, ln, self.slot_bytes)
+        remote_gpu = any(remote.find(r, n) is not None for part in packed for _, _, r, n in part.entries)
+        if remote_gpu:
+            for part in packed:
+                for _, _, r, n in part.entries:
+                    region = remote.find(r, n)
+                    if region is None or not (region.access & Access.WRITE):
+                        raise RemoteAccessError(
+                            f"{r:#x}+{n} is not inside one of the peer's GPU regions it may write "
+                            "(a staged batch lands in GPU memory only)", peer=peer.address)
+        src_device = self._device_of(packed[0].entries, self.local, "local", peer.address) \
+            if self.local else None
+        for part in packed[1:]:
+            if self.local and self._device_of(part.entries, self.local, "local", peer.address) != src_device:
+                raise InvalidArgumentError("a staged batch's local entries must all be on one GPU or all in "
+                                           "host memory", peer=peer.address)
+        landing = _Landing(peer, host_write) if remote_gpu else None
+        try:
+            if src_device is None:          # host source: straight into the peer's inbox
+                assert landing is not None
+                await landing.run_direct(packed)
+                return
+            copier = self.copier(src_device)
+
+            async def fill(slot: Slot, part: Packed) -> None:     # device -> host slot
+                await copier.copy([(slot.addr + off, l, n) for off, l, _, n in part.entries])
+
+            async def drain(slot: Slot, part: Packed) -> None:    # host slot -> peer
+                if landing is not None:
+                    await landing.land(slot, part)
+                else:
+                    await host_write([slot.addr + off for off, _, _, _ in part.entries],
+                                     [r for _, _, r, _ in part.entries], [n for _, _, _, n in part.entries])
+
+            await run_staged(self.outgoing, packed, fill, drain)
+        finally:
+            if landing is not None:
+                landing.release()
+
+    async def read(self, peer: Any, la: Any, ra: Any, ln: Any, host_read: Callable[..., Any],
+                   remote: "_Table") -> None:
+        """A read into local GPU memory from the peer's host memory, staged."""
+        packed = pack(la, ra, ln, self.slot_bytes)
+        if any(remote.find(r, n) is not None for part in packed for _, _, r, n in part.entries):
+            raise ProviderUnavailableError(
+                "reading a peer's GPU memory is not staged yet: have the peer write it (its GPU memory "
+                "reads are staged on its side)", peer=peer.address)
+        device = self._device_of(packed[0].entries, self.local, "local", peer.address)
+        if device is None:
+            raise InvalidArgumentError("no GPU memory in this batch", peer=peer.address)
+        copier = self.copier(device)
+
+        async def fill(slot: Slot, part: Packed) -> None:         # peer -> host slot
+            await host_read([slot.addr + off for off, _, _, _ in part.entries],
+                            [r for _, _, r, _ in part.entries], [n for _, _, _, n in part.entries])
+
+        async def drain(slot: Slot, part: Packed) -> None:        # host slot -> device
+            await copier.copy([(l, slot.addr + off, n) for off, l, _, n in part.entries])
+
+        await run_staged(self.outgoing, packed, fill, drain)
+
+    # ------------------------------------------------------------ target
+    async def on_lease(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._lease(session, msg)
+        except KVFlowError as e:
+            return {"t": "stage_error", "message": str(e)}
+
+    async def on_land(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._land(session, msg)
+        except KVFlowError as e:            # a CudaError, a malformed message
+            return {"t": "stage_error", "message": str(e)}
+
+    async def _lease(self, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        """Lends up to LEASE_SLOTS free inbox slots (at least one: waits for
+        it) to a staged write of `peer`."""
+        want = field(msg, "slots", int)
+        if not 1 <= want <= LEASE_SLOTS:
+            raise ProtocolError(f"stage_lease: slots must be 1..{LEASE_SLOTS}")
+        if not self.local:
+            return {"t": "stage_error", "message": "this engine has no GPU memory registered"}
+        slots = [await self.inbox.acquire()]
+        while len(slots) < want and self.inbox.free:
+            slots.append(await self.inbox.acquire())
+        if getattr(session, "is_closing", lambda: False)():     # gone while it waited
+            for s in slots:
+                self.inbox.release(s)
+            return {"t": "stage_error", "message": "session closed"}
+        self._lease_id += 1
+        self._leases[self._lease_id] = _Lease(session, slots)
+        return {"t": "stage_leased", "lease": self._lease_id, "slot_bytes": self.slot_bytes,
+                "slots": [s.addr for s in slots]}
+
+    async def _land(self, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        """Copies a written inbox slot into this engine's GPU memory."""
+        lease = self._leases.get(field(msg, "lease", int))
+        slot_addr = field(msg, "slot", int)
+        entries = field(msg, "entries", list)
+        if lease is None or lease.session is not session:
+            return {"t": "stage_error", "message": "stage_land: no such lease"}
+        slot = next((s for s in lease.slots if s.addr == slot_addr), None)
+        if slot is None:
+            return {"t": "stage_error", "message": f"stage_land: {slot_addr:#x} is not a slot of this lease"}
+        pieces = []
+        device = None
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) for v in e)):
+                raise ProtocolError("stage_land: an entry is [offset, dst, nbytes]")
+            off, dst, n = e
+            if n <= 0 or off < 0 or off + n > slot.size:
+                return {"t": "stage_error", "message": f"stage_land: {off}+{n} is outside the slot"}
+            region = self.local.find(dst, n)
+            if region is None or not (region.access & Access.WRITE):
+                return {"t": "stage_error",
+                        "message": f"stage_land: {dst:#x}+{n} is not inside a GPU region peers may write"}
+            if device is not None and region.device != device:
+                return {"t": "stage_error", "message": "stage_land: entries on two GPUs"}
+            device = region.device
+            pieces.append((dst, slot.addr + off, n))
+        if not pieces:
+            return {"t": "stage_landed"}
+        assert device is not None
+        await self.copier(device).copy(pieces)
+        return {"t": "stage_landed"}
+
+    def on_release(self, peer: str, session: Any, msg: dict[str, Any]) -> None:
+        lease = self._leases.get(field(msg, "lease", int))
+        if lease is not None and lease.session is session:
+            self._drop_lease(field(msg, "lease", int))
+
+    def _drop_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            for s in lease.slots:
+                self.inbox.release(s)
+
+    def drop_session(self, session: Any) -> None:
+        for lease_id in [i for i, l in self._leases.items() if l.session is session]:
+            self._drop_lease(lease_id)
+
+
+class _Landing:
+    """The initiator's side of writes into a peer's GPU memory: a lease of
+    the peer's inbox slots, each written over the host path and landed."""
+
+    def __init__(self, peer: Any, host_write: Callable[..., Any]) -> None:
+        self._peer = peer
+        self._host_write = host_write
+        self._lease: int | None = None
+        self._slots: list[int] = []
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        self._leasing: asyncio.Task[None] | None = None
+
+    async def _ensure(self) -> None:
+        if self._lease is not None:
+            return
+        if self._leasing is None:
+            self._leasing = asyncio.get_running_loop().create_task(self._take_lease())
+        await asyncio.shield(self._leasing)
+
+    async def _take_lease(self) -> None:
+        reply = await self._peer.link.request({"t": "stage_lease", "slots": LEASE_SLOTS}, timeout=60.0)
+        if reply.get("t") != "stage_leased":
+            raise RemoteAccessError(f"{self._peer.address} lends no staging slots: {reply.get('message')}",
+                                    peer=self._peer.address)
+        self._lease = int(reply["lease"])
+        self._slot_bytes = int(reply["slot_bytes"])
+        self._slots = [int(a) for a in reply["slots"]]
+        for a in self._slots:
+            self._free.put_nowait(a)
+
+    async def land(self, slot: Slot, part: Packed) -> None:
+        """Writes a filled local slot into one of the peer's inbox slots and
+        has the peer copy it into its GPU memory."""
+        await self._ensure()
+        remote_slot = await self._free.get()
+        try:
+            if part.nbytes > self._slot_bytes:
+                raise ProtocolError(f"{self._peer.address} lends slots of {self._slot_bytes} bytes, "
+                                    f"smaller than ours", peer=self._peer.address)
+            await self._host_write([slot.addr], [remote_slot], [part.nbytes])
+            await self._ask_land(remote_slot, part)
+        finally:
+            self._free.put_nowait(remote_slot)
+
+    async def run_direct(self, packed: Sequence[Packed]) -> None:
+        """Host source: each part written from where it is into a leased slot
+        (several in flight, one per slot), then landed."""
+        await self._ensure()
+
+        async def one(part: Packed) -> None:
+            remote_slot = await self._free.get()
+            try:
+                await self._host_write([l for _, l, _, _ in part.entries],
+                                       [remote_slot + off for off, _, _, _ in part.entries],
+                                       [n for _, _, _, n in part.entries])
+                await self._ask_land(remote_slot, part)
+            finally:
+                self._free.put_nowait(remote_slot)
+
+        tasks = [asyncio.get_running_loop().create_task(one(p)) for p in packed]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _ask_land(self, remote_slot: int, part: Packed) -> None:
+        reply = await self._peer.link.request(
+            {"t": "stage_land", "lease": self._lease, "slot": remote_slot,
+             "entries": [[off, r, n] for off, _, r, n in part.entries]}, timeout=60.0)
+        if reply.get("t") != "stage_landed":
+            raise RemoteAccessError(f"{self._peer.address}: {reply.get('message')}", peer=self._peer.address)
+
+    def release(self) -> None:
+        if self._leasing is not None and not self._leasing.done():
+            self._leasing.cancel()
+        if self._lease is not None:
+            try:
+                self._peer.link.send({"t": "stage_release", "lease": self._lease})
+            except KVFlowError:
+                pass
+            self._lease = None
+
+
+def remote_table(regions: Sequence[RemoteRegion]) -> _Table:
+    t = _Table()
+    t.set([r for r in regions if r.kind == "cuda"])
+    return t

@@ -1,0 +1,134 @@
+"""Copy engines: queue copies of (dst, src, nbytes) pieces and say, on the
+event loop, when they have finished.
+
+CudaCopyEngine queues cuMemcpyAsync on the engine's own streams (several
+copies in flight, one stream each, taken in turn) and waits for each
+copy's event on a thread of its own, so the event loop never blocks on
+the GPU. HostCopyEngine copies between host ranges on a worker thread:
+the same contract for host memory, with which the staging pipeline runs
+and is tested where there is no GPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, Sequence
+
+from kvflow.errors import CudaError
+
+__all__ = ["CopyEngine", "CudaCopyEngine", "HostCopyEngine", "Piece"]
+
+Piece = tuple[int, int, int]        # (dst, src, nbytes)
+
+
+class CopyEngine(Protocol):
+    """copy(pieces) returns once every piece has been copied; copies of
+    several calls may be in flight at once. close() waits for none."""
+
+    async def copy(self, pieces: Sequence[Piece]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _memmove_all(pieces: Sequence[Piece]) -> None:
+    for dst, src, n in pieces:
+        ctypes.memmove(dst, src, n)
+
+
+class HostCopyEngine:
+    """Copies between host ranges on `threads` worker threads (memmove
+    releases the GIL: ctypes calls do)."""
+
+    def __init__(self, threads: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvflow-copy")
+
+    async def copy(self, pieces: Sequence[Piece]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, _memmove_all, list(pieces))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+class _EventWaiter:
+    """One thread that waits for CUDA events in the order they were
+    recorded (cuEventSynchronize releases the GIL) and resolves each
+    event's future on its loop."""
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"kvflow-cuda{device}-events", daemon=True)
+        self._thread.start()
+
+    def wait(self, event: Any, loop: asyncio.AbstractEventLoop, fut: "asyncio.Future[None]") -> None:
+        self._queue.put((event, loop, fut))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        from kvflow._cuda import driver as drv
+        drv.use_device(self._device)
+        cu = drv.driver()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, loop, fut = item
+            err, = cu.cuEventSynchronize(event.handle)
+            error = None if err == cu.CUresult.CUDA_SUCCESS else \
+                CudaError(f"a copy failed on cuda:{self._device}: {err}", code=int(err))
+            try:
+                loop.call_soon_threadsafe(_settle, fut, error, event)
+            except RuntimeError:            # the loop closed meanwhile
+                pass
+
+
+def _settle(fut: "asyncio.Future[None]", error: Exception | None, event: Any) -> None:
+    event.close()
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+class CudaCopyEngine:
+    """Copies with the copy engines of GPU `device`: each copy() call's
+    pieces go onto the next of `streams` streams (cuMemcpyAsync, any
+    direction: unified addressing tells host from device), an event is
+    recorded behind them, and the call returns when it has fired."""
+
+    def __init__(self, device: int, streams: int = 2) -> None:
+        from kvflow._cuda import driver as drv
+        self._drv = drv
+        self.device = device
+        self._streams = [drv.Stream(device) for _ in range(max(1, streams))]
+        self._next = 0
+        self._waiter = _EventWaiter(device)
+
+    async def copy(self, pieces: Sequence[Piece]) -> None:
+        drv = self._drv
+        drv.use_device(self.device)
+        stream = self._streams[self._next]
+        self._next = (self._next + 1) % len(self._streams)
+        for dst, src, n in pieces:
+            drv.copy_async(dst, src, n, stream)
+        event = drv.Event(self.device)
+        event.record(stream)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiter.wait(event, loop, fut)
+        await fut
+
+    def close(self) -> None:
+        self._waiter.close()
+        for s in self._streams:
+            try:
+                s.close()
+            except CudaError:
+                pass
