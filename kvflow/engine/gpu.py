@@ -35,7 +35,7 @@ import numpy as np
 
 from kvflow.control.wire import field
 from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError, ProviderUnavailableError,
-                           RemoteAccessError)
+                           RemoteAccessError, UnregisteredMemoryError)
 from kvflow.memory import Access, Region, RemoteRegion
 from kvflow.providers.cuda.copier import CopyEngine
 from kvflow.providers.cuda.staging import BouncePool, Packed, Slot, pack, run_staged
@@ -188,7 +188,7 @@ class GpuMemory:
         both), staged. `host_write(local, remote, lengths)` is the peer's
         host-memory write."""
         packed = pack(la, ra, ln, self.slot_bytes)
-        remote_gpu = any(remote.find(r, n) is not None for part in packed for _, _, r, n in part.entries)
+        remote_gpu = remote.any_in(np.asarray(ra, dtype=np.uint64))
         if remote_gpu:
             for part in packed:
                 for _, _, r, n in part.entries:
@@ -203,6 +203,9 @@ class GpuMemory:
             if self.local and self._device_of(part.entries, self.local, "local", peer.address) != src_device:
                 raise InvalidArgumentError("a staged batch's local entries must all be on one GPU or all in "
                                            "host memory", peer=peer.address)
+        if src_device is None and not remote_gpu:
+            raise UnregisteredMemoryError(
+                "a local entry starts in GPU memory and runs past the end of its region", peer=peer.address)
         landing = _Landing(peer, host_write) if remote_gpu else None
         try:
             if src_device is None:          # host source: straight into the peer's inbox
@@ -235,8 +238,13 @@ class GpuMemory:
                 "reading a peer's GPU memory is not staged yet: have the peer write it (its GPU memory "
                 "reads are staged on its side)", peer=peer.address)
         device = self._device_of(packed[0].entries, self.local, "local", peer.address)
+        for part in packed[1:]:
+            if self._device_of(part.entries, self.local, "local", peer.address) != device:
+                raise InvalidArgumentError("a staged batch's local entries must all be on one GPU",
+                                           peer=peer.address)
         if device is None:
-            raise InvalidArgumentError("no GPU memory in this batch", peer=peer.address)
+            raise UnregisteredMemoryError(
+                "a local entry starts in GPU memory and runs past the end of its region", peer=peer.address)
         copier = self.copier(device)
 
         async def fill(slot: Slot, part: Packed) -> None:         # peer -> host slot

@@ -1,0 +1,175 @@
+"""kvflow's CUDA module: built with nvcc, importable without a driver, and,
+where a GPU is usable, GPU memory registered and moved over every host
+provider (staged: kvflow.engine.gpu). The GPU tests skip with the reason
+where CUDA is not usable (these build machines have nvcc and no driver);
+tools/gpu_check.sh runs them on a GPU machine."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvflow
+import kvflow.cuda
+from kvflow._cuda import FATBIN, built
+
+from _batches import bounded
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_import_kvflow_imports_nothing_of_cuda():
+    code = ("import sys, kvflow, numpy as np\n"
+            "e = kvflow.features\n"
+            "from kvflow.memory import buffer_span\n"
+            "buffer_span(np.zeros(10, np.uint8)); buffer_span((np.zeros(10, np.uint8).ctypes.data, 10))\n"
+            "print(sorted(m for m in sys.modules if m == 'cuda' or m.startswith('cuda.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if not os.path.exists("/dev/nvidiactl"):
+        assert out.stdout.strip() == "[]"
+
+
+def test_available_never_raises():
+    ok = kvflow.cuda.available()
+    assert isinstance(ok, bool)
+    assert (kvflow.cuda.reason() is None) == ok
+    assert kvflow.cuda.device_count() >= (1 if ok else 0)
+    if not ok:
+        assert isinstance(kvflow.cuda.reason(), str) and kvflow.cuda.reason()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="no nvcc on this machine: the CUDA module is not built")
+def test_cuda_module_built_with_nvcc():
+    """With nvcc found at build time (KVFLOW_CUDA=auto), the fatbin holds the
+    kernels for Ampere and Hopper and the features say it was built."""
+    assert built() and kvflow.features["cuda"]
+    image = open(FATBIN, "rb").read()
+    assert image[:4] == bytes.fromhex("50ed55ba")          # a fatbin's magic
+    for name in (b"kvf_flag_write", b"kvf_doorbells"):
+        assert name in image
+
+
+def test_without_driver_cuda_calls_are_typed_errors():
+    if kvflow.cuda.available():
+        pytest.skip("CUDA is usable here")
+    from kvflow._cuda import driver
+    with pytest.raises(kvflow.ProviderUnavailableError, match="CUDA is not usable here"):
+        driver.Stream(0)
+    assert driver.pointer_location(0x7F0000000000) is None
+
+
+# ---------------------------------------------------------------- on a GPU
+
+def gpu(test):
+    """A test that needs a usable CUDA device (marked cuda)."""
+    return pytest.mark.cuda(pytest.mark.skipif(
+        not kvflow.cuda.available(), reason=f"CUDA not usable here: {kvflow.cuda.reason()}")(test))
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _sha_tensor(t) -> str:
+    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
+
+
+@gpu
+async def test_register_kinds_on_gpu(make_engine):
+    torch = _torch()
+    eng = await make_engine(protocols=["tcp"])
+    t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    r = eng.register(t, name="kv")
+    assert (r.kind, r.device, r.addr, r.length) == ("cuda", 0, t.data_ptr(), t.numel())
+    eng.deregister(r)
+    raw = eng.register((t.data_ptr() + 4096, 8192))               # a raw device pointer, as SGLang passes
+    assert raw.kind == "cuda"
+    eng.deregister(raw)
+    with pytest.raises(kvflow.InvalidArgumentError, match="allocation"):
+        eng.register((t.data_ptr(), t.numel() + (64 << 20)))     # runs past the allocation
+    cupy = pytest.importorskip("cupy")
+    c = cupy.zeros(1 << 16, dtype=cupy.uint8)
+    rc = eng.register(c)
+    assert rc.kind == "cuda" and rc.addr == c.data.ptr
+    from cuda.bindings import driver as cu
+    err, dptr = cu.cuMemAlloc(1 << 16)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    try:
+        rd = eng.register((dptr, 1 << 16))                      # cuda-python's CUdeviceptr
+        assert rd.kind == "cuda"
+        eng.deregister(rd)
+    finally:
+        cu.cuMemFree(dptr)
+
+
+@gpu
+@pytest.mark.parametrize("protocol", ["tcp", "local"])
+@pytest.mark.parametrize("kinds", ["cuda->host", "host->cuda", "cuda->cuda", "read host->cuda"])
+async def test_gpu_memory_moves(make_engine, protocol, kinds):
+    torch = _torch()
+    a = await make_engine(protocols=[protocol])
+    b = await make_engine(protocols=[protocol])
+    n = 6 << 20
+    src_host = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    src = src_host.cuda() if kinds.startswith("cuda") else src_host
+    dst = torch.zeros(n, dtype=torch.uint8, device="cuda" if kinds.endswith("cuda") else "cpu")
+    if kinds.startswith("read"):
+        rs = b.register(src_host, name="src")
+        rd = a.register(dst, name="dst")
+        peer = await bounded(a.connect(b.address))
+        await bounded(peer.read([rd.addr], [peer.region("src").addr], [n]))
+    else:
+        rs = a.register(src, name="src")
+        rd = b.register(dst, name="dst")
+        peer = await bounded(a.connect(b.address))
+        offs = np.arange(64, dtype=np.uint64) * np.uint64(65536)
+        await bounded(peer.write(rs.addr + offs, peer.region("dst").addr + offs, np.full(64, 65536, np.uint64)))
+        await bounded(peer.write([rs.addr + (4 << 20)], [peer.region("dst").addr + (4 << 20)], [2 << 20]))
+    torch.cuda.synchronize()
+    assert _sha_tensor(dst) == _sha_tensor(src_host)
+
+
+@gpu
+def test_flag_write_kernel():
+    from kvflow._cuda import driver, kernels
+    pinned = driver.PinnedHost(4096)
+    try:
+        flag = np.frombuffer((ctypes.c_uint64 * 512).from_address(pinned.addr), dtype=np.uint64)
+        flag[:] = 0
+        stream = driver.Stream(0)
+        kernels.flag_write(stream, pinned.addr + 8, 0xC0FFEE)
+        driver.check(driver.driver().cuStreamSynchronize(stream.handle), "cuStreamSynchronize")
+        assert int(flag[1]) == 0xC0FFEE and int(flag[0]) == 0
+        stream.close()
+    finally:
+        pinned.close()
+
+
+@gpu
+def test_ipc_handle_opens_in_another_process():
+    torch = _torch()
+    from kvflow._cuda import driver
+    t = torch.arange(4096, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    handle = driver.ipc_handle(t.data_ptr())
+    assert len(handle) == driver.IPC_HANDLE_BYTES
+    loc = driver.pointer_location(t.data_ptr())
+    code = ("import sys, numpy as np\n"
+            "from kvflow._cuda import driver as d\n"
+            "base = d.ipc_open(bytes.fromhex(sys.argv[1]), 0)\n"
+            "out = np.zeros(4096, np.int32)\n"
+            "d.check(d.driver().cuMemcpyDtoH(out.ctypes.data, base + int(sys.argv[2]), out.nbytes), 'DtoH')\n"
+            "print(int(out.sum()))\n"
+            "d.ipc_close(base)\n")
+    out = subprocess.run([sys.executable, "-c", code, handle.hex(), str(t.data_ptr() - loc.base)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == sum(range(4096))

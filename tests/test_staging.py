@@ -1,0 +1,275 @@
+"""The staging pipeline that carries GPU memory over the host providers
+(kvflow.providers.cuda.staging, kvflow.engine.gpu), driven with host
+memory: the pipeline is written once against a copy engine, and
+HostCopyEngine is one (memmove on a worker thread) as CudaCopyEngine is
+another. Real engines, real tcp and local providers, the real control
+sessions for the inbox leases; what stands in for GPU memory is host
+memory entered in an engine's GPU table (host_gpu below), so every byte
+the stage moves can be checked here. tests/test_cuda.py runs the same
+paths on a GPU where there is one."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow.engine.gpu import GpuMemory
+from kvflow.memory import Access, Region
+from kvflow.providers.cuda.copier import HostCopyEngine
+from kvflow.providers.cuda.staging import BouncePool, pack, run_staged
+
+from _batches import bounded
+
+SLOT = 256 << 10
+
+
+def _numpy_memory(nbytes: int):
+    buf = np.zeros(nbytes, np.uint8)
+    return buf.ctypes.data, buf
+
+
+def host_gpu(engine: kvflow.Engine, staging_bytes: int = 4 * SLOT) -> GpuMemory:
+    """Gives `engine` GPU memory whose copies are host copies and whose
+    staging memory is plain host memory: the staged paths, driven with
+    host memory."""
+    engine._gpu = GpuMemory(
+        staging_bytes=staging_bytes, slot_bytes=SLOT,
+        register_host=lambda a, n, nm: engine._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
+        deregister_host=engine.deregister, copier=lambda device: HostCopyEngine(), allocate=_numpy_memory)
+    return engine._gpu
+
+
+def gpu_region(engine: kvflow.Engine, arr: np.ndarray, name: str, access=Access.READ | Access.WRITE,
+               device: int = 0) -> Region:
+    """Enters `arr` in the engine's GPU table as device memory of `device`."""
+    engine._gpu_ids -= 1
+    region = Region(arr.ctypes.data, arr.nbytes, name, access, engine._gpu_ids, arr, kind="cuda", device=device)
+    assert engine._gpu.local.add(region)
+    engine._regions[region.id] = region
+    engine._regions_changed()
+    return region
+
+
+def sha(a) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(a))).hexdigest()
+
+
+# ---------------------------------------------------------------- the pipeline alone
+
+
+def test_pack_shares_and_cuts_slots():
+    parts = pack([0x1000, 0x9000, 0x20000], [0x100000, 0x200000, 0x300000], [100, 200, 3 * 1000], 1000)
+    assert [p.nbytes for p in parts] == [1000, 1000, 1000, 300]
+    assert parts[0].entries == [(0, 0x1000, 0x100000, 100), (100, 0x9000, 0x200000, 200),
+                                (300, 0x20000, 0x300000, 700)]
+    assert parts[1].entries == [(0, 0x20000 + 700, 0x300000 + 700, 1000)]
+    assert parts[3].entries == [(0, 0x20000 + 2700, 0x300000 + 2700, 300)]
+    with pytest.raises(kvflow.InvalidArgumentError):
+        pack([1], [2], [0], 1000)
+    with pytest.raises(kvflow.InvalidArgumentError):
+        pack([1, 2], [3], [4], 1000)
+
+
+async def test_pipeline_bounded_allocated_once_and_overlapped():
+    """Slot k+1 fills while slot k drains; never more slots in use than the
+    pool has; its memory is allocated once for every run."""
+    allocations = []
+
+    def allocate(n):
+        allocations.append(n)
+        return _numpy_memory(n)
+
+    pool = BouncePool(1000, 3, allocate)
+    pool.stats.keep_events = True
+    in_drain = 0
+    most = 0
+
+    async def fill(slot, part):
+        await asyncio.sleep(0.001)
+
+    async def drain(slot, part):
+        nonlocal in_drain, most
+        in_drain += 1
+        most = max(most, in_drain)
+        await asyncio.sleep(0.01)
+        in_drain -= 1
+
+    parts = pack(list(range(0, 20000, 1000)), list(range(0, 20000, 1000)), [1000] * 20, 1000)
+    for _ in range(2):
+        await bounded(run_staged(pool, parts, fill, drain))
+    assert len(allocations) == 1 and allocations[0] == 3000
+    assert pool.stats.max_in_use == 3 and pool.stats.slots_in_use == 0 and pool.free == 3
+    assert most >= 2, "drains never overlapped the next fill"
+    ev = pool.stats.events
+    # a fill started while an earlier slot had not drained yet
+    first_drain = ev.index(next(e for e in ev if e[0] == "drained"))
+    assert sum(1 for e in ev[:first_drain] if e[0] == "fill") >= 2
+    assert pool.stats.fills == pool.stats.drains == 40
+
+
+async def test_pipeline_error_returns_every_slot():
+    pool = BouncePool(1000, 2, _numpy_memory)
+    calls = 0
+
+    async def fill(slot, part):
+        pass
+
+    async def drain(slot, part):
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.001 * calls)
+        if calls == 3:
+            raise kvflow.PeerLostError("gone")
+
+    parts = pack([0] * 10, [0] * 10, [1000] * 10, 1000)
+    with pytest.raises(kvflow.PeerLostError):
+        await bounded(run_staged(pool, parts, fill, drain))
+    assert pool.free == 2 and pool.stats.slots_in_use == 0
+    # the pool is usable after the error
+    await bounded(run_staged(pool, parts[:2], fill, lambda s, p: asyncio.sleep(0)))
+
+
+# ---------------------------------------------------------------- staged transfers between engines
+
+
+@pytest.fixture(params=["tcp", "local"])
+def protocols(request):
+    return [request.param]
+
+
+async def _pair(make_engine, protocols):
+    a = await make_engine(protocols=protocols)
+    b = await make_engine(protocols=protocols)
+    host_gpu(a)
+    host_gpu(b)
+    peer = await bounded(a.connect(b.address))
+    return a, b, peer
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+async def test_write_from_gpu_memory_to_host(make_engine, protocols):
+    a, b, peer = await _pair(make_engine, protocols)
+    src = _pattern(3 * SLOT + 12345, 1)
+    gpu_region(a, src, "kv")
+    dst = np.zeros(4 << 20, np.uint8)
+    d = b.register(dst, name="pool")
+    # many small entries and one that spans several slots
+    offs = np.arange(0, 64 * 4096, 4096, dtype=np.uint64)
+    await bounded(peer.write(src.ctypes.data + offs, d.addr + 2 * offs, np.full(64, 4096, np.uint64)))
+    for i in range(64):
+        assert sha(dst[2 * i * 4096: 2 * i * 4096 + 4096]) == sha(src[i * 4096: (i + 1) * 4096])
+    big = src.nbytes - 300000
+    await bounded(peer.write([src.ctypes.data + 300000], [d.addr + (2 << 20)], [big]))
+    assert sha(dst[2 << 20: (2 << 20) + big]) == sha(src[300000:])
+    assert a._gpu.outgoing.stats.allocations == 1 and a._gpu.outgoing.stats.max_in_use <= a._gpu.outgoing.count
+
+
+async def test_write_into_gpu_memory(make_engine, protocols):
+    """Host → peer's GPU memory and GPU → peer's GPU memory: the peer lends
+    inbox slots and lands each one; the write returns after the last landed,
+    so a notification after it finds the data there."""
+    a, b, peer = await _pair(make_engine, protocols)
+    pool = np.zeros(2 << 20, np.uint8)
+    gpu_region(b, pool, "kv_pool")
+    await bounded(peer.refresh())
+    r = peer.region("kv_pool")
+    assert (r.kind, r.device) == ("cuda", 0)
+    host_src = _pattern(SLOT * 2 + 777, 2)
+    hs = a.register(host_src)
+    await bounded(peer.write([hs.addr], [r.addr], [host_src.nbytes]))
+    assert sha(pool[:host_src.nbytes]) == sha(host_src)
+
+    gsrc = _pattern(5 * SLOT + 5, 3)
+    gpu_region(a, gsrc, "kv")
+    offs = np.arange(0, 16, dtype=np.uint64) * np.uint64(65536)
+    await bounded(peer.write(gsrc.ctypes.data + offs, r.addr + (1 << 20) + offs, np.full(16, 65536, np.uint64)))
+    await bounded(peer.notify(b"landed"))
+    sender, msg = await bounded(b.notifications().__anext__())
+    assert msg == b"landed"
+    assert sha(pool[1 << 20: (1 << 20) + 16 * 65536]) == sha(gsrc[:16 * 65536])
+    # every inbox slot came back once the writes were done
+    await asyncio.sleep(0.05)
+    assert b._gpu.inbox.free == b._gpu.inbox.count and not b._gpu._leases
+
+
+async def test_read_into_gpu_memory(make_engine, protocols):
+    a, b, peer = await _pair(make_engine, protocols)
+    remote = _pattern(3 * SLOT + 99, 4)
+    rr = b.register(remote, name="src")
+    await bounded(peer.refresh())
+    local = np.zeros(remote.nbytes, np.uint8)
+    gpu_region(a, local, "kv")
+    await bounded(peer.read([local.ctypes.data], [peer.region("src").addr], [remote.nbytes]))
+    assert sha(local) == sha(remote)
+
+
+async def test_staged_bad_input_loses_nothing(make_engine):
+    """A destination outside the peer's GPU regions, or in one it may not
+    write, is refused before a byte moves; a forged stage_land naming
+    memory outside every GPU region is refused by the target; both engines
+    stay usable."""
+    a, b, peer = await _pair(make_engine, ["tcp"])
+    pool = np.zeros(1 << 20, np.uint8)
+    ro = np.zeros(1 << 16, np.uint8)
+    gpu_region(b, pool, "kv_pool")
+    gpu_region(b, ro, "ro", access=Access.READ)
+    await bounded(peer.refresh())
+    src = _pattern(1 << 16, 5)
+    s = a.register(src)
+    with pytest.raises(kvflow.RemoteAccessError):
+        await bounded(peer.write([s.addr], [peer.region("ro").addr], [4096]))
+    with pytest.raises(kvflow.RemoteAccessError):     # runs past the region's end
+        await bounded(peer.write([s.addr], [peer.region("kv_pool").addr + (1 << 20) - 100], [4096]))
+    assert not pool.any() and not ro.any()
+    # a forged landing: a real lease, then a destination in host memory
+    lease = await bounded(peer.link.request({"t": "stage_lease", "slots": 1}))
+    assert lease["t"] == "stage_leased"
+    victim = np.zeros(4096, np.uint8)
+    b.register(victim, name="victim")
+    bad = await bounded(peer.link.request({"t": "stage_land", "lease": lease["lease"], "slot": lease["slots"][0],
+                                           "entries": [[0, victim.ctypes.data, 4096]]}))
+    assert bad["t"] == "stage_error" and "not inside a GPU region" in bad["message"]
+    bad = await bounded(peer.link.request({"t": "stage_land", "lease": lease["lease"], "slot": lease["slots"][0] + 8,
+                                           "entries": [[0, pool.ctypes.data, 16]]}))
+    assert bad["t"] == "stage_error" and "not a slot of this lease" in bad["message"]
+    bad = await bounded(peer.link.request({"t": "stage_land", "lease": lease["lease"], "slot": lease["slots"][0],
+                                           "entries": [[SLOT - 8, pool.ctypes.data, 16]]}))
+    assert bad["t"] == "stage_error" and "outside the slot" in bad["message"]
+    peer.link.send({"t": "stage_release", "lease": lease["lease"]})
+    assert not victim.any() and not pool.any()
+    await bounded(peer.write([s.addr], [peer.region("kv_pool").addr], [src.nbytes]))
+    assert sha(pool[:src.nbytes]) == sha(src)
+
+
+async def test_dropped_session_returns_its_inbox_slots(make_engine):
+    a, b, peer = await _pair(make_engine, ["tcp"])
+    gpu_region(b, np.zeros(1 << 16, np.uint8), "kv_pool")
+    lease = await bounded(peer.link.request({"t": "stage_lease", "slots": 4}))
+    assert lease["t"] == "stage_leased" and len(lease["slots"]) == b._gpu.inbox.count - b._gpu.inbox.free
+    await bounded(peer.close())
+    for _ in range(100):
+        if b._gpu.inbox.free == b._gpu.inbox.count:
+            break
+        await asyncio.sleep(0.02)
+    assert b._gpu.inbox.free == b._gpu.inbox.count and not b._gpu._leases
+
+
+async def test_descriptor_carries_gpu_regions():
+    from kvflow.control.descriptor import regions_from_wire, regions_to_wire
+    from kvflow.memory import RemoteRegion
+    regions = [RemoteRegion(0x1000, 4096, "host", Access.READ, (1, 2)),
+               RemoteRegion(0x7F0000000000, 1 << 30, "kv", Access.READ | Access.WRITE, (), "cuda", 3)]
+    wire = regions_to_wire(regions)
+    assert wire[0] == [0x1000, 4096, 1, "host", [1, 2]]        # host regions: as before
+    back = regions_from_wire(wire)
+    assert [(r.kind, r.device) for r in back] == [("host", -1), ("cuda", 3)]
+    for bad in ([[0x1000, 4096, 3, None, [], -1]], [[0x1000, 4096, 3, None, [], "0"]],
+                [[0x1000, 4096, 3, None, [], 0, 1]]):
+        with pytest.raises(kvflow.ProtocolError):
+            regions_from_wire(bad)
