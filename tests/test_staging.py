@@ -273,3 +273,80 @@ async def test_descriptor_carries_gpu_regions():
                 [[0x1000, 4096, 3, None, [], 0, 1]]):
         with pytest.raises(kvflow.ProtocolError):
             regions_from_wire(bad)
+
+
+async def test_staged_nowait_strided_blocking_and_posted(make_engine):
+    """The other ways into a write reach the staged path too: write_nowait
+    (a TaskTransfer, cancellable), strided entries (expanded), write_blocking
+    and post_write from another thread."""
+    a, b, peer = await _pair(make_engine, ["tcp"])
+    pool = np.zeros(1 << 20, np.uint8)
+    gpu_region(b, pool, "kv_pool")
+    await bounded(peer.refresh())
+    base = peer.region("kv_pool").addr
+    src = _pattern(1 << 18, 6)
+    s = a.register(src)
+    t = peer.write_nowait([s.addr], [base], [65536])
+    assert t.nbytes == 65536
+    await bounded(t)
+    assert t.done() and sha(pool[:65536]) == sha(src[:65536])
+    # strided: 8 pieces of 1 KiB, every 4 KiB on the source, every 2 KiB on the target
+    await bounded(peer.write([s.addr], [base + 65536], [1024], counts=[8], local_strides=[4096],
+                             remote_strides=[2048]))
+    for k in range(8):
+        assert sha(pool[65536 + 2048 * k: 65536 + 2048 * k + 1024]) == sha(src[4096 * k: 4096 * k + 1024])
+    loop = asyncio.get_running_loop()
+    await bounded(loop.run_in_executor(None, lambda: peer.write_blocking([s.addr], [base + (1 << 19)], [1 << 17])))
+    assert sha(pool[1 << 19: (1 << 19) + (1 << 17)]) == sha(src[:1 << 17])
+    pool[:] = 0
+
+    def posted():
+        p = peer.post_write([s.addr], [base], [1 << 18])
+        while not p.poll():
+            pass
+    await bounded(loop.run_in_executor(None, posted))
+    assert sha(pool[:1 << 18]) == sha(src)
+    # a cancelled staged write raises TransferCancelledError and returns its slots
+    big = np.zeros(4 << 20, np.uint8)
+    gpu_region(a, big, "big")
+    for wait in (0, 0.001, 0.003):
+        t = peer.write_nowait([big.ctypes.data], [base], [1 << 20])
+        await asyncio.sleep(wait)           # cancelled before it starts, and while its slots are busy
+        if t.cancel():
+            with pytest.raises(kvflow.TransferCancelledError):
+                await bounded(t)
+        else:
+            await bounded(t)
+    await asyncio.sleep(0.05)
+    assert a._gpu.outgoing.free == a._gpu.outgoing.count
+    await bounded(peer.write([s.addr], [base], [4096]))          # still usable
+
+
+async def test_after_needs_cuda(make_engine):
+    import kvflow.cuda
+    if kvflow.cuda.available():
+        pytest.skip("CUDA is usable here: tests/test_cuda.py waits for real events")
+    a = await make_engine(protocols=["tcp"])
+    b = await make_engine(protocols=["tcp"])
+    dst = b.register(np.zeros(4096, np.uint8), name="d")
+    src = a.register(np.ones(4096, np.uint8))
+    peer = await bounded(a.connect(b.address))
+    with pytest.raises(kvflow.ProviderUnavailableError, match="CUDA is not usable here"):
+        await bounded(peer.write([src.addr], [dst.addr], [4096], after=object()))
+    await bounded(peer.write([src.addr], [dst.addr], [4096]))
+
+
+def test_mooncake_gpu_location_without_cuda():
+    import kvflow.cuda
+    if kvflow.cuda.available():
+        pytest.skip("CUDA is usable here")
+    from kvflow.compat.mooncake import TransferEngine
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        assert te.register_memory(0x7F0000000000, 1 << 20, "cuda:0") == -1
+        host = np.zeros(4096, np.uint8)
+        assert te.register_memory(host.ctypes.data, host.nbytes, "cpu:0") == 0
+        assert te.register_memory(host.ctypes.data + 8192 * 0 + 0, 16, "cuda:0") == -1   # host memory, said cuda
+    finally:
+        te.close() if hasattr(te, "close") else None

@@ -91,12 +91,15 @@ class KVSender(Request):
         if last:
             self.finish()
 
-    def send_layer(self, layer: int, kv_indices: Any) -> None:
+    def send_layer(self, layer: int, kv_indices: Any, after: Any = None) -> None:
         """Sends one layer of these pages now (layer-wise streaming); call
-        finish() once the last layer and the aux record are ready."""
+        finish() once the last layer and the aux record are ready. `after`:
+        a CUDA event (or stream) the layer's KV is written by: its writes
+        start once it has completed (Peer.write's after=), so a layer is
+        sent as soon as its kernel is done, never before."""
         if not 0 <= layer < self._layers:
             raise KVFlowError(f"room {self.room}: layer {layer} outside 0..{self._layers - 1}")
-        self.mgr.call_soon(self._enqueue, (self._pages(kv_indices), layer))
+        self.mgr.call_soon(self._enqueue, (self._pages(kv_indices), (layer, after)))
 
     def finish(self) -> None:
         """Sends the aux record and, once every write has landed, tells the
@@ -183,8 +186,9 @@ class KVSender(Request):
             if not started:
                 started = time.monotonic()
                 self._set_state(KVPoll.Transferring)
-            layers = range(self._layers) if arg is None else (arg,)
-            self._post(peers, op, layers, offsets)
+            layer, after = (None, None) if arg is None else arg
+            layers = range(self._layers) if layer is None else (layer,)
+            self._post(peers, op, layers, offsets, after)
         self._post_aux(peers)
         await asyncio.gather(*self._transfers)
         self.metric.transfer_latency_s = time.monotonic() - (started or time.monotonic())
@@ -198,7 +202,8 @@ class KVSender(Request):
             stats.latency_s += self.metric.transfer_latency_s
         self._set_state(KVPoll.Success)
 
-    def _post(self, peers: dict[str, "Peer"], pages: np.ndarray, layers: Any, offsets: np.ndarray) -> None:
+    def _post(self, peers: dict[str, "Peer"], pages: np.ndarray, layers: Any, offsets: np.ndarray,
+              after: Any = None) -> None:
         a = self.mgr.kv_args
         n = pages.size
         if not n:
@@ -217,12 +222,12 @@ class KVSender(Request):
                 runs = layout.page_runs(pages, dst_all[off:off + n])
                 if sliced is None:
                     self._write(peers[addr], *layout.kv_entries(a.kv_data_ptrs, a.kv_item_lens, meta["kv_ptrs"],
-                                                                meta["kv_item_lens"], buffers, runs))
+                                                                meta["kv_item_lens"], buffers, runs), after=after)
                 else:
                     la, ra, ln, *strides = layout.head_sliced_entries(
                         a.kv_data_ptrs, a.kv_item_lens, meta["kv_ptrs"], meta["kv_item_lens"], buffers, runs,
                         a.page_size, *sliced)
-                    self._write(peers[addr], la, ra, ln, strides)
+                    self._write(peers[addr], la, ra, ln, strides, after=after)
         for layer in layers:
             offsets[layer] += n
 
@@ -256,12 +261,12 @@ class KVSender(Request):
             ln = [min(x, y) for x, y in zip(a.aux_item_lens, meta["aux_item_lens"])]
             self._write(peers[addr], la, ra, ln)
 
-    def _write(self, peer: "Peer", la: Any, ra: Any, ln: Any, strides: Any = None) -> None:
+    def _write(self, peer: "Peer", la: Any, ra: Any, ln: Any, strides: Any = None, after: Any = None) -> None:
         if strides is None:
-            t = peer.write_nowait(la, ra, ln, priority=self.priority)
+            t = peer.write_nowait(la, ra, ln, priority=self.priority, after=after)
         else:
             t = peer.write_nowait(la, ra, ln, counts=strides[0], local_strides=strides[1],
-                                  remote_strides=strides[2], priority=self.priority)
+                                  remote_strides=strides[2], priority=self.priority, after=after)
         self._transfers.append(t)
         self.metric.entries += len(ln)
         posted = time.perf_counter()

@@ -22,7 +22,7 @@ from kvflow.control.wire import field
 from kvflow.memory import RemoteRegion
 from kvflow.engine.gpu import remote_table
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
-from kvflow.engine.transfer import Transfer, batch_error
+from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
 from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
 
@@ -248,7 +248,7 @@ class Peer:
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
-                    deadline: float | None = None) -> None:
+                    deadline: float | None = None, after: Any = None) -> None:
         """Writes one batch: entry i copies lengths[i] bytes from local_addrs[i]
         (this engine's registered memory) to remote_addrs[i] (the peer's).
         Returns once every byte has landed in the peer's memory.
@@ -270,14 +270,20 @@ class Peer:
 
         GPU memory on either side (a CUDA region of this engine or of the
         peer) is staged through host bounce buffers (kvflow.engine.gpu);
-        strided entries, priority and deadline do not apply to it yet.
+        priority and deadline order its host legs, not its copies.
+
+        after: a CUDA event or stream (torch, cupy, cuda-python) that the
+        source is written by: the batch starts once it has completed (for
+        a stream, the work queued on it so far), awaited without blocking
+        the event loop; a prefill layer's KV is sent when its kernel is done.
 
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
-        if self._gpu_table or self._engine._gpu is not None:
-            if self._staged(local_addrs, remote_addrs):
-                await self._staged_op(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts)
+        if after is not None or self._gpu_table or self._engine._gpu is not None:
+            if after is not None or self._staged(local_addrs, remote_addrs):
+                await self._routed(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
+                                   remote_strides, priority, deadline, after)
                 return
         t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
                                  counts, local_strides, remote_strides, priority, deadline)
@@ -289,14 +295,15 @@ class Peer:
     async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                    timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                    remote_strides: Any = None, priority: Priority = Priority.NORMAL,
-                   deadline: float | None = None) -> None:
+                   deadline: float | None = None, after: Any = None) -> None:
         """Reads one batch: entry i copies lengths[i] bytes from the peer's
         remote_addrs[i] into local_addrs[i]. Strided entries, priority,
-        deadline and errors as write(); reads into this engine's GPU memory
-        are staged."""
-        if self._gpu_table or self._engine._gpu is not None:
-            if self._staged(local_addrs, remote_addrs):
-                await self._staged_op(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts)
+        deadline, after and errors as write(); reads into this engine's GPU
+        memory are staged."""
+        if after is not None or self._gpu_table or self._engine._gpu is not None:
+            if after is not None or self._staged(local_addrs, remote_addrs):
+                await self._routed(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
+                                   remote_strides, priority, deadline, after)
                 return
         t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout,
                                  counts, local_strides, remote_strides, priority, deadline)
@@ -305,10 +312,23 @@ class Peer:
         elif self._engine._inline_turn():
             await asyncio.sleep(0)
 
-    async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any) -> None:
-        if counts is not None:
-            raise InvalidArgumentError("strided entries are not staged yet: pass GPU memory as plain entries",
-                                       peer=self.address)
+    async def _routed(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
+                      local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
+                      after: Any) -> None:
+        """A batch that waits for a CUDA event first, or is staged."""
+        if after is not None:
+            from kvflow.providers.cuda.copier import wait_after
+            await wait_after(after)
+        if (self._gpu_table or self._engine._gpu is not None) and self._staged(la, ra):
+            if counts is not None or local_strides is not None or remote_strides is not None:
+                la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
+            await self._staged_op(op, la, ra, ln, timeout)
+            return
+        t = self._submit_awaited(op, la, ra, ln, timeout, counts, local_strides, remote_strides, priority, deadline)
+        if t is not None:
+            await t
+
+    async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
         gpu = self._engine._gpu
         if gpu is None:             # host memory here, GPU memory there: only writes land in it
             gpu = self._engine._gpu_memory()
@@ -333,21 +353,39 @@ class Peer:
             raise TransferTimeoutError(f"staged transfer to {self.address} timed out after {timeout} s",
                                        peer=self.address) from None
 
+    def _task_transfer(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
+                       local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
+                       after: Any) -> TaskTransfer:
+        lengths = np.asarray(ln, dtype=np.uint64)
+        nbytes = int((lengths * np.asarray(counts, dtype=np.uint64)).sum()) if counts is not None \
+            else int(lengths.sum())
+        return TaskTransfer(self._routed(op, la, ra, ln, timeout, counts, local_strides, remote_strides,
+                                         priority, deadline, after), self.address, nbytes)
+
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                      remote_strides: Any = None, priority: Priority = Priority.NORMAL,
-                     deadline: float | None = None) -> Transfer:
+                     deadline: float | None = None, after: Any = None) -> "Transfer | TaskTransfer":
         """Starts a write and returns its Transfer (awaitable, cancellable:
         its slices still queued are dropped at once). Argument and
-        validation errors raise here; transfer errors on await."""
+        validation errors raise here; transfer errors on await (for GPU
+        memory, staged, and with `after`, all of them on await)."""
+        if after is not None or ((self._gpu_table or self._engine._gpu is not None) and
+                                 self._staged(local_addrs, remote_addrs)):
+            return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
+                                       local_strides, remote_strides, priority, deadline, after)
         return self._nowait(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
                             counts, local_strides, remote_strides, priority, deadline)
 
     def read_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
-                    deadline: float | None = None) -> Transfer:
+                    deadline: float | None = None, after: Any = None) -> "Transfer | TaskTransfer":
         """Starts a read and returns its Transfer."""
+        if after is not None or ((self._gpu_table or self._engine._gpu is not None) and
+                                 self._staged(local_addrs, remote_addrs)):
+            return self._task_transfer(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts,
+                                       local_strides, remote_strides, priority, deadline, after)
         return self._nowait(OP_READ, local_addrs, remote_addrs, lengths, timeout,
                             counts, local_strides, remote_strides, priority, deadline)
 
@@ -386,7 +424,8 @@ class Peer:
         if running is loop:
             raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
                               "thread would block the loop: await write()/read() there", peer=self.address)
-        if self.alive and self._provider is not None and self._provider.caps.detached and \
+        staged = (self._gpu_table or self._engine._gpu is not None) and self._staged(la, ra)
+        if not staged and self.alive and self._provider is not None and self._provider.caps.detached and \
                 self._detached(op, la, ra, ln, timeout, prio, deadline_ns):
             return
         kw = {"timeout": timeout, "priority": prio, "deadline": deadline}
@@ -450,7 +489,8 @@ class Peer:
     def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
         prio, deadline_ns = qos_args(priority, deadline)     # its own fast path for the default
         provider = self._provider
-        if provider is not None and provider.caps.detached and self.alive:
+        staged = (self._gpu_table or self._engine._gpu is not None) and self._staged(la, ra)
+        if not staged and provider is not None and provider.caps.detached and self.alive:
             try:
                 status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
             except RuntimeError:

@@ -210,3 +210,46 @@ def batch_error(table: BatchTable, peer: str, op: int, status: int, entry: int,
 def _silence(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+class TaskTransfer:
+    """A transfer that runs as a task on the loop rather than as one native
+    batch: staged GPU memory (kvflow.engine.gpu), or a batch that waits for
+    a CUDA event first (`after=`). The same face as Transfer: await it,
+    cancel() it (what is still queued is dropped, what is on the wire is
+    waited for), done(), add_done_callback(), nbytes."""
+
+    __slots__ = ("_task", "_peer", "nbytes", "_cancelled")
+
+    def __init__(self, coro: Any, peer: str, nbytes: int) -> None:
+        self._peer = peer
+        self.nbytes = nbytes
+        self._cancelled = False
+        self._task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        try:
+            return (yield from asyncio.shield(self._task).__await__())
+        except asyncio.CancelledError:
+            if self._cancelled and self._task.done():
+                raise TransferCancelledError(f"transfer to {self._peer} cancelled", peer=self._peer) from None
+            if not self._task.done():       # the awaiting task was cancelled: so is the transfer
+                self._task.cancel()
+            raise
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def add_done_callback(self, callback: "Callable[[TaskTransfer], object]") -> None:
+        self._task.add_done_callback(lambda _: callback(self))
+
+    def cancel(self) -> bool:
+        if self._task.done():
+            return False
+        self._cancelled = True
+        self._task.cancel()
+        return True
+
+    def __repr__(self) -> str:
+        state = "done" if self._task.done() else "pending"
+        return f"<kvflow.Transfer staged {self.nbytes} B to {self._peer} {state}>"

@@ -28,7 +28,8 @@ from kvflow.compat.mooncake.waiting import EAGER_TASKS, Waiter, drive, shutdown
 from kvflow.engine.engine import Engine
 from kvflow.engine.peer import Peer
 from kvflow.engine.thread import EngineThread
-from kvflow.errors import InvalidArgumentError, KVFlowError, PeerUnreachableError, TransferTimeoutError
+from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerUnreachableError, ProviderUnavailableError,
+                           TransferTimeoutError)
 from kvflow.memory import Region, RemoteRegion
 from kvflow.schedule.qos import Priority, qos_args
 
@@ -231,8 +232,11 @@ class TransferEngine:
     # ------------------------------------------------------------ memory
     def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
         """Registers [buffer_addr, buffer_addr + capacity) for transfers both
-        ways. 0; -7 if it overlaps a registered region; -1 otherwise."""
-        return self._manage(self._register_all, [(buffer_addr, capacity)])
+        ways: host memory, or GPU memory (a device pointer, as SGLang's and
+        vLLM's connectors pass their KV pools; `location` "cuda:N" says so,
+        else the CUDA driver tells). 0; -7 if it overlaps a registered
+        region; -1 otherwise (GPU memory where CUDA is not usable here)."""
+        return self._manage(self._register_all, [(buffer_addr, capacity)], location)
 
     def unregister_memory(self, buffer_addr: int) -> int:
         """Unregisters the region that starts at buffer_addr. 0; -3 if none does."""
@@ -245,7 +249,7 @@ class TransferEngine:
         if len(buffer_addresses) != len(capacities):
             return self._fail(InvalidArgumentError(
                 f"batch_register_memory: {len(buffer_addresses)} addresses, {len(capacities)} capacities"))
-        return self._manage(self._register_all, list(zip(buffer_addresses, capacities)))
+        return self._manage(self._register_all, list(zip(buffer_addresses, capacities)), location)
 
     def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> int:
         """Unregisters every listed region; -3 if one was not registered."""
@@ -524,8 +528,14 @@ class TransferEngine:
         except Exception as e:  # noqa: BLE001 - callers map every failure to a code
             raise KVFlowError(f"{type(e).__name__}: {e}") from None
 
-    def _register_all(self, spans: list[tuple[int, int]]) -> int:
+    def _register_all(self, spans: list[tuple[int, int]], location: str = "*") -> int:
         assert self._engine is not None
+        gpu = isinstance(location, str) and location.startswith("cuda")
+        if gpu:
+            from kvflow._cuda import driver
+            if not driver.available():
+                return self._fail(ProviderUnavailableError(
+                    f"register_memory(location={location!r}): CUDA is not usable here ({driver.reason()})"))
         for addr, cap in spans:
             if addr <= 0 or cap <= 0:
                 return self._fail(InvalidArgumentError(f"cannot register {addr:#x}+{cap}: empty or null"))
@@ -540,7 +550,12 @@ class TransferEngine:
         try:
             for addr, cap in spans:
                 name = f"{REGION_PREFIX}{next(self._seq)}"
-                self._regions[addr] = self._engine.register((addr, cap), name=name)
+                region = self._engine.register((addr, cap), name=name)
+                if gpu and region.kind != "cuda":
+                    self._engine.deregister(region)
+                    raise InvalidArgumentError(f"{addr:#x}+{cap}: location {location!r}, but the CUDA "
+                                               "driver does not know it as device memory")
+                self._regions[addr] = region
                 done.append(addr)
         except KVFlowError:
             for addr in done:

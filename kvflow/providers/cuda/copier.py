@@ -132,3 +132,66 @@ class CudaCopyEngine:
                 s.close()
             except CudaError:
                 pass
+
+
+_after_pool: ThreadPoolExecutor | None = None
+
+
+async def wait_after(after: Any) -> None:
+    """Waits, off the event loop, until `after` has completed: a CUDA event
+    or stream (torch.cuda.Event / Stream, cupy.cuda.Event / Stream,
+    cuda-python's CUevent / CUstream). For a stream, the work queued on it
+    so far. Returns at once when it has completed already."""
+    global _after_pool
+    from kvflow._cuda import driver as drv
+    cu = drv.driver()
+    event, own = _event_of(after, cu, drv)
+    try:
+        err, = cu.cuEventQuery(event)
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            if _after_pool is None:
+                _after_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-cuda-after")
+            err, = await asyncio.get_running_loop().run_in_executor(_after_pool, cu.cuEventSynchronize, event)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise CudaError(f"waiting for {type(after).__name__}: {err}", code=int(err))
+    finally:
+        if own is not None:
+            own.close()
+
+
+def _event_of(after: Any, cu: Any, drv: Any) -> tuple[Any, Any]:
+    """(CUevent to wait for, our own Event to destroy after, or None)."""
+    kind = type(after).__name__
+    if kind == "CUevent":
+        return after, None
+    if kind == "CUstream":
+        return _record(cu.CUstream(int(after)), drv, after)
+    handle = getattr(after, "cuda_event", None)             # torch.cuda.Event
+    if handle is not None:
+        return cu.CUevent(int(handle)), None
+    handle = getattr(after, "cuda_stream", None)            # torch.cuda.Stream
+    if handle is not None:
+        return _record(cu.CUstream(int(handle)), drv, after)
+    module = type(after).__module__ or ""
+    if module.startswith("cupy"):
+        ptr = int(after.ptr)
+        return (cu.CUevent(ptr), None) if "Event" in kind else _record(cu.CUstream(ptr), drv, after)
+    from kvflow.errors import InvalidArgumentError
+    raise InvalidArgumentError(
+        f"after= takes a CUDA event or stream (torch, cupy or cuda-python), not a {kind}")
+
+
+def _record(stream: Any, drv: Any, owner: Any) -> tuple[Any, Any]:
+    """An event of ours recorded on `stream` (in its device's context)."""
+    device = getattr(getattr(owner, "device", None), "index", None)     # torch
+    if device is None:
+        device = getattr(owner, "device_id", None)                     # cupy
+    ev = drv.Event(int(device) if device is not None else _current_device(drv))
+    drv.check(drv.driver().cuEventRecord(ev.handle, stream), "cuEventRecord")
+    return ev.handle, ev
+
+
+def _current_device(drv: Any) -> int:
+    cu = drv.driver()
+    err, dev = cu.cuCtxGetDevice()
+    return int(dev) if err == cu.CUresult.CUDA_SUCCESS else 0

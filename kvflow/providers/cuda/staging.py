@@ -71,8 +71,8 @@ class BouncePool:
 
     @property
     def free(self) -> int:
-        """Slots free now."""
-        return len(self._free)
+        """Slots free now (all of them before the pool's memory is made)."""
+        return len(self._free) if self._keep is not None else self.count
 
     @property
     def total(self) -> int:
