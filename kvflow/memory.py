@@ -12,7 +12,11 @@ import numpy as np
 from kvflow._core import ACCESS
 from kvflow.errors import InvalidArgumentError
 
-__all__ = ["Access", "Region", "RemoteRegion", "Span", "buffer_span", "host_mapping"]
+__all__ = ["CUDA", "HOST", "Access", "Region", "RemoteRegion", "Span", "buffer_span", "host_mapping"]
+
+# Memory kinds (Region.kind): memory the CPU touches, and a CUDA GPU's
+HOST = "host"
+CUDA = "cuda"
 
 
 class Access(enum.IntFlag):
@@ -42,6 +46,8 @@ class Region:
     # "host" (memory the CPU touches) or "cuda" (device memory of GPU `device`)
     kind: str = "host"
     device: int = -1
+    # GPU memory: (CUDA IPC handle of its allocation, region's offset in it), or None
+    ipc: tuple[bytes, int] | None = field(repr=False, compare=False, default=None)
 
     @property
     def end(self) -> int:
@@ -59,6 +65,8 @@ class RemoteRegion:
     rkeys: tuple[int, ...] = field(repr=False, compare=False, default=())
     kind: str = "host"
     device: int = -1
+    # GPU memory: (CUDA IPC handle of its allocation, region's offset in it), or None
+    ipc: tuple[bytes, int] | None = field(repr=False, compare=False, default=None)
 
     @property
     def end(self) -> int:
@@ -78,6 +86,7 @@ class Span:
     keep: Any
     kind: str = "host"
     device: int = -1
+    base: int = 0               # GPU memory: the start of the CUDA allocation holding it
 
 
 def buffer_span(buffer: Any) -> Span:
@@ -137,12 +146,12 @@ def _raw_span(buffer: tuple) -> Span:
     if ptr <= 0 or length <= 0 or ptr + length > 1 << 64:
         raise InvalidArgumentError(f"invalid raw buffer (ptr={ptr:#x}, length={length})")
     where = _driver_location(ptr)
-    if where is not None and where.kind == "cuda":
+    if where is not None and where.kind == CUDA:
         if ptr + length > where.base + where.size:
             raise InvalidArgumentError(
                 f"cannot register {ptr:#x}+{length}: the CUDA allocation holding it ends at "
                 f"{where.base + where.size:#x}")
-        return Span(ptr, length, True, None, "cuda", where.device)
+        return Span(ptr, length, True, None, "cuda", where.device, where.base)
     # nothing else vouches for a raw range: it must be host memory this
     # process has mapped, or the first transfer would fault
     return Span(ptr, length, host_mapping(ptr, length), None)
@@ -178,7 +187,7 @@ def _device_span(buffer: Any, where: str) -> Span:
     from kvflow.errors import ProviderUnavailableError
     from kvflow._cuda import driver
     name = type(buffer).__name__
-    if not where.startswith("cuda"):
+    if not where.startswith(CUDA):
         raise InvalidArgumentError(f"cannot register a {name} in {where} memory: kvflow moves host and "
                                    "CUDA memory only")
     if not driver.available():
@@ -194,12 +203,12 @@ def _device_span(buffer: Any, where: str) -> Span:
         ptr, length, writable, keep = dlpack_extent(buffer)
         buffer = (buffer, keep)
     loc = driver.pointer_location(ptr)
-    if loc is None or loc.kind != "cuda":
+    if loc is None or loc.kind != CUDA:
         raise InvalidArgumentError(f"cannot register a {name}: the CUDA driver does not know {ptr:#x} as "
                                    "device memory")
     if ptr + length > loc.base + loc.size:
         raise InvalidArgumentError(f"cannot register a {name}: {ptr:#x}+{length} runs past its CUDA allocation")
-    return Span(ptr, length, writable, buffer, "cuda", loc.device)
+    return Span(ptr, length, writable, buffer, "cuda", loc.device, loc.base)
 
 
 def _cuda_array_interface(buffer: Any) -> dict | None:

@@ -39,6 +39,7 @@ def host_gpu(engine: kvflow.Engine, staging_bytes: int = 4 * SLOT) -> GpuMemory:
         staging_bytes=staging_bytes, slot_bytes=SLOT,
         register_host=lambda a, n, nm: engine._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
         deregister_host=engine.deregister, copier=lambda device: HostCopyEngine(), allocate=_numpy_memory)
+    engine._gpu._host_find = engine._holds_host
     return engine._gpu
 
 
@@ -137,6 +138,7 @@ async def test_pipeline_error_returns_every_slot():
 
 @pytest.fixture(params=["tcp", "local"])
 def protocols(request):
+    """tcp: staged; local (the peer in this process): a direct copy."""
     return [request.param]
 
 
@@ -167,7 +169,11 @@ async def test_write_from_gpu_memory_to_host(make_engine, protocols):
     big = src.nbytes - 300000
     await bounded(peer.write([src.ctypes.data + 300000], [d.addr + (2 << 20)], [big]))
     assert sha(dst[2 << 20: (2 << 20) + big]) == sha(src[300000:])
-    assert a._gpu.outgoing.stats.allocations == 1 and a._gpu.outgoing.stats.max_in_use <= a._gpu.outgoing.count
+    stats = a._gpu.outgoing.stats
+    if protocols == ["tcp"]:
+        assert stats.allocations == 1 and 2 <= stats.max_in_use <= a._gpu.outgoing.count
+    else:                   # the peer is in this process: one direct copy, nothing staged
+        assert stats.allocations == 0 and stats.fills == 0
 
 
 async def test_write_into_gpu_memory(make_engine, protocols):
@@ -209,12 +215,12 @@ async def test_read_into_gpu_memory(make_engine, protocols):
     assert sha(local) == sha(remote)
 
 
-async def test_staged_bad_input_loses_nothing(make_engine):
+async def test_staged_bad_input_loses_nothing(make_engine, protocols):
     """A destination outside the peer's GPU regions, or in one it may not
     write, is refused before a byte moves; a forged stage_land naming
     memory outside every GPU region is refused by the target; both engines
     stay usable."""
-    a, b, peer = await _pair(make_engine, ["tcp"])
+    a, b, peer = await _pair(make_engine, protocols)
     pool = np.zeros(1 << 20, np.uint8)
     ro = np.zeros(1 << 16, np.uint8)
     gpu_region(b, pool, "kv_pool")
@@ -269,8 +275,17 @@ async def test_descriptor_carries_gpu_regions():
     assert wire[0] == [0x1000, 4096, 1, "host", [1, 2]]        # host regions: as before
     back = regions_from_wire(wire)
     assert [(r.kind, r.device) for r in back] == [("host", -1), ("cuda", 3)]
+    handle = bytes(range(64))
+    # with its CUDA IPC handle (64 bytes) and offset in the allocation
+    handle = bytes(range(64))
+    ipc = RemoteRegion(0x7F0000001000, 4096, "kv2", Access.WRITE, (), "cuda", 1, (handle, 0x1000))
+    (back,) = regions_from_wire(regions_to_wire([ipc]))
+    assert (back.kind, back.device, back.ipc) == ("cuda", 1, (handle, 0x1000))
+    for bad_ipc in ([b"short", 0], [handle, -1], [handle], ["x" * 64, 0]):
+        with pytest.raises(kvflow.ProtocolError):
+            regions_from_wire([[0x1000, 4096, 3, None, [], 0, *bad_ipc]])
     for bad in ([[0x1000, 4096, 3, None, [], -1]], [[0x1000, 4096, 3, None, [], "0"]],
-                [[0x1000, 4096, 3, None, [], 0, 1]]):
+                [[0x1000, 4096, 3, None, [], 0, 1]], [[0x1000, 4096, 3, None, [], 0, handle, 0, 9]]):
         with pytest.raises(kvflow.ProtocolError):
             regions_from_wire(bad)
 

@@ -8,7 +8,7 @@ from typing import Any
 from kvflow._core import MAX_DEVS
 from kvflow.control.wire import field
 from kvflow.errors import InvalidArgumentError, ProtocolError
-from kvflow.memory import Access, RemoteRegion
+from kvflow.memory import CUDA, Access, RemoteRegion
 from kvflow.topology import Topology, parse_location
 
 __all__ = ["Descriptor", "rdma_from_wire", "regions_from_wire", "regions_to_wire"]
@@ -117,10 +117,14 @@ def rdma_from_wire(v: Any) -> dict[str, Any] | None:
     return {"devices": devices, "probe": [addr, rkeys, cookie]}
 
 
+IPC_HANDLE_BYTES = 64          # a CUipcMemHandle (kvflow._cuda.driver)
+
+
 def regions_to_wire(regions: list[RemoteRegion]) -> list[list[Any]]:
     # host regions: [addr, length, access, name, rkeys]; GPU memory adds its device
+    # (and, where it has one, its CUDA IPC handle and offset in that allocation)
     return [[r.addr, r.length, int(r.access), r.name, list(r.rkeys)] +
-            ([r.device] if r.kind == "cuda" else []) for r in regions]
+            ([r.device] + (list(r.ipc) if r.ipc else []) if r.kind == CUDA else []) for r in regions]
 
 
 def regions_from_wire(v: Any) -> list[RemoteRegion]:
@@ -132,7 +136,13 @@ def regions_from_wire(v: Any) -> list[RemoteRegion]:
             device = rest[1] if len(rest) > 1 else None
             if device is not None and not (isinstance(device, int) and 0 <= device < 1 << 16):
                 raise ValueError
-            if len(rest) > 2 or not isinstance(rkeys, list) or len(rkeys) > MAX_DEVS or not all(
+            ipc = None
+            if len(rest) > 2:
+                if len(rest) != 4 or not isinstance(rest[2], bytes) or len(rest[2]) != IPC_HANDLE_BYTES or \
+                        not isinstance(rest[3], int) or not 0 <= rest[3] < 1 << 48:
+                    raise ValueError
+                ipc = (rest[2], rest[3])
+            if len(rest) > 4 or not isinstance(rkeys, list) or len(rkeys) > MAX_DEVS or not all(
                     isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys):
                 raise ValueError
             if not (isinstance(addr, int) and isinstance(length, int) and isinstance(access, int)):
@@ -142,7 +152,7 @@ def regions_from_wire(v: Any) -> list[RemoteRegion]:
             if name is not None and not isinstance(name, str):
                 raise TypeError
             out.append(RemoteRegion(addr, length, name, Access(access & 3), tuple(rkeys),
-                                    *(("cuda", device) if device is not None else ())))
+                                    *((CUDA, device, ipc) if device is not None else ())))
     except (TypeError, ValueError):
         raise ProtocolError("descriptor: malformed region list") from None
     return out

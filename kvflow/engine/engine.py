@@ -25,7 +25,7 @@ from kvflow.engine.peer import Peer
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
     ProviderUnavailableError
-from kvflow.memory import LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
+from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.engine.gpu import REPLIES as GPU_REPLIES, STAGING_BYTES, STAGING_SLOT, GpuMemory
 from kvflow.providers.base import Provider, ProviderContext
@@ -52,6 +52,19 @@ INLINE_TURN_NS = 1_000_000
 
 # This process's running engines by address (for the same-process check).
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
+
+
+def _ipc_handle(span: Any) -> "tuple[bytes, int] | None":
+    """The CUDA IPC handle of a GPU span's allocation and the span's offset
+    in it, for peers on this host; None where the driver gives none (memory
+    from a stream-ordered pool, say): such peers stage instead."""
+    from kvflow._cuda import driver as drv
+    from kvflow.errors import CudaError
+    try:
+        return drv.ipc_handle(span.base or span.addr), span.addr - (span.base or span.addr)
+    except (CudaError, ProviderUnavailableError) as e:
+        log.debug("kvflow: no CUDA IPC handle for %#x: %s", span.addr, e)
+        return None
 
 
 def _retrieve(task: "asyncio.Task[Any]") -> None:
@@ -435,7 +448,7 @@ class Engine:
             raise InvalidArgumentError("buffer is read-only: register it with access=Access.READ")
         if name is not None and any(r.name == name for r in self._regions.values()):
             raise InvalidArgumentError(f"a region named {name!r} is already registered")
-        if span.kind == "cuda":
+        if span.kind == CUDA:
             return self._register_gpu(span, name, access)
         return self._register_host(addr, length, name, access, writable, keep)
 
@@ -471,7 +484,7 @@ class Engine:
         gpu = self._gpu_memory()
         self._gpu_ids -= 1
         region = Region(span.addr, span.length, name, access, self._gpu_ids, span.keep,
-                        kind="cuda", device=span.device)
+                        kind=CUDA, device=span.device, ipc=_ipc_handle(span))
         if not gpu.local.add(region):
             raise InvalidArgumentError(f"region {span.addr:#x}+{span.length} overlaps a registered GPU region")
         self._regions[region.id] = region
@@ -493,14 +506,27 @@ class Engine:
                 staging_bytes=self._staging_bytes, slot_bytes=STAGING_SLOT,
                 register_host=lambda a, n, nm: self._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
                 deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned)
+            self._gpu._host_find = self._holds_host
         return self._gpu
+
+    def _holds_host(self, addr: int, n: int) -> bool:
+        """Whether [addr, addr+n) lies in one of this engine's host regions."""
+        return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end for r in self._regions.values())
+
+    def _reach(self, peer: Any) -> str:
+        """How far a peer is, for GPU memory: "process" (an engine of this
+        process, over the local provider), "host" (local provider, another
+        process), else "remote"."""
+        if peer._provider is not self._local or self._local is None:
+            return "remote"
+        return "process" if _same_process(peer.address, peer.descriptor) else "host"
 
     def deregister(self, region: Region) -> None:
         """Removes a region; returns once no peer is writing into it."""
         self._check_open()
         if self._regions.pop(region.id, None) is None:
             raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
-        if region.kind == "cuda":
+        if region.kind == CUDA:
             assert self._gpu is not None
             self._gpu.local.remove(region)
             self._regions_changed()
@@ -515,7 +541,8 @@ class Engine:
         return sorted(self._regions.values(), key=lambda r: r.addr)
 
     def _remote_regions(self) -> list[RemoteRegion]:
-        return [RemoteRegion(r.addr, r.length, r.name, r.access, r.rkeys, r.kind, r.device) for r in self.regions]
+        return [RemoteRegion(r.addr, r.length, r.name, r.access, r.rkeys, r.kind, r.device, r.ipc)
+                for r in self.regions]
 
     def _regions_changed(self) -> None:
         self._generation += 1

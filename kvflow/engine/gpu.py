@@ -36,7 +36,7 @@ import numpy as np
 from kvflow.control.wire import field
 from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError, ProviderUnavailableError,
                            RemoteAccessError, UnregisteredMemoryError)
-from kvflow.memory import Access, Region, RemoteRegion
+from kvflow.memory import CUDA, Access, Region, RemoteRegion
 from kvflow.providers.cuda.copier import CopyEngine
 from kvflow.providers.cuda.staging import BouncePool, Packed, Slot, pack, run_staged
 
@@ -128,6 +128,8 @@ class GpuMemory:
         self.inbox = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in"))
         self._leases: dict[int, _Lease] = {}            # lease id -> lease
         self._lease_id = 0
+        self._ipc_open: dict[tuple[str, int], int] = {}   # (peer, region addr) -> region's base here
+        self._ipc_bases: dict[tuple[str, int], int] = {}  # ... -> the mapping cuIpcOpenMemHandle made
 
     def _allocator(self, allocate: Callable[[int], tuple[int, Any]], name: str) -> Callable[[int], tuple[int, Any]]:
         def make(nbytes: int) -> tuple[int, Any]:
@@ -143,6 +145,8 @@ class GpuMemory:
         return c
 
     def close(self) -> None:
+        for address in {k[0] for k in self._ipc_bases}:
+            self.forget_peer(address)
         for c in self._copiers.values():
             c.close()
         self._copiers.clear()
@@ -166,27 +170,29 @@ class GpuMemory:
         return self.local.any_in(np.asarray(la, dtype=np.uint64)) or \
             remote.any_in(np.asarray(ra, dtype=np.uint64))
 
-    def _device_of(self, entries: list[tuple[int, int, int, int]], table: "_Table", side: str,
-                   peer: str) -> int | None:
-        """The one GPU the entries' `side` addresses lie on (None: all host);
-        raises if they mix GPUs or host and GPU memory."""
+    def _device_of(self, entries: list[tuple[int, int, int, int]], peer: str) -> int | None:
+        """The one GPU the entries' local addresses lie on (None: all in host
+        memory); raises if they mix GPUs, or host and GPU memory."""
         devices = set()
-        for _, la, ra, n in entries:
-            addr = la if side == "local" else ra
-            r = table.find(addr, n)
+        for _, la, _, n in entries:
+            r = self.local.find(la, n)
             devices.add(None if r is None else r.device)
         if len(devices) > 1:
             raise InvalidArgumentError(
-                f"a staged batch's {side} entries must all be in one GPU's memory or all in host memory",
-                peer=peer)
+                "a staged batch's local entries must all be in one GPU's memory or all in host memory", peer=peer)
         return devices.pop()
 
     # ------------------------------------------------------------ initiator
     async def write(self, peer: Any, la: Any, ra: Any, ln: Any, host_write: Callable[..., Any],
-                    remote: "_Table") -> None:
+                    remote: "_Table", reach: str = "remote") -> None:
         """A write that reads local GPU memory or lands in the peer's (or
-        both), staged. `host_write(local, remote, lengths)` is the peer's
+        both). `reach`: "process" (the peer is in this process: one direct
+        copy), "host" (on this host: a direct copy into its GPU memory
+        through CUDA IPC where every destination is GPU memory), else
+        staged; `host_write(local, remote, lengths)` is the peer's
         host-memory write."""
+        if await self._direct(peer, la, ra, ln, remote, reach, write=True):
+            return
         packed = pack(la, ra, ln, self.slot_bytes)
         remote_gpu = remote.any_in(np.asarray(ra, dtype=np.uint64))
         if remote_gpu:
@@ -197,10 +203,10 @@ class GpuMemory:
                         raise RemoteAccessError(
                             f"{r:#x}+{n} is not inside one of the peer's GPU regions it may write "
                             "(a staged batch lands in GPU memory only)", peer=peer.address)
-        src_device = self._device_of(packed[0].entries, self.local, "local", peer.address) \
+        src_device = self._device_of(packed[0].entries, peer.address) \
             if self.local else None
         for part in packed[1:]:
-            if self.local and self._device_of(part.entries, self.local, "local", peer.address) != src_device:
+            if self.local and self._device_of(part.entries, peer.address) != src_device:
                 raise InvalidArgumentError("a staged batch's local entries must all be on one GPU or all in "
                                            "host memory", peer=peer.address)
         if src_device is None and not remote_gpu:
@@ -230,16 +236,20 @@ class GpuMemory:
                 landing.release()
 
     async def read(self, peer: Any, la: Any, ra: Any, ln: Any, host_read: Callable[..., Any],
-                   remote: "_Table") -> None:
-        """A read into local GPU memory from the peer's host memory, staged."""
+                   remote: "_Table", reach: str = "remote") -> None:
+        """A read into local GPU memory, or from the peer's: a direct copy
+        where `reach` allows it (as write()), else staged from the peer's
+        host memory."""
+        if await self._direct(peer, la, ra, ln, remote, reach, write=False):
+            return
         packed = pack(la, ra, ln, self.slot_bytes)
         if any(remote.find(r, n) is not None for part in packed for _, _, r, n in part.entries):
             raise ProviderUnavailableError(
                 "reading a peer's GPU memory is not staged yet: have the peer write it (its GPU memory "
                 "reads are staged on its side)", peer=peer.address)
-        device = self._device_of(packed[0].entries, self.local, "local", peer.address)
+        device = self._device_of(packed[0].entries, peer.address)
         for part in packed[1:]:
-            if self._device_of(part.entries, self.local, "local", peer.address) != device:
+            if self._device_of(part.entries, peer.address) != device:
                 raise InvalidArgumentError("a staged batch's local entries must all be on one GPU",
                                            peer=peer.address)
         if device is None:
@@ -255,6 +265,82 @@ class GpuMemory:
             await copier.copy([(l, slot.addr + off, n) for off, l, _, n in part.entries])
 
         await run_staged(self.outgoing, packed, fill, drain)
+
+    # ------------------------------------------------------------ direct: same process, CUDA IPC
+    async def _direct(self, peer: Any, la: Any, ra: Any, ln: Any, remote: "_Table", reach: str,
+                      write: bool) -> bool:
+        """One copy of the whole batch where the peer's memory is addressable
+        here: in this process, all of it; on this host, its GPU regions
+        through CUDA IPC (opened once per region). False: not possible,
+        stage it."""
+        if reach not in ("process", "host"):
+            return False
+        la = np.asarray(la, dtype=np.uint64).tolist()
+        ra = np.asarray(ra, dtype=np.uint64).tolist()
+        ln = np.asarray(ln, dtype=np.uint64).tolist()
+        if not (len(la) == len(ra) == len(ln)) or not ln or 0 in ln:
+            raise InvalidArgumentError("a batch needs entries of equal count and non-zero lengths",
+                                       peer=peer.address)
+        devices: set[int] = set()
+        pieces: list[tuple[int, int, int]] = []
+        for i, (l, r, n) in enumerate(zip(la, ra, ln)):
+            mine = self.local.find(l, n)
+            theirs = remote.find(r, n)
+            if theirs is None and reach == "host":
+                return False                    # the peer's host memory: not mappable, staged
+            if theirs is not None and not (theirs.access & (Access.WRITE if write else Access.READ)):
+                raise RemoteAccessError(f"entry {i}: {r:#x}+{n} is in a GPU region of the peer without "
+                                        f"{'WRITE' if write else 'READ'} access", peer=peer.address, index=i)
+            if reach == "process":
+                if theirs is None and not peer.holds_host(r, n, write):
+                    raise RemoteAccessError(f"entry {i}: {r:#x}+{n} is not inside one of the peer's regions "
+                                            f"with {'WRITE' if write else 'READ'} access", peer=peer.address,
+                                            index=i)
+                there = r
+            else:
+                there = self._mapped(peer, theirs) + (r - theirs.addr)
+            if mine is None and not self._host_find(l, n):
+                from kvflow.errors import UnregisteredMemoryError as Unreg
+                raise Unreg(f"entry {i}: {l:#x}+{n} is not inside one registered region", peer=peer.address,
+                            index=i)
+            for region in (mine, theirs):
+                if region is not None:
+                    devices.add(region.device)
+            pieces.append((there, l, n) if write else (l, there, n))
+        if not devices:
+            return False
+        await self.copier(min(devices)).copy(pieces)
+        return True
+
+    # the engine sets it: whether [addr, addr+n) is in one of its host regions
+    _host_find: Callable[[int, int], bool] = staticmethod(lambda addr, n: False)
+
+    def _mapped(self, peer: Any, region: RemoteRegion) -> int:
+        """The base, in this process, of a peer's GPU region (CUDA IPC,
+        opened on first use, closed with the peer's session)."""
+        key = (peer.address, region.addr)
+        base = self._ipc_open.get(key)
+        if base is None:
+            if not region.ipc:
+                raise ProviderUnavailableError(f"{peer.address} gave no CUDA IPC handle for {region.addr:#x}",
+                                               peer=peer.address)
+            from kvflow._cuda import driver as drv
+            handle, offset = region.ipc
+            opened = drv.ipc_open(handle, region.device if region.device < drv.device_count() else 0)
+            self._ipc_bases[key] = opened
+            base = self._ipc_open[key] = opened + offset
+        return base
+
+    def forget_peer(self, address: str) -> None:
+        """Closes the IPC mappings of a peer that is gone or re-registered."""
+        for key in [k for k in self._ipc_bases if k[0] == address]:
+            opened = self._ipc_bases.pop(key)
+            self._ipc_open.pop(key, None)
+            try:
+                from kvflow._cuda import driver as drv
+                drv.ipc_close(opened)
+            except KVFlowError as e:
+                log.debug("kvflow: closing a CUDA IPC mapping of %s: %s", address, e)
 
     # ------------------------------------------------------------ target
     async def on_lease(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
@@ -425,5 +511,5 @@ class _Landing:
 
 def remote_table(regions: Sequence[RemoteRegion]) -> _Table:
     t = _Table()
-    t.set([r for r in regions if r.kind == "cuda"])
+    t.set([r for r in regions if r.kind == CUDA])
     return t

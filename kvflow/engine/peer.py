@@ -19,7 +19,7 @@ from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.control.wire import field
-from kvflow.memory import RemoteRegion
+from kvflow.memory import HOST, RemoteRegion
 from kvflow.engine.gpu import remote_table
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
@@ -119,11 +119,23 @@ class Peer:
     def _set_regions(self, regions: list[RemoteRegion]) -> None:
         # GPU memory stays out of the native table: only staged batches reach it
         if not self._table.update([(r.addr, r.length, int(r.access), r.rkeys) for r in regions
-                                   if r.kind == "host"]):
+                                   if r.kind == HOST]):
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
-        self._gpu_table = remote_table(regions)
+        gpu_table = remote_table(regions)
+        engine_gpu = getattr(self._engine, "_gpu", None)
+        if engine_gpu is not None and getattr(self, "_gpu_table", None) is not None and \
+                [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in gpu_table]:
+            engine_gpu.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
+        self._gpu_table = gpu_table
         self._regions = regions
+
+    def holds_host(self, addr: int, n: int, write: bool) -> bool:
+        """Whether [addr, addr+n) lies in one of the peer's host regions with
+        the access a write (or a read) needs."""
+        need = 2 if write else 1
+        return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
+                   for r in self._regions)
 
     def _staged(self, la: Any, ra: Any) -> bool:
         """Whether a batch reads or writes GPU memory (either side): it is
@@ -345,8 +357,9 @@ class Peer:
         async def read(l: Any, r: Any, n: Any) -> None:
             await host(OP_READ, l, r, n)
 
-        run = gpu.write(self, la, ra, ln, write, self._gpu_table) if op == OP_WRITE else \
-            gpu.read(self, la, ra, ln, read, self._gpu_table)
+        reach = self._engine._reach(self)
+        run = gpu.write(self, la, ra, ln, write, self._gpu_table, reach) if op == OP_WRITE else \
+            gpu.read(self, la, ra, ln, read, self._gpu_table, reach)
         try:
             await asyncio.wait_for(run, timeout)
         except asyncio.TimeoutError:
@@ -541,6 +554,8 @@ class Peer:
             return
         self._closed = True
         self._engine._forget_peer(self)
+        if self._engine._gpu is not None:
+            self._engine._gpu.forget_peer(self.address)      # its CUDA IPC mappings
         self._fire_lost()
         self._close_channel()
         self._channel = _ClosedChannel(self.address)

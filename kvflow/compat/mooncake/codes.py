@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import os
 
+from kvflow.features import features as _features
+
 P2PHANDSHAKE = "P2PHANDSHAKE"
 
 # Mooncake's module flags (mooncake.engine.SUPPORT_*), with what kvflow can
-# do: no GPU memory yet (the CUDA module is not built), and no EFA, ROCm,
-# NVLink (intra-node or multi-node) or MUSA transports.
-SUPPORT_CUDA = False
+# do: GPU memory where its CUDA module was built (kvflow.features["cuda"];
+# a device is looked for at run time), and no EFA, ROCm, NVLink (intra-node
+# or multi-node) or MUSA transports.
+SUPPORT_CUDA = _features["cuda"]
 SUPPORT_EFA = False
 SUPPORT_HIP = False
 SUPPORT_INTRA_NVLINK = False

@@ -30,7 +30,7 @@ from kvflow.engine.peer import Peer
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerUnreachableError, ProviderUnavailableError,
                            TransferTimeoutError)
-from kvflow.memory import Region, RemoteRegion
+from kvflow.memory import CUDA, Region, RemoteRegion
 from kvflow.schedule.qos import Priority, qos_args
 
 log = logging.getLogger("kvflow.compat.mooncake")
@@ -530,12 +530,12 @@ class TransferEngine:
 
     def _register_all(self, spans: list[tuple[int, int]], location: str = "*") -> int:
         assert self._engine is not None
-        gpu = isinstance(location, str) and location.startswith("cuda")
+        gpu = isinstance(location, str) and location.startswith(CUDA)
         if gpu:
-            from kvflow._cuda import driver
-            if not driver.available():
+            import kvflow.cuda
+            if not kvflow.cuda.available():
                 return self._fail(ProviderUnavailableError(
-                    f"register_memory(location={location!r}): CUDA is not usable here ({driver.reason()})"))
+                    f"register_memory(location={location!r}): CUDA is not usable here ({kvflow.cuda.reason()})"))
         for addr, cap in spans:
             if addr <= 0 or cap <= 0:
                 return self._fail(InvalidArgumentError(f"cannot register {addr:#x}+{cap}: empty or null"))
@@ -551,7 +551,7 @@ class TransferEngine:
             for addr, cap in spans:
                 name = f"{REGION_PREFIX}{next(self._seq)}"
                 region = self._engine.register((addr, cap), name=name)
-                if gpu and region.kind != "cuda":
+                if gpu and region.kind != CUDA:
                     self._engine.deregister(region)
                     raise InvalidArgumentError(f"{addr:#x}+{cap}: location {location!r}, but the CUDA "
                                                "driver does not know it as device memory")
