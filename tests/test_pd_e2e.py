@@ -28,7 +28,7 @@ from examples.pd import serve  # noqa: E402
 
 
 def options(protocol: str, **kw) -> argparse.Namespace:
-    ns = dict(host="127.0.0.1", port=0, protocol=protocol, layers=3, hidden=64, seed=7, pages=1024,
+    ns = dict(host="127.0.0.1", port=0, protocol=protocol, device="cpu", layers=3, hidden=64, seed=7, pages=1024,
               page_size=16, slots=16, threads=1, requests=4, prompt_tokens=600, max_new_tokens=6, check=False, rounds=1,
               transfer_timeout=60.0 * TIME_SCALE, request_timeout=120.0 * TIME_SCALE)
     ns.update(kw)
@@ -38,14 +38,27 @@ def options(protocol: str, **kw) -> argparse.Namespace:
 reference = serve.reference_tokens
 
 
-@pytest.mark.parametrize("protocol", params(*PROTOCOLS))
-async def test_disaggregated_generation_matches_single_process(protocol):
+def _gpu_or_skip(device: str) -> None:
+    if device != "cpu":
+        import kvflow.cuda
+        if not kvflow.cuda.available():
+            pytest.skip(f"CUDA not usable here: {kvflow.cuda.reason()}")
+
+
+@pytest.mark.parametrize("protocol,device", [
+    *(pytest.param(p.values[0], "cpu", marks=p.marks, id=p.id) for p in params(*PROTOCOLS)),
+    pytest.param("tcp", "cuda", marks=pytest.mark.cuda, id="tcp-cuda"),
+    pytest.param("local", "cuda", marks=pytest.mark.cuda, id="local-cuda")])
+async def test_disaggregated_generation_matches_single_process(protocol, device):
+    """On the GPU (device="cuda"): the model and both KV pools on the GPU,
+    layers sent after their CUDA events, the reference on the GPU too."""
     skip_unavailable(protocol)
+    _gpu_or_skip(device)
     if protocol == "rdma":
         # smaller under the VM's emulation: torch alone takes minutes there
         args = options(protocol, requests=2, prompt_tokens=100)
     else:
-        args = options(protocol)
+        args = options(protocol, device=device)
     cluster = serve.Cluster(args)
     try:
         await cluster.wait_ready(300 * TIME_SCALE)     # torch imports take minutes under the VM's emulation

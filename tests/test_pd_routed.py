@@ -29,7 +29,7 @@ from examples.pd import routed, serve  # noqa: E402
 
 
 def options(protocol: str, **kw) -> argparse.Namespace:
-    ns = dict(host="127.0.0.1", port=0, protocol=protocol, layers=3, hidden=64, seed=11, pages=1024,
+    ns = dict(host="127.0.0.1", port=0, protocol=protocol, device="cpu", layers=3, hidden=64, seed=11, pages=1024,
               page_size=16, slots=16, threads=1, cache_pages=512, prefill_servers=2, decode_servers=1,
               sessions=3, turns=3, prompt_tokens=384, max_new_tokens=5, check=False,
               transfer_timeout=60.0 * TIME_SCALE, request_timeout=120.0 * TIME_SCALE, slo_ttft=30.0)

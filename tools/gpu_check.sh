@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: one command, on a machine with a CUDA GPU (an H200 lent by
 # the device tool; README's "GPU" section), at most about 8 minutes. Builds
-# kvflow in place (with its CUDA module), runs the CUDA and staging tests,
+# kvflow in place (with its CUDA module), runs the CUDA and staging tests and
+# the PD example with its model and KV pools on the GPU,
 # then tools/gpu_bench.py, and writes into OUTDIR (default $OUT, else
 # ./gpu-check): gpu_check.json (the bench), tests.txt, gpu_check.md (a
 # markdown table). Carried wheels in .whl/ (Mooncake's, NIXL's) are
@@ -25,7 +26,8 @@ KVFLOW_CUDA=on timeout 240 $PY setup.py -q build_ext --inplace > "$OUTDIR/build.
 echo "build rc=$?" >> "$OUTDIR/env.txt"
 $PY -c "import kvflow, kvflow.cuda; print(kvflow.features, kvflow.cuda.available(), kvflow.cuda.reason())" \
   >> "$OUTDIR/env.txt" 2>&1
-timeout 180 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py > "$OUTDIR/tests.txt" 2>&1
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py \
+  "tests/test_pd_e2e.py::test_disaggregated_generation_matches_single_process" > "$OUTDIR/tests.txt" 2>&1
 echo "tests rc=$?" >> "$OUTDIR/env.txt"
 timeout 150 $PY tools/gpu_bench.py --json "$OUTDIR/gpu_check.json" > "$OUTDIR/bench.txt" 2>&1
 echo "bench rc=$?" >> "$OUTDIR/env.txt"

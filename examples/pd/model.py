@@ -90,8 +90,8 @@ def encode(text: str, vocab_size: int = 512) -> list[int]:
     return [b % vocab_size for b in text.encode("utf-8")]
 
 
-def _as_page_tensor(pages: np.ndarray | Sequence[int]) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(pages, dtype=np.int64).reshape(-1))
+def _as_page_tensor(pages: np.ndarray | Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.as_tensor(np.asarray(pages, dtype=np.int64).reshape(-1), device=device)
 
 
 class KVPool:
@@ -102,19 +102,24 @@ class KVPool:
     transfer engine and ``aux`` is one more (small) tensor to register.
     """
 
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, *, max_slots: int = 16) -> None:
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, *, max_slots: int = 16,
+                 device: torch.device | str = "cpu") -> None:
         if num_pages <= 0 or page_size <= 0 or max_slots <= 0:
             raise ValueError(f"num_pages, page_size and max_slots must be positive, "
                              f"got {num_pages}, {page_size}, {max_slots}")
         self.config = config
+        self.device = torch.device(device)
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not torch.empty: a page that was never written reads as zeros,
         # so a transfer that missed a page shows up as different tokens rather
         # than as whatever the allocator left there.
-        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=torch.float32) for _ in range(config.num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=torch.float32) for _ in range(config.num_layers)]
+        # K/V on `device` (a GPU's KV pool, as a real server's); aux rows in host memory
+        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=torch.float32, device=self.device)
+                                      for _ in range(config.num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=torch.float32, device=self.device)
+                                      for _ in range(config.num_layers)]
         self.aux = torch.zeros((max_slots, AUX_COLUMNS), dtype=torch.int64)
         # Free lists as stacks, reversed so that a fresh pool hands out 0, 1, 2, ...
         self._free_pages = list(range(num_pages - 1, -1, -1))
@@ -219,7 +224,7 @@ class KVPool:
         Raises ValueError if ``pages`` cannot hold ``num_tokens`` positions or name a page
         outside the pool.
         """
-        page_t = _as_page_tensor(pages)
+        page_t = _as_page_tensor(pages, self.device)
         need = self.pages_for(num_tokens)
         if need > page_t.numel():
             raise ValueError(f"{num_tokens} positions need {need} pages of {self.page_size}, got {page_t.numel()}")
@@ -232,7 +237,7 @@ class KVPool:
         """Row indices, in a layer's K/V viewed as ``[num_pages * page_size, H * D]``, of
         positions ``[start, stop)`` of a request that owns ``pages``. Raises as page_table."""
         page_t = self.page_table(pages, stop)
-        pos = torch.arange(start, stop, dtype=torch.int64)
+        pos = torch.arange(start, stop, dtype=torch.int64, device=self.device)
         return page_t[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -260,9 +265,10 @@ class _LayerWeights:
 class Model:
     """The transformer; every method runs under ``torch.inference_mode`` and is deterministic."""
 
-    def __init__(self, config: ModelConfig | None = None, seed: int = 0) -> None:
+    def __init__(self, config: ModelConfig | None = None, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.config = c = config or ModelConfig()
         self.seed = seed
+        self.device = torch.device(device)
         gen = torch.Generator().manual_seed(seed)
 
         def init(*shape: int, fan_in: int | None = None) -> torch.Tensor:
@@ -288,6 +294,12 @@ class Model:
         self.final_norm = torch.ones(c.hidden_size)
         self.lm_head = init(c.vocab_size, c.hidden_size)
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        if self.device.type != "cpu":       # the same weights (drawn on the CPU), on the device
+            move = lambda t: t.to(self.device)      # noqa: E731
+            self.embed, self.final_norm, self.lm_head, self.inv_freq = map(
+                move, (self.embed, self.final_norm, self.lm_head, self.inv_freq))
+            self.layers = [_LayerWeights(*(move(getattr(w, f)) for f in _LayerWeights.__dataclass_fields__))
+                           for w in self.layers]
 
     def __repr__(self) -> str:
         c = self.config
@@ -341,7 +353,7 @@ class Model:
     def _check_tokens(self, tokens: Sequence[int]) -> torch.Tensor:
         if len(tokens) == 0:
             raise ValueError("empty prompt")
-        t = torch.as_tensor(list(tokens), dtype=torch.int64)
+        t = torch.as_tensor(list(tokens), dtype=torch.int64, device=self.device)
         if int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
         return t
@@ -349,6 +361,8 @@ class Model:
     def _check_pool(self, pool: KVPool) -> None:
         if pool.config != self.config:
             raise ValueError("the KV pool was made for a different ModelConfig")
+        if pool.device != self.device:
+            raise ValueError(f"the KV pool is on {pool.device}, the model on {self.device}")
 
     # -- paged inference -----------------------------------------------------------
 
@@ -378,13 +392,13 @@ class Model:
         if not 0 <= cached < n:
             raise ValueError(f"cached must be in [0, {n}) for a {n}-token prompt, got {cached}")
         slots = pool.token_slots(pages, cached, n)
-        cos, sin = self._rope(torch.arange(cached, n))
+        cos, sin = self._rope(torch.arange(cached, n, device=self.device))
         h = self.embed[t[cached:]]
         c = self.config
         if cached:
             page_t = pool.page_table(pages, n)
             # query i (position cached + i) sees keys 0 .. cached + i
-            mask = torch.arange(n)[None, :] <= torch.arange(cached, n)[:, None]
+            mask = torch.arange(n, device=self.device)[None, :] <= torch.arange(cached, n, device=self.device)[:, None]
         for i, w in enumerate(self.layers):
             q, k, v = self._qkv(w, h, cos, sin)
             # Write this layer's K/V first, announce them, then finish the layer: K/V are
@@ -419,7 +433,7 @@ class Model:
         self._check_pool(pool)
         page_t = pool.page_table(pages, position + 1)
         own = int(page_t[position // pool.page_size]) * pool.page_size + position % pool.page_size
-        cos, sin = self._rope(torch.tensor([position]))
+        cos, sin = self._rope(torch.tensor([position], device=self.device))
         h = self.embed[t]
         c = self.config
         for i, w in enumerate(self.layers):
@@ -462,7 +476,7 @@ class Model:
     def forward(self, tokens: Sequence[int]) -> int:
         """Greedy next token after ``tokens``, computed from scratch (no cache at all)."""
         t = self._check_tokens(tokens)
-        cos, sin = self._rope(torch.arange(t.numel()))
+        cos, sin = self._rope(torch.arange(t.numel(), device=self.device))
         h = self.embed[t]
         for w in self.layers:
             q, k, v = self._qkv(w, h, cos, sin)

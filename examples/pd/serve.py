@@ -78,8 +78,8 @@ class Worker:
         import torch
         torch.set_num_threads(args.threads)
         self.config = model_config(args)
-        self.model = Model(self.config, seed=args.seed)
-        self.pool = KVPool(self.config, args.pages, args.page_size, max_slots=args.slots)
+        self.model = Model(self.config, seed=args.seed, device=args.device)
+        self.pool = KVPool(self.config, args.pages, args.page_size, max_slots=args.slots, device=args.device)
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="forward")
 
     async def run(self, fn: Any, *a: Any) -> Any:
@@ -104,7 +104,8 @@ async def prefill_server(args: argparse.Namespace) -> None:
 
         def forward() -> tuple[int, float]:
             t0 = time.perf_counter()
-            first = w.model.prefill(tokens, w.pool, pages, on_layer=lambda i: sender.send_layer(i, pages))
+            first = w.model.prefill(tokens, w.pool, pages,
+                                    on_layer=lambda i: sender.send_layer(i, pages, after=layer_done(args.device)))
             w.pool.set_aux(slot, first_token=first, prompt_len=len(tokens))
             sender.finish()
             return first, time.perf_counter() - t0
@@ -257,10 +258,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def layer_done(device: str) -> Any:
+    """On a GPU, an event recorded behind the layer's K/V writes: the
+    layer's transfer starts once it fires (send_layer's after=); on the
+    CPU the writes are done when on_layer runs."""
+    if device == "cpu":
+        return None
+    import torch
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def add_model_args(ap: argparse.ArgumentParser, threads: int = 2) -> None:
     """The options every server process of the example takes (the model,
     its pool, the transport, timeouts): what model_flags passes on."""
     ap.add_argument("--protocol", default="auto", choices=["auto", "local", "tcp", "rdma"])
+    ap.add_argument("--device", default="cpu", help="where the model runs and the KV pool lives: cpu, cuda, cuda:N")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
@@ -281,13 +295,13 @@ def reference_tokens(args: argparse.Namespace, prompt: list[int]) -> list[int]:
     import torch
     torch.set_num_threads(args.threads)
     cfg = model_config(args)
-    pool = KVPool(cfg, args.pages, args.page_size)
+    pool = KVPool(cfg, args.pages, args.page_size, device=args.device)
     pages = pool.alloc(pool.pages_for(len(prompt) + args.max_new_tokens - 1))
-    return Model(cfg, seed=args.seed).generate(prompt, args.max_new_tokens, pool, pages)
+    return Model(cfg, seed=args.seed, device=args.device).generate(prompt, args.max_new_tokens, pool, pages)
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
-    return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--seed", str(args.seed),
+    return ["--device", args.device, "--layers", str(args.layers), "--hidden", str(args.hidden), "--seed", str(args.seed),
             "--pages", str(args.pages), "--page-size", str(args.page_size), "--slots", str(args.slots),
             "--threads", str(args.threads), "--protocol", args.protocol,
             "--transfer-timeout", str(args.transfer_timeout), "--request-timeout", str(args.request_timeout)]

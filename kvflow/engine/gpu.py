@@ -35,7 +35,7 @@ import numpy as np
 
 from kvflow.control.wire import field
 from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError, ProviderUnavailableError,
-                           RemoteAccessError, UnregisteredMemoryError)
+                           RemoteAccessError, TransferTimeoutError, UnregisteredMemoryError)
 from kvflow.memory import CUDA, Access, Region, RemoteRegion
 from kvflow.providers.cuda.copier import CopyEngine
 from kvflow.providers.cuda.staging import BouncePool, Packed, Slot, pack, run_staged
@@ -47,6 +47,7 @@ log = logging.getLogger("kvflow")
 STAGING_BYTES = 64 << 20        # Engine(staging_bytes=): per engine, outgoing + inbox
 STAGING_SLOT = 4 << 20          # one slot: a slice of the pipeline
 LEASE_SLOTS = 4                 # inbox slots one staged write asks for
+REQUEST_TIMEOUT = 60.0          # a lease or a landing the peer does not answer: the write fails
 REPLIES = frozenset({"stage_leased", "stage_landed", "stage_error"})
 
 
@@ -300,8 +301,7 @@ class GpuMemory:
             else:
                 there = self._mapped(peer, theirs) + (r - theirs.addr)
             if mine is None and not self._host_find(l, n):
-                from kvflow.errors import UnregisteredMemoryError as Unreg
-                raise Unreg(f"entry {i}: {l:#x}+{n} is not inside one registered region", peer=peer.address,
+                raise UnregisteredMemoryError(f"entry {i}: {l:#x}+{n} is not inside one registered region", peer=peer.address,
                             index=i)
             for region in (mine, theirs):
                 if region is not None:
@@ -442,8 +442,15 @@ class _Landing:
             self._leasing = asyncio.get_running_loop().create_task(self._take_lease())
         await asyncio.shield(self._leasing)
 
+    async def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._peer.link.request(msg, timeout=REQUEST_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise TransferTimeoutError(f"{self._peer.address} did not answer {msg['t']} within "
+                                       f"{REQUEST_TIMEOUT:g} s", peer=self._peer.address) from None
+
     async def _take_lease(self) -> None:
-        reply = await self._peer.link.request({"t": "stage_lease", "slots": LEASE_SLOTS}, timeout=60.0)
+        reply = await self._request({"t": "stage_lease", "slots": LEASE_SLOTS})
         if reply.get("t") != "stage_leased":
             raise RemoteAccessError(f"{self._peer.address} lends no staging slots: {reply.get('message')}",
                                     peer=self._peer.address)
@@ -492,9 +499,9 @@ class _Landing:
             raise
 
     async def _ask_land(self, remote_slot: int, part: Packed) -> None:
-        reply = await self._peer.link.request(
+        reply = await self._request(
             {"t": "stage_land", "lease": self._lease, "slot": remote_slot,
-             "entries": [[off, r, n] for off, _, r, n in part.entries]}, timeout=60.0)
+             "entries": [[off, r, n] for off, _, r, n in part.entries]})
         if reply.get("t") != "stage_landed":
             raise RemoteAccessError(f"{self._peer.address}: {reply.get('message')}", peer=self._peer.address)
 
