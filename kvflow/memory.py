@@ -46,8 +46,8 @@ class Region:
     # "host" (memory the CPU touches) or "cuda" (device memory of GPU `device`)
     kind: str = "host"
     device: int = -1
-    # GPU memory: (CUDA IPC handle of its allocation, region's offset in it), or None
-    ipc: tuple[bytes, int] | None = field(repr=False, compare=False, default=None)
+    # GPU memory: (CUDA IPC handle of its allocation, region's offset in it, its GPU's UUID), or None
+    ipc: tuple[bytes, int, bytes] | None = field(repr=False, compare=False, default=None)
 
     @property
     def end(self) -> int:
@@ -65,8 +65,8 @@ class RemoteRegion:
     rkeys: tuple[int, ...] = field(repr=False, compare=False, default=())
     kind: str = "host"
     device: int = -1
-    # GPU memory: (CUDA IPC handle of its allocation, region's offset in it), or None
-    ipc: tuple[bytes, int] | None = field(repr=False, compare=False, default=None)
+    # GPU memory: (CUDA IPC handle of its allocation, region's offset in it, its GPU's UUID), or None
+    ipc: tuple[bytes, int, bytes] | None = field(repr=False, compare=False, default=None)
 
     @property
     def end(self) -> int:

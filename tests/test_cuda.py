@@ -146,7 +146,8 @@ def test_flag_write_kernel():
         flag[:] = 0
         stream = driver.Stream(0)
         kernels.flag_write(stream, pinned.addr + 8, 0xC0FFEE)
-        driver.check(driver.driver().cuStreamSynchronize(stream.handle), "cuStreamSynchronize")
+        with driver.on_device(0):
+            driver.check(driver.driver().cuStreamSynchronize(stream.handle), "cuStreamSynchronize")
         assert int(flag[1]) == 0xC0FFEE and int(flag[0]) == 0
         stream.close()
     finally:
@@ -159,16 +160,17 @@ def test_ipc_handle_opens_in_another_process():
     from kvflow._cuda import driver
     t = torch.arange(4096, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
-    handle = driver.ipc_handle(t.data_ptr())
-    assert len(handle) == driver.IPC_HANDLE_BYTES
     loc = driver.pointer_location(t.data_ptr())
+    handle = driver.ipc_handle(loc.base, 0)
+    assert len(handle) == driver.IPC_HANDLE_BYTES
     code = ("import sys, numpy as np\n"
             "from kvflow._cuda import driver as d\n"
             "base = d.ipc_open(bytes.fromhex(sys.argv[1]), 0)\n"
             "out = np.zeros(4096, np.int32)\n"
-            "d.check(d.driver().cuMemcpyDtoH(out.ctypes.data, base + int(sys.argv[2]), out.nbytes), 'DtoH')\n"
+            "with d.on_device(0):\n"
+            "    d.check(d.driver().cuMemcpyDtoH(out.ctypes.data, base + int(sys.argv[2]), out.nbytes), 'DtoH')\n"
             "print(int(out.sum()))\n"
-            "d.ipc_close(base)\n")
+            "d.ipc_close(base, 0)\n")
     out = subprocess.run([sys.executable, "-c", code, handle.hex(), str(t.data_ptr() - loc.base)],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -278,14 +278,16 @@ async def test_descriptor_carries_gpu_regions():
     handle = bytes(range(64))
     # with its CUDA IPC handle (64 bytes) and offset in the allocation
     handle = bytes(range(64))
-    ipc = RemoteRegion(0x7F0000001000, 4096, "kv2", Access.WRITE, (), "cuda", 1, (handle, 0x1000))
+    uuid = bytes(range(100, 116))
+    ipc = RemoteRegion(0x7F0000001000, 4096, "kv2", Access.WRITE, (), "cuda", 1, (handle, 0x1000, uuid))
     (back,) = regions_from_wire(regions_to_wire([ipc]))
-    assert (back.kind, back.device, back.ipc) == ("cuda", 1, (handle, 0x1000))
-    for bad_ipc in ([b"short", 0], [handle, -1], [handle], ["x" * 64, 0]):
+    assert (back.kind, back.device, back.ipc) == ("cuda", 1, (handle, 0x1000, uuid))
+    for bad_ipc in ([b"short", 0, uuid], [handle, -1, uuid], [handle], ["x" * 64, 0, uuid], [handle, 0],
+                    [handle, 0, b"short"]):
         with pytest.raises(kvflow.ProtocolError):
             regions_from_wire([[0x1000, 4096, 3, None, [], 0, *bad_ipc]])
     for bad in ([[0x1000, 4096, 3, None, [], -1]], [[0x1000, 4096, 3, None, [], "0"]],
-                [[0x1000, 4096, 3, None, [], 0, 1]], [[0x1000, 4096, 3, None, [], 0, handle, 0, 9]]):
+                [[0x1000, 4096, 3, None, [], 0, 1]], [[0x1000, 4096, 3, None, [], 0, handle, 0, bytes(16), 9]]):
         with pytest.raises(kvflow.ProtocolError):
             regions_from_wire(bad)
 

@@ -100,13 +100,14 @@ def ceiling(kind: str, block: int, rounds: int) -> float:
         for i in range(BATCH):
             drv.copy_async(dst + i * block, src + i * block, block, stream)
 
-    batch()
-    drv.check(cu.cuStreamSynchronize(stream.handle), "cuStreamSynchronize")
-    t = time.perf_counter()
-    for _ in range(rounds):
+    with drv.on_device(0):
         batch()
-    drv.check(cu.cuStreamSynchronize(stream.handle), "cuStreamSynchronize")
-    took = time.perf_counter() - t
+        drv.check(cu.cuStreamSynchronize(stream.handle), "cuStreamSynchronize")
+        t = time.perf_counter()
+        for _ in range(rounds):
+            batch()
+        drv.check(cu.cuStreamSynchronize(stream.handle), "cuStreamSynchronize")
+        took = time.perf_counter() - t
     stream.close()
     pinned.close()
     return rounds * nbytes / took / 1e9

@@ -10,17 +10,19 @@ A driver call that fails raises CudaError naming the call and the error.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from kvflow.errors import CudaError, ProviderUnavailableError
 
-__all__ = ["Event", "PinnedHost", "Stream", "available", "copy_async", "device_count", "driver",
-           "ipc_close", "ipc_handle", "ipc_open", "pointer_location", "reason", "use_device", "worth_asking",
+__all__ = ["Event", "PinnedHost", "Stream", "available", "copy_async", "device_count", "device_of_uuid",
+           "device_uuid", "driver", "ipc_close", "ipc_handle", "ipc_open", "on_device", "pointer_location",
+           "reason", "use_device", "worth_asking",
            "IPC_HANDLE_BYTES"]
 
 IPC_HANDLE_BYTES = 64           # sizeof(CUipcMemHandle)
@@ -124,20 +126,60 @@ def device_count() -> int:
     return int(check(_cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
-def use_device(ordinal: int) -> Any:
-    """Makes device `ordinal`'s primary context current on this thread
-    (retained once per process, as the runtime API and torch share it)."""
-    cu = driver()
+def _primary(ordinal: int) -> Any:
+    """Device `ordinal`'s primary context, retained once per process (the
+    runtime API, torch and CuPy share it)."""
     ctx = _contexts.get(ordinal)
     if ctx is None:
+        cu = driver()
         with _lock:
             ctx = _contexts.get(ordinal)
             if ctx is None:
                 dev = check(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
                 ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
                 _contexts[ordinal] = ctx
-    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     return ctx
+
+
+def use_device(ordinal: int) -> Any:
+    """Makes device `ordinal`'s primary context current on this thread, for
+    good: for kvflow's own threads only (a user's thread gets
+    on_device(), which puts back what was current)."""
+    ctx = _primary(ordinal)
+    check(driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx
+
+
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[Any]:
+    """Device `ordinal`'s primary context, current on this thread for the
+    block (pushed, then popped): the calling thread's own current context,
+    torch's device say, is what it was after it."""
+    cu = driver()
+    ctx = _primary(ordinal)
+    check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        yield ctx
+    finally:
+        cu.cuCtxPopCurrent()
+
+
+def device_uuid(ordinal: int) -> bytes:
+    """The 16-byte UUID of device `ordinal`: what names a GPU across
+    processes, whose ordinals differ with CUDA_VISIBLE_DEVICES."""
+    cu = driver()
+    dev = check(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    uuid = check(cu.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
+    raw = getattr(uuid, "bytes", None)
+    return bytes(raw)[:16] if raw is not None else ctypes.string_at(uuid.getPtr(), 16)
+
+
+def device_of_uuid(uuid: bytes) -> int | None:
+    """This process's ordinal of the device with `uuid`, or None."""
+    for ordinal in range(device_count()):
+        if device_uuid(ordinal) == uuid:
+            return ordinal
+    return None
 
 
 @dataclass(frozen=True)
@@ -158,19 +200,21 @@ def pointer_location(ptr: int) -> Location | None:
     if not available():
         return None
     cu = _cu
-    attrs = [cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-             cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-             cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED]
+    # the allocation's extent comes with the rest: cuMemGetAddressRange would
+    # want a current context, which the registering thread may not have
+    a = cu.CUpointer_attribute
+    attrs = [a.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+             a.CU_POINTER_ATTRIBUTE_IS_MANAGED, a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+             a.CU_POINTER_ATTRIBUTE_RANGE_SIZE]
     err, values = cu.cuPointerGetAttributes(len(attrs), attrs, ptr)
-    if err != cu.CUresult.CUDA_SUCCESS:
+    if err != cu.CUresult.CUDA_SUCCESS or values is None:
         return None
-    mtype, ordinal, managed = values
+    mtype, ordinal, managed, start, size = values
     mtype = int(mtype) if not hasattr(mtype, "value") else int(mtype.value)
     if mtype == 0:                          # not a pointer the driver knows
         return None
     if mtype == int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE) and not managed:
-        base, size = check(cu.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-        return Location("cuda", int(ordinal), int(base), int(size))
+        return Location("cuda", int(ordinal), int(start), int(size))
     return Location("host", int(ordinal) if ordinal is not None else -1)
 
 
@@ -179,29 +223,34 @@ class Stream:
 
     def __init__(self, device: int) -> None:
         cu = driver()
-        use_device(device)
         self.device = device
-        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        with on_device(device):
+            self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
 
     def close(self) -> None:
         if self.handle is not None:
-            use_device(self.device)
-            check(_cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
+            with on_device(self.device):
+                check(_cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
             self.handle = None
 
 
 class Event:
     """An event without timing (the cheap kind), recorded on a stream and
-    polled with done()."""
+    polled with done(). blocking: a thread that synchronizes on it sleeps
+    instead of spinning (CU_EVENT_BLOCKING_SYNC)."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, blocking: bool = False) -> None:
         cu = driver()
-        use_device(device)
         self.device = device
-        self.handle = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if blocking:
+            flags |= int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+        with on_device(device):
+            self.handle = check(cu.cuEventCreate(flags), "cuEventCreate")
 
     def record(self, stream: Stream) -> None:
-        check(_cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+        with on_device(self.device):
+            check(_cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
 
     def done(self) -> bool:
         err, = _cu.cuEventQuery(self.handle)
@@ -213,68 +262,61 @@ class Event:
 
     def close(self) -> None:
         if self.handle is not None:
-            check(_cu.cuEventDestroy(self.handle), "cuEventDestroy")
+            with on_device(self.device):
+                check(_cu.cuEventDestroy(self.handle), "cuEventDestroy")
             self.handle = None
-
-
-def event_done(handle: Any) -> bool:
-    """Whether a foreign event (a torch.cuda.Event's cuda_event, a CUevent,
-    an int handle) has completed."""
-    cu = driver()
-    if isinstance(handle, int):
-        handle = cu.CUevent(handle)
-    err, = cu.cuEventQuery(handle)
-    if err == cu.CUresult.CUDA_SUCCESS:
-        return True
-    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
-        return False
-    raise CudaError(f"cuEventQuery failed: {_name(cu, err)}", code=int(err))
 
 
 class PinnedHost:
     """Page-locked host memory (cuMemHostAlloc, portable to every context):
-    the staging pipeline's bounce buffers."""
+    the staging pipeline's bounce buffers. Allocated in `device`'s context
+    (so that a process using one GPU wakes no other)."""
 
     def __init__(self, size: int, device: int = 0) -> None:
         cu = driver()
-        use_device(device)
         portable = int(getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 1))
-        self.addr = int(check(cu.cuMemHostAlloc(size, portable), "cuMemHostAlloc"))
+        self.device = device
+        with on_device(device):
+            self.addr = int(check(cu.cuMemHostAlloc(size, portable), "cuMemHostAlloc"))
         self.size = size
 
     def close(self) -> None:
         if self.addr:
-            check(_cu.cuMemFreeHost(self.addr), "cuMemFreeHost")
+            with on_device(self.device):
+                check(_cu.cuMemFreeHost(self.addr), "cuMemFreeHost")
             self.addr = 0
 
 
 def copy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
     """Queues a copy of `nbytes` on `stream`: any direction, the driver
-    tells host from device by unified addressing."""
+    tells host from device by unified addressing. The stream's device's
+    context must be current (on_device)."""
     check(_cu.cuMemcpyAsync(dst, src, nbytes, stream.handle), "cuMemcpyAsync")
 
 
-def ipc_handle(ptr: int) -> bytes:
+def ipc_handle(ptr: int, device: int) -> bytes:
     """The 64-byte IPC handle of the device allocation holding `ptr` (a
     peer process opens it with ipc_open and adds ptr's offset from the
     allocation's base)."""
     cu = driver()
-    handle = check(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+    with on_device(device):
+        handle = check(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
     return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
 
 
 def ipc_open(raw: bytes, device: int) -> int:
-    """Maps a peer's allocation from its IPC handle into this process (on
-    `device`'s context); returns its base address here."""
+    """Maps a peer's allocation from its IPC handle into this process (in
+    `device`'s context, the device that holds it); returns its base here."""
     cu = driver()
     if len(raw) != IPC_HANDLE_BYTES:
         raise CudaError(f"an IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(raw)}")
-    use_device(device)
     handle = cu.CUipcMemHandle()
     ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
     lazy = int(getattr(getattr(cu, "CUipcMem_flags", None), "CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS", 1))
-    return int(check(cu.cuIpcOpenMemHandle(handle, lazy), "cuIpcOpenMemHandle"))
+    with on_device(device):
+        return int(check(cu.cuIpcOpenMemHandle(handle, lazy), "cuIpcOpenMemHandle"))
 
 
-def ipc_close(base: int) -> None:
-    check(driver().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+def ipc_close(base: int, device: int) -> None:
+    with on_device(device):
+        check(driver().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")

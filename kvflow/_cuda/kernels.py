@@ -26,8 +26,7 @@ def _function(device: int, name: str) -> Any:
     if not built():
         raise ProviderUnavailableError("kvflow was built without its CUDA module (no nvcc at build time)")
     cu = drv.driver()
-    with _lock:
-        drv.use_device(device)
+    with _lock, drv.on_device(device):
         module = _modules.get(device)
         if module is None:
             with open(FATBIN, "rb") as f:
@@ -46,9 +45,9 @@ def _launch(stream: drv.Stream, name: str, args: list[int]) -> None:
     slots = np.array(args, dtype=np.uint64)
     params = np.array([slots.ctypes.data + 8 * i for i in range(len(args))], dtype=np.uint64)
     fn = _function(stream.device, name)
-    drv.use_device(stream.device)
-    drv.check(drv.driver().cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream.handle,
-                                          int(params.ctypes.data), 0), f"cuLaunchKernel({name})")
+    with drv.on_device(stream.device):
+        drv.check(drv.driver().cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream.handle,
+                                              int(params.ctypes.data), 0), f"cuLaunchKernel({name})")
     # the driver copied the parameters at launch: slots may go now
 
 

@@ -122,7 +122,7 @@ IPC_HANDLE_BYTES = 64          # a CUipcMemHandle (kvflow._cuda.driver)
 
 def regions_to_wire(regions: list[RemoteRegion]) -> list[list[Any]]:
     # host regions: [addr, length, access, name, rkeys]; GPU memory adds its device
-    # (and, where it has one, its CUDA IPC handle and offset in that allocation)
+    # (and, where it has one, its CUDA IPC handle, offset in that allocation and GPU UUID)
     return [[r.addr, r.length, int(r.access), r.name, list(r.rkeys)] +
             ([r.device] + (list(r.ipc) if r.ipc else []) if r.kind == CUDA else []) for r in regions]
 
@@ -138,11 +138,12 @@ def regions_from_wire(v: Any) -> list[RemoteRegion]:
                 raise ValueError
             ipc = None
             if len(rest) > 2:
-                if len(rest) != 4 or not isinstance(rest[2], bytes) or len(rest[2]) != IPC_HANDLE_BYTES or \
-                        not isinstance(rest[3], int) or not 0 <= rest[3] < 1 << 48:
+                if len(rest) != 5 or not isinstance(rest[2], bytes) or len(rest[2]) != IPC_HANDLE_BYTES or \
+                        not isinstance(rest[3], int) or not 0 <= rest[3] < 1 << 48 or \
+                        not isinstance(rest[4], bytes) or len(rest[4]) != 16:
                     raise ValueError
-                ipc = (rest[2], rest[3])
-            if len(rest) > 4 or not isinstance(rkeys, list) or len(rkeys) > MAX_DEVS or not all(
+                ipc = (rest[2], rest[3], rest[4])
+            if len(rest) > 5 or not isinstance(rkeys, list) or len(rkeys) > MAX_DEVS or not all(
                     isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys):
                 raise ValueError
             if not (isinstance(addr, int) and isinstance(length, int) and isinstance(access, int)):

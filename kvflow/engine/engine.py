@@ -54,14 +54,15 @@ INLINE_TURN_NS = 1_000_000
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
 
 
-def _ipc_handle(span: Any) -> "tuple[bytes, int] | None":
-    """The CUDA IPC handle of a GPU span's allocation and the span's offset
-    in it, for peers on this host; None where the driver gives none (memory
-    from a stream-ordered pool, say): such peers stage instead."""
+def _ipc_handle(span: Any) -> "tuple[bytes, int, bytes] | None":
+    """The CUDA IPC handle of a GPU span's allocation, the span's offset in
+    it and its GPU's UUID, for peers on this host; None where the driver
+    gives none (memory from a stream-ordered pool, say): such peers stage."""
     from kvflow._cuda import driver as drv
     from kvflow.errors import CudaError
     try:
-        return drv.ipc_handle(span.base or span.addr), span.addr - (span.base or span.addr)
+        base = span.base or span.addr
+        return drv.ipc_handle(base, span.device), span.addr - base, drv.device_uuid(span.device)
     except (CudaError, ProviderUnavailableError) as e:
         log.debug("kvflow: no CUDA IPC handle for %#x: %s", span.addr, e)
         return None
@@ -499,7 +500,9 @@ class Engine:
             from kvflow.providers.cuda.copier import CudaCopyEngine
 
             def pinned(nbytes: int) -> tuple[int, Any]:
-                buf = drv.PinnedHost(nbytes)
+                # in the context of a GPU this engine uses (portable to all)
+                gpu = next(iter(self._gpu.local), None) if self._gpu is not None else None
+                buf = drv.PinnedHost(nbytes, gpu.device if gpu is not None else 0)
                 return buf.addr, buf
 
             self._gpu = GpuMemory(

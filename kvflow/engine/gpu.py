@@ -129,8 +129,10 @@ class GpuMemory:
         self.inbox = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in"))
         self._leases: dict[int, _Lease] = {}            # lease id -> lease
         self._lease_id = 0
-        self._ipc_open: dict[tuple[str, int], int] = {}   # (peer, region addr) -> region's base here
-        self._ipc_bases: dict[tuple[str, int], int] = {}  # ... -> the mapping cuIpcOpenMemHandle made
+        # (peer, region addr) -> (region's base here, our ordinal of its GPU), and
+        # -> (the mapping cuIpcOpenMemHandle made, that ordinal)
+        self._ipc_open: dict[tuple[str, int], tuple[int, int]] = {}
+        self._ipc_bases: dict[tuple[str, int], tuple[int, int]] = {}
 
     def _allocator(self, allocate: Callable[[int], tuple[int, Any]], name: str) -> Callable[[int], tuple[int, Any]]:
         def make(nbytes: int) -> tuple[int, Any]:
@@ -282,13 +284,13 @@ class GpuMemory:
         if not (len(la) == len(ra) == len(ln)) or not ln or 0 in ln:
             raise InvalidArgumentError("a batch needs entries of equal count and non-zero lengths",
                                        peer=peer.address)
-        devices: set[int] = set()
+        devices: set[int] = set()       # this process's ordinals of the GPUs the copy touches
         pieces: list[tuple[int, int, int]] = []
         for i, (l, r, n) in enumerate(zip(la, ra, ln)):
             mine = self.local.find(l, n)
             theirs = remote.find(r, n)
-            if theirs is None and reach == "host":
-                return False                    # the peer's host memory: not mappable, staged
+            if reach == "host" and (theirs is None or not theirs.ipc):
+                return False                    # the peer's host memory, or no IPC handle: staged
             if theirs is not None and not (theirs.access & (Access.WRITE if write else Access.READ)):
                 raise RemoteAccessError(f"entry {i}: {r:#x}+{n} is in a GPU region of the peer without "
                                         f"{'WRITE' if write else 'READ'} access", peer=peer.address, index=i)
@@ -299,13 +301,19 @@ class GpuMemory:
                                             index=i)
                 there = r
             else:
-                there = self._mapped(peer, theirs) + (r - theirs.addr)
+                opened = self._mapped(peer, theirs)
+                if opened is None:
+                    return False                # no such GPU here, or the driver refused: staged
+                there, device = opened
+                there += r - theirs.addr
+                devices.add(device)
             if mine is None and not self._host_find(l, n):
                 raise UnregisteredMemoryError(f"entry {i}: {l:#x}+{n} is not inside one registered region", peer=peer.address,
                             index=i)
-            for region in (mine, theirs):
-                if region is not None:
-                    devices.add(region.device)
+            if mine is not None:
+                devices.add(mine.device)
+            if reach == "process" and theirs is not None:
+                devices.add(theirs.device)     # the same process: the same ordinals
             pieces.append((there, l, n) if write else (l, there, n))
         if not devices:
             return False
@@ -315,32 +323,42 @@ class GpuMemory:
     # the engine sets it: whether [addr, addr+n) is in one of its host regions
     _host_find: Callable[[int, int], bool] = staticmethod(lambda addr, n: False)
 
-    def _mapped(self, peer: Any, region: RemoteRegion) -> int:
-        """The base, in this process, of a peer's GPU region (CUDA IPC,
-        opened on first use, closed with the peer's session)."""
+    def _mapped(self, peer: Any, region: RemoteRegion) -> tuple[int, int] | None:
+        """(the base, in this process, of a peer's GPU region; this process's
+        ordinal of its GPU), opened through CUDA IPC on first use and closed
+        with the peer; None where that GPU is not visible here (found by its
+        UUID: ordinals differ between processes) or the driver refuses."""
         key = (peer.address, region.addr)
-        base = self._ipc_open.get(key)
-        if base is None:
-            if not region.ipc:
-                raise ProviderUnavailableError(f"{peer.address} gave no CUDA IPC handle for {region.addr:#x}",
-                                               peer=peer.address)
-            from kvflow._cuda import driver as drv
-            handle, offset = region.ipc
-            opened = drv.ipc_open(handle, region.device if region.device < drv.device_count() else 0)
-            self._ipc_bases[key] = opened
-            base = self._ipc_open[key] = opened + offset
-        return base
+        found = self._ipc_open.get(key)
+        if found is not None:
+            return found
+        from kvflow._cuda import driver as drv
+        from kvflow.errors import CudaError
+        assert region.ipc is not None
+        handle, offset, uuid = region.ipc
+        try:
+            device = drv.device_of_uuid(uuid)
+            if device is None:
+                log.info("kvflow: %s's GPU %s is not visible here: staged", peer.address, uuid.hex())
+                return None
+            opened = drv.ipc_open(handle, device)
+        except CudaError as e:
+            log.info("kvflow: cannot open %s's CUDA IPC handle (%s): staged", peer.address, e)
+            return None
+        self._ipc_bases[key] = (opened, device)
+        found = self._ipc_open[key] = (opened + offset, device)
+        return found
 
     def forget_peer(self, address: str) -> None:
         """Closes the IPC mappings of a peer that is gone or re-registered."""
         for key in [k for k in self._ipc_bases if k[0] == address]:
-            opened = self._ipc_bases.pop(key)
+            opened, device = self._ipc_bases.pop(key)
             self._ipc_open.pop(key, None)
             try:
                 from kvflow._cuda import driver as drv
-                drv.ipc_close(opened)
+                drv.ipc_close(opened, device)
             except KVFlowError as e:
-                log.debug("kvflow: closing a CUDA IPC mapping of %s: %s", address, e)
+                log.warning("kvflow: closing a CUDA IPC mapping of %s: %s", address, e)
 
     # ------------------------------------------------------------ target
     async def on_lease(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:

@@ -71,20 +71,27 @@ class _EventWaiter:
 
     def _run(self) -> None:
         from kvflow._cuda import driver as drv
-        drv.use_device(self._device)
-        cu = drv.driver()
+        cu = None
+        broken: Exception | None = None
+        try:
+            drv.use_device(self._device)        # this thread is kvflow's: the context stays
+            cu = drv.driver()
+        except Exception as e:                  # every copy then fails, none hangs
+            broken = e
         while True:
             item = self._queue.get()
             if item is None:
                 return
             event, loop, fut = item
-            err, = cu.cuEventSynchronize(event.handle)
-            error = None if err == cu.CUresult.CUDA_SUCCESS else \
-                CudaError(f"a copy failed on cuda:{self._device}: {err}", code=int(err))
+            error: Exception | None = broken
+            if cu is not None:
+                err, = cu.cuEventSynchronize(event.handle)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    error = CudaError(f"a copy failed on cuda:{self._device}: {err}", code=int(err))
             try:
                 loop.call_soon_threadsafe(_settle, fut, error, event)
             except RuntimeError:            # the loop closed meanwhile
-                pass
+                event.close()
 
 
 def _settle(fut: "asyncio.Future[None]", error: Exception | None, event: Any) -> None:
@@ -113,17 +120,32 @@ class CudaCopyEngine:
 
     async def copy(self, pieces: Sequence[Piece]) -> None:
         drv = self._drv
-        drv.use_device(self.device)
         stream = self._streams[self._next]
         self._next = (self._next + 1) % len(self._streams)
-        for dst, src, n in pieces:
-            drv.copy_async(dst, src, n, stream)
-        event = drv.Event(self.device)
-        event.record(stream)
+        event = drv.Event(self.device, blocking=True)      # its waiter sleeps, not spins
+        try:
+            with drv.on_device(self.device):
+                for dst, src, n in pieces:
+                    drv.copy_async(dst, src, n, stream)
+            event.record(stream)
+        except BaseException:
+            # what was queued still runs: wait for the stream before the
+            # caller may reuse the memory
+            with drv.on_device(self.device):
+                drv.driver().cuStreamSynchronize(stream.handle)
+            event.close()
+            raise
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiter.wait(event, loop, fut)
-        await fut
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # the copy runs on: the caller's memory (a staging slot) is
+            # not free until it has finished
+            if not fut.done():
+                await asyncio.wait([fut])
+            raise
 
     def close(self) -> None:
         self._waiter.close()
@@ -141,54 +163,83 @@ async def wait_after(after: Any) -> None:
     """Waits, off the event loop, until `after` has completed: a CUDA event
     or stream (torch.cuda.Event / Stream, cupy.cuda.Event / Stream,
     cuda-python's CUevent / CUstream). For a stream, the work queued on it
-    so far. Returns at once when it has completed already."""
+    so far. Returns at once when it has completed already (and for a torch
+    event never recorded, which torch reports complete)."""
     global _after_pool
     from kvflow._cuda import driver as drv
     cu = drv.driver()
-    event, own = _event_of(after, cu, drv)
-    try:
-        err, = cu.cuEventQuery(event)
-        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
-            if _after_pool is None:
-                _after_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-cuda-after")
-            err, = await asyncio.get_running_loop().run_in_executor(_after_pool, cu.cuEventSynchronize, event)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"waiting for {type(after).__name__}: {err}", code=int(err))
-    finally:
-        if own is not None:
-            own.close()
+    found = _event_of(after, cu, drv)
+    if found is None:
+        return
+    event, own, device = found
+    err, = cu.cuEventQuery(event)
+    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+        if _after_pool is None:
+            _after_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-cuda-after")
+
+        def wait() -> Any:
+            with drv.on_device(device):
+                return cu.cuEventSynchronize(event)[0]
+
+        job = asyncio.get_running_loop().run_in_executor(_after_pool, wait)
+        try:
+            err = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            if own is not None:                 # destroyed once the thread no longer waits on it
+                job.add_done_callback(lambda _: own.close())
+            raise
+    if own is not None:
+        own.close()
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"waiting for {type(after).__name__}: {err}", code=int(err))
 
 
-def _event_of(after: Any, cu: Any, drv: Any) -> tuple[Any, Any]:
-    """(CUevent to wait for, our own Event to destroy after, or None)."""
+def _event_of(after: Any, cu: Any, drv: Any) -> "tuple[Any, Any, int] | None":
+    """(CUevent to wait for, our own Event to destroy after or None, the
+    device whose context to wait in), or None: nothing to wait for."""
     kind = type(after).__name__
     if kind == "CUevent":
-        return after, None
+        return after, None, _current_device(drv)
     if kind == "CUstream":
-        return _record(cu.CUstream(int(after)), drv, after)
+        return _record(after, drv)
     handle = getattr(after, "cuda_event", None)             # torch.cuda.Event
     if handle is not None:
-        return cu.CUevent(int(handle)), None
+        if int(handle) == 0:                # never recorded: torch calls it complete
+            return None
+        device = getattr(getattr(after, "device", None), "index", None)
+        return cu.CUevent(int(handle)), None, int(device) if device is not None else _current_device(drv)
     handle = getattr(after, "cuda_stream", None)            # torch.cuda.Stream
     if handle is not None:
-        return _record(cu.CUstream(int(handle)), drv, after)
+        return _record(cu.CUstream(int(handle)), drv)
     module = type(after).__module__ or ""
     if module.startswith("cupy"):
         ptr = int(after.ptr)
-        return (cu.CUevent(ptr), None) if "Event" in kind else _record(cu.CUstream(ptr), drv, after)
+        if "Event" in kind:
+            return cu.CUevent(ptr), None, _current_device(drv)
+        return _record(cu.CUstream(ptr), drv)
     from kvflow.errors import InvalidArgumentError
     raise InvalidArgumentError(
         f"after= takes a CUDA event or stream (torch, cupy or cuda-python), not a {kind}")
 
 
-def _record(stream: Any, drv: Any, owner: Any) -> tuple[Any, Any]:
-    """An event of ours recorded on `stream` (in its device's context)."""
-    device = getattr(getattr(owner, "device", None), "index", None)     # torch
-    if device is None:
-        device = getattr(owner, "device_id", None)                     # cupy
-    ev = drv.Event(int(device) if device is not None else _current_device(drv))
-    drv.check(drv.driver().cuEventRecord(ev.handle, stream), "cuEventRecord")
-    return ev.handle, ev
+def _record(stream: Any, drv: Any) -> tuple[Any, Any, int]:
+    """An event of ours recorded on `stream`, in the context of the device
+    the stream belongs to (asked of the driver)."""
+    cu = drv.driver()
+    device = _current_device(drv)
+    get_device = getattr(cu, "cuStreamGetDevice", None)
+    if get_device is not None:
+        err, dev = get_device(stream)
+        if err == cu.CUresult.CUDA_SUCCESS:
+            device = int(dev)
+    ev = drv.Event(device, blocking=True)
+    try:
+        with drv.on_device(device):
+            drv.check(cu.cuEventRecord(ev.handle, stream), "cuEventRecord")
+    except BaseException:
+        ev.close()
+        raise
+    return ev.handle, ev, device
 
 
 def _current_device(drv: Any) -> int:
