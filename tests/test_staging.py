@@ -207,12 +207,37 @@ async def test_write_into_gpu_memory(make_engine, protocols):
 async def test_read_into_gpu_memory(make_engine, protocols):
     a, b, peer = await _pair(make_engine, protocols)
     remote = _pattern(3 * SLOT + 99, 4)
-    rr = b.register(remote, name="src")
+    b.register(remote, name="src")
     await bounded(peer.refresh())
     local = np.zeros(remote.nbytes, np.uint8)
     gpu_region(a, local, "kv")
     await bounded(peer.read([local.ctypes.data], [peer.region("src").addr], [remote.nbytes]))
     assert sha(local) == sha(remote)
+
+
+async def test_read_from_gpu_memory(make_engine, protocols):
+    """From the peer's GPU memory into host memory and into GPU memory:
+    the peer fills leased inbox slots (stage_fetch) that are read back; a
+    GPU region without READ access is refused."""
+    a, b, peer = await _pair(make_engine, protocols)
+    remote = _pattern(3 * SLOT + 4321, 7)
+    gpu_region(b, remote, "kv")
+    gpu_region(b, np.zeros(4096, np.uint8), "wo", access=Access.WRITE)
+    await bounded(peer.refresh())
+    r = peer.region("kv").addr
+    host = np.zeros(remote.nbytes, np.uint8)
+    h = a.register(host)
+    offs = np.arange(32, dtype=np.uint64) * np.uint64(8192)
+    await bounded(peer.read(h.addr + offs, r + offs, np.full(32, 8192, np.uint64)))
+    assert sha(host[:32 * 8192]) == sha(remote[:32 * 8192])
+    local_gpu = np.zeros(remote.nbytes, np.uint8)
+    gpu_region(a, local_gpu, "mine")
+    await bounded(peer.read([local_gpu.ctypes.data], [r], [remote.nbytes]))
+    assert sha(local_gpu) == sha(remote)
+    with pytest.raises(kvflow.RemoteAccessError):
+        await bounded(peer.read([h.addr], [peer.region("wo").addr], [4096]))
+    await asyncio.sleep(0.05)
+    assert b._gpu.inbox.free == b._gpu.inbox.count and not b._gpu._leases
 
 
 async def test_staged_bad_input_loses_nothing(make_engine, protocols):

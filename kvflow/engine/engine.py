@@ -359,6 +359,7 @@ class Engine:
                     handlers[kind] = lambda peer, session, msg, error=error, why=why: {"t": error, "message": why}
         handlers["stage_lease"] = self._on_stage("on_lease")
         handlers["stage_land"] = self._on_stage("on_land")
+        handlers["stage_fetch"] = self._on_stage("on_fetch")
         handlers["stage_release"] = self._on_stage("on_release")
         return handlers
 

@@ -18,8 +18,10 @@ batch that touches one goes here instead:
   (WRITE access) and the slot against the lease, so nothing lands outside
   registered memory.
 
-Reads of a peer's GPU memory are not staged yet (ProviderUnavailableError
-says so). Staging memory is bounded per engine (Engine(staging_bytes=)),
+- read from a peer's GPU memory: the peer fills leased inbox slots from
+  its GPU memory (`stage_fetch`, READ access checked) and they are read
+  over the host path.
+ Staging memory is bounded per engine (Engine(staging_bytes=)),
 half for outgoing slots and half for the inbox, allocated once when first
 used.
 """
@@ -34,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvflow.control.wire import field
-from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError, ProviderUnavailableError,
+from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError,
                            RemoteAccessError, TransferTimeoutError, UnregisteredMemoryError)
 from kvflow.memory import CUDA, Access, Region, RemoteRegion
 from kvflow.providers.cuda.copier import CopyEngine
@@ -240,34 +242,52 @@ class GpuMemory:
 
     async def read(self, peer: Any, la: Any, ra: Any, ln: Any, host_read: Callable[..., Any],
                    remote: "_Table", reach: str = "remote") -> None:
-        """A read into local GPU memory, or from the peer's: a direct copy
-        where `reach` allows it (as write()), else staged from the peer's
-        host memory."""
+        """A read into local GPU memory, or from the peer's (or both): a
+        direct copy where `reach` allows it (as write()), else staged; from
+        a peer's GPU memory the peer fills slots of its inbox (stage_fetch)
+        that are then read over the host path."""
         if await self._direct(peer, la, ra, ln, remote, reach, write=False):
             return
         packed = pack(la, ra, ln, self.slot_bytes)
-        if any(remote.find(r, n) is not None for part in packed for _, _, r, n in part.entries):
-            raise ProviderUnavailableError(
-                "reading a peer's GPU memory is not staged yet: have the peer write it (its GPU memory "
-                "reads are staged on its side)", peer=peer.address)
+        remote_gpu = remote.any_in(np.asarray(ra, dtype=np.uint64))
+        if remote_gpu:
+            for part in packed:
+                for _, _, r, n in part.entries:
+                    region = remote.find(r, n)
+                    if region is None or not (region.access & Access.READ):
+                        raise RemoteAccessError(
+                            f"{r:#x}+{n} is not inside one of the peer's GPU regions it may read "
+                            "(a staged read takes from GPU memory only)", peer=peer.address)
         device = self._device_of(packed[0].entries, peer.address)
         for part in packed[1:]:
             if self._device_of(part.entries, peer.address) != device:
-                raise InvalidArgumentError("a staged batch's local entries must all be on one GPU",
-                                           peer=peer.address)
-        if device is None:
+                raise InvalidArgumentError("a staged batch's local entries must all be on one GPU or all in "
+                                           "host memory", peer=peer.address)
+        if device is None and not remote_gpu:
             raise UnregisteredMemoryError(
                 "a local entry starts in GPU memory and runs past the end of its region", peer=peer.address)
-        copier = self.copier(device)
+        fetching = _Landing(peer, None, host_read) if remote_gpu else None
+        try:
+            if device is None:              # into host memory: straight from the peer's inbox
+                assert fetching is not None
+                await fetching.run_direct(packed, write=False)
+                return
+            copier = self.copier(device)
 
-        async def fill(slot: Slot, part: Packed) -> None:         # peer -> host slot
-            await host_read([slot.addr + off for off, _, _, _ in part.entries],
-                            [r for _, _, r, _ in part.entries], [n for _, _, _, n in part.entries])
+            async def fill(slot: Slot, part: Packed) -> None:     # peer -> host slot
+                if fetching is not None:
+                    await fetching.fetch(slot, part)
+                else:
+                    await host_read([slot.addr + off for off, _, _, _ in part.entries],
+                                    [r for _, _, r, _ in part.entries], [n for _, _, _, n in part.entries])
 
-        async def drain(slot: Slot, part: Packed) -> None:        # host slot -> device
-            await copier.copy([(l, slot.addr + off, n) for off, l, _, n in part.entries])
+            async def drain(slot: Slot, part: Packed) -> None:    # host slot -> device
+                await copier.copy([(l, slot.addr + off, n) for off, l, _, n in part.entries])
 
-        await run_staged(self.outgoing, packed, fill, drain)
+            await run_staged(self.outgoing, packed, fill, drain)
+        finally:
+            if fetching is not None:
+                fetching.release()
 
     # ------------------------------------------------------------ direct: same process, CUDA IPC
     async def _direct(self, peer: Any, la: Any, ra: Any, ln: Any, remote: "_Table", reach: str,
@@ -393,37 +413,45 @@ class GpuMemory:
         return {"t": "stage_leased", "lease": self._lease_id, "slot_bytes": self.slot_bytes,
                 "slots": [s.addr for s in slots]}
 
-    async def _land(self, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
-        """Copies a written inbox slot into this engine's GPU memory."""
+    async def _land(self, session: Any, msg: dict[str, Any], fetch: bool = False) -> dict[str, Any]:
+        """Copies a written inbox slot into this engine's GPU memory (fetch:
+        fills the slot from it, for the peer to read)."""
         lease = self._leases.get(field(msg, "lease", int))
         slot_addr = field(msg, "slot", int)
         entries = field(msg, "entries", list)
         if lease is None or lease.session is not session:
-            return {"t": "stage_error", "message": "stage_land: no such lease"}
+            return {"t": "stage_error", "message": f"{msg['t']}: no such lease"}
         slot = next((s for s in lease.slots if s.addr == slot_addr), None)
         if slot is None:
-            return {"t": "stage_error", "message": f"stage_land: {slot_addr:#x} is not a slot of this lease"}
+            return {"t": "stage_error", "message": f"{msg['t']}: {slot_addr:#x} is not a slot of this lease"}
         pieces = []
         device = None
         for e in entries:
             if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) for v in e)):
-                raise ProtocolError("stage_land: an entry is [offset, dst, nbytes]")
+                raise ProtocolError(f"{msg['t']}: an entry is [offset, GPU address, nbytes]")
             off, dst, n = e
             if n <= 0 or off < 0 or off + n > slot.size:
-                return {"t": "stage_error", "message": f"stage_land: {off}+{n} is outside the slot"}
+                return {"t": "stage_error", "message": f"{msg['t']}: {off}+{n} is outside the slot"}
             region = self.local.find(dst, n)
-            if region is None or not (region.access & Access.WRITE):
-                return {"t": "stage_error",
-                        "message": f"stage_land: {dst:#x}+{n} is not inside a GPU region peers may write"}
+            need = Access.READ if fetch else Access.WRITE
+            if region is None or not (region.access & need):
+                return {"t": "stage_error", "message": f"{msg['t']}: {dst:#x}+{n} is not inside a GPU region "
+                                                       f"peers may {'read' if fetch else 'write'}"}
             if device is not None and region.device != device:
-                return {"t": "stage_error", "message": "stage_land: entries on two GPUs"}
+                return {"t": "stage_error", "message": f"{msg['t']}: entries on two GPUs"}
             device = region.device
-            pieces.append((dst, slot.addr + off, n))
+            pieces.append((slot.addr + off, dst, n) if fetch else (dst, slot.addr + off, n))
         if not pieces:
             return {"t": "stage_landed"}
         assert device is not None
         await self.copier(device).copy(pieces)
         return {"t": "stage_landed"}
+
+    async def on_fetch(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._land(session, msg, fetch=True)
+        except KVFlowError as e:
+            return {"t": "stage_error", "message": str(e)}
 
     def on_release(self, peer: str, session: Any, msg: dict[str, Any]) -> None:
         lease = self._leases.get(field(msg, "lease", int))
@@ -445,9 +473,11 @@ class _Landing:
     """The initiator's side of writes into a peer's GPU memory: a lease of
     the peer's inbox slots, each written over the host path and landed."""
 
-    def __init__(self, peer: Any, host_write: Callable[..., Any]) -> None:
+    def __init__(self, peer: Any, host_write: Callable[..., Any] | None,
+                 host_read: Callable[..., Any] | None = None) -> None:
         self._peer = peer
         self._host_write = host_write
+        self._host_read = host_read
         self._lease: int | None = None
         self._slots: list[int] = []
         self._free: asyncio.Queue[int] = asyncio.Queue()
@@ -484,26 +514,44 @@ class _Landing:
         await self._ensure()
         remote_slot = await self._free.get()
         try:
-            if part.nbytes > self._slot_bytes:
-                raise ProtocolError(f"{self._peer.address} lends slots of {self._slot_bytes} bytes, "
-                                    f"smaller than ours", peer=self._peer.address)
+            assert self._host_write is not None
             await self._host_write([slot.addr], [remote_slot], [part.nbytes])
             await self._ask_land(remote_slot, part)
         finally:
             self._free.put_nowait(remote_slot)
 
-    async def run_direct(self, packed: Sequence[Packed]) -> None:
-        """Host source: each part written from where it is into a leased slot
-        (several in flight, one per slot), then landed."""
+    async def fetch(self, slot: Slot, part: Packed) -> None:
+        """Has the peer fill one of its inbox slots from its GPU memory and
+        reads it into a local slot."""
+        await self._ensure()
+        remote_slot = await self._free.get()
+        try:
+            await self._ask_land(remote_slot, part, fetch=True)
+            assert self._host_read is not None
+            await self._host_read([slot.addr], [remote_slot], [part.nbytes])
+        finally:
+            self._free.put_nowait(remote_slot)
+
+    async def run_direct(self, packed: Sequence[Packed], write: bool = True) -> None:
+        """Host memory on this side: each part written from where it is into
+        a leased slot and landed, or (a read) fetched into a slot and read
+        from there to where it goes; several in flight, one per slot."""
         await self._ensure()
 
         async def one(part: Packed) -> None:
             remote_slot = await self._free.get()
+            local = [l for _, l, _, _ in part.entries]
+            there = [remote_slot + off for off, _, _, _ in part.entries]
+            sizes = [n for _, _, _, n in part.entries]
             try:
-                await self._host_write([l for _, l, _, _ in part.entries],
-                                       [remote_slot + off for off, _, _, _ in part.entries],
-                                       [n for _, _, _, n in part.entries])
-                await self._ask_land(remote_slot, part)
+                if write:
+                    assert self._host_write is not None
+                    await self._host_write(local, there, sizes)
+                    await self._ask_land(remote_slot, part)
+                else:
+                    await self._ask_land(remote_slot, part, fetch=True)
+                    assert self._host_read is not None
+                    await self._host_read(local, there, sizes)
             finally:
                 self._free.put_nowait(remote_slot)
 
@@ -516,9 +564,12 @@ class _Landing:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _ask_land(self, remote_slot: int, part: Packed) -> None:
+    async def _ask_land(self, remote_slot: int, part: Packed, fetch: bool = False) -> None:
+        if part.nbytes > self._slot_bytes:
+            raise ProtocolError(f"{self._peer.address} lends slots of {self._slot_bytes} bytes, smaller "
+                                f"than ours", peer=self._peer.address)
         reply = await self._request(
-            {"t": "stage_land", "lease": self._lease, "slot": remote_slot,
+            {"t": "stage_fetch" if fetch else "stage_land", "lease": self._lease, "slot": remote_slot,
              "entries": [[off, r, n] for off, _, r, n in part.entries]})
         if reply.get("t") != "stage_landed":
             raise RemoteAccessError(f"{self._peer.address}: {reply.get('message')}", peer=self._peer.address)
