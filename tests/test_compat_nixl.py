@@ -111,8 +111,12 @@ def test_bad_input_is_refused_and_the_agent_stays_usable(pair):
         a.initialize_xfer("WRITE", descs(a, s, [0], 64), descs(a, d, [0], 128), b.name)
     with pytest.raises(B.nixlInvalidParamError):
         a.initialize_xfer("WRITE", descs(a, s, [0, 64], 64), descs(a, d, [0], 64), b.name)
-    with pytest.raises(B.nixlNotSupportedError):
-        a.register_memory([(other.ctypes.data, 4096, 0, "")], "VRAM")
+    import kvflow.cuda
+    if not kvflow.cuda.available():                                         # VRAM needs CUDA here
+        with pytest.raises(B.nixlNotSupportedError, match="CUDA is not usable here"):
+            a.register_memory([(other.ctypes.data, 4096, 0, "")], "VRAM")
+    with pytest.raises(B.nixlNotSupportedError, match="DRAM and VRAM only"):
+        a.register_memory([(other.ctypes.data, 4096, 0, "")], "FILE")
     with pytest.raises(B.nixlNotFoundError):
         a.create_backend("GDS")
     assert a.get_xfer_descs([(1, 2)], "DRAM") is None and a.get_reg_descs([(1, 2, 0)], "DRAM") is None

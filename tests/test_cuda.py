@@ -175,3 +175,31 @@ def test_ipc_handle_opens_in_another_process():
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) == sum(range(4096))
+
+
+@gpu
+def test_nixl_api_moves_vram():
+    """kvflow.compat.nixl with torch CUDA tensors (VRAM), as vLLM's
+    NixlConnector registers its KV caches: a write and a read, every byte."""
+    torch = _torch()
+    import uuid
+    import time
+    from kvflow.compat.nixl import nixl_agent, nixl_agent_config
+    a = nixl_agent(f"a-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    b = nixl_agent(f"b-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(4 << 20, dtype=torch.uint8, device="cuda")
+    assert a.register_memory(src) is not None and b.register_memory(dst) is not None
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    local = a.get_xfer_descs([(src.data_ptr() + i * 65536, 65536, 0) for i in range(64)], "VRAM")
+    remote = a.get_xfer_descs([(dst.data_ptr() + i * 65536, 65536, 0) for i in range(64)], "VRAM")
+    h = a.initialize_xfer("WRITE", local, remote, b.name, b"done")
+    a.transfer(h)
+    deadline = time.monotonic() + 60
+    while a.check_xfer_state(h) == "PROC":
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert a.check_xfer_state(h) == "DONE"
+    torch.cuda.synchronize()
+    assert _sha_tensor(dst) == _sha_tensor(src)

@@ -34,14 +34,17 @@ from kvflow.compat.nixl import _bindings as B
 from kvflow.config import env_list, env_str
 from kvflow.engine.peer import Peer
 from kvflow.engine.thread import EngineThread
-from kvflow.errors import KVFlowError
+from kvflow.errors import InvalidArgumentError, KVFlowError
+from kvflow.memory import CUDA
 
 log = logging.getLogger("kvflow.compat.nixl")
 
 MD_TAG = "kvflow-nixl-md"
 NOTIF_TAG = "kvflow-nixl-notif"
 MD_VERSION = 1
-PLUGINS = {"UCX": ["DRAM"]}        # the backend name NIXL code asks for; kvflow picks the provider per peer
+# the backend name NIXL code asks for (kvflow picks the provider per peer), and
+# its memory kinds (VRAM too, where CUDA is usable: getPluginParams)
+PLUGINS = {"UCX": ["DRAM"]}
 MAX_FRAME = 16 << 20
 CONNECT_TIMEOUT = 10.0
 CANCEL_WAIT = 5.0      # a released in-flight transfer: its cancelled batch is collected within this
@@ -242,7 +245,8 @@ class AgentCore:
     def getPluginParams(self, plugin: str) -> tuple[dict[str, str], list[str]]:
         if plugin not in PLUGINS:
             raise B.nixlNotFoundError(f"no plugin {plugin!r} (kvflow provides {', '.join(PLUGINS)})")
-        return {}, list(PLUGINS[plugin])
+        import kvflow.cuda
+        return {}, list(PLUGINS[plugin]) + (["VRAM"] if kvflow.cuda.available() else [])
 
     def createBackend(self, backend: str, params: dict[str, str]) -> BackendHandle:
         if backend not in PLUGINS:
@@ -254,9 +258,17 @@ class AgentCore:
 
     # ------------------------------------------------------------ memory
     def _check_host(self, dlist: B._DList) -> None:
-        if dlist.getType() != B.DRAM_SEG:
-            raise B.nixlNotSupportedError(f"kvflow.compat.nixl moves host memory (DRAM) only, not "
-                                          f"{dlist.getType().name}")
+        """DRAM, and VRAM where CUDA is usable here (kvflow stages it or
+        copies it directly: docs/gpu.md); nothing else."""
+        kind = dlist.getType()
+        if kind == B.DRAM_SEG:
+            return
+        if kind == B.VRAM_SEG:
+            import kvflow.cuda
+            if kvflow.cuda.available():
+                return
+            raise B.nixlNotSupportedError(f"VRAM: CUDA is not usable here ({kvflow.cuda.reason()})")
+        raise B.nixlNotSupportedError(f"kvflow.compat.nixl moves DRAM and VRAM only, not {kind.name}")
 
     def registerMem(self, descs: B.nixlRegDList, backends: list[Any] = ()) -> None:
         if not isinstance(descs, B.nixlRegDList):
@@ -264,10 +276,15 @@ class AgentCore:
         self._check_host(descs)
         done: list[int] = []
         try:
+            vram = descs.getType() == B.VRAM_SEG
             for addr, length in zip(descs.addrs.tolist(), descs.lens.tolist()):
                 region = self._thread.call_sync(self._engine.register, (addr, length))
                 self._regions[addr] = region
                 done.append(addr)
+                if vram != (region.kind == CUDA):
+                    raise InvalidArgumentError(
+                        f"{addr:#x}+{length} was given as {'VRAM' if vram else 'DRAM'} but is "
+                        f"{'host' if vram else 'GPU'} memory")
         except KVFlowError as e:
             for addr in done:
                 self._thread.call_sync(self._engine.deregister, self._regions.pop(addr))
@@ -282,8 +299,15 @@ class AgentCore:
 
     def queryMem(self, descs: B.nixlRegDList, backend: BackendHandle) -> list[dict[str, str] | None]:
         spans = self._local_spans()
-        return [None if _covered(spans, descs.addrs[i:i + 1], descs.lens[i:i + 1]) >= 0
-                else {"mem_type": "DRAM", "registered": "true"} for i in range(descs.descCount())]
+        out: list[dict[str, str] | None] = []
+        for i in range(descs.descCount()):
+            if _covered(spans, descs.addrs[i:i + 1], descs.lens[i:i + 1]) >= 0:
+                out.append(None)
+                continue
+            a = int(descs.addrs[i])
+            region = next(r for r in self._regions.values() if r.addr <= a < r.end)
+            out.append({"mem_type": "VRAM" if region.kind == CUDA else "DRAM", "registered": "true"})
+        return out
 
     def _local_spans(self) -> list[tuple[int, int]]:
         return [(r.addr, r.addr + r.length) for r in self._regions.values()]
