@@ -9,9 +9,12 @@ and the copy-engine ceilings, in one run: two processes on this machine
 
 Rows: kvflow over `--protocol` (tcp by default) with GPU memory on both
 sides (staged through pinned host memory) and with host memory on both
-sides, and, with a GPU, the ceilings: cuMemcpyDtoDAsync within one GPU
-and pinned cuMemcpyHtoDAsync / DtoHAsync, issued the same way (64 copies
-per batch on one stream, timed to the stream's end).
+sides, and, with a GPU: kvflow's local provider with GPU memory (CUDA IPC
+between the two processes), the ceilings (cuMemcpyDtoDAsync within one GPU
+and pinned cuMemcpyHtoDAsync / DtoHAsync, issued the same way: 64 copies
+per batch on one stream, timed to the stream's end), and the anchors with
+GPU buffers where installed (`--anchors`: Mooncake TE tcp, NIXL UCX over
+tcp with cuda_copy and same-host cuda_ipc), with kvflow's ratio to each.
 """
 from __future__ import annotations
 
@@ -113,6 +116,27 @@ def ceiling(kind: str, block: int, rounds: int) -> float:
     return rounds * nbytes / took / 1e9
 
 
+def anchor(name: str, block: int, duration: float) -> float | None:
+    """GB/s of another engine with GPU buffers on both sides, the same
+    point (batch 64 of `block`, two processes): Mooncake TE over tcp,
+    NIXL/UCX over tcp (cuda_copy) and same-host (cuda_ipc). None where it
+    is not installed (carry its wheel) or fails."""
+    base = os.path.join(ROOT, "tools", "baselines")
+    cmd = {"mooncake-tcp": [os.path.join(base, "mooncake_bench.py")],
+           "nixl-tcp": [os.path.join(base, "nixl_bench.py"), "--transport", "cuda-tcp"],
+           "nixl-ipc": [os.path.join(base, "nixl_bench.py"), "--transport", "cuda-ipc"]}[name]
+    try:
+        out = subprocess.run([sys.executable, *cmd, "--memory", "cuda", "--block-size", str(block),
+                              "--batch", str(BATCH), "--duration", str(duration)],
+                             capture_output=True, text=True, timeout=60 + 4 * duration)
+        line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
+        res = json.loads(line)
+        return float(res["gbps"]) if res.get("verified", True) else None
+    except (subprocess.TimeoutExpired, IndexError, ValueError, KeyError) as e:
+        print(f"anchor {name} at {block}: {type(e).__name__}", file=sys.stderr)
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory", choices=["cuda", "host"], default="cuda",
@@ -120,9 +144,15 @@ def main() -> None:
     ap.add_argument("--protocol", default="tcp")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="blocks of 64 KiB and 1 MiB only")
+    ap.add_argument("--blocks", default=None, help="block sizes in KiB, comma-separated (default: 64 KiB to 16 MiB)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--anchors", default="mooncake-tcp,nixl-tcp,nixl-ipc",
+                    help="other engines with GPU buffers, side by side (comma-separated; empty: none)")
+    ap.add_argument("--anchor-seconds", type=float, default=2.0)
     args = ap.parse_args()
     blocks = [64 << 10, 1 << 20] if args.quick else BLOCKS
+    if args.blocks:
+        blocks = [int(k) << 10 for k in args.blocks.split(",")]
     rows = []
     for block in blocks:
         row: dict[str, float | int] = {"block": block}
@@ -130,8 +160,15 @@ def main() -> None:
         if args.memory == "cuda":
             row["kvflow_cuda"] = asyncio.run(kvflow_rate("cuda", args.protocol, block, args.rounds))
             row["cuda_vs_host"] = row["kvflow_cuda"] / row["kvflow_host"]
+            row["kvflow_cuda_local"] = asyncio.run(kvflow_rate("cuda", "local", block, args.rounds))
             for kind in ("DtoD", "HtoD", "DtoH"):
                 row[f"ceiling_{kind}"] = ceiling(kind, block, args.rounds)
+            for name in filter(None, args.anchors.split(",")):
+                rate = anchor(name, block, args.anchor_seconds)
+                if rate is not None:
+                    row[name] = rate
+                    ours = row["kvflow_cuda_local"] if name.endswith("ipc") else row["kvflow_cuda"]
+                    row[f"kvflow_vs_{name}"] = ours / rate
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = {"protocol": args.protocol, "batch": BATCH, "rounds": args.rounds, "rows": rows}

@@ -22,14 +22,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     >> "$OUTDIR/env.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # build: the native core and the fatbin (KVFLOW_CUDA=on: fail without nvcc)
-KVFLOW_CUDA=on timeout 180 $PY setup.py -q build_ext --inplace > "$OUTDIR/build.txt" 2>&1
+KVFLOW_CUDA=on timeout 120 $PY setup.py -q build_ext --inplace > "$OUTDIR/build.txt" 2>&1
 echo "build rc=$?" >> "$OUTDIR/env.txt"
 $PY -c "import kvflow, kvflow.cuda; print(kvflow.features, kvflow.cuda.available(), kvflow.cuda.reason())" \
   >> "$OUTDIR/env.txt" 2>&1
-timeout 200 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py \
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py \
   "tests/test_pd_e2e.py::test_disaggregated_generation_matches_single_process" > "$OUTDIR/tests.txt" 2>&1
 echo "tests rc=$?" >> "$OUTDIR/env.txt"
-timeout 120 $PY tools/gpu_bench.py --json "$OUTDIR/gpu_check.json" > "$OUTDIR/bench.txt" 2>&1
+timeout 200 $PY tools/gpu_bench.py --blocks 64,1024,16384 --rounds 5 --anchor-seconds 1 \
+  --json "$OUTDIR/gpu_check.json" > "$OUTDIR/bench.txt" 2>&1
 echo "bench rc=$?" >> "$OUTDIR/env.txt"
 $PY - "$OUTDIR" <<'PYEOF'
 import json, os, sys

@@ -38,6 +38,8 @@ def add_point_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-region", type=int, default=DEFAULT_MAX_REGION)
     p.add_argument("--json", action="store_true", help="accepted for CLI symmetry; "
                    "the result is always printed as JSON")
+    p.add_argument("--memory", default="host", choices=["host", "cuda"],
+                   help="where both sides' buffers live: host memory, or GPU 0 (a torch tensor)")
 
 
 def layout(block: int, batch: int, scatter: bool, max_region: int):
@@ -54,10 +56,30 @@ def layout(block: int, batch: int, scatter: bool, max_region: int):
     return offs, region
 
 
-def alloc(nbytes: int, fill: int = 0) -> np.ndarray:
-    """Allocate and touch a buffer so page faults are not measured."""
+def alloc(nbytes: int, fill: int = 0, memory: str = "host"):
+    """Allocate and touch a buffer so page faults are not measured: a numpy
+    array, or with memory="cuda" a torch tensor on GPU 0."""
+    if memory == "cuda":
+        import torch
+        buf = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        return buf
     buf = np.empty(nbytes, dtype=np.uint8)
     buf.fill(fill)
+    return buf
+
+
+def addr(buf) -> int:
+    """A buffer's address (host or device)."""
+    return int(buf.data_ptr()) if hasattr(buf, "data_ptr") else int(buf.ctypes.data)
+
+
+def host(buf) -> np.ndarray:
+    """A buffer's bytes in host memory (a GPU buffer is copied back)."""
+    if hasattr(buf, "data_ptr"):
+        import torch
+        torch.cuda.synchronize()
+        return buf.cpu().numpy()
     return buf
 
 

@@ -71,31 +71,31 @@ def target(args) -> None:
     eng = make_engine(args.protocol, args.device, args.impl)
     offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                  args.max_region)
-    buf = common.alloc(region)
-    if eng.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+    buf = common.alloc(region, memory=args.memory)
+    if eng.register_memory(common.addr(buf), region) != 0:
         raise RuntimeError("register_memory failed on target")
-    common.ready({"session": f"{HOST}:{eng.get_rpc_port()}", "addr": buf.ctypes.data})
+    common.ready({"session": f"{HOST}:{eng.get_rpc_port()}", "addr": common.addr(buf)})
     common.wait_for_stdin_eof()
-    common.ready({"verified": common.verify(buf, offs, args.block_size)})
-    eng.unregister_memory(buf.ctypes.data)
+    common.ready({"verified": common.verify(common.host(buf), offs, args.block_size)})
+    eng.unregister_memory(common.addr(buf))
 
 
 def initiator(args) -> None:
     peer, info = common.spawn_peer(
         [__file__, "--role", "target", "--block-size", str(args.block_size),
          "--batch", str(args.batch), "--max-region", str(args.max_region),
-         "--protocol", args.protocol, "--device", args.device, "--impl", args.impl]
+         "--protocol", args.protocol, "--device", args.device, "--impl", args.impl, "--memory", args.memory]
         + (["--scatter"] if args.scatter else []))
     try:
         eng = make_engine(args.protocol, args.device, args.impl)
         offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                      args.max_region)
-        src = common.alloc(region, fill=0xAB)
-        if eng.register_memory(src.ctypes.data, src.nbytes) != 0:
+        src = common.alloc(region, fill=0xAB, memory=args.memory)
+        if eng.register_memory(common.addr(src), region) != 0:
             raise RuntimeError("register_memory failed on initiator")
         session = info["session"]
         # Plain Python int lists: that is what the pybind11 binding takes.
-        local = [src.ctypes.data + int(o) for o in offs]
+        local = [common.addr(src) + int(o) for o in offs]
         remote = [info["addr"] + int(o) for o in offs]
         lengths = [args.block_size] * args.batch
 
@@ -139,7 +139,8 @@ def initiator(args) -> None:
             res["mc_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MC_")}
         res["concurrency"] = args.concurrency
         res["scatter"] = args.scatter
-        eng.unregister_memory(src.ctypes.data)
+        res["memory"] = args.memory
+        eng.unregister_memory(common.addr(src))
         common.emit(common.finish_peer(peer, res))
         peer = None
     finally:

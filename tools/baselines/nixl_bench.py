@@ -39,7 +39,10 @@ import sys
 import common
 import numpy as np
 
-TLS = {"tcp": "tcp", "cma": "cma,tcp", "sm": "sm,self"}
+# UCX transports per --transport; with VRAM, UCX stages GPU memory through
+# cuda_copy over tcp, and between processes of one host uses cuda_ipc
+TLS = {"tcp": "tcp", "cma": "cma,tcp", "sm": "sm,self", "cuda-tcp": "tcp,cuda_copy",
+       "cuda-ipc": "cuda_ipc,cuda_copy,sm,self"}
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,14 +91,17 @@ def descs(base: int, offs, block: int) -> np.ndarray:
     return d
 
 
+MEM = {"host": "DRAM", "cuda": "VRAM"}     # NIXL's memory type of each --memory
+
+
 def target(args) -> None:
     agent = make_agent("target", progress_thread=args.target_progress == "thread")
     offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                  args.max_region)
-    buf = common.alloc(region)
-    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    buf = common.alloc(region, memory=args.memory)
+    agent.register_memory([(common.addr(buf), region, 0, "")], MEM[args.memory])
     common.ready({"meta": base64.b64encode(agent.get_agent_metadata()).decode(),
-                  "addr": buf.ctypes.data})
+                  "addr": common.addr(buf)})
     if args.target_progress == "thread":
         common.wait_for_stdin_eof()
     else:
@@ -106,7 +112,7 @@ def target(args) -> None:
         while not select.select([sys.stdin], [], [], pause)[0]:
             agent.get_new_notifs()
         sys.stdin.read()
-    common.ready({"verified": common.verify(buf, offs, args.block_size)})
+    common.ready({"verified": common.verify(common.host(buf), offs, args.block_size)})
 
 
 def initiator(args) -> None:
@@ -119,23 +125,24 @@ def initiator(args) -> None:
     peer, info = common.spawn_peer(
         [__file__, "--role", "target", "--block-size", str(args.block_size),
          "--batch", str(args.batch), "--max-region", str(args.max_region),
-         "--target-progress", args.target_progress]
+         "--target-progress", args.target_progress, "--memory", args.memory]
         + (["--scatter"] if args.scatter else []) + ["--impl", args.impl], env=dict(os.environ))
     try:
         agent = make_agent("initiator", progress_thread=False)
         offs, region = common.layout(args.block_size, args.batch, args.scatter,
                                      args.max_region)
-        src = common.alloc(region, fill=0xAB)
-        reg = agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        src = common.alloc(region, fill=0xAB, memory=args.memory)
+        mem = MEM[args.memory]
+        reg = agent.register_memory([(common.addr(src), region, 0, "")], mem)
         remote = agent.add_remote_agent(base64.b64decode(info["meta"]))
         if isinstance(remote, bytes):
             remote = remote.decode()
         local_side = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                           descs(src.ctypes.data, offs, args.block_size),
-                                           "DRAM")
+                                           descs(common.addr(src), offs, args.block_size),
+                                           mem)
         remote_side = agent.prep_xfer_dlist(remote,
                                             descs(info["addr"], offs, args.block_size),
-                                            "DRAM")
+                                            mem)
         idx = np.arange(args.batch, dtype=np.int32)
 
         def poll(h):
@@ -183,7 +190,7 @@ def initiator(args) -> None:
         proto = ("kvflow-" if args.impl == "kvflow" else "ucx-") + args.transport
         res = common.result("nixl-compat" if args.impl == "kvflow" else "nixl", proto, args,
                             entries * args.block_size, secs, lats, entries)
-        res.update(api=args.api, concurrency=args.concurrency, scatter=args.scatter,
+        res.update(api=args.api, concurrency=args.concurrency, scatter=args.scatter, memory=args.memory,
                    ucx_tls=tls, target_progress=args.target_progress)
         common.emit(common.finish_peer(peer, res))
         peer = None
@@ -196,7 +203,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_point_args(p)
     p.add_argument("--transport", default="tcp",
-                   help="tcp | cma | sm | a raw UCX_TLS value")
+                   help="tcp | cma | sm | cuda-tcp | cuda-ipc | a raw UCX_TLS value")
     p.add_argument("--api", default="prepped", choices=["prepped", "reuse"])
     p.add_argument("--target-progress", default="auto",
                    choices=["auto", "thread", "poll", "lazy"],
