@@ -1,0 +1,418 @@
+#!/usr/bin/env python3
+"""An emulated rail-optimised cluster in network namespaces, and KV
+transfer patterns run across it with real kvflow engines (issue 21: the
+ground the PXN relay is to be judged on).
+
+    python3 tools/incast.py --strategy naive --json
+    python3 tools/incast.py --strategy staggered --pattern pp-tp --nodes 2 --rails 4 --json
+    python3 tools/incast.py --pattern aligned --strategy naive        # every flow on its own rail
+
+The cluster: `--nodes` nodes of `--rails` ranks each; rank r of every
+node has one NIC, on rail r: a veth pair into rail r's leaf switch (a
+bridge in a namespace of its own), rate-limited with `tbf` at `--nic-mbit`
+in both directions (the NIC's egress, and the leaf port's egress toward
+it: where an incast's queue builds, read with `tc -s qdisc`). The leaves
+are joined by a spine router (a namespace) over links limited to
+`--spine-mbit` (default: a leaf's NICs together divided by
+`--oversubscription`, 2:1), and routed, so that a flow between two rails
+really crosses the spine and a rail-aligned one never does. Each rank is
+a process running one kvflow engine (tcp) on its NIC's address.
+
+Patterns: `pp-tp` (the seed's): the first node's ranks are pipeline
+stages of a prefill, each holding `--layers`/R layers; the second node's
+are a decode's tensor-parallel ranks, each needing its head shard of every
+layer; every prefill rank writes its layers' shard d to decode rank d, so
+each decode rank receives from every prefill rank, R-1 of them across
+rails. `aligned`: prefill rank r writes only to decode rank r (no spine).
+
+Strategies: `naive` (every flow starts at once), `staggered` (round k:
+prefill rank p writes to decode rank (p + k) mod R; a rank starts its next
+round when its flow of this one completed: the seed's first idea).
+`send_relay` and `recv_relay` (the PXN relay) are not built yet.
+
+With --json the last line is one JSON object: strategy, pattern,
+bytes_sent, bytes_verified, spine_bytes (bytes the spine's links carried,
+from their counters), completion_p50_s / completion_p99_s (of the flows,
+from the common start), makespan_s, decode_queue_peak_bytes (the largest
+backlog sampled on the leaf ports toward decode ranks), drops (tbf drops
+on every limited link), and the cluster's shape.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MARK = "@@INCAST "
+PORT = 7500
+STRATEGIES = ("naive", "staggered")
+NOT_BUILT = ("send_relay", "recv_relay")
+PATTERNS = ("pp-tp", "aligned")
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(args), capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed: {r.stderr.strip() or f'exit status {r.returncode}'}")
+    return r
+
+
+def _ns(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run("ip", "netns", "exec", ns, *args, check=check)
+
+
+# ------------------------------------------------------------------ the cluster
+class Cluster:
+    """The namespaces, links, limits and routes (see the module's text).
+    Addresses: rail r is 198.18.(10+r).0/24 with its leaf at .1 and node
+    n's rank at .(10+n); leaf r reaches the spine over 198.18.(40+r).0/24
+    (spine .1, leaf .2)."""
+
+    def __init__(self, nodes: int = 2, rails: int = 2, nic_mbit: int = 200, spine_mbit: int | None = None,
+                 oversubscription: float = 2.0, tag: str | None = None) -> None:
+        if nodes < 2 or not 1 <= rails <= 8:
+            raise ValueError("an incast cluster needs 2 or more nodes and 1 to 8 rails")
+        self.nodes, self.rails, self.nic_mbit = nodes, rails, nic_mbit
+        self.spine_mbit = spine_mbit or max(1, int(nodes * nic_mbit / oversubscription))
+        tag = tag or f"{os.getpid() % 10000}"
+        self.spine = f"kvfi{tag}s"
+        self.leaves = [f"kvfi{tag}l{r}" for r in range(rails)]
+        self.ranks = {(n, r): f"kvfi{tag}n{n}r{r}" for n in range(nodes) for r in range(rails)}
+
+    def ip(self, node: int, rail: int) -> str:
+        return f"198.18.{10 + rail}.{10 + node}"
+
+    def up(self) -> "Cluster":
+        self.down()
+        try:
+            self._create()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _tbf(self, ns: str, dev: str, mbit: int) -> None:
+        # burst: a few packets at this rate; latency bounds the queue (what
+        # a NIC's buffer would): a backlog past it drops
+        _ns(ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+            "burst", "32kb", "latency", "200ms")
+
+    def _create(self) -> None:
+        for ns in (self.spine, *self.leaves, *self.ranks.values()):
+            _run("ip", "netns", "add", ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _ns(self.spine, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for r, leaf in enumerate(self.leaves):
+            _ns(leaf, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            _run("ip", "-n", leaf, "link", "add", "name", "sw", "type", "bridge")
+            _run("ip", "-n", leaf, "addr", "add", f"198.18.{10 + r}.1/24", "dev", "sw")
+            _run("ip", "-n", leaf, "link", "set", "sw", "up")
+            # the uplink: leaf <-> spine, limited both ways
+            _run("ip", "-n", leaf, "link", "add", "name", "uplink", "type", "veth", "peer", "name", f"leaf{r}",
+                 "netns", self.spine)
+            _run("ip", "-n", leaf, "addr", "add", f"198.18.{40 + r}.2/24", "dev", "uplink")
+            _run("ip", "-n", self.spine, "addr", "add", f"198.18.{40 + r}.1/24", "dev", f"leaf{r}")
+            _run("ip", "-n", leaf, "link", "set", "uplink", "up")
+            _run("ip", "-n", self.spine, "link", "set", f"leaf{r}", "up")
+            _run("ip", "-n", leaf, "route", "add", "default", "via", f"198.18.{40 + r}.1")
+            _run("ip", "-n", self.spine, "route", "add", f"198.18.{10 + r}.0/24", "via", f"198.18.{40 + r}.2")
+            self._tbf(leaf, "uplink", self.spine_mbit)
+            self._tbf(self.spine, f"leaf{r}", self.spine_mbit)
+            for n in range(self.nodes):
+                ns = self.ranks[(n, r)]
+                _run("ip", "-n", leaf, "link", "add", "name", f"port{n}", "type", "veth", "peer", "name", "nic", "netns", ns)
+                _run("ip", "-n", leaf, "link", "set", f"port{n}", "master", "sw", "up")
+                _run("ip", "-n", ns, "addr", "add", f"{self.ip(n, r)}/24", "dev", "nic")
+                _run("ip", "-n", ns, "link", "set", "nic", "up")
+                _run("ip", "-n", ns, "route", "add", "default", "via", f"198.18.{10 + r}.1")
+                self._tbf(ns, "nic", self.nic_mbit)
+                self._tbf(leaf, f"port{n}", self.nic_mbit)
+
+    def down(self) -> None:
+        for ns in (*self.ranks.values(), *self.leaves, self.spine):
+            _run("ip", "netns", "del", ns, check=False)
+
+    def spine_bytes(self) -> int:
+        """Bytes the spine has sent to the leaves so far (its links' counters)."""
+        links = json.loads(_run("ip", "-n", self.spine, "-s", "-j", "link", "show").stdout)
+        return sum(int(l["stats64"]["tx"]["bytes"]) for l in links if l["ifname"].startswith("leaf"))
+
+    def qdiscs(self, ns: str) -> list[dict[str, Any]]:
+        return json.loads(_ns(ns, "tc", "-s", "-j", "qdisc", "show").stdout or "[]")
+
+    def drops(self) -> int:
+        return sum(int(q.get("drops", 0)) for ns in (self.spine, *self.leaves, *self.ranks.values())
+                   for q in self.qdiscs(ns) if q.get("kind") == "tbf")
+
+    def decode_backlog(self, decode_node: int) -> int:
+        """Bytes queued now on the leaf ports toward `decode_node`'s ranks."""
+        total = 0
+        for leaf in self.leaves:
+            out = _ns(leaf, "tc", "-s", "-j", "qdisc", "show", "dev", f"port{decode_node}", check=False).stdout
+            total += sum(int(q.get("backlog", 0)) for q in json.loads(out or "[]") if q.get("kind") == "tbf")
+        return total
+
+
+# ------------------------------------------------------------------ a rank
+def pattern_bytes(rank: int, size: int) -> bytes:
+    """The deterministic contents of prefill rank `rank`'s region."""
+    import numpy as np
+    return np.random.default_rng(1000 + rank).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+async def serve_rank(listen: str, size: int, fill_rank: int | None) -> None:
+    """One rank (inside its namespace): an engine on its NIC's address with
+    one region ("kv", filled with pattern_bytes when it is a prefill rank);
+    JSON commands on stdin, answers on stdout (MARK lines):
+    {"flows": [...]} writes them (strategy order given by the driver) and
+    answers each flow's completion time from the command's arrival;
+    {"sha": [[off, n], ...]} answers the hashes of those ranges."""
+    import numpy as np
+    import kvflow
+    async with kvflow.Engine(listen, protocols=("tcp",)) as eng:
+        buf = np.zeros(size, np.uint8)
+        if fill_rank is not None:
+            buf[:] = np.frombuffer(pattern_bytes(fill_rank, size), np.uint8)
+        region = eng.register(buf, name="kv")
+        print(MARK + json.dumps({"address": eng.address, "addr": region.addr}), flush=True)
+        reader = asyncio.StreamReader()
+        loop = asyncio.get_running_loop()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        peers: dict[str, Any] = {}
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            if "sha" in cmd:
+                print(MARK + json.dumps({"sha": [hashlib.sha256(buf[o:o + n]).hexdigest() for o, n in cmd["sha"]]}),
+                      flush=True)
+                continue
+            for f in cmd["flows"]:
+                if f["to"] not in peers:
+                    peers[f["to"]] = await eng.connect(f["to"])
+            t0 = time.monotonic()
+            done: dict[int, float] = {}
+
+            async def flow(f: dict[str, Any]) -> None:
+                la = [region.addr + o for o in f["local"]]
+                await peers[f["to"]].write(la, f["remote"], f["lengths"])
+                done[f["id"]] = time.monotonic() - t0
+
+            async def chain(flows: list[dict[str, Any]]) -> None:
+                for f in flows:                     # one after another: a staggered rank's rounds
+                    await flow(f)
+
+            groups: dict[int, list[dict[str, Any]]] = {}
+            for f in cmd["flows"]:
+                groups.setdefault(f["chain"], []).append(f)
+            await asyncio.gather(*(chain(g) for g in groups.values()))
+            print(MARK + json.dumps({"done": done}), flush=True)
+
+
+class Rank:
+    def __init__(self, cluster: Cluster, node: int, rail: int, size: int, fill_rank: int | None) -> None:
+        self.cluster, self.node, self.rail, self.size, self.fill_rank = cluster, node, rail, size, fill_rank
+        self.proc: asyncio.subprocess.Process | None = None
+        self.info: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        args = [sys.executable, os.path.abspath(__file__), "rank", "--listen",
+                f"{self.cluster.ip(self.node, self.rail)}:{PORT}", "--size", str(self.size)]
+        if self.fill_rank is not None:
+            args += ["--fill-rank", str(self.fill_rank)]
+        self.proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", self.cluster.ranks[(self.node, self.rail)], *args,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+        self.info = await self._answer(120)
+
+    async def _answer(self, timeout: float) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            if not line:
+                raise RuntimeError(f"rank {self.node}/{self.rail} exited")
+            if line.startswith(MARK.encode()):
+                return json.loads(line[len(MARK):])
+
+    async def ask(self, cmd: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+        return await self._answer(timeout)
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+# ------------------------------------------------------------------ patterns and strategies
+@dataclass
+class Flow:
+    id: int
+    src: int            # prefill rank (node 0)
+    dst: int            # decode rank (node 1)
+    local: list[int]    # offsets in the prefill rank's region
+    remote: list[int]   # offsets in the decode rank's region
+    lengths: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
+
+def make_flows(pattern: str, rails: int, layers: int, shard: int) -> list[Flow]:
+    """pp-tp: prefill rank p holds layers [p*L/R, (p+1)*L/R), laid out
+    layer by layer, each layer's R head shards side by side; decode rank d
+    holds shard d of every layer, layer by layer. aligned: p -> p only."""
+    per = layers // rails
+    flows = []
+    for p in range(rails):
+        for d in range(rails):
+            if pattern == "aligned" and d != p:
+                continue
+            mine = range(p * per, (p + 1) * per)
+            flows.append(Flow(len(flows), p, d,
+                              [((l - p * per) * rails + d) * shard for l in mine],
+                              [l * shard for l in mine], [shard] * per))
+    return flows
+
+
+def schedule(flows: list[Flow], strategy: str, rails: int) -> dict[int, list[tuple[int, Flow]]]:
+    """Per prefill rank, its flows with a chain number: flows of one chain
+    run one after another, chains at once. naive: a chain per flow;
+    staggered: one chain per rank, round k toward decode rank (p+k) mod R."""
+    out: dict[int, list[tuple[int, Flow]]] = {}
+    for f in flows:
+        out.setdefault(f.src, [])
+    if strategy == "naive":
+        for f in flows:
+            out[f.src].append((f.id, f))
+    elif strategy == "staggered":
+        for p in out:
+            mine = {f.dst: f for f in flows if f.src == p}
+            for k in range(rails):
+                f = mine.get((p + k) % rails)
+                if f is not None:
+                    out[p].append((0, f))
+    else:
+        raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGIES)}"
+                         + (" (the relay strategies are not built yet)" if strategy in NOT_BUILT else ""))
+    return out
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))] if xs else 0.0
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.strategy in NOT_BUILT:
+        raise SystemExit(f"strategy {args.strategy!r}: the PXN relay is not built yet (issue 21)")
+    cluster = Cluster(args.nodes, args.rails, args.nic_mbit, args.spine_mbit, args.oversubscription).up()
+    shard = args.shard_kib << 10
+    flows = make_flows(args.pattern, args.rails, args.layers, shard)
+    prefill_size = (args.layers // args.rails) * args.rails * shard
+    decode_size = args.layers * shard
+    ranks: dict[tuple[int, int], Rank] = {}
+    try:
+        for r in range(args.rails):
+            ranks[(0, r)] = Rank(cluster, 0, r, prefill_size, r)
+            ranks[(1, r)] = Rank(cluster, 1, r, decode_size, None)
+        await asyncio.gather(*(rk.start() for rk in ranks.values()))
+        plan = schedule(flows, args.strategy, args.rails)
+        cmds = {p: {"flows": [{"id": f.id, "chain": chain, "to": ranks[(1, f.dst)].info["address"],
+                               "local": f.local, "remote": [ranks[(1, f.dst)].info["addr"] + o for o in f.remote],
+                               "lengths": f.lengths} for chain, f in items]}
+                for p, items in plan.items()}
+        spine0, drops0 = cluster.spine_bytes(), cluster.drops()
+        peak = 0
+        sampling = True
+
+        async def sample() -> None:
+            nonlocal peak
+            while sampling:
+                peak = max(peak, await asyncio.to_thread(cluster.decode_backlog, 1))
+                await asyncio.sleep(0.01)
+
+        sampler = asyncio.get_running_loop().create_task(sample())
+        started = time.monotonic()
+        answers = await asyncio.gather(*(ranks[(0, p)].ask(cmd) for p, cmd in cmds.items()))
+        makespan = time.monotonic() - started
+        sampling = False
+        await sampler
+        times = [float(t) for a in answers for t in a["done"].values()]
+        spine = cluster.spine_bytes() - spine0
+        drops = cluster.drops() - drops0
+        # verify every byte: each decode rank's ranges against the prefill pattern
+        verified = 0
+        for d in range(args.rails):
+            mine = [f for f in flows if f.dst == d]
+            ranges = [[o, n] for f in mine for o, n in zip(f.remote, f.lengths)]
+            got = (await ranks[(1, d)].ask({"sha": ranges}))["sha"]
+            k = 0
+            for f in mine:
+                src = pattern_bytes(f.src, prefill_size)
+                for lo, n in zip(f.local, f.lengths):
+                    if hashlib.sha256(src[lo:lo + n]).hexdigest() == got[k]:
+                        verified += n
+                    k += 1
+    finally:
+        await asyncio.gather(*(rk.stop() for rk in ranks.values()), return_exceptions=True)
+        cluster.down()
+    return {"strategy": args.strategy, "pattern": args.pattern, "nodes": args.nodes, "rails": args.rails,
+            "nic_mbit": args.nic_mbit, "spine_mbit": cluster.spine_mbit, "flows": len(flows),
+            "bytes_sent": sum(f.nbytes for f in flows), "bytes_verified": verified, "spine_bytes": spine,
+            "completion_p50_s": round(_quantile(times, 0.5), 4), "completion_p99_s": round(_quantile(times, 0.99), 4),
+            "makespan_s": round(makespan, 4), "decode_queue_peak_bytes": peak, "drops": drops}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rank"]:
+        ap = argparse.ArgumentParser(prog="incast.py rank")
+        ap.add_argument("--listen", required=True)
+        ap.add_argument("--size", type=int, required=True)
+        ap.add_argument("--fill-rank", type=int, default=None)
+        a = ap.parse_args(argv[1:])
+        asyncio.run(serve_rank(a.listen, a.size, a.fill_rank))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--strategy", default="naive", choices=STRATEGIES + NOT_BUILT)
+    ap.add_argument("--pattern", default="pp-tp", choices=PATTERNS)
+    ap.add_argument("--nodes", type=int, default=2, help="nodes (the first prefill, the second decode)")
+    ap.add_argument("--rails", type=int, default=2, help="ranks and rails per node")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--shard-kib", type=int, default=256, help="one layer's head shard for one decode rank")
+    ap.add_argument("--nic-mbit", type=int, default=200)
+    ap.add_argument("--spine-mbit", type=int, default=None)
+    ap.add_argument("--oversubscription", type=float, default=2.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.layers % args.rails:
+        ap.error("--layers must be a multiple of --rails")
+    res = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:>24}: {v}")
+    return 0 if res["bytes_verified"] == res["bytes_sent"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
