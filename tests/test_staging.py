@@ -201,7 +201,7 @@ async def test_write_into_gpu_memory(make_engine, protocols):
     assert sha(pool[1 << 20: (1 << 20) + 16 * 65536]) == sha(gsrc[:16 * 65536])
     # every inbox slot came back once the writes were done
     await asyncio.sleep(0.05)
-    assert b._gpu.inbox.free == b._gpu.inbox.count and not b._gpu._leases
+    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
 
 
 async def test_read_into_gpu_memory(make_engine, protocols):
@@ -237,7 +237,7 @@ async def test_read_from_gpu_memory(make_engine, protocols):
     with pytest.raises(kvflow.RemoteAccessError):
         await bounded(peer.read([h.addr], [peer.region("wo").addr], [4096]))
     await asyncio.sleep(0.05)
-    assert b._gpu.inbox.free == b._gpu.inbox.count and not b._gpu._leases
+    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
 
 
 async def test_staged_bad_input_loses_nothing(make_engine, protocols):
@@ -259,20 +259,20 @@ async def test_staged_bad_input_loses_nothing(make_engine, protocols):
         await bounded(peer.write([s.addr], [peer.region("kv_pool").addr + (1 << 20) - 100], [4096]))
     assert not pool.any() and not ro.any()
     # a forged landing: a real lease, then a destination in host memory
-    lease = await bounded(peer.link.request({"t": "stage_lease", "slots": 1}))
+    lease = await bounded(peer.link.request({"t": "stage_lease", "inbox": "gpu", "slots": 1}))
     assert lease["t"] == "stage_leased"
     victim = np.zeros(4096, np.uint8)
     b.register(victim, name="victim")
-    bad = await bounded(peer.link.request({"t": "stage_land", "lease": lease["lease"], "slot": lease["slots"][0],
+    bad = await bounded(peer.link.request({"t": "stage_land", "inbox": "gpu", "lease": lease["lease"], "slot": lease["slots"][0],
                                            "entries": [[0, victim.ctypes.data, 4096]]}))
     assert bad["t"] == "stage_error" and "not inside a GPU region" in bad["message"]
-    bad = await bounded(peer.link.request({"t": "stage_land", "lease": lease["lease"], "slot": lease["slots"][0] + 8,
+    bad = await bounded(peer.link.request({"t": "stage_land", "inbox": "gpu", "lease": lease["lease"], "slot": lease["slots"][0] + 8,
                                            "entries": [[0, pool.ctypes.data, 16]]}))
     assert bad["t"] == "stage_error" and "not a slot of this lease" in bad["message"]
-    bad = await bounded(peer.link.request({"t": "stage_land", "lease": lease["lease"], "slot": lease["slots"][0],
+    bad = await bounded(peer.link.request({"t": "stage_land", "inbox": "gpu", "lease": lease["lease"], "slot": lease["slots"][0],
                                            "entries": [[SLOT - 8, pool.ctypes.data, 16]]}))
     assert bad["t"] == "stage_error" and "outside the slot" in bad["message"]
-    peer.link.send({"t": "stage_release", "lease": lease["lease"]})
+    peer.link.send({"t": "stage_release", "inbox": "gpu", "lease": lease["lease"]})
     assert not victim.any() and not pool.any()
     await bounded(peer.write([s.addr], [peer.region("kv_pool").addr], [src.nbytes]))
     assert sha(pool[:src.nbytes]) == sha(src)
@@ -281,14 +281,14 @@ async def test_staged_bad_input_loses_nothing(make_engine, protocols):
 async def test_dropped_session_returns_its_inbox_slots(make_engine):
     a, b, peer = await _pair(make_engine, ["tcp"])
     gpu_region(b, np.zeros(1 << 16, np.uint8), "kv_pool")
-    lease = await bounded(peer.link.request({"t": "stage_lease", "slots": 4}))
-    assert lease["t"] == "stage_leased" and len(lease["slots"]) == b._gpu.inbox.count - b._gpu.inbox.free
+    lease = await bounded(peer.link.request({"t": "stage_lease", "inbox": "gpu", "slots": 4}))
+    assert lease["t"] == "stage_leased" and len(lease["slots"]) == b._gpu.inbox.pool.count - b._gpu.inbox.pool.free
     await bounded(peer.close())
     for _ in range(100):
-        if b._gpu.inbox.free == b._gpu.inbox.count:
+        if b._gpu.inbox.pool.free == b._gpu.inbox.pool.count:
             break
         await asyncio.sleep(0.02)
-    assert b._gpu.inbox.free == b._gpu.inbox.count and not b._gpu._leases
+    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
 
 
 async def test_descriptor_carries_gpu_regions():
@@ -361,6 +361,12 @@ async def test_staged_nowait_strided_blocking_and_posted(make_engine):
             await bounded(t)
     await asyncio.sleep(0.05)
     assert a._gpu.outgoing.free == a._gpu.outgoing.count
+    # a lease granted after its write was cancelled is given back, not left lent to nobody
+    for _ in range(100):
+        if b._gpu.inbox.pool.free == b._gpu.inbox.pool.count:
+            break
+        await asyncio.sleep(0.02)
+    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
     await bounded(peer.write([s.addr], [base], [4096]))          # still usable
 
 

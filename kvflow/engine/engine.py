@@ -28,6 +28,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, Peer
 from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.engine.gpu import REPLIES as GPU_REPLIES, STAGING_BYTES, STAGING_SLOT, GpuMemory
+from kvflow.engine.inbox import Inbox
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
@@ -357,19 +358,40 @@ class Engine:
                 else:
                     why = f"no {cls.name} on {self.address}: {self._unavailable.get(cls.name, 'not started')}"
                     handlers[kind] = lambda peer, session, msg, error=error, why=why: {"t": error, "message": why}
-        handlers["stage_lease"] = self._on_stage("on_lease")
-        handlers["stage_land"] = self._on_stage("on_land")
-        handlers["stage_fetch"] = self._on_stage("on_fetch")
-        handlers["stage_release"] = self._on_stage("on_release")
+        handlers["stage_lease"] = self._on_inbox(lambda inbox, session, msg: inbox.lease(session, msg))
+        handlers["stage_release"] = self._on_inbox(lambda inbox, session, msg: inbox.release(session, msg))
+        handlers["stage_land"] = self._on_gpu("on_land")
+        handlers["stage_fetch"] = self._on_gpu("on_fetch")
         return handlers
 
-    def _on_stage(self, name: str) -> Callable[[str, Any, dict[str, Any]], Any]:
-        """A staged GPU write's control message, answered by this engine's
-        GPU memory (kvflow.engine.gpu), or refused where it has none."""
+    def _inbox(self, name: Any) -> "Inbox | str":
+        """The inbox a peer's message names ("gpu": staged GPU memory), or
+        why there is none here."""
+        if name == "gpu":
+            if self._gpu is None or not self._gpu.local:
+                return f"{self.address} has no GPU memory registered"
+            return self._gpu.inbox
+        return f"{self.address} has no inbox {name!r}"
+
+    def _on_inbox(self, act: Callable[[Inbox, Any, dict[str, Any]], Any]) -> Callable[[str, Any, dict[str, Any]], Any]:
+        """A lease's control message (kvflow.engine.inbox), for the inbox it
+        names; refused where there is none (a release needs no answer)."""
+        async def refuse(why: str) -> dict[str, Any]:
+            return {"t": "stage_error", "message": why}
+
+        def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
+            inbox = self._inbox(msg.get("inbox"))
+            if isinstance(inbox, str):
+                return None if msg.get("t") == "stage_release" else refuse(inbox)
+            return act(inbox, session, msg)
+        return handle
+
+    def _on_gpu(self, name: str) -> Callable[[str, Any, dict[str, Any]], Any]:
+        """A staged GPU transfer's request, answered by this engine's GPU
+        memory (kvflow.engine.gpu), or refused where it has none."""
         def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
             if self._gpu is None:
-                return None if name == "on_release" else \
-                    {"t": "stage_error", "message": f"{self.address} has no GPU memory registered"}
+                return {"t": "stage_error", "message": f"{self.address} has no GPU memory registered"}
             return getattr(self._gpu, name)(peer, session, msg)
         return handle
 
@@ -430,7 +452,7 @@ class Engine:
         for p in self._providers.values():
             p.drop_session(session)
         if self._gpu is not None:
-            self._gpu.drop_session(session)
+            self._gpu.inbox.drop_session(session)
 
     def _deliver(self, peer: str, data: bytes) -> None:
         self._notifications.put_nowait((peer, data))

@@ -30,16 +30,16 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvflow.control.wire import field
 from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError,
-                           RemoteAccessError, TransferTimeoutError, UnregisteredMemoryError)
+                           RemoteAccessError, UnregisteredMemoryError)
 from kvflow.memory import CUDA, Access, Region, RemoteRegion
 from kvflow.providers.cuda.copier import CopyEngine
+from kvflow.engine.inbox import Inbox, Lease
 from kvflow.providers.cuda.staging import BouncePool, Packed, Slot, pack, run_staged
 
 __all__ = ["GpuMemory", "STAGING_BYTES", "STAGING_SLOT", "REPLIES"]
@@ -48,9 +48,7 @@ log = logging.getLogger("kvflow")
 
 STAGING_BYTES = 64 << 20        # Engine(staging_bytes=): per engine, outgoing + inbox
 STAGING_SLOT = 4 << 20          # one slot: a slice of the pipeline
-LEASE_SLOTS = 4                 # inbox slots one staged write asks for
-REQUEST_TIMEOUT = 60.0          # a lease or a landing the peer does not answer: the write fails
-REPLIES = frozenset({"stage_leased", "stage_landed", "stage_error"})
+REPLIES = frozenset({"stage_leased", "stage_done", "stage_error"})
 
 
 class _Table:
@@ -103,12 +101,6 @@ class _Table:
         return iter(self._regions)
 
 
-@dataclass
-class _Lease:
-    session: Any
-    slots: list[Slot]
-
-
 class GpuMemory:
     """One engine's CUDA regions and staged transfers. `register_host(addr,
     length)` / `deregister_host(region)` register the staging memory with
@@ -128,9 +120,7 @@ class GpuMemory:
         self._host_regions: list[Region] = []
         self.local = _Table()
         self.outgoing = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.out"))
-        self.inbox = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in"))
-        self._leases: dict[int, _Lease] = {}            # lease id -> lease
-        self._lease_id = 0
+        self.inbox = Inbox("gpu", BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in")))
         # (peer, region addr) -> (region's base here, our ordinal of its GPU), and
         # -> (the mapping cuIpcOpenMemHandle made, that ordinal)
         self._ipc_open: dict[tuple[str, int], tuple[int, int]] = {}
@@ -161,7 +151,7 @@ class GpuMemory:
             except KVFlowError:
                 pass
         self._host_regions.clear()
-        for pool in (self.outgoing, self.inbox):
+        for pool in (self.outgoing, self.inbox.pool):
             keep = pool.close()
             close = getattr(keep, "close", None)
             if close is not None:
@@ -381,49 +371,25 @@ class GpuMemory:
                 log.warning("kvflow: closing a CUDA IPC mapping of %s: %s", address, e)
 
     # ------------------------------------------------------------ target
-    async def on_lease(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await self._lease(session, msg)
-        except KVFlowError as e:
-            return {"t": "stage_error", "message": str(e)}
-
     async def on_land(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
         try:
             return await self._land(session, msg)
         except KVFlowError as e:            # a CudaError, a malformed message
             return {"t": "stage_error", "message": str(e)}
 
-    async def _lease(self, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
-        """Lends up to LEASE_SLOTS free inbox slots (at least one: waits for
-        it) to a staged write of `peer`."""
-        want = field(msg, "slots", int)
-        if not 1 <= want <= LEASE_SLOTS:
-            raise ProtocolError(f"stage_lease: slots must be 1..{LEASE_SLOTS}")
-        if not self.local:
-            return {"t": "stage_error", "message": "this engine has no GPU memory registered"}
-        slots = [await self.inbox.acquire()]
-        while len(slots) < want and self.inbox.free:
-            slots.append(await self.inbox.acquire())
-        if getattr(session, "is_closing", lambda: False)():     # gone while it waited
-            for s in slots:
-                self.inbox.release(s)
-            return {"t": "stage_error", "message": "session closed"}
-        self._lease_id += 1
-        self._leases[self._lease_id] = _Lease(session, slots)
-        return {"t": "stage_leased", "lease": self._lease_id, "slot_bytes": self.slot_bytes,
-                "slots": [s.addr for s in slots]}
+    async def on_fetch(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._land(session, msg, fetch=True)
+        except KVFlowError as e:
+            return {"t": "stage_error", "message": str(e)}
 
     async def _land(self, session: Any, msg: dict[str, Any], fetch: bool = False) -> dict[str, Any]:
         """Copies a written inbox slot into this engine's GPU memory (fetch:
         fills the slot from it, for the peer to read)."""
-        lease = self._leases.get(field(msg, "lease", int))
-        slot_addr = field(msg, "slot", int)
+        slot = self.inbox.slot(session, msg)
+        if isinstance(slot, str):
+            return {"t": "stage_error", "message": slot}
         entries = field(msg, "entries", list)
-        if lease is None or lease.session is not session:
-            return {"t": "stage_error", "message": f"{msg['t']}: no such lease"}
-        slot = next((s for s in lease.slots if s.addr == slot_addr), None)
-        if slot is None:
-            return {"t": "stage_error", "message": f"{msg['t']}: {slot_addr:#x} is not a slot of this lease"}
         pieces = []
         device = None
         for e in entries:
@@ -441,105 +407,51 @@ class GpuMemory:
                 return {"t": "stage_error", "message": f"{msg['t']}: entries on two GPUs"}
             device = region.device
             pieces.append((slot.addr + off, dst, n) if fetch else (dst, slot.addr + off, n))
-        if not pieces:
-            return {"t": "stage_landed"}
-        assert device is not None
-        await self.copier(device).copy(pieces)
-        return {"t": "stage_landed"}
-
-    async def on_fetch(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await self._land(session, msg, fetch=True)
-        except KVFlowError as e:
-            return {"t": "stage_error", "message": str(e)}
-
-    def on_release(self, peer: str, session: Any, msg: dict[str, Any]) -> None:
-        lease = self._leases.get(field(msg, "lease", int))
-        if lease is not None and lease.session is session:
-            self._drop_lease(field(msg, "lease", int))
-
-    def _drop_lease(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            for s in lease.slots:
-                self.inbox.release(s)
-
-    def drop_session(self, session: Any) -> None:
-        for lease_id in [i for i, l in self._leases.items() if l.session is session]:
-            self._drop_lease(lease_id)
+        if pieces:
+            assert device is not None
+            await self.copier(device).copy(pieces)
+        return {"t": "stage_done"}
 
 
 class _Landing:
-    """The initiator's side of writes into a peer's GPU memory: a lease of
-    the peer's inbox slots, each written over the host path and landed."""
+    """The initiator's side of staged transfers to and from a peer's GPU
+    memory: a lease of the peer's "gpu" inbox slots, each written over the
+    host path and landed, or fetched and read."""
 
     def __init__(self, peer: Any, host_write: Callable[..., Any] | None,
                  host_read: Callable[..., Any] | None = None) -> None:
-        self._peer = peer
+        self._lease = Lease(peer, "gpu")
         self._host_write = host_write
         self._host_read = host_read
-        self._lease: int | None = None
-        self._slots: list[int] = []
-        self._free: asyncio.Queue[int] = asyncio.Queue()
-        self._leasing: asyncio.Task[None] | None = None
-
-    async def _ensure(self) -> None:
-        if self._lease is not None:
-            return
-        if self._leasing is None:
-            self._leasing = asyncio.get_running_loop().create_task(self._take_lease())
-        await asyncio.shield(self._leasing)
-
-    async def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await self._peer.link.request(msg, timeout=REQUEST_TIMEOUT)
-        except asyncio.TimeoutError:
-            raise TransferTimeoutError(f"{self._peer.address} did not answer {msg['t']} within "
-                                       f"{REQUEST_TIMEOUT:g} s", peer=self._peer.address) from None
-
-    async def _take_lease(self) -> None:
-        reply = await self._request({"t": "stage_lease", "slots": LEASE_SLOTS})
-        if reply.get("t") != "stage_leased":
-            raise RemoteAccessError(f"{self._peer.address} lends no staging slots: {reply.get('message')}",
-                                    peer=self._peer.address)
-        self._lease = int(reply["lease"])
-        self._slot_bytes = int(reply["slot_bytes"])
-        self._slots = [int(a) for a in reply["slots"]]
-        for a in self._slots:
-            self._free.put_nowait(a)
 
     async def land(self, slot: Slot, part: Packed) -> None:
         """Writes a filled local slot into one of the peer's inbox slots and
         has the peer copy it into its GPU memory."""
-        await self._ensure()
-        remote_slot = await self._free.get()
+        remote_slot = await self._lease.take()
         try:
             assert self._host_write is not None
             await self._host_write([slot.addr], [remote_slot], [part.nbytes])
-            await self._ask_land(remote_slot, part)
+            await self._ask(remote_slot, part)
         finally:
-            self._free.put_nowait(remote_slot)
+            self._lease.put(remote_slot)
 
     async def fetch(self, slot: Slot, part: Packed) -> None:
         """Has the peer fill one of its inbox slots from its GPU memory and
         reads it into a local slot."""
-        await self._ensure()
-        remote_slot = await self._free.get()
+        remote_slot = await self._lease.take()
         try:
-            await self._ask_land(remote_slot, part, fetch=True)
+            await self._ask(remote_slot, part, fetch=True)
             assert self._host_read is not None
             await self._host_read([slot.addr], [remote_slot], [part.nbytes])
         finally:
-            self._free.put_nowait(remote_slot)
+            self._lease.put(remote_slot)
 
     async def run_direct(self, packed: Sequence[Packed], write: bool = True) -> None:
         """Host memory on this side: each part written from where it is into
         a leased slot and landed, or (a read) fetched into a slot and read
         from there to where it goes; several in flight, one per slot."""
-        await self._ensure()
-
         async def one(part: Packed) -> None:
-            remote_slot = await self._free.get()
+            remote_slot = await self._lease.take()
             local = [l for _, l, _, _ in part.entries]
             there = [remote_slot + off for off, _, _, _ in part.entries]
             sizes = [n for _, _, _, n in part.entries]
@@ -547,42 +459,35 @@ class _Landing:
                 if write:
                     assert self._host_write is not None
                     await self._host_write(local, there, sizes)
-                    await self._ask_land(remote_slot, part)
+                    await self._ask(remote_slot, part)
                 else:
-                    await self._ask_land(remote_slot, part, fetch=True)
+                    await self._ask(remote_slot, part, fetch=True)
                     assert self._host_read is not None
                     await self._host_read(local, there, sizes)
             finally:
-                self._free.put_nowait(remote_slot)
+                self._lease.put(remote_slot)
 
-        tasks = [asyncio.get_running_loop().create_task(one(p)) for p in packed]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await gather_or_cancel([one(p) for p in packed])
 
-    async def _ask_land(self, remote_slot: int, part: Packed, fetch: bool = False) -> None:
-        if part.nbytes > self._slot_bytes:
-            raise ProtocolError(f"{self._peer.address} lends slots of {self._slot_bytes} bytes, smaller "
-                                f"than ours", peer=self._peer.address)
-        reply = await self._request(
-            {"t": "stage_fetch" if fetch else "stage_land", "lease": self._lease, "slot": remote_slot,
-             "entries": [[off, r, n] for off, _, r, n in part.entries]})
-        if reply.get("t") != "stage_landed":
-            raise RemoteAccessError(f"{self._peer.address}: {reply.get('message')}", peer=self._peer.address)
+    async def _ask(self, remote_slot: int, part: Packed, fetch: bool = False) -> None:
+        await self._lease.ask("stage_fetch" if fetch else "stage_land", remote_slot, part.nbytes,
+                              [[off, r, n] for off, _, r, n in part.entries])
 
     def release(self) -> None:
-        if self._leasing is not None and not self._leasing.done():
-            self._leasing.cancel()
-        if self._lease is not None:
-            try:
-                self._peer.link.send({"t": "stage_release", "lease": self._lease})
-            except KVFlowError:
-                pass
-            self._lease = None
+        self._lease.release()
+
+
+async def gather_or_cancel(coros: Sequence[Any]) -> None:
+    """Runs the coroutines at once; the first error cancels the rest (and
+    waits for them) and is raised."""
+    tasks = [asyncio.get_running_loop().create_task(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def remote_table(regions: Sequence[RemoteRegion]) -> _Table:
