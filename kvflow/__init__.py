@@ -1,6 +1,7 @@
 """kvflow: an asyncio KV-cache transfer engine for prefill/decode
 disaggregated LLM serving."""
 from kvflow.engine.engine import Engine
+from kvflow.engine.relay import RelayGroup
 from kvflow.errors import (
     AuthenticationError,
     InvalidArgumentError,
@@ -36,6 +37,7 @@ __all__ = [
     "ProviderUnavailableError",
     "Region",
     "RemoteAccessError",
+    "RelayGroup",
     "RemoteRegion",
     "Transfer",
     "TransferCancelledError",

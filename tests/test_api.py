@@ -36,7 +36,7 @@ CONTRACT_NAMES = {
     "AuthenticationError",
 }
 # Types the contract names in passing; exporting them is allowed, not required.
-OPTIONAL_NAMES = {"Region", "RemoteRegion", "Peer", "ProviderUnavailableError", "__version__"}
+OPTIONAL_NAMES = {"Region", "RemoteRegion", "Peer", "ProviderUnavailableError", "RelayGroup", "__version__"}
 
 ERRORS = [
     "InvalidArgumentError",

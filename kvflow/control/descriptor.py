@@ -11,7 +11,7 @@ from kvflow.errors import InvalidArgumentError, ProtocolError
 from kvflow.memory import CUDA, Access, RemoteRegion
 from kvflow.topology import Topology, parse_location
 
-__all__ = ["Descriptor", "rdma_from_wire", "regions_from_wire", "regions_to_wire"]
+__all__ = ["Descriptor", "rdma_from_wire", "regions_from_wire", "regions_to_wire", "relay_from_wire"]
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Descriptor:
     topology: Topology | None = None       # its NICs and their order per memory location
     location: str | None = None            # where its registered memory lives ("cpu:0", "cuda:1")
     rail_nics: list[str] | None = None     # the NIC of each data endpoint ("" unknown); None: no rails
+    relay: dict[str, Any] | None = None    # its relay group, rank and rail (kvflow.engine.relay)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -40,7 +41,7 @@ class Descriptor:
             "data": [list(d) for d in self.data], "generation": self.generation,
             "regions": regions_to_wire(self.regions), "rdma": self.rdma,
             "topology": self.topology.to_wire() if self.topology is not None else None,
-            "location": self.location, "rail_nics": self.rail_nics,
+            "location": self.location, "rail_nics": self.rail_nics, "relay": self.relay,
         }
 
     @classmethod
@@ -68,6 +69,7 @@ class Descriptor:
             topology=Topology.from_wire(d["topology"]) if d.get("topology") is not None else None,
             location=_location_from_wire(d.get("location")),
             rail_nics=_rail_nics_from_wire(d.get("rail_nics"), len(endpoints)),
+            relay=relay_from_wire(d.get("relay")),
         )
 
 
@@ -79,6 +81,17 @@ def _rail_nics_from_wire(v: Any, endpoints: int) -> list[str] | None:
             and all(isinstance(n, str) and len(n) <= 64 for n in v)):
         raise ProtocolError("descriptor: malformed rail_nics (one NIC name per data endpoint)")
     return list(v)
+
+
+def relay_from_wire(v: Any) -> dict[str, Any] | None:
+    """A descriptor's relay part: {"group": name, "rank": n, "rail": n}."""
+    if v is None:
+        return None
+    if not (isinstance(v, dict) and isinstance(v.get("group"), str) and 0 < len(v["group"]) <= 128
+            and all(isinstance(v.get(k), int) and not isinstance(v.get(k), bool) and 0 <= v[k] < 1 << 16
+                    for k in ("rank", "rail"))):
+        raise ProtocolError("descriptor: malformed relay part")
+    return {"group": v["group"], "rank": v["rank"], "rail": v["rail"]}
 
 
 def _location_from_wire(v: Any) -> str | None:

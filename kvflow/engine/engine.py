@@ -27,8 +27,9 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, Peer
     ProviderUnavailableError
 from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
-from kvflow.engine.gpu import REPLIES as GPU_REPLIES, STAGING_BYTES, STAGING_SLOT, GpuMemory
+from kvflow.engine.gpu import INBOX as GPU_INBOX, REPLIES as GPU_REPLIES, STAGING_BYTES, STAGING_SLOT, GpuMemory
 from kvflow.engine.inbox import Inbox
+from kvflow.engine.relay import INBOX as RELAY_INBOX, REPLIES as RELAY_REPLIES, Relay, RelayGroup
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
@@ -46,7 +47,7 @@ log = logging.getLogger("kvflow")
 _PROVIDER_CLASSES: tuple[type[Provider], ...] = (LocalProvider, RdmaProvider, TcpProvider)
 PROVIDERS = tuple(c.name for c in _PROVIDER_CLASSES)
 # every reply type a provider's request() may get back
-_REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), GPU_REPLIES)
+_REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), GPU_REPLIES, RELAY_REPLIES)
 # Awaited batches that finish without suspending give the loop a turn at
 # least this often (Engine._inline_turn).
 INLINE_TURN_NS = 1_000_000
@@ -178,7 +179,12 @@ class Engine:
     staging_bytes: the host memory (pinned) that transfers of GPU memory
     are staged through, half for this engine's outgoing slices and half
     lent to peers writing into its GPU memory (64 MiB; allocated once, when
-    GPU memory is first moved; kvflow.engine.gpu).
+    GPU memory is first moved; kvflow.engine.gpu);
+    relay: a kvflow.RelayGroup(name, rank, rail): this engine's place in
+    its node's PXN relay group; a write to a destination on another rail
+    goes through the group's member on that rail, which posts it on its
+    own NIC (send-side relay, host memory; kvflow.engine.relay,
+    relay_stats()).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -194,7 +200,8 @@ class Engine:
                  tcp_send_buffer: int = TcpOptions.send_buffer,
                  tcp_receive_buffer: int = TcpOptions.receive_buffer,
                  receive_window: int | None = None, tcp_busy_poll: float | None = None,
-                 tcp_congestion: str | None = None, staging_bytes: int = STAGING_BYTES) -> None:
+                 tcp_congestion: str | None = None, staging_bytes: int = STAGING_BYTES,
+                 relay: RelayGroup | None = None) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -270,6 +277,10 @@ class Engine:
             raise InvalidArgumentError(f"staging_bytes must be at least {2 * STAGING_SLOT} (two slots)")
         self._staging_bytes = int(staging_bytes)
         self._gpu: GpuMemory | None = None      # made when GPU memory is first registered
+        if relay is not None and not isinstance(relay, RelayGroup):
+            raise InvalidArgumentError("relay= takes a kvflow.RelayGroup")
+        self._relay_group = relay
+        self._relay: Relay | None = None
         self._started = False
         self._closed = False
         self._turn_ns = 0          # _inline_turn(): when awaited batches that finished inline last yielded
@@ -319,6 +330,12 @@ class Engine:
             if self._rdma is not None:
                 running = {**self._providers, self._rdma.name: self._rdma}
                 self._providers = {n: running[n] for n in PROVIDERS if n in running}
+            if self._relay_group is not None:
+                self._relay = Relay(self._relay_group, self.address,
+                                    register_host=lambda a, n, nm: self._register_host(
+                                        a, n, nm, Access.READ | Access.WRITE, True, None),
+                                    deregister_host=self.deregister, connect=self.connect)
+                self._relay.publish()
             self._server.handlers.update(self._control_handlers())
         except OSError as e:
             await self._teardown()
@@ -360,6 +377,7 @@ class Engine:
                     handlers[kind] = lambda peer, session, msg, error=error, why=why: {"t": error, "message": why}
         handlers["stage_lease"] = self._on_inbox(lambda inbox, session, msg: inbox.lease(session, msg))
         handlers["stage_release"] = self._on_inbox(lambda inbox, session, msg: inbox.release(session, msg))
+        handlers["relay_forward"] = self._on_relay_forward
         handlers["stage_land"] = self._on_gpu("on_land")
         handlers["stage_fetch"] = self._on_gpu("on_fetch")
         return handlers
@@ -367,11 +385,20 @@ class Engine:
     def _inbox(self, name: Any) -> "Inbox | str":
         """The inbox a peer's message names ("gpu": staged GPU memory), or
         why there is none here."""
-        if name == "gpu":
+        if name == GPU_INBOX:
             if self._gpu is None or not self._gpu.local:
                 return f"{self.address} has no GPU memory registered"
             return self._gpu.inbox
+        if name == RELAY_INBOX:
+            if self._relay is None:
+                return f"{self.address} is in no relay group"
+            return self._relay.inbox
         return f"{self.address} has no inbox {name!r}"
+
+    def _on_relay_forward(self, peer: str, session: Any, msg: dict[str, Any]) -> Any:
+        if self._relay is None:
+            return {"t": "stage_error", "message": f"{self.address} is in no relay group"}
+        return self._relay.on_forward(peer, session, msg)
 
     def _on_inbox(self, act: Callable[[Inbox, Any, dict[str, Any]], Any]) -> Callable[[str, Any, dict[str, Any]], Any]:
         """A lease's control message (kvflow.engine.inbox), for the inbox it
@@ -425,6 +452,9 @@ class Engine:
         if self._gpu is not None:
             gpu, self._gpu = self._gpu, None
             gpu.close()
+        if self._relay is not None:
+            relay, self._relay = self._relay, None
+            relay.close()
         if self._tcp is not None:
             await self._tcp.close()
         if self._core is not None:
@@ -453,6 +483,8 @@ class Engine:
             p.drop_session(session)
         if self._gpu is not None:
             self._gpu.inbox.drop_session(session)
+        if self._relay is not None:
+            self._relay.inbox.drop_session(session)
 
     def _deliver(self, peer: str, data: bytes) -> None:
         self._notifications.put_nowait((peer, data))
@@ -535,6 +567,12 @@ class Engine:
             self._gpu._host_find = self._holds_host
         return self._gpu
 
+    def relay_stats(self) -> dict[str, int] | None:
+        """Bytes this engine's writes sent through other members of its
+        relay group, bytes it forwarded for them, leases it lends now; None
+        without a relay group."""
+        return self._relay.stats() if self._relay is not None else None
+
     def _holds_host(self, addr: int, n: int) -> bool:
         """Whether [addr, addr+n) lies in one of this engine's host regions."""
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end for r in self._regions.values())
@@ -614,7 +652,8 @@ class Engine:
         for p in self._providers.values():
             parts.update(p.describe())
         return Descriptor(address=self.address, incarnation=self._incarnation, regions=self._remote_regions(),
-                          generation=self._generation, topology=self.topology, location=self.location, **parts)
+                          generation=self._generation, topology=self.topology, location=self.location,
+                          relay=self._relay.describe() if self._relay is not None else None, **parts)
 
     def _record(self) -> EngineRecord:
         return EngineRecord(self.name or self.address, self.address, self._incarnation, self.descriptor())

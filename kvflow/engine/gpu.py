@@ -49,6 +49,7 @@ log = logging.getLogger("kvflow")
 STAGING_BYTES = 64 << 20        # Engine(staging_bytes=): per engine, outgoing + inbox
 STAGING_SLOT = 4 << 20          # one slot: a slice of the pipeline
 REPLIES = frozenset({"stage_leased", "stage_done", "stage_error"})
+INBOX = "gpu"                   # the inbox's name in lease messages
 
 
 class _Table:
@@ -120,7 +121,7 @@ class GpuMemory:
         self._host_regions: list[Region] = []
         self.local = _Table()
         self.outgoing = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.out"))
-        self.inbox = Inbox("gpu", BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in")))
+        self.inbox = Inbox(INBOX, BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in")))
         # (peer, region addr) -> (region's base here, our ordinal of its GPU), and
         # -> (the mapping cuIpcOpenMemHandle made, that ordinal)
         self._ipc_open: dict[tuple[str, int], tuple[int, int]] = {}
@@ -420,7 +421,7 @@ class _Landing:
 
     def __init__(self, peer: Any, host_write: Callable[..., Any] | None,
                  host_read: Callable[..., Any] | None = None) -> None:
-        self._lease = Lease(peer, "gpu")
+        self._lease = Lease(peer, INBOX)
         self._host_write = host_write
         self._host_read = host_read
 

@@ -137,6 +137,12 @@ class Peer:
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
                    for r in self._regions)
 
+    def _relay_member(self) -> str | None:
+        """The member of this engine's relay group that writes to this peer
+        go through (the peer's rail is not ours), or None."""
+        relay = self._engine._relay
+        return relay.route(self.descriptor) if relay is not None else None
+
     def _staged(self, la: Any, ra: Any) -> bool:
         """Whether a batch reads or writes GPU memory (either side): it is
         staged (kvflow.engine.gpu) instead of going to the native core."""
@@ -292,8 +298,8 @@ class Peer:
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
-        if after is not None or self._gpu_table or self._engine._gpu is not None:
-            if after is not None or self._staged(local_addrs, remote_addrs):
+        if after is not None or self._gpu_table or self._engine._gpu is not None or self._engine._relay is not None:
+            if after is not None or self._staged(local_addrs, remote_addrs) or self._relay_member() is not None:
                 await self._routed(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
                                    remote_strides, priority, deadline, after)
                 return
@@ -335,6 +341,19 @@ class Peer:
             if counts is not None or local_strides is not None or remote_strides is not None:
                 la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
             await self._staged_op(op, la, ra, ln, timeout)
+            return
+        member = self._relay_member() if op == OP_WRITE else None
+        if member is not None:
+            if counts is not None or local_strides is not None or remote_strides is not None:
+                la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
+            relay = self._engine._relay
+            assert relay is not None
+            via = await self._engine.connect(member)
+            try:
+                await asyncio.wait_for(relay.write(self.address, via, la, ra, ln), timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
+                                           peer=self.address) from None
             return
         t = self._submit_awaited(op, la, ra, ln, timeout, counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
@@ -384,7 +403,8 @@ class Peer:
         validation errors raise here; transfer errors on await (for GPU
         memory, staged, and with `after`, all of them on await)."""
         if after is not None or ((self._gpu_table or self._engine._gpu is not None) and
-                                 self._staged(local_addrs, remote_addrs)):
+                                 self._staged(local_addrs, remote_addrs)) or \
+                (self._engine._relay is not None and self._relay_member() is not None):
             return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
                                        local_strides, remote_strides, priority, deadline, after)
         return self._nowait(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,

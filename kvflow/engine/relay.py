@@ -1,0 +1,212 @@
+"""The PXN relay, send side ("stay"): a write whose destination sits on
+another rail than this engine's goes through the member of this node's
+relay group that owns that rail, which posts it on its own NIC, so that
+every flow is rail-aligned and nothing crosses the spine (issue 21).
+
+A node's engines form a relay group (`Engine(relay=RelayGroup(name, rank,
+rail))`). Each member publishes itself (rank, rail, the address its group
+reaches it at) as one file in a directory the node's processes share
+(default /dev/shm/kvflow-relay-<name>/), removed at close; a file whose
+process is gone is ignored. Engines put their group and rail in their
+descriptor, so a sender knows a destination's rail.
+
+The hop inside the node reuses the inbox machinery (kvflow.engine.inbox):
+the member lends slots of its "relay" inbox; the sender writes a slot's
+worth of the batch into one (over the provider that connects the two
+engines: cross-memory attach on one host) and asks the member to forward
+it (`relay_forward`: the destination's address and, per piece, the slot
+offset, the remote address and the length). The member writes the slot to
+the destination, which checks the ranges against its own regions as it
+does for any write, and answers when the bytes have landed there; the
+sender's write completes after the last answer, so a notification after it
+finds the data in place. Several slots are in flight at once (one per
+leased slot): while one is on the member's NIC the next is being copied.
+
+Not built yet: the receive-side relay ("pass"), lanes and a descriptor ring
+in shared memory (the intra-node hop is a control message per slot today),
+GPU memory through the relay, rerouting around a member that died (its
+writes fail with its error).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from kvflow.control.wire import field
+from kvflow.engine.gpu import gather_or_cancel
+from kvflow.engine.inbox import Inbox, Lease
+from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
+from kvflow.providers.cuda.staging import BouncePool, pack
+
+__all__ = ["INBOX", "Relay", "RelayGroup", "RELAY_SLOT", "RELAY_SLOTS", "REPLIES"]
+
+log = logging.getLogger("kvflow")
+
+RELAY_SLOT = 4 << 20            # one slot: what one forward carries
+RELAY_SLOTS = 8                 # a member's inbox: 32 MiB, lent LEASE_SLOTS at a time
+REPLIES = frozenset({"stage_leased", "stage_done", "stage_error"})
+INBOX = "relay"                 # the inbox's name in lease messages
+
+
+@dataclass(frozen=True)
+class RelayGroup:
+    """This engine's place in its node's relay group: the group's `name`
+    (one per node), its `rank` in it, the `rail` its NIC is on, and the
+    address the other members reach it at (default: the engine's own)."""
+
+    name: str
+    rank: int
+    rail: int
+    address: str | None = None
+    directory: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise InvalidArgumentError(f"a relay group's name is a plain word, not {self.name!r}")
+        if not (isinstance(self.rank, int) and isinstance(self.rail, int) and self.rank >= 0 and self.rail >= 0):
+            raise InvalidArgumentError("a relay group's rank and rail are non-negative ints")
+
+    @property
+    def folder(self) -> str:
+        return os.path.join(self.directory, f"kvflow-relay-{self.name}")
+
+
+class Relay:
+    """One engine's membership of its relay group: its inbox (lent to the
+    other members), their forwards, and its own relayed writes.
+    `register_host(addr, n, name)` registers the inbox with the engine;
+    `connect(address)` reaches a peer (the destinations and the members)."""
+
+    def __init__(self, group: RelayGroup, address: str, *, register_host: Callable[[int, int, str], Any],
+                 deregister_host: Callable[[Any], None], connect: Callable[[str], Any],
+                 slot_bytes: int = RELAY_SLOT, slots: int = RELAY_SLOTS) -> None:
+        self.group = group
+        self.address = group.address or address
+        self._connect = connect
+        self._deregister_host = deregister_host
+        self._regions: list[Any] = []
+
+        def allocate(nbytes: int) -> tuple[int, Any]:
+            buf = np.zeros(nbytes, np.uint8)
+            self._regions.append(register_host(buf.ctypes.data, nbytes, "kvflow.relay.in"))
+            return buf.ctypes.data, buf
+
+        self.inbox = Inbox(INBOX, BouncePool(slot_bytes, slots, allocate))
+        self.slot_bytes = slot_bytes
+        self.relayed_bytes = 0          # this engine's writes that went through another member
+        self.forwarded_bytes = 0        # other members' writes this engine posted
+        self._file = os.path.join(group.folder, f"{group.rank}.json")
+
+    def describe(self) -> dict[str, Any]:
+        return {"group": self.group.name, "rank": self.group.rank, "rail": self.group.rail}
+
+    # ------------------------------------------------------------ membership
+    def publish(self) -> None:
+        os.makedirs(self.group.folder, exist_ok=True)
+        tmp = f"{self._file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"rank": self.group.rank, "rail": self.group.rail, "address": self.address,
+                       "pid": os.getpid()}, f)
+        os.replace(tmp, self._file)             # readers see the whole file or none
+
+    def close(self) -> None:
+        try:
+            os.unlink(self._file)
+        except OSError:
+            pass
+        for r in self._regions:
+            try:
+                self._deregister_host(r)
+            except KVFlowError:
+                pass
+        self._regions.clear()
+        self.inbox.pool.close()
+
+    def member(self, rail: int) -> str | None:
+        """The address of the live member on `rail` (not this engine), or None."""
+        try:
+            names = os.listdir(self.group.folder)
+        except OSError:
+            return None
+        for name in sorted(names):
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self.group.folder, name)) as f:
+                    rec = json.load(f)
+                if rec["rail"] != rail or rec["rank"] == self.group.rank:
+                    continue
+                os.kill(int(rec["pid"]), 0)         # gone: its file is stale
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            return str(rec["address"])
+        return None
+
+    def route(self, descriptor: Any) -> str | None:
+        """The member to relay a write to this destination through: its
+        rail is not ours, it is in another group, and our group has a live
+        member on its rail. None: write it directly."""
+        theirs = descriptor.relay
+        if theirs is None or theirs["rail"] == self.group.rail or theirs["group"] == self.group.name:
+            return None
+        return self.member(theirs["rail"])
+
+    # ------------------------------------------------------------ sender
+    async def write(self, destination: str, member: Any, la: Any, ra: Any, ln: Any) -> None:
+        """Writes the batch to `destination` through `member` (a Peer): each
+        slot's worth copied into a leased slot of the member's inbox, then
+        forwarded by it; returns when every slot has landed."""
+        packed = pack(la, ra, ln, self.slot_bytes)
+        lease = Lease(member, INBOX)
+
+        async def one(part: Any) -> None:
+            slot = await lease.take()
+            try:
+                await member.write([l for _, l, _, _ in part.entries], [slot + off for off, _, _, _ in part.entries],
+                                   [n for _, _, _, n in part.entries])
+                await lease.ask("relay_forward", slot, part.nbytes,
+                                [[off, r, n] for off, _, r, n in part.entries], to=destination)
+            finally:
+                lease.put(slot)
+            self.relayed_bytes += part.nbytes
+
+        try:
+            await gather_or_cancel([one(p) for p in packed])
+        finally:
+            lease.release()
+
+    # ------------------------------------------------------------ member
+    async def on_forward(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        """Posts a filled slot of a member's lease to its destination."""
+        try:
+            slot = self.inbox.slot(session, msg)
+            if isinstance(slot, str):
+                return {"t": "stage_error", "message": slot}
+            to = field(msg, "to", str)
+            entries = field(msg, "entries", list)
+            pieces: list[tuple[int, int, int]] = []
+            for e in entries:
+                if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) for v in e)):
+                    raise ProtocolError("relay_forward: an entry is [offset, remote address, nbytes]")
+                off, remote, n = e
+                if n <= 0 or off < 0 or off + n > slot.size:
+                    return {"t": "stage_error", "message": f"relay_forward: {off}+{n} is outside the slot"}
+                pieces.append((slot.addr + off, remote, n))
+            if not pieces:
+                return {"t": "stage_done"}
+            destination = await self._connect(to)
+            await destination.write([p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces])
+            self.forwarded_bytes += sum(p[2] for p in pieces)
+            return {"t": "stage_done"}
+        except KVFlowError as e:        # the destination refused, or is gone: the sender is told why
+            return {"t": "stage_error", "message": f"relay via {self.address}: {e}"}
+
+    def stats(self) -> dict[str, int]:
+        return {"relayed_bytes": self.relayed_bytes, "forwarded_bytes": self.forwarded_bytes,
+                "leases": self.inbox.leased}
+

@@ -1,0 +1,115 @@
+"""The PXN relay, send side (kvflow.engine.relay), in host memory: two
+"nodes" of two rails each, every engine a real kvflow engine; a write to
+a destination on another rail goes through the sender's group member on
+that rail, which posts it; every byte lands where it was written to, the
+destination's bounds still hold, and the members' counters say which way
+the bytes went. (On one host every engine reaches every other; the
+emulated cluster where the rails are real links is tools/incast.py.)"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow import RelayGroup
+
+from _batches import bounded
+
+
+def sha(a) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(a))).hexdigest()
+
+
+@pytest.fixture(params=["tcp", "local"])
+def protocol(request):
+    return request.param
+
+
+async def _cluster(make_engine, protocol, tmp_path):
+    """node0: prefill ranks on rails 0, 1; node1: decode ranks on rails 0, 1."""
+    d = str(tmp_path)
+    eng = {}
+    for node in (0, 1):
+        for rail in (0, 1):
+            eng[(node, rail)] = await make_engine(protocols=[protocol],
+                                                  relay=RelayGroup(f"node{node}", rail, rail, directory=d))
+    return eng
+
+
+async def test_cross_rail_writes_go_through_the_member_on_that_rail(make_engine, protocol, tmp_path):
+    eng = await _cluster(make_engine, protocol, tmp_path)
+    src = np.random.default_rng(3).integers(0, 256, 12 << 20, dtype=np.uint8)
+    s = eng[(0, 0)].register(src)
+    pools = {rail: np.zeros(12 << 20, np.uint8) for rail in (0, 1)}
+    for rail, pool in pools.items():
+        eng[(1, rail)].register(pool, name="kv")
+    # rail 0 -> decode rail 1: through prefill rank 1; 64 pages and one large run
+    peer = await bounded(eng[(0, 0)].connect(eng[(1, 1)].address))
+    dst = peer.region("kv").addr
+    offs = np.arange(64, dtype=np.uint64) * np.uint64(65536)
+    await bounded(peer.write(s.addr + offs, dst + 2 * offs, np.full(64, 65536, np.uint64)))
+    await bounded(peer.write([s.addr + (4 << 20)], [dst + (8 << 20)], [4 << 20]))
+    for i in range(64):
+        assert sha(pools[1][2 * i * 65536: 2 * i * 65536 + 65536]) == sha(src[i * 65536: (i + 1) * 65536])
+    assert sha(pools[1][8 << 20: 12 << 20]) == sha(src[4 << 20: 8 << 20])
+    moved = 64 * 65536 + (4 << 20)
+    assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
+    assert eng[(0, 1)].relay_stats()["forwarded_bytes"] == moved
+    # rail-aligned: directly, nothing relayed
+    aligned = await bounded(eng[(0, 0)].connect(eng[(1, 0)].address))
+    await bounded(aligned.write([s.addr], [aligned.region("kv").addr], [1 << 20]))
+    assert sha(pools[0][:1 << 20]) == sha(src[:1 << 20])
+    assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
+    # a notification after a relayed write finds the data there
+    await bounded(peer.write([s.addr], [dst], [65536]))
+    await bounded(peer.notify(b"layer done"))
+    _, msg = await bounded(eng[(1, 1)].notifications().__anext__())
+    assert msg == b"layer done" and sha(pools[1][:65536]) == sha(src[:65536])
+    await asyncio.sleep(0.05)
+    assert eng[(0, 1)].relay_stats()["leases"] == 0          # every lease given back
+
+
+async def test_relayed_write_outside_the_destination_is_refused(make_engine, tmp_path):
+    eng = await _cluster(make_engine, "tcp", tmp_path)
+    src = np.ones(1 << 20, np.uint8)
+    s = eng[(0, 0)].register(src)
+    pool = np.zeros(1 << 20, np.uint8)
+    eng[(1, 1)].register(pool, name="kv", access=kvflow.Access.READ)
+    peer = await bounded(eng[(0, 0)].connect(eng[(1, 1)].address))
+    with pytest.raises(kvflow.RemoteAccessError, match="relay via"):
+        await bounded(peer.write([s.addr], [peer.region("kv").addr], [4096]))
+    assert not pool.any()
+    with pytest.raises(kvflow.UnregisteredMemoryError):        # the sender's own range is checked first
+        await bounded(peer.write([s.addr + (1 << 20)], [peer.region("kv").addr], [4096]))
+    # the member is still usable, and its leases came back
+    await asyncio.sleep(0.05)
+    assert eng[(0, 1)].relay_stats()["leases"] == 0
+
+
+async def test_no_member_on_the_rail_writes_directly(make_engine, tmp_path):
+    d = str(tmp_path)
+    a = await make_engine(protocols=["tcp"], relay=RelayGroup("n0", 0, 0, directory=d))
+    b = await make_engine(protocols=["tcp"], relay=RelayGroup("n1", 0, 3, directory=d))   # rail 3: nobody in n0
+    pool = np.zeros(4096, np.uint8)
+    b.register(pool, name="kv")
+    src = np.full(4096, 7, np.uint8)
+    s = a.register(src)
+    peer = await bounded(a.connect(b.address))
+    await bounded(peer.write([s.addr], [peer.region("kv").addr], [4096]))
+    assert (pool == 7).all() and a.relay_stats()["relayed_bytes"] == 0
+
+
+def test_relay_group_and_descriptor_part_are_checked():
+    from kvflow.control.descriptor import relay_from_wire
+    with pytest.raises(kvflow.InvalidArgumentError):
+        RelayGroup("a/b", 0, 0)
+    with pytest.raises(kvflow.InvalidArgumentError):
+        RelayGroup("n", -1, 0)
+    assert relay_from_wire({"group": "n0", "rank": 1, "rail": 2}) == {"group": "n0", "rank": 1, "rail": 2}
+    for bad in ({"group": "", "rank": 0, "rail": 0}, {"group": "n", "rank": True, "rail": 0},
+                {"group": "n", "rank": 0}, ["n", 0, 0]):
+        with pytest.raises(kvflow.ProtocolError):
+            relay_from_wire(bad)
