@@ -42,7 +42,7 @@ def test_flows_of_the_seed_pattern():
     staggered = incast.schedule(flows, "staggered", 2)
     assert [f.dst for _, f in staggered[1]] == [1, 0]           # round k: (p + k) mod R
     with pytest.raises(ValueError, match="not built yet"):
-        incast.schedule(flows, "send_relay", 2)
+        incast.schedule(flows, "recv_relay", 2)
 
 
 @pytest.mark.parametrize("strategy", ["naive", "staggered"])
@@ -52,6 +52,19 @@ def test_every_byte_verified_and_cross_rail_crosses_the_spine(strategy):
     cross = res["bytes_sent"] // 2                  # half the flows change rails
     assert res["spine_bytes"] >= cross              # payload plus headers, through the spine
     assert res["completion_p99_s"] > 0 and res["drops"] >= 0
+    assert res["transports"] == ["tcp"]             # the nodes are distinct hosts to kvflow
+
+
+def test_send_relay_keeps_the_payload_off_the_spine():
+    """The relay as built (kvflow.engine.relay): each cross-rail flow goes
+    through the prefill node's rank on the destination's rail (cross-memory
+    attach inside the node, whose ranks share a pid namespace), so only
+    the relay's control messages cross the spine."""
+    res = asyncio.run(incast.run(_args(strategy="send_relay")))
+    assert res["bytes_verified"] == res["bytes_sent"]
+    cross = res["bytes_sent"] // 2
+    assert res["relayed_bytes"] == cross
+    assert res["spine_bytes"] < cross // 20         # under 5% of what naive puts there
 
 
 def test_rail_aligned_flows_never_touch_the_spine():

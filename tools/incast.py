@@ -27,15 +27,23 @@ rails. `aligned`: prefill rank r writes only to decode rank r (no spine).
 
 Strategies: `naive` (every flow starts at once), `staggered` (round k:
 prefill rank p writes to decode rank (p + k) mod R; a rank starts its next
-round when its flow of this one completed: the seed's first idea).
-`send_relay` and `recv_relay` (the PXN relay) are not built yet.
+round when its flow of this one completed: the seed's first idea),
+`send_relay` (the flows of naive, with the ranks in relay groups, one per
+node: kvflow.engine.relay sends each cross-rail flow through the prefill
+node's rank on the destination's rail). `recv_relay` is not built yet.
+
+Each node's ranks run in a pid namespace of their own, behind one launcher
+process: kvflow then sees the ranks of one node as one host (cross-memory
+attach between them, the stand-in for the node's NVLink) and other nodes
+as other hosts (tcp over the emulated links).
 
 With --json the last line is one JSON object: strategy, pattern,
 bytes_sent, bytes_verified, spine_bytes (bytes the spine's links carried,
 from their counters), completion_p50_s / completion_p99_s (of the flows,
 from the common start), makespan_s, decode_queue_peak_bytes (the largest
 backlog sampled on the leaf ports toward decode ranks), drops (tbf drops
-on every limited link), and the cluster's shape.
+on every limited link), relayed_bytes, the transports the prefill ranks
+used toward the decode ranks, and the cluster's shape.
 """
 from __future__ import annotations
 
@@ -44,8 +52,10 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +66,8 @@ if ROOT not in sys.path:
 
 MARK = "@@INCAST "
 PORT = 7500
-STRATEGIES = ("naive", "staggered")
-NOT_BUILT = ("send_relay", "recv_relay")
+STRATEGIES = ("naive", "staggered", "send_relay")
+NOT_BUILT = ("recv_relay",)
 PATTERNS = ("pp-tp", "aligned")
 
 
@@ -171,7 +181,7 @@ def pattern_bytes(rank: int, size: int) -> bytes:
     return np.random.default_rng(1000 + rank).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-async def serve_rank(listen: str, size: int, fill_rank: int | None) -> None:
+async def serve_rank(listen: str, size: int, fill_rank: int | None, relay: str | None = None) -> None:
     """One rank (inside its namespace): an engine on its NIC's address with
     one region ("kv", filled with pattern_bytes when it is a prefill rank);
     JSON commands on stdin, answers on stdout (MARK lines):
@@ -180,7 +190,14 @@ async def serve_rank(listen: str, size: int, fill_rank: int | None) -> None:
     {"sha": [[off, n], ...]} answers the hashes of those ranges."""
     import numpy as np
     import kvflow
-    async with kvflow.Engine(listen, protocols=("tcp",)) as eng:
+    # protocols chosen per peer: the ranks of one emulated node share a pid
+    # namespace (one host: cross-memory attach between them), other nodes'
+    # ranks are other hosts (tcp over the emulated links)
+    group = None
+    if relay is not None:
+        name, rank, rail, folder = relay.split(":", 3)
+        group = kvflow.RelayGroup(name, int(rank), int(rail), directory=folder)
+    async with kvflow.Engine(listen, relay=group, protocols=("local", "tcp")) as eng:
         buf = np.zeros(size, np.uint8)
         if fill_rank is not None:
             buf[:] = np.frombuffer(pattern_bytes(fill_rank, size), np.uint8)
@@ -215,49 +232,94 @@ async def serve_rank(listen: str, size: int, fill_rank: int | None) -> None:
             for f in cmd["flows"]:
                 groups.setdefault(f["chain"], []).append(f)
             await asyncio.gather(*(chain(g) for g in groups.values()))
-            print(MARK + json.dumps({"done": done}), flush=True)
+            print(MARK + json.dumps({"done": done, "relay": eng.relay_stats(),
+                                     "transports": {a: p.transport for a, p in peers.items()}}), flush=True)
 
 
-class Rank:
-    def __init__(self, cluster: Cluster, node: int, rail: int, size: int, fill_rank: int | None) -> None:
-        self.cluster, self.node, self.rail, self.size, self.fill_rank = cluster, node, rail, size, fill_rank
-        self.proc: asyncio.subprocess.Process | None = None
-        self.info: dict[str, Any] = {}
+async def serve_node(ranks: list[list[str]]) -> None:
+    """One emulated node (pid 1 of a pid namespace of its own): starts its
+    ranks (each `ip netns exec NS incast.py rank ...`) and joins their
+    stdio to its own: lines in are {"rank": i, ...} for rank i, lines out
+    are MARK lines with "rank" added."""
+    procs = []
+    for args in ranks:
+        procs.append(await asyncio.create_subprocess_exec(*args, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
 
-    async def start(self) -> None:
-        args = [sys.executable, os.path.abspath(__file__), "rank", "--listen",
-                f"{self.cluster.ip(self.node, self.rail)}:{PORT}", "--size", str(self.size)]
-        if self.fill_rank is not None:
-            args += ["--fill-rank", str(self.fill_rank)]
-        self.proc = await asyncio.create_subprocess_exec(
-            "ip", "netns", "exec", self.cluster.ranks[(self.node, self.rail)], *args,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
-        self.info = await self._answer(120)
-
-    async def _answer(self, timeout: float) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-            if not line:
-                raise RuntimeError(f"rank {self.node}/{self.rail} exited")
+    async def pump(i: int, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
             if line.startswith(MARK.encode()):
-                return json.loads(line[len(MARK):])
+                msg = json.loads(line[len(MARK):])
+                print(MARK + json.dumps({**msg, "rank": i}), flush=True)
 
-    async def ask(self, cmd: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    pumps = [asyncio.get_running_loop().create_task(pump(i, p)) for i, p in enumerate(procs)]
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():
+        msg = json.loads(line)
+        proc = procs[msg.pop("rank")]
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(msg) + "\n").encode())
+        await proc.stdin.drain()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.close()
+    await asyncio.gather(*(p.wait() for p in procs))
+    for t in pumps:
+        t.cancel()
+
+
+class Node:
+    """One emulated node's ranks, in a pid namespace of their own (so that
+    kvflow sees the ranks of one node as one host, and other nodes as other
+    hosts), behind one launcher process."""
+
+    def __init__(self, cluster: Cluster, node: int, ranks: list[list[str]]) -> None:
+        self.cluster, self.node, self.ranks = cluster, node, ranks
+        self.proc: asyncio.subprocess.Process | None = None
+        self._waiting: dict[int, asyncio.Queue[dict[str, Any]]] = {i: asyncio.Queue() for i in range(len(ranks))}
+        self._pump: asyncio.Task[None] | None = None
+
+    async def start(self) -> list[dict[str, Any]]:
+        self.proc = await asyncio.create_subprocess_exec(
+            "unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, os.path.abspath(__file__),
+            "node", json.dumps(self.ranks), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": ROOT})
+        self._pump = asyncio.get_running_loop().create_task(self._read())
+        return [await self.answer(i, 120) for i in range(len(self.ranks))]
+
+    async def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            if line.startswith(MARK.encode()):
+                msg = json.loads(line[len(MARK):])
+                self._waiting[msg.pop("rank")].put_nowait(msg)
+        for q in self._waiting.values():
+            q.put_nowait({"gone": True})
+
+    async def answer(self, rank: int, timeout: float) -> dict[str, Any]:
+        msg = await asyncio.wait_for(self._waiting[rank].get(), timeout)
+        if msg.get("gone"):
+            raise RuntimeError(f"node {self.node}'s rank {rank} exited")
+        return msg
+
+    async def ask(self, rank: int, cmd: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.write((json.dumps({**cmd, "rank": rank}) + "\n").encode())
         await self.proc.stdin.drain()
-        return await self._answer(timeout)
+        return await self.answer(rank, timeout)
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
             try:
-                await asyncio.wait_for(self.proc.wait(), 10)
+                await asyncio.wait_for(self.proc.wait(), 20)
             except asyncio.TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
+        if self._pump is not None:
+            self._pump.cancel()
 
 
 # ------------------------------------------------------------------ patterns and strategies
@@ -299,7 +361,7 @@ def schedule(flows: list[Flow], strategy: str, rails: int) -> dict[int, list[tup
     out: dict[int, list[tuple[int, Flow]]] = {}
     for f in flows:
         out.setdefault(f.src, [])
-    if strategy == "naive":
+    if strategy in ("naive", "send_relay"):     # the relay reroutes inside the engines
         for f in flows:
             out[f.src].append((f.id, f))
     elif strategy == "staggered":
@@ -328,15 +390,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     flows = make_flows(args.pattern, args.rails, args.layers, shard)
     prefill_size = (args.layers // args.rails) * args.rails * shard
     decode_size = args.layers * shard
-    ranks: dict[tuple[int, int], Rank] = {}
+    folder = tempfile.mkdtemp(prefix="kvflow-incast-")
+    relay = args.strategy == "send_relay"
+
+    def rank_args(node: int, rail: int, size: int, fill: int | None) -> list[str]:
+        a = ["ip", "netns", "exec", cluster.ranks[(node, rail)], sys.executable, os.path.abspath(__file__), "rank",
+             "--listen", f"{cluster.ip(node, rail)}:{PORT}", "--size", str(size)]
+        if fill is not None:
+            a += ["--fill-rank", str(fill)]
+        if relay:
+            a += ["--relay", f"node{node}:{rail}:{rail}:{folder}"]
+        return a
+
+    nodes = [Node(cluster, 0, [rank_args(0, r, prefill_size, r) for r in range(args.rails)]),
+             Node(cluster, 1, [rank_args(1, r, decode_size, None) for r in range(args.rails)])]
     try:
-        for r in range(args.rails):
-            ranks[(0, r)] = Rank(cluster, 0, r, prefill_size, r)
-            ranks[(1, r)] = Rank(cluster, 1, r, decode_size, None)
-        await asyncio.gather(*(rk.start() for rk in ranks.values()))
+        infos = await asyncio.gather(*(n.start() for n in nodes))
         plan = schedule(flows, args.strategy, args.rails)
-        cmds = {p: {"flows": [{"id": f.id, "chain": chain, "to": ranks[(1, f.dst)].info["address"],
-                               "local": f.local, "remote": [ranks[(1, f.dst)].info["addr"] + o for o in f.remote],
+        decode = infos[1]
+        cmds = {p: {"flows": [{"id": f.id, "chain": chain, "to": decode[f.dst]["address"],
+                               "local": f.local, "remote": [decode[f.dst]["addr"] + o for o in f.remote],
                                "lengths": f.lengths} for chain, f in items]}
                 for p, items in plan.items()}
         spine0, drops0 = cluster.spine_bytes(), cluster.drops()
@@ -351,11 +424,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         sampler = asyncio.get_running_loop().create_task(sample())
         started = time.monotonic()
-        answers = await asyncio.gather(*(ranks[(0, p)].ask(cmd) for p, cmd in cmds.items()))
+        answers = await asyncio.gather(*(nodes[0].ask(p, cmd) for p, cmd in cmds.items()))
         makespan = time.monotonic() - started
         sampling = False
         await sampler
         times = [float(t) for a in answers for t in a["done"].values()]
+        relayed = sum(int((a.get("relay") or {}).get("relayed_bytes", 0)) for a in answers)
+        transports = sorted({t for a in answers for t in a.get("transports", {}).values()})
         spine = cluster.spine_bytes() - spine0
         drops = cluster.drops() - drops0
         # verify every byte: each decode rank's ranges against the prefill pattern
@@ -363,7 +438,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for d in range(args.rails):
             mine = [f for f in flows if f.dst == d]
             ranges = [[o, n] for f in mine for o, n in zip(f.remote, f.lengths)]
-            got = (await ranks[(1, d)].ask({"sha": ranges}))["sha"]
+            got = (await nodes[1].ask(d, {"sha": ranges}))["sha"]
             k = 0
             for f in mine:
                 src = pattern_bytes(f.src, prefill_size)
@@ -372,13 +447,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         verified += n
                     k += 1
     finally:
-        await asyncio.gather(*(rk.stop() for rk in ranks.values()), return_exceptions=True)
+        await asyncio.gather(*(n.stop() for n in nodes), return_exceptions=True)
         cluster.down()
+        shutil.rmtree(folder, ignore_errors=True)
     return {"strategy": args.strategy, "pattern": args.pattern, "nodes": args.nodes, "rails": args.rails,
             "nic_mbit": args.nic_mbit, "spine_mbit": cluster.spine_mbit, "flows": len(flows),
             "bytes_sent": sum(f.nbytes for f in flows), "bytes_verified": verified, "spine_bytes": spine,
             "completion_p50_s": round(_quantile(times, 0.5), 4), "completion_p99_s": round(_quantile(times, 0.99), 4),
-            "makespan_s": round(makespan, 4), "decode_queue_peak_bytes": peak, "drops": drops}
+            "makespan_s": round(makespan, 4), "decode_queue_peak_bytes": peak, "drops": drops,
+            "relayed_bytes": relayed, "transports": transports}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,8 +465,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--listen", required=True)
         ap.add_argument("--size", type=int, required=True)
         ap.add_argument("--fill-rank", type=int, default=None)
+        ap.add_argument("--relay", default=None, help="group:rank:rail:folder")
         a = ap.parse_args(argv[1:])
-        asyncio.run(serve_rank(a.listen, a.size, a.fill_rank))
+        asyncio.run(serve_rank(a.listen, a.size, a.fill_rank, a.relay))
+        return 0
+    if argv[:1] == ["node"]:
+        asyncio.run(serve_node(json.loads(argv[1])))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", default="naive", choices=STRATEGIES + NOT_BUILT)
