@@ -113,3 +113,28 @@ def test_relay_group_and_descriptor_part_are_checked():
                 {"group": "n", "rank": 0}, ["n", 0, 0]):
         with pytest.raises(kvflow.ProtocolError):
             relay_from_wire(bad)
+
+
+async def test_a_member_that_goes_away_fails_its_writes_and_later_ones_go_directly(make_engine, tmp_path):
+    """A member closed while a relayed write is in flight: that write fails
+    with a typed error (no hang); the member's file is gone with it, so the
+    next write to that rail goes directly."""
+    eng = await _cluster(make_engine, "tcp", tmp_path)
+    src = np.random.default_rng(5).integers(0, 256, 32 << 20, dtype=np.uint8)
+    s = eng[(0, 0)].register(src)
+    pool = np.zeros(32 << 20, np.uint8)
+    eng[(1, 1)].register(pool, name="kv")
+    peer = await bounded(eng[(0, 0)].connect(eng[(1, 1)].address))
+    t = peer.write_nowait([s.addr], [peer.region("kv").addr], [32 << 20])
+    while eng[(0, 1)].relay_stats()["forwarded_bytes"] == 0 and not t.done():
+        await asyncio.sleep(0.001)
+    await bounded(eng[(0, 1)].close())                       # the member on rail 1 goes away
+    try:
+        await bounded(t)
+        finished = True                                      # it may have finished first
+    except kvflow.KVFlowError:
+        finished = False
+    assert finished or eng[(0, 0)].relay_stats()["relayed_bytes"] < 32 << 20
+    pool[:] = 0
+    await bounded(peer.write([s.addr], [peer.region("kv").addr], [1 << 20]))      # directly now
+    assert sha(pool[:1 << 20]) == sha(src[:1 << 20])

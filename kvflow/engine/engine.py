@@ -447,14 +447,10 @@ class Engine:
         self._notifications.put_nowait(None)
 
     async def _teardown(self) -> None:
+        if self._relay is not None:
+            self._relay.unpublish()             # first: no member routes through us any more
         if self._server is not None:
             await self._server.close()
-        if self._gpu is not None:
-            gpu, self._gpu = self._gpu, None
-            gpu.close()
-        if self._relay is not None:
-            relay, self._relay = self._relay, None
-            relay.close()
         if self._tcp is not None:
             await self._tcp.close()
         if self._core is not None:
@@ -473,6 +469,14 @@ class Engine:
             self._core.close()      # closes channels: their batches complete with errors
         if self._batches is not None:
             self._batches.fail_all(lambda peer: PeerLostError(f"engine {self.address} closed", peer=peer))
+        # The staging and relay memory last: until the core closed, its
+        # channels could be receiving into it or sending from it.
+        if self._gpu is not None:
+            gpu, self._gpu = self._gpu, None
+            gpu.close(deregister=False)
+        if self._relay is not None:
+            relay, self._relay = self._relay, None
+            relay.close(deregister=False)
 
     def _remove_token(self, token: bytes) -> None:
         if self._core is not None:

@@ -140,18 +140,23 @@ class GpuMemory:
             c = self._copiers[device] = self._make_copier(device)
         return c
 
-    def close(self) -> None:
+    def close(self, deregister: bool = True) -> None:
+        """Frees the staging memory, once nothing can touch it: the copy
+        engines are drained first, and the engine calls this after its
+        native core closed (deregister=False: the regions went with it)
+        or, while running, deregisters the regions first."""
+        if deregister:
+            for r in self._host_regions:
+                try:
+                    self._deregister_host(r)
+                except KVFlowError:
+                    pass
+        self._host_regions.clear()
         for address in {k[0] for k in self._ipc_bases}:
             self.forget_peer(address)
         for c in self._copiers.values():
-            c.close()
+            c.close()                   # waits for the copies it queued
         self._copiers.clear()
-        for r in self._host_regions:
-            try:
-                self._deregister_host(r)
-            except KVFlowError:
-                pass
-        self._host_regions.clear()
         for pool in (self.outgoing, self.inbox.pool):
             keep = pool.close()
             close = getattr(keep, "close", None)

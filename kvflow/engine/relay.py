@@ -114,16 +114,24 @@ class Relay:
                        "pid": os.getpid()}, f)
         os.replace(tmp, self._file)             # readers see the whole file or none
 
-    def close(self) -> None:
+    def unpublish(self) -> None:
+        """Leaves the group: no member routes through this engine from now."""
         try:
             os.unlink(self._file)
         except OSError:
             pass
-        for r in self._regions:
-            try:
-                self._deregister_host(r)
-            except KVFlowError:
-                pass
+
+    def close(self, deregister: bool = True) -> None:
+        """Frees the inbox's memory: the engine calls this after its native
+        core closed (deregister=False), so no channel can still be writing
+        into it or sending from it."""
+        self.unpublish()
+        if deregister:
+            for r in self._regions:
+                try:
+                    self._deregister_host(r)
+                except KVFlowError:
+                    pass
         self._regions.clear()
         self.inbox.pool.close()
 

@@ -49,7 +49,7 @@ class HostCopyEngine:
         await asyncio.get_running_loop().run_in_executor(self._pool, _memmove_all, list(pieces))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=True)      # a copy in progress finishes before its memory may go
 
 
 class _EventWaiter:
@@ -151,6 +151,8 @@ class CudaCopyEngine:
         self._waiter.close()
         for s in self._streams:
             try:
+                with self._drv.on_device(self.device):      # the copies queued finish first
+                    self._drv.driver().cuStreamSynchronize(s.handle)
                 s.close()
             except CudaError:
                 pass
