@@ -281,6 +281,9 @@ class Engine:
             raise InvalidArgumentError("relay= takes a kvflow.RelayGroup")
         self._relay_group = relay
         self._relay: Relay | None = None
+        # whether a write may leave the native path (GPU memory here, a relay
+        # group): one attribute the write path tests, set when either appears
+        self._rerouting = False
         self._started = False
         self._closed = False
         self._turn_ns = 0          # _inline_turn(): when awaited batches that finished inline last yielded
@@ -336,6 +339,7 @@ class Engine:
                                         a, n, nm, Access.READ | Access.WRITE, True, None),
                                     deregister_host=self.deregister, connect=self.connect)
                 self._relay.publish()
+                self._rerouting = True
             self._server.handlers.update(self._control_handlers())
         except OSError as e:
             await self._teardown()
@@ -569,6 +573,7 @@ class Engine:
                 register_host=lambda a, n, nm: self._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
                 deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned)
             self._gpu._host_find = self._holds_host
+            self._rerouting = True
         return self._gpu
 
     def relay_stats(self) -> dict[str, int] | None:

@@ -128,6 +128,7 @@ class Peer:
                 [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in gpu_table]:
             engine_gpu.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
         self._gpu_table = gpu_table
+        self._remote_gpu = bool(gpu_table)      # a plain bool: the write path tests it on every call
         self._regions = regions
 
     def holds_host(self, addr: int, n: int, write: bool) -> bool:
@@ -298,7 +299,7 @@ class Peer:
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
-        if after is not None or self._gpu_table or self._engine._gpu is not None or self._engine._relay is not None:
+        if after is not None or self._remote_gpu or self._engine._rerouting:
             if after is not None or self._staged(local_addrs, remote_addrs) or self._relay_member() is not None:
                 await self._routed(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
                                    remote_strides, priority, deadline, after)
@@ -318,7 +319,7 @@ class Peer:
         remote_addrs[i] into local_addrs[i]. Strided entries, priority,
         deadline, after and errors as write(); reads into this engine's GPU
         memory are staged."""
-        if after is not None or self._gpu_table or self._engine._gpu is not None:
+        if after is not None or self._remote_gpu or self._engine._gpu is not None:
             if after is not None or self._staged(local_addrs, remote_addrs):
                 await self._routed(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
                                    remote_strides, priority, deadline, after)
@@ -337,7 +338,7 @@ class Peer:
         if after is not None:
             from kvflow.providers.cuda.copier import wait_after
             await wait_after(after)
-        if (self._gpu_table or self._engine._gpu is not None) and self._staged(la, ra):
+        if (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra):
             if counts is not None or local_strides is not None or remote_strides is not None:
                 la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
             await self._staged_op(op, la, ra, ln, timeout)
@@ -402,7 +403,7 @@ class Peer:
         its slices still queued are dropped at once). Argument and
         validation errors raise here; transfer errors on await (for GPU
         memory, staged, and with `after`, all of them on await)."""
-        if after is not None or ((self._gpu_table or self._engine._gpu is not None) and
+        if after is not None or ((self._remote_gpu or self._engine._gpu is not None) and
                                  self._staged(local_addrs, remote_addrs)) or \
                 (self._engine._relay is not None and self._relay_member() is not None):
             return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
@@ -415,7 +416,7 @@ class Peer:
                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
                     deadline: float | None = None, after: Any = None) -> "Transfer | TaskTransfer":
         """Starts a read and returns its Transfer."""
-        if after is not None or ((self._gpu_table or self._engine._gpu is not None) and
+        if after is not None or ((self._remote_gpu or self._engine._gpu is not None) and
                                  self._staged(local_addrs, remote_addrs)):
             return self._task_transfer(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts,
                                        local_strides, remote_strides, priority, deadline, after)
@@ -457,7 +458,7 @@ class Peer:
         if running is loop:
             raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
                               "thread would block the loop: await write()/read() there", peer=self.address)
-        staged = (self._gpu_table or self._engine._gpu is not None) and self._staged(la, ra)
+        staged = (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra)
         if not staged and self.alive and self._provider is not None and self._provider.caps.detached and \
                 self._detached(op, la, ra, ln, timeout, prio, deadline_ns):
             return
@@ -522,7 +523,7 @@ class Peer:
     def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
         prio, deadline_ns = qos_args(priority, deadline)     # its own fast path for the default
         provider = self._provider
-        staged = (self._gpu_table or self._engine._gpu is not None) and self._staged(la, ra)
+        staged = (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra)
         if not staged and provider is not None and provider.caps.detached and self.alive:
             try:
                 status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
