@@ -39,6 +39,9 @@ def test_flows_of_the_seed_pattern():
     f = flows[1]                     # prefill rank 0 (layers 0, 1) -> decode rank 1 (shard 1)
     assert f.local == [100, 300] and f.remote == [0, 100] and f.lengths == [100, 100]
     assert [f.dst for f in incast.make_flows("aligned", 2, 4, 100)] == [0, 1]
+    seed = incast.make_flows("incast", 4, 8, 100)                # the seed's pp0, pp2, pp3 -> tp0
+    assert [(f.src, f.dst) for f in seed] == [(0, 0), (2, 0), (3, 0)]
+    assert seed[1].remote == [400, 500] and seed[1].local == [0, 400]
     staggered = incast.schedule(flows, "staggered", 2)
     assert [f.dst for _, f in staggered[1]] == [1, 0]           # round k: (p + k) mod R
     with pytest.raises(ValueError, match="not built yet"):

@@ -24,6 +24,8 @@ are a decode's tensor-parallel ranks, each needing its head shard of every
 layer; every prefill rank writes its layers' shard d to decode rank d, so
 each decode rank receives from every prefill rank, R-1 of them across
 rails. `aligned`: prefill rank r writes only to decode rank r (no spine).
+`incast`: the seed's 3 -> 1, prefill ranks 0, 2, 3 (of 4) all writing
+their shard of every layer to decode rank 0 at once.
 
 Strategies: `naive` (every flow starts at once), `staggered` (round k:
 prefill rank p writes to decode rank (p + k) mod R; a rank starts its next
@@ -68,7 +70,7 @@ MARK = "@@INCAST "
 PORT = 7500
 STRATEGIES = ("naive", "staggered", "send_relay")
 NOT_BUILT = ("recv_relay",)
-PATTERNS = ("pp-tp", "aligned")
+PATTERNS = ("pp-tp", "aligned", "incast")
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -340,12 +342,16 @@ class Flow:
 def make_flows(pattern: str, rails: int, layers: int, shard: int) -> list[Flow]:
     """pp-tp: prefill rank p holds layers [p*L/R, (p+1)*L/R), laid out
     layer by layer, each layer's R head shards side by side; decode rank d
-    holds shard d of every layer, layer by layer. aligned: p -> p only."""
+    holds shard d of every layer, layer by layer. aligned: p -> p only.
+    incast: the seed's picture, prefill ranks 0, 2, 3, ... (all but rank 1
+    where there are three or more) filling decode rank 0 at once."""
     per = layers // rails
     flows = []
     for p in range(rails):
         for d in range(rails):
             if pattern == "aligned" and d != p:
+                continue
+            if pattern == "incast" and (d != 0 or (rails >= 3 and p == 1)):
                 continue
             mine = range(p * per, (p + 1) * per)
             flows.append(Flow(len(flows), p, d,
