@@ -58,6 +58,13 @@ async def test_cross_rail_writes_go_through_the_member_on_that_rail(make_engine,
     moved = 64 * 65536 + (4 << 20)
     assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
     assert eng[(0, 1)].relay_stats()["forwarded_bytes"] == moved
+    # from another thread (the Mooncake API's path) too: write_blocking is relayed, not sent directly
+    before = eng[(0, 0)].relay_stats()["relayed_bytes"]
+    await bounded(asyncio.get_running_loop().run_in_executor(
+        None, lambda: peer.write_blocking([s.addr], [dst + (11 << 20)], [65536])))
+    assert sha(pools[1][11 << 20: (11 << 20) + 65536]) == sha(src[:65536])
+    assert eng[(0, 0)].relay_stats()["relayed_bytes"] == before + 65536
+    moved += 65536
     # rail-aligned: directly, nothing relayed
     aligned = await bounded(eng[(0, 0)].connect(eng[(1, 0)].address))
     await bounded(aligned.write([s.addr], [aligned.region("kv").addr], [1 << 20]))

@@ -38,8 +38,8 @@ def host_gpu(engine: kvflow.Engine, staging_bytes: int = 4 * SLOT) -> GpuMemory:
     engine._gpu = GpuMemory(
         staging_bytes=staging_bytes, slot_bytes=SLOT,
         register_host=lambda a, n, nm: engine._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
-        deregister_host=engine.deregister, copier=lambda device: HostCopyEngine(), allocate=_numpy_memory)
-    engine._gpu._host_find = engine._holds_host
+        deregister_host=engine.deregister, copier=lambda device: HostCopyEngine(), allocate=_numpy_memory,
+        holds_host=engine._holds_host)
     engine._rerouting = True
     return engine._gpu
 

@@ -27,9 +27,9 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, Peer
     ProviderUnavailableError
 from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
-from kvflow.engine.gpu import INBOX as GPU_INBOX, REPLIES as GPU_REPLIES, STAGING_BYTES, STAGING_SLOT, GpuMemory
-from kvflow.engine.inbox import Inbox
-from kvflow.engine.relay import INBOX as RELAY_INBOX, REPLIES as RELAY_REPLIES, Relay, RelayGroup
+from kvflow.engine.gpu import INBOX as GPU_INBOX, STAGING_BYTES, STAGING_SLOT, GpuMemory
+from kvflow.engine.inbox import REPLIES as INBOX_REPLIES, Inbox
+from kvflow.engine.relay import INBOX as RELAY_INBOX, Relay, RelayGroup
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
@@ -47,7 +47,7 @@ log = logging.getLogger("kvflow")
 _PROVIDER_CLASSES: tuple[type[Provider], ...] = (LocalProvider, RdmaProvider, TcpProvider)
 PROVIDERS = tuple(c.name for c in _PROVIDER_CLASSES)
 # every reply type a provider's request() may get back
-_REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), GPU_REPLIES, RELAY_REPLIES)
+_REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), INBOX_REPLIES)
 # Awaited batches that finish without suspending give the loop a turn at
 # least this often (Engine._inline_turn).
 INLINE_TURN_NS = 1_000_000
@@ -571,8 +571,8 @@ class Engine:
             self._gpu = GpuMemory(
                 staging_bytes=self._staging_bytes, slot_bytes=STAGING_SLOT,
                 register_host=lambda a, n, nm: self._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
-                deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned)
-            self._gpu._host_find = self._holds_host
+                deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned,
+                holds_host=self._holds_host)
             self._rerouting = True
         return self._gpu
 

@@ -42,27 +42,35 @@ from kvflow.providers.cuda.copier import CopyEngine
 from kvflow.engine.inbox import Inbox, Lease
 from kvflow.providers.cuda.staging import BouncePool, Packed, Slot, pack, run_staged
 
-__all__ = ["GpuMemory", "STAGING_BYTES", "STAGING_SLOT", "REPLIES"]
+__all__ = ["GpuMemory", "INBOX", "STAGING_BYTES", "STAGING_SLOT"]
 
 log = logging.getLogger("kvflow")
 
 STAGING_BYTES = 64 << 20        # Engine(staging_bytes=): per engine, outgoing + inbox
 STAGING_SLOT = 4 << 20          # one slot: a slice of the pipeline
-REPLIES = frozenset({"stage_leased", "stage_done", "stage_error"})
 INBOX = "gpu"                   # the inbox's name in lease messages
 
 
 class _Table:
-    """Regions by start address: the one that holds [addr, addr+n), in O(log n)."""
+    """Regions by start address: the one that holds [addr, addr+n), in
+    O(log n); any_in() answers for a whole batch's addresses at once (its
+    columns are kept as arrays, rebuilt when the table changes, not per
+    batch)."""
 
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._regions: list[Any] = []
+        self._columns()
+
+    def _columns(self) -> None:
+        self._starts_np = np.asarray(self._starts, dtype=np.uint64)
+        self._ends_np = np.asarray([r.end for r in self._regions], dtype=np.uint64)
 
     def set(self, regions: Sequence[Any]) -> None:
         ordered = sorted(regions, key=lambda r: r.addr)
         self._starts = [r.addr for r in ordered]
         self._regions = ordered
+        self._columns()
 
     def add(self, region: Any) -> bool:
         i = bisect.bisect_left(self._starts, region.addr)
@@ -72,12 +80,14 @@ class _Table:
             return False
         self._starts.insert(i, region.addr)
         self._regions.insert(i, region)
+        self._columns()
         return True
 
     def remove(self, region: Any) -> None:
         i = bisect.bisect_left(self._starts, region.addr)
         if i < len(self._regions) and self._regions[i] is region:
             del self._starts[i], self._regions[i]
+            self._columns()
 
     def find(self, addr: int, n: int) -> Any:
         i = bisect.bisect_right(self._starts, addr) - 1
@@ -89,11 +99,8 @@ class _Table:
         """Whether any address lies inside a region (vectorised)."""
         if not self._regions:
             return False
-        starts = np.asarray(self._starts, dtype=np.uint64)
-        ends = np.asarray([r.end for r in self._regions], dtype=np.uint64)
-        i = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
-        ok = i >= 0
-        return bool(np.any(ok & (addrs < ends[np.maximum(i, 0)])))
+        i = np.searchsorted(self._starts_np, addrs, side="right").astype(np.int64) - 1
+        return bool(np.any((i >= 0) & (addrs < self._ends_np[np.maximum(i, 0)])))
 
     def __bool__(self) -> bool:
         return bool(self._regions)
@@ -106,15 +113,19 @@ class GpuMemory:
     """One engine's CUDA regions and staged transfers. `register_host(addr,
     length)` / `deregister_host(region)` register the staging memory with
     the engine as host regions; `copier(device)` makes a copy engine;
-    `allocate(nbytes) -> (addr, keepalive)` the staging memory (pinned)."""
+    `allocate(nbytes) -> (addr, keepalive)` the staging memory (pinned);
+    `holds_host(addr, n)` says whether a range is in one of the engine's
+    host regions."""
 
     def __init__(self, *, staging_bytes: int, slot_bytes: int,
                  register_host: Callable[[int, int, str], Region], deregister_host: Callable[[Region], None],
-                 copier: Callable[[int], CopyEngine], allocate: Callable[[int], tuple[int, Any]]) -> None:
+                 copier: Callable[[int], CopyEngine], allocate: Callable[[int], tuple[int, Any]],
+                 holds_host: Callable[[int, int], bool]) -> None:
         half = max(slot_bytes, staging_bytes // 2)
         count = max(1, half // slot_bytes)
         self.slot_bytes = slot_bytes
         self._register_host = register_host
+        self._holds_host = holds_host
         self._deregister_host = deregister_host
         self._make_copier = copier
         self._copiers: dict[int, CopyEngine] = {}
@@ -183,6 +194,33 @@ class GpuMemory:
                 "a staged batch's local entries must all be in one GPU's memory or all in host memory", peer=peer)
         return devices.pop()
 
+    def _plan(self, peer: Any, la: Any, ra: Any, ln: Any, remote: "_Table",
+              need: Access) -> tuple[list[Packed], bool, int | None]:
+        """A staged batch, checked: its slots, whether it reaches the
+        peer's GPU memory (then every remote entry must lie in one of its
+        GPU regions with `need`), and the one GPU its local entries are on
+        (None: host memory). Raises before anything moves."""
+        packed = pack(la, ra, ln, self.slot_bytes)
+        remote_gpu = remote.any_in(np.asarray(ra, dtype=np.uint64))
+        verb = "write" if need == Access.WRITE else "read"
+        if remote_gpu:
+            for part in packed:
+                for _, _, r, n in part.entries:
+                    region = remote.find(r, n)
+                    if region is None or not (region.access & need):
+                        raise RemoteAccessError(
+                            f"{r:#x}+{n} is not inside one of the peer's GPU regions it may {verb} "
+                            "(a staged batch reaches GPU memory only)", peer=peer.address)
+        device = self._device_of(packed[0].entries, peer.address) if self.local else None
+        for part in packed[1:]:
+            if self.local and self._device_of(part.entries, peer.address) != device:
+                raise InvalidArgumentError("a staged batch's local entries must all be on one GPU or all in "
+                                           "host memory", peer=peer.address)
+        if device is None and not remote_gpu:
+            raise UnregisteredMemoryError(
+                "a local entry starts in GPU memory and runs past the end of its region", peer=peer.address)
+        return packed, remote_gpu, device
+
     # ------------------------------------------------------------ initiator
     async def write(self, peer: Any, la: Any, ra: Any, ln: Any, host_write: Callable[..., Any],
                     remote: "_Table", reach: str = "remote") -> None:
@@ -194,25 +232,7 @@ class GpuMemory:
         host-memory write."""
         if await self._direct(peer, la, ra, ln, remote, reach, write=True):
             return
-        packed = pack(la, ra, ln, self.slot_bytes)
-        remote_gpu = remote.any_in(np.asarray(ra, dtype=np.uint64))
-        if remote_gpu:
-            for part in packed:
-                for _, _, r, n in part.entries:
-                    region = remote.find(r, n)
-                    if region is None or not (region.access & Access.WRITE):
-                        raise RemoteAccessError(
-                            f"{r:#x}+{n} is not inside one of the peer's GPU regions it may write "
-                            "(a staged batch lands in GPU memory only)", peer=peer.address)
-        src_device = self._device_of(packed[0].entries, peer.address) \
-            if self.local else None
-        for part in packed[1:]:
-            if self.local and self._device_of(part.entries, peer.address) != src_device:
-                raise InvalidArgumentError("a staged batch's local entries must all be on one GPU or all in "
-                                           "host memory", peer=peer.address)
-        if src_device is None and not remote_gpu:
-            raise UnregisteredMemoryError(
-                "a local entry starts in GPU memory and runs past the end of its region", peer=peer.address)
+        packed, remote_gpu, src_device = self._plan(peer, la, ra, ln, remote, Access.WRITE)
         landing = _Landing(peer, host_write) if remote_gpu else None
         try:
             if src_device is None:          # host source: straight into the peer's inbox
@@ -244,24 +264,7 @@ class GpuMemory:
         that are then read over the host path."""
         if await self._direct(peer, la, ra, ln, remote, reach, write=False):
             return
-        packed = pack(la, ra, ln, self.slot_bytes)
-        remote_gpu = remote.any_in(np.asarray(ra, dtype=np.uint64))
-        if remote_gpu:
-            for part in packed:
-                for _, _, r, n in part.entries:
-                    region = remote.find(r, n)
-                    if region is None or not (region.access & Access.READ):
-                        raise RemoteAccessError(
-                            f"{r:#x}+{n} is not inside one of the peer's GPU regions it may read "
-                            "(a staged read takes from GPU memory only)", peer=peer.address)
-        device = self._device_of(packed[0].entries, peer.address)
-        for part in packed[1:]:
-            if self._device_of(part.entries, peer.address) != device:
-                raise InvalidArgumentError("a staged batch's local entries must all be on one GPU or all in "
-                                           "host memory", peer=peer.address)
-        if device is None and not remote_gpu:
-            raise UnregisteredMemoryError(
-                "a local entry starts in GPU memory and runs past the end of its region", peer=peer.address)
+        packed, remote_gpu, device = self._plan(peer, la, ra, ln, remote, Access.READ)
         fetching = _Landing(peer, None, host_read) if remote_gpu else None
         try:
             if device is None:              # into host memory: straight from the peer's inbox
@@ -323,7 +326,7 @@ class GpuMemory:
                 there, device = opened
                 there += r - theirs.addr
                 devices.add(device)
-            if mine is None and not self._host_find(l, n):
+            if mine is None and not self._holds_host(l, n):
                 raise UnregisteredMemoryError(f"entry {i}: {l:#x}+{n} is not inside one registered region", peer=peer.address,
                             index=i)
             if mine is not None:
@@ -335,9 +338,6 @@ class GpuMemory:
             return False
         await self.copier(min(devices)).copy(pieces)
         return True
-
-    # the engine sets it: whether [addr, addr+n) is in one of its host regions
-    _host_find: Callable[[int, int], bool] = staticmethod(lambda addr, n: False)
 
     def _mapped(self, peer: Any, region: RemoteRegion) -> tuple[int, int] | None:
         """(the base, in this process, of a peer's GPU region; this process's

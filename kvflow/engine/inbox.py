@@ -25,10 +25,12 @@ from kvflow.control.wire import field
 from kvflow.errors import KVFlowError, ProtocolError, RemoteAccessError, TransferTimeoutError
 from kvflow.providers.cuda.staging import BouncePool, Slot
 
-__all__ = ["Inbox", "LEASE_SLOTS", "Lease", "REQUEST_TIMEOUT"]
+__all__ = ["Inbox", "LEASE_SLOTS", "Lease", "REPLIES", "REQUEST_TIMEOUT"]
 
 LEASE_SLOTS = 4                 # slots one transfer asks for
 REQUEST_TIMEOUT = 60.0          # a lease or a request the owner does not answer: the transfer fails
+# the answers to leases and to requests on their slots (a Peer's session waits for these)
+REPLIES = frozenset({"stage_leased", "stage_done", "stage_error"})
 
 
 @dataclass

@@ -33,6 +33,8 @@ __all__ = ["Peer"]
 
 log = logging.getLogger("kvflow")
 
+_STAGED = object()      # _reroute(): the batch touches GPU memory
+
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 
@@ -138,11 +140,17 @@ class Peer:
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
                    for r in self._regions)
 
-    def _relay_member(self) -> str | None:
-        """The member of this engine's relay group that writes to this peer
-        go through (the peer's rail is not ours), or None."""
+    def _reroute(self, op: int, la: Any, ra: Any) -> Any:
+        """Where a batch goes when not to the native core: _STAGED (GPU
+        memory on either side: kvflow.engine.gpu), the address of the relay
+        member a write goes through (the peer's rail is not ours:
+        kvflow.engine.relay), or None (the native path)."""
+        if (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra):
+            return _STAGED
         relay = self._engine._relay
-        return relay.route(self.descriptor) if relay is not None else None
+        if op == OP_WRITE and relay is not None:
+            return relay.route(self.descriptor)
+        return None
 
     def _staged(self, la: Any, ra: Any) -> bool:
         """Whether a batch reads or writes GPU memory (either side): it is
@@ -300,9 +308,10 @@ class Peer:
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
         """
         if after is not None or self._remote_gpu or self._engine._rerouting:
-            if after is not None or self._staged(local_addrs, remote_addrs) or self._relay_member() is not None:
+            route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
+            if after is not None or route is not None:
                 await self._routed(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
-                                   remote_strides, priority, deadline, after)
+                                   remote_strides, priority, deadline, after, route)
                 return
         t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
                                  counts, local_strides, remote_strides, priority, deadline)
@@ -319,10 +328,11 @@ class Peer:
         remote_addrs[i] into local_addrs[i]. Strided entries, priority,
         deadline, after and errors as write(); reads into this engine's GPU
         memory are staged."""
-        if after is not None or self._remote_gpu or self._engine._gpu is not None:
-            if after is not None or self._staged(local_addrs, remote_addrs):
+        if after is not None or self._remote_gpu or self._engine._rerouting:
+            route = self._reroute(OP_READ, local_addrs, remote_addrs)
+            if after is not None or route is not None:
                 await self._routed(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
-                                   remote_strides, priority, deadline, after)
+                                   remote_strides, priority, deadline, after, route)
                 return
         t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout,
                                  counts, local_strides, remote_strides, priority, deadline)
@@ -333,23 +343,21 @@ class Peer:
 
     async def _routed(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
                       local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
-                      after: Any) -> None:
-        """A batch that waits for a CUDA event first, or is staged."""
+                      after: Any, route: Any) -> None:
+        """A batch that waits for a CUDA event first, and then goes where
+        `route` (_reroute's answer) says."""
         if after is not None:
             from kvflow.providers.cuda.copier import wait_after
             await wait_after(after)
-        if (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra):
-            if counts is not None or local_strides is not None or remote_strides is not None:
-                la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
+        if route is not None and (counts is not None or local_strides is not None or remote_strides is not None):
+            la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
+        if route is _STAGED:
             await self._staged_op(op, la, ra, ln, timeout)
             return
-        member = self._relay_member() if op == OP_WRITE else None
-        if member is not None:
-            if counts is not None or local_strides is not None or remote_strides is not None:
-                la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
+        if route is not None:
             relay = self._engine._relay
             assert relay is not None
-            via = await self._engine.connect(member)
+            via = await self._engine.connect(route)
             try:
                 await asyncio.wait_for(relay.write(self.address, via, la, ra, ln), timeout)
             except asyncio.TimeoutError:
@@ -388,12 +396,12 @@ class Peer:
 
     def _task_transfer(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
                        local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
-                       after: Any) -> TaskTransfer:
+                       after: Any, route: Any) -> TaskTransfer:
         lengths = np.asarray(ln, dtype=np.uint64)
         nbytes = int((lengths * np.asarray(counts, dtype=np.uint64)).sum()) if counts is not None \
             else int(lengths.sum())
         return TaskTransfer(self._routed(op, la, ra, ln, timeout, counts, local_strides, remote_strides,
-                                         priority, deadline, after), self.address, nbytes)
+                                         priority, deadline, after, route), self.address, nbytes)
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -403,11 +411,11 @@ class Peer:
         its slices still queued are dropped at once). Argument and
         validation errors raise here; transfer errors on await (for GPU
         memory, staged, and with `after`, all of them on await)."""
-        if after is not None or ((self._remote_gpu or self._engine._gpu is not None) and
-                                 self._staged(local_addrs, remote_addrs)) or \
-                (self._engine._relay is not None and self._relay_member() is not None):
-            return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
-                                       local_strides, remote_strides, priority, deadline, after)
+        if after is not None or self._remote_gpu or self._engine._rerouting:
+            route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
+            if after is not None or route is not None:
+                return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
+                                           local_strides, remote_strides, priority, deadline, after, route)
         return self._nowait(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
                             counts, local_strides, remote_strides, priority, deadline)
 
@@ -416,10 +424,11 @@ class Peer:
                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
                     deadline: float | None = None, after: Any = None) -> "Transfer | TaskTransfer":
         """Starts a read and returns its Transfer."""
-        if after is not None or ((self._remote_gpu or self._engine._gpu is not None) and
-                                 self._staged(local_addrs, remote_addrs)):
-            return self._task_transfer(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts,
-                                       local_strides, remote_strides, priority, deadline, after)
+        if after is not None or self._remote_gpu or self._engine._rerouting:
+            route = self._reroute(OP_READ, local_addrs, remote_addrs)
+            if after is not None or route is not None:
+                return self._task_transfer(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts,
+                                           local_strides, remote_strides, priority, deadline, after, route)
         return self._nowait(OP_READ, local_addrs, remote_addrs, lengths, timeout,
                             counts, local_strides, remote_strides, priority, deadline)
 
@@ -458,8 +467,8 @@ class Peer:
         if running is loop:
             raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
                               "thread would block the loop: await write()/read() there", peer=self.address)
-        staged = (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra)
-        if not staged and self.alive and self._provider is not None and self._provider.caps.detached and \
+        rerouted = (self._remote_gpu or self._engine._rerouting) and self._reroute(op, la, ra) is not None
+        if not rerouted and self.alive and self._provider is not None and self._provider.caps.detached and \
                 self._detached(op, la, ra, ln, timeout, prio, deadline_ns):
             return
         kw = {"timeout": timeout, "priority": prio, "deadline": deadline}
@@ -523,8 +532,8 @@ class Peer:
     def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
         prio, deadline_ns = qos_args(priority, deadline)     # its own fast path for the default
         provider = self._provider
-        staged = (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra)
-        if not staged and provider is not None and provider.caps.detached and self.alive:
+        rerouted = (self._remote_gpu or self._engine._rerouting) and self._reroute(op, la, ra) is not None
+        if not rerouted and provider is not None and provider.caps.detached and self.alive:
             try:
                 status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
             except RuntimeError:

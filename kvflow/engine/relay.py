@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,13 +44,13 @@ from kvflow.engine.inbox import Inbox, Lease
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 from kvflow.providers.cuda.staging import BouncePool, pack
 
-__all__ = ["INBOX", "Relay", "RelayGroup", "RELAY_SLOT", "RELAY_SLOTS", "REPLIES"]
+__all__ = ["INBOX", "Relay", "RelayGroup", "RELAY_SLOT", "RELAY_SLOTS"]
 
 log = logging.getLogger("kvflow")
 
 RELAY_SLOT = 4 << 20            # one slot: what one forward carries
 RELAY_SLOTS = 8                 # a member's inbox: 32 MiB, lent LEASE_SLOTS at a time
-REPLIES = frozenset({"stage_leased", "stage_done", "stage_error"})
+MEMBERS_TTL = 1.0               # seconds a reading of the group's folder is trusted
 INBOX = "relay"                 # the inbox's name in lease messages
 
 
@@ -101,6 +102,8 @@ class Relay:
         self.relayed_bytes = 0          # this engine's writes that went through another member
         self.forwarded_bytes = 0        # other members' writes this engine posted
         self._file = os.path.join(group.folder, f"{group.rank}.json")
+        self._members: dict[int, tuple[str, int, str]] = {}   # rail -> (address, pid, file), as last read
+        self._read_at = -MEMBERS_TTL
 
     def describe(self) -> dict[str, Any]:
         return {"group": self.group.name, "rank": self.group.rank, "rail": self.group.rail}
@@ -136,24 +139,44 @@ class Relay:
         self.inbox.pool.close()
 
     def member(self, rail: int) -> str | None:
-        """The address of the live member on `rail` (not this engine), or None."""
-        try:
-            names = os.listdir(self.group.folder)
-        except OSError:
+        """The address of the live member on `rail` (not this engine), or
+        None. The group's folder is read at most once per MEMBERS_TTL
+        (writes ask on every call); a member is live while its file is
+        there and its process runs."""
+        now = time.monotonic()
+        if now - self._read_at > MEMBERS_TTL:
+            self._members = self._read_members()
+            self._read_at = now
+        found = self._members.get(rail)
+        if found is None:
             return None
-        for name in sorted(names):
+        address, pid, path = found
+        try:
+            os.stat(path)                       # left the group (its engine closed)
+            os.kill(pid, 0)                     # or its process died: the file is stale
+        except OSError:
+            self._read_at = -MEMBERS_TTL        # read the folder again next time
+            return None
+        return address
+
+    def _read_members(self) -> dict[int, tuple[str, int, str]]:
+        out: dict[int, tuple[str, int, str]] = {}
+        try:
+            names = sorted(os.listdir(self.group.folder))
+        except OSError:
+            return out
+        for name in names:
             if not name.endswith(".json"):
                 continue
+            path = os.path.join(self.group.folder, name)
             try:
-                with open(os.path.join(self.group.folder, name)) as f:
+                with open(path) as f:
                     rec = json.load(f)
-                if rec["rail"] != rail or rec["rank"] == self.group.rank:
-                    continue
-                os.kill(int(rec["pid"]), 0)         # gone: its file is stale
+                if rec["rank"] != self.group.rank:
+                    out.setdefault(int(rec["rail"]), (str(rec["address"]), int(rec["pid"]), path))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            return str(rec["address"])
-        return None
+        return out
 
     def route(self, descriptor: Any) -> str | None:
         """The member to relay a write to this destination through: its
