@@ -1,11 +1,13 @@
 """kvflow: an asyncio KV-cache transfer engine for prefill/decode
 disaggregated LLM serving."""
+from kvflow.engine.blocks import Blocks, Prepared
 from kvflow.engine.engine import Engine
 from kvflow.engine.relay import RelayGroup
 from kvflow.errors import (
     AuthenticationError,
     InvalidArgumentError,
     KVFlowError,
+    LengthMismatchError,
     PeerLostError,
     PeerUnreachableError,
     ProtocolError,
@@ -26,12 +28,15 @@ __version__ = "0.1.0"
 __all__ = [
     "Access",
     "AuthenticationError",
+    "Blocks",
     "Engine",
     "InvalidArgumentError",
     "KVFlowError",
+    "LengthMismatchError",
     "Peer",
     "PeerLostError",
     "PeerUnreachableError",
+    "Prepared",
     "Priority",
     "ProtocolError",
     "ProviderUnavailableError",

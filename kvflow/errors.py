@@ -38,6 +38,11 @@ class InvalidArgumentError(KVFlowError, ValueError):
     arrays of different lengths, an empty batch, an unusable buffer."""
 
 
+class LengthMismatchError(InvalidArgumentError):
+    """A local and a remote block paired by a transfer of prepared blocks
+    differ in length (`index`: the position in the transfer)."""
+
+
 class TopologyError(InvalidArgumentError):
     """A topology file (Topology.load, KVFLOW_TOPOLOGY) that cannot be read,
     is not JSON, or does not follow the schema."""

@@ -20,6 +20,7 @@ from kvflow.control.client import dial
 from kvflow.control.descriptor import Descriptor, regions_to_wire
 from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
 from kvflow.control.wire import encode
+from kvflow.engine.blocks import Blocks
 from kvflow.engine.metrics import engine_metrics
 from kvflow.engine.peer import Peer
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
@@ -608,6 +609,13 @@ class Engine:
         for p in self._providers.values():
             p.deregister(region.id)     # the NICs refuse its keys from now on
         self._regions_changed()
+
+    def blocks(self, addrs: Any, lengths: Any) -> Blocks:
+        """A list of blocks of this engine's registered memory (for
+        peer.prepare(); kvflow.engine.blocks), each checked once to lie
+        inside one region (UnregisteredMemoryError naming the first that
+        does not). `lengths`: one per block, or one int for all."""
+        return Blocks.local(self._regions.values(), addrs, lengths)
 
     @property
     def regions(self) -> list[Region]:

@@ -20,6 +20,7 @@ from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
 from kvflow.control.wire import field
 from kvflow.memory import HOST, RemoteRegion
+from kvflow.engine.blocks import Blocks, Prepared
 from kvflow.engine.gpu import remote_table
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
@@ -117,6 +118,19 @@ class Peer:
             if r.name == name:
                 return r
         raise KeyError(f"peer {self.address} has no region named {name!r}")
+
+    def blocks(self, addrs: Any, lengths: Any) -> Blocks:
+        """A list of blocks of this peer's memory (kvflow.engine.blocks), each
+        checked once to lie inside one of its regions (RemoteAccessError
+        naming the first that does not). `lengths`: one per block, or one
+        int for all."""
+        return Blocks.remote(self.address, self._regions, addrs, lengths)
+
+    def prepare(self, local: Blocks, remote: Blocks) -> Prepared:
+        """Pairs a list of this engine's blocks (engine.blocks()) with one of
+        this peer's (blocks()): its write()/read()/post_write()/... take
+        indices into both lists instead of address arrays."""
+        return Prepared(self, local, remote)
 
     def _set_regions(self, regions: list[RemoteRegion]) -> None:
         # GPU memory stays out of the native table: only staged batches reach it

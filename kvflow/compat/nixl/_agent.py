@@ -29,12 +29,13 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvflow._core import take_pairs
 from kvflow.compat.nixl import _bindings as B
 from kvflow.config import env_list, env_str
+from kvflow.engine.blocks import Blocks, Prepared, first_outside
 from kvflow.engine.peer import Peer
 from kvflow.engine.thread import EngineThread
-from kvflow.errors import InvalidArgumentError, KVFlowError
+from kvflow.errors import (InvalidArgumentError, KVFlowError, LengthMismatchError, RemoteAccessError,
+                           UnregisteredMemoryError)
 from kvflow.memory import CUDA
 
 log = logging.getLogger("kvflow.compat.nixl")
@@ -74,16 +75,14 @@ def etcd_key(agent: str, label: str = "") -> str:
 
 
 class Prepped:
-    """A prepared descriptor list: its agent ("" for local), its columns
-    (contiguous uint64) and the peer (None for local)."""
+    """A prepared descriptor list: its agent ("" for local), the peer (None
+    for local) and its kvflow.Blocks (kvflow.engine.blocks)."""
 
-    __slots__ = ("agent", "addrs", "lens", "peer", "count")
+    __slots__ = ("agent", "blocks", "peer", "count")
 
-    def __init__(self, agent: str, dlist: Any, peer: Any) -> None:
-        self.agent, self.peer = agent, peer
-        self.addrs = np.ascontiguousarray(dlist.addrs, dtype=np.uint64)
-        self.lens = np.ascontiguousarray(dlist.lens, dtype=np.uint64)
-        self.count = len(self.lens)
+    def __init__(self, agent: str, blocks: Blocks, peer: Any) -> None:
+        self.agent, self.blocks, self.peer = agent, blocks, peer
+        self.count = len(blocks)
 
 
 class BackendHandle:
@@ -125,22 +124,6 @@ def _bytes(msg: Any) -> bytes:
     if isinstance(msg, str):
         return msg.encode()
     raise B.nixlInvalidParamError(f"a notification is bytes or str, not {type(msg).__name__}")
-
-
-def _covered(spans: list[tuple[int, int]], addrs: np.ndarray, lens: np.ndarray) -> int:
-    """Index of the first descriptor not inside one of `spans` ((addr, end)
-    pairs), or -1 when all are."""
-    if not len(addrs):
-        return -1
-    if not spans:
-        return 0
-    spans = sorted(spans)
-    starts = np.array([s for s, _ in spans], dtype=np.uint64)
-    ends = np.array([e for _, e in spans], dtype=np.uint64)
-    i = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
-    ok = (i >= 0) & (addrs + lens <= ends[np.maximum(i, 0)])
-    bad = np.flatnonzero(~ok)
-    return int(bad[0]) if len(bad) else -1
 
 
 def telemetry_enabled(capture: bool) -> bool:
@@ -229,6 +212,7 @@ class AgentCore:
         self._inbox = NotifInbox()
         self._xfers: dict[int, Xfer] = {}
         self._dlists: dict[int, Prepped] = {}
+        self._pairs: dict[tuple[int, int], Prepared] = {}     # (local, remote) list handles
         self._ids = itertools.count(1)
         self._backends: dict[str, BackendHandle] = {}
         self._telemetry = telemetry_enabled(config.captureTelemetry)
@@ -301,7 +285,7 @@ class AgentCore:
         spans = self._local_spans()
         out: list[dict[str, str] | None] = []
         for i in range(descs.descCount()):
-            if _covered(spans, descs.addrs[i:i + 1], descs.lens[i:i + 1]) >= 0:
+            if first_outside(spans, descs.addrs[i:i + 1], descs.lens[i:i + 1]) >= 0:
                 out.append(None)
                 continue
             a = int(descs.addrs[i])
@@ -324,7 +308,7 @@ class AgentCore:
         the connection info when asked."""
         if not isinstance(descs, B.nixlRegDList):
             raise B.nixlInvalidParamError("partial metadata takes a nixlRegDList")
-        bad = _covered(self._local_spans(), descs.addrs, descs.lens)
+        bad = first_outside(self._local_spans(), descs.addrs, descs.lens)
         if bad >= 0:
             raise B.nixlNotFoundError(f"descriptor {bad} of the partial metadata is not registered")
         md: dict[str, Any] = {"tag": MD_TAG, "version": MD_VERSION, "name": self.name, "partial": True,
@@ -375,7 +359,7 @@ class AgentCore:
         peer = self._remotes.get(agent)
         if peer is None:
             return B.NIXL_ERR_NOT_FOUND
-        if descs.descCount() and _covered(self._spans_of(agent), descs.addrs, descs.lens) >= 0:
+        if descs.descCount() and first_outside(self._spans_of(agent), descs.addrs, descs.lens) >= 0:
             return B.NIXL_ERR_NOT_FOUND
         return B.NIXL_SUCCESS
 
@@ -507,14 +491,14 @@ class AgentCore:
         return self._known.get(agent, [])
 
     def _check_remote(self, agent: str, peer: Peer, dlist: B._DList) -> None:
-        bad = _covered(self._spans_of(agent), dlist.addrs, dlist.lens)
+        bad = first_outside(self._spans_of(agent), dlist.addrs, dlist.lens)
         if bad >= 0:
             a, n = int(dlist.addrs[bad]), int(dlist.lens[bad])
             raise B.nixlNotFoundError(f"descriptor {bad} ({a:#x}+{n}) is not in memory agent {agent!r} registered")
 
     def _check_local(self, dlist: B._DList) -> None:
         self._check_host(dlist)
-        bad = _covered(self._local_spans(), dlist.addrs, dlist.lens)
+        bad = first_outside(self._local_spans(), dlist.addrs, dlist.lens)
         if bad >= 0:
             a, n = int(dlist.addrs[bad]), int(dlist.lens[bad])
             raise B.nixlNotFoundError(f"local descriptor {bad} ({a:#x}+{n}) is not in registered memory")
@@ -545,40 +529,57 @@ class AgentCore:
         agent = _name(agent)
         if not isinstance(dlist, B.nixlXferDList):
             raise B.nixlInvalidParamError("prep_xfer_dlist takes a nixlXferDList")
-        if agent == B.NIXL_INIT_AGENT:
-            self._check_local(dlist)
-            peer = None
-        else:
-            peer = self._peer(agent)
-            self._check_host(dlist)
-            self._check_remote(agent, peer, dlist)
+        try:
+            if agent == B.NIXL_INIT_AGENT:
+                self._check_local(dlist)
+                peer = None
+                blocks = self._engine.blocks(dlist.addrs, dlist.lens)
+            else:
+                peer = self._peer(agent)
+                self._check_host(dlist)
+                self._check_remote(agent, peer, dlist)
+                blocks = peer.blocks(dlist.addrs, dlist.lens)
+        except (UnregisteredMemoryError, RemoteAccessError) as e:
+            raise B.nixlNotFoundError(str(e)) from None
+        except InvalidArgumentError as e:
+            raise B.nixlInvalidParamError(f"prep_xfer_dlist: {e}") from None
         h = next(self._ids)
         with self._lock:
-            self._dlists[h] = Prepped(agent, dlist, peer)
+            self._dlists[h] = Prepped(agent, blocks, peer)
         return h
+
+    def _pair(self, local: int, remote: int) -> Prepared:
+        """The kvflow.Prepared of a local and a remote list (made once per pair)."""
+        plan = self._pairs.get((local, remote))
+        if plan is None:
+            lp, rp = self._dlists.get(local), self._dlists.get(remote)
+            if lp is None or rp is None:
+                raise B.nixlInvalidParamError("unknown or released prepared descriptor list")
+            if lp.agent != B.NIXL_INIT_AGENT or rp.peer is None:
+                raise B.nixlInvalidParamError("make_prepped_xfer takes a local list, then a remote one")
+            plan = self._pairs[(local, remote)] = rp.peer.prepare(lp.blocks, rp.blocks)
+        return plan
 
     def makeXferReq(self, op: int, local: int, local_idx: Any, remote: int, remote_idx: Any, notif: Any = b"",
                     backends: list[Any] = (), skip_desc_merge: bool = False) -> int:
         if op is not B.NIXL_WRITE and op is not B.NIXL_READ:
             op = B.nixl_xfer_op_t(op)
-        lp, rp = self._dlists.get(local), self._dlists.get(remote)
-        if lp is None or rp is None:
-            raise B.nixlInvalidParamError("unknown or released prepared descriptor list")
-        if lp.agent != B.NIXL_INIT_AGENT or rp.peer is None:
-            raise B.nixlInvalidParamError("make_prepped_xfer takes a local list, then a remote one")
+        plan = self._pair(local, remote)
         try:        # picked, bounds-checked and compared in one native pass
-            la, ra, ln, mismatch = take_pairs(lp.addrs, lp.lens, rp.addrs, rp.lens, local_idx, remote_idx)
-        except IndexError as e:
-            raise B.nixlInvalidParamError(f"make_prepped_xfer: {e} ({lp.count} local, {rp.count} remote "
-                                          "descriptors)") from None
-        if mismatch >= 0:
-            raise B.nixlMismatchError(f"local and remote descriptor lengths differ at position {mismatch}")
-        return self._new_xfer(Xfer(op, la, ra, ln, rp.peer, rp.agent, _bytes(notif) if notif else b""))
+            la, ra, ln = plan.pick(local_idx, remote_idx)
+        except LengthMismatchError as e:
+            raise B.nixlMismatchError(f"local and remote descriptor lengths differ at position {e.index}") from None
+        except InvalidArgumentError as e:
+            raise B.nixlInvalidParamError(f"make_prepped_xfer: {e}") from None
+        return self._new_xfer(Xfer(op, la, ra, ln, plan.peer, self._dlists[remote].agent,
+                                   _bytes(notif) if notif else b""))
 
     def releasedDlistH(self, handle: int) -> None:
         with self._lock:
             if self._dlists.pop(handle, None) is None:
                 raise B.nixlInvalidParamError("unknown or already released descriptor list handle")
+            for key in [k for k in self._pairs if handle in k]:
+                del self._pairs[key]
 
     def _xfer(self, handle: int) -> Xfer:
         x = self._xfers.get(handle)

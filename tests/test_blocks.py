@@ -1,0 +1,178 @@
+"""Prepared descriptor lists (kvflow.engine.blocks): blocks named once and
+moved by index on every provider; bad lists and bad indices refused with a
+typed error, nothing moved, the engine still usable."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow.engine.blocks import first_outside
+
+from _batches import bounded
+from _providers import closed_leaks, params, skip_unavailable
+
+PAGE = 4096
+PAGES = 64
+PROTOCOLS = params("local", "tcp", "rdma")
+
+
+class Pair:
+    pass
+
+
+async def open_pair(protocol):
+    skip_unavailable(protocol)
+    p = Pair()
+    p.a = kvflow.Engine(protocols=(protocol,))
+    p.b = kvflow.Engine(protocols=(protocol,))
+    await bounded(p.a.start())
+    await bounded(p.b.start())
+    p.src = np.random.default_rng(7).integers(0, 256, PAGE * PAGES, dtype=np.uint8)
+    p.dst = np.zeros(PAGE * PAGES, np.uint8)
+    p.ls, p.rd = p.a.register(p.src), p.b.register(p.dst)
+    p.peer = await bounded(p.a.connect(p.b.address))
+    offs = np.arange(PAGES, dtype=np.uint64) * PAGE
+    p.local = p.a.blocks(p.ls.addr + offs, PAGE)
+    p.remote = p.peer.blocks(p.rd.addr + offs, PAGE)
+    p.plan = p.peer.prepare(p.local, p.remote)
+    return p
+
+
+async def close_pair(p):
+    await p.a.close()
+    await p.b.close()
+    assert not closed_leaks(p.a.counters()), p.a.counters()
+    assert not closed_leaks(p.b.counters()), p.b.counters()
+
+
+def page(buf, i):
+    return bytes(buf[i * PAGE:(i + 1) * PAGE])
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_write_and_read_by_index(protocol):
+    p = await open_pair(protocol)
+    try:
+        await bounded(p.plan.write([3, 7, 9], [0, 1, 2]))
+        assert [page(p.dst, j) for j in (0, 1, 2)] == [page(p.src, i) for i in (3, 7, 9)]
+        assert not p.dst[3 * PAGE:].any(), "bytes landed outside the three named blocks"
+        await bounded(p.plan.write_nowait(np.arange(10, 20)))        # the same indices on both sides
+        assert all(page(p.dst, i) == page(p.src, i) for i in range(10, 20))
+        p.src[:] = 0
+        await bounded(p.plan.read(np.array([0, 1], np.int32), [12, 13]))  # remote blocks 12, 13 back into 0, 1
+        assert page(p.src, 0) == page(p.dst, 12) and page(p.src, 1) == page(p.dst, 13)
+        # a blocking caller, and the post-then-poll one (threads that are not the loop)
+        p.src[:] = 5
+        await bounded(asyncio.to_thread(p.plan.write_blocking, [30], [31]))
+        posted = await bounded(asyncio.to_thread(p.plan.post_write, [40, 41], [42, 43]))
+        await bounded(asyncio.to_thread(posted.wait, 10))
+        assert page(p.dst, 31) == page(p.dst, 42) == page(p.dst, 43) == bytes([5]) * PAGE
+    finally:
+        await close_pair(p)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_bad_indices_move_nothing(protocol):
+    p = await open_pair(protocol)
+    try:
+        for local, remote, match in (([0, PAGES], [0, 1], "local index 64"),
+                                     ([0, -1], [0, 1], "local index -1"),
+                                     ([0, 1], [0, 99], "remote index 99"),
+                                     ([0, 1, 2], [0, 1], "3 local and 2 remote"),
+                                     ([], [], "indices"),
+                                     ([[0, 1]], [[0, 1]], "1-D")):
+            with pytest.raises(kvflow.InvalidArgumentError, match=match):
+                await bounded(p.plan.write(local, remote))
+        with pytest.raises(kvflow.InvalidArgumentError):
+            p.plan.write_nowait([0.5], [1])
+        assert not p.dst.any(), "a refused transfer moved bytes"
+        await bounded(p.plan.write([5]))                             # still usable
+        assert page(p.dst, 5) == page(p.src, 5)
+    finally:
+        await close_pair(p)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_paired_lengths_must_match(protocol):
+    p = await open_pair(protocol)
+    try:
+        offs = np.arange(4, dtype=np.uint64) * 2 * PAGE
+        halves = p.peer.blocks(p.rd.addr + offs, [PAGE, PAGE // 2, PAGE, PAGE])
+        plan = p.peer.prepare(p.local, halves)
+        with pytest.raises(kvflow.LengthMismatchError, match="position 1, local block 1 has 4096 bytes and "
+                           "remote block 1 2048") as e:
+            await bounded(plan.write([0, 1, 2]))
+        assert e.value.index == 1
+        assert not p.dst.any()
+        await bounded(plan.write([0, 2], [0, 3]))
+        assert page(p.dst, 0) == page(p.src, 0) and page(p.dst, 6) == page(p.src, 2)
+    finally:
+        await close_pair(p)
+
+
+async def test_lists_are_checked_once_against_their_memory():
+    p = await open_pair("local")
+    try:
+        with pytest.raises(kvflow.UnregisteredMemoryError, match="block 2 .* not inside this engine's") as e:
+            p.a.blocks([p.ls.addr, p.ls.addr + PAGE, p.ls.addr + PAGE * PAGES - 100], PAGE)
+        assert e.value.index == 2
+        with pytest.raises(kvflow.RemoteAccessError, match=f"block 0 .* memory peer {p.b.address}"):
+            p.peer.blocks([p.ls.addr], PAGE)                     # ours, not the peer's
+        with pytest.raises(kvflow.RemoteAccessError, match="block 0"):
+            p.peer.blocks([2 ** 64 - PAGE // 2], PAGE)           # wraps around the address space
+        for addrs, lengths, match in (([p.ls.addr], 0, "length must be > 0"),
+                                      ([p.ls.addr, p.ls.addr], [PAGE, 0], "block 1 has length 0"),
+                                      ([p.ls.addr], [PAGE, PAGE], "1 block addresses and 2 lengths"),
+                                      ([-5], PAGE, "negative"),
+                                      (["x"], PAGE, "integers"),
+                                      ([[p.ls.addr]], PAGE, "1-D")):
+            with pytest.raises(kvflow.InvalidArgumentError, match=match):
+                p.a.blocks(addrs, lengths)
+        # the wrong list on each side
+        with pytest.raises(kvflow.InvalidArgumentError, match="first list is of peer"):
+            p.peer.prepare(p.remote, p.remote)
+        with pytest.raises(kvflow.InvalidArgumentError, match="second list"):
+            p.peer.prepare(p.local, p.local)
+        with pytest.raises(kvflow.InvalidArgumentError, match="two kvflow.Blocks"):
+            p.peer.prepare(p.local, [(p.rd.addr, PAGE)])
+        # a list keeps its own copy: the caller's arrays may change afterwards
+        addrs = p.ls.addr + np.arange(2, dtype=np.uint64) * PAGE
+        lens = np.full(2, PAGE, np.uint64)
+        mine = p.a.blocks(addrs, lens)
+        addrs[:] = 0
+        lens[:] = 1
+        assert mine[1] == (p.ls.addr + PAGE, PAGE) and lens.flags.writeable
+        assert len(mine) == 2 and mine.nbytes == 2 * PAGE
+        with pytest.raises(ValueError):
+            mine.addrs[0] = 1
+    finally:
+        await close_pair(p)
+
+
+async def test_a_list_of_deregistered_memory_fails_typed():
+    """A list checked at prepare time is still checked per batch: after the
+    peer deregisters its memory, a transfer fails as an address array would,
+    and nothing lands."""
+    p = await open_pair("tcp")
+    try:
+        p.b.deregister(p.rd)
+        await bounded(p.peer.refresh())
+        with pytest.raises(kvflow.KVFlowError):
+            await bounded(p.plan.write([0, 1]))
+        assert not p.dst.any()
+    finally:
+        await close_pair(p)
+
+
+def test_first_outside():
+    spans = [(100, 200), (300, 400)]
+    a = np.array([100, 150, 300, 390], np.uint64)
+    assert first_outside(spans, a, np.array([100, 50, 100, 10], np.uint64)) == -1
+    assert first_outside(spans, a, np.array([100, 51, 100, 10], np.uint64)) == 1
+    assert first_outside(spans, np.array([250], np.uint64), np.array([1], np.uint64)) == 0
+    assert first_outside(spans, np.array([50], np.uint64), np.array([1], np.uint64)) == 0
+    assert first_outside([], np.array([50], np.uint64), np.array([1], np.uint64)) == 0
+    assert first_outside([], np.array([], np.uint64), np.array([], np.uint64)) == -1
