@@ -24,7 +24,10 @@ CONTRACT_NAMES = {
     "Engine",
     "Transfer",
     "Priority",
+    "Blocks",
+    "Prepared",
     "KVFlowError",
+    "LengthMismatchError",
     "InvalidArgumentError",
     "UnregisteredMemoryError",
     "RemoteAccessError",
@@ -48,6 +51,7 @@ ERRORS = [
     "TransferCancelledError",
     "ProtocolError",
     "AuthenticationError",
+    "LengthMismatchError",
 ]
 
 
