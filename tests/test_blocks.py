@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.engine.blocks import first_outside
+from kvflow.engine.blocks import first_outside, locate
 
 from _batches import bounded
 from _providers import closed_leaks, params, skip_unavailable
@@ -82,7 +82,7 @@ async def test_bad_indices_move_nothing(protocol):
                                      ([0, -1], [0, 1], "local index -1"),
                                      ([0, 1], [0, 99], "remote index 99"),
                                      ([0, 1, 2], [0, 1], "3 local and 2 remote"),
-                                     ([], [], "indices"),
+                                     ([], [], "empty batch"),
                                      ([[0, 1]], [[0, 1]], "1-D")):
             with pytest.raises(kvflow.InvalidArgumentError, match=match):
                 await bounded(p.plan.write(local, remote))
@@ -109,6 +109,37 @@ async def test_paired_lengths_must_match(protocol):
         assert not p.dst.any()
         await bounded(plan.write([0, 2], [0, 3]))
         assert page(p.dst, 0) == page(p.src, 0) and page(p.dst, 6) == page(p.src, 2)
+    finally:
+        await close_pair(p)
+
+
+async def test_adjacent_blocks_merge_within_one_region():
+    """A run of picks that continues on both sides is one entry (NIXL's
+    descriptor merge); not across two regions that happen to be adjacent,
+    and not with merge=False."""
+    p = await open_pair("local")
+    try:
+        la, ra, ln = p.plan.pick([3, 4, 5, 9, 10], [10, 11, 12, 0, 1])
+        assert la.tolist() == [p.ls.addr + 3 * PAGE, p.ls.addr + 9 * PAGE]
+        assert ra.tolist() == [p.rd.addr + 10 * PAGE, p.rd.addr]
+        assert ln.tolist() == [3 * PAGE, 2 * PAGE]
+        assert len(p.plan.pick([3, 4, 5], [10, 12, 13])[0]) == 2        # the remote side skips a page
+        assert len(p.plan.pick([4, 3], [11, 10])[0]) == 2               # backwards: not a continuation
+        assert len(p.plan.pick([3, 4, 5], [10, 11, 12], merge=False)[0]) == 3
+        # two regions side by side in one buffer: blocks of each, never one entry over both
+        buf = np.zeros(4 * PAGE, np.uint8)
+        r1 = p.b.register(buf[:2 * PAGE])
+        r2 = p.b.register(buf[2 * PAGE:])
+        await bounded(p.peer.refresh())
+        split = p.peer.blocks(r1.addr + np.arange(4, dtype=np.uint64) * PAGE, PAGE)
+        assert split.spans[1] != split.spans[2]
+        plan = p.peer.prepare(p.local, split)
+        la, ra, ln = plan.pick([0, 1, 2, 3])
+        assert ln.tolist() == [2 * PAGE, 2 * PAGE] and ra.tolist() == [r1.addr, r2.addr]
+        await bounded(plan.write([0, 1, 2, 3]))
+        assert bytes(buf) == bytes(p.src[:4 * PAGE])
+        p.b.deregister(r1)
+        p.b.deregister(r2)
     finally:
         await close_pair(p)
 
@@ -176,3 +207,4 @@ def test_first_outside():
     assert first_outside(spans, np.array([50], np.uint64), np.array([1], np.uint64)) == 0
     assert first_outside([], np.array([50], np.uint64), np.array([1], np.uint64)) == 0
     assert first_outside([], np.array([], np.uint64), np.array([], np.uint64)) == -1
+    assert locate(spans, a, np.array([100, 50, 100, 11], np.uint64)).tolist() == [0, 0, 1, -1]

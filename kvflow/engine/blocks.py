@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvflow.engine.posted import PostedTransfer
     from kvflow.engine.transfer import TaskTransfer, Transfer
 
-__all__ = ["Blocks", "Prepared", "first_outside"]
+__all__ = ["Blocks", "Prepared", "first_outside", "locate"]
 
 
 def _column(values: Any, what: str) -> np.ndarray:
@@ -46,20 +46,24 @@ def _column(values: Any, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint64)
 
 
-def first_outside(spans: Iterable[tuple[int, int]], addrs: np.ndarray, lens: np.ndarray) -> int:
-    """Index of the first block [addrs[i], addrs[i]+lens[i]) not inside one of
-    `spans` ((start, end) pairs that do not overlap), or -1 when all are."""
-    if not len(addrs):
-        return -1
+def locate(spans: Iterable[tuple[int, int]], addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """For each block [addrs[i], addrs[i]+lens[i]), the ordinal of the span
+    ((start, end) pairs that do not overlap, in sorted order) it lies inside,
+    or -1 (int64)."""
     spans = sorted(spans)
-    if not spans:
-        return 0
+    if not spans or not len(addrs):
+        return np.full(len(addrs), -1, dtype=np.int64)
     starts = np.array([s for s, _ in spans], dtype=np.uint64)
     ends = np.array([e for _, e in spans], dtype=np.uint64)
     i = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
     end = addrs + lens
     ok = (i >= 0) & (end >= addrs) & (end <= ends[np.maximum(i, 0)])   # end >= addrs: no wrap-around
-    bad = np.flatnonzero(~ok)
+    return np.where(ok, i, -1)
+
+
+def first_outside(spans: Iterable[tuple[int, int]], addrs: np.ndarray, lens: np.ndarray) -> int:
+    """Index of the first block not inside one of `spans`, or -1 when all are."""
+    bad = np.flatnonzero(locate(spans, addrs, lens) < 0)
     return int(bad[0]) if len(bad) else -1
 
 
@@ -69,7 +73,7 @@ class Blocks:
     engine.blocks() or peer.blocks(); len() is its number of blocks, and
     blocks[i] is (address, length)."""
 
-    __slots__ = ("addrs", "lengths", "owner")
+    __slots__ = ("addrs", "lengths", "owner", "spans")
 
     def __init__(self, addrs: Any, lengths: Any, owner: str, spans: Iterable[tuple[int, int]],
                  outside: type[Exception]) -> None:
@@ -88,13 +92,16 @@ class Blocks:
             a = a.copy()        # the caller's array may change later; ours may not
         if n is lengths:
             n = n.copy()
-        bad = first_outside(spans, a, n)
-        if bad >= 0:
+        inside = locate(spans, a, n)
+        outside_at = np.flatnonzero(inside < 0)
+        if len(outside_at):
+            bad = int(outside_at[0])
             where = "this engine's registered memory" if owner == "local" else f"the memory peer {owner} registered"
             raise outside(f"block {bad} ({int(a[bad]):#x}+{int(n[bad])}) is not inside {where}", index=bad,
                           **({} if owner == "local" else {"peer": owner}))
-        a.flags.writeable = n.flags.writeable = False
+        a.flags.writeable = n.flags.writeable = inside.flags.writeable = False
         self.addrs, self.lengths, self.owner = a, n, owner
+        self.spans = inside         # the region each block lies in: adjacent picks merge only within one
 
     @classmethod
     def local(cls, regions: Iterable[Any], addrs: Any, lengths: Any) -> "Blocks":
@@ -140,13 +147,21 @@ class Prepared:
                                        f"{peer.address} (peer.blocks())")
         self.peer, self.local, self.remote = peer, local, remote
 
-    def pick(self, local_indices: Any, remote_indices: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def pick(self, local_indices: Any, remote_indices: Any = None,
+             merge: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(local_addrs, remote_addrs, lengths) of the paired blocks: the
-        columns the peer's batch calls take."""
+        columns the peer's batch calls take (empty for no indices). With
+        `merge`, a pick that continues the previous entry on both sides (the
+        next block of the same region on each) is merged into it, as NIXL
+        merges descriptors: pages 3, 4, 5 to 10, 11, 12 are one entry."""
         ri = local_indices if remote_indices is None else remote_indices
+        lo, re = self.local, self.remote
         try:
-            la, ra, ln, mismatch = take_pairs(self.local.addrs, self.local.lengths, self.remote.addrs,
-                                              self.remote.lengths, local_indices, ri)
+            if merge:
+                la, ra, ln, mismatch = take_pairs(lo.addrs, lo.lengths, re.addrs, re.lengths, local_indices, ri,
+                                                  lo.spans, re.spans)
+            else:
+                la, ra, ln, mismatch = take_pairs(lo.addrs, lo.lengths, re.addrs, re.lengths, local_indices, ri)
         except (IndexError, TypeError, ValueError, OverflowError) as e:
             raise InvalidArgumentError(f"transfer of prepared blocks: {e} ({len(self.local)} local, "
                                        f"{len(self.remote)} remote blocks)", peer=self.peer.address) from None
@@ -156,9 +171,7 @@ class Prepared:
                 f"transfer of prepared blocks: at position {mismatch}, local block {i} has "
                 f"{int(self.local.lengths[i])} bytes and remote block {j} {int(self.remote.lengths[j])}",
                 peer=self.peer.address, index=mismatch)
-        if not len(ln):
-            raise InvalidArgumentError("transfer of prepared blocks: no indices", peer=self.peer.address)
-        return la, ra, ln
+        return la, ra, ln           # (none: the peer's call refuses an empty batch; NIXL's posts only a notification)
 
     async def write(self, local_indices: Any, remote_indices: Any = None, *, timeout: float | None = None,
                     priority: Priority = Priority.NORMAL, deadline: float | None = None, after: Any = None) -> None:

@@ -36,6 +36,9 @@ log = logging.getLogger("kvflow")
 
 _STAGED = object()      # _reroute(): the batch touches GPU memory
 
+_DEFAULT_PRIORITY = Priority.NORMAL      # module globals: the enum's class attribute costs a lookup
+_NORMAL_CLASS = int(Priority.NORMAL)
+
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 
@@ -544,10 +547,16 @@ class Peer:
         return self._post(OP_READ, local_addrs, remote_addrs, lengths, priority, deadline)
 
     def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
-        prio, deadline_ns = qos_args(priority, deadline)     # its own fast path for the default
+        # (a NIXL agent's every transfer() comes through here: attribute
+        # lookups and calls are what it costs besides the copy)
+        if priority is _DEFAULT_PRIORITY and deadline is None:
+            prio, deadline_ns = _NORMAL_CLASS, 0
+        else:
+            prio, deadline_ns = qos_args(priority, deadline)
         provider = self._provider
         rerouted = (self._remote_gpu or self._engine._rerouting) and self._reroute(op, la, ra) is not None
-        if not rerouted and provider is not None and provider.caps.detached and self.alive:
+        if not rerouted and provider is not None and provider.caps.detached and not self._closed and \
+                not self._session.lost and self._channel.alive:
             try:
                 status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
             except RuntimeError:

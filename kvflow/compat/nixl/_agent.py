@@ -33,6 +33,7 @@ from kvflow.compat.nixl import _bindings as B
 from kvflow.config import env_list, env_str
 from kvflow.engine.blocks import Blocks, Prepared, first_outside
 from kvflow.engine.peer import Peer
+from kvflow.engine.posted import COMPLETED
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import (InvalidArgumentError, KVFlowError, LengthMismatchError, RemoteAccessError,
                            UnregisteredMemoryError)
@@ -100,11 +101,13 @@ class Xfer:
     state of its latest post."""
 
     __slots__ = ("op", "la", "ra", "ln", "peer", "remote", "notif", "state", "error", "future", "posted",
-                 "start_us", "post_ns", "done_ns", "t0")
+                 "start_us", "post_ns", "done_ns", "t0", "post", "empty")
 
     def __init__(self, op: int, la: np.ndarray, ra: np.ndarray, ln: np.ndarray, peer: Peer, remote: str,
                  notif: bytes) -> None:
         self.op, self.la, self.ra, self.ln, self.peer, self.remote, self.notif = op, la, ra, ln, peer, remote, notif
+        self.post = peer.post_write if op is B.NIXL_WRITE else peer.post_read     # looked up once, not per post
+        self.empty = not len(ln)
         self.state: str | None = None          # None (never posted), "PROC", "DONE", "ERR"
         self.error: BaseException | None = None
         self.future: Any = None
@@ -212,7 +215,7 @@ class AgentCore:
         self._inbox = NotifInbox()
         self._xfers: dict[int, Xfer] = {}
         self._dlists: dict[int, Prepped] = {}
-        self._pairs: dict[tuple[int, int], Prepared] = {}     # (local, remote) list handles
+        self._pairs: dict[tuple[int, int], tuple[Prepared, str]] = {}   # (local, remote) list handles
         self._ids = itertools.count(1)
         self._backends: dict[str, BackendHandle] = {}
         self._telemetry = telemetry_enabled(config.captureTelemetry)
@@ -548,38 +551,36 @@ class AgentCore:
             self._dlists[h] = Prepped(agent, blocks, peer)
         return h
 
-    def _pair(self, local: int, remote: int) -> Prepared:
-        """The kvflow.Prepared of a local and a remote list (made once per pair)."""
-        plan = self._pairs.get((local, remote))
-        if plan is None:
-            lp, rp = self._dlists.get(local), self._dlists.get(remote)
-            if lp is None or rp is None:
-                raise B.nixlInvalidParamError("unknown or released prepared descriptor list")
-            if lp.agent != B.NIXL_INIT_AGENT or rp.peer is None:
-                raise B.nixlInvalidParamError("make_prepped_xfer takes a local list, then a remote one")
-            plan = self._pairs[(local, remote)] = rp.peer.prepare(lp.blocks, rp.blocks)
-        return plan
+    def _pair(self, local: int, remote: int) -> tuple[Prepared, str]:
+        """The kvflow.Prepared of a local and a remote list (made once per
+        pair), and the remote agent's name."""
+        lp, rp = self._dlists.get(local), self._dlists.get(remote)
+        if lp is None or rp is None:
+            raise B.nixlInvalidParamError("unknown or released prepared descriptor list")
+        if lp.agent != B.NIXL_INIT_AGENT or rp.peer is None:
+            raise B.nixlInvalidParamError("make_prepped_xfer takes a local list, then a remote one")
+        pair = self._pairs[(local, remote)] = (rp.peer.prepare(lp.blocks, rp.blocks), rp.agent)
+        return pair
 
     def makeXferReq(self, op: int, local: int, local_idx: Any, remote: int, remote_idx: Any, notif: Any = b"",
                     backends: list[Any] = (), skip_desc_merge: bool = False) -> int:
         if op is not B.NIXL_WRITE and op is not B.NIXL_READ:
             op = B.nixl_xfer_op_t(op)
-        plan = self._pair(local, remote)
+        plan, agent = self._pairs.get((local, remote)) or self._pair(local, remote)
         try:        # picked, bounds-checked and compared in one native pass
-            la, ra, ln = plan.pick(local_idx, remote_idx)
+            la, ra, ln = plan.pick(local_idx, remote_idx, not skip_desc_merge)
         except LengthMismatchError as e:
             raise B.nixlMismatchError(f"local and remote descriptor lengths differ at position {e.index}") from None
         except InvalidArgumentError as e:
             raise B.nixlInvalidParamError(f"make_prepped_xfer: {e}") from None
-        return self._new_xfer(Xfer(op, la, ra, ln, plan.peer, self._dlists[remote].agent,
-                                   _bytes(notif) if notif else b""))
+        return self._new_xfer(Xfer(op, la, ra, ln, plan.peer, agent, _bytes(notif) if notif else b""))
 
     def releasedDlistH(self, handle: int) -> None:
         with self._lock:
             if self._dlists.pop(handle, None) is None:
                 raise B.nixlInvalidParamError("unknown or already released descriptor list handle")
-            for key in [k for k in self._pairs if handle in k]:
-                del self._pairs[key]
+            for key in [k for k in list(self._pairs) if handle in k]:    # list(): one atomic copy
+                self._pairs.pop(key, None)
 
     def _xfer(self, handle: int) -> Xfer:
         x = self._xfers.get(handle)
@@ -588,7 +589,9 @@ class AgentCore:
         return x
 
     def postXferReq(self, handle: int, notif: Any = b"") -> int:
-        x = self._xfer(handle)
+        x = self._xfers.get(handle)
+        if x is None:
+            raise B.nixlInvalidParamError("unknown or released transfer handle")
         if x.state == "PROC":
             raise B.nixlRepostActiveError("the transfer is still in progress")
         if notif:
@@ -596,17 +599,17 @@ class AgentCore:
         x.state, x.error, x.future, x.posted = "PROC", None, None, None
         if self._telemetry:
             x.start_us, x.t0 = time.time_ns() // 1000, time.perf_counter_ns()
-        if x.notif or not len(x.ln):
+        if x.notif or x.empty:
             # the notification must follow the data even if nobody polls: the loop chains them
             x.future = self._thread.submit(self._run(x))
         else:
             try:                # posted on this thread, polled on this thread: no loop hop
-                posted = (x.peer.post_write if x.op is B.NIXL_WRITE else x.peer.post_read)(x.la, x.ra, x.ln)
+                posted = x.post(x.la, x.ra, x.ln)
             except KVFlowError as e:
                 x.error, x.state = e, "ERR"
                 log.warning("kvflow.compat.nixl: %s: transfer to %r refused: %s", self.name, x.remote, e)
                 return B.NIXL_ERR_BACKEND
-            if posted.done():   # completed inline (a small same-host write): NIXL says so at once
+            if posted is COMPLETED or posted.done():   # completed inline (a small same-host write): NIXL says so at once
                 x.state = "DONE"
                 if self._telemetry:
                     x.post_ns = x.done_ns = time.perf_counter_ns() - x.t0
