@@ -153,3 +153,23 @@ def test_compare_plots_the_side_by_side_table(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compare.py"), "--from-json", str(out),
                         "--plot", str(png2)], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 0 and "64 KiB" in p.stdout and png2.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_ratio_of_a_compat_row_is_against_the_engines_best_transport():
+    """kvflow.compat.nixl's row is divided by NIXL's best transport of the
+    point (ucx-sm or ucx-cma, whichever was faster), not by the first."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "tools", "compare.py"))
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    row = {"group": "local", "point": "4 KiB", "status": "ok"}
+    rows = [dict(row, engine="nixl", protocol="ucx-cma", gbps=8.0),
+            dict(row, engine="nixl", protocol="ucx-sm", gbps=10.0),
+            dict(row, engine="nixl-compat", protocol="kvflow-cma", gbps=9.0),
+            dict(row, group="lat-local", point="4 KiB x1", engine="nixl", protocol="ucx-cma", latency_p50_us=6.0),
+            dict(row, group="lat-local", point="4 KiB x1", engine="nixl", protocol="ucx-sm", latency_p50_us=5.0),
+            dict(row, group="lat-local", point="4 KiB x1", engine="nixl-compat", protocol="kvflow-cma",
+                 latency_p50_us=5.5)]
+    compare.add_ratios(rows)
+    assert (rows[2]["vs_best_alt"], rows[2]["best_alt"]) == (0.9, "nixl ucx-sm")
+    assert (rows[5]["vs_best_alt"], rows[5]["best_alt"]) == (1.1, "nixl ucx-sm")

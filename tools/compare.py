@@ -223,9 +223,10 @@ def add_ratios(rows: list[dict]) -> None:
                 k["ceiling"] = ceil[0]["engine"]
         for c in (r for r in ok if r["engine"] in COMPAT):
             base = [r for r in ok if r["engine"] == COMPAT[c["engine"]]]
-            if base:
-                c["vs_best_alt"] = round(c[metric] / base[0][metric], 3)
-                c["best_alt"] = f"{base[0]['engine']} {base[0]['protocol']}"
+            if base:        # that engine's best transport (NIXL: ucx-cma or ucx-sm, whichever won)
+                b = pick(base, key=lambda r: r[metric])
+                c["vs_best_alt"] = round(c[metric] / b[metric], 3)
+                c["best_alt"] = f"{b['engine']} {b['protocol']}"
 
 
 # --------------------------------------------------------------------------- output
