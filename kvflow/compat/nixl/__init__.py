@@ -19,9 +19,12 @@ Differences from NIXL 1.5 (every one known):
   names (GDS, POSIX, OBJ, UCCL, ...) are not available:
   `create_backend` raises nixlNotFoundError, as NIXL does for a missing
   plugin.
-- Memory: DRAM only. VRAM, FILE, BLOCK and OBJ descriptors raise
-  nixlNotSupportedError when registered or transferred (GPU memory comes
-  with kvflow's GPU work); `prep_mem_view` raises it too.
+- Memory: DRAM, and VRAM where CUDA is usable on this machine (kvflow's
+  GPU paths: a direct or CUDA-IPC copy on one host, else staged through
+  pinned host memory; docs/gpu.md; built, not yet run on a GPU). VRAM
+  without a usable CUDA driver, FILE, BLOCK and OBJ descriptors raise
+  nixlNotSupportedError when registered or transferred; `prep_mem_view`
+  raises it too.
 - Metadata is kvflow's (an agent's name and its engine's address; the
   registered memory comes from the engine's handshake), so kvflow agents
   and NIXL agents do not talk to each other. The listener's frames are
@@ -37,10 +40,14 @@ Differences from NIXL 1.5 (every one known):
   address other hosts reach for agents on several hosts. The metadata
   listener binds 0.0.0.0 as NIXL's does, and prints
   "MD listener is listening on port N".
-- `transfer()` returns "PROC" (the post is handed to the engine's loop),
-  never "DONE" at once. Reposting a transfer still in progress raises
-  nixlRepostActiveError. Strided (Nx5) descriptor arrays raise
-  nixlNotSupportedError.
+- `transfer()` returns "DONE" when the batch completed inside the post
+  (a small same-host write), else "PROC", as NIXL does. Reposting a
+  transfer still in progress raises nixlRepostActiveError. Strided (Nx5)
+  descriptor arrays raise nixlNotSupportedError.
+- Prepared lists are kvflow.Blocks (engine.blocks / peer.blocks) and
+  make_prepped_xfer picks from their kvflow.Prepared pair, merging adjacent
+  descriptors unless skip_desc_merge (NIXL merges too); a descriptor of
+  length 0 is refused at prep_xfer_dlist (nixlInvalidParamError).
 - `estimate_xfer_cost` is the provider's idle-link estimate.
 - Telemetry (`get_xfer_telemetry`, when NIXL_TELEMETRY_ENABLE or
   capture_telemetry turns it on) is measured per post; no telemetry sink
