@@ -28,14 +28,14 @@ def protocol(request):
     return request.param
 
 
-async def _cluster(make_engine, protocol, tmp_path):
+async def _cluster(make_engine, protocol, tmp_path, side="send"):
     """node0: prefill ranks on rails 0, 1; node1: decode ranks on rails 0, 1."""
     d = str(tmp_path)
     eng = {}
     for node in (0, 1):
         for rail in (0, 1):
-            eng[(node, rail)] = await make_engine(protocols=[protocol],
-                                                  relay=RelayGroup(f"node{node}", rail, rail, directory=d))
+            eng[(node, rail)] = await make_engine(protocols=[protocol], relay=RelayGroup(
+                f"node{node}", rail, rail, directory=d, side=side))
     return eng
 
 
@@ -79,6 +79,43 @@ async def test_cross_rail_writes_go_through_the_member_on_that_rail(make_engine,
     assert eng[(0, 1)].relay_stats()["leases"] == 0          # every lease given back
 
 
+async def test_receive_side_relay_passes_through_the_destination_nodes_member_on_our_rail(
+        make_engine, protocol, tmp_path):
+    """side="receive": prefill rail 0 -> decode rail 1 goes over rail 0 to
+    decode node's rank on rail 0, which copies it to its neighbour on rail
+    1; rail-aligned writes and writes inside one node go directly."""
+    eng = await _cluster(make_engine, protocol, tmp_path, side="receive")
+    src = np.random.default_rng(4).integers(0, 256, 8 << 20, dtype=np.uint8)
+    s = eng[(0, 0)].register(src)
+    pools = {rail: np.zeros(8 << 20, np.uint8) for rail in (0, 1)}
+    for rail, pool in pools.items():
+        eng[(1, rail)].register(pool, name="kv")
+    peer = await bounded(eng[(0, 0)].connect(eng[(1, 1)].address))
+    assert sorted(peer.descriptor.relay["members"]) == sorted(
+        [(0, eng[(1, 0)].address), (1, eng[(1, 1)].address)])
+    dst = peer.region("kv").addr
+    offs = np.arange(32, dtype=np.uint64) * np.uint64(131072)
+    await bounded(peer.write(s.addr + offs, dst + offs, np.full(32, 65536, np.uint64)))
+    await bounded(peer.write([s.addr + (4 << 20)], [dst + (4 << 20)], [4 << 20]))
+    for i in range(32):
+        o = i * 131072
+        assert sha(pools[1][o:o + 65536]) == sha(src[o:o + 65536])
+    assert sha(pools[1][4 << 20:]) == sha(src[4 << 20:])
+    moved = 32 * 65536 + (4 << 20)
+    assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
+    assert eng[(1, 0)].relay_stats()["forwarded_bytes"] == moved        # the decode node's rank on rail 0
+    assert eng[(0, 1)].relay_stats()["forwarded_bytes"] == 0            # not the sender's neighbour
+    # rail-aligned, and within one node: directly
+    aligned = await bounded(eng[(0, 0)].connect(eng[(1, 0)].address))
+    await bounded(aligned.write([s.addr], [aligned.region("kv").addr], [65536]))
+    inside = await bounded(eng[(1, 0)].connect(eng[(1, 1)].address))
+    r0 = eng[(1, 0)].regions[0]
+    await bounded(inside.write([r0.addr], [dst], [4096]))
+    assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
+    assert eng[(1, 0)].relay_stats()["relayed_bytes"] == 0
+    assert eng[(1, 0)].relay_stats()["leases"] == 0
+
+
 async def test_relayed_write_outside_the_destination_is_refused(make_engine, tmp_path):
     eng = await _cluster(make_engine, "tcp", tmp_path)
     src = np.ones(1 << 20, np.uint8)
@@ -115,9 +152,17 @@ def test_relay_group_and_descriptor_part_are_checked():
         RelayGroup("a/b", 0, 0)
     with pytest.raises(kvflow.InvalidArgumentError):
         RelayGroup("n", -1, 0)
-    assert relay_from_wire({"group": "n0", "rank": 1, "rail": 2}) == {"group": "n0", "rank": 1, "rail": 2}
+    with pytest.raises(kvflow.InvalidArgumentError, match="side"):
+        RelayGroup("n", 0, 0, side="both")
+    assert relay_from_wire({"group": "n0", "rank": 1, "rail": 2}) == {"group": "n0", "rank": 1, "rail": 2,
+                                                                        "members": []}
+    assert relay_from_wire({"group": "n0", "rank": 1, "rail": 2, "members": [[0, "h:1"], [2, "h:2"]]})["members"] \
+        == [(0, "h:1"), (2, "h:2")]
     for bad in ({"group": "", "rank": 0, "rail": 0}, {"group": "n", "rank": True, "rail": 0},
-                {"group": "n", "rank": 0}, ["n", 0, 0]):
+                {"group": "n", "rank": 0}, ["n", 0, 0], {"group": "n", "rank": 0, "rail": 0, "members": [[0]]},
+                {"group": "n", "rank": 0, "rail": 0, "members": [[-1, "h:1"]]},
+                {"group": "n", "rank": 0, "rail": 0, "members": {"0": "h:1"}},
+                {"group": "n", "rank": 0, "rail": 0, "members": [[0, 5]]}):
         with pytest.raises(kvflow.ProtocolError):
             relay_from_wire(bad)
 

@@ -32,7 +32,10 @@ prefill rank p writes to decode rank (p + k) mod R; a rank starts its next
 round when its flow of this one completed: the seed's first idea),
 `send_relay` (the flows of naive, with the ranks in relay groups, one per
 node: kvflow.engine.relay sends each cross-rail flow through the prefill
-node's rank on the destination's rail). `recv_relay` is not built yet.
+node's rank on the destination's rail), `recv_relay` (the same groups with
+side="receive": each cross-rail flow goes over its sender's own rail to
+the decode node's rank on that rail, which copies it to the destination
+inside the node).
 
 Each node's ranks run in a pid namespace of their own, behind one launcher
 process: kvflow then sees the ranks of one node as one host (cross-memory
@@ -68,8 +71,8 @@ if ROOT not in sys.path:
 
 MARK = "@@INCAST "
 PORT = 7500
-STRATEGIES = ("naive", "staggered", "send_relay")
-NOT_BUILT = ("recv_relay",)
+STRATEGIES = ("naive", "staggered", "send_relay", "recv_relay")
+RELAYED = {"send_relay": "send", "recv_relay": "receive"}     # strategy -> RelayGroup side
 PATTERNS = ("pp-tp", "aligned", "incast")
 
 
@@ -197,8 +200,8 @@ async def serve_rank(listen: str, size: int, fill_rank: int | None, relay: str |
     # ranks are other hosts (tcp over the emulated links)
     group = None
     if relay is not None:
-        name, rank, rail, folder = relay.split(":", 3)
-        group = kvflow.RelayGroup(name, int(rank), int(rail), directory=folder)
+        name, rank, rail, side, folder = relay.split(":", 4)
+        group = kvflow.RelayGroup(name, int(rank), int(rail), directory=folder, side=side)
     async with kvflow.Engine(listen, relay=group, protocols=("local", "tcp")) as eng:
         buf = np.zeros(size, np.uint8)
         if fill_rank is not None:
@@ -367,7 +370,7 @@ def schedule(flows: list[Flow], strategy: str, rails: int) -> dict[int, list[tup
     out: dict[int, list[tuple[int, Flow]]] = {}
     for f in flows:
         out.setdefault(f.src, [])
-    if strategy in ("naive", "send_relay"):     # the relay reroutes inside the engines
+    if strategy in ("naive", "send_relay", "recv_relay"):     # the relay reroutes inside the engines
         for f in flows:
             out[f.src].append((f.id, f))
     elif strategy == "staggered":
@@ -378,8 +381,7 @@ def schedule(flows: list[Flow], strategy: str, rails: int) -> dict[int, list[tup
                 if f is not None:
                     out[p].append((0, f))
     else:
-        raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGIES)}"
-                         + (" (the relay strategies are not built yet)" if strategy in NOT_BUILT else ""))
+        raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     return out
 
 
@@ -389,23 +391,21 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.strategy in NOT_BUILT:
-        raise SystemExit(f"strategy {args.strategy!r}: the PXN relay is not built yet (issue 21)")
     cluster = Cluster(args.nodes, args.rails, args.nic_mbit, args.spine_mbit, args.oversubscription).up()
     shard = args.shard_kib << 10
     flows = make_flows(args.pattern, args.rails, args.layers, shard)
     prefill_size = (args.layers // args.rails) * args.rails * shard
     decode_size = args.layers * shard
     folder = tempfile.mkdtemp(prefix="kvflow-incast-")
-    relay = args.strategy == "send_relay"
+    side = RELAYED.get(args.strategy)
 
     def rank_args(node: int, rail: int, size: int, fill: int | None) -> list[str]:
         a = ["ip", "netns", "exec", cluster.ranks[(node, rail)], sys.executable, os.path.abspath(__file__), "rank",
              "--listen", f"{cluster.ip(node, rail)}:{PORT}", "--size", str(size)]
         if fill is not None:
             a += ["--fill-rank", str(fill)]
-        if relay:
-            a += ["--relay", f"node{node}:{rail}:{rail}:{folder}"]
+        if side is not None:
+            a += ["--relay", f"node{node}:{rail}:{rail}:{side}:{folder}"]
         return a
 
     nodes = [Node(cluster, 0, [rank_args(0, r, prefill_size, r) for r in range(args.rails)]),
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--listen", required=True)
         ap.add_argument("--size", type=int, required=True)
         ap.add_argument("--fill-rank", type=int, default=None)
-        ap.add_argument("--relay", default=None, help="group:rank:rail:folder")
+        ap.add_argument("--relay", default=None, help="group:rank:rail:side:folder")
         a = ap.parse_args(argv[1:])
         asyncio.run(serve_rank(a.listen, a.size, a.fill_rank, a.relay))
         return 0
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve_node(json.loads(argv[1])))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--strategy", default="naive", choices=STRATEGIES + NOT_BUILT)
+    ap.add_argument("--strategy", default="naive", choices=STRATEGIES)
     ap.add_argument("--pattern", default="pp-tp", choices=PATTERNS)
     ap.add_argument("--nodes", type=int, default=2, help="nodes (the first prefill, the second decode)")
     ap.add_argument("--rails", type=int, default=2, help="ranks and rails per node")

@@ -84,14 +84,23 @@ def _rail_nics_from_wire(v: Any, endpoints: int) -> list[str] | None:
 
 
 def relay_from_wire(v: Any) -> dict[str, Any] | None:
-    """A descriptor's relay part: {"group": name, "rank": n, "rail": n}."""
+    """A descriptor's relay part: {"group": name, "rank": n, "rail": n,
+    "members": [[rail, address], ...]} (members: optional, at most 256)."""
     if v is None:
         return None
     if not (isinstance(v, dict) and isinstance(v.get("group"), str) and 0 < len(v["group"]) <= 128
-            and all(isinstance(v.get(k), int) and not isinstance(v.get(k), bool) and 0 <= v[k] < 1 << 16
-                    for k in ("rank", "rail"))):
+            and all(_small(v.get(k)) for k in ("rank", "rail"))):
         raise ProtocolError("descriptor: malformed relay part")
-    return {"group": v["group"], "rank": v["rank"], "rail": v["rail"]}
+    members = v.get("members", [])
+    if not (isinstance(members, list) and len(members) <= 256 and all(
+            isinstance(m, list) and len(m) == 2 and _small(m[0]) and isinstance(m[1], str) and 0 < len(m[1]) <= 256
+            for m in members)):
+        raise ProtocolError("descriptor: malformed relay members")
+    return {"group": v["group"], "rank": v["rank"], "rail": v["rail"], "members": [(m[0], m[1]) for m in members]}
+
+
+def _small(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 16
 
 
 def _location_from_wire(v: Any) -> str | None:

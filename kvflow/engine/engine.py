@@ -181,11 +181,12 @@ class Engine:
     are staged through, half for this engine's outgoing slices and half
     lent to peers writing into its GPU memory (64 MiB; allocated once, when
     GPU memory is first moved; kvflow.engine.gpu);
-    relay: a kvflow.RelayGroup(name, rank, rail): this engine's place in
-    its node's PXN relay group; a write to a destination on another rail
-    goes through the group's member on that rail, which posts it on its
-    own NIC (send-side relay, host memory; kvflow.engine.relay,
-    relay_stats()).
+    relay: a kvflow.RelayGroup(name, rank, rail, side="send"): this
+    engine's place in its node's PXN relay group; a write to a destination
+    on another rail goes through the group's member on that rail, which
+    posts it on its own NIC (side="receive": over this engine's rail to the
+    destination node's member on it, which copies it over inside its node);
+    host memory; kvflow.engine.relay, relay_stats().
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,

@@ -1,4 +1,4 @@
-"""The PXN relay, send side ("stay"): a write whose destination sits on
+"""The PXN relay ("stay", and "pass" below): a write whose destination sits on
 another rail than this engine's goes through the member of this node's
 relay group that owns that rail, which posts it on its own NIC, so that
 every flow is rail-aligned and nothing crosses the spine (issue 21).
@@ -22,7 +22,13 @@ sender's write completes after the last answer, so a notification after it
 finds the data in place. Several slots are in flight at once (one per
 leased slot): while one is on the member's NIC the next is being copied.
 
-Not built yet: the receive-side relay ("pass"), lanes and a descriptor ring
+On the receive side ("pass", `RelayGroup(side="receive")`) the same hop
+runs the other way round: the sender writes over its own rail into the
+inbox of the destination node's member on that rail (the destination's
+descriptor lists its node's members), and that member copies the slot to
+the destination inside its node.
+
+Not built yet: lanes and a descriptor ring
 in shared memory (the intra-node hop is a control message per slot today),
 GPU memory through the relay, rerouting around a member that died (its
 writes fail with its error).
@@ -52,25 +58,34 @@ RELAY_SLOT = 4 << 20            # one slot: what one forward carries
 RELAY_SLOTS = 8                 # a member's inbox: 32 MiB, lent LEASE_SLOTS at a time
 MEMBERS_TTL = 1.0               # seconds a reading of the group's folder is trusted
 INBOX = "relay"                 # the inbox's name in lease messages
+SIDES = ("send", "receive")     # which node's member relays this engine's cross-rail writes
 
 
 @dataclass(frozen=True)
 class RelayGroup:
     """This engine's place in its node's relay group: the group's `name`
     (one per node), its `rank` in it, the `rail` its NIC is on, and the
-    address the other members reach it at (default: the engine's own)."""
+    address the other members reach it at (default: the engine's own).
+    `side` says where this engine's cross-rail writes change rail: "send"
+    (stay: through the member of this node on the destination's rail, so
+    every sender NIC is busy) or "receive" (pass: over this engine's own
+    rail to the destination node's member on it, which copies them to the
+    destination inside its node: the decode side takes NIC + copy)."""
 
     name: str
     rank: int
     rail: int
     address: str | None = None
     directory: str = "/dev/shm"
+    side: str = "send"
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise InvalidArgumentError(f"a relay group's name is a plain word, not {self.name!r}")
         if not (isinstance(self.rank, int) and isinstance(self.rail, int) and self.rank >= 0 and self.rail >= 0):
             raise InvalidArgumentError("a relay group's rank and rail are non-negative ints")
+        if self.side not in SIDES:
+            raise InvalidArgumentError(f"a relay group's side is one of {', '.join(SIDES)}, not {self.side!r}")
 
     @property
     def folder(self) -> str:
@@ -106,7 +121,15 @@ class Relay:
         self._read_at = -MEMBERS_TTL
 
     def describe(self) -> dict[str, Any]:
-        return {"group": self.group.name, "rank": self.group.rank, "rail": self.group.rail}
+        """The descriptor's relay part: group, rank, rail, and the node's live
+        members as [rail, address] pairs (this engine's too), for senders
+        that relay on the receive side."""
+        members = [[self.group.rail, self.address]]
+        for rail in sorted(self._read_members()):
+            address = self.member(rail)
+            if address is not None:
+                members.append([rail, address])
+        return {"group": self.group.name, "rank": self.group.rank, "rail": self.group.rail, "members": members}
 
     # ------------------------------------------------------------ membership
     def publish(self) -> None:
@@ -179,13 +202,20 @@ class Relay:
         return out
 
     def route(self, descriptor: Any) -> str | None:
-        """The member to relay a write to this destination through: its
-        rail is not ours, it is in another group, and our group has a live
-        member on its rail. None: write it directly."""
+        """The member to relay a write to this destination through, when its
+        rail is not ours and it is in another group: on the send side our
+        group's live member on its rail; on the receive side its group's
+        member on our rail (as its descriptor lists them). None: write it
+        directly."""
         theirs = descriptor.relay
         if theirs is None or theirs["rail"] == self.group.rail or theirs["group"] == self.group.name:
             return None
-        return self.member(theirs["rail"])
+        if self.group.side == "send":
+            return self.member(theirs["rail"])
+        for rail, address in theirs.get("members", ()):
+            if rail == self.group.rail and address != descriptor.address:
+                return address
+        return None
 
     # ------------------------------------------------------------ sender
     async def write(self, destination: str, member: Any, la: Any, ra: Any, ln: Any) -> None:
