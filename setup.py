@@ -77,7 +77,9 @@ extensions = [
         depends=["kvflow/_native/kvf.h", "kvflow/_native/provider.h", "kvflow/_native/wire.h", "kvflow/_native/sockio.h",
                  "kvflow/_native/tcp_int.h",
                  "kvflow/_native.pxd"],
-    )
+    ),
+    # relay lanes in shared memory (kvflow.engine.lanes)
+    Extension("kvflow._lanes", ["kvflow/_lanes.pyx"], extra_compile_args=cflags, libraries=["rt"]),
 ]
 if have_verbs():
     extensions.append(Extension(
