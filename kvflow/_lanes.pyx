@@ -187,6 +187,12 @@ cdef class Lanes:
         self.data_off = up(self.meta_off + <uint64_t>lanes * slots * meta_bytes)
         self.size = self.data_off + <uint64_t>lanes * slots * slot_bytes
 
+    def retire(self):
+        """The consumer stops: its pid in the header becomes 0, so producers
+        waiting on its lanes know it is gone (while its process lives on)."""
+        if self.base != NULL:
+            kvf_st_rel(<unsigned long long *>&(<uint64_t *>self.base)[H_CONSUMER], 0)
+
     def close(self):
         """Unmaps (and, for the creator, unlinks) the segment."""
         if self.base != NULL:
@@ -221,7 +227,10 @@ cdef class Lanes:
 
     @property
     def consumer_pid(self):
-        return (<uint64_t *>self.base)[H_CONSUMER] if self.base != NULL else 0
+        """The consumer's pid; 0 once it retired (or this mapping is closed)."""
+        if self.base == NULL:
+            return 0
+        return kvf_ld_acq(<unsigned long long *>&(<uint64_t *>self.base)[H_CONSUMER])
 
     @property
     def data_addr(self):

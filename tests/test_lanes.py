@@ -62,6 +62,8 @@ def test_a_slot_round_trip_and_the_credit():
         assert producer.pending(lane) == 1
         producer.leave(lane, os.getpid())
         assert producer.owner_of(lane) == 0
+        member.retire()
+        assert producer.consumer_pid == 0
         producer.close()
     finally:
         member.close()

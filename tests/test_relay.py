@@ -58,6 +58,9 @@ async def test_cross_rail_writes_go_through_the_member_on_that_rail(make_engine,
     moved = 64 * 65536 + (4 << 20)
     assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
     assert eng[(0, 1)].relay_stats()["forwarded_bytes"] == moved
+    # through the shared-memory lane (kvflow.engine.lanes), not by messages
+    assert eng[(0, 0)].relay_stats()["lanes_used"] == 1
+    assert eng[(0, 1)].relay_stats()["lane_forwarded_bytes"] == moved
     # from another thread (the Mooncake API's path) too: write_blocking is relayed, not sent directly
     before = eng[(0, 0)].relay_stats()["relayed_bytes"]
     await bounded(asyncio.get_running_loop().run_in_executor(
@@ -114,6 +117,40 @@ async def test_receive_side_relay_passes_through_the_destination_nodes_member_on
     assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
     assert eng[(1, 0)].relay_stats()["relayed_bytes"] == 0
     assert eng[(1, 0)].relay_stats()["leases"] == 0
+
+
+async def test_a_relayed_write_from_unregistered_memory_is_refused_before_the_lane(make_engine, tmp_path):
+    """The lane path copies from this engine's memory with memcpy: a range
+    that is not registered is refused (UnregisteredMemoryError naming the
+    entry) before any slot is taken; the lane still works afterwards."""
+    eng = await _cluster(make_engine, "tcp", tmp_path)
+    src = np.arange(1 << 20, dtype=np.uint8)
+    s = eng[(0, 0)].register(src)
+    pool = np.zeros(1 << 20, np.uint8)
+    eng[(1, 1)].register(pool, name="kv")
+    peer = await bounded(eng[(0, 0)].connect(eng[(1, 1)].address))
+    dst = peer.region("kv").addr
+    with pytest.raises(kvflow.UnregisteredMemoryError, match="entry 1"):
+        await bounded(peer.write([s.addr, s.addr + (1 << 20) - 10], [dst, dst + 4096], [4096, 4096]))
+    assert not pool.any()
+    await bounded(peer.write([s.addr], [dst], [1 << 20]))
+    assert sha(pool) == sha(src) and eng[(0, 0)].relay_stats()["lanes_used"] == 1
+
+
+async def test_a_member_that_stops_fails_queued_lane_writes_at_once(make_engine, tmp_path):
+    """A member in the same process (its pid lives on) that stops draining:
+    the header says so, and a sender waiting on its lane fails with
+    PeerLostError instead of waiting for ever."""
+    eng = await _cluster(make_engine, "tcp", tmp_path)
+    src = np.ones(8 << 20, np.uint8)
+    s = eng[(0, 0)].register(src)
+    eng[(1, 1)].register(np.zeros(8 << 20, np.uint8), name="kv")
+    peer = await bounded(eng[(0, 0)].connect(eng[(1, 1)].address))
+    await bounded(peer.write([s.addr], [peer.region("kv").addr], [4096]))     # the lane is claimed
+    relay = eng[(0, 1)]._relay
+    await relay._lanes.close()                                                # it stops draining
+    with pytest.raises(kvflow.PeerLostError, match="relay member"):
+        await bounded(peer.write([s.addr], [peer.region("kv").addr], [8 << 20]))
 
 
 async def test_relayed_write_outside_the_destination_is_refused(make_engine, tmp_path):

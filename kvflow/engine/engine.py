@@ -339,7 +339,9 @@ class Engine:
                 self._relay = Relay(self._relay_group, self.address,
                                     register_host=lambda a, n, nm: self._register_host(
                                         a, n, nm, Access.READ | Access.WRITE, True, None),
-                                    deregister_host=self.deregister, connect=self.connect)
+                                    deregister_host=self.deregister, connect=self.connect,
+                                    local_spans=lambda: [(r.addr, r.end) for r in self._regions.values()
+                                                         if r.kind == HOST])
                 self._relay.publish()
                 self._rerouting = True
             self._server.handlers.update(self._control_handlers())
@@ -454,7 +456,7 @@ class Engine:
 
     async def _teardown(self) -> None:
         if self._relay is not None:
-            self._relay.unpublish()             # first: no member routes through us any more
+            await self._relay.stop()            # first: no member routes through us any more
         if self._server is not None:
             await self._server.close()
         if self._tcp is not None:

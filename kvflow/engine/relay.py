@@ -35,6 +35,7 @@ writes fail with its error).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -46,8 +47,11 @@ import numpy as np
 
 from kvflow.control.wire import field
 from kvflow.engine.gpu import gather_or_cancel
+from kvflow._lanes import LaneError
+from kvflow.engine.blocks import first_outside
 from kvflow.engine.inbox import Inbox, Lease
-from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
+from kvflow.engine.lanes import LaneClient, LaneServer
+from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, UnregisteredMemoryError
 from kvflow.providers.cuda.staging import BouncePool, pack
 
 __all__ = ["INBOX", "Relay", "RelayGroup", "RELAY_SLOT", "RELAY_SLOTS"]
@@ -100,12 +104,17 @@ class Relay:
 
     def __init__(self, group: RelayGroup, address: str, *, register_host: Callable[[int, int, str], Any],
                  deregister_host: Callable[[Any], None], connect: Callable[[str], Any],
+                 local_spans: Callable[[], list[tuple[int, int]]],
                  slot_bytes: int = RELAY_SLOT, slots: int = RELAY_SLOTS) -> None:
         self.group = group
         self.address = group.address or address
         self._connect = connect
+        self._register_host = register_host
         self._deregister_host = deregister_host
+        self._local_spans = local_spans
         self._regions: list[Any] = []
+        self._lanes: LaneServer | None = None           # ours, drained by this engine
+        self._clients: dict[str, LaneClient | None] = {}   # member address -> our lane in its segment
 
         def allocate(nbytes: int) -> tuple[int, Any]:
             buf = np.zeros(nbytes, np.uint8)
@@ -117,7 +126,7 @@ class Relay:
         self.relayed_bytes = 0          # this engine's writes that went through another member
         self.forwarded_bytes = 0        # other members' writes this engine posted
         self._file = os.path.join(group.folder, f"{group.rank}.json")
-        self._members: dict[int, tuple[str, int, str]] = {}   # rail -> (address, pid, file), as last read
+        self._members: dict[int, tuple[str, int, str, str]] = {}   # rail -> (address, pid, file, lanes)
         self._read_at = -MEMBERS_TTL
 
     def describe(self) -> dict[str, Any]:
@@ -133,11 +142,22 @@ class Relay:
 
     # ------------------------------------------------------------ membership
     def publish(self) -> None:
+        """Joins the group: the lane segment first (with its drain task, on
+        the running loop), then the file that names it."""
+        if self._lanes is None:
+            name = f"/kvflow-relay-{self.group.name}-{self.group.rank}-{os.getpid()}-{id(self):x}"
+            try:
+                self._lanes = LaneServer(name, self.slot_bytes, register_host=self._register_host,
+                                         deregister_host=self._deregister_host, connect=self._connect,
+                                         relay_address=self.address)
+                self._lanes.start()
+            except LaneError as e:      # no shared memory here: the members use the inbox path with us
+                log.warning("kvflow relay: no lanes for %s (%s); relayed slots go by messages", self.address, e)
         os.makedirs(self.group.folder, exist_ok=True)
         tmp = f"{self._file}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({"rank": self.group.rank, "rail": self.group.rail, "address": self.address,
-                       "pid": os.getpid()}, f)
+                       "pid": os.getpid(), "lanes": self._lanes.name if self._lanes is not None else ""}, f)
         os.replace(tmp, self._file)             # readers see the whole file or none
 
     def unpublish(self) -> None:
@@ -147,10 +167,21 @@ class Relay:
         except OSError:
             pass
 
+    async def stop(self) -> None:
+        """Stops draining our lanes and gives our lanes in others' back
+        (before the engine closes its peers and core)."""
+        self.unpublish()
+        if self._lanes is not None:
+            await self._lanes.close()
+        clients, self._clients = self._clients, {}
+        for c in clients.values():
+            if c is not None:
+                await c.close()
+
     def close(self, deregister: bool = True) -> None:
-        """Frees the inbox's memory: the engine calls this after its native
-        core closed (deregister=False), so no channel can still be writing
-        into it or sending from it."""
+        """Frees the inbox's and the lanes' memory: the engine calls this
+        after its native core closed (deregister=False), so no channel can
+        still be writing into it or sending from it."""
         self.unpublish()
         if deregister:
             for r in self._regions:
@@ -160,6 +191,25 @@ class Relay:
                     pass
         self._regions.clear()
         self.inbox.pool.close()
+        if self._lanes is not None:
+            lanes, self._lanes = self._lanes, None
+            lanes.free(deregister)
+
+    def _lane_to(self, address: str) -> LaneClient | None:
+        """Our lane in the segment of the member at `address` (claimed on
+        first use), or None: it has none, or none is free (the inbox path)."""
+        if address in self._clients:
+            return self._clients[address]
+        client = None
+        for found in self._members.values():
+            if found[0] == address and found[3]:
+                try:
+                    client = LaneClient(found[3], found[1], address)
+                except LaneError as e:
+                    log.info("kvflow relay: no lane toward %s (%s): slots go by messages", address, e)
+                break
+        self._clients[address] = client
+        return client
 
     def member(self, rail: int) -> str | None:
         """The address of the live member on `rail` (not this engine), or
@@ -173,7 +223,7 @@ class Relay:
         found = self._members.get(rail)
         if found is None:
             return None
-        address, pid, path = found
+        address, pid, path, _ = found
         try:
             os.stat(path)                       # left the group (its engine closed)
             os.kill(pid, 0)                     # or its process died: the file is stale
@@ -182,8 +232,8 @@ class Relay:
             return None
         return address
 
-    def _read_members(self) -> dict[int, tuple[str, int, str]]:
-        out: dict[int, tuple[str, int, str]] = {}
+    def _read_members(self) -> dict[int, tuple[str, int, str, str]]:
+        out: dict[int, tuple[str, int, str, str]] = {}
         try:
             names = sorted(os.listdir(self.group.folder))
         except OSError:
@@ -196,7 +246,8 @@ class Relay:
                 with open(path) as f:
                     rec = json.load(f)
                 if rec["rank"] != self.group.rank:
-                    out.setdefault(int(rec["rail"]), (str(rec["address"]), int(rec["pid"]), path))
+                    out.setdefault(int(rec["rail"]), (str(rec["address"]), int(rec["pid"]), path,
+                                                      str(rec.get("lanes", ""))))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
         return out
@@ -220,9 +271,32 @@ class Relay:
     # ------------------------------------------------------------ sender
     async def write(self, destination: str, member: Any, la: Any, ra: Any, ln: Any) -> None:
         """Writes the batch to `destination` through `member` (a Peer): each
-        slot's worth copied into a leased slot of the member's inbox, then
-        forwarded by it; returns when every slot has landed."""
+        slot's worth copied into our lane of the member's segment (a member
+        of our node, kvflow.engine.lanes), or else into a leased slot of its
+        inbox, then forwarded by it; returns when every slot has landed."""
         packed = pack(la, ra, ln, self.slot_bytes)
+        lane = self._lane_to(member.address) if self.group.side == "send" else None
+        if lane is not None:
+            # memcpy from our memory: every range must be registered (the
+            # inbox path had the native core check them)
+            local = np.asarray(la, np.uint64)
+            bad = first_outside(self._local_spans(), local, np.asarray(ln, np.uint64))
+            if bad >= 0:
+                raise UnregisteredMemoryError(f"relayed write: entry {bad} ({int(local[bad]):#x}) is not in this "
+                                              "engine's registered memory", index=bad)
+
+            async def by_lane(part: Any) -> None:
+                await lane.send(destination, part)
+                self.relayed_bytes += part.nbytes
+
+            try:
+                await gather_or_cancel([by_lane(p) for p in packed])
+            except PeerLostError:
+                if self._clients.get(member.address) is lane:    # that segment is retired: ask again next time
+                    del self._clients[member.address]
+                    asyncio.get_running_loop().create_task(lane.close())
+                raise
+            return
         lease = Lease(member, INBOX)
 
         async def one(part: Any) -> None:
@@ -268,6 +342,10 @@ class Relay:
             return {"t": "stage_error", "message": f"relay via {self.address}: {e}"}
 
     def stats(self) -> dict[str, int]:
-        return {"relayed_bytes": self.relayed_bytes, "forwarded_bytes": self.forwarded_bytes,
-                "leases": self.inbox.leased}
+        lanes = self._lanes
+        return {"relayed_bytes": self.relayed_bytes,
+                "forwarded_bytes": self.forwarded_bytes + (lanes.forwarded_bytes if lanes is not None else 0),
+                "leases": self.inbox.leased,
+                "lane_forwarded_bytes": lanes.forwarded_bytes if lanes is not None else 0,
+                "lanes_used": sum(1 for c in self._clients.values() if c is not None)}
 

@@ -1,0 +1,260 @@
+"""The relay's intra-node hop through shared-memory lanes (issue 21): the
+roles of kvflow._lanes' segment inside the engines.
+
+A relay member owns one segment (`LaneServer`): a lane per other rank of its
+node, each a ring of slots. A sender (`LaneClient`, role A) claims a lane
+once, and per slot's worth of a relayed batch reserves a ticket, waits for
+its credit, copies the bytes in (a plain memcpy from its registered memory:
+the segment is mapped in both processes), writes the request (destination,
+and per piece the slot offset, the remote address and the length) and rings
+the doorbell; the member's drain task (role B) takes rung slots lane by
+lane, in ticket order, and turns each into one write to the destination
+(role C is the engine's provider, which posts it), then finishes the
+ticket with its status. The sender's write completes when every ticket it
+used is collected. No control message per slot, no copy through a socket:
+what the inbox path (kvflow.engine.inbox) did with a lease and a
+relay_forward request per slot.
+
+Waiting is by polling from the event loops (from 50 us up to 2 ms apart
+while idle), not a futex: the loops do not block, and slots are of
+megabytes. A sender checks its member's process while it waits (a member
+that died fails the write with PeerLostError); a member reclaims the lane
+of a sender whose process is gone once it has finished what it took. A
+cancelled write's tickets are still seen through, in the background: a
+reserved ticket is published empty, a filled one collected, so the lane
+never stalls; bytes already rung may still land (as with any write whose
+slices reached the wire).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+import msgpack
+import numpy as np
+
+from kvflow._lanes import LaneError, Lanes
+from kvflow.errors import KVFlowError, PeerLostError, ProtocolError, RemoteAccessError
+
+__all__ = ["LANES", "LANE_SLOTS", "LaneClient", "LaneServer"]
+
+log = logging.getLogger("kvflow")
+
+LANES = 8                   # senders one member serves through lanes (the seed: 7 other ranks)
+LANE_SLOTS = 4              # slots per lane: 16 MiB of 4 MiB slots, touched only when used
+META_BYTES = 64 << 10       # per slot: the request (up to ~2700 pieces) and the error text
+POLL_MIN, POLL_MAX = 50e-6, 2e-3
+LIVENESS = 0.05             # how often a waiter checks that the other process still runs
+INLINE_COPY = 256 << 10     # slots filled on the loop up to this; larger in a thread
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Poll:
+    """Adaptive sleep between looks: quick while things move, slow when idle."""
+
+    __slots__ = ("delay",)
+
+    def __init__(self) -> None:
+        self.delay = POLL_MIN
+
+    async def wait(self, moved: bool) -> None:
+        self.delay = POLL_MIN if moved else min(POLL_MAX, self.delay * 2)
+        await asyncio.sleep(self.delay)
+
+
+class LaneServer:
+    """A member's lanes: the segment, registered with the engine as the
+    source of its forwards, and the drain task."""
+
+    def __init__(self, name: str, slot_bytes: int, *, register_host: Callable[[int, int, str], Any],
+                 deregister_host: Callable[[Any], None], connect: Callable[[str], Awaitable[Any]],
+                 relay_address: str) -> None:
+        self.seg = Lanes(name, create=True, lanes=LANES, slots=LANE_SLOTS, slot_bytes=slot_bytes,
+                         meta_bytes=META_BYTES)
+        self.name = name
+        self._deregister_host = deregister_host
+        self._connect = connect
+        self._relay_address = relay_address
+        try:
+            self._region = register_host(self.seg.data_addr, self.seg.data_bytes, "kvflow.relay.lanes")
+        except BaseException:
+            self.seg.close()
+            raise
+        self._inflight = [0] * LANES
+        self._task: asyncio.Task[None] | None = None
+        self.forwarded_bytes = 0
+        self.reclaimed = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        poll, checked = _Poll(), 0.0
+        seg = self.seg
+        while True:
+            moved = False
+            now = time.monotonic()
+            check = now - checked > LIVENESS
+            if check:
+                checked = now
+            for lane in range(LANES):
+                owner = seg.owner_of(lane)
+                if not owner:
+                    continue
+                while (got := seg.take(lane)) is not None:
+                    moved = True
+                    self._inflight[lane] += 1
+                    asyncio.get_running_loop().create_task(self._forward(lane, *got))
+                if check and not self._inflight[lane] and not _alive(owner):
+                    seg.reclaim(lane)       # its sender is gone and nothing of it is ours any more
+                    self.reclaimed += 1
+                    log.info("kvflow relay: lane %d of %s reclaimed (process %d is gone)", lane, self.name, owner)
+            await poll.wait(moved)
+
+    async def _forward(self, lane: int, ticket: int, request: bytes) -> None:
+        seg = self.seg
+        try:
+            if not request:
+                seg.finish(lane, ticket)        # a ticket its sender gave up before filling
+                return
+            try:
+                msg = msgpack.unpackb(request, raw=False)
+                to, pieces = msg["to"], msg["e"]
+                if not isinstance(to, str) or not isinstance(pieces, list) or not pieces:
+                    raise ValueError
+                la, ra, ln = [], [], []
+                base = seg.slot_addr(lane, ticket)
+                for off, remote, n in pieces:
+                    if not (isinstance(off, int) and isinstance(remote, int) and isinstance(n, int)) or \
+                            n <= 0 or off < 0 or off + n > seg.slot_bytes:
+                        raise ValueError
+                    la.append(base + off)
+                    ra.append(remote)
+                    ln.append(n)
+            except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+                seg.finish(lane, ticket, 1, f"relay via {self._relay_address}: a malformed lane request")
+                return
+            destination = await self._connect(to)
+            await destination.write(np.asarray(la, np.uint64), np.asarray(ra, np.uint64), np.asarray(ln, np.uint64))
+            self.forwarded_bytes += sum(ln)
+            seg.finish(lane, ticket)
+        except KVFlowError as e:            # the destination refused, or is gone: the sender is told why
+            seg.finish(lane, ticket, 1, f"relay via {self._relay_address}: {e}")
+        except LaneError:
+            pass                            # closed meanwhile
+        finally:
+            self._inflight[lane] -= 1
+
+    async def close(self) -> None:
+        self.seg.retire()                   # senders waiting on our lanes fail at once
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def free(self, deregister: bool = True) -> None:
+        """Unmaps and unlinks the segment (after the engine's core closed)."""
+        if deregister:
+            try:
+                self._deregister_host(self._region)
+            except KVFlowError:
+                pass
+        self.seg.close()
+
+
+class LaneClient:
+    """A sender's lane in one member's segment."""
+
+    def __init__(self, name: str, member_pid: int, member: str) -> None:
+        self.seg = Lanes(name)
+        self.member, self.member_pid = member, member_pid
+        self.lane = self.seg.claim(os.getpid())
+        if self.lane < 0:
+            self.seg.close()
+            raise LaneError(f"{member}: every lane of {name} is taken")
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _check_member(self) -> None:
+        if not _alive(self.member_pid) or self.seg.consumer_pid != self.member_pid:
+            raise PeerLostError(f"relay member {self.member} is gone", peer=self.member)
+
+    async def _until(self, look: Callable[[], Any]) -> Any:
+        poll, checked = _Poll(), time.monotonic()
+        while True:
+            got = look()
+            if got:
+                return got
+            if time.monotonic() - checked > LIVENESS:
+                checked = time.monotonic()
+                self._check_member()
+            await poll.wait(False)
+
+    async def send(self, destination: str, part: Any) -> None:
+        """One slot's worth of a batch (a Packed part: entries of (slot
+        offset, local address, remote address, length)) to `destination`
+        through the member; returns once it landed there."""
+        seg, lane = self.seg, self.lane
+        request = msgpack.packb({"to": destination, "e": [[off, r, n] for off, _, r, n in part.entries]})
+        if len(request) + 4 > META_BYTES - 1024:
+            raise ProtocolError(f"a relayed slot of {len(part.entries)} pieces does not fit a lane request")
+        ticket = seg.reserve(lane)
+        fill: Any = None
+        try:
+            await self._until(lambda: seg.credit(lane, ticket))
+            args = (lane, ticket, [l for _, l, _, _ in part.entries], [off for off, _, _, _ in part.entries],
+                    [n for _, _, _, n in part.entries], request)
+            if part.nbytes <= INLINE_COPY:
+                seg.fill(*args)
+                fill = True
+            else:
+                fill = asyncio.get_running_loop().run_in_executor(None, seg.fill, *args)
+                await asyncio.shield(fill)
+            code, text = await self._until(lambda: seg.collect(lane, ticket))
+        except BaseException:
+            self._see_through(ticket, fill)
+            raise
+        if code:
+            raise RemoteAccessError(f"{self.member}: {text}", peer=destination)
+
+    def _see_through(self, ticket: int, fill: Any) -> None:
+        """A ticket whose write stopped (cancelled, or the member looked
+        gone): published empty if it was never filled, then collected, in
+        the background, so that the lane does not stall behind it."""
+        seg, lane = self.seg, self.lane
+
+        async def finish() -> None:
+            try:
+                if fill is None:
+                    await self._until(lambda: seg.credit(lane, ticket))
+                    seg.fill(lane, ticket, [], [], [], b"")
+                elif fill is not True:
+                    await fill
+                await self._until(lambda: seg.collect(lane, ticket))
+            except (KVFlowError, LaneError):
+                pass                                # the member is gone: nothing to see through
+        task = asyncio.get_running_loop().create_task(finish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        try:
+            if self.seg.pending(self.lane) == 0:
+                self.seg.leave(self.lane, os.getpid())
+        except LaneError:
+            pass
+        self.seg.close()
