@@ -9,7 +9,8 @@ Layout (each part 64-byte aligned; all counters uint64, accessed with
 atomics since several processes map the segment):
 
     header   magic, version, lanes, slots, slot_bytes, meta_bytes, size,
-             consumer pid
+             consumer pid; the bell (a futex word producers ring after
+             each doorbell, so the consumer sleeps while nothing comes)
     lane i   owner (pid of the producer process; 0 = free), reserve (the
              next ticket: producers fetch_add it), consumed (the next
              ticket the consumer takes; only it writes it)
@@ -69,11 +70,28 @@ cdef extern from *:
     static inline int kvf_cas(unsigned long long *p, unsigned long long expect, unsigned long long v) {
         return __atomic_compare_exchange_n(p, &expect, v, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     }
+    #include <linux/futex.h>
+    #include <sys/syscall.h>
+    #include <time.h>
+    #include <unistd.h>
+    /* the bell: a 32-bit futex word in the shared header (not FUTEX_PRIVATE: several processes) */
+    static inline void kvf_ring(unsigned int *bell) {
+        __atomic_fetch_add(bell, 1, __ATOMIC_RELEASE);
+        syscall(SYS_futex, bell, FUTEX_WAKE, 1, NULL, NULL, 0);
+    }
+    static inline unsigned int kvf_bell(unsigned int *bell) { return __atomic_load_n(bell, __ATOMIC_ACQUIRE); }
+    static inline void kvf_wait_bell(unsigned int *bell, unsigned int seen, long timeout_ns) {
+        struct timespec ts = { timeout_ns / 1000000000L, timeout_ns % 1000000000L };
+        syscall(SYS_futex, bell, FUTEX_WAIT, seen, &ts, NULL, 0);   /* returns at once if it moved */
+    }
     """
     unsigned long long kvf_ld_acq(unsigned long long *p) nogil
     void kvf_st_rel(unsigned long long *p, unsigned long long v) nogil
     unsigned long long kvf_fetch_add(unsigned long long *p, unsigned long long v) nogil
     int kvf_cas(unsigned long long *p, unsigned long long expect, unsigned long long v) nogil
+    void kvf_ring(unsigned int *bell) nogil
+    unsigned int kvf_bell(unsigned int *bell) nogil
+    void kvf_wait_bell(unsigned int *bell, unsigned int seen, long timeout_ns) nogil
 
 DEF MAGIC = 0x6b76666c6f776c6e    # "kvflowln"
 DEF VERSION = 1
@@ -93,6 +111,7 @@ DEF H_SLOT_BYTES = 4
 DEF H_META_BYTES = 5
 DEF H_SIZE = 6
 DEF H_CONSUMER = 7
+DEF H_BELL = 8                     # the consumer's futex word (a cache line of its own: words 8..15)
 
 
 class LaneError(Exception):
@@ -314,6 +333,7 @@ cdef class Lanes:
         memcpy(meta, &rn, 4)
         memcpy(meta + 4, <const char *>request, rn)
         kvf_st_rel(ready, ticket + 1)                   # the doorbell: after the copy
+        kvf_ring(<unsigned int *>&(<uint64_t *>self.base)[H_BELL])     # and the consumer woken
 
     def collect(self, uint32_t lane, uint64_t ticket):
         """None while ticket is not done; else (code, error text), and the
@@ -334,6 +354,27 @@ cdef class Lanes:
         return code, text
 
     # ------------------------------------------------------------ consumer
+    def bell(self):
+        """The bell's count now (rung once per filled slot)."""
+        if self.base == NULL:
+            raise LaneError("the lane segment is closed")
+        return kvf_bell(<unsigned int *>&(<uint64_t *>self.base)[H_BELL])
+
+    def wait_bell(self, unsigned int seen, double timeout):
+        """Blocks (GIL released) until the bell rang since it read `seen`,
+        or `timeout` seconds passed; the consumer's, from a thread."""
+        if self.base == NULL:
+            raise LaneError("the lane segment is closed")
+        cdef unsigned int *bell = <unsigned int *>&(<uint64_t *>self.base)[H_BELL]
+        cdef long ns = <long>(timeout * 1e9)
+        with nogil:
+            kvf_wait_bell(bell, seen, ns)
+
+    def ring(self):
+        """Rings the bell without a slot (wakes a waiting consumer: close)."""
+        if self.base != NULL:
+            kvf_ring(<unsigned int *>&(<uint64_t *>self.base)[H_BELL])
+
     def take(self, uint32_t lane):
         """The lane's next ticket if its doorbell rang, with its request
         bytes: (ticket, request), else None. The consumer's alone."""

@@ -10,28 +10,32 @@ reaches it at) as one file in a directory the node's processes share
 process is gone is ignored. Engines put their group and rail in their
 descriptor, so a sender knows a destination's rail.
 
-The hop inside the node reuses the inbox machinery (kvflow.engine.inbox):
-the member lends slots of its "relay" inbox; the sender writes a slot's
-worth of the batch into one (over the provider that connects the two
-engines: cross-memory attach on one host) and asks the member to forward
-it (`relay_forward`: the destination's address and, per piece, the slot
-offset, the remote address and the length). The member writes the slot to
-the destination, which checks the ranges against its own regions as it
-does for any write, and answers when the bytes have landed there; the
-sender's write completes after the last answer, so a notification after it
-finds the data in place. Several slots are in flight at once (one per
-leased slot): while one is on the member's NIC the next is being copied.
+The hop inside the node goes through the member's shared-memory lanes
+(kvflow.engine.lanes): the sender copies a slot's worth of the batch into
+its lane, rings the slot's doorbell, and the member writes the slot to the
+destination, which checks the ranges against its own regions as it does
+for any write; the member finishes the ticket when the bytes have landed
+there, and the sender's write completes once it collected its last ticket,
+so a notification after it finds the data in place. Several slots are in
+flight at once: while one is on the member's NIC the next is being copied.
 
-On the receive side ("pass", `RelayGroup(side="receive")`) the same hop
-runs the other way round: the sender writes over its own rail into the
-inbox of the destination node's member on that rail (the destination's
-descriptor lists its node's members), and that member copies the slot to
-the destination inside its node.
+Where there is no lane (`RelayGroup(lanes=False)`, no free lane, no shared
+memory) the hop reuses the inbox machinery (kvflow.engine.inbox): the
+member lends slots of its "relay" inbox, the sender writes a slot's worth
+into one over the provider that joins them (cross-memory attach on one
+host) and asks the member to forward it (`relay_forward`: the
+destination's address and, per piece, the slot offset, the remote address
+and the length), and the member answers once it landed.
 
-Not built yet: lanes and a descriptor ring
-in shared memory (the intra-node hop is a control message per slot today),
-GPU memory through the relay, rerouting around a member that died (its
-writes fail with its error).
+On the receive side ("pass", `RelayGroup(side="receive")`) the hop runs
+the other way round, over the network, by the inbox path: the sender
+writes over its own rail into the inbox of the destination node's member
+on that rail (the destination's descriptor lists its node's members), and
+that member copies the slot to the destination inside its node.
+
+Not built yet: GPU memory through the relay (CUDA IPC and a stream-ordered
+doorbell), rerouting around a member that died (its writes fail with its
+error).
 """
 from __future__ import annotations
 
@@ -74,7 +78,10 @@ class RelayGroup:
     (stay: through the member of this node on the destination's rail, so
     every sender NIC is busy) or "receive" (pass: over this engine's own
     rail to the destination node's member on it, which copies them to the
-    destination inside its node: the decode side takes NIC + copy)."""
+    destination inside its node: the decode side takes NIC + copy).
+    `lanes`: the send side's hop inside the node goes through shared-memory
+    lanes (kvflow.engine.lanes); False: by a control message per slot into
+    the member's inbox (what the receive side always does)."""
 
     name: str
     rank: int
@@ -82,6 +89,7 @@ class RelayGroup:
     address: str | None = None
     directory: str = "/dev/shm"
     side: str = "send"
+    lanes: bool = True
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -144,7 +152,7 @@ class Relay:
     def publish(self) -> None:
         """Joins the group: the lane segment first (with its drain task, on
         the running loop), then the file that names it."""
-        if self._lanes is None:
+        if self._lanes is None and self.group.lanes:
             name = f"/kvflow-relay-{self.group.name}-{self.group.rank}-{os.getpid()}-{id(self):x}"
             try:
                 self._lanes = LaneServer(name, self.slot_bytes, register_host=self._register_host,
@@ -275,7 +283,7 @@ class Relay:
         of our node, kvflow.engine.lanes), or else into a leased slot of its
         inbox, then forwarded by it; returns when every slot has landed."""
         packed = pack(la, ra, ln, self.slot_bytes)
-        lane = self._lane_to(member.address) if self.group.side == "send" else None
+        lane = self._lane_to(member.address) if self.group.side == "send" and self.group.lanes else None
         if lane is not None:
             # memcpy from our memory: every range must be registered (the
             # inbox path had the native core check them)
