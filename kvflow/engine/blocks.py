@@ -69,13 +69,13 @@ def first_outside(spans: Iterable[tuple[int, int]], addrs: np.ndarray, lens: np.
 
 class Blocks:
     """A list of blocks of one side's memory: `addrs` and `lengths` (read-only
-    uint64 columns), `owner` ("local" or the peer's address). Made by
+    uint64 columns), `owner` (None: this engine's memory; else the peer's address). Made by
     engine.blocks() or peer.blocks(); len() is its number of blocks, and
     blocks[i] is (address, length)."""
 
     __slots__ = ("addrs", "lengths", "owner", "spans")
 
-    def __init__(self, addrs: Any, lengths: Any, owner: str, spans: Iterable[tuple[int, int]],
+    def __init__(self, addrs: Any, lengths: Any, owner: str | None, spans: Iterable[tuple[int, int]],
                  outside: type[Exception]) -> None:
         a = _column(addrs, "block addresses")
         if isinstance(lengths, (int, np.integer)) and not isinstance(lengths, bool):
@@ -96,16 +96,16 @@ class Blocks:
         outside_at = np.flatnonzero(inside < 0)
         if len(outside_at):
             bad = int(outside_at[0])
-            where = "this engine's registered memory" if owner == "local" else f"the memory peer {owner} registered"
+            where = "this engine's registered memory" if owner is None else f"the memory peer {owner} registered"
             raise outside(f"block {bad} ({int(a[bad]):#x}+{int(n[bad])}) is not inside {where}", index=bad,
-                          **({} if owner == "local" else {"peer": owner}))
+                          **({} if owner is None else {"peer": owner}))
         a.flags.writeable = n.flags.writeable = inside.flags.writeable = False
         self.addrs, self.lengths, self.owner = a, n, owner
         self.spans = inside         # the region each block lies in: adjacent picks merge only within one
 
     @classmethod
     def local(cls, regions: Iterable[Any], addrs: Any, lengths: Any) -> "Blocks":
-        return cls(addrs, lengths, "local", [(r.addr, r.end) for r in regions], UnregisteredMemoryError)
+        return cls(addrs, lengths, None, [(r.addr, r.end) for r in regions], UnregisteredMemoryError)
 
     @classmethod
     def remote(cls, peer: str, regions: Iterable[Any], addrs: Any, lengths: Any) -> "Blocks":
@@ -122,7 +122,7 @@ class Blocks:
         return int(self.lengths.sum())
 
     def __repr__(self) -> str:
-        return f"<kvflow.Blocks {len(self)} blocks, {self.nbytes} bytes, {self.owner}>"
+        return f"<kvflow.Blocks {len(self)} blocks, {self.nbytes} bytes, {self.owner or 'this engine'}>"
 
 
 class Prepared:
@@ -139,7 +139,7 @@ class Prepared:
     def __init__(self, peer: "Peer", local: Blocks, remote: Blocks) -> None:
         if not isinstance(local, Blocks) or not isinstance(remote, Blocks):
             raise InvalidArgumentError("prepare() takes two kvflow.Blocks lists (engine.blocks(), peer.blocks())")
-        if local.owner != "local":
+        if local.owner is not None:
             raise InvalidArgumentError(f"prepare(): the first list is of peer {local.owner}'s memory, not this "
                                        "engine's (engine.blocks())")
         if remote.owner != peer.address:
