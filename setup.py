@@ -80,6 +80,7 @@ extensions = [
     ),
     # relay lanes in shared memory (kvflow.engine.lanes)
     Extension("kvflow._lanes", ["kvflow/_lanes.pyx"], extra_compile_args=cflags, libraries=["rt"]),
+    Extension("kvflow._putring", ["kvflow/_putring.pyx"], extra_compile_args=cflags),
 ]
 if have_verbs():
     extensions.append(Extension(

@@ -391,6 +391,20 @@ cdef class Lanes:
         consumed[0] = t + 1
         return t, meta[4:4 + rn]
 
+    def state(self, uint32_t lane):
+        """What a lane's counters say now, for anyone to read (stats, tests):
+        reserved (tickets handed out), taken (by the consumer), rung (the
+        highest ticket + 1 whose doorbell rang), done (the highest finished
+        + 1) and collected (the highest collected + 1)."""
+        cdef uint32_t i
+        rung = done = collected = 0
+        for i in range(self.slots):
+            rung = max(rung, kvf_ld_acq(self._slot(lane, i, 0)))
+            done = max(done, kvf_ld_acq(self._slot(lane, i, 1)))
+            collected = max(collected, kvf_ld_acq(self._slot(lane, i, 3)))
+        return {"owner": kvf_ld_acq(self._lane(lane, 0)), "reserved": kvf_ld_acq(self._lane(lane, 1)),
+                "taken": kvf_ld_acq(self._lane(lane, 2)), "rung": rung, "done": done, "collected": collected}
+
     def pending(self, uint32_t lane):
         """Tickets reserved and not yet taken (published or not)."""
         return kvf_ld_acq(self._lane(lane, 1)) - self._lane(lane, 2)[0]

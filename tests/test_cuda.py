@@ -5,6 +5,7 @@ where CUDA is not usable (these build machines have nvcc and no driver);
 tools/gpu_check.sh runs them on a GPU machine."""
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import hashlib
 import os
@@ -53,7 +54,7 @@ def test_cuda_module_built_with_nvcc():
     assert built() and kvflow.features["cuda"]
     image = open(FATBIN, "rb").read()
     assert image[:4] == bytes.fromhex("50ed55ba")          # a fatbin's magic
-    for name in (b"kvf_flag_write", b"kvf_doorbells"):
+    for name in (b"kvf_flag_write", b"kvf_doorbells", b"kvf_layer_put"):
         assert name in image
 
 
@@ -203,3 +204,24 @@ def test_nixl_api_moves_vram():
     assert a.check_xfer_state(h) == "DONE"
     torch.cuda.synchronize()
     assert _sha_tensor(dst) == _sha_tensor(src)
+
+
+@gpu
+async def test_a_kernel_puts_its_layer_from_the_device_through_the_proxy():
+    """GPU-initiated puts, proxy mode (tools/gpu_put.py): kvf_layer_put
+    computes kv = x @ w on the device, each block puts its rows from the
+    device through its channel of the put ring, the PutProxy posts them to
+    a tcp engine on this machine; every row lands equal to the host's
+    product, every status is 0, and one put alone comes back in bounded
+    time."""
+    _torch()
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("gpu_put", os.path.join(root, "tools", "gpu_put.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_put"] = mod
+    spec.loader.exec_module(mod)
+    res = await asyncio.wait_for(mod.run(rows=512, rows_per_block=16, repeats=5), 120)
+    assert res["verified"] and res["statuses"] == [0], res
+    assert res["blocks"] == 32 and res["proxy"][0]["finished"] == 32 and res["proxy"][1]["finished"] == 5
+    assert 0 < res["single_p50_us"] < 100_000

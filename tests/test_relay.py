@@ -227,3 +227,87 @@ async def test_a_member_that_goes_away_fails_its_writes_and_later_ones_go_direct
     pool[:] = 0
     await bounded(peer.write([s.addr], [peer.region("kv").addr], [1 << 20]))      # directly now
     assert sha(pool[:1 << 20]) == sha(src[:1 << 20])
+
+
+_MEMBER = """
+import asyncio, sys, kvflow
+async def main():
+    async with kvflow.Engine("127.0.0.1:0", protocols=("tcp",),
+                             relay=kvflow.RelayGroup("node0", 1, 1, directory=sys.argv[1])) as eng:
+        print(eng.address, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+asyncio.run(main())
+"""
+
+
+async def test_a_slow_member_back_pressures_its_sender_through_the_lane_credits(make_engine, tmp_path):
+    """The member on rail 1 is another process, stopped (SIGSTOP) for a
+    while and then run in short bursts: a slow relay. The sender's 48 MiB
+    write (12 slots through a lane of 4) waits for credits instead of
+    failing or overrunning: while the member is stopped, no slot beyond the
+    lane's 4 is rung and nothing lands; in every sample, rung - collected
+    <= 4; once the member runs, every byte lands, in place."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from kvflow._lanes import Lanes
+    from kvflow.engine.lanes import LANE_SLOTS
+
+    d = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    member = subprocess.Popen([sys.executable, "-c", _MEMBER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": root}, text=True)
+    try:
+        loop = asyncio.get_running_loop()
+        assert (await bounded(loop.run_in_executor(None, member.stdout.readline))).strip()
+        sender = await make_engine(protocols=["tcp"], relay=RelayGroup("node0", 0, 0, directory=d))
+        dest = await make_engine(protocols=["tcp"], relay=RelayGroup("node1", 1, 1, directory=d))
+        src = np.random.default_rng(11).integers(0, 256, 48 << 20, dtype=np.uint8)
+        s = sender.register(src)
+        pool = np.zeros(48 << 20, np.uint8)
+        dest.register(pool, name="kv")
+        peer = await bounded(sender.connect(dest.address))
+        dst = peer.region("kv").addr
+        await bounded(peer.write([s.addr], [dst], [4096]))            # the lane is claimed
+        pool[:] = 0
+        import glob
+        recs = [json.load(open(f)) for f in glob.glob(os.path.join(d, "kvflow-relay-node0", "*"))]
+        rec = next(r for r in recs if r.get("pid") == member.pid)       # the member's group file
+        seg = Lanes(rec["lanes"])
+        lane = next(i for i in range(seg.lanes) if seg.owner_of(i) == os.getpid())
+        base = seg.state(lane)
+        member.send_signal(signal.SIGSTOP)
+        t = peer.write_nowait([s.addr], [dst], [48 << 20])
+        samples = []
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:                           # stopped: credits run out
+            samples.append(seg.state(lane))
+            await asyncio.sleep(0.01)
+        assert not t.done(), "the write finished through a stopped member"
+        held = seg.state(lane)
+        assert held["rung"] - base["rung"] == LANE_SLOTS              # four slots filled, no more
+        assert not pool.any()                                         # and nothing landed
+        for _ in range(40):                                           # then slow: short bursts
+            member.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.02)
+            member.send_signal(signal.SIGSTOP)
+            samples.append(seg.state(lane))
+            await asyncio.sleep(0.05)
+            if t.done():
+                break
+        member.send_signal(signal.SIGCONT)
+        await bounded(t)
+        assert all(x["rung"] - x["collected"] <= LANE_SLOTS for x in samples)
+        assert sha(pool) == sha(src)
+        assert sender.relay_stats()["relayed_bytes"] >= 48 << 20
+        seg.close()
+    finally:
+        member.send_signal(signal.SIGCONT)
+        member.stdin.close()
+        try:
+            member.wait(20)
+        except subprocess.TimeoutExpired:
+            member.kill()

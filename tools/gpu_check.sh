@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: one command, on a machine with a CUDA GPU (an H200 lent by
-# the device tool; docs/gpu.md), at most about 8 minutes. Builds
+# the device tool; docs/gpu.md), at most about 9 minutes. Builds
 # kvflow in place (with its CUDA module), runs the CUDA and staging tests and
 # the PD example with its model and KV pools on the GPU,
 # then tools/gpu_bench.py, and writes into OUTDIR (default $OUT, else
@@ -32,6 +32,9 @@ echo "tests rc=$?" >> "$OUTDIR/env.txt"
 timeout 200 $PY tools/gpu_bench.py --blocks 64,1024,16384 --rounds 5 --anchor-seconds 1 \
   --json "$OUTDIR/gpu_check.json" > "$OUTDIR/bench.txt" 2>&1
 echo "bench rc=$?" >> "$OUTDIR/env.txt"
+# GPU-initiated puts, proxy mode: a kernel puts its layer from the device (p50 latency)
+timeout 60 $PY tools/gpu_put.py --json > "$OUTDIR/gpu_put.json" 2>"$OUTDIR/gpu_put.err"
+echo "gpu_put rc=$?" >> "$OUTDIR/env.txt"
 $PY - "$OUTDIR" <<'PYEOF'
 import json, os, sys
 out = sys.argv[1]
@@ -46,6 +49,10 @@ try:
         lines.append(f"| {r['block'] >> 10} KiB | " + " | ".join(f"{r[k]:.3g}" for k in keys) + " |")
 except (OSError, ValueError, KeyError, IndexError) as e:
     lines.append(f"bench: no results ({e})")
+try:
+    lines += ["", "gpu_put: " + open(os.path.join(out, "gpu_put.json")).read().strip()]
+except OSError as e:
+    lines.append(f"gpu_put: no results ({e})")
 open(os.path.join(out, "gpu_check.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF

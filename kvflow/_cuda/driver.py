@@ -272,12 +272,17 @@ class PinnedHost:
     the staging pipeline's bounce buffers. Allocated in `device`'s context
     (so that a process using one GPU wakes no other)."""
 
-    def __init__(self, size: int, device: int = 0) -> None:
+    def __init__(self, size: int, device: int = 0, mapped: bool = False) -> None:
         cu = driver()
-        portable = int(getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 1))
+        flags = int(getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 1))
+        if mapped:                  # also mapped into the device's address space (a kernel reads and writes it)
+            flags |= int(getattr(cu, "CU_MEMHOSTALLOC_DEVICEMAP", 2))
         self.device = device
         with on_device(device):
-            self.addr = int(check(cu.cuMemHostAlloc(size, portable), "cuMemHostAlloc"))
+            self.addr = int(check(cu.cuMemHostAlloc(size, flags), "cuMemHostAlloc"))
+            # the device's address for it (with unified addressing, the same number)
+            self.device_addr = int(check(cu.cuMemHostGetDevicePointer(self.addr, 0),
+                                         "cuMemHostGetDevicePointer")) if mapped else 0
         self.size = size
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from kvflow._cuda import FATBIN, built
 from kvflow._cuda import driver as drv
 from kvflow.errors import ProviderUnavailableError
 
-__all__ = ["doorbells", "flag_write"]
+__all__ = ["doorbells", "flag_write", "layer_put"]
 
 _lock = threading.Lock()
 _functions: dict[tuple[int, str], Any] = {}
@@ -38,7 +38,7 @@ def _function(device: int, name: str) -> Any:
     return fn
 
 
-def _launch(stream: drv.Stream, name: str, args: list[int]) -> None:
+def _launch(stream: drv.Stream, name: str, args: list[int], grid: int = 1, block: int = 32) -> None:
     # kernelParams as a void** array: one 8-byte slot per argument, every
     # argument of these kernels being a pointer or a 64-bit value (the
     # uint32 count takes a slot's low half, little-endian)
@@ -46,7 +46,7 @@ def _launch(stream: drv.Stream, name: str, args: list[int]) -> None:
     params = np.array([slots.ctypes.data + 8 * i for i in range(len(args))], dtype=np.uint64)
     fn = _function(stream.device, name)
     with drv.on_device(stream.device):
-        drv.check(drv.driver().cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream.handle,
+        drv.check(drv.driver().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream.handle,
                                               int(params.ctypes.data), 0), f"cuLaunchKernel({name})")
     # the driver copied the parameters at launch: slots may go now
 
@@ -62,3 +62,17 @@ def doorbells(stream: drv.Stream, doorbell_addr: int, values_addr: int, count: i
     """Queues the ringing of `count` 64-bit doorbells at `doorbell_addr`
     with the values at `values_addr` (device-readable), in index order."""
     _launch(stream, "kvf_doorbells", [doorbell_addr, values_addr, count])
+
+
+def layer_put(stream: drv.Stream, x: int, w: int, kv: int, rows: int, dim_in: int, dim_out: int,
+              rows_per_block: int, ring: int, peer: int, remote: int, out: int, threads: int = 128) -> int:
+    """Queues kvf_layer_put (kernels.cu): kv = x @ w (float32, row-major,
+    device addresses), each block's rows then put from the device through
+    channel b of the put ring at device address `ring` to `remote` + their
+    offset on proxy peer `peer`; out (2 int64 per block, device-writable)
+    gets each block's status and put-to-completion nanoseconds. Returns the
+    number of blocks (the ring needs that many channels)."""
+    blocks = -(-rows // rows_per_block)
+    _launch(stream, "kvf_layer_put", [x, w, kv, rows, dim_in, dim_out, rows_per_block, ring, peer, remote, out],
+            grid=blocks, block=threads)
+    return blocks
