@@ -9,6 +9,7 @@
 // putring.cuh, and kvf_layer_put below, the example of a kernel using it.
 #include <stdint.h>
 #include "putring.cuh"
+#include "ibgda.cuh"
 
 extern "C" {
 
@@ -72,6 +73,31 @@ __global__ void kvf_layer_put(const float *x, const float *w, float *kv, unsigne
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
     out[2 * blockIdx.x] = status;
     out[2 * blockIdx.x + 1] = (long long)(t1 - t0);
+}
+
+// IBGDA (never run on hardware: ibgda.cuh): one RDMA write posted by the
+// device itself on an mlx5 RC QP, its lkey found by address in the sorted
+// region table, then the CQ polled for its completion; out[0] = the CQE's
+// opcode (0: done) or -1 (no region holds the range), out[1] = its WQE
+// counter. One thread.
+__global__ void kvf_ibgda_write(struct kvf_ibgda_qp *qp, const struct kvf_mr *mrs, int nmrs,
+                                unsigned long long laddr, unsigned long long raddr, unsigned int rkey,
+                                unsigned int len, long long *out)
+{
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    int mr = kvf_mr_lookup(mrs, nmrs, laddr, len);
+    if (mr < 0) {
+        out[0] = -1;
+        return;
+    }
+    kvf_ibgda_post_write(qp, laddr, mrs[mr].lkey, raddr, rkey, len);
+    uint16_t counter = 0;
+    int opcode;
+    while ((opcode = kvf_ibgda_poll_cq(qp, &counter)) < 0)
+        __nanosleep(128);
+    out[0] = opcode;
+    out[1] = counter;
 }
 
 }  // extern "C"
