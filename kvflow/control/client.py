@@ -110,7 +110,9 @@ class ControlSession:
 
     # ------------------------------------------------------------ requests
     def send(self, msg: dict[str, Any]) -> None:
-        if self._writer.is_closing():
+        # lost: the reader ended (the peer closed or vanished) though our end
+        # may not be closing yet; a request sent now would never be answered
+        if self.lost or self._writer.is_closing():
             raise PeerLostError(f"control connection to {self.address} is closed", peer=self.address)
         self._writer.write(encode(msg))
 

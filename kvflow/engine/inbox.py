@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.control.wire import field
-from kvflow.errors import KVFlowError, ProtocolError, RemoteAccessError, TransferTimeoutError
+from kvflow.errors import KVFlowError, PeerLostError, ProtocolError, RemoteAccessError, TransferTimeoutError
 from kvflow.providers.cuda.staging import BouncePool, Slot
 
 __all__ = ["Inbox", "LEASE_SLOTS", "Lease", "REPLIES", "REQUEST_TIMEOUT"]
@@ -147,6 +147,9 @@ class Lease:
         reply = await self.request({"t": kind, "inbox": self.inbox, "lease": self.id, "slot": slot,
                                     "entries": entries, **extra})
         if reply.get("t") != "stage_done":
+            if reply.get("undelivered") is True:        # a relay member that could not forward it
+                raise PeerLostError(f"{self.peer.address} could not forward: {reply.get('message')}",
+                                    peer=self.peer.address)
             raise RemoteAccessError(f"{self.peer.address}: {reply.get('message')}", peer=self.peer.address)
 
     def release(self) -> None:

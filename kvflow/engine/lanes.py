@@ -51,6 +51,11 @@ LANE_SLOTS = 4              # slots per lane: 16 MiB of 4 MiB slots, touched onl
 META_BYTES = 64 << 10       # per slot: the request (up to ~2700 pieces) and the error text
 POLL_MIN, POLL_MAX = 20e-6, 100e-6
 LIVENESS = 0.05             # how often a waiter checks that the other process still runs
+# a ticket's status: 0 landed; REFUSED by the destination (or a malformed
+# request); UNDELIVERED for any other reason (the member's or the
+# destination's connection lost, the member closing): the sender writes
+# that part directly instead
+REFUSED, UNDELIVERED = 1, 2
 INLINE_COPY = 8 << 20     # slots filled on the loop up to this (a 4 MiB slot: ~1 ms); larger in a thread
 
 
@@ -152,14 +157,16 @@ class LaneServer:
                     ra.append(remote)
                     ln.append(n)
             except (ValueError, TypeError, KeyError, msgpack.UnpackException):
-                seg.finish(lane, ticket, 1, f"relay via {self._relay_address}: a malformed lane request")
+                seg.finish(lane, ticket, REFUSED, f"relay via {self._relay_address}: a malformed lane request")
                 return
             destination = await self._connect(to)
             await destination.write(np.asarray(la, np.uint64), np.asarray(ra, np.uint64), np.asarray(ln, np.uint64))
             self.forwarded_bytes += sum(ln)
             seg.finish(lane, ticket)
-        except KVFlowError as e:            # the destination refused, or is gone: the sender is told why
-            seg.finish(lane, ticket, 1, f"relay via {self._relay_address}: {e}")
+        except RemoteAccessError as e:      # the destination refused: the sender is told why
+            seg.finish(lane, ticket, REFUSED, f"relay via {self._relay_address}: {e}")
+        except KVFlowError as e:            # not delivered (gone, closing, timed out): the sender writes around us
+            seg.finish(lane, ticket, UNDELIVERED, f"relay via {self._relay_address}: {e}")
         except LaneError:
             pass                            # closed meanwhile
         finally:
@@ -234,6 +241,8 @@ class LaneClient:
         except BaseException:
             self._see_through(ticket, fill)
             raise
+        if code == UNDELIVERED:
+            raise PeerLostError(f"relay member {self.member} could not forward: {text}", peer=self.member)
         if code:
             raise RemoteAccessError(f"{self.member}: {text}", peer=destination)
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from kvflow import _core
 from kvflow._core import OP_READ, OP_WRITE
-from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, TransferTimeoutError
+from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, ProtocolError,
+                           TransferTimeoutError)
 from kvflow.status import ECLOSED, EREMOTE, status_error
 from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.client import ControlSession
@@ -374,9 +375,26 @@ class Peer:
         if route is not None:
             relay = self._engine._relay
             assert relay is not None
-            via = await self._engine.connect(route)
+
+            async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
+                t = self._submit_awaited(OP_WRITE, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
+                                         np.asarray(n, dtype=np.uint64), None)
+                if t is not None:
+                    await t
+
+            async def relayed() -> None:
+                try:
+                    via = await self._engine.connect(route)
+                except (PeerUnreachableError, PeerLostError) as e:
+                    log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", route, e,
+                                self.address)
+                    await direct(la, ra, ln)
+                    relay.rerouted_bytes += int(np.sum(np.asarray(ln, dtype=np.uint64)))
+                    return
+                await relay.write(self.address, via, la, ra, ln, direct)
+
             try:
-                await asyncio.wait_for(relay.write(self.address, via, la, ra, ln), timeout)
+                await asyncio.wait_for(relayed(), timeout)
             except asyncio.TimeoutError:
                 raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
                                            peer=self.address) from None

@@ -33,9 +33,16 @@ writes over its own rail into the inbox of the destination node's member
 on that rail (the destination's descriptor lists its node's members), and
 that member copies the slot to the destination inside its node.
 
+A member that is lost while a write goes through it (its process died,
+its segment retired, its connection dropped) does not fail the write: the
+parts that had not come back from it are written directly to the
+destination (`rerouted_bytes`); a part it may have forwarded already is
+written again, the same bytes to the same place. Later writes go directly
+while the group lists no live member on that rail. A refusal by the
+destination itself is not rerouted: it fails the write as any refusal does.
+
 Not built yet: GPU memory through the relay (CUDA IPC and a stream-ordered
-doorbell), rerouting around a member that died (its writes fail with its
-error).
+doorbell).
 """
 from __future__ import annotations
 
@@ -45,7 +52,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -55,7 +62,8 @@ from kvflow._lanes import LaneError
 from kvflow.engine.blocks import first_outside
 from kvflow.engine.inbox import Inbox, Lease
 from kvflow.engine.lanes import LaneClient, LaneServer
-from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, UnregisteredMemoryError
+from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, RemoteAccessError,
+                           UnregisteredMemoryError)
 from kvflow.providers.cuda.staging import BouncePool, pack
 
 __all__ = ["INBOX", "Relay", "RelayGroup", "RELAY_SLOT", "RELAY_SLOTS"]
@@ -132,6 +140,7 @@ class Relay:
         self.inbox = Inbox(INBOX, BouncePool(slot_bytes, slots, allocate))
         self.slot_bytes = slot_bytes
         self.relayed_bytes = 0          # this engine's writes that went through another member
+        self.rerouted_bytes = 0         # ... that went directly instead, their member lost on the way
         self.forwarded_bytes = 0        # other members' writes this engine posted
         self._file = os.path.join(group.folder, f"{group.rank}.json")
         self._members: dict[int, tuple[str, int, str, str]] = {}   # rail -> (address, pid, file, lanes)
@@ -277,12 +286,24 @@ class Relay:
         return None
 
     # ------------------------------------------------------------ sender
-    async def write(self, destination: str, member: Any, la: Any, ra: Any, ln: Any) -> None:
+    async def write(self, destination: str, member: Any, la: Any, ra: Any, ln: Any,
+                    direct: Callable[[Any, Any, Any], Awaitable[None]]) -> None:
         """Writes the batch to `destination` through `member` (a Peer): each
         slot's worth copied into our lane of the member's segment (a member
         of our node, kvflow.engine.lanes), or else into a leased slot of its
-        inbox, then forwarded by it; returns when every slot has landed."""
+        inbox, then forwarded by it; returns when every slot has landed. A
+        part whose member was lost on the way goes by `direct` (a write of
+        those entries straight to the destination)."""
         packed = pack(la, ra, ln, self.slot_bytes)
+
+        async def around(part: Any, lost: PeerLostError) -> None:
+            if lost.peer == destination:
+                raise lost
+            log.warning("kvflow relay: member %s lost (%s); %d bytes go directly to %s",
+                        member.address, lost, part.nbytes, destination)
+            await direct([l for _, l, _, _ in part.entries], [r for _, _, r, _ in part.entries],
+                         [n for _, _, _, n in part.entries])
+            self.rerouted_bytes += part.nbytes
         lane = self._lane_to(member.address) if self.group.side == "send" and self.group.lanes else None
         if lane is not None:
             # memcpy from our memory: every range must be registered (the
@@ -293,27 +314,42 @@ class Relay:
                 raise UnregisteredMemoryError(f"relayed write: entry {bad} ({int(local[bad]):#x}) is not in this "
                                               "engine's registered memory", index=bad)
 
+            lost_lane = False
+
             async def by_lane(part: Any) -> None:
-                await lane.send(destination, part)
+                nonlocal lost_lane
+                try:
+                    await lane.send(destination, part)
+                except PeerLostError as lost:
+                    lost_lane = True
+                    await around(part, lost)
+                    return
                 self.relayed_bytes += part.nbytes
 
             try:
                 await gather_or_cancel([by_lane(p) for p in packed])
-            except PeerLostError:
-                if self._clients.get(member.address) is lane:    # that segment is retired: ask again next time
+            finally:
+                # that segment is retired: drop our lane once no part uses it, ask again next time
+                if lost_lane and self._clients.get(member.address) is lane:
                     del self._clients[member.address]
                     asyncio.get_running_loop().create_task(lane.close())
-                raise
             return
         lease = Lease(member, INBOX)
 
         async def one(part: Any) -> None:
-            slot = await lease.take()
+            try:
+                slot = await lease.take()
+            except PeerLostError as lost:
+                await around(part, lost)
+                return
             try:
                 await member.write([l for _, l, _, _ in part.entries], [slot + off for off, _, _, _ in part.entries],
                                    [n for _, _, _, n in part.entries])
                 await lease.ask("relay_forward", slot, part.nbytes,
                                 [[off, r, n] for off, _, r, n in part.entries], to=destination)
+            except PeerLostError as lost:
+                await around(part, lost)
+                return
             finally:
                 lease.put(slot)
             self.relayed_bytes += part.nbytes
@@ -346,12 +382,14 @@ class Relay:
             await destination.write([p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces])
             self.forwarded_bytes += sum(p[2] for p in pieces)
             return {"t": "stage_done"}
-        except KVFlowError as e:        # the destination refused, or is gone: the sender is told why
+        except RemoteAccessError as e:  # the destination refused: the sender is told why
             return {"t": "stage_error", "message": f"relay via {self.address}: {e}"}
+        except KVFlowError as e:        # not delivered otherwise: the sender writes around us
+            return {"t": "stage_error", "message": f"relay via {self.address}: {e}", "undelivered": True}
 
     def stats(self) -> dict[str, int]:
         lanes = self._lanes
-        return {"relayed_bytes": self.relayed_bytes,
+        return {"relayed_bytes": self.relayed_bytes, "rerouted_bytes": self.rerouted_bytes,
                 "forwarded_bytes": self.forwarded_bytes + (lanes.forwarded_bytes if lanes is not None else 0),
                 "leases": self.inbox.leased,
                 "lane_forwarded_bytes": lanes.forwarded_bytes if lanes is not None else 0,
