@@ -61,15 +61,20 @@ cdef extern from *:
     static inline double kvr_now(void) {
         struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec + ts.tv_nsec * 1e-9;
     }
+    #include <sys/prctl.h>
+    /* waits: yield first (a nanosleep costs the thread's timer slack, 50 us by
+       default, whatever it asks for), then short sleeps, then longer ones */
     static inline void kvr_pause(unsigned int round) {
-        if (round < 64) { sched_yield(); return; }
-        struct timespec ts = {0, round < 1024 ? 2000 : 20000}; nanosleep(&ts, NULL);
+        if (round < 512) { sched_yield(); return; }
+        struct timespec ts = {0, round < 4096 ? 2000 : 20000}; nanosleep(&ts, NULL);
     }
+    static inline int kvr_fine_slack(void) { return prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); }
     """
     unsigned long long kvr_ld_acq(unsigned long long *p) nogil
     void kvr_st_rel(unsigned long long *p, unsigned long long v) nogil
     double kvr_now() nogil
     void kvr_pause(unsigned int round) nogil
+    int kvr_fine_slack() nogil
 
 DEF C_MAGIC = 0x3172747570666b76     # "kvfputr1"
 DEF C_VERSION = 1
@@ -89,6 +94,13 @@ E_LOST = -104                     # ECONNRESET: the peer was lost
 E_TIMEOUT = -110                  # ETIMEDOUT
 E_FAILED = -5                     # EIO: anything else
 E_CANCELED = -125                 # ECANCELED: the proxy stopped
+
+
+def fine_timer_slack():
+    """Sets the calling thread's timer slack to 1 us (Linux: 50 us by
+    default), so that its short sleeps are short: the proxy's thread calls
+    it."""
+    return kvr_fine_slack() == 0
 
 
 class PutRingError(Exception):
@@ -297,6 +309,36 @@ cdef class PutRing:
                     break
                 out.append((c,) + d)
         return out
+
+    def wait_any(self, double timeout, bint spin=False):
+        """Blocks, the GIL released, until some channel's next descriptor is
+        whole (True), or the ring is shut or `timeout` s passed (False).
+        spin: never sleep (a core's worth of polling, the lowest latency);
+        else yield, then sleep 2 us, then 20 us between looks (with the
+        calling thread's timer slack added: fine_timer_slack). The proxy's."""
+        cdef uint32_t c
+        cdef uint64_t t
+        cdef unsigned long long *closed = self._w(5)
+        cdef char *ch
+        cdef double until = kvr_now() + timeout
+        cdef unsigned int round = 0
+        cdef bint found = False
+        if self.base == NULL:
+            raise PutRingError("the put ring is closed")
+        with nogil:
+            while True:
+                for c in range(self.channels):
+                    ch = self.base + C_HEADER + <uint64_t>c * (C_CTL + <uint64_t>self.slots * C_SLOT)
+                    t = kvr_ld_acq(<unsigned long long *>(ch + 64))
+                    if kvr_ld_acq(<unsigned long long *>(ch + C_CTL + (t % self.slots) * C_SLOT)) == t + 1:
+                        found = True
+                        break
+                if found or kvr_ld_acq(closed) or kvr_now() > until:
+                    break
+                if not spin:
+                    kvr_pause(round)
+                round += 1
+        return found
 
     def finish(self, uint32_t channel, uint64_t ticket, int64_t status=0):
         """Ticket is finished with `status`: written, then done (release),

@@ -278,7 +278,7 @@ def small_flows(pattern: str, strategy: str, rails: int, layers: int, shard: int
 
 def run_small(strategy: str, pattern: str = "pp-tp", rails: int = 4, layers: int = 8, shard_kib: int = 2048,
               nic_mbit: float = 200, oversubscription: float = 2.0, interconnect: float = 3.8e9,
-              window: float = 384 << 10, relay_window: float = 16 << 20, goodput: float = 1448 / 1514,
+              window: float = 512 << 10, relay_window: float = 16 << 20, goodput: float = 1448 / 1514,
               dt: float | None = None) -> dict[str, Any]:
     """The emulation's small case. Defaults: its NICs and spine, tcp over
     Ethernet's payload share, the lanes hop's measured rate (relay_hop.py:

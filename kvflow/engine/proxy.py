@@ -35,7 +35,7 @@ import time
 from typing import Any, Sequence
 
 from kvflow._putring import (E_CANCELED, E_FAILED, E_INVALID, E_LOST, E_NO_PEER, E_REMOTE, E_TIMEOUT,
-                             E_UNREGISTERED, OP_GET, OP_PUT, PutRing, PutRingError, ring_bytes)
+                             E_UNREGISTERED, OP_GET, OP_PUT, PutRing, PutRingError, fine_timer_slack, ring_bytes)
 from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, RemoteAccessError,
                            TransferTimeoutError, UnregisteredMemoryError)
 
@@ -43,7 +43,7 @@ __all__ = ["OP_GET", "OP_PUT", "PutProxy", "PutRing", "PutRingError", "ring_byte
 
 log = logging.getLogger("kvflow")
 
-IDLE_MIN, IDLE_MAX = 5e-6, 200e-6     # the proxy's sleep while the ring is empty (doubling)
+IDLE_WAIT = 2e-3        # the longest native wait for a descriptor before the proxy looks at its stop flag
 KEPT_ERRORS = 64
 
 
@@ -65,9 +65,13 @@ def status_of(error: BaseException) -> int:
 class PutProxy:
     """Takes the descriptors of `ring` and posts them to `peers` (a
     descriptor's peer field indexes this list) from a thread of its own.
-    `spin=True` never sleeps while started (the lowest latency, a core's
-    worth of polling); otherwise it sleeps IDLE_MIN..IDLE_MAX while idle.
-    `max_inflight` bounds the transfers it has posted and not seen finish."""
+    While nothing is posted it waits for a descriptor natively, the GIL
+    released (PutRing.wait_any): yielding, then sleeping 2 us, then 20 us
+    between looks (its timer slack set to 1 us); `spin=True` never sleeps (the lowest latency, a core's
+    worth of polling). While something is posted it polls that (each poll
+    waits up to 50 us for it, the GIL released) and takes new descriptors
+    between polls. `max_inflight` bounds the transfers it has posted and
+    not seen finish."""
 
     def __init__(self, ring: PutRing, peers: Sequence[Any], *, spin: bool = False, max_inflight: int = 256) -> None:
         if not isinstance(ring, PutRing):
@@ -101,7 +105,7 @@ class PutProxy:
         deadline = time.monotonic() + timeout
         while self._inflight and time.monotonic() < deadline:
             self._reap()
-            time.sleep(IDLE_MIN)
+            time.sleep(1e-5)
         for c, t, posted, _ in self._inflight:
             posted.cancel()
             self._finish(c, t, E_CANCELED, "the proxy stopped before it finished")
@@ -121,21 +125,17 @@ class PutProxy:
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
-        idle = IDLE_MIN
+        ring = self.ring
+        fine_timer_slack()                  # this thread's 2 us sleeps are 2 us, not 52
         try:
             while not self._stop.is_set():
-                moved = False
                 if len(self._inflight) < self.max_inflight:
-                    for d in self.ring.take_all():
+                    for d in ring.take_all():
                         self._post(*d)
-                        moved = True
                 if self._inflight:
-                    moved = self._reap() or moved
-                if moved or self.spin:
-                    idle = IDLE_MIN
-                    continue
-                time.sleep(idle)
-                idle = min(IDLE_MAX, idle * 2)
+                    self._reap()
+                else:
+                    ring.wait_any(IDLE_WAIT, self.spin)
         except Exception:                   # a bug, not a descriptor: say so, and fail what waits
             log.exception("kvflow put proxy stopped")
             self.ring.shut()
