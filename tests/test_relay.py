@@ -244,120 +244,119 @@ asyncio.run(main())
 """
 
 
-async def test_a_slow_member_back_pressures_its_sender_through_the_lane_credits(make_engine, tmp_path):
+@pytest.fixture
+def member_process(tmp_path):
+    """The relay member of node0 on rail 1 in a process of its own (so it
+    can be stopped and killed), its group folder tmp_path; yields the Popen
+    once its engine is up."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    member = subprocess.Popen([sys.executable, "-c", _MEMBER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": root}, text=True)
+    try:
+        assert member.stdout.readline().strip()
+        yield member
+    finally:
+        if member.poll() is None:
+            member.send_signal(signal.SIGCONT)
+            member.stdin.close()
+            try:
+                member.wait(20)
+            except subprocess.TimeoutExpired:
+                member.kill()
+                member.wait(10)
+
+
+async def _through_member(make_engine, tmp_path, seed):
+    """node0's rank 0 (here) and node1's rank 1 (here): 48 MiB of random
+    bytes to write, a zeroed pool, the peer; one write through the member
+    process first, so that our lane in its segment is claimed."""
+    d = str(tmp_path)
+    sender = await make_engine(protocols=["tcp"], relay=RelayGroup("node0", 0, 0, directory=d))
+    dest = await make_engine(protocols=["tcp"], relay=RelayGroup("node1", 1, 1, directory=d))
+    src = np.random.default_rng(seed).integers(0, 256, 48 << 20, dtype=np.uint8)
+    s = sender.register(src)
+    pool = np.zeros(48 << 20, np.uint8)
+    dest.register(pool, name="kv")
+    peer = await bounded(sender.connect(dest.address))
+    dst = peer.region("kv").addr
+    await bounded(peer.write([s.addr], [dst], [4096]))
+    assert sender.relay_stats()["lanes_used"] == 1
+    pool[:] = 0
+    return sender, src, s, pool, peer, dst
+
+
+async def test_a_slow_member_back_pressures_its_sender_through_the_lane_credits(make_engine, tmp_path,
+                                                                                 member_process):
     """The member on rail 1 is another process, stopped (SIGSTOP) for a
     while and then run in short bursts: a slow relay. The sender's 48 MiB
     write (12 slots through a lane of 4) waits for credits instead of
     failing or overrunning: while the member is stopped, no slot beyond the
     lane's 4 is rung and nothing lands; in every sample, rung - collected
     <= 4; once the member runs, every byte lands, in place."""
+    import glob
     import json
     import os
     import signal
-    import subprocess
-    import sys
     import time
     from kvflow._lanes import Lanes
     from kvflow.engine.lanes import LANE_SLOTS
 
-    d = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    member = subprocess.Popen([sys.executable, "-c", _MEMBER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": root}, text=True)
-    try:
-        loop = asyncio.get_running_loop()
-        assert (await bounded(loop.run_in_executor(None, member.stdout.readline))).strip()
-        sender = await make_engine(protocols=["tcp"], relay=RelayGroup("node0", 0, 0, directory=d))
-        dest = await make_engine(protocols=["tcp"], relay=RelayGroup("node1", 1, 1, directory=d))
-        src = np.random.default_rng(11).integers(0, 256, 48 << 20, dtype=np.uint8)
-        s = sender.register(src)
-        pool = np.zeros(48 << 20, np.uint8)
-        dest.register(pool, name="kv")
-        peer = await bounded(sender.connect(dest.address))
-        dst = peer.region("kv").addr
-        await bounded(peer.write([s.addr], [dst], [4096]))            # the lane is claimed
-        pool[:] = 0
-        import glob
-        recs = [json.load(open(f)) for f in glob.glob(os.path.join(d, "kvflow-relay-node0", "*"))]
-        rec = next(r for r in recs if r.get("pid") == member.pid)       # the member's group file
-        seg = Lanes(rec["lanes"])
-        lane = next(i for i in range(seg.lanes) if seg.owner_of(i) == os.getpid())
-        base = seg.state(lane)
+    member = member_process
+    sender, src, s, pool, peer, dst = await _through_member(make_engine, tmp_path, 11)
+    recs = [json.load(open(f)) for f in glob.glob(os.path.join(str(tmp_path), "kvflow-relay-node0", "*"))]
+    rec = next(r for r in recs if r.get("pid") == member.pid)           # the member's group file
+    seg = Lanes(rec["lanes"])
+    lane = next(i for i in range(seg.lanes) if seg.owner_of(i) == os.getpid())
+    base = seg.state(lane)
+    member.send_signal(signal.SIGSTOP)
+    t = peer.write_nowait([s.addr], [dst], [48 << 20])
+    samples = []
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:                               # stopped: credits run out
+        samples.append(seg.state(lane))
+        await asyncio.sleep(0.01)
+    assert not t.done(), "the write finished through a stopped member"
+    held = seg.state(lane)
+    assert held["rung"] - base["rung"] == LANE_SLOTS                  # four slots filled, no more
+    assert not pool.any()                                             # and nothing landed
+    for _ in range(40):                                               # then slow: short bursts
+        member.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.02)
         member.send_signal(signal.SIGSTOP)
-        t = peer.write_nowait([s.addr], [dst], [48 << 20])
-        samples = []
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:                           # stopped: credits run out
-            samples.append(seg.state(lane))
-            await asyncio.sleep(0.01)
-        assert not t.done(), "the write finished through a stopped member"
-        held = seg.state(lane)
-        assert held["rung"] - base["rung"] == LANE_SLOTS              # four slots filled, no more
-        assert not pool.any()                                         # and nothing landed
-        for _ in range(40):                                           # then slow: short bursts
-            member.send_signal(signal.SIGCONT)
-            await asyncio.sleep(0.02)
-            member.send_signal(signal.SIGSTOP)
-            samples.append(seg.state(lane))
-            await asyncio.sleep(0.05)
-            if t.done():
-                break
-        member.send_signal(signal.SIGCONT)
-        await bounded(t)
-        assert all(x["rung"] - x["collected"] <= LANE_SLOTS for x in samples)
-        assert sha(pool) == sha(src)
-        assert sender.relay_stats()["relayed_bytes"] >= 48 << 20
-        seg.close()
-    finally:
-        member.send_signal(signal.SIGCONT)
-        member.stdin.close()
-        try:
-            member.wait(20)
-        except subprocess.TimeoutExpired:
-            member.kill()
+        samples.append(seg.state(lane))
+        await asyncio.sleep(0.05)
+        if t.done():
+            break
+    member.send_signal(signal.SIGCONT)
+    await bounded(t)
+    assert all(x["rung"] - x["collected"] <= LANE_SLOTS for x in samples)
+    assert sha(pool) == sha(src)
+    assert sender.relay_stats()["relayed_bytes"] >= 48 << 20
+    seg.close()
 
 
-async def test_a_member_process_killed_mid_write_is_written_around(make_engine, tmp_path):
+async def test_a_member_process_killed_mid_write_is_written_around(make_engine, tmp_path, member_process):
     """The member on rail 1, another process, is stopped with four slots of
     a 48 MiB write in its lane and then killed (SIGKILL: no close, its group
     file stays): the sender sees the process gone and writes every part
     directly; the write completes, every byte in place; the next write to
     that rail goes directly (a dead process's file is ignored)."""
-    import os
     import signal
-    import subprocess
-    import sys
-    d = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    member = subprocess.Popen([sys.executable, "-c", _MEMBER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": root}, text=True)
-    try:
-        loop = asyncio.get_running_loop()
-        assert (await bounded(loop.run_in_executor(None, member.stdout.readline))).strip()
-        sender = await make_engine(protocols=["tcp"], relay=RelayGroup("node0", 0, 0, directory=d))
-        dest = await make_engine(protocols=["tcp"], relay=RelayGroup("node1", 1, 1, directory=d))
-        src = np.random.default_rng(12).integers(0, 256, 48 << 20, dtype=np.uint8)
-        s = sender.register(src)
-        pool = np.zeros(48 << 20, np.uint8)
-        dest.register(pool, name="kv")
-        peer = await bounded(sender.connect(dest.address))
-        dst = peer.region("kv").addr
-        await bounded(peer.write([s.addr], [dst], [4096]))            # through the member: its lane is ours
-        assert sender.relay_stats()["lanes_used"] == 1
-        pool[:] = 0
-        member.send_signal(signal.SIGSTOP)
-        t = peer.write_nowait([s.addr], [dst], [48 << 20])
-        await asyncio.sleep(0.3)
-        assert not t.done()
-        member.kill()
-        member.wait(10)
-        await bounded(t)
-        assert sha(pool) == sha(src)
-        assert sender.relay_stats()["rerouted_bytes"] == 48 << 20
-        before = sender.relay_stats()["relayed_bytes"]
-        await bounded(peer.write([s.addr], [dst], [1 << 20]))
-        assert sender.relay_stats()["relayed_bytes"] == before
-    finally:
-        if member.poll() is None:
-            member.kill()
-            member.wait(10)
+    member = member_process
+    sender, src, s, pool, peer, dst = await _through_member(make_engine, tmp_path, 12)
+    member.send_signal(signal.SIGSTOP)
+    t = peer.write_nowait([s.addr], [dst], [48 << 20])
+    await asyncio.sleep(0.3)
+    assert not t.done()
+    member.kill()
+    member.wait(10)
+    await bounded(t)
+    assert sha(pool) == sha(src)
+    assert sender.relay_stats()["rerouted_bytes"] == 48 << 20
+    before = sender.relay_stats()["relayed_bytes"]
+    await bounded(peer.write([s.addr], [dst], [1 << 20]))
+    assert sender.relay_stats()["relayed_bytes"] == before
