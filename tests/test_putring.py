@@ -278,3 +278,16 @@ def test_proxy_arguments_are_checked():
     with pytest.raises(kvflow.InvalidArgumentError, match="started"):
         p.start()
     p.close()
+
+
+def test_the_host_mode_of_the_gpu_put_tool_runs():
+    """tools/gpu_put.py --host, which measures the proxy's cost per put that
+    the docs quote, on a few puts: it moves the bytes and reports them."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("gpu_put", os.path.join(ROOT, "tools", "gpu_put.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_put"] = mod
+    spec.loader.exec_module(mod)
+    res = asyncio.run(mod.run_host("local", n=20))
+    assert res["puts"] == 20 and 0 < res["post_poll_p50_us"] and 0 < res["put_p50_us"] < 1e6

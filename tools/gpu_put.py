@@ -6,12 +6,18 @@ this machine over tcp; every row is checked against the same product on
 the host.
 
     python3 tools/gpu_put.py --json          # on a machine with a CUDA GPU and torch
+    python3 tools/gpu_put.py --host --json   # anywhere: host threads as the producers
 
 Prints, with --json, one JSON line: verified (every row equal), the
 statuses, and the put latency from kvf_put to the kernel seeing its
 completion (%globaltimer), p50 and p99 over the blocks of one launch
 (`blocks` puts at once) and over `--repeats` launches of one block (one
 put alone: the proxy's round trip plus the tcp write of 16 KiB).
+
+--host: no GPU; a host thread is the producer (PutRing.post, then wait,
+the same protocol), 4 KiB puts one at a time over local and tcp; beside
+them the same writes with write_blocking(), and post_write() polled from
+a thread (what the proxy does per put); p50 and p99 in microseconds.
 """
 from __future__ import annotations
 
@@ -101,13 +107,66 @@ async def run(rows: int = 4096, dim_in: int = 64, dim_out: int = 256, rows_per_b
                 "proxy": stats}
 
 
+async def run_host(protocol: str, n: int = 2000, size: int = 4096) -> dict[str, Any]:
+    """The proxy's cost per put without a GPU (see the module's text)."""
+    import time
+    import kvflow
+    from kvflow.engine.proxy import OP_PUT, PutProxy, PutRing
+
+    def quantiles(xs: list[float]) -> tuple[float, float]:
+        return round(float(np.median(xs)) * 1e6, 1), round(float(np.quantile(xs, 0.99)) * 1e6, 1)
+
+    async with kvflow.Engine("127.0.0.1:0", protocols=(protocol,)) as a, \
+            kvflow.Engine("127.0.0.1:0", protocols=(protocol,)) as b:
+        src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+        s = a.register(src)
+        dst = np.zeros(size, np.uint8)
+        b.register(dst, name="kv")
+        peer = await a.connect(b.address)
+        remote = peer.region("kv").addr
+        ring = PutRing(1, 64)
+
+        def timed(one: Any) -> list[float]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                one()
+                out.append(time.perf_counter() - t0)
+            return out
+
+        def through_ring() -> None:
+            if ring.wait(0, ring.post(0, OP_PUT, 0, s.addr, remote, size)) != 0:
+                raise RuntimeError("a put failed")
+
+        def posted() -> None:
+            p = peer.post_write([s.addr], [remote], [size])
+            while not p.poll():
+                pass
+
+        loop = asyncio.get_running_loop()
+        with PutProxy(ring, [peer]):
+            put = await loop.run_in_executor(None, timed, through_ring)
+        blocking = await loop.run_in_executor(None, timed, lambda: peer.write_blocking([s.addr], [remote], [size]))
+        poll = await loop.run_in_executor(None, timed, posted)
+        assert np.array_equal(dst, src)
+        return {"protocol": protocol, "bytes": size, "puts": n, "put_p50_us": quantiles(put)[0],
+                "put_p99_us": quantiles(put)[1], "write_blocking_p50_us": quantiles(blocking)[0],
+                "post_poll_p50_us": quantiles(poll)[0]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--rows-per-block", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--host", action="store_true", help="no GPU: host threads as producers, local and tcp")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.host:
+        rows = [asyncio.run(run_host(p)) for p in ("local", "tcp")]
+        for r in rows:
+            print(json.dumps(r) if args.json else "  ".join(f"{k} {v}" for k, v in r.items()))
+        return 0
     res = asyncio.run(run(args.rows, rows_per_block=args.rows_per_block, repeats=args.repeats))
     print(json.dumps(res) if args.json else "\n".join(f"{k:>16}: {v}" for k, v in res.items()))
     return 0 if res["verified"] and res["statuses"] == [0] else 1

@@ -377,10 +377,7 @@ class Peer:
             assert relay is not None
 
             async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
-                t = self._submit_awaited(OP_WRITE, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
-                                         np.asarray(n, dtype=np.uint64), None)
-                if t is not None:
-                    await t
+                await self._host_op(OP_WRITE, l, r, n)
 
             async def relayed() -> None:
                 try:
@@ -403,22 +400,25 @@ class Peer:
         if t is not None:
             await t
 
+    async def _host_op(self, op: int, l: Any, r: Any, n: Any) -> None:
+        """One host-memory batch on the native path, no rerouting: the legs
+        of a staged transfer, and a relayed write's parts written around a
+        lost member."""
+        t = self._submit_awaited(op, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
+                                 np.asarray(n, dtype=np.uint64), None)
+        if t is not None:
+            await t
+
     async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
         gpu = self._engine._gpu
         if gpu is None:             # host memory here, GPU memory there: only writes land in it
             gpu = self._engine._gpu_memory()
 
-        async def host(op_: int, l: Any, r: Any, n: Any) -> None:
-            t = self._submit_awaited(op_, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
-                                     np.asarray(n, dtype=np.uint64), None)
-            if t is not None:
-                await t
-
         async def write(l: Any, r: Any, n: Any) -> None:
-            await host(OP_WRITE, l, r, n)
+            await self._host_op(OP_WRITE, l, r, n)
 
         async def read(l: Any, r: Any, n: Any) -> None:
-            await host(OP_READ, l, r, n)
+            await self._host_op(OP_READ, l, r, n)
 
         reach = self._engine._reach(self)
         run = gpu.write(self, la, ra, ln, write, self._gpu_table, reach) if op == OP_WRITE else \

@@ -67,8 +67,8 @@ class PutProxy:
     descriptor's peer field indexes this list) from a thread of its own.
     While nothing is posted it waits for a descriptor natively, the GIL
     released (PutRing.wait_any): yielding, then sleeping 2 us, then 20 us
-    between looks (its timer slack set to 1 us); `spin=True` never sleeps (the lowest latency, a core's
-    worth of polling). While something is posted it polls that (each poll
+    between looks (its timer slack set to 1 us); `spin=True` never sleeps
+    (the lowest latency, a core's worth of polling). While something is posted it polls that (each poll
     waits up to 50 us for it, the GIL released) and takes new descriptors
     between polls. `max_inflight` bounds the transfers it has posted and
     not seen finish."""
@@ -160,8 +160,8 @@ class PutProxy:
             return
         self._inflight.append((channel, ticket, posted, length))
 
-    def _reap(self) -> bool:
-        still, moved = [], False
+    def _reap(self) -> None:
+        still = []
         for item in self._inflight:
             channel, ticket, posted, length = item
             try:
@@ -170,13 +170,10 @@ class PutProxy:
                     continue
             except KVFlowError as e:
                 self._finish(channel, ticket, status_of(e), str(e))
-                moved = True
                 continue
             self._stats["bytes"] += length
             self._finish(channel, ticket, 0)
-            moved = True
         self._inflight = still
-        return moved
 
     def _finish(self, channel: int, ticket: int, status: int, text: str = "") -> None:
         self.ring.finish(channel, ticket, status)
