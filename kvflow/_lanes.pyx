@@ -79,6 +79,11 @@ cdef extern from *:
         __atomic_fetch_add(bell, 1, __ATOMIC_RELEASE);
         syscall(SYS_futex, bell, FUTEX_WAKE, 1, NULL, NULL, 0);
     }
+    /* the same, as a CUDA host function (CUhostFn: void (*)(void *)): a
+       stream rings the bell after the doorbell it wrote (cuLaunchHostFunc) */
+    static void kvf_ring_host(void *bell) { kvf_ring((unsigned int *)bell); }
+    static unsigned long long kvf_ring_host_addr(void) { return (unsigned long long)(size_t)&kvf_ring_host; }
+    static inline void kvf_fence_rel(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
     static inline unsigned int kvf_bell(unsigned int *bell) { return __atomic_load_n(bell, __ATOMIC_ACQUIRE); }
     static inline void kvf_wait_bell(unsigned int *bell, unsigned int seen, long timeout_ns) {
         struct timespec ts = { timeout_ns / 1000000000L, timeout_ns % 1000000000L };
@@ -91,6 +96,8 @@ cdef extern from *:
     int kvf_cas(unsigned long long *p, unsigned long long expect, unsigned long long v) nogil
     void kvf_ring(unsigned int *bell) nogil
     unsigned int kvf_bell(unsigned int *bell) nogil
+    unsigned long long kvf_ring_host_addr() nogil
+    void kvf_fence_rel() nogil
     void kvf_wait_bell(unsigned int *bell, unsigned int seen, long timeout_ns) nogil
 
 DEF MAGIC = 0x6b76666c6f776c6e    # "kvflowln"
@@ -101,6 +108,9 @@ DEF LANE_BYTES = 192               # owner, reserve, consumed: a cache line each
 DEF SLOT_BYTES = 256               # ready, done, status, collected: a cache line each
 DEF E_BYTES = 1024                 # the end of a slot's meta area: the consumer's error text
 ERROR_BYTES = E_BYTES
+# the address of `void ring(void *bell)`: what a CUDA stream calls (cuLaunchHostFunc,
+# with Lanes.bell_addr) to wake the consumer after a doorbell it wrote itself
+RING_FN = kvf_ring_host_addr()
 
 # header words
 DEF H_MAGIC = 0
@@ -260,6 +270,35 @@ cdef class Lanes:
     def data_bytes(self):
         return <uint64_t>self.lanes * self.slots * self.slot_bytes
 
+    @property
+    def base_addr(self):
+        """Where the segment is mapped in this process (page-aligned)."""
+        return <uint64_t>self.base if self.base != NULL else 0
+
+    @property
+    def control_bytes(self):
+        """The header, lane and slot words from base_addr, in whole pages:
+        what a producer maps for its GPU (cuMemHostRegister) so that a
+        stream can write the doorbells."""
+        return (self.meta_off + 4095) & ~(<uint64_t>4095)
+
+    @property
+    def bell_addr(self):
+        """The bell's address in this mapping (RING_FN's argument)."""
+        return <uint64_t>self.base + H_BELL * 8 if self.base != NULL else 0
+
+    def ready_addr(self, uint32_t lane, uint64_t ticket):
+        """The address in this mapping of ticket's doorbell word: the
+        consumer takes the slot once it holds ticket + 1."""
+        return <uint64_t>self._slot(lane, ticket, 0)
+
+    def slot_index(self, uint32_t lane, uint64_t ticket):
+        """Ticket's slot, counted over the whole segment (lane-major): where
+        its data lies in a slot area of the same shape elsewhere (a member's
+        device lanes)."""
+        self._slot(lane, ticket, 0)
+        return <uint64_t>lane * self.slots + ticket % self.slots
+
     def slot_addr(self, uint32_t lane, uint64_t ticket):
         """The address of ticket's slot's data in this process's mapping."""
         self._slot(lane, ticket, 0)
@@ -334,6 +373,25 @@ cdef class Lanes:
         memcpy(meta + 4, <const char *>request, rn)
         kvf_st_rel(ready, ticket + 1)                   # the doorbell: after the copy
         kvf_ring(<unsigned int *>&(<uint64_t *>self.base)[H_BELL])     # and the consumer woken
+
+    def publish(self, uint32_t lane, uint64_t ticket, bytes request):
+        """Writes ticket's request and does not ring its doorbell: for a
+        slot whose data another agent copies, which then writes the doorbell
+        itself, ordered after its copy (a CUDA stream: cuStreamWriteValue64
+        of ticket + 1 at ready_addr, then RING_FN(bell_addr)). The request's
+        stores come before the release fence, and the fence before the call
+        that queues the copy and the doorbell: by the time the agent writes
+        the doorbell, which the consumer reads with acquire, they are
+        visible. The caller has checked the credit."""
+        cdef char *meta
+        cdef uint32_t rn = len(request)
+        self._slot(lane, ticket, 0)                     # the segment open, the lane in range
+        meta = self._meta(lane, ticket)
+        if rn + 4 > self.meta_bytes - E_BYTES:
+            raise LaneError(f"publish: a request of {rn} bytes does not fit the slot's {self.meta_bytes - E_BYTES}")
+        memcpy(meta, &rn, 4)
+        memcpy(meta + 4, <const char *>request, rn)
+        kvf_fence_rel()
 
     def collect(self, uint32_t lane, uint64_t ticket):
         """None while ticket is not done; else (code, error text), and the

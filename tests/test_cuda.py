@@ -225,3 +225,58 @@ async def test_a_kernel_puts_its_layer_from_the_device_through_the_proxy():
     assert res["verified"] and res["statuses"] == [0], res
     assert res["blocks"] == 32 and res["proxy"][0]["finished"] == 32 and res["proxy"][1]["finished"] == 5
     assert 0 < res["single_p50_us"] < 100_000
+
+
+_GPU_MEMBER = """
+import asyncio, sys, kvflow
+async def main():
+    async with kvflow.Engine("127.0.0.1:0", protocols=("tcp",),
+                             relay=kvflow.RelayGroup("node0", 1, 1, directory=sys.argv[1], device=0)) as eng:
+        print(eng.address, eng.relay_stats()["device_lanes"], flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+asyncio.run(main())
+"""
+
+
+@gpu
+@pytest.mark.parametrize("member_in", ["this process", "its own process"])
+@pytest.mark.parametrize("dst_kind", ["host", "cuda"])
+async def test_gpu_batches_relay_through_device_lanes(make_engine, tmp_path, member_in, dst_kind):
+    """A 48 MiB write from GPU memory to a destination on another rail goes
+    through the member on that rail by its device lanes: each slot copied
+    GPU to GPU (CUDA IPC when the member is another process), its doorbell
+    written by the sender's stream; every byte lands, in host or GPU
+    memory, and the sender's counters say every byte took the device lanes."""
+    torch = _torch()
+    d = str(tmp_path)
+    member = None
+    if member_in == "this process":
+        m = await make_engine(protocols=["tcp"], relay=kvflow.RelayGroup("node0", 1, 1, directory=d, device=0))
+        assert m.relay_stats()["device_lanes"] == 1
+    else:
+        member = subprocess.Popen([sys.executable, "-c", _GPU_MEMBER, d], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT}, text=True)
+    try:
+        if member is not None:
+            assert member.stdout.readline().split()[1] == "1"
+        sender = await make_engine(protocols=["tcp"], relay=kvflow.RelayGroup("node0", 0, 0, directory=d))
+        dest = await make_engine(protocols=["tcp"], relay=kvflow.RelayGroup("node1", 1, 1, directory=d))
+        n = 48 << 20
+        host = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        src = host.cuda()
+        pool = torch.zeros(n, dtype=torch.uint8, device="cuda" if dst_kind == "cuda" else "cpu")
+        torch.cuda.synchronize()
+        s = sender.register(src, name="src")
+        dest.register(pool, name="kv")
+        peer = await bounded(sender.connect(dest.address))
+        dst = peer.region("kv").addr
+        offs = np.arange(48, dtype=np.uint64) * np.uint64(1 << 20)
+        await bounded(peer.write(s.addr + offs, dst + offs, np.full(48, 1 << 20, np.uint64)), 120)
+        torch.cuda.synchronize()
+        assert _sha_tensor(pool) == _sha_tensor(host)
+        stats = sender.relay_stats()
+        assert stats["device_lane_bytes"] == n and stats["relayed_bytes"] == n and stats["rerouted_bytes"] == 0
+    finally:
+        if member is not None:
+            member.stdin.close()
+            member.wait(30)

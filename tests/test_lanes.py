@@ -240,3 +240,61 @@ def test_error_text_is_bounded():
         assert code == 9 and len(text) == ERROR_BYTES - 4
     finally:
         seg.close()
+
+
+def test_a_doorbell_written_by_another_agent():
+    """The device lanes' protocol on host memory: publish() writes a request
+    and rings nothing; the slot is taken only once another agent (here a
+    thread, as a CUDA stream would) stores ticket + 1 at ready_addr, and
+    RING_FN(bell_addr), called as a C function (as cuLaunchHostFunc calls
+    it), wakes a consumer asleep on the bell. The addresses a GPU is given
+    lie where the segment's words are: inside control_bytes (whole pages)."""
+    from kvflow._lanes import RING_FN
+    name = seg_name()
+    member = Lanes(name, create=True, lanes=3, slots=4, slot_bytes=SLOT, meta_bytes=8192)
+    try:
+        producer = Lanes(name)
+        assert producer.base_addr % 4096 == 0 and producer.control_bytes % 4096 == 0
+        for lane in range(3):
+            for t in range(4):
+                word = producer.ready_addr(lane, t)
+                assert producer.base_addr <= word and word + 8 <= producer.base_addr + producer.control_bytes
+                assert word % 8 == 0
+                i = producer.slot_index(lane, t)
+                assert member.slot_addr(lane, t) == member.data_addr + i * SLOT and i == lane * 4 + t
+        assert producer.control_bytes < producer.size                  # the meta and data areas stay out
+        assert producer.slot_index(1, 6) == producer.slot_index(1, 2)    # ticket 6 wraps onto slot 2
+        lane = producer.claim(os.getpid())
+        assert producer.reserve(lane) == 0
+        producer.publish(lane, 0, b"device request")
+        seen = member.bell()
+        assert member.take(lane) is None and member.bell() == seen    # published, no doorbell, no bell
+
+        ring = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(RING_FN)
+        woke = threading.Event()
+
+        def consumer():
+            member.wait_bell(seen, 10.0)
+            woke.set()
+
+        t = threading.Thread(target=consumer)
+        t.start()
+        time.sleep(0.2)
+        assert not woke.is_set()                                       # asleep on the bell
+        ctypes.c_uint64.from_address(producer.ready_addr(lane, 0)).value = 1     # the doorbell: ticket + 1
+        ring(producer.bell_addr)
+        t.join(5)
+        assert woke.is_set() and member.bell() == seen + 1
+        assert member.take(lane) == (0, b"device request")
+        member.finish(lane, 0)
+        assert producer.collect(lane, 0) == (0, "")
+        assert producer.reserve(lane) == 1
+        with pytest.raises(LaneError, match="does not fit"):
+            producer.publish(lane, 1, b"x" * 8192)
+        with pytest.raises(LaneError):
+            producer.ready_addr(3, 0)
+        producer.close()
+        with pytest.raises(LaneError, match="closed"):
+            producer.publish(lane, 1, b"")
+    finally:
+        member.close()

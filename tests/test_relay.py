@@ -360,3 +360,32 @@ async def test_a_member_process_killed_mid_write_is_written_around(make_engine, 
     before = sender.relay_stats()["relayed_bytes"]
     await bounded(peer.write([s.addr], [dst], [1 << 20]))
     assert sender.relay_stats()["relayed_bytes"] == before
+
+
+async def test_device_lanes_asked_for_where_cuda_is_not_usable(make_engine, tmp_path, caplog):
+    """RelayGroup(device=0) on a machine without a usable GPU: the member
+    says why it has no device lanes, publishes none, and relays host memory
+    as before."""
+    if kvflow.cuda.available():
+        pytest.skip("CUDA is usable here: tests/test_cuda.py runs the device lanes")
+    import json
+    import logging
+    d = str(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        member = await make_engine(protocols=["tcp"], relay=RelayGroup("node0", 1, 1, directory=d, device=0))
+    assert "no device lanes on cuda:0" in caplog.text
+    assert member.relay_stats()["device_lanes"] == 0
+    assert json.load(open(tmp_path / "kvflow-relay-node0" / "1.json"))["device_lanes"] is None
+    sender = await make_engine(protocols=["tcp"], relay=RelayGroup("node0", 0, 0, directory=d))
+    dest = await make_engine(protocols=["tcp"], relay=RelayGroup("node1", 1, 1, directory=d))
+    src = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8)
+    s = sender.register(src)
+    pool = np.zeros(8 << 20, np.uint8)
+    dest.register(pool, name="kv")
+    peer = await bounded(sender.connect(dest.address))
+    await bounded(peer.write([s.addr], [peer.region("kv").addr], [8 << 20]))
+    assert sha(pool) == sha(src)
+    stats = sender.relay_stats()
+    assert stats["relayed_bytes"] == 8 << 20 and stats["device_lane_bytes"] == 0
+    with pytest.raises(kvflow.InvalidArgumentError, match="device"):
+        RelayGroup("node0", 2, 2, device=-1)

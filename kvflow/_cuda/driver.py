@@ -20,10 +20,10 @@ from typing import Any, Iterator
 
 from kvflow.errors import CudaError, ProviderUnavailableError
 
-__all__ = ["Event", "PinnedHost", "Stream", "available", "copy_async", "device_count", "device_of_uuid",
-           "device_uuid", "driver", "ipc_close", "ipc_handle", "ipc_open", "on_device", "pointer_location",
-           "reason", "use_device", "worth_asking",
-           "IPC_HANDLE_BYTES"]
+__all__ = ["DeviceMemory", "Event", "HostMapping", "PinnedHost", "Stream", "available", "copy_async",
+           "device_count", "device_of_uuid", "device_uuid", "driver", "ipc_close", "ipc_handle", "ipc_open",
+           "launch_host_func", "on_device", "pointer_location", "reason", "stream_mem_ops", "use_device",
+           "worth_asking", "write_value64", "IPC_HANDLE_BYTES"]
 
 IPC_HANDLE_BYTES = 64           # sizeof(CUipcMemHandle)
 
@@ -290,6 +290,82 @@ class PinnedHost:
             with on_device(self.device):
                 check(_cu.cuMemFreeHost(self.addr), "cuMemFreeHost")
             self.addr = 0
+
+
+class DeviceMemory:
+    """Device memory of its own (cuMemAlloc on `device`): what kvflow
+    allocates itself, as a relay member's device lanes."""
+
+    def __init__(self, size: int, device: int = 0) -> None:
+        cu = driver()
+        self.device, self.size = device, size
+        with on_device(device):
+            self.addr = int(check(cu.cuMemAlloc(size), "cuMemAlloc"))
+
+    def close(self) -> None:
+        if self.addr:
+            with on_device(self.device):
+                check(_cu.cuMemFree(self.addr), "cuMemFree")
+            self.addr = 0
+
+
+class HostMapping:
+    """Host memory this process already maps (a shared-memory segment, say)
+    made reachable by the GPUs (cuMemHostRegister, portable and mapped):
+    `device_addr` is its address on the device, so that a stream can write
+    into it (write_value64). Page-aligned ranges only."""
+
+    def __init__(self, addr: int, size: int, device: int = 0) -> None:
+        cu = driver()
+        if addr % 4096 or size % 4096 or size <= 0:
+            raise CudaError(f"a host mapping is whole pages, not {addr:#x}+{size}")
+        flags = int(getattr(cu, "CU_MEMHOSTREGISTER_PORTABLE", 1)) | int(getattr(cu, "CU_MEMHOSTREGISTER_DEVICEMAP", 2))
+        self.device = device
+        with on_device(device):
+            check(cu.cuMemHostRegister(addr, size, flags), "cuMemHostRegister")
+            self.addr, self.size = addr, size
+            try:
+                self.device_addr = int(check(cu.cuMemHostGetDevicePointer(addr, 0), "cuMemHostGetDevicePointer"))
+            except BaseException:
+                cu.cuMemHostUnregister(addr)
+                self.addr = 0
+                raise
+
+    def close(self) -> None:
+        if self.addr:
+            with on_device(self.device):
+                check(_cu.cuMemHostUnregister(self.addr), "cuMemHostUnregister")
+            self.addr = 0
+
+
+def stream_mem_ops(device: int) -> bool:
+    """Whether `device` takes 64-bit stream memory operations
+    (cuStreamWriteValue64): what a stream-ordered doorbell needs."""
+    cu = driver()
+    dev = check(cu.cuDeviceGet(device), f"cuDeviceGet({device})")
+    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+    return bool(check(cu.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
+
+
+def write_value64(stream: Stream, device_addr: int, value: int) -> None:
+    """Queues a write of the 64-bit `value` at `device_addr` on `stream`,
+    after the work queued before it. The default flags put a system-wide
+    memory fence before the write: whoever sees the value (a CPU reading a
+    mapped host word, say) also sees what the stream's earlier copies
+    wrote. The stream's device's context must be current."""
+    cu = _cu
+    check(cu.cuStreamWriteValue64(stream.handle, device_addr, value,
+                                  int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
+          "cuStreamWriteValue64")
+
+
+def launch_host_func(stream: Stream, fn_addr: int, user_data: int) -> None:
+    """Queues a call of the C function at `fn_addr` (void fn(void *)) with
+    `user_data` on `stream`, after the work queued before it (on a thread
+    of the driver's; the function must call nothing of CUDA). The
+    stream's device's context must be current."""
+    cu = _cu
+    check(cu.cuLaunchHostFunc(stream.handle, cu.CUhostFn(fn_addr), user_data), "cuLaunchHostFunc")
 
 
 def copy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:

@@ -186,7 +186,9 @@ class Engine:
     on another rail goes through the group's member on that rail, which
     posts it on its own NIC (side="receive": over this engine's rail to the
     destination node's member on it, which copies it over inside its node);
-    host memory; kvflow.engine.relay, relay_stats().
+    host and GPU memory (RelayGroup(device=N): this member's device lanes,
+    into which senders copy their GPU batches; never run on a GPU yet);
+    kvflow.engine.relay, relay_stats().
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -341,7 +343,10 @@ class Engine:
                                         a, n, nm, Access.READ | Access.WRITE, True, None),
                                     deregister_host=self.deregister, connect=self.connect,
                                     local_spans=lambda: [(r.addr, r.end) for r in self._regions.values()
-                                                         if r.kind == HOST])
+                                                         if r.kind == HOST],
+                                    gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
+                                    register_device=lambda a, n, nm: self.register((a, n), name=nm,
+                                                                                   access=Access(0)))
                 self._relay.publish()
                 self._rerouting = True
             self._server.handlers.update(self._control_handlers())

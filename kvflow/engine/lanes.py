@@ -27,6 +27,10 @@ cancelled write's tickets are still seen through, in the background: a
 reserved ticket is published empty, a filled one collected, so the lane
 never stalls; bytes already rung may still land (as with any write whose
 slices reached the wire).
+
+A member with device lanes (kvflow.engine.device_lanes) also takes slots
+whose data a sender's GPU copied into its GPU memory; the request says
+which ("m": 1).
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ import msgpack
 import numpy as np
 
 from kvflow._lanes import LaneError, Lanes
-from kvflow.errors import KVFlowError, PeerLostError, ProtocolError, RemoteAccessError
+from kvflow.engine.device_lanes import DeviceLaneArea, DeviceLaneFiller
+from kvflow.errors import CudaError, KVFlowError, PeerLostError, ProtocolError, RemoteAccessError
 
 __all__ = ["LANES", "LANE_SLOTS", "LaneClient", "LaneServer"]
 
@@ -102,6 +107,7 @@ class LaneServer:
             raise
         self._inflight = [0] * LANES
         self._task: asyncio.Task[None] | None = None
+        self.device: DeviceLaneArea | None = None      # device lanes, when the member has them
         self.forwarded_bytes = 0
         self.reclaimed = 0
 
@@ -148,7 +154,13 @@ class LaneServer:
                 if not isinstance(to, str) or not isinstance(pieces, list) or not pieces:
                     raise ValueError
                 la, ra, ln = [], [], []
-                base = seg.slot_addr(lane, ticket)
+                if msg.get("m"):                        # its data is in our device lanes
+                    if self.device is None:
+                        seg.finish(lane, ticket, REFUSED, f"relay via {self._relay_address}: no device lanes")
+                        return
+                    base = self.device.slot_addr(seg, lane, ticket)
+                else:
+                    base = seg.slot_addr(lane, ticket)
                 for off, remote, n in pieces:
                     if not (isinstance(off, int) and isinstance(remote, int) and isinstance(n, int)) or \
                             n <= 0 or off < 0 or off + n > seg.slot_bytes:
@@ -181,21 +193,27 @@ class LaneServer:
             self._task = None
 
     def free(self, deregister: bool = True) -> None:
-        """Unmaps and unlinks the segment (after the engine's core closed)."""
+        """Unmaps and unlinks the segment, frees the device lanes (after the
+        engine's core closed)."""
         if deregister:
             try:
                 self._deregister_host(self._region)
             except KVFlowError:
                 pass
+        if self.device is not None:
+            self.device.free(deregister)
+            self.device = None
         self.seg.close()
 
 
 class LaneClient:
     """A sender's lane in one member's segment."""
 
-    def __init__(self, name: str, member_pid: int, member: str) -> None:
+    def __init__(self, name: str, member_pid: int, member: str, device_lanes: dict[str, Any] | None = None) -> None:
         self.seg = Lanes(name)
         self.member, self.member_pid = member, member_pid
+        self._device_lanes = device_lanes           # the member's record of them, or None
+        self._fillers: dict[int, DeviceLaneFiller | None] = {}
         self.lane = self.seg.claim(os.getpid())
         if self.lane < 0:
             self.seg.close()
@@ -217,30 +235,71 @@ class LaneClient:
                 self._check_member()
             await poll.wait(False)
 
-    async def send(self, destination: str, part: Any) -> None:
+    def filler(self, device: int) -> DeviceLaneFiller | None:
+        """The way into the member's device lanes from our GPU `device`
+        (made on first use), or None: the member has none, or they cannot
+        be reached from it (another node's GPU, no stream memory
+        operations, the driver refused): then slots go through host memory."""
+        if device in self._fillers:
+            return self._fillers[device]
+        made = None
+        if self._device_lanes is not None:
+            try:
+                made = DeviceLaneFiller(self.seg, self._device_lanes, device, self.member_pid == os.getpid())
+            except (CudaError, KVFlowError, KeyError, ValueError) as e:
+                log.info("kvflow relay: no device lanes of %s from cuda:%d (%s)", self.member, device, e)
+        self._fillers[device] = made
+        return made
+
+    async def send(self, destination: str, part: Any, filler: DeviceLaneFiller | None = None) -> None:
         """One slot's worth of a batch (a Packed part: entries of (slot
         offset, local address, remote address, length)) to `destination`
-        through the member; returns once it landed there."""
+        through the member; returns once it landed there. With `filler`
+        the local addresses are GPU memory, copied into the member's device
+        lanes by our stream."""
         seg, lane = self.seg, self.lane
-        request = msgpack.packb({"to": destination, "e": [[off, r, n] for off, _, r, n in part.entries]})
+        body: dict[str, Any] = {"to": destination, "e": [[off, r, n] for off, _, r, n in part.entries]}
+        if filler is not None:
+            body["m"] = 1
+        request = msgpack.packb(body)
         if len(request) + 4 > META_BYTES - 1024:
             raise ProtocolError(f"a relayed slot of {len(part.entries)} pieces does not fit a lane request")
         ticket = seg.reserve(lane)
         fill: Any = None
+        event: Any = None
         try:
             await self._until(lambda: seg.credit(lane, ticket))
-            args = (lane, ticket, [l for _, l, _, _ in part.entries], [off for off, _, _, _ in part.entries],
-                    [n for _, _, _, n in part.entries], request)
-            if part.nbytes <= INLINE_COPY:
-                seg.fill(*args)
-                fill = True
+            if filler is not None:
+                fill = True                 # published (or, if it raises, published empty)
+                event = filler.fill(seg, lane, ticket, [(off, l, n) for off, l, _, n in part.entries], request)
+
+                def look() -> Any:
+                    got = seg.collect(lane, ticket)
+                    if got is None and not event.done():    # raises CudaError if a copy failed
+                        return None
+                    return got
+                code, text = await self._until(look)
             else:
-                fill = asyncio.get_running_loop().run_in_executor(None, seg.fill, *args)
-                await asyncio.shield(fill)
-            code, text = await self._until(lambda: seg.collect(lane, ticket))
+                args = (lane, ticket, [l for _, l, _, _ in part.entries], [off for off, _, _, _ in part.entries],
+                        [n for _, _, _, n in part.entries], request)
+                if part.nbytes <= INLINE_COPY:
+                    seg.fill(*args)
+                    fill = True
+                else:
+                    fill = asyncio.get_running_loop().run_in_executor(None, seg.fill, *args)
+                    await asyncio.shield(fill)
+                code, text = await self._until(lambda: seg.collect(lane, ticket))
+        except CudaError:
+            if filler is not None and event is not None:
+                filler.give_up(seg, lane, ticket)       # the copy failed: the doorbell never comes
+            self._see_through(ticket, fill)
+            raise
         except BaseException:
             self._see_through(ticket, fill)
             raise
+        finally:
+            if event is not None:
+                event.close()
         if code == UNDELIVERED:
             raise PeerLostError(f"relay member {self.member} could not forward: {text}", peer=self.member)
         if code:
@@ -270,6 +329,10 @@ class LaneClient:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        for f in self._fillers.values():
+            if f is not None:
+                f.close(self.seg)
+        self._fillers.clear()
         try:
             if self.seg.pending(self.lane) == 0:
                 self.seg.leave(self.lane, os.getpid())

@@ -163,11 +163,13 @@ class Peer:
         memory on either side: kvflow.engine.gpu), the address of the relay
         member a write goes through (the peer's rail is not ours:
         kvflow.engine.relay), or None (the native path)."""
-        if (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra):
-            return _STAGED
         relay = self._engine._relay
         if op == OP_WRITE and relay is not None:
-            return relay.route(self.descriptor)
+            via = relay.route(self.descriptor)
+            if via is not None:             # GPU memory too: the relay copies or stages it
+                return via
+        if (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra):
+            return _STAGED
         return None
 
     def _staged(self, la: Any, ra: Any) -> bool:
@@ -377,7 +379,10 @@ class Peer:
             assert relay is not None
 
             async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
-                await self._host_op(OP_WRITE, l, r, n)
+                if (self._remote_gpu or self._engine._gpu is not None) and self._staged(l, r):
+                    await self._staged_op(OP_WRITE, l, r, n, None)
+                else:
+                    await self._host_op(OP_WRITE, l, r, n)
 
             async def relayed() -> None:
                 try:

@@ -41,8 +41,18 @@ written again, the same bytes to the same place. Later writes go directly
 while the group lists no live member on that rail. A refusal by the
 destination itself is not rerouted: it fails the write as any refusal does.
 
-Not built yet: GPU memory through the relay (CUDA IPC and a stream-ordered
-doorbell).
+GPU memory: a member with `RelayGroup(device=N)` also has device lanes
+(kvflow.engine.device_lanes), the data of its lane slots in GPU N's
+memory. A sender whose batch lies in GPU memory copies each slot's worth
+there with its copy engine (CUDA IPC) and its stream writes the slot's
+doorbell after the copy (cuStreamWriteValue64); the member forwards it
+from its GPU memory as any write from there. A GPU batch toward a member
+without device lanes (or whose lanes our GPU cannot reach) takes the
+inbox path, which stages it through host memory; a GPU batch written
+directly (no member, one lost) is staged as any other. Host-memory
+batches may land in the destination's GPU memory either way: the member
+writes them there as it writes any. The device path has not run on a GPU
+yet (tools/gpu_check.sh runs it).
 """
 from __future__ import annotations
 
@@ -52,7 +62,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NamedTuple
 
 import numpy as np
 
@@ -62,8 +72,9 @@ from kvflow._lanes import LaneError
 from kvflow.engine.blocks import first_outside
 from kvflow.engine.inbox import Inbox, Lease
 from kvflow.engine.lanes import LaneClient, LaneServer
-from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError, RemoteAccessError,
-                           UnregisteredMemoryError)
+from kvflow.engine.device_lanes import DeviceLaneArea
+from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, ProtocolError,
+                           RemoteAccessError, UnregisteredMemoryError)
 from kvflow.providers.cuda.staging import BouncePool, pack
 
 __all__ = ["INBOX", "Relay", "RelayGroup", "RELAY_SLOT", "RELAY_SLOTS"]
@@ -89,7 +100,10 @@ class RelayGroup:
     destination inside its node: the decode side takes NIC + copy).
     `lanes`: the send side's hop inside the node goes through shared-memory
     lanes (kvflow.engine.lanes); False: by a control message per slot into
-    the member's inbox (what the receive side always does)."""
+    the member's inbox (what the receive side always does).
+    `device`: the GPU (this process's ordinal) whose memory holds this
+    member's device lanes, into which senders copy their GPU batches'
+    slots (kvflow.engine.device_lanes); None: host lanes only."""
 
     name: str
     rank: int
@@ -98,6 +112,7 @@ class RelayGroup:
     directory: str = "/dev/shm"
     side: str = "send"
     lanes: bool = True
+    device: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -106,28 +121,47 @@ class RelayGroup:
             raise InvalidArgumentError("a relay group's rank and rail are non-negative ints")
         if self.side not in SIDES:
             raise InvalidArgumentError(f"a relay group's side is one of {', '.join(SIDES)}, not {self.side!r}")
+        if self.device is not None and not (isinstance(self.device, int) and self.device >= 0):
+            raise InvalidArgumentError("a relay group's device is a GPU's ordinal (a non-negative int) or None")
 
     @property
     def folder(self) -> str:
         return os.path.join(self.directory, f"kvflow-relay-{self.name}")
 
 
+class _Member(NamedTuple):
+    """Another member of the group, as its file says."""
+
+    address: str
+    pid: int
+    path: str
+    lanes: str                              # its lane segment's name ("": none)
+    device_lanes: dict[str, Any] | None     # its device lanes (DeviceLaneArea.record), or None
+
+
 class Relay:
     """One engine's membership of its relay group: its inbox (lent to the
     other members), their forwards, and its own relayed writes.
-    `register_host(addr, n, name)` registers the inbox with the engine;
-    `connect(address)` reaches a peer (the destinations and the members)."""
+    `register_host(addr, n, name)` registers the inbox with the engine,
+    `register_device(addr, n, name)` device lanes (a GPU region peers may
+    not touch); `connect(address)` reaches a peer (the destinations and
+    the members); `local_spans()` the engine's host regions, `gpu_regions()`
+    its GPU regions' table (None: it has none)."""
 
     def __init__(self, group: RelayGroup, address: str, *, register_host: Callable[[int, int, str], Any],
                  deregister_host: Callable[[Any], None], connect: Callable[[str], Any],
                  local_spans: Callable[[], list[tuple[int, int]]],
+                 gpu_regions: Callable[[], Any] = lambda: None,
+                 register_device: Callable[[int, int, str], Any] | None = None,
                  slot_bytes: int = RELAY_SLOT, slots: int = RELAY_SLOTS) -> None:
         self.group = group
         self.address = group.address or address
         self._connect = connect
         self._register_host = register_host
+        self._register_device = register_device
         self._deregister_host = deregister_host
         self._local_spans = local_spans
+        self._gpu_regions = gpu_regions
         self._regions: list[Any] = []
         self._lanes: LaneServer | None = None           # ours, drained by this engine
         self._clients: dict[str, LaneClient | None] = {}   # member address -> our lane in its segment
@@ -140,10 +174,11 @@ class Relay:
         self.inbox = Inbox(INBOX, BouncePool(slot_bytes, slots, allocate))
         self.slot_bytes = slot_bytes
         self.relayed_bytes = 0          # this engine's writes that went through another member
+        self.device_lane_bytes = 0      # ... of them, copied GPU to GPU into its device lanes
         self.rerouted_bytes = 0         # ... that went directly instead, their member lost on the way
         self.forwarded_bytes = 0        # other members' writes this engine posted
         self._file = os.path.join(group.folder, f"{group.rank}.json")
-        self._members: dict[int, tuple[str, int, str, str]] = {}   # rail -> (address, pid, file, lanes)
+        self._members: dict[int, _Member] = {}     # rail -> the member on it
         self._read_at = -MEMBERS_TTL
 
     def describe(self) -> dict[str, Any]:
@@ -170,11 +205,21 @@ class Relay:
                 self._lanes.start()
             except LaneError as e:      # no shared memory here: the members use the inbox path with us
                 log.warning("kvflow relay: no lanes for %s (%s); relayed slots go by messages", self.address, e)
+        if self._lanes is not None and self.group.device is not None and self._lanes.device is None and \
+                self._register_device is not None:
+            try:
+                self._lanes.device = DeviceLaneArea(self._lanes.seg, self.group.device, self._register_device,
+                                                    self._deregister_host)
+            except KVFlowError as e:    # no CUDA here, no memory, no stream memory operations
+                log.warning("kvflow relay: no device lanes on cuda:%d for %s (%s); GPU batches are staged",
+                            self.group.device, self.address, e)
+        device = self._lanes.device if self._lanes is not None else None
         os.makedirs(self.group.folder, exist_ok=True)
         tmp = f"{self._file}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({"rank": self.group.rank, "rail": self.group.rail, "address": self.address,
-                       "pid": os.getpid(), "lanes": self._lanes.name if self._lanes is not None else ""}, f)
+                       "pid": os.getpid(), "lanes": self._lanes.name if self._lanes is not None else "",
+                       "device_lanes": device.record if device is not None else None}, f)
         os.replace(tmp, self._file)             # readers see the whole file or none
 
     def unpublish(self) -> None:
@@ -219,9 +264,9 @@ class Relay:
             return self._clients[address]
         client = None
         for found in self._members.values():
-            if found[0] == address and found[3]:
+            if found.address == address and found.lanes:
                 try:
-                    client = LaneClient(found[3], found[1], address)
+                    client = LaneClient(found.lanes, found.pid, address, found.device_lanes)
                 except LaneError as e:
                     log.info("kvflow relay: no lane toward %s (%s): slots go by messages", address, e)
                 break
@@ -240,7 +285,7 @@ class Relay:
         found = self._members.get(rail)
         if found is None:
             return None
-        address, pid, path, _ = found
+        address, pid, path = found.address, found.pid, found.path
         try:
             os.stat(path)                       # left the group (its engine closed)
             os.kill(pid, 0)                     # or its process died: the file is stale
@@ -249,8 +294,8 @@ class Relay:
             return None
         return address
 
-    def _read_members(self) -> dict[int, tuple[str, int, str, str]]:
-        out: dict[int, tuple[str, int, str, str]] = {}
+    def _read_members(self) -> dict[int, _Member]:
+        out: dict[int, _Member] = {}
         try:
             names = sorted(os.listdir(self.group.folder))
         except OSError:
@@ -263,8 +308,10 @@ class Relay:
                 with open(path) as f:
                     rec = json.load(f)
                 if rec["rank"] != self.group.rank:
-                    out.setdefault(int(rec["rail"]), (str(rec["address"]), int(rec["pid"]), path,
-                                                      str(rec.get("lanes", ""))))
+                    device = rec.get("device_lanes")
+                    out.setdefault(int(rec["rail"]), _Member(str(rec["address"]), int(rec["pid"]), path,
+                                                             str(rec.get("lanes", "")),
+                                                             device if isinstance(device, dict) else None))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
         return out
@@ -305,7 +352,13 @@ class Relay:
                          [n for _, _, _, n in part.entries])
             self.rerouted_bytes += part.nbytes
         lane = self._lane_to(member.address) if self.group.side == "send" and self.group.lanes else None
-        if lane is not None:
+        device = self._source_device(la, ln)
+        filler = None
+        if lane is not None and device is not None:
+            filler = lane.filler(device)
+            if filler is None:
+                lane = None         # GPU memory, no device lanes to reach: the inbox path stages it
+        if lane is not None and filler is None:
             # memcpy from our memory: every range must be registered (the
             # inbox path had the native core check them)
             local = np.asarray(la, np.uint64)
@@ -313,18 +366,21 @@ class Relay:
             if bad >= 0:
                 raise UnregisteredMemoryError(f"relayed write: entry {bad} ({int(local[bad]):#x}) is not in this "
                                               "engine's registered memory", index=bad)
+        if lane is not None:
 
             lost_lane = False
 
             async def by_lane(part: Any) -> None:
                 nonlocal lost_lane
                 try:
-                    await lane.send(destination, part)
+                    await lane.send(destination, part, filler)
                 except PeerLostError as lost:
                     lost_lane = True
                     await around(part, lost)
                     return
                 self.relayed_bytes += part.nbytes
+                if filler is not None:
+                    self.device_lane_bytes += part.nbytes
 
             try:
                 await gather_or_cancel([by_lane(p) for p in packed])
@@ -358,6 +414,28 @@ class Relay:
             await gather_or_cancel([one(p) for p in packed])
         finally:
             lease.release()
+
+    def _source_device(self, la: Any, ln: Any) -> int | None:
+        """The GPU a batch's local entries lie on (each inside one of our
+        GPU regions), or None: they are host memory (checked later).
+        Raises for a batch that mixes GPUs, or GPU and host memory."""
+        table = self._gpu_regions()
+        if not table:
+            return None
+        local = np.asarray(la, np.uint64)
+        if not table.any_in(local):
+            return None
+        devices = set()
+        for i, (l, n) in enumerate(zip(local.tolist(), np.asarray(ln, np.uint64).tolist())):
+            region = table.find(l, n)
+            if region is None:
+                raise InvalidArgumentError(f"a relayed batch's local entries must all be in one GPU's memory or all "
+                                           f"in host memory: entry {i} ({l:#x}+{n}) is in no GPU region", index=i)
+            devices.add(region.device)
+        if len(devices) > 1:
+            raise InvalidArgumentError("a relayed batch's local entries must all be on one GPU or all in host "
+                                       "memory")
+        return devices.pop()
 
     # ------------------------------------------------------------ member
     async def on_forward(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
@@ -393,5 +471,7 @@ class Relay:
                 "forwarded_bytes": self.forwarded_bytes + (lanes.forwarded_bytes if lanes is not None else 0),
                 "leases": self.inbox.leased,
                 "lane_forwarded_bytes": lanes.forwarded_bytes if lanes is not None else 0,
+                "device_lane_bytes": self.device_lane_bytes,
+                "device_lanes": int(lanes is not None and lanes.device is not None),
                 "lanes_used": sum(1 for c in self._clients.values() if c is not None)}
 
