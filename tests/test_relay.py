@@ -389,3 +389,22 @@ async def test_device_lanes_asked_for_where_cuda_is_not_usable(make_engine, tmp_
     assert stats["relayed_bytes"] == 8 << 20 and stats["device_lane_bytes"] == 0
     with pytest.raises(kvflow.InvalidArgumentError, match="device"):
         RelayGroup("node0", 2, 2, device=-1)
+
+
+def test_the_relay_throughput_tool_runs_on_host_memory():
+    """tools/gpu_relay.py --memory host (the GPU check runs it on cuda
+    memory): the member in a process of its own, direct and relayed writes
+    side by side, every byte verified, the relayed ones counted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "gpu_relay.py"), "--memory", "host",
+                          "--mib", "8", "--rounds", "2", "--json"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["verified"] and res["member_device_lanes"] == 0
+    assert res["relayed_bytes"] == 3 * (8 << 20) and res["rerouted_bytes"] == 0     # the warm-up and 2 rounds
+    assert res["direct_gbps"] > 0 and res["relayed_gbps"] > 0

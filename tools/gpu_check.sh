@@ -3,7 +3,7 @@
 # the device tool; docs/gpu.md), at most about 9 minutes. Builds
 # kvflow in place (with its CUDA module), runs the CUDA and staging tests and
 # the PD example with its model and KV pools on the GPU,
-# then tools/gpu_bench.py, and writes into OUTDIR (default $OUT, else
+# then tools/gpu_bench.py, tools/gpu_put.py and tools/gpu_relay.py, and writes into OUTDIR (default $OUT, else
 # ./gpu-check): gpu_check.json (the bench), tests.txt, gpu_check.md (a
 # markdown table). Carried wheels in .whl/ (Mooncake's, NIXL's) are
 # installed first when present.
@@ -29,12 +29,15 @@ $PY -c "import kvflow, kvflow.cuda; print(kvflow.features, kvflow.cuda.available
 timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py \
   "tests/test_pd_e2e.py::test_disaggregated_generation_matches_single_process" > "$OUTDIR/tests.txt" 2>&1
 echo "tests rc=$?" >> "$OUTDIR/env.txt"
-timeout 200 $PY tools/gpu_bench.py --blocks 64,1024,16384 --rounds 5 --anchor-seconds 1 \
+timeout 180 $PY tools/gpu_bench.py --blocks 64,1024,16384 --rounds 5 --anchor-seconds 1 \
   --json "$OUTDIR/gpu_check.json" > "$OUTDIR/bench.txt" 2>&1
 echo "bench rc=$?" >> "$OUTDIR/env.txt"
 # GPU-initiated puts, proxy mode: a kernel puts its layer from the device (p50 latency)
 timeout 60 $PY tools/gpu_put.py --json > "$OUTDIR/gpu_put.json" 2>"$OUTDIR/gpu_put.err"
 echo "gpu_put rc=$?" >> "$OUTDIR/env.txt"
+# the relay's copy-engine hop behind the network: 64 MiB direct and relayed through device lanes
+timeout 60 $PY tools/gpu_relay.py --json > "$OUTDIR/gpu_relay.json" 2>"$OUTDIR/gpu_relay.err"
+echo "gpu_relay rc=$?" >> "$OUTDIR/env.txt"
 $PY - "$OUTDIR" <<'PYEOF'
 import json, os, sys
 out = sys.argv[1]
@@ -53,6 +56,10 @@ try:
     lines += ["", "gpu_put: " + open(os.path.join(out, "gpu_put.json")).read().strip()]
 except OSError as e:
     lines.append(f"gpu_put: no results ({e})")
+try:
+    lines += ["", "gpu_relay: " + open(os.path.join(out, "gpu_relay.json")).read().strip()]
+except OSError as e:
+    lines.append(f"gpu_relay: no results ({e})")
 open(os.path.join(out, "gpu_check.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF
