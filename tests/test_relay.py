@@ -366,6 +366,7 @@ async def test_device_lanes_asked_for_where_cuda_is_not_usable(make_engine, tmp_
     """RelayGroup(device=0) on a machine without a usable GPU: the member
     says why it has no device lanes, publishes none, and relays host memory
     as before."""
+    import kvflow.cuda
     if kvflow.cuda.available():
         pytest.skip("CUDA is usable here: tests/test_cuda.py runs the device lanes")
     import json
@@ -408,3 +409,27 @@ def test_the_relay_throughput_tool_runs_on_host_memory():
     assert res["verified"] and res["member_device_lanes"] == 0
     assert res["relayed_bytes"] == 3 * (8 << 20) and res["rerouted_bytes"] == 0     # the warm-up and 2 rounds
     assert res["direct_gbps"] > 0 and res["relayed_gbps"] > 0
+
+
+async def test_peers_may_not_touch_a_members_lanes(make_engine, tmp_path):
+    """A member's lane slots hold other senders' bytes: registered as the
+    source of its forwards only, so a peer's write into them (or read from
+    them) is refused, and relayed writes still go through."""
+    eng = await _cluster(make_engine, "tcp", tmp_path)
+    member, outsider = eng[(0, 1)], eng[(1, 0)]
+    src = np.ones(4096, np.uint8)
+    s = outsider.register(src)
+    peer = await bounded(outsider.connect(member.address))
+    lanes = peer.region("kvflow.relay.lanes")
+    with pytest.raises(kvflow.RemoteAccessError):
+        await bounded(peer.write([s.addr], [lanes.addr], [4096]))
+    with pytest.raises(kvflow.RemoteAccessError):
+        await bounded(peer.read([s.addr], [lanes.addr], [4096]))
+    sender, dest = eng[(0, 0)], eng[(1, 1)]
+    data = np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8)
+    d = sender.register(data)
+    pool = np.zeros(1 << 20, np.uint8)
+    dest.register(pool, name="kv")
+    to = await bounded(sender.connect(dest.address))
+    await bounded(to.write([d.addr], [to.region("kv").addr], [1 << 20]))
+    assert sha(pool) == sha(data) and sender.relay_stats()["lanes_used"] == 1

@@ -339,8 +339,8 @@ class Engine:
                 self._providers = {n: running[n] for n in PROVIDERS if n in running}
             if self._relay_group is not None:
                 self._relay = Relay(self._relay_group, self.address,
-                                    register_host=lambda a, n, nm: self._register_host(
-                                        a, n, nm, Access.READ | Access.WRITE, True, None),
+                                    register_host=lambda a, n, nm, access=Access.READ | Access.WRITE:
+                                        self._register_host(a, n, nm, access, True, None),
                                     deregister_host=self.deregister, connect=self.connect,
                                     local_spans=lambda: [(r.addr, r.end) for r in self._regions.values()
                                                          if r.kind == HOST],

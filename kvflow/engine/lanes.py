@@ -46,6 +46,7 @@ import numpy as np
 from kvflow._lanes import LaneError, Lanes
 from kvflow.engine.device_lanes import DeviceLaneArea, DeviceLaneFiller
 from kvflow.errors import CudaError, KVFlowError, PeerLostError, ProtocolError, RemoteAccessError
+from kvflow.memory import Access
 
 __all__ = ["LANES", "LANE_SLOTS", "LaneClient", "LaneServer"]
 
@@ -91,7 +92,7 @@ class LaneServer:
     """A member's lanes: the segment, registered with the engine as the
     source of its forwards, and the drain task."""
 
-    def __init__(self, name: str, slot_bytes: int, *, register_host: Callable[[int, int, str], Any],
+    def __init__(self, name: str, slot_bytes: int, *, register_host: Callable[..., Any],
                  deregister_host: Callable[[Any], None], connect: Callable[[str], Awaitable[Any]],
                  relay_address: str) -> None:
         self.seg = Lanes(name, create=True, lanes=LANES, slots=LANE_SLOTS, slot_bytes=slot_bytes,
@@ -101,7 +102,9 @@ class LaneServer:
         self._connect = connect
         self._relay_address = relay_address
         try:
-            self._region = register_host(self.seg.data_addr, self.seg.data_bytes, "kvflow.relay.lanes")
+            # the source of our forwards only: peers may neither read the
+            # senders' slots nor write into them
+            self._region = register_host(self.seg.data_addr, self.seg.data_bytes, "kvflow.relay.lanes", Access(0))
         except BaseException:
             self.seg.close()
             raise

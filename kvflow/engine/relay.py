@@ -142,13 +142,14 @@ class _Member(NamedTuple):
 class Relay:
     """One engine's membership of its relay group: its inbox (lent to the
     other members), their forwards, and its own relayed writes.
-    `register_host(addr, n, name)` registers the inbox with the engine,
+    `register_host(addr, n, name[, access])` registers the inbox (and the
+    lanes, without remote access) with the engine,
     `register_device(addr, n, name)` device lanes (a GPU region peers may
     not touch); `connect(address)` reaches a peer (the destinations and
     the members); `local_spans()` the engine's host regions, `gpu_regions()`
     its GPU regions' table (None: it has none)."""
 
-    def __init__(self, group: RelayGroup, address: str, *, register_host: Callable[[int, int, str], Any],
+    def __init__(self, group: RelayGroup, address: str, *, register_host: Callable[..., Any],
                  deregister_host: Callable[[Any], None], connect: Callable[[str], Any],
                  local_spans: Callable[[], list[tuple[int, int]]],
                  gpu_regions: Callable[[], Any] = lambda: None,
