@@ -42,7 +42,7 @@ from typing import Any, Callable
 from kvflow._lanes import RING_FN, Lanes
 from kvflow.errors import CudaError, KVFlowError
 
-__all__ = ["DeviceLaneArea", "DeviceLaneFiller"]
+__all__ = ["DeviceLaneArea", "DeviceLaneFiller", "close_control", "map_control"]
 
 log = logging.getLogger("kvflow")
 
@@ -87,12 +87,21 @@ class DeviceLaneArea:
             log.warning("kvflow relay: freeing the device lanes: %s", e)
 
 
-class DeviceLaneFiller:
-    """A sender's way into one member's device lanes: their mapping here,
-    the segment's control words mapped for this GPU, and a stream of its
-    own on `device` (the GPU the sender's batches are on)."""
+def map_control(seg: Lanes, device: int) -> Any:
+    """The segment's control words mapped for the GPUs (cuMemHostRegister,
+    portable: one mapping serves every GPU of this process; the same range
+    cannot be registered twice)."""
+    from kvflow._cuda import driver as drv
+    return drv.HostMapping(seg.base_addr, seg.control_bytes, device)
 
-    def __init__(self, seg: Lanes, record: dict[str, Any], device: int, same_process: bool) -> None:
+
+class DeviceLaneFiller:
+    """A sender's way into one member's device lanes from GPU `device` (the
+    GPU its batches are on): their mapping here, a stream of its own, and
+    `control`, the segment's control words mapped for the GPUs
+    (map_control; its owner closes it after the fillers)."""
+
+    def __init__(self, seg: Lanes, record: dict[str, Any], device: int, same_process: bool, control: Any) -> None:
         from kvflow._cuda import driver as drv
         self._drv = drv
         self.device = device
@@ -106,10 +115,9 @@ class DeviceLaneFiller:
             self.base = int(record["addr"])
         else:
             self.base = self._opened = drv.ipc_open(bytes.fromhex(record["ipc"]), device)
-        self._map: Any = None
+        self._map = control
         self._stream: Any = None
         try:
-            self._map = drv.HostMapping(seg.base_addr, seg.control_bytes, device)
             self._stream = drv.Stream(device)
         except BaseException:
             self.close(seg)
@@ -158,17 +166,20 @@ class DeviceLaneFiller:
 
     def close(self, seg: Lanes) -> None:
         """After the last ticket was collected: the stream drained and
-        closed, the control words and the device lanes unmapped."""
+        closed, the device lanes unmapped (the control words are the
+        owner's)."""
         drv = self._drv
-        stream, mapping, opened = self._stream, self._map, self._opened
+        stream, opened = self._stream, self._opened
         if stream is not None:
             _quietly(seg, "stream", lambda: (self.drain(), stream.close()))
-        if mapping is not None:
-            _quietly(seg, "control words", mapping.close)
         if opened:
             _quietly(seg, "device lanes", lambda: drv.ipc_close(opened, self.device))
         self._stream = self._map = None
         self._opened = 0
+
+
+def close_control(seg: Lanes, control: Any) -> None:
+    _quietly(seg, "control words", control.close)
 
 
 def _quietly(seg: Lanes, what: str, undo: Callable[[], Any]) -> None:

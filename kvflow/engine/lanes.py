@@ -44,7 +44,7 @@ import msgpack
 import numpy as np
 
 from kvflow._lanes import LaneError, Lanes
-from kvflow.engine.device_lanes import DeviceLaneArea, DeviceLaneFiller
+from kvflow.engine.device_lanes import DeviceLaneArea, DeviceLaneFiller, close_control, map_control
 from kvflow.errors import CudaError, KVFlowError, PeerLostError, ProtocolError, RemoteAccessError
 from kvflow.memory import Access
 
@@ -217,6 +217,7 @@ class LaneClient:
         self.member, self.member_pid = member, member_pid
         self._device_lanes = device_lanes           # the member's record of them, or None
         self._fillers: dict[int, DeviceLaneFiller | None] = {}
+        self._control: Any = None                   # the segment's control words mapped for our GPUs
         self.lane = self.seg.claim(os.getpid())
         if self.lane < 0:
             self.seg.close()
@@ -248,7 +249,10 @@ class LaneClient:
         made = None
         if self._device_lanes is not None:
             try:
-                made = DeviceLaneFiller(self.seg, self._device_lanes, device, self.member_pid == os.getpid())
+                if self._control is None:
+                    self._control = map_control(self.seg, device)
+                made = DeviceLaneFiller(self.seg, self._device_lanes, device, self.member_pid == os.getpid(),
+                                        self._control)
             except (CudaError, KVFlowError, KeyError, ValueError) as e:
                 log.info("kvflow relay: no device lanes of %s from cuda:%d (%s)", self.member, device, e)
         self._fillers[device] = made
@@ -336,6 +340,9 @@ class LaneClient:
             if f is not None:
                 f.close(self.seg)
         self._fillers.clear()
+        if self._control is not None:
+            close_control(self.seg, self._control)
+            self._control = None
         try:
             if self.seg.pending(self.lane) == 0:
                 self.seg.leave(self.lane, os.getpid())
