@@ -258,7 +258,8 @@ async def test_gpu_batches_relay_through_device_lanes(make_engine, tmp_path, mem
                                   stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT}, text=True)
     try:
         if member is not None:
-            assert member.stdout.readline().split()[1] == "1"
+            line = await bounded(asyncio.get_running_loop().run_in_executor(None, member.stdout.readline), 60)
+            assert line.split()[1:] == ["1"], f"the member process said {line!r}"
         sender = await make_engine(protocols=["tcp"], relay=kvflow.RelayGroup("node0", 0, 0, directory=d))
         dest = await make_engine(protocols=["tcp"], relay=kvflow.RelayGroup("node1", 1, 1, directory=d))
         n = 48 << 20
@@ -276,6 +277,7 @@ async def test_gpu_batches_relay_through_device_lanes(make_engine, tmp_path, mem
         assert _sha_tensor(pool) == _sha_tensor(host)
         stats = sender.relay_stats()
         assert stats["device_lane_bytes"] == n and stats["relayed_bytes"] == n and stats["rerouted_bytes"] == 0
+        await sender.close()        # its mapping of the member's device lanes closes before they are freed
     finally:
         if member is not None:
             member.stdin.close()

@@ -22,7 +22,8 @@ from kvflow.errors import CudaError, ProviderUnavailableError
 
 __all__ = ["DeviceMemory", "Event", "HostMapping", "PinnedHost", "Stream", "available", "copy_async",
            "device_count", "device_of_uuid", "device_uuid", "driver", "ipc_close", "ipc_handle", "ipc_open",
-           "launch_host_func", "on_device", "pointer_location", "reason", "stream_mem_ops", "use_device",
+           "launch_host_func", "on_device", "pointer_location", "reason", "stream_mem_ops", "stream_wait_event",
+           "use_device",
            "worth_asking", "write_value64", "IPC_HANDLE_BYTES"]
 
 IPC_HANDLE_BYTES = 64           # sizeof(CUipcMemHandle)
@@ -357,6 +358,12 @@ def write_value64(stream: Stream, device_addr: int, value: int) -> None:
     check(cu.cuStreamWriteValue64(stream.handle, device_addr, value,
                                   int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)),
           "cuStreamWriteValue64")
+
+
+def stream_wait_event(stream: Stream, event: "Event") -> None:
+    """Work queued on `stream` from now waits for `event` (recorded on
+    another stream of the same device). Its context must be current."""
+    check(_cu.cuStreamWaitEvent(stream.handle, event.handle, 0), "cuStreamWaitEvent")
 
 
 def launch_host_func(stream: Stream, fn_addr: int, user_data: int) -> None:

@@ -39,12 +39,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from kvflow._lanes import RING_FN, Lanes
+import uuid
+
+from kvflow._lanes import RING_FN, LaneError, Lanes
 from kvflow.errors import CudaError, KVFlowError
 
 __all__ = ["DeviceLaneArea", "DeviceLaneFiller", "close_control", "map_control"]
 
 log = logging.getLogger("kvflow")
+
+# names this process in a member's record: a sender in the member's own
+# process uses the raw address (a pid could match across PID namespaces)
+PROCESS = uuid.uuid4().hex
 
 
 class DeviceLaneArea:
@@ -65,7 +71,8 @@ class DeviceLaneArea:
                 raise CudaError(f"cuda:{device} takes no 64-bit stream memory operations (the doorbell)")
             self._region = register(self._mem.addr, self._mem.size, "kvflow.relay.device-lanes")
             self.record = {"ipc": drv.ipc_handle(self._mem.addr, device).hex(),
-                           "uuid": drv.device_uuid(device).hex(), "addr": self._mem.addr, "bytes": self._mem.size}
+                           "uuid": drv.device_uuid(device).hex(), "addr": self._mem.addr, "bytes": self._mem.size,
+                           "process": PROCESS}
         except BaseException:
             self._mem.close()
             raise
@@ -101,7 +108,7 @@ class DeviceLaneFiller:
     `control`, the segment's control words mapped for the GPUs
     (map_control; its owner closes it after the fillers)."""
 
-    def __init__(self, seg: Lanes, record: dict[str, Any], device: int, same_process: bool, control: Any) -> None:
+    def __init__(self, seg: Lanes, record: dict[str, Any], device: int, control: Any) -> None:
         from kvflow._cuda import driver as drv
         self._drv = drv
         self.device = device
@@ -110,15 +117,19 @@ class DeviceLaneFiller:
             raise CudaError(f"device lanes of {size} bytes for a segment of {seg.lanes} x {seg.slots} slots")
         if not drv.stream_mem_ops(device):
             raise CudaError(f"cuda:{device} takes no 64-bit stream memory operations (the doorbell)")
+        if drv.device_of_uuid(bytes.fromhex(record["uuid"])) is None:
+            raise CudaError(f"the member's GPU {record['uuid']} is not visible here")
         self._opened = 0
-        if same_process:                # IPC handles do not open in the process that made them
+        if record.get("process") == PROCESS:    # IPC handles do not open in the process that made them
             self.base = int(record["addr"])
         else:
             self.base = self._opened = drv.ipc_open(bytes.fromhex(record["ipc"]), device)
         self._map = control
         self._stream: Any = None
+        self._bells: Any = None
         try:
             self._stream = drv.Stream(device)
+            self._bells = drv.Stream(device)    # the bell's host functions: never in the copies' way
         except BaseException:
             self.close(seg)
             raise
@@ -129,19 +140,28 @@ class DeviceLaneFiller:
         event behind them. Raises CudaError once the slot is published empty
         (the stream drained first), so the lane goes on."""
         drv = self._drv
+        if self._stream is None or self._bells is None:
+            raise LaneError("the device lanes' filler is closed")      # before anything is published
         seg.publish(lane, ticket, request)
-        dst = self.base + seg.slot_index(lane, ticket) * seg.slot_bytes
-        doorbell = self._map.device_addr + (seg.ready_addr(lane, ticket) - seg.base_addr)
-        event = drv.Event(self.device)
+        event: Any = None
         try:
+            dst = self.base + seg.slot_index(lane, ticket) * seg.slot_bytes
+            doorbell = self._map.device_addr + (seg.ready_addr(lane, ticket) - seg.base_addr)
+            event = drv.Event(self.device)
             with drv.on_device(self.device):
                 for off, src, n in pieces:
                     drv.copy_async(dst + off, src, n, self._stream)
                 drv.write_value64(self._stream, doorbell, ticket + 1)
-                drv.launch_host_func(self._stream, RING_FN, seg.bell_addr)
             event.record(self._stream)
+            # the bell on a stream of its own, behind the doorbell: a host
+            # function blocks the work queued after it on its stream, and
+            # the next slot's copy must not wait for the driver's callback
+            with drv.on_device(self.device):
+                drv.stream_wait_event(self._bells, event)
+                drv.launch_host_func(self._bells, RING_FN, seg.bell_addr)
         except BaseException as e:
-            event.close()
+            if event is not None:
+                _quietly(seg, "event", event.close)
             self.give_up(seg, lane, ticket)
             if isinstance(e, CudaError):
                 raise
@@ -169,12 +189,17 @@ class DeviceLaneFiller:
         closed, the device lanes unmapped (the control words are the
         owner's)."""
         drv = self._drv
-        stream, opened = self._stream, self._opened
+        stream, bells, opened = self._stream, self._bells, self._opened
         if stream is not None:
-            _quietly(seg, "stream", lambda: (self.drain(), stream.close()))
+            _quietly(seg, "copies", self.drain)
+            _quietly(seg, "stream", stream.close)
+        if bells is not None:
+            _quietly(seg, "bells", lambda: drv.check(drv.driver().cuStreamSynchronize(bells.handle),
+                                                     "cuStreamSynchronize"))
+            _quietly(seg, "bell stream", bells.close)
         if opened:
             _quietly(seg, "device lanes", lambda: drv.ipc_close(opened, self.device))
-        self._stream = self._map = None
+        self._stream = self._bells = None
         self._opened = 0
 
 

@@ -194,6 +194,22 @@ class LaneServer:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self.device is not None:
+            await self._copies_landed()
+
+    async def _copies_landed(self, limit: float = 2.0) -> None:
+        """Before the device lanes may be freed: waits (at most `limit` s)
+        until every ticket reserved on a lane whose sender lives has its
+        doorbell rung, so no sender's copy is still writing into them (a
+        sender checks that we have not retired before it queues one)."""
+        poll, until = _Poll(), time.monotonic() + limit
+        while time.monotonic() < until:
+            busy = [lane for lane in range(LANES) if (owner := self.seg.owner_of(lane)) and _alive(owner)
+                    and (s := self.seg.state(lane))["rung"] < s["reserved"]]
+            if not busy:
+                return
+            await poll.wait(False)
+        log.warning("kvflow relay: freeing the device lanes of %s with copies possibly in flight", self.name)
 
     def free(self, deregister: bool = True) -> None:
         """Unmaps and unlinks the segment, frees the device lanes (after the
@@ -251,8 +267,7 @@ class LaneClient:
             try:
                 if self._control is None:
                     self._control = map_control(self.seg, device)
-                made = DeviceLaneFiller(self.seg, self._device_lanes, device, self.member_pid == os.getpid(),
-                                        self._control)
+                made = DeviceLaneFiller(self.seg, self._device_lanes, device, self._control)
             except (CudaError, KVFlowError, KeyError, ValueError) as e:
                 log.info("kvflow relay: no device lanes of %s from cuda:%d (%s)", self.member, device, e)
         self._fillers[device] = made
@@ -277,9 +292,13 @@ class LaneClient:
         try:
             await self._until(lambda: seg.credit(lane, ticket))
             if filler is not None:
-                fill = True                 # published (or, if it raises, published empty)
-                event = filler.fill(seg, lane, ticket, [(off, l, n) for off, l, _, n in part.entries], request)
-
+                self._check_member()        # not into device lanes a retired member may be freeing
+                try:
+                    event = filler.fill(seg, lane, ticket, [(off, l, n) for off, l, _, n in part.entries], request)
+                except CudaError:
+                    fill = True             # published empty
+                    raise
+                fill = True
                 def look() -> Any:
                     got = seg.collect(lane, ticket)
                     if got is None and not event.done():    # raises CudaError if a copy failed
@@ -306,7 +325,10 @@ class LaneClient:
             raise
         finally:
             if event is not None:
-                event.close()
+                try:
+                    event.close()
+                except CudaError as e:      # a sticky error from other work: this part is decided already
+                    log.warning("kvflow relay: closing a slot's event: %s", e)
         if code == UNDELIVERED:
             raise PeerLostError(f"relay member {self.member} could not forward: {text}", peer=self.member)
         if code:
