@@ -372,6 +372,23 @@ def test_capacity_search_brackets_and_bisects(conversation):
         assert below[f"attainment_tbt_{int(c.tbt_s * 1000)}ms"] >= 0.9
 
 
+def test_capacity_with_admission_replays_each_threshold(conversation):
+    """With `rejection`, every threshold gets its own replays (admission
+    depends on the TBT SLO), refused requests count as misses, and the gate
+    never lowers kvcache's capacity: it refuses what would miss anyway."""
+    part = conversation[:2000]
+    free = find_capacity(part, "kvcache", prefill=6, decode=2, precision=0.1, thresholds=(0.1,))[0]
+    gated = find_capacity(part, "kvcache", prefill=6, decode=2, precision=0.1, thresholds=(0.1, 0.3),
+                          rejection="baseline")
+    assert [c.tbt_s for c in gated] == [0.1, 0.3]
+    assert gated[0].speedup >= free.speedup > 0
+    for c in gated:
+        s, _ = replay_one(part, "kvcache", prefill=6, decode=2, speedup=c.speedup, rejection="baseline",
+                          slo_tbt_s=c.tbt_s)
+        assert s[f"attainment_tbt_{int(c.tbt_s * 1000)}ms"] >= 0.9
+        assert s["rejected"] > 0
+
+
 def test_summary_and_percentiles():
     assert math.isnan(percentile([], 50))
     assert percentile([1, 2, 3, 4], 50) == 2.5

@@ -3,11 +3,16 @@ which a policy still serves `--target` (90%) of the requests within the
 SLOs, TTFT <= 30 s and TBT <= each of the thresholds I, II and III, found by
 replaying the trace faster and faster (`--speedup`) and bisecting.
 
-    python -m kvflow.conductor.capacity --trace FILE [--policy all] [--prefill 8 --decode 8] [--json]
+    python -m kvflow.conductor.capacity --trace FILE [--policy all] [--prefill 8 --decode 8]
+        [--rejection none|baseline|early|predictive] [--json]
 
-Replays run without rejection (every request is served, late or not), so
-one replay gives the attainment at every TBT threshold. Policies run in
-parallel, one process each, up to the CPU count.
+By default replays run without rejection (every request is served, late or
+not), so one replay gives the attainment at every TBT threshold: the
+routing rules alone are compared. With `--rejection` every policy's choices
+go through the same admission (Algorithm 1's SLO check: a request whose
+estimated TTFT, or whose decode instance's TBT, misses its SLO is refused),
+one replay per threshold; a refused request counts as one that missed.
+Policies run in parallel, one process each, up to the CPU count.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from .metrics import TBT_THRESHOLDS_S, attainment
 from .policies import POLICIES
 from .replay import _policies, replay_one
 from .trace import TraceRequest, load_trace
+from .types import RejectionMode
 
 __all__ = ["Capacity", "find_capacity", "overload_study", "main"]
 
@@ -39,32 +45,39 @@ class Capacity:
 def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decode: int,
                   slo_ttft_s: float = 30.0, thresholds: tuple[float, ...] = TBT_THRESHOLDS_S,
                   target: float = 0.9, precision: float = 0.02, lo: float = 0.25, hi: float = 64.0,
-                  threshold: float | None = None) -> list[Capacity]:
+                  threshold: float | None = None, rejection: str = "none") -> list[Capacity]:
     """The capacity of `policy` at each TBT threshold: the largest speedup
     whose replay meets both SLOs for `target` of the requests, within a
     factor `1 + precision`. Attainment is taken to fall as the speedup
     grows (more load); the search brackets by doubling, then bisects in log
-    space. A replay is reused across thresholds."""
-    memo: dict[float, tuple[float, ...]] = {}
+    space. Without rejection a replay is reused across thresholds; with it
+    the admission depends on the TBT SLO, so each threshold replays."""
+    memo: dict[tuple[float, float], float] = {}
     span = trace[-1].arrival_s - trace[0].arrival_s
 
-    def attain(sp: float) -> tuple[float, ...]:
-        if sp not in memo:
+    def attain(sp: float, thr: float) -> float:
+        if (sp, thr) not in memo:
+            slo_tbt = min(thresholds) if rejection == "none" else thr
             _, res = replay_one(trace, policy, prefill=prefill, decode=decode, speedup=sp,
-                                slo_ttft_s=slo_ttft_s, slo_tbt_s=min(thresholds), threshold=threshold)
-            memo[sp] = tuple(attainment(res.outcomes, slo_ttft_s, t) for t in thresholds)
-        return memo[sp]
+                                slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt, threshold=threshold,
+                                rejection=rejection)
+            for t in (thresholds if rejection == "none" else (thr,)):
+                memo[(sp, t)] = attainment(res.outcomes, slo_ttft_s, t)
+        return memo[(sp, thr)]
+
+    def runs() -> int:
+        return len({sp for sp, t in memo if rejection == "none" or t == thr})
 
     out = []
-    for i, thr in enumerate(thresholds):
-        ok = lambda sp: attain(sp)[i] >= target   # noqa: E731
+    for thr in thresholds:
+        ok = lambda sp: attain(sp, thr) >= target   # noqa: E731
         a = 1.0
         if ok(a):
             b = a * 2
             while b <= hi and ok(b):
                 a, b = b, b * 2
             if b > hi:
-                out.append(Capacity(policy, thr, a, len(trace) * a / span, len(memo)))
+                out.append(Capacity(policy, thr, a, len(trace) * a / span, runs()))
                 continue
         else:
             b = a
@@ -80,7 +93,7 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
                 a = m
             else:
                 b = m
-        out.append(Capacity(policy, thr, a, len(trace) * a / span, len(memo)))
+        out.append(Capacity(policy, thr, a, len(trace) * a / span, runs()))
     return out
 
 
@@ -104,10 +117,10 @@ def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_
 
 
 def _one(args: tuple) -> list[Capacity]:
-    path, limit, policy, prefill, decode, slo_ttft, target, threshold = args
+    path, limit, policy, prefill, decode, slo_ttft, target, threshold, rejection = args
     trace = load_trace(path, limit)
     return find_capacity(trace, policy, prefill=prefill, decode=decode, slo_ttft_s=slo_ttft,
-                         target=target, threshold=threshold)
+                         target=target, threshold=threshold, rejection=rejection)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft", type=float, default=30.0)
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--threshold", type=float, default=None, help="kvcache_balancing_threshold")
+    ap.add_argument("--rejection", choices=[m.value for m in RejectionMode], default="none",
+                    help="the admission every policy's choices go through (default none: routing alone)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--overload", action="store_true",
@@ -139,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(study))
         return 0
-    jobs = [(args.trace, args.limit, p, args.prefill, args.decode, args.slo_ttft, args.target, args.threshold)
-            for p in args.policy]
+    jobs = [(args.trace, args.limit, p, args.prefill, args.decode, args.slo_ttft, args.target, args.threshold,
+             args.rejection) for p in args.policy]
     with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
         results = list(pool.map(_one, jobs))
     caps = {c.policy: c for r in results for c in r if c.tbt_s == TBT_THRESHOLDS_S[0]}
     print(f"capacity on {args.trace}: {args.prefill} prefill + {args.decode} decode, >= {args.target:.0%}"
-          f" of requests within TTFT {args.slo_ttft:g} s and TBT I/II/III (requests/s; x speedup)")
+          f" of requests within TTFT {args.slo_ttft:g} s and TBT I/II/III, rejection {args.rejection}"
+          f" (requests/s; x speedup)")
     rows = []
     for r in results:
         line = f"{r[0].policy:>20}"
@@ -164,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             if "least_loaded" in others and others["least_loaded"]:
                 print(f"kvcache / least_loaded: {ours / others['least_loaded']:.2f}x")
     if args.json:
-        print(json.dumps({"capacity": rows}))
+        print(json.dumps({"rejection": args.rejection, "capacity": rows}))
     return 0
 
 

@@ -104,10 +104,13 @@ class _PrefillServer:
 
 
 class _Nic:
-    __slots__ = ("free_at",)
+    """A full-duplex NIC: what it sends and what it receives queue apart
+    (each direction a FIFO in time order, at the link's bandwidth)."""
+    __slots__ = ("tx_free_at", "rx_free_at")
 
     def __init__(self) -> None:
-        self.free_at = 0.0
+        self.tx_free_at = 0.0
+        self.rx_free_at = 0.0
 
 
 @dataclass(slots=True)
@@ -310,9 +313,9 @@ class Simulation:
         if dec.prefix_source is not None:
             moved_tokens = req.cached_tokens(dec.prefix_blocks) - req.cached_tokens(dec.cached_blocks)
             src, dst = self.nic[dec.prefix_source], self.nic[dec.prefill]
-            start = max(now, src.free_at, dst.free_at)
+            start = max(now, src.tx_free_at, dst.rx_free_at)
             ready = start + c.link.time(moved_tokens * c.kv_bytes_per_token)
-            src.free_at = dst.free_at = ready
+            src.tx_free_at = dst.rx_free_at = ready
             self._moving.add(rid)
             self._push(ready, _MOVED, rid)
         p = self.prefill[dec.prefill]
@@ -363,8 +366,8 @@ class Simulation:
         c = self.cluster
         tx = out.tokens * c.kv_bytes_per_token / c.link.bandwidth_Bps
         src, dst = self.nic[out.prefill], self.nic[out.decode]
-        tx_start = max(now, src.free_at, dst.free_at)
-        src.free_at = dst.free_at = tx_start + tx
+        tx_start = max(now, src.tx_free_at, dst.rx_free_at)
+        src.tx_free_at = dst.rx_free_at = tx_start + tx
         end = out.prefill_start_s + out.prefill_s
         landed = max(end + tx / c.layers, tx_start + tx) + c.link.latency_s
         self._push(landed, _AT_DECODE, rid)
