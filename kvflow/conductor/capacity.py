@@ -65,7 +65,8 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
                 memo[(sp, t)] = attainment(res.outcomes, slo_ttft_s, t)
         return memo[(sp, thr)]
 
-    def runs() -> int:
+    def runs(thr: float) -> int:
+        """Replays the search at `thr` used."""
         return len({sp for sp, t in memo if rejection == "none" or t == thr})
 
     out = []
@@ -77,7 +78,7 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
             while b <= hi and ok(b):
                 a, b = b, b * 2
             if b > hi:
-                out.append(Capacity(policy, thr, a, len(trace) * a / span, runs()))
+                out.append(Capacity(policy, thr, a, len(trace) * a / span, runs(thr)))
                 continue
         else:
             b = a
@@ -85,7 +86,7 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
             while a >= lo and not ok(a):
                 b, a = a, a / 2
             if a < lo:
-                out.append(Capacity(policy, thr, 0.0, 0.0, len(memo)))
+                out.append(Capacity(policy, thr, 0.0, 0.0, runs(thr)))
                 continue
         while b / a > 1 + precision:
             m = math.sqrt(a * b)
@@ -93,7 +94,7 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
                 a = m
             else:
                 b = m
-        out.append(Capacity(policy, thr, a, len(trace) * a / span, runs()))
+        out.append(Capacity(policy, thr, a, len(trace) * a / span, runs(thr)))
     return out
 
 
