@@ -875,12 +875,24 @@ cdef class SchedQueue:
         if kvf_queue_push(&self.q, &s) != KVF_OK:
             raise MemoryError()
 
-    def pop(self, size_t max=1):
+    def pop(self, size_t max=1, budget=None):
+        """The next `max` slices (at most 64). With `budget` (bytes), the
+        strict budget a sender holding credit pops with: slices (all are
+        writes here) take at most that many bytes in all, and the pop stops
+        at the first that does not fit; returns (slices, the length of
+        that one or 0)."""
         cdef kvf_slice out[64]
         cdef size_t n, i
+        cdef kvf_pop_budget b
         self.core._ctx()
-        n = kvf_queue_pop(&self.q, out, max if max < 64 else 64)
-        return [(out[i].slot, out[i].entry, out[i].len) for i in range(n)]
+        if budget is None:
+            n = kvf_queue_pop(&self.q, out, max if max < 64 else 64)
+            return [(out[i].slot, out[i].entry, out[i].len) for i in range(n)]
+        b.bytes = budget
+        b.op = KVF_OP_WRITE
+        b.blocked = 0
+        n = kvf_queue_pop_fit(&self.q, out, max if max < 64 else 64, 0, &b)
+        return [(out[i].slot, out[i].entry, out[i].len) for i in range(n)], b.blocked
 
     def done(self, uint64_t batch_id, uint64_t entry=0, int status=KVF_OK):
         kvf_slice_done(self.core._ctx(), <uint32_t>batch_id, status, entry)

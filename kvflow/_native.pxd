@@ -110,6 +110,12 @@ cdef extern from "_native/kvf.h" nogil:
     void kvf_queue_detach(kvf_queue *q)
     int kvf_queue_push(kvf_queue *q, const kvf_slice *s)
     size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max)
+    ctypedef struct kvf_pop_budget:
+        uint64_t bytes
+        uint32_t op
+        uint64_t blocked
+    size_t kvf_queue_pop_fit(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes,
+                             kvf_pop_budget *budget)
     size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap)
     int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry)
     void kvf_set_detached(int on)

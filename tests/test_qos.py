@@ -150,6 +150,63 @@ def test_no_class_starves(core):
     drain_all(q)
 
 
+def _grants(q, grant, every_s, n, before=None):
+    """Pops as a sender holding credit does: every `every_s`, `grant` more
+    bytes of budget, popped until a slice does not fit (what is left over
+    carries to the next grant). Returns the slots served, grant by grant."""
+    served, left = [], 0
+    for _ in range(n):
+        time.sleep(every_s)
+        if before is not None:
+            before()
+        left += grant
+        got, _ = q.pop(64, budget=left)
+        left -= sum(b for _, _, b in got)
+        served.append(slots(got))
+    return served
+
+
+def test_a_high_slice_passes_a_low_backlog_under_credit(core):
+    """Issue 18's rdma bug: with a strict credit budget of one slice per
+    grant and grants further apart than the aging interval, LOW counted as
+    overdue at every grant (its wait ran while the queue waited for credit),
+    took each grant, and a HIGH slice waited for the whole LOW backlog. The
+    wait for credit no longer counts: HIGH goes with the first grant."""
+    core.set_sched_age(2_000_000)          # 2 ms; grants every 5 ms
+    q = _core.SchedQueue(core)
+    low = q.batch(8, LOW)
+    for e in range(8):
+        q.push(low, 256 << 10, e)
+    time.sleep(0.005)                       # LOW has waited past the aging interval
+    high = q.batch(1, HIGH)
+    q.push(high, 64 << 10)
+    served = _grants(q, 256 << 10, 0.005, 3)
+    assert slot(high) in served[0] + served[1], served
+    drain_all(q)
+
+
+def test_no_class_starves_under_credit(core):
+    """The starvation bound with a strict budget: a new HIGH slice before
+    every grant, and LOW still gets a slice at least every other grant."""
+    core.set_sched_age(2_000_000)
+    q = _core.SchedQueue(core)
+    low = q.batch(8, LOW)
+    for e in range(8):
+        q.push(low, 256 << 10, e)
+    highs = []
+
+    def more_high():
+        h = q.batch(1, HIGH)
+        highs.append(h)
+        q.push(h, 64 << 10)
+    served = _grants(q, 256 << 10, 0.005, 12, before=more_high)
+    lows = [i for i, g in enumerate(served) if slot(low) in g]
+    assert lows and lows[0] <= 2, served
+    assert all(b - a <= 2 for a, b in zip(lows, lows[1:])), served
+    assert len(lows) >= 4, served
+    drain_all(q)
+
+
 def test_fifo_mode_is_arrival_order(core):
     core.set_sched_fifo(True)
     q = _core.SchedQueue(core)

@@ -714,6 +714,14 @@ int kvf_queue_push(kvf_queue *q, const kvf_slice *s) {
     return rc;
 }
 
+size_t kvf_queue_pop_fit(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes,
+                         kvf_pop_budget *budget) {
+    pthread_mutex_lock(&q->mu);
+    size_t n = kvf_queue_pop_fit_locked(q, out, max, max_bytes, budget);
+    pthread_mutex_unlock(&q->mu);
+    return n;
+}
+
 size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max) {
     pthread_mutex_lock(&q->mu);
     size_t n = kvf_queue_pop_locked(q, out, max);

@@ -289,6 +289,8 @@ typedef struct {
 size_t kvf_queue_pop_fit_locked(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes,
                                 kvf_pop_budget *budget);
 /* The same, taking q->mu. */
+size_t kvf_queue_pop_fit(kvf_queue *q, kvf_slice *out, size_t max, uint64_t max_bytes,
+                         kvf_pop_budget *budget);
 int kvf_queue_push(kvf_queue *q, const kvf_slice *s);
 size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max);
 

@@ -6,10 +6,16 @@
  * this queue, in order) and takes the next slice by
  *
  *   1. class: HIGH before NORMAL before LOW (the batch's priority), except
- *      that a lower class that has waited `age_ns` since it was last served
- *      (or since it had work) is served first: every class with queued
- *      slices gets a slice at least once per age_ns, whatever runs above it
- *      (the starvation bound);
+ *      that a class passed over for `age_ns` (another class was served
+ *      while it had work, and it has not been served since) is served
+ *      first: every class with queued slices gets a slice at least once per
+ *      age_ns, whatever runs above it (the starvation bound). The clock
+ *      starts when it is first passed over, not when it was last served: a
+ *      queue that waits for credit (a strict budget) serves nothing for a
+ *      while, and counting that wait made LOW overdue at every grant, so
+ *      the LOW slice took each grant and a HIGH slice behind it waited for
+ *      the whole LOW backlog (issue 18's rdma bug: grants of one slice on
+ *      4 QPs, one grant per QP every 20 ms or more);
  *   2. within a class, batches with a deadline first, earliest deadline
  *      first;
  *   3. then the batches without one, the one with the fewest bytes left in
@@ -66,6 +72,7 @@ typedef struct {
     uint64_t oldest_ns;     /* when the oldest was last served, or became the oldest */
     size_t count;           /* queued slices of this class */
     uint64_t last_ns;       /* last served, or when it got work */
+    uint64_t passed_ns;     /* since when a higher class was served past its work (0: not passed) */
 } sched_class;
 
 struct kvf_sched {
@@ -261,7 +268,7 @@ static kvf_flow *flow_open(kvf_sched *s, uint32_t slot, uint64_t now) {
     sched_class *c = &s->cls[f->cls];
     if (heap_push(c, f)) { f->chain = s->free; s->free = f; return NULL; }
     ring_insert(c, f, now);
-    if (c->count == 0) c->last_ns = now;
+    if (c->count == 0) { c->last_ns = now; c->passed_ns = 0; }
     size_t k = bucket_of(s, slot);
     f->chain = s->buckets[k];
     s->buckets[k] = f;
@@ -403,8 +410,10 @@ static int pick_class(kvf_sched *s, uint64_t now, uint64_t age_ns) {
     uint64_t overdue = 0;
     for (int k = 1; k < KVF_NPRIO; k++) {
         sched_class *c = &s->cls[k];
-        if (!c->count || now - c->last_ns < age_ns) continue;
-        if (best < 0 || now - c->last_ns > overdue) { best = k; overdue = now - c->last_ns; }
+        /* overdue: passed over by a higher class for age_ns; time in which
+         * nothing was served (the queue waits for credit) does not count */
+        if (!c->count || !c->passed_ns || now - c->passed_ns < age_ns) continue;
+        if (best < 0 || now - c->passed_ns > overdue) { best = k; overdue = now - c->passed_ns; }
     }
     if (best >= 0) return best;
     for (int k = 0; k < KVF_NPRIO; k++) if (s->cls[k].count) return k;
@@ -457,6 +466,9 @@ size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t m
         take(s, f, &out[n], now);
         bytes += out[n++].len;
         c->last_ns = now;
+        c->passed_ns = 0;
+        for (int j = 1; j < KVF_NPRIO; j++)       /* the others with work were passed over */
+            if (j != k && s->cls[j].count && !s->cls[j].passed_ns) s->cls[j].passed_ns = now;
     }
     return n;
 }
