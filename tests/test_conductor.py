@@ -180,6 +180,42 @@ def test_kvcache_policy_moves_the_prefix_off_a_busy_holder():
         KVCacheCentric(kvcache_balancing_threshold=0.5)
 
 
+def test_kvcache_policy_passes_over_an_instance_whose_stream_to_decode_would_land_late():
+    req = Request("r", 20 * 512, tuple(range(20)))
+    model = PrefillModel()
+    # both hold the prefix; "a" is idle but its link still carries 2 s of
+    # other requests' KV to decode, "b" starts after 1 s with its link free
+    cands = _cands(("a", 20, 0.0, 0, 0, 0, 20, 20), ("b", 20, 1.0, 1, 0, 0, 20, 20))
+    cands[0].stream_free_s = 2.0
+    view = RoutingView(req, cands, "a", 20, model, lambda s, d, n: 0.0, lambda src: 0.05,
+                       slo_ttft_s=30.0, slo_tbt_s=0.1)
+    assert KVCacheCentric().choose(view).instance == "b"
+    # without the stream estimate (or with a TBT SLO it meets anyway) the
+    # smallest TTFT wins, as in the paper's Algorithm 1
+    view.stream_s = None
+    assert KVCacheCentric().choose(view).instance == "a"
+    view.stream_s, view.slo_tbt_s = (lambda src: 0.05), 5.0
+    assert KVCacheCentric().choose(view).instance == "a"
+    # a TTFT past its SLO is a miss as well: "b" behind 40 s is not preferred
+    view.slo_tbt_s = 0.1
+    cands[1].queue_s = 40.0
+    assert KVCacheCentric().choose(view).instance == "a"
+
+
+def test_conductor_books_streams_on_both_links():
+    c = _small_conductor()
+    big = c.route(Request("big", 60000, (1,)), 0.0)
+    tx = c._raw_transfer_s(big.prefill, "d0", 60000 * c.kv_bytes_per_token)
+    p, d = c._prefill[big.prefill], c._decode["d0"]
+    assert p.stream_free_at == pytest.approx(tx) and d.rx_free_at == pytest.approx(tx)
+    # From the idle instance the next request's stream would wait behind the
+    # big one's on the decode link and land tx after its 30 ms prefill: a TBT
+    # miss. Behind the big prefill it streams on a free link, within both SLOs.
+    small = c.route(Request("small", 512, (2,)), 0.0)
+    assert tx > 0.1 and small.prefill == big.prefill and small.est_ttft_s < 30
+    assert d.rx_free_at == pytest.approx(big.est_ttft_s + c._raw_transfer_s(big.prefill, "d0", 512 * c.kv_bytes_per_token))
+
+
 def test_sglang_policy_rules():
     pol = SGLangCacheAware()
     req = Request("r", 4 * 512, (1, 2, 3, 4))
@@ -213,6 +249,9 @@ def _small_conductor(**kw):
 
 def test_conductor_route_replicate_and_release():
     c = _small_conductor()
+    # a second decode instance: with one, the long request's KV stream
+    # would hold its link and r2's would land late from anywhere but behind it
+    c.register(InstanceSpec("d1", Role.DECODE, kv_capacity_tokens=100_000))
     keys = tuple(range(100, 104))
     r1 = Request("r1", 4 * 512, keys)
     d1 = c.route(r1, 0.0)

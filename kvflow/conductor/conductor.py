@@ -33,6 +33,7 @@ class _Prefill:
     spec: InstanceSpec
     free_at: float = 0.0               # when everything routed here is expected done
     egress_free_at: float = 0.0        # when its link is done with the moves it sources
+    stream_free_at: float = 0.0        # ... with the KV streams to decode routed so far
     queue: dict[str, list[float]] = field(default_factory=dict)  # request -> [expected end, duration], FIFO
     queued_tokens: int = 0
     queued_new_tokens: int = 0
@@ -47,6 +48,7 @@ class _Decode:
     reserved: dict[str, tuple[int, float]] = field(default_factory=dict)  # request -> (context, expected ready)
     running_ctx: int = 0
     reserved_ctx: int = 0
+    rx_free_at: float = 0.0            # when its link is done with the KV streams routed to it
 
 
 @dataclass
@@ -158,13 +160,21 @@ class Conductor:
         for name, m in matches.items():
             if m > best:
                 best_src, best = name, m
+        # Decode first: its choice does not depend on the prefill's, and the
+        # stream to it is part of a prefill instance's cost.
+        ctx = request.tokens + self._expected_output(request) // 2
+        d, tbt = self._pick_decode(ctx)
+        kv_bytes = request.tokens * self.kv_bytes_per_token
         cands = [Candidate(name, matches[name], max(0.0, p.free_at - now), len(p.queue),
                            p.queued_tokens, p.queued_new_tokens, len(self.index.cache(name)),
-                           self._ready_blocks(p, keys, matches[name]))
+                           self._ready_blocks(p, keys, matches[name]),
+                           max(0.0, p.stream_free_at - now, p.egress_free_at - now, d.rx_free_at - now))
                  for name, p in self._prefill.items()]
         ready = {c.name: c.ready_blocks for c in cands}
         view = RoutingView(request, cands, best_src, best, self.prefill_model,
-                           lambda s, d, n: self._transfer_s(request, s, d, matches[d], n, now))
+                           lambda src, dst, n: self._transfer_s(request, src, dst, matches[dst], n, now),
+                           lambda src: self._raw_transfer_s(src, d.spec.name, kv_bytes),
+                           self.slo_ttft_s, self.slo_tbt_s)
         choice = self.policy.choose(view)
         p = self._prefill[choice.instance]
         cached = matches[choice.instance]
@@ -187,8 +197,6 @@ class Conductor:
         start = now + max(queue_s, transfer_s)
         ttft = start + prefill_s - now
 
-        ctx = request.tokens + self._expected_output(request) // 2
-        d, tbt = self._pick_decode(ctx)
         if self.rejection is not RejectionMode.NONE:
             if ttft > self.slo_ttft_s:
                 return self._reject(request, RejectReason.TTFT_SLO,
@@ -221,6 +229,10 @@ class Conductor:
             src = self._prefill[source]
             src.egress_free_at = max(src.egress_free_at, now) + self._raw_transfer_s(
                 source, p.spec.name, self._moved_bytes(request, cached, move))
+        # The KV streams to decode from the prefill's start, layer by layer,
+        # behind the streams routed there before it.
+        p.stream_free_at = d.rx_free_at = max(p.stream_free_at, p.egress_free_at, d.rx_free_at, start) + \
+            self._raw_transfer_s(p.spec.name, d.spec.name, kv_bytes)
         d.reserved[request.id] = (ctx, end)
         d.reserved_ctx += ctx
         self._flights[request.id] = _Flight(request, decision, end, new_tokens, source is not None)

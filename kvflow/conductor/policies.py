@@ -11,6 +11,7 @@ a comparison between policies measures prefill routing alone.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ class Candidate:
     cache_blocks_used: int    # blocks in its prefix cache
     ready_blocks: int         # cached_blocks, extended by blocks the requests queued ahead
                               # will have computed when a request routed now starts
+    stream_free_s: float = 0.0  # estimated wait before a KV stream from it to the request's
+                                # decode instance can start: behind the streams and moves booked on
+                                # its link and the streams booked on the decode instance's
 
 
 @dataclass(slots=True)
@@ -52,6 +56,11 @@ class RoutingView:
     #: seconds to move n blocks of this request from one instance to another,
     #: counting what the source's link is already busy with
     transfer_s: Callable[[str, str, int], float]
+    #: seconds for this request's whole KV to stream from an instance to
+    #: its decode instance (None: not estimated)
+    stream_s: Callable[[str], float] | None = None
+    slo_ttft_s: float = math.inf
+    slo_tbt_s: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +108,17 @@ class KVCacheCentric:
     (`Candidate.ready_blocks`), since they are cached by the time a request
     routed behind them starts. KV-event routers (Dynamo) only see blocks
     once computed, so a conversation's next turn arriving while the last
-    one still queues finds nothing."""
+    one still queues finds nothing.
+
+    Beyond the paper: an option that misses an SLO by the conductor's own
+    estimates comes after every option that meets both, whatever their
+    TTFTs (then the smallest TTFT, as in the paper). Its TTFT past the TTFT
+    SLO is one miss; the other is its KV landing at decode more than the
+    TBT SLO after its prefill, because the stream waits behind the KV of
+    earlier requests on the instance's link or the decode instance's (the
+    prompt's whole KV streams, cached or not: a mostly cached prompt is
+    computed in a fraction of the time its stream takes). Without a
+    stream estimate in the view it is the paper's rule."""
 
     name = "kvcache"
 
@@ -113,19 +132,32 @@ class KVCacheCentric:
         model = view.prefill_model
         best_src, best = view.best_source, view.best_blocks
         full = model.time(req.tokens, req.cached_tokens(best)) if best_src is not None else 0.0
-        choice, ttft = None, float("inf")
+        choice, key = None, (True, float("inf"))
         for c in view.candidates:
-            t = c.queue_s + model.time(req.tokens, req.cached_tokens(c.ready_blocks))
+            prefill = model.time(req.tokens, req.cached_tokens(c.ready_blocks))
+            t = c.queue_s + prefill
             pick = PrefillChoice(c.name)
             if best_src is not None and best > c.ready_blocks and best > self.threshold * c.ready_blocks:
                 move = best - c.cached_blocks
                 t_move = max(c.queue_s, view.transfer_s(best_src, c.name, move)) + full
                 if t_move < t:
-                    t, pick = t_move, PrefillChoice(c.name, best_src, move)
-            if t < ttft:
-                choice, ttft = pick, t
+                    t, prefill, pick = t_move, full, PrefillChoice(c.name, best_src, move)
+            k = (t > view.slo_ttft_s or self._late(view, c, t - prefill, t), t)
+            if k < key:
+                choice, key = pick, k
         assert choice is not None
         return choice
+
+    @staticmethod
+    def _late(view: RoutingView, c: Candidate, start: float, end: float) -> bool:
+        """Whether the request's KV, streamed from c to decode from `start`
+        (behind the streams already booked on c's link and on the decode
+        instance's), would land more than the TBT SLO after its prefill
+        ends at `end`: its first token interval would miss, however light
+        the decode."""
+        if view.stream_s is None:
+            return False
+        return max(start, c.stream_free_s) + view.stream_s(c.name) - end > view.slo_tbt_s
 
 
 class RandomPolicy:
