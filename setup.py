@@ -9,7 +9,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "sockio", "tcp_client", "tcp_send", "tcp_server", "credit")]
-RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan", "rdma_credit")]
+RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan", "rdma_credit", "rdma_ibgda")]
 debug = os.environ.get("KVFLOW_DEBUG") == "1"
 cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]
 if debug:
@@ -21,6 +21,12 @@ def have_verbs() -> bool:
     if os.environ.get("KVFLOW_NO_VERBS") == "1":
         return False
     return any(os.path.exists(os.path.join(d, "infiniband", "verbs.h"))
+               for d in ("/usr/include", "/usr/local/include"))
+
+
+def have_mlx5dv() -> bool:
+    """rdma-core's mlx5 direct verbs (Debian: libibverbs-dev) for IBGDA."""
+    return any(os.path.exists(os.path.join(d, "infiniband", "mlx5dv.h"))
                for d in ("/usr/include", "/usr/local/include"))
 
 
@@ -93,8 +99,11 @@ if have_verbs():
         include_dirs=["kvflow", numpy.get_include()],
         extra_compile_args=cflags + ["-fvisibility=hidden"],
         extra_link_args=["-pthread"],
-        libraries=["ibverbs"],
+        # mlx5: IBGDA's mlx5dv_init_obj (rdma_ibgda.c), where rdma-core ships it
+        libraries=["ibverbs", "mlx5"] if have_mlx5dv() else ["ibverbs"],
+        define_macros=[] if have_mlx5dv() else [("KVF_NO_MLX5DV", "1")],
         depends=["kvflow/_native/kvf.h", "kvflow/_native/provider.h", "kvflow/_native/rdma.h",
+                 "kvflow/_native/rdma_ibgda.h",
                  "kvflow/_native/rdma_int.h", "kvflow/_native.pxd", "kvflow/_verbs.pxd", "kvflow/_core.pxd"],
     ))
 

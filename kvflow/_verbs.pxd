@@ -245,3 +245,29 @@ cdef extern from "_native/rdma.h" nogil:
     int kvf_rdma_target_new(kvf_rdma_dev *d, ibv_qp *qp, kvf_rdma_target **out)
     void kvf_rdma_target_free(kvf_rdma_target *t)
     void kvf_rdma_chan_free(kvf_rdma_chan *ch)
+
+
+cdef extern from "_native/rdma_ibgda.h" nogil:
+    ctypedef struct kvf_ibgda_ep:
+        pass
+
+    ctypedef struct kvf_ibgda_view:
+        uint64_t sq_buf
+        uint64_t dbrec
+        uint64_t bf_reg
+        uint64_t cq_buf
+        uint64_t cq_dbrec
+        uint32_t wqe_cnt
+        uint32_t qpn
+        uint32_t cqe_cnt
+        uint32_t bf_size
+        uint32_t dedicated_uar
+
+    int kvf_ibgda_ep_new(kvf_ctx *c, ibv_context *ctx, ibv_pd *pd, uint32_t depth, kvf_ibgda_ep **out,
+                         char *why, size_t n)
+    ibv_qp *kvf_ibgda_ep_qp(kvf_ibgda_ep *ep)
+    int kvf_ibgda_supported(ibv_context *ctx)
+    int kvf_ibgda_ep_view(kvf_ibgda_ep *ep, kvf_ibgda_view *out, char *why, size_t n)
+    int kvf_ibgda_host_write(kvf_ibgda_ep *ep, uint64_t laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey,
+                             uint32_t len, uint64_t timeout_ns)
+    void kvf_ibgda_ep_free(kvf_ibgda_ep *ep)

@@ -161,3 +161,56 @@ def test_ibgda_device_code_builds_into_the_fatbin():
         pytest.skip("kvflow was built without its CUDA module")
     image = open(FATBIN, "rb").read()
     assert b"kvf_ibgda_write" in image
+
+
+_LAYOUT = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include "ibgda.cuh"
+#define F(s, f) printf("%s.%s %zu %zu\n", #s, #f, offsetof(struct s, f), sizeof(((struct s *)0)->f))
+int main(void)
+{
+    F(kvf_ibgda_qp, sq_buf); F(kvf_ibgda_qp, dbrec); F(kvf_ibgda_qp, bf_reg); F(kvf_ibgda_qp, cq_buf);
+    F(kvf_ibgda_qp, cq_dbrec); F(kvf_ibgda_qp, wqe_cnt); F(kvf_ibgda_qp, qpn); F(kvf_ibgda_qp, cqe_cnt);
+    F(kvf_ibgda_qp, pad); F(kvf_ibgda_qp, sq_pi); F(kvf_ibgda_qp, cq_ci);
+    F(kvf_mr, addr); F(kvf_mr, length); F(kvf_mr, lkey); F(kvf_mr, rkey);
+    printf("kvf_ibgda_qp %zu\nkvf_mr %zu\n", sizeof(struct kvf_ibgda_qp), sizeof(struct kvf_mr));
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_the_launchers_structs_match_the_device_codes(tmp_path):
+    """What the host launcher uploads (kvflow._cuda.ibgda.QP_DTYPE, the
+    provider's MR_DTYPE) has the offsets and sizes ibgda.cuh reads, as the
+    C compiler lays them out."""
+    from kvflow._cuda.ibgda import QP_DTYPE
+    from kvflow.providers.rdma.ibgda import MR_DTYPE
+    src, exe = tmp_path / "layout.c", tmp_path / "layout"
+    src.write_text(_LAYOUT)
+    build = subprocess.run(["gcc", "-Wall", "-Werror", "-Wno-unused-function", "-I",
+                            os.path.join(ROOT, "kvflow", "_cuda"), "-o", str(exe), str(src)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
+    sizes = dict(line.split() for line in lines if line.count(" ") == 1)
+    assert int(sizes["kvf_ibgda_qp"]) == QP_DTYPE.itemsize and int(sizes["kvf_mr"]) == MR_DTYPE.itemsize
+    fields = [line.split() for line in lines if line.count(" ") == 2]
+    assert len(fields) == len(QP_DTYPE.names) + len(MR_DTYPE.names)
+    for name, off, size in fields:
+        struct, field = name.split(".")
+        dt = QP_DTYPE if struct == "kvf_ibgda_qp" else MR_DTYPE
+        assert dt.fields[field][1] == int(off) and dt.fields[field][0].itemsize == int(size), name
+
+
+def test_page_spans_cover_every_range_once():
+    from kvflow._cuda.ibgda import PAGE, page_spans
+    assert page_spans([]) == []
+    assert page_spans([(PAGE + 8, 8)]) == [(PAGE, PAGE)]
+    # the send queue and the doorbell record on one page, the CQ two pages on
+    assert page_spans([(0x10000, 2 * PAGE), (0x10000 + 2 * PAGE + 64, 8), (0x10000 + 4 * PAGE, 100)]) == \
+        [(0x10000, 3 * PAGE), (0x10000 + 4 * PAGE, PAGE)]
+    # overlapping and touching ranges merge; a range across a page edge takes both pages
+    assert page_spans([(3 * PAGE - 4, 8), (PAGE, PAGE)]) == [(PAGE, 3 * PAGE)]
+    assert page_spans([(PAGE, 0)]) == []

@@ -314,13 +314,17 @@ class HostMapping:
     """Host memory this process already maps (a shared-memory segment, say)
     made reachable by the GPUs (cuMemHostRegister, portable and mapped):
     `device_addr` is its address on the device, so that a stream can write
-    into it (write_value64). Page-aligned ranges only."""
+    into it (write_value64). Page-aligned ranges only. `iomemory`: the
+    range is a device's registers mapped into this process (a NIC's UAR
+    page, for IBGDA), not RAM."""
 
-    def __init__(self, addr: int, size: int, device: int = 0) -> None:
+    def __init__(self, addr: int, size: int, device: int = 0, iomemory: bool = False) -> None:
         cu = driver()
         if addr % 4096 or size % 4096 or size <= 0:
             raise CudaError(f"a host mapping is whole pages, not {addr:#x}+{size}")
         flags = int(getattr(cu, "CU_MEMHOSTREGISTER_PORTABLE", 1)) | int(getattr(cu, "CU_MEMHOSTREGISTER_DEVICEMAP", 2))
+        if iomemory:
+            flags |= int(getattr(cu, "CU_MEMHOSTREGISTER_IOMEMORY", 4))
         self.device = device
         with on_device(device):
             check(cu.cuMemHostRegister(addr, size, flags), "cuMemHostRegister")

@@ -11,7 +11,7 @@ from kvflow._cuda import FATBIN, built
 from kvflow._cuda import driver as drv
 from kvflow.errors import ProviderUnavailableError
 
-__all__ = ["doorbells", "flag_write", "layer_put"]
+__all__ = ["doorbells", "flag_write", "ibgda_write", "layer_put"]
 
 _lock = threading.Lock()
 _functions: dict[tuple[int, str], Any] = {}
@@ -76,3 +76,14 @@ def layer_put(stream: drv.Stream, x: int, w: int, kv: int, rows: int, dim_in: in
     _launch(stream, "kvf_layer_put", [x, w, kv, rows, dim_in, dim_out, rows_per_block, ring, peer, remote, out],
             grid=blocks, block=threads)
     return blocks
+
+
+def ibgda_write(stream: drv.Stream, qp: int, mrs: int, nmrs: int, laddr: int, raddr: int, rkey: int,
+                length: int, out: int) -> None:
+    """Queues kvf_ibgda_write (kernels.cu; never run on hardware): one RDMA
+    write posted by the device on the mlx5 QP whose struct kvf_ibgda_qp is
+    at device address `qp`, its lkey found in the `nmrs` sorted regions at
+    `mrs`, the CQ polled; out (2 int64, device-writable) gets the CQE's
+    opcode (or -1: no region) and its WQE counter. kvflow._cuda.ibgda.DeviceQp
+    prepares all of it."""
+    _launch(stream, "kvf_ibgda_write", [qp, mrs, nmrs, laddr, raddr, rkey, length, out], grid=1, block=1)

@@ -188,7 +188,10 @@ class Engine:
     destination node's member on it, which copies it over inside its node);
     host and GPU memory (RelayGroup(device=N): this member's device lanes,
     into which senders copy their GPU batches; never run on a GPU yet);
-    kvflow.engine.relay, relay_stats().
+    kvflow.engine.relay, relay_stats();
+    rdma_ibgda: every rdma channel also gets one IBGDA endpoint per device
+    pair, a QP a GPU drives itself (peer.ibgda_endpoints(); mlx5 only,
+    never run on one: kvflow.providers.rdma.ibgda).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
@@ -205,7 +208,7 @@ class Engine:
                  tcp_receive_buffer: int = TcpOptions.receive_buffer,
                  receive_window: int | None = None, tcp_busy_poll: float | None = None,
                  tcp_congestion: str | None = None, staging_bytes: int = STAGING_BYTES,
-                 relay: RelayGroup | None = None) -> None:
+                 relay: RelayGroup | None = None, rdma_ibgda: bool = False) -> None:
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
@@ -258,7 +261,8 @@ class Engine:
         self._inline_limit = inline_limit
         self._advertise = advertise
         self._rdma_options = RdmaOptions(list(rdma_devices) if rdma_devices is not None else None,
-                                         rdma_gid_index, rdma_qps, rdma_slice_size, rdma_ack_timeout)
+                                         rdma_gid_index, rdma_qps, rdma_slice_size, rdma_ack_timeout,
+                                         bool(rdma_ibgda))
         self._local: LocalProvider | None = None
         self._tcp: TcpProvider | None = None
         self._rdma: RdmaProvider | None = None

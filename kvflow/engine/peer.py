@@ -236,6 +236,14 @@ class Peer:
         inflight_bytes, failures, repairs). Empty for local."""
         return self._provider.connections(self._channel) if self._provider is not None else []
 
+    def ibgda_endpoints(self) -> list[Any]:
+        """rdma with Engine(rdma_ibgda=True): one IBGDA endpoint per device
+        pair of this peer's channel, a QP a GPU drives itself
+        (kvflow.providers.rdma.ibgda.IbgdaEndpoint: view(), local_regions(),
+        remote_key(), write_from_host()); [] for other providers. Never run
+        on an mlx5 NIC."""
+        return self._provider.ibgda_endpoints(self._channel) if self._provider is not None else []
+
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:
         """The Transfer of a posted batch (batch_id 0: completed inline)."""
         return self._engine._batches.track(batch_id, self.address, op, nbytes, timeout)

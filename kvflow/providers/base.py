@@ -192,6 +192,11 @@ class Provider:
         """Per-connection statistics of a channel (tcp: one per data connection)."""
         return []
 
+    def ibgda_endpoints(self, channel: Any) -> list[Any]:
+        """The channel's endpoints a GPU can drive itself (rdma with
+        Engine(rdma_ibgda=True): kvflow.providers.rdma.ibgda); [] elsewhere."""
+        return []
+
     async def notify(self, link: PeerLink, channel: Any, data: bytes) -> bool:
         """Sends a notification on the data path (caps.data_notify): True
         once sent, False when it must go on the control connection."""

@@ -88,15 +88,17 @@ def check_ack_timeout(value: Any) -> int:
 @dataclass
 class RdmaOptions:
     """The rdma provider's options (Engine(rdma_devices=, rdma_gid_index=,
-    rdma_qps=, rdma_slice_size=, rdma_ack_timeout=)): devices to use (None:
-    env KVFLOW_RDMA_DEVICES, else all), GID index override, QPs per device
-    pair, bytes per slice (one work request), RC ACK timeout exponent."""
+    rdma_qps=, rdma_slice_size=, rdma_ack_timeout=, rdma_ibgda=)): devices to
+    use (None: env KVFLOW_RDMA_DEVICES, else all), GID index override, QPs
+    per device pair, bytes per slice (one work request), RC ACK timeout
+    exponent, an IBGDA endpoint per device pair (kvflow.providers.rdma.ibgda)."""
 
     devices: list[str] | None = None
     gid_index: int | None = None
     qps_per_pair: int = 2
     slice_size: int = 256 << 10
     ack_timeout: int | None = None
+    ibgda: bool = False
 
     def __post_init__(self) -> None:
         if self.devices is not None:

@@ -26,6 +26,7 @@ from kvflow.errors import InvalidArgumentError, PeerLostError, ProtocolError, Pr
 from kvflow.memory import Access
 from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext, RegionKeys
 from kvflow.providers.rdma.health import DeviceHealth
+from kvflow.providers.rdma.ibgda import IBGDA_DEPTH, IbgdaEndpoint
 from kvflow.providers.rdma.options import (  # noqa: F401 (re-exported: the provider's public names)
     DEAD_AFTER,
     DEVICE_CHECK,
@@ -123,6 +124,8 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
             raise ProviderUnavailableError("no RDMA device on this host")
         self.ctx = ctx
         self._remote_qpns: dict[int, list[int]] = {}      # channel token -> the peer's QP numbers
+        self._ibgda_on = options.ibgda
+        self._ibgda: dict[int, list[IbgdaEndpoint]] = {}  # channel token -> its IBGDA endpoints
         self._gid_index = gid_index              # the options a returning device is reopened with
         self._ack_timeout = ack_timeout
         # before anything is opened: a bad override is the caller's error
@@ -248,6 +251,12 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         if reg is not None:
             self._release(reg)
 
+    def regions_on(self, index: int) -> list[tuple[int, int, int, int]]:
+        """(addr, length, lkey, rkey) of every region registered on device
+        `index`, sorted by address."""
+        return sorted((r.addr, r.length, r.lkeys[index], r.rkeys[index])
+                      for r in self._mrs.values() if r.handles[index])
+
     def describe(self) -> dict[str, Any]:
         return {"rdma": self._part()}
 
@@ -290,21 +299,30 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         token = self._next_token
         self._next_token += 1
         ch = _verbs.RdmaChannel(self.ctx.core, peer.table, peer.address, self.slice_size, token)
-        qps = []
+        qps: list[tuple[Any, Any, int]] = []
+        ibgda: list[tuple[Any, Any, int]] = []
         try:
             qps = self._new_qps(pairs)
+            if self._ibgda_on:
+                ibgda = self._new_qps(pairs, ibgda=True)
             self._remote_qpns[token] = []
-            added = await self._join(peer, ch, qps)
+            added = await self._join(peer, ch, qps, ibgda)
             self._channels[token] = (peer, ch)
             await self._probe_all(peer, ch, added)
         except BaseException:
             ch.close()
             self._channels.pop(token, None)
             self._remote_qpns.pop(token, None)
-            for dev, qp, rdev in qps:
-                qp.destroy()                   # those not handed to the channel
+            self._ibgda.pop(token, None)
+            for dev, qp, rdev in qps + ibgda:
+                qp.destroy()                   # those not handed to the channel (destroy is idempotent)
             raise
         return ch
+
+    def ibgda_endpoints(self, channel: Any) -> list[IbgdaEndpoint]:
+        """The channel's IBGDA endpoints (Engine(rdma_ibgda=True)), one per
+        device pair; [] without."""
+        return list(self._ibgda.get(getattr(channel, "token", -1), []))
 
     def _wanted_pairs(self, peer: PeerLink, rdevs: list[dict[str, Any]]) -> list[tuple[int, int]]:
         """The device pairs (local index, remote index) a channel to `peer`
@@ -325,12 +343,16 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         return _pairs(local, _ordered(live, self.ctx.topology, self.ctx.location),
                       rnames, _ordered(rlive, desc.topology, desc.location or "cpu"))
 
-    def _new_qps(self, pairs: list[tuple[int, int]]) -> list[tuple[Any, Any, int]]:
-        """qps_per_pair new QPs per device pair: (device, QP, remote index)."""
+    def _new_qps(self, pairs: list[tuple[int, int]], ibgda: bool = False) -> list[tuple[Any, Any, int]]:
+        """qps_per_pair new QPs per device pair (ibgda: one IBGDA endpoint
+        per pair instead): (device, QP, remote index)."""
         qps: list[tuple[Any, Any, int]] = []
         try:
             for ldev, rdev in pairs:
                 dev = self.devices[ldev]
+                if ibgda:
+                    qps.append((dev, dev.create_ibgda(IBGDA_DEPTH), rdev))
+                    continue
                 for _ in range(self.qps_per_pair):
                     if not dev.reserve(QP_DEPTH):
                         raise ProviderUnavailableError(f"{dev.name}: completion queue full (too many QPs)")
@@ -341,12 +363,19 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
             raise
         return qps
 
-    async def _join(self, peer: PeerLink, ch: Any, qps: list[tuple[Any, Any, int]]) -> list[int]:
-        """Has the peer make the other ends of `qps`, connects them and
-        hands them to the channel, not in service before their probe
-        (_probe_all). Returns their indexes in the channel."""
-        reply = await peer.request({"t": "rdma_connect", "qps": [self._qp_wire(d, q, r) for d, q, r in qps]})
+    async def _join(self, peer: PeerLink, ch: Any, qps: list[tuple[Any, Any, int]],
+                    ibgda: list[tuple[Any, Any, int]] | None = None) -> list[int]:
+        """Has the peer make the other ends of `qps` (and of the IBGDA
+        endpoints `ibgda`), connects them and hands `qps` to the channel,
+        not in service before their probe (_probe_all). Returns their
+        indexes in the channel."""
+        msg: dict[str, Any] = {"t": "rdma_connect", "qps": [self._qp_wire(d, q, r) for d, q, r in qps]}
+        if ibgda:
+            msg["ibgda"] = [self._qp_wire(d, q, r) for d, q, r in ibgda]
+        reply = await peer.request(msg)
         answers = _accepted(reply, len(qps), peer.address)
+        ibgda_answers = _accepted({"t": reply.get("t"), "qps": reply.get("ibgda")}, len(ibgda), peer.address) \
+            if ibgda else []
         # a device retired during the await destroyed our QPs on it
         self._check_live(peer, {dev.index for dev, _, _ in qps})
         # the target's receive window: writes go against its credit
@@ -354,8 +383,11 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ProtocolError(f"{peer.address}: rdma_accept: bad window {window!r}")
         ch.set_window(window)
-        for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps, answers):
+        for (dev, qp, rdev), (qpn, psn, gid, lid, mtu) in zip(qps + (ibgda or []), answers + ibgda_answers):
             qp.connect(qpn, psn, gid, lid, mtu)
+        if ibgda:
+            self._ibgda[ch.token] = [IbgdaEndpoint(self, peer, qp, rdev, answer[0])
+                                     for (dev, qp, rdev), answer in zip(ibgda, ibgda_answers)]
         added = []
         for (dev, qp, rdev), answer in zip(qps, answers):
             added.append(ch.add_qp(qp, rdev, False))
@@ -397,10 +429,13 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
     def on_control(self, peer_address: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
         """Creates and connects this side's QPs for a peer's rdma_connect."""
         qps = msg.get("qps")
+        ibgda = msg.get("ibgda") or []
         if not isinstance(qps, list) or not qps or len(qps) > MAX_TARGET_QPS:
             raise ProtocolError("rdma_connect: bad QP list")
+        if not isinstance(ibgda, list) or len(ibgda) > MAX_TARGET_QPS:
+            raise ProtocolError("rdma_connect: bad IBGDA QP list")
         mine = self._session_qps.setdefault(session, [])
-        if len(mine) + len(qps) > MAX_TARGET_QPS:
+        if len(mine) + len(qps) + len(ibgda) > MAX_TARGET_QPS:
             raise ProtocolError(f"rdma_connect: more than {MAX_TARGET_QPS} QPs for one peer")
         replace = msg.get("replace") or []
         if not isinstance(replace, list):
@@ -411,7 +446,9 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         out = []
         made = []
         try:
-            for item in qps:
+            # the IBGDA ones (after the channel's) are plain target QPs
+            # outside the receive window: a device's writes take no credit
+            for n, item in enumerate(qps + ibgda):
                 try:
                     rdev, qpn, psn, gid, lid, mtu = item
                     ok = (isinstance(rdev, int) and 0 <= rdev < len(self.devices) and isinstance(qpn, int)
@@ -423,7 +460,7 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
                 if not ok:
                     raise ProtocolError("rdma_connect: malformed QP entry")
                 dev = self.devices[rdev]
-                qp = dev.create_qp(1, target=True, credits=self.ctx.receive_window > 0)
+                qp = dev.create_qp(1, target=True, credits=self.ctx.receive_window > 0 and n < len(qps))
                 made.append(qp)
                 qp.connect(qpn, psn, gid, lid, mtu)
                 out.append([qp.qpn, qp.psn, dev.gid, dev.lid, dev.mtu])
@@ -439,7 +476,10 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
             key = (qp.dev.index, qp.qpn)
             self._targets[key] = (peer_address, qp)
             mine.append(key)
-        return {"t": "rdma_accept", "qps": out, "window": self.ctx.receive_window}
+        reply = {"t": "rdma_accept", "qps": out[:len(qps)], "window": self.ctx.receive_window}
+        if ibgda:
+            reply["ibgda"] = out[len(qps):]
+        return reply
 
     def _drop_target(self, session: Any, key: tuple[Any, ...]) -> None:
         """Destroys this session's target QP `key` = (device index, qpn):
@@ -479,6 +519,8 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         self._all_down.pop(token, None)
         self._remote_qpns.pop(token, None)
         self._qp_counts.pop(token, None)
+        for ep in self._ibgda.pop(token, []):
+            ep.destroy()
 
     def connections(self, channel: Any) -> list[dict[str, Any]]:
         """One entry per QP: index, device and remote device (names/index),
