@@ -63,6 +63,9 @@ async def test_an_ibgda_endpoint_per_device_pair_writes_into_the_peer():
             await bounded(ep.write_from_host(l.addr + lo, r.addr + lo, part))
             assert np.array_equal(dst[lo:lo + part], src[lo:lo + part])
             assert not dst[lo + part:].any()
+            # a queue the host has posted on cannot be handed to a device
+            with pytest.raises(kvflow.ProviderUnavailableError, match="host has written through"):
+                ep.view()
         # the channel is untouched by them
         src[:] = np.roll(src, 1)
         await bounded(peer.write([l.addr], [r.addr], [n]))

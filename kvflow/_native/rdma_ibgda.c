@@ -91,6 +91,11 @@ int kvf_ibgda_ep_view(kvf_ibgda_ep *ep, kvf_ibgda_view *out, char *why, size_t n
     return fail(why, n, KVF_EINVAL, "kvflow was built without infiniband/mlx5dv.h: no IBGDA on %s",
                 ibv_get_device_name(ep->ctx->device));
 #else
+    /* the device starts from a fresh queue (producer and consumer index
+     * 0): after a host write the provider's indexes have moved on */
+    if (ep->seq)
+        return fail(why, n, KVF_EINVAL, "the host has written through this queue pair (write_from_host): a "
+                    "device cannot take it over%s", "");
     if (!kvf_ibgda_supported(ep->ctx))
         return fail(why, n, KVF_EINVAL, "%s is not an mlx5 device: IBGDA needs mlx5 direct verbs "
                     "(ConnectX-5 or later)", ibv_get_device_name(ep->ctx->device));

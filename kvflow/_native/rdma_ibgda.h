@@ -47,8 +47,10 @@ int kvf_ibgda_ep_new(kvf_ctx *c, struct ibv_context *ctx, struct ibv_pd *pd, uin
 struct ibv_qp *kvf_ibgda_ep_qp(kvf_ibgda_ep *ep);
 /* Whether this device can be driven by IBGDA at all (mlx5 direct verbs). */
 int kvf_ibgda_supported(struct ibv_context *ctx);
-/* Fills *out from mlx5dv_init_obj; KVF_OK, or an error with why[n]. After
- * it, host writes are refused: the device owns the send queue. */
+/* Fills *out from mlx5dv_init_obj; KVF_OK, or an error with why[n]
+ * (also once the host has written through it: the device starts from a
+ * fresh queue). After it, host writes are refused: the device owns the
+ * send queue. */
 int kvf_ibgda_ep_view(kvf_ibgda_ep *ep, kvf_ibgda_view *out, char *why, size_t n);
 /* One signalled RDMA write posted from the host and its completion
  * polled, up to timeout_ns: the ibv_wc_status (0: landed), -ETIMEDOUT,

@@ -239,6 +239,18 @@ class LaneClient:
             self.seg.close()
             raise LaneError(f"{member}: every lane of {name} is taken")
         self._background: set[asyncio.Task[None]] = set()
+        # Set when the member could not deliver a slot: no slot of this lane
+        # is filled again. The member's write of that slot may still be in
+        # the kernel, sending from the slot's pages (tcp splices them), and
+        # its bytes may land after the sender's direct write of the same
+        # part: harmless while the slot holds that part, wrong once it
+        # holds another.
+        self.lost: str | None = None
+
+    def _credit(self, ticket: int) -> Any:
+        if self.lost is not None:
+            raise PeerLostError(f"relay member {self.member} could not forward: {self.lost}", peer=self.member)
+        return self.seg.credit(self.lane, ticket)
 
     def _check_member(self) -> None:
         if not _alive(self.member_pid) or self.seg.consumer_pid != self.member_pid:
@@ -290,7 +302,7 @@ class LaneClient:
         fill: Any = None
         event: Any = None
         try:
-            await self._until(lambda: seg.credit(lane, ticket))
+            await self._until(lambda: self._credit(ticket))
             if filler is not None:
                 self._check_member()        # not into device lanes a retired member may be freeing
                 try:
@@ -330,6 +342,7 @@ class LaneClient:
                 except CudaError as e:      # a sticky error from other work: this part is decided already
                     log.warning("kvflow relay: closing a slot's event: %s", e)
         if code == UNDELIVERED:
+            self.lost = text          # before any await: no send waiting for credit may fill a slot now
             raise PeerLostError(f"relay member {self.member} could not forward: {text}", peer=self.member)
         if code:
             raise RemoteAccessError(f"{self.member}: {text}", peer=destination)

@@ -77,8 +77,9 @@ class IbgdaEndpoint:
     def view(self) -> dict[str, Any]:
         """What a GPU needs to drive the QP (host addresses of its send
         queue, doorbell records, UAR register and CQ, and their sizes). Raises
-        ProviderUnavailableError where the device is not mlx5. After it,
-        write_from_host() is refused: the device owns the queue."""
+        ProviderUnavailableError where the device is not mlx5, or once
+        write_from_host() was used (the device starts from a fresh queue).
+        After it, write_from_host() is refused: the device owns the queue."""
         try:
             return self._qp.view()
         except VerbsError as e:
