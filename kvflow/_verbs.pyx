@@ -314,7 +314,6 @@ cdef class Device:
         q = IbgdaQp()
         q.ep = ep
         q.dev = self
-        q.depth = depth
         q.psn = int.from_bytes(os.urandom(3), "little")
         self.qps.add(q)
         return q
@@ -546,7 +545,6 @@ cdef class IbgdaQp:
     cdef kvf_ibgda_ep *ep
     cdef readonly Device dev
     cdef readonly uint32_t psn
-    cdef readonly int depth
     cdef readonly bint connected
     cdef object __weakref__
 

@@ -23,6 +23,7 @@ import numpy as np
 from kvflow._cuda import driver as drv
 from kvflow._cuda import kernels
 from kvflow.errors import CudaError, InvalidArgumentError
+from kvflow.providers.rdma.ibgda import check_length
 
 __all__ = ["DeviceQp", "PAGE", "QP_DTYPE", "page_spans"]
 
@@ -104,8 +105,7 @@ class DeviceQp:
         CQ polled) on `stream` and waits for it: (the CQE's opcode, 0: the
         write landed; its WQE counter). Raises InvalidArgumentError for a
         range the peer has not opened or a local range in no region."""
-        if not 0 < length < 1 << 31:
-            raise InvalidArgumentError(f"an IBGDA write is 1 byte to 2 GiB - 1, not {length}")
+        check_length(length)
         rkey = self.endpoint.remote_key(remote_addr, length)
         self.endpoint.lkey(local_addr, length)          # refused here, not found missing on the device
         kernels.ibgda_write(stream, self._qp.addr, self._mrs.addr if self._mrs else 0, self._nmrs,

@@ -2,6 +2,7 @@
 #include "rdma_ibgda.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,8 +23,11 @@ struct kvf_ibgda_ep {
     int device_owned;           /* the view was taken: the device posts and polls */
 };
 
-static int fail(char *why, size_t n, int rc, const char *fmt, const char *what) {
-    snprintf(why, n, fmt, what);
+static int fail(char *why, size_t n, int rc, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, n, fmt, ap);
+    va_end(ap);
     return rc;
 }
 
@@ -40,9 +44,9 @@ int kvf_ibgda_ep_new(kvf_ctx *c, struct ibv_context *ctx, struct ibv_pd *pd, uin
                      kvf_ibgda_ep **out, char *why, size_t n) {
     *out = NULL;
     if (depth < 2 || depth > (1u << 15) || (depth & (depth - 1)))
-        return fail(why, n, KVF_EINVAL, "an IBGDA queue depth is a power of two from 2 to 32768%s", "");
+        return fail(why, n, KVF_EINVAL, "an IBGDA queue depth is a power of two from 2 to 32768");
     kvf_ibgda_ep *ep = calloc(1, sizeof *ep);
-    if (!ep) return fail(why, n, KVF_ENOMEM, "no memory for an IBGDA endpoint%s", "");
+    if (!ep) return fail(why, n, KVF_ENOMEM, "no memory for an IBGDA endpoint");
     ep->c = c;
     ep->ctx = ctx;
     /* A thread domain gets the QP a UAR of its own on mlx5 (the GPU rings
@@ -60,8 +64,9 @@ int kvf_ibgda_ep_new(kvf_ctx *c, struct ibv_context *ctx, struct ibv_pd *pd, uin
     /* one entry per WQE: every write the device posts is signalled */
     ep->cq = ibv_create_cq(ctx, (int)depth, NULL, NULL, 0);
     if (!ep->cq) {
+        int e = errno;             /* before the frees below can change it */
         kvf_ibgda_ep_free(ep);
-        return fail(why, n, KVF_EIO, "cannot create an IBGDA completion queue (%s)", strerror(errno));
+        return fail(why, n, KVF_EIO, "cannot create an IBGDA completion queue (%s)", strerror(e));
     }
     struct ibv_qp_init_attr ia;
     memset(&ia, 0, sizeof ia);
@@ -75,8 +80,9 @@ int kvf_ibgda_ep_new(kvf_ctx *c, struct ibv_context *ctx, struct ibv_pd *pd, uin
     ia.sq_sig_all = 0;
     ep->qp = ibv_create_qp(ep->parent ? ep->parent : pd, &ia);
     if (!ep->qp) {
+        int e = errno;             /* before the frees below can change it */
         kvf_ibgda_ep_free(ep);
-        return fail(why, n, KVF_EIO, "cannot create an IBGDA queue pair (%s)", strerror(errno));
+        return fail(why, n, KVF_EIO, "cannot create an IBGDA queue pair (%s)", strerror(e));
     }
     kvf_rdma_count(c, 0, 1);
     *out = ep;
@@ -95,7 +101,7 @@ int kvf_ibgda_ep_view(kvf_ibgda_ep *ep, kvf_ibgda_view *out, char *why, size_t n
      * 0): after a host write the provider's indexes have moved on */
     if (ep->seq)
         return fail(why, n, KVF_EINVAL, "the host has written through this queue pair (write_from_host): a "
-                    "device cannot take it over%s", "");
+                    "device cannot take it over");
     if (!kvf_ibgda_supported(ep->ctx))
         return fail(why, n, KVF_EINVAL, "%s is not an mlx5 device: IBGDA needs mlx5 direct verbs "
                     "(ConnectX-5 or later)", ibv_get_device_name(ep->ctx->device));
@@ -116,11 +122,11 @@ int kvf_ibgda_ep_view(kvf_ibgda_ep *ep, kvf_ibgda_view *out, char *why, size_t n
      * power of two (it masks the index) */
     if (dq.sq.stride != 64 || dc.cqe_size != 64)
         return fail(why, n, KVF_EINVAL, "unexpected mlx5 layout: send stride or CQE size is not 64 bytes "
-                    "(MLX5_CQE_SIZE set?)%s", "");
+                    "(MLX5_CQE_SIZE set?)");
     if (!dq.sq.wqe_cnt || (dq.sq.wqe_cnt & (dq.sq.wqe_cnt - 1)) || !dc.cqe_cnt || (dc.cqe_cnt & (dc.cqe_cnt - 1)))
-        return fail(why, n, KVF_EINVAL, "unexpected mlx5 layout: a ring size is not a power of two%s", "");
+        return fail(why, n, KVF_EINVAL, "unexpected mlx5 layout: a ring size is not a power of two");
     if (!dq.bf.reg || !dq.dbrec || !dc.dbrec)
-        return fail(why, n, KVF_EINVAL, "mlx5dv_init_obj gave no doorbell register or record%s", "");
+        return fail(why, n, KVF_EINVAL, "mlx5dv_init_obj gave no doorbell register or record");
     out->sq_buf = (uint64_t)(uintptr_t)dq.sq.buf;
     out->dbrec = (uint64_t)(uintptr_t)dq.dbrec;
     out->bf_reg = (uint64_t)(uintptr_t)dq.bf.reg;

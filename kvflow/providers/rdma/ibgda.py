@@ -38,7 +38,7 @@ from kvflow.status import WC_STATUS
 if TYPE_CHECKING:
     from kvflow.providers.rdma.provider import RdmaProvider
 
-__all__ = ["IBGDA_DEPTH", "IbgdaEndpoint", "MR_DTYPE"]
+__all__ = ["IBGDA_DEPTH", "IbgdaEndpoint", "MR_DTYPE", "check_length"]
 
 IBGDA_DEPTH = 128              # send-queue entries (and CQ entries) per IBGDA QP
 ETIMEDOUT = 110
@@ -47,6 +47,14 @@ EBUSY = 16
 # struct kvf_mr in kvflow/_cuda/ibgda.cuh: the region table the device code
 # searches by address (sorted by addr, no overlaps)
 MR_DTYPE = np.dtype([("addr", "<u8"), ("length", "<u8"), ("lkey", "<u4"), ("rkey", "<u4")])
+
+
+def check_length(length: object) -> int:
+    """`length` if it is a write's length one work request can carry, else
+    InvalidArgumentError."""
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 < length < 1 << 31:
+        raise InvalidArgumentError(f"an IBGDA write is 1 byte to 2 GiB - 1, not {length!r}")
+    return length
 
 
 class IbgdaEndpoint:
@@ -94,12 +102,12 @@ class IbgdaEndpoint:
     def lkey(self, addr: int, length: int) -> int:
         """The lkey of the registered region holding [addr, +length) on this
         endpoint's device; UnregisteredMemoryError if none does."""
-        table = self.local_regions()
-        i = bisect.bisect_right(table["addr"].tolist(), addr) - 1
-        if length <= 0 or i < 0 or addr + length > int(table["addr"][i]) + int(table["length"][i]):
+        rows = self._provider.regions_on(self.device_index)
+        i = bisect.bisect_right(rows, (addr, 1 << 64)) - 1
+        if length <= 0 or i < 0 or addr + length > rows[i][0] + rows[i][1]:
             raise UnregisteredMemoryError(f"[{addr:#x}, +{length}) is not inside a region registered on "
                                           f"{self.device}")
-        return int(table["lkey"][i])
+        return rows[i][2]
 
     def remote_key(self, addr: int, length: int) -> int:
         """The peer's rkey for [addr, +length) on its device `remote_device`
@@ -118,8 +126,7 @@ class IbgdaEndpoint:
         endpoint where no GPU drives it; raises the typed error of a bad
         range before anything is posted, TransferTimeoutError, or
         VerbsError with the completion's status."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 < length < 1 << 31:
-            raise InvalidArgumentError(f"an IBGDA write is 1 byte to 2 GiB - 1, not {length!r}")
+        check_length(length)
         lkey = self.lkey(local_addr, length)
         rkey = self.remote_key(remote_addr, length)
 
