@@ -103,3 +103,59 @@ async def test_cancelling_many_queued_tcp_slices_at_once():
         await bounded(peer.write([ls.addr], [rd.addr], [4096]))       # still works
         assert bytes(dst[:4096]) == bytes(src[:4096])
         assert a.counters()["slices_inflight"] == 0
+
+
+async def test_a_failed_write_sends_nothing_after_it_raised(make_engine, make_target, local_mem):
+    """A write that fails while its bytes sit in the sockets (the target
+    stopped reading, SIGSTOP; then the peer is closed) sends none of them
+    once it has raised. tcp sends payloads by page reference (vmsplice), so
+    what the kernel still held would go out later with whatever the caller
+    has put in its buffer since, and land after the write was reported
+    failed. The connection is reset (its send queue dropped), not shut
+    down: over a NIC nothing is referenced any more once the write has
+    failed. On loopback the target's own socket still references the
+    sender's pages (loopback hands the skbs over, uncopied), and the target
+    applies what its socket had received before the reset once it runs
+    again, read from the caller's buffer then: late bytes are bounded by
+    that receive queue. Before the reset (a shutdown that sent the queue
+    first) 2 MiB of 8 landed here against a receive queue of 248 KiB."""
+    import numpy as np
+    import kvflow
+    size = 8 * MiB
+    target = await make_target(protocols=("tcp",), xproc=True,
+                               regions=[{"name": "rw", "length": size, "access": 3}])
+    eng = await make_engine(protocols=("tcp",))
+    peer = await bounded(eng.connect(target.address))
+    src = local_mem(eng, size)
+    src.view[:] = 0x11
+    base = peer.region("rw").addr
+    os.kill(target.proc.pid, signal.SIGSTOP)
+    try:
+        t = peer.write_nowait([src.addr + k * MiB for k in range(8)], [base + k * MiB for k in range(8)],
+                              [MiB] * 8)
+        await asyncio.sleep(0.5)            # the sockets fill and stay full
+        assert not t.done(), "the write cannot complete while the target is stopped"
+        received = _receive_queue(target.proc.pid)
+        await peer.close()
+        try:
+            await bounded(t, 10)
+            raise AssertionError("the write completed toward a stopped target")
+        except kvflow.KVFlowError:
+            pass
+        src.view[:] = 0x5A                  # the caller reuses its buffer
+    finally:
+        os.kill(target.proc.pid, signal.SIGCONT)
+    await asyncio.sleep(1.0)                # whatever is still on its way lands
+    got = np.frombuffer(await bounded(target.get("rw", 0, size)), np.uint8)
+    late = int(np.count_nonzero(got == 0x5A))
+    assert late <= received, (f"{late} bytes put into the buffer after the write failed landed on the target;"
+                              f" its sockets had received {received}")
+
+
+def _receive_queue(pid: int) -> int:
+    """Bytes received and not read in the established tcp sockets of
+    process `pid` (their Recv-Q, from `ss`)."""
+    import subprocess
+    out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True,
+                         check=True).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if f"pid={pid}," in line)

@@ -40,6 +40,7 @@
 #include <unistd.h>
 
 static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status);
+static void conn_reset(tcp_conn *c);
 static const kvf_provider_ops tcp_ops;
 
 /* Some connection is up (computed, not cached: connections fail and are
@@ -78,7 +79,7 @@ static void conn_fail(tcp_conn *c, int status) {
     }
     pthread_cond_broadcast(&c->q.cv);
     pthread_mutex_unlock(&c->q.mu);
-    shutdown(c->fd, SHUT_RDWR);   /* wakes the other thread out of send/recv */
+    conn_reset(c);
     if (status == KVF_ELOST && any_alive(c->ch)) {
         c->moved += k;
         requeue(c->ch, fail, k, status);
@@ -87,6 +88,23 @@ static void conn_fail(tcp_conn *c, int status) {
         atomic_fetch_sub(&ctx->n_slices_inflight, (int64_t)k);
     }
     free(fail);
+}
+
+/* Ends a connection at once, before its slices are reported: what its
+ * socket still holds is dropped and a reset is sent. A shutdown would send
+ * the queue first, and the queue holds payloads by page reference
+ * (vmsplice): they would go out after the write was reported failed, with
+ * whatever the caller has put in its buffer since (measured: 2 MiB of such
+ * bytes landed on a target that had stopped reading, 8 MiB written,
+ * tests/test_backpressure.py). connect(AF_UNSPEC) is tcp_disconnect(): the
+ * write queue purged, RST sent, and the other threads using the socket
+ * woken with an error; the shutdown after it only covers a failure of it. */
+static void conn_reset(tcp_conn *c) {
+    struct sockaddr sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_family = AF_UNSPEC;
+    (void)connect(c->fd, &sa, sizeof(sa));
+    shutdown(c->fd, SHUT_RDWR);
 }
 
 /* Hands slices of a failed connection to the least-loaded live ones. */
@@ -674,17 +692,10 @@ int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id) {
             holds = c->state[t] && c->inflight[t].slot == slot;
         pthread_mutex_unlock(&c->q.mu);
         if (!holds) continue;
-        /* connect(AF_UNSPEC) disconnects at once (tcp_disconnect): what the
-         * socket still holds is discarded, a reset is sent, and nothing of
-         * it can reach the target later; the other threads using the
-         * socket see errors. */
-        struct sockaddr sa;
-        memset(&sa, 0, sizeof(sa));
-        sa.sa_family = AF_UNSPEC;
-        if (connect(c->fd, &sa, sizeof(sa)) == 0 || errno != EBADF) {
-            conn_fail(c, KVF_ELOST);
-            aborted++;
-        }
+        /* the connection is reset (conn_reset): nothing it still holds can
+         * reach the target later */
+        conn_fail(c, KVF_ELOST);
+        aborted++;
     }
     return aborted;
 }
