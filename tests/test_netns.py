@@ -155,8 +155,9 @@ async def test_rails_from_topology_pair_and_fail_over(topo):
     assert r.rails["target"] == [topo.target(1, 0), topo.target(2, 0)], r.rails
     assert r.rails["initiator"] == [topo.target(1, 1), topo.target(2, 1)], r.rails
     # ...and every data connection is bound to, and leaves from, the
-    # initiator's rail on the target rail's subnet
-    assert sorted(r.rails["bound"]) == [topo.target(1, 1)] * 2 + [topo.target(2, 1)] * 2, r.rails
+    # initiator's rail on the target rail's subnet: two per rail, and the
+    # express lane (HIGH batches) on the first
+    assert sorted(r.rails["bound"]) == [topo.target(1, 1)] * 3 + [topo.target(2, 1)] * 2, r.rails
     assert r.rails["pairs"] == [[topo.target(1, 1), topo.target(1, 0)], [topo.target(2, 1), topo.target(2, 0)]], r.rails
     assert r.rails["down"] == [], r.rails
     assert r.detect_s is not None and r.detect_s < 2 * KEEPALIVE + 2 * SLACK, r

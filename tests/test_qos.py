@@ -391,25 +391,45 @@ async def test_priority_on_every_call(protocol):
         await close_pair(p)
 
 
-async def test_tcp_express_lane_carries_high_batches_only():
-    """tcp: one more data connection per peer, for HIGH batches alone: they
-    never wait behind other batches' bytes in the kernel's socket buffers."""
-    p = await open_pair("tcp", 8 * MiB, tcp_connections=2, tcp_express=True)
+async def test_tcp_express_lane_carries_high_batches_past_lower_ones():
+    """tcp: one more data connection per peer (on by default). While the
+    other connections have slices of a lower class on the wire, a HIGH
+    batch goes whole on it and never waits behind their bytes in the
+    kernel's socket buffers; on idle connections a HIGH batch spreads over
+    all of them, the lane included (alone it would carry a stream of HIGH
+    batches at one connection's rate); batches below HIGH never use it."""
+    p = await open_pair("tcp", 136 * MiB, tcp_connections=2)
     try:
         conns = p.peer.connections()
         assert len(conns) == 3, conns
+
+        def sent():
+            return [c["bytes"] for c in p.peer.connections()]
         await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [4 * MiB]))                  # NORMAL
         await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [4 * MiB], priority=Priority.LOW))
-        assert p.peer.connections()[2]["bytes"] == 0
-        await bounded(p.peer.write([p.ls.addr + 4 * MiB], [p.rd.addr + 4 * MiB], [2 * MiB],
-                                   priority=Priority.HIGH))
-        after = p.peer.connections()
-        assert after[2]["bytes"] == 2 * MiB, after
-        assert sum(c["bytes"] for c in after[:2]) == 8 * MiB
+        assert sent()[2] == 0
+        # HIGH on idle connections: 4 slices over all three
+        await bounded(p.peer.write([p.ls.addr + k * MiB for k in range(4)], [p.rd.addr + k * MiB for k in range(4)],
+                                   [MiB] * 4, priority=Priority.HIGH))
+        idle = sent()
+        assert 0 < idle[2] < 4 * MiB and sum(idle) == 12 * MiB, idle
+        # HIGH while a LOW batch is on the wire: whole on the lane
+        low = p.peer.write_nowait([p.ls.addr + 8 * MiB + k * MiB for k in range(128)],
+                                  [p.rd.addr + 8 * MiB + k * MiB for k in range(128)], [MiB] * 128,
+                                  priority=Priority.LOW)
+        while sum(sent()[:2]) == sum(idle[:2]) and not low.done():
+            await asyncio.sleep(0)
+        assert not low.done(), "the LOW batch ended before the HIGH one could be sent beside it"
+        await bounded(p.peer.write([p.ls.addr + 4 * MiB], [p.rd.addr + 4 * MiB], [2 * MiB], priority=Priority.HIGH))
+        await bounded(low)
+        after = sent()
+        assert after[2] - idle[2] == 2 * MiB, (idle, after)
+        assert sum(after[:2]) - sum(idle[:2]) == 128 * MiB, (idle, after)
         assert bytes(p.dst[:6 * MiB]) == bytes(p.src[:6 * MiB])
+        assert bytes(p.dst[8 * MiB:]) == bytes(p.src[8 * MiB:])
     finally:
         await close_pair(p)
-    p = await open_pair("tcp", MiB)
+    p = await open_pair("tcp", MiB, tcp_express=False)
     try:
         assert len(p.peer.connections()) == 2
         await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [MiB], priority=Priority.HIGH))

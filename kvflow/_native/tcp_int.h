@@ -47,6 +47,9 @@ typedef struct tcp_conn {
     uint8_t state[TCP_WINDOW];
     uint32_t free_tags[TCP_WINDOW];
     uint32_t nfree;
+    uint8_t below_high[TCP_WINDOW];   /* the tag's slice is of a batch below HIGH */
+    uint32_t n_below_high;    /* tags in use whose slice is below HIGH (a HIGH batch would wait behind
+                               * their bytes in the kernel: express_for reads it without the lock) */
     _Atomic int dead;
     _Atomic unsigned epoch;   /* times it was rebuilt (acks carry it) */
     int fail_status;

@@ -53,7 +53,7 @@ class Progress:
 async def _pair(args: argparse.Namespace, scheduling: str, nbytes: int):
     protocols = None if args.protocol == "auto" else (args.protocol,)
     kw = {"protocols": protocols, "scheduling": scheduling, "tcp_connections": args.tcp_connections,
-          "tcp_express": args.tcp_express}
+          "tcp_express": None if args.tcp_express is None else args.tcp_express == "on"}
     if args.tcp_buffers is not None:
         kw["tcp_send_buffer"], kw["tcp_receive_buffer"] = args.tcp_buffers
     a, b = kvflow.Engine(**kw), kvflow.Engine(**kw, receive_window=args.receive_window or None)
@@ -203,8 +203,8 @@ def add_parser(roles: Any, size: Any, count: Any, seconds: Any) -> None:
     p = roles.add_parser("qos", help="short HIGH batches against a LOW stream, FIFO and QoS in one run")
     p.add_argument("--protocol", choices=("auto", "tcp", "local", "rdma"), default="tcp")
     p.add_argument("--tcp-connections", type=count, default=2, metavar="N")
-    p.add_argument("--tcp-express", action="store_true",
-                   help="one more tcp connection per peer for HIGH batches (Engine(tcp_express=True))")
+    p.add_argument("--tcp-express", choices=("on", "off"), default=None,
+                   help="the tcp express lane for HIGH batches (Engine(tcp_express=); default: the engine's, on)")
     p.add_argument("--tcp-buffers", type=buffers, default=None, metavar="SEND,RECEIVE",
                    help="SO_SNDBUF,SO_RCVBUF of the tcp data connections in bytes (0: the kernel's; "
                         "default: the engine's, 512K,0)")

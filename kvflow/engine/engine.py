@@ -156,11 +156,11 @@ class Engine:
     scheduling: "qos" (priority classes, deadlines, fair share between
     batches) or "fifo" (batches in arrival order, whole: priorities and
     deadlines ignored; the baseline the QoS benchmark compares with);
-    tcp_express: one more tcp data connection per peer that carries HIGH
-    batches only, so that they never queue behind other batches' bytes in
-    the kernel's socket buffers (default: env KVFLOW_TCP_EXPRESS, else off:
-    on this 2-core test machine its extra threads cost more in the tail
-    than the lane saves; docs/qos.md has the numbers);
+    tcp_express: one more tcp data connection per peer for HIGH batches:
+    while the others carry lower classes' bytes, a HIGH batch goes whole
+    on it and never queues behind those bytes in the kernel's socket
+    buffers; on idle connections it spreads over all of them (default: env
+    KVFLOW_TCP_EXPRESS, else on; docs/qos.md has the numbers);
     tcp_send_buffer, tcp_receive_buffer: SO_SNDBUF of the tcp data
     connections it opens (512 KiB) and SO_RCVBUF of those it accepts
     (0: the kernel's autotuning, the default there; kvflow.providers.tcp.TcpOptions);
@@ -219,7 +219,7 @@ class Engine:
             rails = env_list("KVFLOW_TCP_RAILS")
         if tcp_express is None:
             tcp_express = env_bool("KVFLOW_TCP_EXPRESS")
-            tcp_express = bool(tcp_express)
+            tcp_express = TcpOptions.express if tcp_express is None else tcp_express
         if tcp_busy_poll is None:
             tcp_busy_poll = env_float("KVFLOW_TCP_BUSY_POLL")
             tcp_busy_poll = TcpOptions.busy_poll if tcp_busy_poll is None else tcp_busy_poll

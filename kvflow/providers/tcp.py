@@ -179,9 +179,12 @@ class TcpOptions:
     GB/s per connection. The receive side stays autotuned by default: a
     fixed 1 MiB one made the kernel prune (drop) queued data under load,
     a 200 ms retransmission stall (docs/qos.md);
-    express: one more connection per peer that carries HIGH batches only
-    (Priority.HIGH), so that they never wait behind other batches' bytes
-    in the kernel's socket buffers (Engine(tcp_express=), env KVFLOW_TCP_EXPRESS);
+    express: one more connection per peer for HIGH batches: a HIGH batch
+    goes whole on it while the other connections have slices of a lower
+    class on the wire, so that it never waits behind their bytes in the
+    kernel's socket buffers, and spreads over every connection otherwise;
+    batches below HIGH never use it (Engine(tcp_express=), env
+    KVFLOW_TCP_EXPRESS; on by default);
     busy_poll: seconds a served data connection's thread that finds no
     frame keeps looking (yielding the CPU) before it sleeps (0: at once).
     The next small write after an ack then finds it awake: a wake-up from
@@ -195,7 +198,7 @@ class TcpOptions:
     connections: int = 2
     rails: list[str] | str | None = None
     slice_size: int = 1 << 20
-    express: bool = False
+    express: bool = True
     send_buffer: int = 512 << 10
     receive_buffer: int = 0
     busy_poll: float = 50e-6
