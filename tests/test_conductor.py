@@ -531,3 +531,80 @@ def test_eviction_takes_a_prefix_tail_first():
     c.insert([1, 2, 3])
     c.insert([7, 8])                   # evicts 3, the tail of the older chain
     assert c.match([1, 2, 3]) == 2 and c.match([7, 8]) == 2
+
+
+# -- a fetch of what requests queued elsewhere are computing ------------------
+
+def _pending_case():
+    """p0 computes A (40 blocks) then F (70, unrelated); p1 computes E (80,
+    unrelated); C (A's 40 blocks and 2 more) arrives meanwhile. p0's queue
+    ends after p1's; A, on p0, ends long before either. The old choice was
+    p0 (the prefix A computes counts there), or p1 computing all of C."""
+    from kvflow.conductor.trace import TraceRequest
+    blk = 512
+    a = tuple(range(40))
+    reqs = [TraceRequest(0, 0.0, 40 * blk, 4, a),
+            TraceRequest(1, 0.0, 80 * blk, 4, tuple(range(1000, 1080))),
+            TraceRequest(2, 0.0, 70 * blk, 4, tuple(range(2000, 2070))),
+            TraceRequest(3, 0.01, 42 * blk, 4, a + (5000, 5001))]
+    return reqs
+
+
+def test_a_prefix_computed_elsewhere_is_fetched_once_computed():
+    """Algorithm 1 with the conductor's own queues: C goes to p1, whose
+    queue ends first, and fetches A's blocks from p0 once A (queued there)
+    has computed them, instead of queueing behind F on p0 or computing
+    them again on p1. The decision says how long the source needs."""
+    c = Conductor()
+    for name in ("p0", "p1"):
+        c.register(InstanceSpec(name, Role.PREFILL))
+    c.register(InstanceSpec("d0", Role.DECODE))
+    reqs = _pending_case()
+    decs = [c.route(Request(str(r.index), r.tokens, r.keys, 0, 512), r.arrival_s) for r in reqs]
+    assert [d.prefill for d in decs[:3]] == ["p0", "p1", "p0"], decs
+    d = decs[3]
+    assert d.prefill == "p1" and d.prefix_source == "p0", d
+    assert d.blocks_to_move == tuple(range(40)) and d.cached_blocks == 0, d
+    # A ends on p0 after its prefill; the fetch waits for that, not for F
+    a_end = decs[0].est_ttft_s
+    assert d.est_source_wait_s == pytest.approx(a_end - 0.01, rel=1e-6), (d, a_end)
+    assert d.est_transfer_s > d.est_source_wait_s
+    # the estimate: behind E on p1, then only the 2 new blocks
+    assert d.est_queue_s == pytest.approx(decs[1].est_ttft_s - 0.01, rel=1e-6)
+    assert d.est_prefill_s < 0.5 * decs[0].est_prefill_s
+
+
+def test_the_replay_fetches_a_pending_prefix_when_it_is_computed():
+    """The simulator starts that fetch when the source's prefill of A
+    ends (not at routing, when p0 has nothing of A yet), and C then reuses
+    all 40 blocks on p1; F and E run as they would have."""
+    from kvflow.conductor.sim import ClusterConfig, Simulation
+    reqs = _pending_case()
+    res = Simulation(reqs, KVCacheCentric(), ClusterConfig(prefill=2, decode=1, cache_blocks=None)).run()
+    a, e, f, cc = res.outcomes
+    assert (a.prefill, e.prefill, f.prefill, cc.prefill) == ("p0", "p1", "p0", "p1")
+    assert cc.reused_blocks == 40 and cc.moved_blocks == 40, cc
+    assert cc.prefill_start_s == pytest.approx(e.prefill_start_s + e.prefill_s), (cc, e)
+    assert cc.prefill_start_s > a.prefill_start_s + a.prefill_s
+    # C computed only its 2 new blocks
+    assert cc.prefill_s < 0.25 * a.prefill_s, (cc, a)
+    assert res.moved_bytes == 40 * 512 * ClusterConfig().kv_bytes_per_token
+
+
+def test_a_fetch_that_landed_in_part_is_indexed_in_part():
+    """on_transfer_done(landed=n): only the first n blocks to move arrived
+    (the source no longer had, or did not have yet, the rest); the index
+    holds those on the destination, and the prefill's end caches the whole
+    prompt there as usual."""
+    c = Conductor()
+    for name in ("p0", "p1"):
+        c.register(InstanceSpec(name, Role.PREFILL))
+    c.register(InstanceSpec("d0", Role.DECODE))
+    reqs = _pending_case()
+    decs = [c.route(Request(str(r.index), r.tokens, r.keys, 0, 512), r.arrival_s) for r in reqs]
+    d = decs[3]
+    assert d.prefix_source == "p0" and len(d.blocks_to_move) == 40
+    assert c.on_transfer_done("3", 3.0, landed=15) == []
+    assert c.index.cache("p1").match(reqs[3].keys) == 15
+    c.on_prefill_done("3", 9.0)
+    assert c.index.cache("p1").match(reqs[3].keys) == 42

@@ -111,12 +111,22 @@ class PrefillState:
             p = self.peers[address] = await self.engine.connect(address)
         return p
 
-    async def fetch(self, http: Any, source: str, keys: list[int]) -> tuple[list[int], list[int]]:
+    async def fetch(self, http: Any, source: str, keys: list[int], wait_s: float = 0.0) -> tuple[list[int], list[int]]:
         """Lease the pages of `keys` on prefill server `source` and read
         them into pages of our own; returns (keys fetched, our pages), the
-        prefix of `keys` the source still had."""
-        async with http.post(f"http://{source}/lease", json={"keys": keys}) as r:
-            lease = await r.json()
+        prefix of `keys` the source had. The source may be computing some
+        of them still (the conductor fetches what requests queued there
+        compute): until `wait_s` has passed, a lease that does not hold
+        them all is given back and asked again."""
+        until = time.monotonic() + wait_s
+        while True:
+            async with http.post(f"http://{source}/lease", json={"keys": keys}) as r:
+                lease = await r.json()
+            if len(lease["pages"]) == len(keys) or time.monotonic() >= until:
+                break
+            async with http.post(f"http://{source}/unlease", json={"lease": lease["lease"]}) as r:
+                await r.read()
+            await asyncio.sleep(0.005)
         try:
             n = len(lease["pages"])
             if n == 0:
@@ -171,7 +181,8 @@ async def prefill_server(args: argparse.Namespace) -> None:
             # cache (pinned until this request has matched it) before the
             # prompt is matched. A fetch that fails costs only the compute.
             try:
-                fetched, mine = await st.fetch(http, fetch["from"], [int(k) for k in fetch["keys"]])
+                fetched, mine = await st.fetch(http, fetch["from"], [int(k) for k in fetch["keys"]],
+                                               float(fetch.get("wait_s", 0.0)))
             except Exception as e:
                 print(f"prefill room {room}: fetching the prefix from {fetch['from']} failed: {e!r}",
                       file=sys.stderr)
@@ -251,7 +262,7 @@ async def prefill_server(args: argparse.Namespace) -> None:
             evicted = cache.take_evicted()
         reply = {"room": room, "state": state.name, "first_token": first, "prefill_compute_s": compute_s,
                  "fetch_s": fetch_s, "cached_tokens": cached, "computed_tokens": len(tokens) - cached,
-                 "moved_blocks": moved, "evicted": evicted, "cache_pages": len(cache),
+                 "moved_blocks": moved, "fetched_blocks": len(fetched), "evicted": evicted, "cache_pages": len(cache),
                  "bytes": sender.metric.transfer_total_bytes, "entries": sender.metric.entries,
                  "layer_transfer_s": None}
         if state is KVPoll.Failed:
@@ -380,7 +391,11 @@ class Router:
         if dec.prefix_source is not None:
             # Only the blocks the conductor moves: the rest of the prefix is
             # in the prefill server's cache already.
-            extra["fetch"] = {"from": self.prefill[dec.prefix_source][0], "keys": list(dec.blocks_to_move)}
+            # (wait_s: requests queued there are still computing some of
+            # them; the conductor's estimate of when they are done, with slack)
+            wait = 2.0 * dec.est_source_wait_s + 0.5 if dec.est_source_wait_s > 0 else 0.0
+            extra["fetch"] = {"from": self.prefill[dec.prefix_source][0], "keys": list(dec.blocks_to_move),
+                              "wait_s": wait}
         try:
             async with http.post(f"http://{self.decode[dec.decode][0]}/generate",
                                  json={"tokens": tokens, "max_new_tokens": max_new, "prefill": paddr,
@@ -402,7 +417,7 @@ class Router:
         # them at the times the servers measured (the conductor's queue
         # estimate for the prefill server is high until then).
         t_kv = t0 + float(reply.get("ttft_s", now - t0))
-        c.on_transfer_done(rid, t0 + float(pinfo.get("fetch_s", 0.0)))
+        c.on_transfer_done(rid, t0 + float(pinfo.get("fetch_s", 0.0)), pinfo.get("fetched_blocks"))
         c.on_prefill_done(rid, t_kv)
         c.admit_decode(rid, t_kv)
         c.on_decode_done(rid, now, max_new)

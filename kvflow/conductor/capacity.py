@@ -118,10 +118,10 @@ def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_
 
 
 def _one(args: tuple) -> list[Capacity]:
-    path, limit, policy, prefill, decode, slo_ttft, target, threshold, rejection = args
+    path, limit, policy, prefill, decode, slo_ttft, target, threshold, rejection, precision = args
     trace = load_trace(path, limit)
     return find_capacity(trace, policy, prefill=prefill, decode=decode, slo_ttft_s=slo_ttft,
-                         target=target, threshold=threshold, rejection=rejection)
+                         target=target, threshold=threshold, rejection=rejection, precision=precision)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--slo-ttft", type=float, default=30.0)
     ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--precision", type=float, default=0.02,
+                    help="the search stops within this factor of the capacity (1 + precision)")
     ap.add_argument("--threshold", type=float, default=None, help="kvcache_balancing_threshold")
     ap.add_argument("--rejection", choices=[m.value for m in RejectionMode], default="none",
                     help="the admission every policy's choices go through (default none: routing alone)")
@@ -155,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(study))
         return 0
+    if not 0 < args.precision < 1:
+        ap.error("--precision must be in (0, 1)")
     jobs = [(args.trace, args.limit, p, args.prefill, args.decode, args.slo_ttft, args.target, args.threshold,
-             args.rejection) for p in args.policy]
+             args.rejection, args.precision) for p in args.policy]
     with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
         results = list(pool.map(_one, jobs))
     caps = {c.policy: c for r in results for c in r if c.tbt_s == TBT_THRESHOLDS_S[0]}

@@ -168,13 +168,27 @@ class Conductor:
         cands = [Candidate(name, matches[name], max(0.0, p.free_at - now), len(p.queue),
                            p.queued_tokens, p.queued_new_tokens, len(self.index.cache(name)),
                            self._ready_blocks(p, keys, matches[name]),
-                           max(0.0, p.stream_free_at - now, p.egress_free_at - now, d.rx_free_at - now))
+                           max(0.0, p.stream_free_at - now, d.rx_free_at - now))
                  for name, p in self._prefill.items()]
         ready = {c.name: c.ready_blocks for c in cands}
+        # The instance that will hold the longest prefix once the requests
+        # queued there have computed it, if that is longer than any cached
+        # one: a fetch from it can start when they are done.
+        pend_src, pend, pend_wait = None, best, 0.0
+        for c in cands:
+            if c.ready_blocks > pend:
+                pend_src, pend = c.name, c.ready_blocks
+        if pend_src is not None:
+            pend_wait = self._computed_in(self._prefill[pend_src], keys, pend, now)
+            if pend_wait is None:
+                pend_src, pend, pend_wait = None, best, 0.0
+        waits = {pend_src: pend_wait} if pend_src is not None else {}
         view = RoutingView(request, cands, best_src, best, self.prefill_model,
-                           lambda src, dst, n: self._transfer_s(request, src, dst, matches[dst], n, now),
+                           lambda src, dst, n: self._transfer_s(
+                               request, src, dst, matches[dst], n, now,
+                               waits.get(src, 0.0) if matches[dst] + n > matches[src] else 0.0),
                            lambda src: self._raw_transfer_s(src, d.spec.name, kv_bytes),
-                           self.slo_ttft_s, self.slo_tbt_s)
+                           self.slo_ttft_s, self.slo_tbt_s, pend_src, pend if pend_src else 0)
         choice = self.policy.choose(view)
         p = self._prefill[choice.instance]
         cached = matches[choice.instance]
@@ -187,11 +201,14 @@ class Conductor:
             source, move = None, 0
         else:
             source = choice.prefix_source
-            move = min(move, matches[source] - cached)
+            # cached there, or (the pending source) computed there by then
+            have = pend if source == pend_src else matches[source]
+            move = min(move, have - cached)
             if move <= 0:
                 source, move = None, 0
+        wait = waits.get(source, 0.0) if source is not None and cached + move > matches[source] else 0.0
         queue_s = max(0.0, p.free_at - now)
-        transfer_s = self._transfer_s(request, source, p.spec.name, cached, move, now) if source else 0.0
+        transfer_s = self._transfer_s(request, source, p.spec.name, cached, move, now, wait) if source else 0.0
         prefix_tokens = request.cached_tokens(cached + move)
         prefill_s = self.prefill_model.time(request.tokens, prefix_tokens)
         start = now + max(queue_s, transfer_s)
@@ -215,7 +232,7 @@ class Conductor:
         # Commit: the queue, the pins, the link, the decode reservation.
         decision = Decision(request.id, p.spec.name, d.spec.name, source,
                             tuple(keys[cached:cached + move]), cached, queue_s, transfer_s, prefill_s,
-                            ttft, tbt)
+                            ttft, tbt, wait)
         end = start + prefill_s
         p.queue[request.id] = [end, prefill_s]
         p.free_at = max(p.free_at, end)
@@ -225,13 +242,18 @@ class Conductor:
         self.index.pin(p.spec.name, keys[:cached])
         add_counts(p.pending, keys)
         if source is not None:
+            # pinned on the source, those it has not computed yet as well
+            # (they stay once computed, until the fetch is done)
             self.index.pin(source, decision.blocks_to_move)
             src = self._prefill[source]
-            src.egress_free_at = max(src.egress_free_at, now) + self._raw_transfer_s(
+            # a fetch that waits for the source's compute is booked from
+            # when it can start (the link is one queue in time: anything
+            # booked later is taken to wait behind it)
+            src.egress_free_at = max(src.egress_free_at, now + wait) + self._raw_transfer_s(
                 source, p.spec.name, self._moved_bytes(request, cached, move))
         # The KV streams to decode from the prefill's start, layer by layer,
         # behind the streams routed there before it.
-        p.stream_free_at = d.rx_free_at = max(p.stream_free_at, p.egress_free_at, d.rx_free_at, start) + \
+        p.stream_free_at = d.rx_free_at = max(p.stream_free_at, d.rx_free_at, start) + \
             self._raw_transfer_s(p.spec.name, d.spec.name, kv_bytes)
         d.reserved[request.id] = (ctx, end)
         d.reserved_ctx += ctx
@@ -246,11 +268,14 @@ class Conductor:
 
     # -- what the servers report --------------------------------------------
 
-    def on_transfer_done(self, request_id: str, now: float) -> list[int]:
+    def on_transfer_done(self, request_id: str, now: float, landed: int | None = None) -> list[int]:
         """The prefix `route` told the prefill instance to fetch has landed
         there: it is now a replica (counted in the index, pinned until the
-        prefill ends). Returns blocks its cache evicted to make room. A
-        request no longer known (forgotten) is ignored, as by every on_*."""
+        prefill ends). `landed`: how many of the blocks to move arrived, from
+        the first (None: all; fewer when the source no longer had, or did
+        not have yet, the rest: the prefill computes them). Returns blocks
+        its cache evicted to make room. A request no longer known
+        (forgotten) is ignored, as by every on_*."""
         f = self._flights.get(request_id)
         if f is None or not f.moving:
             return []
@@ -259,10 +284,12 @@ class Conductor:
         assert dec.prefix_source is not None
         if dec.prefill not in self._prefill:
             return []
+        n = len(dec.blocks_to_move) if landed is None else max(0, min(int(landed), len(dec.blocks_to_move)))
         # Pinned before they are inserted: a cache full of pinned blocks
-        # would otherwise evict the replica as it lands.
+        # would otherwise evict the replica as it lands. All of them, as
+        # on_prefill_done and forget release the whole prefix.
         self.index.pin(dec.prefill, dec.blocks_to_move)
-        evicted = self.index.insert(dec.prefill, dec.blocks_to_move)
+        evicted = self.index.insert(dec.prefill, dec.blocks_to_move[:n])
         if dec.prefix_source in self._prefill:
             # What the source evicts now that the blocks are free again shows
             # in the index; its server reports its own evictions (on_evict).
@@ -513,11 +540,32 @@ class Conductor:
         return link.time(nbytes)
 
     def _transfer_s(self, request: Request, src: str | None, dst: str, cached: int, move: int,
-                    now: float) -> float:
+                    now: float, wait: float = 0.0) -> float:
+        """Seconds until `move` blocks after `cached` land on `dst` from
+        `src`: behind what its link is busy with, and not before `wait`
+        (when the source has computed them)."""
         if src is None or move <= 0:
             return 0.0
-        busy = max(0.0, self._prefill[src].egress_free_at - now)
+        # behind the moves it sources (the streams to decode go first and
+        # pause it briefly; not counted)
+        busy = max(0.0, self._prefill[src].egress_free_at - now, wait)
         return busy + self._raw_transfer_s(src, dst, self._moved_bytes(request, cached, move))
+
+    def _computed_in(self, p: _Prefill, keys: Sequence[int], blocks: int, now: float) -> float | None:
+        """Seconds until `p` holds keys[:blocks], of which the cached part
+        is there now and the rest is computed by requests queued there: the
+        expected end of the first of them (in queue order) whose prompt
+        holds block blocks-1 (keys are chained: a prompt holding that block
+        holds it at that place, and every block before it). None if none
+        does."""
+        last = keys[blocks - 1]
+        if last in self.index.cache(p.spec.name):
+            return 0.0
+        for rid, (end, _) in p.queue.items():
+            f = self._flights.get(rid)
+            if f is not None and len(f.request.keys) >= blocks and f.request.keys[blocks - 1] == last:
+                return max(0.0, end - now)
+        return None
 
     def _reject(self, request: Request, reason: RejectReason, detail: str, decode: str | None = None) -> Rejected:
         self.stats.rejected[reason.value] = self.stats.rejected.get(reason.value, 0) + 1

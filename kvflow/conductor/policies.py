@@ -61,6 +61,11 @@ class RoutingView:
     stream_s: Callable[[str], float] | None = None
     slo_ttft_s: float = math.inf
     slo_tbt_s: float = math.inf
+    #: the instance that will hold a longer prefix than any holds now once
+    #: the requests queued there have computed it, and that length (blocks);
+    #: transfer_s from it counts the wait for them
+    pending_source: str | None = None
+    pending_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +113,11 @@ class KVCacheCentric:
     (`Candidate.ready_blocks`), since they are cached by the time a request
     routed behind them starts. KV-event routers (Dynamo) only see blocks
     once computed, so a conversation's next turn arriving while the last
-    one still queues finds nothing.
+    one still queues finds nothing. Those blocks can also be fetched by
+    another instance (`RoutingView.pending_source`): the fetch starts once
+    the request computing them there is done, so a next turn arriving
+    while its instance's queue is long goes where the queue ends first and
+    still skips its prefix.
 
     Beyond the paper: an option that misses an SLO by the conductor's own
     estimates comes after every option that meets both, whatever their
@@ -142,6 +151,17 @@ class KVCacheCentric:
                 t_move = max(c.queue_s, view.transfer_s(best_src, c.name, move)) + full
                 if t_move < t:
                     t, prefill, pick = t_move, full, PrefillChoice(c.name, best_src, move)
+            pend_src, pend = view.pending_source, view.pending_blocks
+            if pend_src is not None and pend_src != c.name and pend > c.ready_blocks and \
+                    pend > self.threshold * c.ready_blocks:
+                # a fetch of what requests queued there are computing, once
+                # they are done: a conversation's next turn, say, arriving
+                # while the last one still queues where it would queue longer
+                move = pend - c.cached_blocks
+                done = model.time(req.tokens, req.cached_tokens(pend))
+                t_pend = max(c.queue_s, view.transfer_s(pend_src, c.name, move)) + done
+                if t_pend < t:
+                    t, prefill, pick = t_pend, done, PrefillChoice(c.name, pend_src, move)
             k = (t > view.slo_ttft_s or self._late(view, c, t - prefill, t), t)
             if k < key:
                 choice, key = pick, k

@@ -9,7 +9,10 @@ is measured against:
   has landed;
 - every instance has one NIC (`LinkModel`); prefix moves and the prefill ->
   decode KV streams share it, and a stream runs while its prefill computes
-  (layer by layer), ending at most one layer's worth after it;
+  (layer by layer), ending at most one layer's worth after it. Streams go
+  first: a move takes the link only while no stream does (kvflow's
+  priority classes: a stream is on a request's critical path, a replica
+  is not), so a move under way pauses for the streams that start;
 - decode instances run continuous batches: each step takes
   `DecodeModel.step_time(batch, context)`, a request joins when its KV has
   landed and its memory (prompt + output) fits the KV pool, and leaves when
@@ -95,22 +98,28 @@ class SimResult:
 
 
 class _PrefillServer:
-    __slots__ = ("name", "queue", "busy")
+    __slots__ = ("name", "queue", "busy", "running")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.queue: deque[str] = deque()
         self.busy = False
+        self.running = ""           # the request whose prefill runs (busy)
 
 
 class _Nic:
-    """A full-duplex NIC: what it sends and what it receives queue apart
-    (each direction a FIFO in time order, at the link's bandwidth)."""
-    __slots__ = ("tx_free_at", "rx_free_at")
+    """A full-duplex NIC: what it sends and what it receives queue apart,
+    each direction at the link's bandwidth, with two classes: KV streams
+    to decode (a FIFO in time order) before prefix moves (a FIFO of their
+    own, in the time the streams leave)."""
+    __slots__ = ("tx_free_at", "rx_free_at", "mv_tx_free_at", "mv_rx_free_at", "moves_out")
 
     def __init__(self) -> None:
         self.tx_free_at = 0.0
         self.rx_free_at = 0.0
+        self.mv_tx_free_at = 0.0
+        self.mv_rx_free_at = 0.0
+        self.moves_out: dict[str, list[float]] = {}   # moves it sources, not landed: rid -> [start, ready]
 
 
 @dataclass(slots=True)
@@ -253,6 +262,8 @@ class Simulation:
         self._decisions: dict[str, Decision] = {}
         self._requests: dict[str, Request] = {}
         self._moving: set[str] = set()
+        self._waiting_moves: dict[str, list[str]] = {}   # source -> fetches waiting for its compute
+        self._landing: dict[str, int] = {}               # a fetch under way -> the blocks it carries
         self._wasted = 0.0
         self._busy = 0.0
 
@@ -309,21 +320,85 @@ class Simulation:
         self._decisions[rid] = dec
         out.prefill, out.decode = dec.prefill, dec.decode
         out.moved_blocks = len(dec.blocks_to_move)
-        c = self.cluster
         if dec.prefix_source is not None:
-            moved_tokens = req.cached_tokens(dec.prefix_blocks) - req.cached_tokens(dec.cached_blocks)
-            src, dst = self.nic[dec.prefix_source], self.nic[dec.prefill]
-            start = max(now, src.tx_free_at, dst.rx_free_at)
-            ready = start + c.link.time(moved_tokens * c.kv_bytes_per_token)
-            src.tx_free_at = dst.rx_free_at = ready
             self._moving.add(rid)
-            self._push(ready, _MOVED, rid)
+            if self._has_moving(dec) == len(dec.blocks_to_move):
+                self._start_move(now, rid)
+            else:
+                # blocks requests queued on the source are computing: the
+                # fetch starts once they are there
+                self._waiting_moves.setdefault(dec.prefix_source, []).append(rid)
         p = self.prefill[dec.prefill]
         p.queue.append(rid)
         self._try_start(p, now)
 
+    def _has_moving(self, dec: Decision) -> int:
+        """How many of the blocks `dec` moves, from the first, its source
+        holds now."""
+        return self.conductor.index.cache(dec.prefix_source).match(dec.blocks_to_move)
+
+    def _start_move(self, now: float, rid: str, blocks: int | None = None) -> None:
+        """The fetch of `rid`'s prefix (its first `blocks` blocks to move;
+        None: all) starts now, on both NICs in time order."""
+        dec, req, c = self._decisions[rid], self._requests[rid], self.cluster
+        n = len(dec.blocks_to_move) if blocks is None else blocks
+        moved_tokens = req.cached_tokens(dec.cached_blocks + n) - req.cached_tokens(dec.cached_blocks)
+        src, dst = self.nic[dec.prefix_source], self.nic[dec.prefill]
+        # after the streams booked on the source's link, and the moves on either
+        start = max(now, src.tx_free_at, src.mv_tx_free_at, dst.mv_rx_free_at)
+        ready = start + c.link.time(moved_tokens * c.kv_bytes_per_token)
+        src.mv_tx_free_at = dst.mv_rx_free_at = ready
+        src.moves_out[rid] = [start, ready]
+        self._landing[rid] = n
+        self._push(ready, _MOVED, rid)
+
+    def _pause_moves(self, nic: _Nic, t0: float, t1: float) -> None:
+        """A stream holds `nic`'s sending side over [t0, t1): the moves it
+        sources pause meanwhile, each later one behind the one before."""
+        carry = 0.0
+        for rid, span in sorted(nic.moves_out.items(), key=lambda kv: kv[1][0]):
+            start, ready = span[0] + carry, span[1] + carry
+            overlap = max(0.0, min(t1, ready) - max(t0, start))
+            if overlap <= 0.0 and carry == 0.0:
+                continue
+            span[0], span[1] = start, ready + overlap
+            carry = span[1] - ready + carry
+            self._push(span[1], _MOVED, rid)
+        if carry:
+            nic.mv_tx_free_at += carry
+
+    def _start_waiting_moves(self, now: float, source: str) -> None:
+        """After a prefill on `source`: the fetches from it whose blocks are
+        all there now start; so do those whose missing blocks no request
+        queued or running there will compute any more (with what is there,
+        from the first: the prefill computes the rest)."""
+        waiting = self._waiting_moves.get(source)
+        if not waiting:
+            return
+        p = self.prefill[source]
+        upcoming = [self._requests[r].keys for r in (*p.queue, *((p.running,) if p.busy else ()))]
+        left = []
+        for rid in waiting:
+            dec = self._decisions[rid]
+            have = self._has_moving(dec)
+            if have < len(dec.blocks_to_move):
+                missing = dec.blocks_to_move[have]
+                if any(missing in keys for keys in upcoming):
+                    left.append(rid)
+                    continue
+            self._start_move(now, rid, have)
+        if left:
+            self._waiting_moves[source] = left
+        else:
+            del self._waiting_moves[source]
+
     def _moved(self, now: float, rid: str) -> None:
-        self.conductor.on_transfer_done(rid, now)
+        dec = self._decisions[rid]
+        span = self.nic[dec.prefix_source].moves_out.get(rid)
+        if span is None or now < span[1]:
+            return                          # paused by a stream: a later event lands it
+        del self.nic[dec.prefix_source].moves_out[rid]
+        self.conductor.on_transfer_done(rid, now, self._landing.pop(rid))
         self._moving.discard(rid)
         self._try_start(self.prefill[self._decisions[rid].prefill], now)
 
@@ -342,6 +417,7 @@ class Simulation:
         prefix = self.conductor.index.cache(p.name).match(req.keys)
         dur = self.cluster.prefill_model.time(req.tokens, req.cached_tokens(prefix))
         p.busy = True
+        p.running = rid
         self._busy += dur
         out.reused_blocks = prefix
         out.prefill_start_s, out.prefill_s = now, dur
@@ -353,7 +429,10 @@ class Simulation:
         self.conductor.on_prefill_done(rid, now)
         p = self.prefill[self._decisions[rid].prefill]
         p.busy = False
+        # the next prefill here first: its KV stream to decode is booked on
+        # the link before a fetch of what this one computed
         self._try_start(p, now)
+        self._start_waiting_moves(now, p.name)
 
     def _stream_to_decode(self, now: float, rid: str) -> None:
         """The KV streams to decode while the prefill computes, layer by
@@ -368,6 +447,8 @@ class Simulation:
         src, dst = self.nic[out.prefill], self.nic[out.decode]
         tx_start = max(now, src.tx_free_at, dst.rx_free_at)
         src.tx_free_at = dst.rx_free_at = tx_start + tx
+        if src.moves_out:
+            self._pause_moves(src, tx_start, tx_start + tx)
         end = out.prefill_start_s + out.prefill_s
         landed = max(end + tx / c.layers, tx_start + tx) + c.link.latency_s
         self._push(landed, _AT_DECODE, rid)

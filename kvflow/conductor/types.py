@@ -111,7 +111,10 @@ class Decision:
     `blocks_to_move` (the request's blocks `cached_blocks` ..
     `cached_blocks + len(blocks_to_move)`) from `prefix_source`, which
     leaves a replica there, then computes the rest; its KV then goes to
-    `decode`. Estimates are the conductor's, in seconds from `route`."""
+    `decode`. Estimates are the conductor's, in seconds from `route`.
+    `est_source_wait_s`: how long until the source holds every block to
+    move (0: it holds them now; more: requests queued there are computing
+    some of them, and the fetch starts once they are done)."""
 
     request_id: str
     prefill: str
@@ -124,6 +127,7 @@ class Decision:
     est_prefill_s: float
     est_ttft_s: float
     est_tbt_s: float
+    est_source_wait_s: float = 0.0
 
     @property
     def prefix_blocks(self) -> int:
