@@ -550,17 +550,22 @@ def _pending_case():
     return reqs
 
 
-def test_a_prefix_computed_elsewhere_is_fetched_once_computed():
-    """Algorithm 1 with the conductor's own queues: C goes to p1, whose
-    queue ends first, and fetches A's blocks from p0 once A (queued there)
-    has computed them, instead of queueing behind F on p0 or computing
-    them again on p1. The decision says how long the source needs."""
+def _pending_routed():
+    """The case above routed by a fresh conductor (p0, p1, d0)."""
     c = Conductor()
     for name in ("p0", "p1"):
         c.register(InstanceSpec(name, Role.PREFILL))
     c.register(InstanceSpec("d0", Role.DECODE))
     reqs = _pending_case()
-    decs = [c.route(Request(str(r.index), r.tokens, r.keys, 0, 512), r.arrival_s) for r in reqs]
+    return c, reqs, [c.route(Request(str(r.index), r.tokens, r.keys, 0, 512), r.arrival_s) for r in reqs]
+
+
+def test_a_prefix_computed_elsewhere_is_fetched_once_computed():
+    """Algorithm 1 with the conductor's own queues: C goes to p1, whose
+    queue ends first, and fetches A's blocks from p0 once A (queued there)
+    has computed them, instead of queueing behind F on p0 or computing
+    them again on p1. The decision says how long the source needs."""
+    c, reqs, decs = _pending_routed()
     assert [d.prefill for d in decs[:3]] == ["p0", "p1", "p0"], decs
     d = decs[3]
     assert d.prefill == "p1" and d.prefix_source == "p0", d
@@ -596,12 +601,7 @@ def test_a_fetch_that_landed_in_part_is_indexed_in_part():
     (the source no longer had, or did not have yet, the rest); the index
     holds those on the destination, and the prefill's end caches the whole
     prompt there as usual."""
-    c = Conductor()
-    for name in ("p0", "p1"):
-        c.register(InstanceSpec(name, Role.PREFILL))
-    c.register(InstanceSpec("d0", Role.DECODE))
-    reqs = _pending_case()
-    decs = [c.route(Request(str(r.index), r.tokens, r.keys, 0, 512), r.arrival_s) for r in reqs]
+    c, reqs, decs = _pending_routed()
     d = decs[3]
     assert d.prefix_source == "p0" and len(d.blocks_to_move) == 40
     assert c.on_transfer_done("3", 3.0, landed=15) == []
