@@ -435,3 +435,33 @@ async def test_tcp_express_lane_carries_high_batches_past_lower_ones():
         await bounded(p.peer.write([p.ls.addr], [p.rd.addr], [MiB], priority=Priority.HIGH))
     finally:
         await close_pair(p)
+
+
+async def test_local_high_batch_runs_at_once_past_queued_lower_work():
+    """local: a small HIGH batch while only lower classes are queued runs
+    in the caller's thread at once (done when write_nowait returns): it
+    waits neither for a worker to finish its slice nor for a wake-up. Not
+    in FIFO mode, and not past queued HIGH work."""
+    for scheduling in ("qos", "fifo"):
+        p = await open_pair("local", 19 * MiB, scheduling=scheduling)
+        try:
+            lows = [p.peer.write_nowait([p.ls.addr + (i % 4) * 4 * MiB], [p.rd.addr + (i % 4) * 4 * MiB],
+                                        [4 * MiB], priority=Priority.LOW) for i in range(32)]
+            high = p.peer.write_nowait([p.ls.addr + 16 * MiB], [p.rd.addr + 16 * MiB], [MiB],
+                                       priority=Priority.HIGH)
+            assert high.done() == (scheduling == "qos"), scheduling
+            if scheduling == "qos":
+                assert bytes(p.dst[16 * MiB:17 * MiB]) == bytes(p.src[16 * MiB:17 * MiB])
+                # behind a queued HIGH batch a HIGH batch waits its turn
+                big = p.peer.write_nowait([p.ls.addr + k * MiB for k in range(16)],
+                                          [p.rd.addr + k * MiB for k in range(16)], [MiB] * 16,
+                                          priority=Priority.HIGH)
+                small = p.peer.write_nowait([p.ls.addr + 17 * MiB], [p.rd.addr + 17 * MiB], [MiB],
+                                            priority=Priority.HIGH)
+                assert not small.done()
+                await bounded(asyncio.gather(big, small))
+            await bounded(asyncio.gather(high, *lows))
+            end = 18 * MiB if scheduling == "qos" else 17 * MiB
+            assert bytes(p.dst[:end]) == bytes(p.src[:end])
+        finally:
+            await close_pair(p)

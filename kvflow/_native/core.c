@@ -547,7 +547,8 @@ int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, 
     uint64_t t0 = ch->stats ? kvf_now_ns() : 0;
     if (ops->run_inline) {
         size_t failed = 0;
-        rc = ops->run_inline(ch, s, k, total, &failed);
+        int prio = qos && qos->prio >= 0 && qos->prio < KVF_NPRIO ? qos->prio : KVF_PRIO_NORMAL;
+        rc = ops->run_inline(ch, s, k, total, prio, &failed);
         if (rc >= 0) {
             if (rc) *bad = s[failed].entry;
             free(s);

@@ -295,6 +295,7 @@ int kvf_queue_push(kvf_queue *q, const kvf_slice *s);
 size_t kvf_queue_pop(kvf_queue *q, kvf_slice *out, size_t max);
 
 /* sched.c: the scheduled mode (caller holds the queue's mu). */
+size_t kvf_sched_queued_locked(const kvf_sched *s, int prio);   /* queued slices of a class */
 int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x);
 size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes,
                             kvf_pop_budget *budget);

@@ -211,16 +211,25 @@ static uint64_t local_slice_size(kvf_channel *ch, uint64_t total) {
     return total <= limit && limit <= LOCAL_SLICE ? UINT64_MAX / 2 : LOCAL_SLICE;
 }
 
-static int local_run_inline(kvf_channel *ch, kvf_slice *s, size_t n, uint64_t total, size_t *failed) {
+static int local_run_inline(kvf_channel *ch, kvf_slice *s, size_t n, uint64_t total, int prio,
+                            size_t *failed) {
     kvf_local_channel *lc = (kvf_local_channel *)ch;
+    kvf_ctx *ctx = ch->ctx;
     if (total > lc->inline_limit) return -1;
     /* Behind queued work a batch waits its turn: the scheduler (or FIFO
-     * order) places it, instead of it passing the queue on this thread. */
-    kvf_queue *q = &ch->ctx->local_pool->q;
+     * order) places it, instead of it passing the queue on this thread.
+     * Except a HIGH batch while no HIGH slice is queued (QoS mode): the
+     * scheduler would take it first anyway, and here it waits neither for
+     * a worker to finish its slice nor for the wake-up that completes it
+     * (on 2 cores busy with a LOW stream, those made its p99). */
+    kvf_queue *q = &ctx->local_pool->q;
     pthread_mutex_lock(&q->mu);
     size_t queued = q->count;
+    int passes = queued && prio == KVF_PRIO_HIGH && q->sched &&
+                 !atomic_load_explicit(&ctx->sched_fifo, memory_order_relaxed) &&
+                 kvf_sched_queued_locked(q->sched, KVF_PRIO_HIGH) == 0;
     pthread_mutex_unlock(&q->mu);
-    if (queued) return -1;
+    if (queued && !passes) return -1;
     for (size_t i = 0; i < n; i++) S_PID(s[i]) = (uint32_t)lc->pid;
     *failed = SIZE_MAX;
     return xfer_run(s, n, failed);

@@ -44,8 +44,9 @@ typedef struct kvf_provider_ops {
     uint64_t (*slice_size)(kvf_channel *ch, uint64_t total);
     /* Optional: runs a small batch in the caller's thread, with no batch
      * slot (the batch id stays 0): KVF_OK, or the status of slice *failed.
-     * -1: not small enough, allocate and enqueue it. */
-    int (*run_inline)(kvf_channel *ch, kvf_slice *s, size_t n, uint64_t total, size_t *failed);
+     * -1: not small enough (or it must wait behind queued work), allocate
+     * and enqueue it. prio: the batch's class (KVF_PRIO_*). */
+    int (*run_inline)(kvf_channel *ch, kvf_slice *s, size_t n, uint64_t total, int prio, size_t *failed);
     /* Takes the n slices of one allocated batch (their slot set); every
      * slice is finished exactly once (kvf_slice_done), now or later. The
      * array stays the caller's: copy what is kept. */

@@ -90,6 +90,10 @@ struct kvf_sched {
     struct kvf_sched *next_in_ctx;
 };
 
+size_t kvf_sched_queued_locked(const kvf_sched *s, int prio) {
+    return prio >= 0 && prio < KVF_NPRIO ? s->cls[prio].count : 0;
+}
+
 static uint64_t mono_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
