@@ -452,14 +452,16 @@ async def test_local_high_batch_runs_at_once_past_queued_lower_work():
             assert high.done() == (scheduling == "qos"), scheduling
             if scheduling == "qos":
                 assert bytes(p.dst[16 * MiB:17 * MiB]) == bytes(p.src[16 * MiB:17 * MiB])
-                # behind a queued HIGH batch a HIGH batch waits its turn
-                big = p.peer.write_nowait([p.ls.addr + k * MiB for k in range(16)],
-                                          [p.rd.addr + k * MiB for k in range(16)], [MiB] * 16,
-                                          priority=Priority.HIGH)
+                # behind queued HIGH work a HIGH batch waits its turn (128
+                # MiB of it queued, so that the workers cannot have drained
+                # it between the two calls)
+                big = [p.peer.write_nowait([p.ls.addr + k * MiB for k in range(16)],
+                                           [p.rd.addr + k * MiB for k in range(16)], [MiB] * 16,
+                                           priority=Priority.HIGH) for _ in range(8)]
                 small = p.peer.write_nowait([p.ls.addr + 17 * MiB], [p.rd.addr + 17 * MiB], [MiB],
                                             priority=Priority.HIGH)
                 assert not small.done()
-                await bounded(asyncio.gather(big, small))
+                await bounded(asyncio.gather(*big, small))
             await bounded(asyncio.gather(high, *lows))
             end = 18 * MiB if scheduling == "qos" else 17 * MiB
             assert bytes(p.dst[:end]) == bytes(p.src[:end])

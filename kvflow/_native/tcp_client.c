@@ -59,6 +59,12 @@ static void conn_fail(tcp_conn *c, int status) {
     kvf_ctx *ctx = c->ch->base.ctx;
     pthread_mutex_lock(&c->q.mu);
     if (c->dead) { pthread_mutex_unlock(&c->q.mu); return; }
+    /* before dead is set and the lock dropped: kvf_tcp_channel_replace
+     * (which closes this fd, and a new socket may take its number) waits
+     * for dead, and conn_fail may run on a submitter's or an ack poller's
+     * thread while the loop replaces the connection. The socket is
+     * non-blocking: tcp_disconnect holds its lock only briefly. */
+    conn_reset(c);
     c->dead = 1;
     c->fail_status = status;
     c->failures++;
@@ -79,7 +85,6 @@ static void conn_fail(tcp_conn *c, int status) {
     }
     pthread_cond_broadcast(&c->q.cv);
     pthread_mutex_unlock(&c->q.mu);
-    conn_reset(c);
     if (status == KVF_ELOST && any_alive(c->ch)) {
         c->moved += k;
         requeue(c->ch, fail, k, status);
@@ -278,12 +283,19 @@ static void *tcp_tx(void *arg) {
 }
 
 /* Takes a tag's slice (keep: rx owns it while a read payload lands, else
- * the tag is freed). 1: taken; 0: no such slice (a protocol error); -1:
- * the connection failed, and what it owned has moved (a late answer). */
-static int take_tag(tcp_conn *c, uint32_t tag, kvf_slice *out, int keep) {
+ * the tag is freed; epoch >= 0: only from the connection's incarnation
+ * `epoch`). 1: taken; 0: no such slice (a protocol error); -1: the
+ * connection failed, and what it owned has moved, or was replaced since
+ * (a late answer). */
+static int take_tag(tcp_conn *c, uint32_t tag, kvf_slice *out, int keep, int epoch) {
     int ok = 0;
     pthread_mutex_lock(&c->q.mu);
     if (c->dead) ok = -1;
+    /* an ack read on the session's ack connection names the connection's
+     * epoch: checked here, under the lock replace() bumps it under, or a
+     * late ack of the connection replaced could take the tag of a slice
+     * the new one has just sent (reported done before it landed) */
+    else if (epoch >= 0 && (unsigned)epoch != (atomic_load(&c->epoch) & KVF_CONN_EPOCH_MAX)) ok = -1;
     else if (tag < TCP_WINDOW && c->state[tag] == 1) {
         *out = c->inflight[tag];
         ok = 1;
@@ -330,7 +342,7 @@ static void *tcp_rx(void *arg) {
             if (!c->ch->window || h.len) { status = KVF_EPROTO; break; }
             credit_frame(c, &h);
         } else if (h.type == KVF_F_WRITE_ACK) {
-            int t = take_tag(c, h.tag, &s, 0);
+            int t = take_tag(c, h.tag, &s, 0, -1);
             if (t <= 0) { status = t < 0 ? KVF_ELOST : KVF_EPROTO; break; }
             if ((s.op & 0xff) != KVF_OP_WRITE) {
                 kvf_slice_done(ctx, s.slot, KVF_EPROTO, s.entry);
@@ -341,7 +353,7 @@ static void *tcp_rx(void *arg) {
             kvf_slice_done(ctx, s.slot, h.status, s.entry);
             atomic_fetch_sub(&ctx->n_slices_inflight, 1);
         } else if (h.type == KVF_F_READ_RESP) {
-            int t = take_tag(c, h.tag, &s, 1);
+            int t = take_tag(c, h.tag, &s, 1, -1);
             if (t <= 0) { status = t < 0 ? KVF_ELOST : KVF_EPROTO; break; }
             int st = h.status;
             /* a response whose length disagrees with the request cannot be
@@ -449,7 +461,7 @@ static int ack_one(kvf_tcp_channel *ch, const kvf_hdr *h) {
     /* a late ack of a connection that failed (its slices moved) or of the
      * one it replaced */
     if (epoch != (atomic_load(&c->epoch) & KVF_CONN_EPOCH_MAX)) return 0;
-    int t = take_tag(c, h->tag, &s, 0);
+    int t = take_tag(c, h->tag, &s, 0, (int)epoch);
     if (t < 0) return 0;
     if (t == 0) return -1;
     int bad = (s.op & 0xff) != KVF_OP_WRITE;   /* an ack for a read's tag */
@@ -514,12 +526,13 @@ static void send_inline_unlock(tcp_conn *c) {
     int left = niov ? tcp_send_frames_nb(c, c->pend_iov, niov, &in_pipe) : 0;
     pthread_mutex_lock(&c->q.mu);
     c->sending = 0;
+    if (c->dead) left = left < 0 ? left : 0;   /* failed meanwhile: its slices have moved; nothing is pending */
     if (left > 0) {
         /* the last `left` iovecs (the first one partly sent) */
         c->pend = c->pend_iov + (niov - left);
         c->pend_n = left;
     }
-    if (left >= 0) c->pipe_pending = in_pipe;
+    if (left >= 0 && !c->dead) c->pipe_pending = in_pipe;
     int more = c->q.count > 0 || c->pend_n || c->pipe_pending || c->cr.ret_pending;
     pthread_mutex_unlock(&c->q.mu);
     if (left < 0) conn_fail(c, KVF_ELOST);
@@ -774,6 +787,16 @@ int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     if (i < 0 || i >= ch->n || atomic_load(&ch->closing)) return KVF_EINVAL;
     tcp_conn *c = &ch->conns[i];
     if (!atomic_load(&c->dead)) return KVF_EINVAL;
+    /* an inline submitter may still be writing to the old socket (its
+     * sends do not block, and fail once it is reset): it is done with it
+     * before the socket is closed and its number can be reused */
+    pthread_mutex_lock(&c->q.mu);
+    while (c->sending) {
+        pthread_mutex_unlock(&c->q.mu);
+        usleep(100);
+        pthread_mutex_lock(&c->q.mu);
+    }
+    pthread_mutex_unlock(&c->q.mu);
     conn_reap(ch, c);
     /* a payload half-spliced when the connection died may sit in the pipe */
     tcp_conn_close_pipe(c);
