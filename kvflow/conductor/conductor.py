@@ -182,11 +182,15 @@ class Conductor:
             pend_wait = self._computed_in(self._prefill[pend_src], keys, pend, now)
             if pend_wait is None:
                 pend_src, pend, pend_wait = None, best, 0.0
-        waits = {pend_src: pend_wait} if pend_src is not None else {}
+
+        def fetch_wait(src: str | None, upto: int) -> float:
+            """How long a fetch of the request's blocks up to `upto` from
+            `src` waits for them to be computed there (0: cached there now)."""
+            return pend_wait if src is not None and src == pend_src and upto > matches[src] else 0.0
+
         view = RoutingView(request, cands, best_src, best, self.prefill_model,
-                           lambda src, dst, n: self._transfer_s(
-                               request, src, dst, matches[dst], n, now,
-                               waits.get(src, 0.0) if matches[dst] + n > matches[src] else 0.0),
+                           lambda src, dst, n: self._transfer_s(request, src, dst, matches[dst], n, now,
+                                                                fetch_wait(src, matches[dst] + n)),
                            lambda src: self._raw_transfer_s(src, d.spec.name, kv_bytes),
                            self.slo_ttft_s, self.slo_tbt_s, pend_src, pend if pend_src else 0)
         choice = self.policy.choose(view)
@@ -206,7 +210,7 @@ class Conductor:
             move = min(move, have - cached)
             if move <= 0:
                 source, move = None, 0
-        wait = waits.get(source, 0.0) if source is not None and cached + move > matches[source] else 0.0
+        wait = fetch_wait(source, cached + move)
         queue_s = max(0.0, p.free_at - now)
         transfer_s = self._transfer_s(request, source, p.spec.name, cached, move, now, wait) if source else 0.0
         prefix_tokens = request.cached_tokens(cached + move)

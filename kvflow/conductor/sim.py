@@ -400,7 +400,7 @@ class Simulation:
         del self.nic[dec.prefix_source].moves_out[rid]
         self.conductor.on_transfer_done(rid, now, self._landing.pop(rid))
         self._moving.discard(rid)
-        self._try_start(self.prefill[self._decisions[rid].prefill], now)
+        self._try_start(self.prefill[dec.prefill], now)
 
     def _try_start(self, p: _PrefillServer, now: float) -> None:
         """Start the head of `p`'s queue if `p` is idle and the prefix the
