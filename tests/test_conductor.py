@@ -376,6 +376,23 @@ def test_unlimited_cache_hit_ratio_is_the_papers(trace, expected):
     assert s["hit_ratio"] == pytest.approx(expected, abs=0.0015)
 
 
+def test_prefill_ideal_is_a_bound_that_one_unlimited_cache_reaches(conversation):
+    """`prefill_ideal_s` is the prefill time of what was prefilled with one
+    unlimited cache shared by all: a single instance with an unbounded
+    cache, replayed slowly, does exactly that; several instances with
+    bounded caches never do better, and a router that ignores the cache
+    does much worse."""
+    part = conversation[:1500]
+    one, _ = replay_one(part, "round_robin", prefill=1, decode=1, speedup=0.01, cache_blocks=None)
+    assert one["prefill_ideal_s"] > 0
+    assert one["prefill_busy_s"] == pytest.approx(one["prefill_ideal_s"], rel=1e-9)
+    excess = {}
+    for policy in ("kvcache", "least_loaded"):
+        s, _ = replay_one(part, policy, prefill=8, decode=8, speedup=4.0, rejection="baseline")
+        excess[policy] = s["prefill_busy_s"] / s["prefill_ideal_s"]
+    assert excess["least_loaded"] > 1.1 > excess["kvcache"] >= 1 - 1e-9
+
+
 def test_ttft_ordering_of_the_papers_figure(conversation):
     """[FAST'25] Fig. 5: random >> load balancing > cache-aware >
     KVCache-centric, by average TTFT, on the conversation trace."""

@@ -75,6 +75,7 @@ def summarize(result: SimResult, *, policy: str, slo_ttft_s: float, slo_tbt_s: f
         "moved_requests": sum(1 for o in outs if o.moved_blocks),
         "wasted_prefill_s": result.wasted_prefill_s,
         "prefill_busy_s": result.prefill_busy_s,
+        "prefill_ideal_s": result.prefill_ideal_s,
         "span_s": result.span_s,
     }
     for thr in TBT_THRESHOLDS_S:

@@ -95,6 +95,11 @@ class SimResult:
     moved_bytes: int
     wasted_prefill_s: float
     prefill_busy_s: float
+    #: the prefill time of the same prefills with an unlimited cache that all
+    #: instances share, holding every block of every request prefilled
+    #: before (by arrival): no router can use the cache better for the
+    #: requests it admitted
+    prefill_ideal_s: float = 0.0
 
 
 class _PrefillServer:
@@ -302,7 +307,28 @@ class Simulation:
                 if int(version) == d.version:
                     self._decode_tick(t, d)
         span = self._outcomes[-1].arrival_s if self._outcomes else 0.0
-        return SimResult(self._outcomes, span, self.conductor.stats.moved_bytes, self._wasted, self._busy)
+        return SimResult(self._outcomes, span, self.conductor.stats.moved_bytes, self._wasted, self._busy,
+                         self._ideal_prefill_s())
+
+    def _ideal_prefill_s(self) -> float:
+        """`SimResult.prefill_ideal_s`: each prefilled request (served or
+        refused at decode) with the longest prefix of its blocks that the
+        requests prefilled before it hold. Keys are chained, so a block
+        seen is a prefix seen."""
+        seen: set[int] = set()
+        total = 0.0
+        model, bt = self.cluster.prefill_model, self.cluster.block_tokens
+        for r, out in zip(self.trace, self._outcomes):
+            if math.isnan(out.prefill_start_s):
+                continue            # refused before prefill: nothing computed
+            n = 0
+            for k in r.keys:
+                if k not in seen:
+                    break
+                n += 1
+            total += model.time(r.tokens, min(r.tokens, n * bt))
+            seen.update(r.keys)
+        return total
 
     # -- the stages -----------------------------------------------------------
 
