@@ -336,7 +336,10 @@ static void *tcp_rx(void *arg) {
         kvf_hdr h;
         if (sk_read_header(&r, &h)) break;
         if (h.magic != KVF_MAGIC) { status = KVF_EPROTO; break; }
-        r.big = h.len >= RD_BUF / 4;
+        /* a grant or recall is a bare header between the target's
+         * answers: it leaves the guess about the next payload as it was
+         * (see the target's credit asks, tcp_server.c) */
+        if (h.type != KVF_F_CREDIT_GRANT && h.type != KVF_F_CREDIT_RECALL) r.big = h.len >= RD_BUF / 4;
         kvf_slice s;
         if (h.type == KVF_F_CREDIT_GRANT || h.type == KVF_F_CREDIT_RECALL) {
             if (!c->ch->window || h.len) { status = KVF_EPROTO; break; }
