@@ -45,6 +45,7 @@ SCHED = {"AGE_NS": KVF_SCHED_AGE_NS}
 WIRE = {"MAGIC": KVF_MAGIC, "VERSION": KVF_WIRE_VERSION, "MAX_PAYLOAD": KVF_MAX_PAYLOAD,
         "F_HELLO": KVF_F_HELLO, "F_HELLO_ACK": KVF_F_HELLO_ACK, "F_WRITE": KVF_F_WRITE,
         "F_WRITE_ACK": KVF_F_WRITE_ACK, "F_READ_REQ": KVF_F_READ_REQ, "F_READ_RESP": KVF_F_READ_RESP,
+        "F_FENCE": KVF_F_FENCE,
         "ROLE_DATA": KVF_ROLE_DATA, "ROLE_ACK": KVF_ROLE_ACK, "CONN_INDEX_MASK": KVF_CONN_INDEX_MASK,
         "CONN_EPOCH_SHIFT": KVF_CONN_EPOCH_SHIFT, "CONN_EPOCH_MAX": KVF_CONN_EPOCH_MAX,
         "HDR_FLUSH": KVF_HDR_FLUSH, "HEADER_SIZE": sizeof(kvf_hdr)}
@@ -212,16 +213,19 @@ cdef class Core:
     def counters(self):
         """Live native resources (the balance the tests check; always
         counted, no debug build needed): sockets, slices in flight, threads,
-        batches, and the rdma provider's MRs and QPs. Once closed: zeros,
+        batches, and the rdma provider's MRs and QPs; `fenced` counts the
+        tcp target's data connections fenced so far (KVF_F_FENCE: their
+        work was sent again on another connection). Once closed: zeros,
         except MRs and QPs, which keep what was still counted when the
         context was freed (the rdma provider closes first, so anything but
         zero there is a leak)."""
         cdef kvf_ctx *c = self.ctx
         if c == NULL:
             return {"sockets": 0, "slices_inflight": 0, "threads": 0, "batches": 0,
-                    "mrs": self.left_mrs, "qps": self.left_qps}
+                    "mrs": self.left_mrs, "qps": self.left_qps, "fenced": 0}
         return {"sockets": c.n_sockets, "slices_inflight": c.n_slices_inflight,
-                "threads": c.n_threads, "batches": c.in_use, "mrs": c.n_mrs, "qps": c.n_qps}
+                "threads": c.n_threads, "batches": c.in_use, "mrs": c.n_mrs, "qps": c.n_qps,
+                "fenced": c.n_fenced}
 
     def close(self):
         """Closes every channel, stops the server threads and workers, frees
@@ -769,19 +773,20 @@ cdef class TcpChannel(Channel):
 
     def conn_stats(self):
         """Per data connection: up, payload bytes sent, slices moved away
-        when it failed, failures; its queue: slices and bytes waiting for
-        it (queued_slices, queued_bytes) and slices sent and not yet
-        acknowledged (inflight_slices)."""
-        cdef uint64_t sent = 0, moved = 0, failures = 0
+        when it failed, failures, fences (fence frames it sent for failed
+        connections whose work it took); its queue: slices and bytes
+        waiting for it (queued_slices, queued_bytes) and slices sent and
+        not yet acknowledged (inflight_slices)."""
+        cdef uint64_t sent = 0, moved = 0, failures = 0, fences = 0
         cdef uint64_t q[3]
         cdef int i, dead
         out = []
         if self.ch == NULL:
             return out
         for i in range(self.nfds):
-            dead = kvf_tcp_channel_conn_stats(self.ch, i, &sent, &moved, &failures)
+            dead = kvf_tcp_channel_conn_stats(self.ch, i, &sent, &moved, &failures, &fences)
             kvf_tcp_channel_conn_queue(self.ch, i, q)
-            out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures,
+            out.append({"up": dead == 0, "bytes": sent, "moved": moved, "failures": failures, "fences": fences,
                         "queued_slices": q[0], "queued_bytes": q[1], "inflight_slices": q[2]})
         return out
 

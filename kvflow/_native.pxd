@@ -12,6 +12,7 @@ cdef extern from "_native/wire.h" nogil:
         KVF_F_WRITE_ACK
         KVF_F_READ_REQ
         KVF_F_READ_RESP
+        KVF_F_FENCE
         KVF_ROLE_DATA
         KVF_ROLE_ACK
         KVF_CONN_INDEX_MASK
@@ -87,6 +88,7 @@ cdef extern from "_native/kvf.h" nogil:
         int64_t n_sockets
         int64_t n_slices_inflight
         int64_t n_threads
+        uint64_t n_fenced
         int64_t n_mrs
         int64_t n_qps
         uint32_t in_use
@@ -141,7 +143,7 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_tcp_channel_idle(kvf_tcp_channel *ch)
     int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i)
     int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
-                                   uint64_t *failures)
+                                   uint64_t *failures, uint64_t *fences)
     int kvf_tcp_channel_conn_queue(kvf_tcp_channel *ch, int i, uint64_t out[3])
     int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t *out)
     int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd)

@@ -69,10 +69,15 @@ async def test_a_destroyed_data_connection_moves_its_slices_and_is_rebuilt():
         for i in range(12):
             src[:] = rng.integers(0, 255, n, dtype=np.uint8)
             w = peer.write_nowait([l.addr], [r.addr], [n])
-            if i == 3:                   # a data connection (not the ack one, opened first) dies mid-write
-                await asyncio.sleep(0.002)
+            if i == 3:
+                # a data connection (not the ack one, opened first) dies
+                # mid-write: the same write queued 8 times over, so that
+                # some of it is still on the connection when ss has started
+                more = [peer.write_nowait([l.addr], [r.addr], [n]) for _ in range(8)]
                 kill_socket(port, victim)
                 killed = True
+                for m in more:
+                    await bounded(m)
             await bounded(w)
             assert np.array_equal(dst, src), f"write {i}"
             await bounded(peer.read([lb.addr], [r.addr], [n]))
@@ -87,6 +92,10 @@ async def test_a_destroyed_data_connection_moves_its_slices_and_is_rebuilt():
             assert loop.time() < deadline, peer.connections()
             await asyncio.sleep(0.1)
         assert sum(c["rebuilt"] for c in peer.connections()) >= 1
+        # the connections that took its work fenced it at the target first
+        # (what the target still held of it cannot land over the resend)
+        assert sum(c["moved"] for c in conns) >= 1, conns
+        assert sum(c["fences"] for c in conns) >= 1, conns
         for i in range(4):               # the rebuilt connection carries data and acks again
             src[:] = rng.integers(0, 255, n, dtype=np.uint8)
             await bounded(peer.write([l.addr], [r.addr], [n]))

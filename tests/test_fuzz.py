@@ -67,7 +67,7 @@ PRE_AUTH_FRAME = 64 << 10        # engine.PRE_AUTH_FRAME
 LEN = struct.Struct(">I")
 
 # kvflow/_native/wire.h and kvf.h
-F_WRITE, F_WRITE_ACK, F_READ_REQ, F_READ_RESP = 3, 4, 5, 6
+F_WRITE, F_WRITE_ACK, F_READ_REQ, F_READ_RESP, F_FENCE = 3, 4, 5, 6, 10
 HDR_FLUSH = 1
 MAX_PAYLOAD = 64 << 20
 ST_OK, ST_EREMOTE, ST_EPROTO = 0, 3, 6
@@ -992,6 +992,70 @@ async def test_data_server_refuses_unauthenticated(rig, kind, role, index, flip,
     await rig.after_example()
 
 
+async def _data_connection(rig: Rig, token: bytes, index: int):
+    reader, writer = await bounded(asyncio.open_connection(rig.data_host, rig.data_port))
+    writer.write(data_hello(token, index=index))
+    (h, _), = parse_headers(await bounded(reader.readexactly(DATA_HEADER.size)))
+    assert h[1] == DATA_HELLO_ACK and h[2] == ST_OK, h
+    return reader, writer
+
+
+@pytest.mark.parametrize("fence", [False, True], ids=["no-fence", "fence"])
+async def test_a_fence_keeps_a_failed_connections_bytes_from_landing_over_their_resend(rig, fence):
+    """What a failed connection still delivers must not land over its work
+    sent again on another connection. An initiator (this test, on the
+    wire) has connection 0 stop halfway through a 64 KiB write of 0x11:
+    the target's thread for it waits in the payload. The same write goes
+    again as 0x22 on connection 1 and is acknowledged; then the rest of
+    connection 0's payload arrives. Without a fence (KVF_F_FENCE) in front
+    of the resend, that rest lands over the acknowledged newer bytes
+    (which is what a kvflow initiator before the fence could cause: bytes
+    the target's kernel held on a failed connection). With it, the target
+    stops connection 0 first, and the range holds 0x22 only."""
+    _, session, token = await open_session(rig)
+    fenced0 = rig.eng.counters()["fenced"]
+    n, half = 64 * KiB, 32 * KiB
+    addr, off = rig.addr("rw"), rig.spans["rw"].offset
+    writers = []
+    try:
+        _, w0 = await _data_connection(rig, token, 0)
+        r1, w1 = await _data_connection(rig, token, 1)
+        writers += [w0, w1]
+        w0.write(data_header(DATA_MAGIC, F_WRITE, HDR_FLUSH, 1, addr, n, 0) + b"\x11" * half)
+        await w0.drain()
+        deadline = time.monotonic() + 10
+        while not (rig.arena[off:off + half] == 0x11).all():      # it lands as it arrives
+            assert time.monotonic() < deadline, "the first half never landed"
+            await asyncio.sleep(0.001)
+        resend = data_header(DATA_MAGIC, F_WRITE, HDR_FLUSH, 2, addr, n, 0) + b"\x22" * n
+        if fence:
+            resend = data_header(DATA_MAGIC, F_FENCE, 0, 0, 0, 0, 0) + resend
+        w1.write(resend)
+        (ack, _), = parse_headers(await bounded(r1.readexactly(DATA_HEADER.size)))
+        assert ack[1] == F_WRITE_ACK and ack[2] == ST_OK and ack[3] == 2, ack
+        assert (rig.arena[off:off + n] == 0x22).all()
+        try:
+            w0.write(b"\x11" * (n - half))     # the rest of the old connection's bytes
+            await w0.drain()
+        except (ConnectionError, OSError):
+            assert fence                        # the fence shut it
+    finally:
+        for w in writers:
+            w.close()
+        await close_session(session)
+    await rig.settle()
+    landed = rig.arena[off + half:off + n]
+    if fence:
+        assert (rig.arena[off:off + n] == 0x22).all(), f"{int((landed == 0x11).sum())} old bytes landed"
+        assert rig.eng.counters()["fenced"] == fenced0 + 1
+    else:
+        # the hazard the fence removes: the old bytes landed over the acknowledged write
+        assert (landed == 0x11).all()
+        assert rig.eng.counters()["fenced"] == fenced0
+    rig.expected[off:off + n] = rig.arena[off:off + n]
+    await rig.after_example()
+
+
 ANCHORS = ["rw", "ro", "wo", "check", "arena", "arena_end", "zero", "top"]
 PAYLOAD_CAP = 80 * KiB
 
@@ -1107,7 +1171,8 @@ async def test_data_server_frames_match_model(rig, frames, index, ack_conn, seco
         for f in frames:
             addr, length = resolve(rig, f)
             head = data_header(f.magic, f.kind, f.status, f.tag, addr, length, f.aux)
-            fatal = f.magic != DATA_MAGIC or length > MAX_PAYLOAD or f.kind not in (F_WRITE, F_READ_REQ)
+            fatal = f.magic != DATA_MAGIC or length > MAX_PAYLOAD or \
+                f.kind not in (F_WRITE, F_READ_REQ, F_FENCE) or (f.kind == F_FENCE and length != 0)
             if f.kind == F_WRITE and not fatal:
                 n = min(length, PAYLOAD_CAP)
                 payload = pattern(f.seed, n).tobytes()
@@ -1132,6 +1197,11 @@ async def test_data_server_frames_match_model(rig, frames, index, ack_conn, seco
                 if fatal:
                     event("ends: bad magic, length or type")
                     break
+                if f.kind == F_FENCE:
+                    # names no other connection of the session (this is its
+                    # only data connection): nothing happens
+                    event("fence")
+                    continue
                 at = rig.find(addr, length, Access.READ)
                 event(f"read {'answered' if at is not None else 'refused'}")
                 if at is not None:

@@ -156,6 +156,7 @@ typedef struct kvf_ctx {
     struct kvf_srv_conn *srv_conns;
     _Atomic int closing;
     _Atomic int n_pre_auth;    /* server connections still before their hello */
+    _Atomic uint64_t n_fenced; /* server connections fenced (KVF_F_FENCE): their work moved */
     struct kvf_credit_pool *credit;   /* the receive window (credit.h); NULL: none */
     _Atomic uint64_t srv_spin_ns;     /* a served connection's thread looks again this long before it sleeps */
     kvf_chan_stats *chan_stats;       /* every channel's stats block (guarded by pool_mu) */
@@ -352,7 +353,7 @@ int kvf_tcp_channel_idle(kvf_tcp_channel *ch);
 /* Connection i: 1 dead, 0 up, -1 no such connection. */
 int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i);
 int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
-                               uint64_t *failures);
+                               uint64_t *failures, uint64_t *fences);
 int kvf_tcp_channel_conn_queue(kvf_tcp_channel *ch, int i, uint64_t out[3]);
 /* A cancelled batch whose slices are still on the wire after the grace
  * period: resets the connections that hold them (their unsent bytes are

@@ -39,7 +39,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status);
+static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status, const uint64_t fences[4]);
 static void conn_reset(tcp_conn *c);
 static void tag_free_locked(tcp_conn *c, uint32_t tag);
 static const kvf_provider_ops tcp_ops;
@@ -72,6 +72,17 @@ static void conn_fail(tcp_conn *c, int status) {
      * held once it sees it close (resent slices spend credit again) */
     kvf_wallet_reset(&c->cr);
     c->ctl_n = 0;
+    /* Whoever takes its work fences it at the target first, and the
+     * connections it was to fence (or fenced, in frames that may be lost
+     * with it). The byte its hello carried: index, epoch. */
+    uint64_t fences[4];
+    unsigned byte = (unsigned)(c - c->ch->conns) |
+                    ((atomic_load(&c->epoch) & KVF_CONN_EPOCH_MAX) << KVF_CONN_EPOCH_SHIFT);
+    for (int w = 0; w < 4; w++) {
+        fences[w] = c->fence_pend[w] | c->fence_sent[w];
+        c->fence_pend[w] = c->fence_sent[w] = 0;
+    }
+    fences[byte / 64] |= 1ull << (byte % 64);
     size_t nq = c->q.count, k = 0;
     kvf_slice *fail = malloc((nq + TCP_WINDOW) * sizeof(kvf_slice));
     if (fail) {
@@ -87,7 +98,7 @@ static void conn_fail(tcp_conn *c, int status) {
     pthread_mutex_unlock(&c->q.mu);
     if (status == KVF_ELOST && any_alive(c->ch)) {
         c->moved += k;
-        requeue(c->ch, fail, k, status);
+        requeue(c->ch, fail, k, status, fences);
     } else {
         for (size_t i = 0; i < k; i++) kvf_slice_done(ctx, fail[i].slot, status, fail[i].entry);
         atomic_fetch_sub(&ctx->n_slices_inflight, (int64_t)k);
@@ -120,8 +131,9 @@ static void conn_reset(tcp_conn *c) {
     shutdown(c->fd, SHUT_RDWR);
 }
 
-/* Hands slices of a failed connection to the least-loaded live ones. */
-static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status) {
+/* Hands slices of a failed connection to the least-loaded live ones, each
+ * of which fences `fences` (conn_fail) before it sends them. */
+static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status, const uint64_t fences[4]) {
     kvf_ctx *ctx = ch->base.ctx;
     for (size_t i = 0; i < k; i++) {
         int placed = 0;
@@ -139,6 +151,9 @@ static void requeue(kvf_tcp_channel *ch, kvf_slice *s, size_t k, int status) {
             if (best) {
                 pthread_mutex_lock(&best->q.mu);
                 placed = !best->dead && kvf_queue_push_locked(&best->q, &s[i]) == KVF_OK;
+                /* under the lock its claims take slices under: no claim
+                 * can take this slice without the fences */
+                if (placed) for (int w = 0; w < 4; w++) best->fence_pend[w] |= fences[w];
                 pthread_mutex_unlock(&best->q.mu);
                 if (placed) pthread_cond_signal(&best->q.cv);
             }
@@ -191,6 +206,9 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
     kvf_slice run[TCP_POP];
     kvf_pop_budget budget = {c->cr.credit, KVF_OP_WRITE, 0};
     int credits = c->ch->window != 0;
+    int nfence = 0;
+    for (int w = 0; w < 4; w++) nfence += __builtin_popcountll(c->fence_pend[w]);
+    if (nfence > TCP_FENCE_MAX) max = 0;    /* this round sends fences only: they go first */
     /* one run in the scheduler's order (max <= TCP_POP, so cancelled fits too) */
     size_t got = kvf_queue_pop_fit_locked(&c->q, run, max, TCP_POP_BYTES, credits ? &budget : NULL);
     for (size_t i = 0; i < got; i++) {
@@ -231,20 +249,34 @@ static void finish_cancelled(kvf_ctx *ctx, const kvf_slice *cancelled, size_t nc
 }
 
 
-/* Takes the credit frame claim_locked left (NULL: none) into *out. */
-static const kvf_hdr *take_ctl_locked(tcp_conn *c, kvf_hdr *out) {
-    if (!c->ctl_n) return NULL;
-    c->ctl_n = 0;
-    *out = c->ctl;
-    return out;
+/* Takes the header-only frames to send before the slices claim_locked took
+ * into out (room for TCP_CTL_MAX): pending fences (up to TCP_FENCE_MAX:
+ * with more, claim_locked took no slice), then the credit frame it left.
+ * Returns how many. */
+static int take_ctl_locked(tcp_conn *c, kvf_hdr *out) {
+    int n = 0;
+    for (int w = 0; w < 4; w++) {
+        while (c->fence_pend[w] && n < TCP_FENCE_MAX) {
+            int b = __builtin_ctzll(c->fence_pend[w]);
+            c->fence_pend[w] &= c->fence_pend[w] - 1;
+            c->fence_sent[w] |= 1ull << b;
+            c->fences++;
+            out[n++] = (kvf_hdr){KVF_MAGIC, KVF_F_FENCE, (uint8_t)(w * 64 + b), 0, 0, 0, 0};
+        }
+    }
+    if (c->ctl_n) {
+        c->ctl_n = 0;
+        out[n++] = c->ctl;
+    }
+    return n;
 }
 
 static void *tcp_tx(void *arg) {
     kvf_thread_name("kvf-tcp-tx");
     tcp_conn *c = arg;
     kvf_slice s[TCP_POP], cancelled[TCP_POP];
-    kvf_hdr h[TCP_POP + 1], ctl;
-    struct iovec iov[2 * TCP_POP + 1];
+    kvf_hdr h[TCP_POP + TCP_CTL_MAX], ctl[TCP_CTL_MAX];
+    struct iovec iov[2 * TCP_POP + TCP_CTL_MAX];
     for (;;) {
         pthread_mutex_lock(&c->q.mu);
         while (!c->dead && !c->pend_n && !c->pipe_pending && !(c->cr.ret_pending && !c->sending) &&
@@ -269,10 +301,10 @@ static void *tcp_tx(void *arg) {
         }
         size_t ncancel;
         size_t k = claim_locked(c, s, cancelled, &ncancel);
-        const kvf_hdr *cf = take_ctl_locked(c, &ctl);
+        int nctl = take_ctl_locked(c, ctl);
         pthread_mutex_unlock(&c->q.mu);
         finish_cancelled(c->ch->base.ctx, cancelled, ncancel);
-        int niov = tcp_frame_slices(cf, s, k, h, iov);
+        int niov = tcp_frame_slices(ctl, nctl, s, k, h, iov);
         bad = niov ? tcp_send_frames(c, iov, niov) : 0;
         pthread_mutex_lock(&c->q.mu);
         c->sending = 0;
@@ -373,7 +405,8 @@ static void *tcp_rx(void *arg) {
                      * on another connection (what landed is rewritten) */
                     release_tag(c, h.tag);
                     conn_fail(c, KVF_ELOST);
-                    requeue(c->ch, &s, 1, KVF_ELOST);
+                    static const uint64_t no_fence[4] = {0};   /* a read lands nothing on the target */
+                    requeue(c->ch, &s, 1, KVF_ELOST, no_fence);
                     status = KVF_ELOST;
                     break;
                 }
@@ -517,14 +550,14 @@ static uint64_t tcp_slice_size(kvf_channel *ch, uint64_t total) {
  * c->q.mu held; returns with it released. */
 static void send_inline_unlock(tcp_conn *c) {
     kvf_slice mine[TCP_POP], cancelled[TCP_POP];
-    kvf_hdr ctl;
+    kvf_hdr ctl[TCP_CTL_MAX];
     size_t ncancel;
     c->sending = 1;
     size_t m = claim_locked(c, mine, cancelled, &ncancel);
-    const kvf_hdr *cf = take_ctl_locked(c, &ctl);
+    int nctl = take_ctl_locked(c, ctl);
     pthread_mutex_unlock(&c->q.mu);
     finish_cancelled(c->ch->base.ctx, cancelled, ncancel);
-    int niov = tcp_frame_slices(cf, mine, m, c->pend_h, c->pend_iov);
+    int niov = tcp_frame_slices(ctl, nctl, mine, m, c->pend_h, c->pend_iov);
     size_t in_pipe = 0;
     int left = niov ? tcp_send_frames_nb(c, c->pend_iov, niov, &in_pipe) : 0;
     pthread_mutex_lock(&c->q.mu);
@@ -752,13 +785,14 @@ int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i) {
 }
 
 int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
-                               uint64_t *failures) {
+                               uint64_t *failures, uint64_t *fences) {
     if (i < 0 || i >= ch->n) return -1;
     tcp_conn *c = &ch->conns[i];
     pthread_mutex_lock(&c->q.mu);
     *sent_bytes = c->sent_bytes;
     *moved = c->moved;
     *failures = c->failures;
+    *fences = c->fences;
     int dead = c->dead;
     pthread_mutex_unlock(&c->q.mu);
     return dead;
@@ -817,6 +851,8 @@ int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd) {
     c->sending = 0;
     kvf_wallet_reset(&c->cr);
     c->ctl_n = 0;
+    memset(c->fence_pend, 0, sizeof(c->fence_pend));
+    memset(c->fence_sent, 0, sizeof(c->fence_sent));
     c->fd = fd;
     sk_nodelay(fd);
     atomic_fetch_add(&ch->base.ctx->n_sockets, 1);

@@ -36,6 +36,11 @@
 #define PIPE_BYTES (1u << 20)
 #define KVF_OP_FLUSH 0x100u  /* slice flag (in op): ask the target for its acks now */
 #define MAX_ATTEMPTS 3       /* sends of one slice (on any connection) before its batch fails */
+/* Fence frames (KVF_F_FENCE) sent in front of one run of slices at most;
+ * with more pending, a round sends fences only. Header frames in front of
+ * a run: the fences and a credit ask. */
+#define TCP_FENCE_MAX 16
+#define TCP_CTL_MAX (TCP_FENCE_MAX + 1)
 
 typedef struct tcp_conn {
     kvf_tcp_channel *ch;
@@ -55,16 +60,24 @@ typedef struct tcp_conn {
     int fail_status;
     uint64_t sent_bytes;      /* payload bytes framed on this connection */
     uint64_t moved;           /* slices handed to other connections when it failed */
+    uint64_t fences;          /* fence frames it sent (for failed connections whose work it took) */
     uint64_t failures;
     uint32_t cancel_seen;     /* ctx->cancel_epoch at its last claim */
     kvf_credit_wallet cr;     /* receiver credits (when the channel has a window; under q.mu) */
     kvf_hdr ctl;              /* a credit ask to send before the next frames */
     int ctl_n;
+    /* Failed connections of the channel (their hello byte: index and epoch,
+     * a bit each) whose work moved here: a fence for each goes before the
+     * next slices, so that the target applies nothing more from them once
+     * it reads what was sent again (wire.h). Pending, and framed by this
+     * incarnation (carried on if it fails too: its frames may not have
+     * reached the target). Under q.mu. */
+    uint64_t fence_pend[4], fence_sent[4];
     int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
     /* What an inline submitter could not send without blocking: the tx
      * thread sends it before anything else (frames must not interleave). */
-    kvf_hdr pend_h[TCP_POP + 1];          /* + a credit frame */
-    struct iovec pend_iov[2 * TCP_POP + 1];
+    kvf_hdr pend_h[TCP_POP + TCP_CTL_MAX];          /* + fences and a credit frame */
+    struct iovec pend_iov[2 * TCP_POP + TCP_CTL_MAX];
     struct iovec *pend;
     int pend_n;
     /* A pipe for vmsplice()+splice(): large write payloads go to the socket
@@ -92,7 +105,7 @@ struct kvf_tcp_channel {
 };
 
 /* tcp_send.c */
-int tcp_frame_slices(const kvf_hdr *ctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov);
+int tcp_frame_slices(const kvf_hdr *ctl, int nctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov);
 int tcp_send_frames(tcp_conn *c, struct iovec *iov, int niov);
 int tcp_send_frames_nb(tcp_conn *c, struct iovec *iov, int niov, size_t *in_pipe);
 int tcp_drain_pipe(tcp_conn *c, size_t n, int more);

@@ -13,13 +13,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-/* Frames claimed slices: a credit frame first (ctl, or NULL), then one
- * header each, and for writes the payload straight from registered
- * memory. h has room for k + 1 headers. Returns the iovec count. */
-int tcp_frame_slices(const kvf_hdr *ctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov) {
+/* Frames claimed slices: the header-only frames that go first (nctl of
+ * them at ctl: fences, a credit ask), then one header each, and for writes
+ * the payload straight from registered memory. h has room for k + nctl
+ * headers. Returns the iovec count. */
+int tcp_frame_slices(const kvf_hdr *ctl, int nctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov) {
     int niov = 0;
-    if (ctl) {
-        *h = *ctl;
+    for (int i = 0; i < nctl; i++) {
+        *h = ctl[i];
         iov[niov++] = (struct iovec){h++, sizeof(kvf_hdr)};
     }
     for (size_t i = 0; i < k; i++) {

@@ -60,6 +60,14 @@ typedef struct kvf_srv_conn {
     kvf_hdr acks[ACK_BATCH];
     int nacks;
     int broken;
+    /* Fences (KVF_F_FENCE): `conn` is its hello byte once it is a data
+     * connection (-1 before; set and read under ctx->srv_mu); `fenced` says
+     * another connection of its session was told its work moved, and
+     * apply_mu is held while a write payload of this one lands, so the
+     * fence can wait for it. */
+    int conn;
+    atomic_int fenced;
+    pthread_mutex_t apply_mu;
 } kvf_srv_conn;
 
 static void srv_flush(void *arg) {
@@ -176,6 +184,13 @@ static int srv_hello(kvf_srv_conn *s, kvf_hdr *h) {
 static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
     kvf_ctx *ctx = s->ctx;
     int st = KVF_OK, io = 0;
+    pthread_mutex_lock(&s->apply_mu);
+    if (atomic_load(&s->fenced)) {
+        /* its work was sent again on another connection: what is still
+         * queued here is older than that, and must not land over it */
+        pthread_mutex_unlock(&s->apply_mu);
+        return -1;
+    }
     /* The read lock is held while the payload lands, so deregister()
      * cannot return while bytes are still being written into it. */
     r->deadline_ns = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
@@ -187,6 +202,7 @@ static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
     pthread_rwlock_unlock(&ctx->local.lock);
     r->deadline_ns = 0;
     if (st != KVF_OK) io = sk_read_exact(r, NULL, h->len);
+    pthread_mutex_unlock(&s->apply_mu);
     if (io) return io;
     /* landed (or dropped): its bytes are no longer in flight toward us */
     if (ctx->credit) kvf_credit_landed(ctx->credit, &s->credit, h->len);
@@ -216,6 +232,33 @@ static int srv_read_frame(kvf_srv_conn *s, const kvf_hdr *h) {
     return bad;
 }
 
+/* A fence (KVF_F_FENCE) read on s: the initiator's connection `conn` of
+ * the same session failed and its work was sent again, starting right
+ * after this frame on s. That connection is fenced (it applies nothing
+ * more) and shut down here, which wakes its thread if it waits for the
+ * rest of a payload that will never come; a payload it is landing ends
+ * before this returns (apply_mu), so s reads on only once nothing more of
+ * the old connection can land. Without it, frames the target's kernel had
+ * already received on the failed connection could be applied after their
+ * resent copies were acknowledged, over newer writes to the same bytes. A
+ * fence that names no live connection (it ended first), or s itself,
+ * changes nothing. */
+static void srv_fence(kvf_srv_conn *s, int conn) {
+    kvf_ctx *c = s->ctx;
+    pthread_mutex_lock(&c->srv_mu);
+    for (kvf_srv_conn *x = c->srv_conns; x; x = x->next) {
+        if (x == s || x->conn != conn || x->session != s->session) continue;
+        atomic_store(&x->fenced, 1);
+        shutdown(x->fd, SHUT_RDWR);     /* x's thread closes it, under srv_mu, after leaving the list */
+        /* x's thread takes srv_mu only after apply_mu (it leaves the list
+         * on its way out), never while it holds apply_mu */
+        pthread_mutex_lock(&x->apply_mu);
+        pthread_mutex_unlock(&x->apply_mu);
+        atomic_fetch_add(&c->n_fenced, 1);
+    }
+    pthread_mutex_unlock(&c->srv_mu);
+}
+
 /* The pool's way to this connection's initiator (credit.h). */
 static int srv_credit_send(kvf_credit_holder *h, const kvf_hdr *frame) {
     kvf_srv_conn *s = (kvf_srv_conn *)h;
@@ -239,6 +282,9 @@ static void srv_loop(kvf_srv_conn *s) {
         return;
     }
     s->index = h.status;
+    pthread_mutex_lock(&ctx->srv_mu);
+    s->conn = h.status;
+    pthread_mutex_unlock(&ctx->srv_mu);
     if (ctx->credit) {
         s->credit.send = srv_credit_send;
         kvf_credit_join(ctx->credit, &s->credit);
@@ -266,6 +312,9 @@ static void srv_loop(kvf_srv_conn *s) {
             r.spin_armed = (h.status & KVF_HDR_FLUSH) != 0;
         } else if (h.type == KVF_F_CREDIT_ASK && ctx->credit && h.len == 0) {
             kvf_credit_ask(ctx->credit, &s->credit, h.addr, h.aux, h.tag, h.status & KVF_ASK_BLOCKED);
+        } else if (h.type == KVF_F_FENCE && h.len == 0) {
+            srv_flush(s);       /* acks it holds go first: the fence may wait */
+            srv_fence(s, h.status);
         } else {
             break;
         }
@@ -299,6 +348,7 @@ static void *srv_thread(void *arg) {
     pthread_cond_broadcast(&c->srv_cv);
     pthread_mutex_unlock(&c->srv_mu);
     pthread_mutex_destroy(&s->wmu);
+    pthread_mutex_destroy(&s->apply_mu);
     free(s);
     return NULL;   /* touches nothing of ctx after the unlock: ctx may be freed now */
 }
@@ -315,13 +365,16 @@ int kvf_srv_serve(kvf_ctx *c, int fd) {
     s->ctx = c;
     s->fd = fd;
     s->pre_auth = 1;
+    s->conn = -1;
     pthread_mutex_init(&s->wmu, NULL);
+    pthread_mutex_init(&s->apply_mu, NULL);
     pthread_mutex_lock(&c->srv_mu);
     if (pthread_create(&s->th, NULL, srv_thread, s) != 0) {
         pthread_mutex_unlock(&c->srv_mu);
         atomic_fetch_sub(&c->n_pre_auth, 1);
         close(fd);
         pthread_mutex_destroy(&s->wmu);
+        pthread_mutex_destroy(&s->apply_mu);
         free(s);
         return KVF_ENOMEM;
     }

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #define KVF_MAGIC 0x464b        /* "KF" */
-#define KVF_WIRE_VERSION 1
+#define KVF_WIRE_VERSION 2   /* 2: KVF_F_FENCE */
 /* Largest payload one frame may carry; a larger length is a protocol error
  * (it guards the receiver against garbage that parses as a header). */
 #define KVF_MAX_PAYLOAD (64ull << 20)
@@ -32,6 +32,13 @@ enum {
                               * KVF_ASK_BLOCKED: it stopped for credit (needs one slice now) */
     KVF_F_CREDIT_GRANT = 8,  /* target -> initiator: addr = bytes granted */
     KVF_F_CREDIT_RECALL = 9, /* target -> initiator: hand back what is not spent (addr: held) */
+    /* initiator -> target, header only, before the slices a failed
+     * connection's work moved onto: status = that connection's hello byte
+     * (index and epoch). The target stops applying what it still reads
+     * from that connection, and waits for a payload it is landing from it,
+     * before it reads on: nothing of the old connection lands after the
+     * slices sent again (tcp_server.c, srv_fence). */
+    KVF_F_FENCE = 10,
 };
 
 /* Roles of a connection. Write acks travel on the session's ack connection

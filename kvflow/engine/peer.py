@@ -230,7 +230,8 @@ class Peer:
         """tcp: one entry per data connection (index, endpoint: the rail,
         source: the local rail it is bound to or None, local: the address
         it left from, up, bytes sent, slices moved to other connections
-        when it failed, failures, rebuilds; its queue: queued_slices,
+        when it failed, failures, rebuilds, fences (sent for failed
+        connections whose work it took: wire.h); its queue: queued_slices,
         queued_bytes, inflight_slices). rdma: one entry per QP (device,
         state, work requests and bytes posted, the same queue fields and
         inflight_bytes, failures, repairs). Empty for local."""

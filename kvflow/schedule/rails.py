@@ -143,7 +143,7 @@ class RailWatcher:
     def stats(self) -> list[dict[str, Any]]:
         """Per data connection: endpoint, source (the local rail it is
         bound to; None: the kernel's choice), local (the address it left
-        from), up, bytes, slices moved, failures, rebuilds."""
+        from), up, bytes, slices moved, failures, fences, rebuilds."""
         out = []
         for c, n in zip(self.conns, self.channel.conn_stats()):
             out.append({"index": c.index, "endpoint": f"{c.host}:{c.port}", "source": c.source,
