@@ -209,6 +209,7 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
     int nfence = 0;
     for (int w = 0; w < 4; w++) nfence += __builtin_popcountll(c->fence_pend[w]);
     if (nfence > TCP_FENCE_MAX) max = 0;    /* this round sends fences only: they go first */
+    c->claims++;
     /* one run in the scheduler's order (max <= TCP_POP, so cancelled fits too) */
     size_t got = kvf_queue_pop_fit_locked(&c->q, run, max, TCP_POP_BYTES, credits ? &budget : NULL);
     for (size_t i = 0; i < got; i++) {
@@ -217,6 +218,7 @@ static size_t claim_locked(tcp_conn *c, kvf_slice *s, kvf_slice *cancelled, size
         uint32_t tag = c->free_tags[--c->nfree];
         S_TAG(x) = tag;
         c->inflight[tag] = x;
+        c->tag_claim[tag] = c->claims;
         c->state[tag] = 1;
         c->below_high[tag] = ctx->batches[x.slot].prio != KVF_PRIO_HIGH;
         __atomic_store_n(&c->n_below_high, c->n_below_high + c->below_high[tag], __ATOMIC_RELAXED);
@@ -249,6 +251,12 @@ static void finish_cancelled(kvf_ctx *ctx, const kvf_slice *cancelled, size_t nc
 }
 
 
+/* Fences wait to be framed: they go even while slices wait for credit or
+ * tags (the target may count credit as held by the connection they stop). */
+static inline int fences_pending(const tcp_conn *c) {
+    return (c->fence_pend[0] | c->fence_pend[1] | c->fence_pend[2] | c->fence_pend[3]) != 0;
+}
+
 /* Takes the header-only frames to send before the slices claim_locked took
  * into out (room for TCP_CTL_MAX): pending fences (up to TCP_FENCE_MAX:
  * with more, claim_locked took no slice), then the credit frame it left.
@@ -264,6 +272,7 @@ static int take_ctl_locked(tcp_conn *c, kvf_hdr *out) {
             out[n++] = (kvf_hdr){KVF_MAGIC, KVF_F_FENCE, (uint8_t)(w * 64 + b), 0, 0, 0, 0};
         }
     }
+    if (n) c->fence_mark = c->claims;   /* the slices of this round come after them */
     if (c->ctl_n) {
         c->ctl_n = 0;
         out[n++] = c->ctl;
@@ -280,6 +289,7 @@ static void *tcp_tx(void *arg) {
     for (;;) {
         pthread_mutex_lock(&c->q.mu);
         while (!c->dead && !c->pend_n && !c->pipe_pending && !(c->cr.ret_pending && !c->sending) &&
+               !(fences_pending(c) && !c->sending) &&
                (c->q.count == 0 || c->nfree == 0 || c->sending || credit_blocked(c)))
             pthread_cond_wait(&c->q.cv, &c->q.mu);
         if (c->dead) { pthread_mutex_unlock(&c->q.mu); break; }
@@ -331,6 +341,13 @@ static int take_tag(tcp_conn *c, uint32_t tag, kvf_slice *out, int keep, int epo
     else if (tag < TCP_WINDOW && c->state[tag] == 1) {
         *out = c->inflight[tag];
         ok = 1;
+        /* an answer to a slice framed after the last fences: the target has
+         * read them, they need not be handed on if this connection fails
+         * (kept, a byte could come to name a later incarnation of its
+         * connection: epochs wrap) */
+        if ((c->fence_sent[0] | c->fence_sent[1] | c->fence_sent[2] | c->fence_sent[3]) &&
+            (int32_t)(c->tag_claim[tag] - c->fence_mark) >= 0)
+            memset(c->fence_sent, 0, sizeof(c->fence_sent));
         if (keep) c->state[tag] = 2;
         else {
             if (c->nfree == 0) pthread_cond_signal(&c->q.cv);
@@ -430,6 +447,7 @@ static void *tcp_rx(void *arg) {
 
 kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *ctx, kvf_region_table *remote, const int *fds, int nfds,
                                      int ack_fd, uint64_t slice_size, int express, uint64_t window) {
+    if (nfds < 1 || nfds > KVF_CONN_INDEX_MASK + 1) return NULL;   /* the index's bits (wire.h) */
     kvf_tcp_channel *ch = calloc(1, sizeof(*ch));
     if (!ch) return NULL;
     ch->window = window;

@@ -73,6 +73,12 @@ typedef struct tcp_conn {
      * incarnation (carried on if it fails too: its frames may not have
      * reached the target). Under q.mu. */
     uint64_t fence_pend[4], fence_sent[4];
+    /* fence_sent is dropped once the target has read the last fences:
+     * when a slice framed after them is answered (it reads a connection's
+     * frames in order). claims counts claim rounds, tag_claim the round of
+     * each in-flight tag, fence_mark the round of the last fences. */
+    uint32_t claims, fence_mark;
+    uint32_t tag_claim[TCP_WINDOW];
     int sending;              /* a thread is writing frames to fd (tx or an inline submitter) */
     /* What an inline submitter could not send without blocking: the tx
      * thread sends it before anything else (frames must not interleave). */

@@ -68,6 +68,7 @@ typedef struct kvf_srv_conn {
     int conn;
     atomic_int fenced;
     pthread_mutex_t apply_mu;
+    int pins;                 /* fences waiting on apply_mu (under srv_mu): it is not freed before 0 */
 } kvf_srv_conn;
 
 static void srv_flush(void *arg) {
@@ -156,6 +157,13 @@ static int srv_hello(kvf_srv_conn *s, kvf_hdr *h) {
     ok = ok && s->session;
     kvf_hdr ack = {KVF_MAGIC, KVF_F_HELLO_ACK, ok ? KVF_OK : KVF_EPROTO, 0, 0, 0, 0};
     if (ok && h->tag == KVF_ROLE_DATA && s->ctx->credit) ack.aux = s->ctx->credit->window;
+    if (ok && h->tag == KVF_ROLE_DATA) {
+        /* findable by a fence before the initiator hears of it: once it
+         * has the ack it may send, fail, and have its work fenced */
+        pthread_mutex_lock(&s->ctx->srv_mu);
+        s->conn = h->status;
+        pthread_mutex_unlock(&s->ctx->srv_mu);
+    }
     if (ok && h->tag == KVF_ROLE_ACK) {
         /* Publish the ack connection before answering: the initiator opens
          * its data connections only after this hello is acknowledged. */
@@ -184,25 +192,25 @@ static int srv_hello(kvf_srv_conn *s, kvf_hdr *h) {
 static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
     kvf_ctx *ctx = s->ctx;
     int st = KVF_OK, io = 0;
-    pthread_mutex_lock(&s->apply_mu);
-    if (atomic_load(&s->fenced)) {
-        /* its work was sent again on another connection: what is still
-         * queued here is older than that, and must not land over it */
-        pthread_mutex_unlock(&s->apply_mu);
-        return -1;
-    }
+    /* fenced: its work was sent again on another connection, and what is
+     * still queued here is older than that and must not land over it */
+    if (atomic_load(&s->fenced)) return -1;
     /* The read lock is held while the payload lands, so deregister()
      * cannot return while bytes are still being written into it. */
     r->deadline_ns = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
     pthread_rwlock_rdlock(&ctx->local.lock);
     const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h->addr, h->len);
-    if (rg && (rg->access & KVF_ACCESS_WRITE))
-        io = sk_read_exact(r, (void *)(uintptr_t)h->addr, h->len);
-    else st = KVF_EREMOTE;
+    if (rg && (rg->access & KVF_ACCESS_WRITE)) {
+        /* taken inside the region lock, so that a fence never waits for
+         * this thread's wait for that lock (it prefers writers) */
+        pthread_mutex_lock(&s->apply_mu);
+        if (atomic_load(&s->fenced)) io = -1;
+        else io = sk_read_exact(r, (void *)(uintptr_t)h->addr, h->len);
+        pthread_mutex_unlock(&s->apply_mu);
+    } else st = KVF_EREMOTE;
     pthread_rwlock_unlock(&ctx->local.lock);
     r->deadline_ns = 0;
-    if (st != KVF_OK) io = sk_read_exact(r, NULL, h->len);
-    pthread_mutex_unlock(&s->apply_mu);
+    if (st != KVF_OK && !io) io = sk_read_exact(r, NULL, h->len);
     if (io) return io;
     /* landed (or dropped): its bytes are no longer in flight toward us */
     if (ctx->credit) kvf_credit_landed(ctx->credit, &s->credit, h->len);
@@ -245,17 +253,28 @@ static int srv_read_frame(kvf_srv_conn *s, const kvf_hdr *h) {
  * changes nothing. */
 static void srv_fence(kvf_srv_conn *s, int conn) {
     kvf_ctx *c = s->ctx;
+    kvf_srv_conn *hit[KVF_CONN_INDEX_MASK + 1];
+    int n = 0;
     pthread_mutex_lock(&c->srv_mu);
-    for (kvf_srv_conn *x = c->srv_conns; x; x = x->next) {
+    for (kvf_srv_conn *x = c->srv_conns; x && n < KVF_CONN_INDEX_MASK + 1; x = x->next) {
         if (x == s || x->conn != conn || x->session != s->session) continue;
-        atomic_store(&x->fenced, 1);
+        if (atomic_exchange(&x->fenced, 1) == 0) atomic_fetch_add(&c->n_fenced, 1);
         shutdown(x->fd, SHUT_RDWR);     /* x's thread closes it, under srv_mu, after leaving the list */
-        /* x's thread takes srv_mu only after apply_mu (it leaves the list
-         * on its way out), never while it holds apply_mu */
-        pthread_mutex_lock(&x->apply_mu);
-        pthread_mutex_unlock(&x->apply_mu);
-        atomic_fetch_add(&c->n_fenced, 1);
+        x->pins++;                      /* and frees it only once unpinned */
+        hit[n++] = x;
     }
+    pthread_mutex_unlock(&c->srv_mu);
+    /* Waited for without srv_mu (accepts, hellos and exits go on): x holds
+     * apply_mu only while a payload moves, and the shutdown has woken it
+     * if it waits for bytes that will not come. */
+    for (int i = 0; i < n; i++) {
+        pthread_mutex_lock(&hit[i]->apply_mu);
+        pthread_mutex_unlock(&hit[i]->apply_mu);
+    }
+    if (!n) return;
+    pthread_mutex_lock(&c->srv_mu);
+    for (int i = 0; i < n; i++) hit[i]->pins--;
+    pthread_cond_broadcast(&c->srv_cv);
     pthread_mutex_unlock(&c->srv_mu);
 }
 
@@ -282,9 +301,6 @@ static void srv_loop(kvf_srv_conn *s) {
         return;
     }
     s->index = h.status;
-    pthread_mutex_lock(&ctx->srv_mu);
-    s->conn = h.status;
-    pthread_mutex_unlock(&ctx->srv_mu);
     if (ctx->credit) {
         s->credit.send = srv_credit_send;
         kvf_credit_join(ctx->credit, &s->credit);
@@ -304,7 +320,7 @@ static void srv_loop(kvf_srv_conn *s) {
          * the staging buffer with up to RD_BUF of the payload behind it,
          * copied a second time (with a small window, one ask per grant:
          * +40% of the copying on loopback). */
-        if (h.type != KVF_F_CREDIT_ASK) r.big = h.type == KVF_F_WRITE && h.len >= RD_BUF / 4;
+        if (h.type != KVF_F_CREDIT_ASK && h.type != KVF_F_FENCE) r.big = h.type == KVF_F_WRITE && h.len >= RD_BUF / 4;
         if (h.type == KVF_F_WRITE) {
             if (srv_write_frame(s, &r, &h)) break;
         } else if (h.type == KVF_F_READ_REQ) {
@@ -337,6 +353,10 @@ static void *srv_thread(void *arg) {
     if (c->credit) kvf_credit_leave(c->credit, &s->credit);
     srv_hello_done(s);
     pthread_mutex_lock(&c->srv_mu);
+    /* a fence that found it may still wait on its apply_mu: it stays
+     * listed until then (so kvf_srv_shutdown waits for it too), and no
+     * fence can find it once this wait is over (srv_mu is held on) */
+    while (s->pins) pthread_cond_wait(&c->srv_cv, &c->srv_mu);
     if (s->session) session_put_locked(c, s->session);
     for (kvf_srv_conn **pp = &c->srv_conns; *pp; pp = &(*pp)->next) {
         if (*pp == s) { *pp = s->next; break; }
