@@ -123,11 +123,15 @@ cdef class Core:
         return kvf_rt_set_keys(&self._ctx().local, rid, kv, nk) == KVF_OK
 
     def remove_region(self, uint32_t rid):
-        """Removes a region; returns once no receiver is writing into it."""
+        """Removes a region; returns once no receiver is writing into it
+        (or reading from it): a tcp payload still moving after a short
+        grace has its connection cut off (kvf_srv_quiesce_region)."""
         cdef kvf_ctx *c = self._ctx()
         cdef int rc
         with nogil:
             rc = kvf_rt_remove(&c.local, rid)
+            if rc == KVF_OK:
+                kvf_srv_quiesce_region(c, rid)
         return rc == KVF_OK
 
     def drain(self):

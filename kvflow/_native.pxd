@@ -157,6 +157,7 @@ cdef extern from "_native/kvf.h" nogil:
     void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token)
     int kvf_srv_serve(kvf_ctx *c, int fd)
     void kvf_srv_shutdown(kvf_ctx *c)
+    int kvf_srv_quiesce_region(kvf_ctx *c, uint32_t rid)
     int kvf_srv_set_window(kvf_ctx *c, uint64_t window)
     void kvf_srv_set_spin(kvf_ctx *c, uint64_t ns)
 

@@ -1056,6 +1056,105 @@ async def test_a_fence_keeps_a_failed_connections_bytes_from_landing_over_their_
     await rig.after_example()
 
 
+
+async def _stalled_write(rig: Rig, token: bytes, addr: int, n: int, view: np.ndarray):
+    """A data connection that sends a write header for n bytes at addr and
+    the first half of its payload, then stops: the target's thread for it
+    waits in the middle of the payload. Returns (reader, writer) once the
+    half has landed in `view` (the target memory at addr)."""
+    reader, w = await _data_connection(rig, token, 0)
+    half = n // 2
+    w.write(data_header(DATA_MAGIC, F_WRITE, HDR_FLUSH, 1, addr, n, 0) + b"\x11" * half)
+    await w.drain()
+    deadline = time.monotonic() + 10
+    while not (view[:half] == 0x11).all():           # it lands as it arrives
+        assert time.monotonic() < deadline, "the first half never landed"
+        await asyncio.sleep(0.001)
+    return reader, w
+
+
+async def test_register_does_not_wait_for_a_peer_stalled_mid_frame(rig):
+    """A peer that stops in the middle of a write payload (the target's
+    thread waits for the rest, up to the 10 s frame deadline) holds up
+    neither register() nor the deregister() of another region on the
+    target's event loop: the region table is locked only to find a region,
+    never while bytes move."""
+    _, session, token = await open_session(rig)
+    n = 64 * KiB
+    off = rig.spans["rw"].offset
+    w = None
+    try:
+        _, w = await _stalled_write(rig, token, rig.addr("rw"), n, rig.arena[off:])
+        extra = np.zeros(4096, np.uint8)
+        t0 = time.perf_counter()
+        region = rig.eng.register(extra, name="extra")
+        rig.eng.deregister(region)
+        took = time.perf_counter() - t0
+        assert took < 1.0, f"register() and deregister() of another region took {took:.2f} s"
+        # the stalled write is still there and completes when its peer goes on
+        w.write(b"\x11" * (n - n // 2))
+        await w.drain()
+        deadline = time.monotonic() + 10
+        while not (rig.arena[off:off + n] == 0x11).all():
+            assert time.monotonic() < deadline, "the rest of the stalled write never landed"
+            await asyncio.sleep(0.001)
+        rig.expected[off:off + n] = 0x11
+    finally:
+        if w is not None:
+            w.close()
+        await close_session(session)
+    await rig.after_example()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+async def test_deregister_cuts_off_a_peer_stalled_mid_frame(rig, op):
+    """deregister() of a region that a stalled peer is writing into (it
+    stopped halfway through a payload) or reading from (it stopped reading
+    a 64 MiB response) returns within a fraction of a second, not after
+    the 10 s frame deadline: the payload's connection is cut off, and not
+    one byte lands in the region after deregister() returned."""
+    _, session, token = await open_session(rig)
+    victim = np.zeros(64 << 20, np.uint8)
+    region = rig.eng.register(victim, name="victim")
+    w = None
+    try:
+        if op == "write":
+            n = 64 * KiB
+            reader, w = await _stalled_write(rig, token, region.addr, n, victim)
+        else:
+            reader, w = await _data_connection(rig, token, 0)
+            w.write(data_header(DATA_MAGIC, F_READ_REQ, HDR_FLUSH, 1, region.addr, victim.nbytes, 0))
+            await w.drain()
+            await asyncio.sleep(0.2)        # the response fills both sockets' buffers and stops
+        before = rig.eng.counters()["sockets"]
+        t0 = time.perf_counter()
+        rig.eng.deregister(region)
+        took = time.perf_counter() - t0
+        assert took < 1.0, f"deregister() took {took:.2f} s"
+        after = victim.copy()
+        if op == "write":
+            try:
+                w.write(b"\x22" * (n - n // 2))    # the rest: must not land
+                await w.drain()
+            except (ConnectionError, OSError):
+                pass
+        got = b""
+        try:                                        # the target closed the connection
+            while chunk := await bounded(reader.read(1 << 20), 10):
+                got += chunk
+        except (ConnectionError, OSError):
+            pass
+        if op == "read":
+            assert len(got) < DATA_HEADER.size + victim.nbytes, "the whole response went out"
+        await asyncio.sleep(0.05)
+        assert np.array_equal(victim, after), "bytes landed in the region after deregister() returned"
+        assert rig.eng.counters()["sockets"] < before
+    finally:
+        if w is not None:
+            w.close()
+        await close_session(session)
+    await rig.after_example()
+
 ANCHORS = ["rw", "ro", "wo", "check", "arena", "arena_end", "zero", "top"]
 PAYLOAD_CAP = 80 * KiB
 

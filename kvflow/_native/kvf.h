@@ -56,8 +56,11 @@ typedef struct {
 
 /* Sorted by addr, non-overlapping; lookups are binary searches under a read
  * lock. The lock prefers writers so that deregister() is not starved by a
- * stream of receivers; receivers hold the read lock while data lands in a
- * region, so deregister() returns only once nobody writes into it. */
+ * stream of receivers. Every reader holds it only for lookups, never while
+ * bytes move: a tcp receiver publishes the id of the region it lands in
+ * (or sends from) before it lets the lock go, and deregister() waits for
+ * those (kvf_srv_quiesce_region), so it returns only once nobody writes
+ * into the region, and register() never waits for a payload. */
 typedef struct {
     pthread_rwlock_t lock;
     kvf_region *v;
@@ -371,6 +374,10 @@ int kvf_srv_add_token(kvf_ctx *c, const uint8_t *token);
 void kvf_srv_remove_token(kvf_ctx *c, const uint8_t *token);
 int kvf_srv_serve(kvf_ctx *c, int fd);
 void kvf_srv_shutdown(kvf_ctx *c);
+/* After region `rid` left the local table: returns once no served
+ * connection moves a payload into or out of it, cutting off (shutting
+ * down) those still at it after a short grace. The number cut. */
+int kvf_srv_quiesce_region(kvf_ctx *c, uint32_t rid);
 void kvf_srv_free_sessions(kvf_ctx *c);
 /* Receiver credits: caps the write payload bytes in flight toward this
  * engine from all initiators together at `window` (0: no cap). Once,

@@ -23,12 +23,19 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define ACK_BATCH 256
-/* Longest a frame (hello, payload, read response) may take: the server
- * holds the region table's read lock while a payload moves. */
+/* Longest a frame (hello, payload, read response) may take: a peer that
+ * stops in the middle of one is dropped after it. */
 #define FRAME_TIMEOUT_S 10
+/* How long deregister() lets a payload that is moving into (or out of) the
+ * region finish before it cuts that connection off (kvf_srv_quiesce_region).
+ * A payload of one slice takes well under a millisecond on a loopback or a
+ * datacenter NIC; whatever is still moving after this is a peer that
+ * stalled mid-frame, or a write racing the deregister, which may fail. */
+#define QUIESCE_GRACE_NS (20 * 1000000ull)
 /* Connections still before their hello: each holds a thread, so a flood
  * of idle or trickling clients is refused past this many. */
 #define MAX_PRE_AUTH 64
@@ -68,7 +75,14 @@ typedef struct kvf_srv_conn {
     int conn;
     atomic_int fenced;
     pthread_mutex_t apply_mu;
-    int pins;                 /* fences waiting on apply_mu (under srv_mu): it is not freed before 0 */
+    int pins;                 /* fences and quiesces waiting on it (under srv_mu): not freed before 0 */
+    /* The id of the region a payload of this connection is moving into
+     * (write) or out of (read response) right now; 0: none. Stored under
+     * the table's read lock, in which the region was found, so that a
+     * deregister, which removes the region under the write lock and then
+     * looks here, finds every payload that could still touch it
+     * (kvf_srv_quiesce_region); cleared once the payload has moved. */
+    _Atomic uint32_t using_rid;
 } kvf_srv_conn;
 
 static void srv_flush(void *arg) {
@@ -195,20 +209,32 @@ static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
     /* fenced: its work was sent again on another connection, and what is
      * still queued here is older than that and must not land over it */
     if (atomic_load(&s->fenced)) return -1;
-    /* The read lock is held while the payload lands, so deregister()
-     * cannot return while bytes are still being written into it. */
+    /* The table's read lock is held only to find the region, not while
+     * the payload lands: a peer that stalls mid-frame would otherwise hold
+     * it for up to FRAME_TIMEOUT_S, and with it every register() and
+     * deregister() (the write lock, on the caller's event loop) and, as
+     * the lock prefers a waiting writer, every other connection's lookup.
+     * The region's id is published in using_rid before the lock is let
+     * go, so deregister() finds this payload and waits for it (or cuts it
+     * off) before it returns: nothing lands in a region after that. */
     r->deadline_ns = sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull;
+    uint32_t rid = 0;
     pthread_rwlock_rdlock(&ctx->local.lock);
     const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h->addr, h->len);
     if (rg && (rg->access & KVF_ACCESS_WRITE)) {
+        rid = rg->id;
         /* taken inside the region lock, so that a fence never waits for
          * this thread's wait for that lock (it prefers writers) */
         pthread_mutex_lock(&s->apply_mu);
+        atomic_store(&s->using_rid, rid);
+    }
+    pthread_rwlock_unlock(&ctx->local.lock);
+    if (rid) {
         if (atomic_load(&s->fenced)) io = -1;
         else io = sk_read_exact(r, (void *)(uintptr_t)h->addr, h->len);
+        atomic_store(&s->using_rid, 0);
         pthread_mutex_unlock(&s->apply_mu);
     } else st = KVF_EREMOTE;
-    pthread_rwlock_unlock(&ctx->local.lock);
     r->deadline_ns = 0;
     if (st != KVF_OK && !io) io = sk_read_exact(r, NULL, h->len);
     if (io) return io;
@@ -227,16 +253,27 @@ static int srv_write_frame(kvf_srv_conn *s, sk_reader *r, const kvf_hdr *h) {
 static int srv_read_frame(kvf_srv_conn *s, const kvf_hdr *h) {
     kvf_ctx *ctx = s->ctx;
     srv_flush(s);
+    /* As a write's payload (srv_write_frame): the region is found under
+     * the table's read lock, and the bytes leave under apply_mu with its
+     * id in using_rid, so a deregister() waits for them. */
     pthread_rwlock_rdlock(&ctx->local.lock);
     const kvf_region *rg = kvf_rt_find_locked(&ctx->local, h->addr, h->len);
     int ok = rg && (rg->access & KVF_ACCESS_READ);
+    if (ok) {
+        pthread_mutex_lock(&s->apply_mu);
+        atomic_store(&s->using_rid, rg->id);
+    }
+    pthread_rwlock_unlock(&ctx->local.lock);
     kvf_hdr resp = {KVF_MAGIC, KVF_F_READ_RESP, ok ? KVF_OK : KVF_EREMOTE, h->tag, 0, ok ? h->len : 0, 0};
     struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h->addr, ok ? h->len : 0}};
-    /* bounded: the region table's read lock is held meanwhile */
+    /* bounded: a deregister of the region may be waiting for it */
     pthread_mutex_lock(&s->wmu);
     int bad = sk_send_iov_until(s->fd, v, ok ? 2 : 1, sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull);
     pthread_mutex_unlock(&s->wmu);
-    pthread_rwlock_unlock(&ctx->local.lock);
+    if (ok) {
+        atomic_store(&s->using_rid, 0);
+        pthread_mutex_unlock(&s->apply_mu);
+    }
     return bad;
 }
 
@@ -276,6 +313,48 @@ static void srv_fence(kvf_srv_conn *s, int conn) {
     for (int i = 0; i < n; i++) hit[i]->pins--;
     pthread_cond_broadcast(&c->srv_cv);
     pthread_mutex_unlock(&c->srv_mu);
+}
+
+/* Called by deregister() once region `rid` is out of the table (no
+ * payload can find it any more): waits until no connection moves a
+ * payload into or out of it. A payload still moving after
+ * QUIESCE_GRACE_NS has its connection shut down, which ends it at once
+ * (the initiator sees the connection fail, and what it sends again is
+ * refused: the region is gone). So deregister() returns within about
+ * the grace, never after a stalled peer's frame deadline, and nothing
+ * touches the region's memory after it. The number of connections cut. */
+int kvf_srv_quiesce_region(kvf_ctx *c, uint32_t rid) {
+    if (!rid) return 0;
+    int cut = 0;
+    uint64_t deadline = sk_now_ns() + QUIESCE_GRACE_NS;
+    /* One connection at a time, found afresh: the region is out of the
+     * table, so no payload starts using it any more, and the walk ends
+     * once the ones that had found it are done (no allocation). */
+    for (;;) {
+        kvf_srv_conn *x;
+        pthread_mutex_lock(&c->srv_mu);
+        for (x = c->srv_conns; x && atomic_load(&x->using_rid) != rid; x = x->next) {}
+        if (x) x->pins++;       /* listed, and its socket open, until unpinned */
+        pthread_mutex_unlock(&c->srv_mu);
+        if (!x) return cut;
+        int shut = 0;
+        /* using_rid, not apply_mu: once this payload is done the
+         * connection may hold apply_mu for its next one, into another
+         * region, and that one must not be cut */
+        while (atomic_load(&x->using_rid) == rid) {
+            if (!shut && sk_now_ns() >= deadline) {
+                shutdown(x->fd, SHUT_RDWR);   /* pinned: the descriptor is still x's */
+                shut = 1;
+                cut++;
+            }
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+        pthread_mutex_lock(&c->srv_mu);
+        x->pins--;
+        pthread_cond_broadcast(&c->srv_cv);
+        pthread_mutex_unlock(&c->srv_mu);
+    }
 }
 
 /* The pool's way to this connection's initiator (credit.h). */
