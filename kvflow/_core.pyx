@@ -219,17 +219,19 @@ cdef class Core:
         counted, no debug build needed): sockets, slices in flight, threads,
         batches, and the rdma provider's MRs and QPs; `fenced` counts the
         tcp target's data connections fenced so far (KVF_F_FENCE: their
-        work was sent again on another connection). Once closed: zeros,
+        work was sent again on another connection), `cut_off` those a
+        deregister() shut down because a payload still moved into or out
+        of the region after the grace. Once closed: zeros,
         except MRs and QPs, which keep what was still counted when the
         context was freed (the rdma provider closes first, so anything but
         zero there is a leak)."""
         cdef kvf_ctx *c = self.ctx
         if c == NULL:
             return {"sockets": 0, "slices_inflight": 0, "threads": 0, "batches": 0,
-                    "mrs": self.left_mrs, "qps": self.left_qps, "fenced": 0}
+                    "mrs": self.left_mrs, "qps": self.left_qps, "fenced": 0, "cut_off": 0}
         return {"sockets": c.n_sockets, "slices_inflight": c.n_slices_inflight,
                 "threads": c.n_threads, "batches": c.in_use, "mrs": c.n_mrs, "qps": c.n_qps,
-                "fenced": c.n_fenced}
+                "fenced": c.n_fenced, "cut_off": c.n_cut_off}
 
     def close(self):
         """Closes every channel, stops the server threads and workers, frees

@@ -89,6 +89,7 @@ cdef extern from "_native/kvf.h" nogil:
         int64_t n_slices_inflight
         int64_t n_threads
         uint64_t n_fenced
+        uint64_t n_cut_off
         int64_t n_mrs
         int64_t n_qps
         uint32_t in_use

@@ -1111,12 +1111,16 @@ async def test_deregister_cuts_off_a_peer_stalled_mid_frame(rig, op):
     """deregister() of a region that a stalled peer is writing into (it
     stopped halfway through a payload) or reading from (it stopped reading
     a 64 MiB response) returns within a fraction of a second, not after
-    the 10 s frame deadline: the payload's connection is cut off, and not
-    one byte lands in the region after deregister() returned."""
+    the 10 s frame deadline: the payload's connection is cut off, and the
+    region's memory is not touched after deregister() returned (no byte
+    lands in it; none is read from it: the region is filled with 0x77
+    right after, and nothing the peer receives holds that)."""
     _, session, token = await open_session(rig)
     victim = np.zeros(64 << 20, np.uint8)
     region = rig.eng.register(victim, name="victim")
+    cut0 = rig.eng.counters()["cut_off"]
     w = None
+    got = bytearray()
     try:
         if op == "write":
             n = 64 * KiB
@@ -1125,30 +1129,36 @@ async def test_deregister_cuts_off_a_peer_stalled_mid_frame(rig, op):
             reader, w = await _data_connection(rig, token, 0)
             w.write(data_header(DATA_MAGIC, F_READ_REQ, HDR_FLUSH, 1, region.addr, victim.nbytes, 0))
             await w.drain()
-            await asyncio.sleep(0.2)        # the response fills both sockets' buffers and stops
-        before = rig.eng.counters()["sockets"]
+            # the target is inside the response once its first bytes arrive;
+            # then this peer stops reading and the sockets' buffers fill
+            got += await bounded(reader.readexactly(DATA_HEADER.size + 4096), 10)
+            await asyncio.sleep(0.1)
         t0 = time.perf_counter()
         rig.eng.deregister(region)
         took = time.perf_counter() - t0
-        assert took < 1.0, f"deregister() took {took:.2f} s"
+        victim[:] = 0x77                            # anything read from it from now on shows
         after = victim.copy()
+        assert took < 1.0, f"deregister() took {took:.2f} s"
+        assert rig.eng.counters()["cut_off"] == cut0 + 1
         if op == "write":
             try:
                 w.write(b"\x22" * (n - n // 2))    # the rest: must not land
                 await w.drain()
             except (ConnectionError, OSError):
                 pass
-        got = b""
         try:                                        # the target closed the connection
             while chunk := await bounded(reader.read(1 << 20), 10):
                 got += chunk
-        except (ConnectionError, OSError):
+        except ConnectionError:
             pass
         if op == "read":
             assert len(got) < DATA_HEADER.size + victim.nbytes, "the whole response went out"
-        await asyncio.sleep(0.05)
+            assert b"\x77" not in got, "bytes were read from the region after deregister() returned"
+        deadline = time.monotonic() + 10              # its connection and thread are gone
+        while rig.eng.counters()["threads"] != rig.baseline["threads"]:
+            assert time.monotonic() < deadline, rig.eng.counters()
+            await asyncio.sleep(0.002)
         assert np.array_equal(victim, after), "bytes landed in the region after deregister() returned"
-        assert rig.eng.counters()["sockets"] < before
     finally:
         if w is not None:
             w.close()

@@ -160,6 +160,7 @@ typedef struct kvf_ctx {
     _Atomic int closing;
     _Atomic int n_pre_auth;    /* server connections still before their hello */
     _Atomic uint64_t n_fenced; /* server connections fenced (KVF_F_FENCE): their work moved */
+    _Atomic uint64_t n_cut_off; /* server connections cut off by a deregister() (kvf_srv_quiesce_region) */
     struct kvf_credit_pool *credit;   /* the receive window (credit.h); NULL: none */
     _Atomic uint64_t srv_spin_ns;     /* a served connection's thread looks again this long before it sleeps */
     kvf_chan_stats *chan_stats;       /* every channel's stats block (guarded by pool_mu) */

@@ -146,9 +146,9 @@ int sk_read_header(sk_reader *r, kvf_hdr *h) {
          * through it (one extra copy). On the server, first try without
          * blocking: a peer that is silent between frames is idle (flush the
          * acks it may be waiting for, then wait as long as it likes), one
-         * that stops inside a frame is dropped by the receive timeout,
-         * because the server holds the region table's read lock while a
-         * payload lands. */
+         * that stops inside a frame is dropped by the receive timeout
+         * (a deregister() of the region it writes into cuts it off
+         * sooner: kvf_srv_quiesce_region). */
         char *dst = r->big ? (char *)h : r->buf;
         size_t want = r->big ? sizeof(*h) : RD_BUF;
         ssize_t g = r->idle_poll ? sk_recv(r, dst, want, MSG_DONTWAIT) : -1;

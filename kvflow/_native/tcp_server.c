@@ -70,8 +70,8 @@ typedef struct kvf_srv_conn {
     /* Fences (KVF_F_FENCE): `conn` is its hello byte once it is a data
      * connection (-1 before; set and read under ctx->srv_mu); `fenced` says
      * another connection of its session was told its work moved, and
-     * apply_mu is held while a write payload of this one lands, so the
-     * fence can wait for it. */
+     * apply_mu is held while a payload of this one moves (a write's
+     * landing, a read response's sending), so the fence can wait for it. */
     int conn;
     atomic_int fenced;
     pthread_mutex_t apply_mu;
@@ -343,7 +343,14 @@ int kvf_srv_quiesce_region(kvf_ctx *c, uint32_t rid) {
          * region, and that one must not be cut */
         while (atomic_load(&x->using_rid) == rid) {
             if (!shut && sk_now_ns() >= deadline) {
+                /* looked at again just before: a payload that ended since
+                 * leaves the connection alone (a window of a few
+                 * instructions remains, in which a connection that just
+                 * moved on to another region is cut: its initiator sends
+                 * that work again, behind a fence) */
+                if (atomic_load(&x->using_rid) != rid) break;
                 shutdown(x->fd, SHUT_RDWR);   /* pinned: the descriptor is still x's */
+                atomic_fetch_add(&c->n_cut_off, 1);
                 shut = 1;
                 cut++;
             }
