@@ -99,11 +99,19 @@ static void grant_locked(kvf_credit_pool *p, kvf_credit_holder *h, uint64_t g) {
 }
 
 /* The smallest grant worth a frame for h: its need when it stopped for
- * credit (serve it now), else a chunk of its share, so that landings of
- * small slices are handed on in batches. */
+ * credit (serve it now), else a whole share, so that landings are handed
+ * on in batches. Every grant costs the initiator a thread wake-up (its
+ * reader sleeps on the connection between grants), and on a host whose
+ * CPUs also copy the payloads those wake-ups, not the window, bound the
+ * throughput: 3 senders into one receiver on loopback, 2 cores, moved
+ * 0.83x no window's bytes per second with grants of a quarter share and
+ * 0.95x with whole shares at a 64 MiB window (0.80x and 0.86x at
+ * 16 MiB). A holder that still has up to a share in flight may so be
+ * handed the next one: the total stays within the window, and the
+ * waiters' round robin keeps the shares even. */
 static uint64_t least_locked(const kvf_credit_holder *h, uint64_t fair) {
     if (h->need) return h->need;
-    uint64_t chunk = fair / 4 > MIN_GRANT ? fair / 4 : MIN_GRANT;
+    uint64_t chunk = fair > MIN_GRANT ? fair : MIN_GRANT;
     if (chunk < h->unit) chunk = h->unit;
     return h->want < chunk ? h->want : chunk;
 }
