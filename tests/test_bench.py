@@ -173,3 +173,25 @@ def test_compare_ratio_of_a_compat_row_is_against_the_engines_best_transport():
     compare.add_ratios(rows)
     assert (rows[2]["vs_best_alt"], rows[2]["best_alt"]) == (0.9, "nixl ucx-sm")
     assert (rows[5]["vs_best_alt"], rows[5]["best_alt"]) == (1.1, "nixl ucx-sm")
+
+
+def test_qos_runs_the_modes_in_turn_and_pools_them():
+    """kvflow-bench qos --repeat 2: fifo and qos twice each, in turn; each
+    mode's figures pool its two runs (the stream's bytes are exactly what
+    the two runs streamed), and the ratios are computed from them."""
+    low = 1 << 20
+    rows = results(bench("qos", "--protocol", "tcp", "--repeat", "2", "--rounds", "4", "--low-batches", "8",
+                         "--low-size", str(low), "--high-entries", "4", "--high-entry", "4K",
+                         "--interval", "1-2", "--cancel-size", str(4 * low), "--json", "--no-progress"))
+    by = {r.get("mode", "ratios"): r for r in rows}
+    assert set(by) == {"fifo", "qos", "ratios"}
+    for mode in ("fifo", "qos"):
+        r = by[mode]
+        assert r["runs"] == 2 and len(r["stream_gbps_runs"]) == 2
+        assert r["stream_bytes"] == 2 * 4 * 8 * low
+        assert r["stream_gbps"] == pytest.approx(r["stream_bytes"] / r["seconds"] / 1e9, rel=1e-6)
+        assert min(r["stream_gbps_runs"]) <= r["stream_gbps"] <= max(r["stream_gbps_runs"])
+        assert 0 < r["short_p50_ms"] <= r["short_p99_ms"] <= r["short_max_ms"] and r["cancel_ms"] >= 0
+    ratios = by["ratios"]["ratios"]
+    assert ratios["stream_qos_over_fifo"] == pytest.approx(by["qos"]["stream_gbps"] / by["fifo"]["stream_gbps"])
+    assert ratios["short_p99_fifo_over_qos"] == pytest.approx(by["fifo"]["short_p99_ms"] / by["qos"]["short_p99_ms"])

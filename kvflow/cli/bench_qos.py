@@ -12,6 +12,11 @@ ignored (Engine(scheduling="fifo")): the baseline. Then, per mode, a cancel
 check: a --cancel-size write queued behind another is cancelled and the
 time until it raises is measured.
 
+With --repeat N the modes run N times each, in turn (fifo, qos, fifo, qos,
+...), so that a machine whose speed drifts during the run slows both alike;
+each mode's figures then pool its runs (the stream's bytes over its seconds,
+every short batch's latency, the slowest cancel).
+
 The report gives per mode the stream's throughput and the short batches'
 latency percentiles, and the ratios: FIFO p99 / QoS p99 and QoS stream
 throughput / FIFO's.
@@ -106,12 +111,9 @@ async def run_mode(args: argparse.Namespace, scheduling: str, progress: Progress
         streaming = False
         await shorts
         await asyncio.gather(*high_transfers)
-        lat_ms = [x * 1e3 for x in latencies]
         cancel_ms = await cancel_check(args, peer, la, ra, low_prio)
-        return {"mode": scheduling, "protocol": peer.transport, "stream_gbps": moved / elapsed / 1e9,
-                "stream_bytes": moved, "seconds": elapsed, "short_batches": len(lat_ms),
-                "short_p50_ms": percentile(lat_ms, 50), "short_p99_ms": percentile(lat_ms, 99),
-                "short_max_ms": max(lat_ms) if lat_ms else float("nan"), "cancel_ms": cancel_ms}
+        return {"mode": scheduling, "protocol": peer.transport, "stream_bytes": moved, "seconds": elapsed,
+                "latencies_ms": [x * 1e3 for x in latencies], "cancel_ms": cancel_ms}
     finally:
         await a.close()
         await b.close()
@@ -137,6 +139,21 @@ async def cancel_check(args: argparse.Namespace, peer: kvflow.Peer, la: int, ra:
     return took
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's figures over its runs: the stream's bytes over its
+    seconds, the percentiles of every short batch's latency, the slowest
+    cancel."""
+    moved = sum(r["stream_bytes"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    lat_ms = [x for r in runs for x in r["latencies_ms"]]
+    return {"mode": runs[0]["mode"], "protocol": runs[0]["protocol"], "runs": len(runs),
+            "stream_gbps": moved / seconds / 1e9, "stream_bytes": moved, "seconds": seconds,
+            "stream_gbps_runs": [r["stream_bytes"] / r["seconds"] / 1e9 for r in runs],
+            "short_batches": len(lat_ms), "short_p50_ms": percentile(lat_ms, 50),
+            "short_p99_ms": percentile(lat_ms, 99), "short_max_ms": max(lat_ms) if lat_ms else float("nan"),
+            "cancel_ms": max(r["cancel_ms"] for r in runs)}
+
+
 def report(results: list[dict[str, Any]], out: TextIO) -> None:
     print(f"{'mode':<6} {'stream GB/s':>11} {'short n':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
           f"{'cancel ms':>10}", file=out)
@@ -160,12 +177,15 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, float]:
 
 async def run_qos(args: argparse.Namespace) -> int:
     progress = Progress(None if args.no_progress else sys.stderr)
-    results = []
-    for mode in args.modes:
-        progress(f"{mode}: {args.rounds} x {args.low_batches} x {format_size(args.low_size)} LOW stream, "
-                 f"{args.high_entries} x {format_size(args.high_entry)} HIGH every "
-                 f"{args.interval[0] * 1e3:g}-{args.interval[1] * 1e3:g} ms")
-        results.append(await run_mode(args, mode, progress))
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+    for k in range(args.repeat):
+        for mode in args.modes:
+            progress(f"{mode}{f' (run {k + 1}/{args.repeat})' if args.repeat > 1 else ''}: "
+                     f"{args.rounds} x {args.low_batches} x {format_size(args.low_size)} LOW stream, "
+                     f"{args.high_entries} x {format_size(args.high_entry)} HIGH every "
+                     f"{args.interval[0] * 1e3:g}-{args.interval[1] * 1e3:g} ms")
+            runs[mode].append(await run_mode(args, mode, progress))
+    results = [pooled(runs[mode]) for mode in args.modes]
     if args.json:
         for r in results:
             print(json.dumps(r), flush=True)
@@ -214,6 +234,8 @@ def add_parser(roles: Any, size: Any, count: Any, seconds: Any) -> None:
     p.add_argument("--low-batches", type=count, default=64, metavar="N", help="LOW batches per round (64)")
     p.add_argument("--low-size", type=size, default=16 << 20, metavar="SIZE", help="bytes per LOW batch (16M)")
     p.add_argument("--rounds", type=count, default=3, metavar="N", help="rounds of the LOW stream (3)")
+    p.add_argument("--repeat", type=count, default=1, metavar="N",
+                   help="run the modes N times each, in turn, and pool each mode's runs (1)")
     p.add_argument("--high-entries", type=count, default=16, metavar="N", help="entries per HIGH batch (16)")
     p.add_argument("--high-entry", type=size, default=64 << 10, metavar="SIZE", help="bytes per HIGH entry (64K)")
     p.add_argument("--interval", type=interval, default=(0.010, 0.020), metavar="MS[-MS]",
