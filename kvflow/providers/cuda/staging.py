@@ -171,9 +171,15 @@ async def run_staged(pool: BouncePool, packed: Sequence[Packed],
     every drain finished; the first error cancels the rest and is raised."""
     stats = pool.stats
     drains: list[asyncio.Task[None]] = []
+    # a drain task's slot until its body starts: a task cancelled before
+    # its first step never runs its body (the coroutine is closed at its
+    # first line, outside the try), so its `finally` cannot return the
+    # slot; the cleanup below does
+    unstarted: dict[asyncio.Task[None], Slot] = {}
     failed: list[BaseException] = []
 
     async def drain_then_release(slot: Slot, part: Packed) -> None:
+        unstarted.pop(asyncio.current_task(), None)     # type: ignore[arg-type]
         try:
             await drain(slot, part)
             stats.drains += 1
@@ -198,12 +204,17 @@ async def run_staged(pool: BouncePool, packed: Sequence[Packed],
             except BaseException:
                 pool.release(slot)
                 raise
-            drains.append(asyncio.get_running_loop().create_task(drain_then_release(slot, part)))
+            task = asyncio.get_running_loop().create_task(drain_then_release(slot, part))
+            unstarted[task] = slot
+            drains.append(task)
         done = await asyncio.gather(*drains, return_exceptions=True)
     except BaseException:
         for t in drains:
             t.cancel()
         await asyncio.gather(*drains, return_exceptions=True)
+        for slot in unstarted.values():
+            pool.release(slot)
+        unstarted.clear()
         raise
     for r in done:
         if isinstance(r, BaseException):
