@@ -614,3 +614,40 @@ async def test_peer_close_then_reconnect(pair, local_mem):
     peer = await bounded(p.eng.connect(p.target.address))
     assert peer is not p.peer
     await assert_still_works(Pair(p.provider, p.eng, p.target, peer), local_mem)
+
+
+async def test_connect_cancelled_while_a_connection_opens_closes_the_others(make_engine, monkeypatch):
+    """connect() whose timeout runs out while one data connection is still
+    opening (a rail that is down holds its attempt for seconds): the
+    connections already open are closed by the connect, not left to the
+    garbage collector (the gather's results are lost with the cancel), which
+    would close them later with an "unclosed socket" ResourceWarning."""
+    import gc
+    import warnings
+
+    from kvflow.providers import tcp as tcp_provider
+
+    real = tcp_provider.open_data_connection
+    opened_slowly = asyncio.Event()
+
+    async def slow_express(loop, host, port, token, role, index, **kw):
+        if role == tcp_provider.DATA_ROLE_DATA and index == 2:     # the express lane: never in time
+            opened_slowly.set()
+            await asyncio.sleep(30)
+        return await real(loop, host, port, token, role, index, **kw)
+
+    monkeypatch.setattr(tcp_provider, "open_data_connection", slow_express)
+    target = await make_engine(protocols=("tcp",))
+    eng = await make_engine(protocols=("tcp",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        await expect((kvflow.PeerUnreachableError, kvflow.TransferTimeoutError),
+                     lambda: eng.connect(target.address, timeout=1.0), timeout=15)
+        assert opened_slowly.is_set()
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)
+                and "socket" in str(w.message)]
+    assert not unclosed, unclosed
+    monkeypatch.setattr(tcp_provider, "open_data_connection", real)
+    peer = await bounded(eng.connect(target.address))
+    assert peer.transport == "tcp"

@@ -10,6 +10,7 @@ paths on a GPU where there is one."""
 from __future__ import annotations
 
 import asyncio
+import time
 import hashlib
 
 import numpy as np
@@ -159,6 +160,41 @@ async def test_a_drain_cancelled_before_it_started_returns_its_slot():
     assert pool.free == 2 and pool.stats.slots_in_use == 0
     await bounded(run_staged(pool, parts, lambda s, p: asyncio.sleep(0), drain))
     assert pool.free == 2 and len(drained) == 2
+
+
+async def test_slots_come_back_when_the_cleanup_itself_is_cancelled():
+    """A fill fails at once; the cleanup then waits for a drain that was
+    already on the wire (it waits for its bytes when cancelled, as a
+    Transfer does), and the caller cancels that wait too. The slot of the
+    drain that never started comes back all the same, and the others as
+    their drains end."""
+    pool = BouncePool(1000, 3, _numpy_memory)
+
+    async def fill(slot, part):
+        if part is parts[1]:
+            await asyncio.sleep(0)              # drain 0 starts here
+        if part is parts[2]:
+            raise kvflow.ProviderUnavailableError("copy failed")   # drain 1 has not started
+
+    async def drain(slot, part):
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.1)            # what is on the wire is waited for
+            raise
+
+    parts = pack([0] * 3, [0] * 3, [1000] * 3, 1000)
+    task = asyncio.get_running_loop().create_task(run_staged(pool, parts, fill, drain))
+    await asyncio.sleep(0.02)                   # in the cleanup's wait for drain 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pool.free == 2                       # fill 2's slot and drain 1's; drain 0 still waits
+    deadline = time.monotonic() + 5
+    while pool.free < 3:
+        assert time.monotonic() < deadline, pool.free
+        await asyncio.sleep(0.01)
+    assert pool.stats.slots_in_use == 0
 
 
 # ---------------------------------------------------------------- staged transfers between engines

@@ -357,6 +357,10 @@ class TcpProvider(Provider):
         keepalive = self.ctx.keepalive
 
         windows: list[int] = []     # the target's receive window, as its hello acceptances say
+        # every socket opened, as it opens: if the connect is cancelled (its
+        # timeout, the engine closing) while a rail is still trying, the
+        # gather's results are lost, and these are what must be closed
+        opened: list[socket.socket] = []
 
         async def open_one(c: DataConn, role: int, index: int | None = None) -> socket.socket:
             # index: the hello's index byte (a rebuilt connection's carries its epoch)
@@ -368,13 +372,18 @@ class TcpProvider(Provider):
             windows.append(window)
             return s
 
+        async def open_tracked(c: DataConn, role: int) -> socket.socket:
+            s = await open_one(c, role)
+            opened.append(s)
+            return s
+
         ack_sock: socket.socket | None = None
         got: list[Any] = []
         try:
             if len(groups) == 1:
                 # the ack connection first: the target sends acks on it once it exists
-                ack_sock = await open_one(plan[0], DATA_ROLE_ACK)
-            got = await asyncio.gather(*(open_one(c, DATA_ROLE_DATA) for c in plan),
+                ack_sock = await open_tracked(plan[0], DATA_ROLE_ACK)
+            got = await asyncio.gather(*(open_tracked(c, DATA_ROLE_DATA) for c in plan),
                                        return_exceptions=True)
             errors = [g for g in got if isinstance(g, BaseException)]
             fatal = [g for g in errors if not isinstance(g, (PeerUnreachableError, ProtocolError))]
@@ -383,9 +392,8 @@ class TcpProvider(Provider):
             if errors and (len(groups) == 1 or len(errors) == len(got)):
                 raise errors[0]
         except BaseException:
-            for s in [ack_sock, *got]:
-                if isinstance(s, socket.socket):
-                    s.close()
+            for s in opened:
+                s.close()
             raise
         for c, g in zip(plan, got):
             if isinstance(g, socket.socket):

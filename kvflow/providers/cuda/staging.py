@@ -171,15 +171,18 @@ async def run_staged(pool: BouncePool, packed: Sequence[Packed],
     every drain finished; the first error cancels the rest and is raised."""
     stats = pool.stats
     drains: list[asyncio.Task[None]] = []
-    # a drain task's slot until its body starts: a task cancelled before
-    # its first step never runs its body (the coroutine is closed at its
-    # first line, outside the try), so its `finally` cannot return the
-    # slot; the cleanup below does
-    unstarted: dict[asyncio.Task[None], Slot] = {}
+    # Each slot handed to a drain task, and whether its body has started: a
+    # task cancelled before its first step never runs its body (the
+    # coroutine is closed at its first line, outside the try), so its
+    # `finally` cannot return the slot; the cleanup below does. A record per
+    # hand-over, set by the body itself (an eager task factory runs the body
+    # inside create_task, before anything here could note the task).
+    handed: list[list[Any]] = []
     failed: list[BaseException] = []
 
-    async def drain_then_release(slot: Slot, part: Packed) -> None:
-        unstarted.pop(asyncio.current_task(), None)     # type: ignore[arg-type]
+    async def drain_then_release(record: list[Any], part: Packed) -> None:
+        record[1] = True
+        slot = record[0]
         try:
             await drain(slot, part)
             stats.drains += 1
@@ -204,17 +207,24 @@ async def run_staged(pool: BouncePool, packed: Sequence[Packed],
             except BaseException:
                 pool.release(slot)
                 raise
-            task = asyncio.get_running_loop().create_task(drain_then_release(slot, part))
-            unstarted[task] = slot
-            drains.append(task)
+            record: list[Any] = [slot, False]
+            handed.append(record)
+            drains.append(asyncio.get_running_loop().create_task(drain_then_release(record, part)))
         done = await asyncio.gather(*drains, return_exceptions=True)
     except BaseException:
         for t in drains:
             t.cancel()
-        await asyncio.gather(*drains, return_exceptions=True)
-        for slot in unstarted.values():
-            pool.release(slot)
-        unstarted.clear()
+        try:
+            # shielded: a second cancel of this wait must not cancel the
+            # drains again, which would cut short their own wait for bytes
+            # still on the wire and free a slot a copy or a NIC still reads
+            await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
+        finally:
+            # also when this wait is cancelled in its turn: the drains that
+            # never started are done (cancelled), their slots free now
+            for slot, started in handed:
+                if not started:
+                    pool.release(slot)
         raise
     for r in done:
         if isinstance(r, BaseException):
