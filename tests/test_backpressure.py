@@ -159,3 +159,37 @@ def _receive_queue(pid: int) -> int:
     out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True,
                          check=True).stdout
     return sum(int(line.split()[0]) for line in out.splitlines() if f"pid={pid}," in line)
+
+
+async def test_a_task_cancelled_twice_still_waits_for_its_bytes(make_engine, make_target, local_mem):
+    """The task awaiting a write is cancelled, and cancelled again while the
+    write drains (as asyncio.timeout does around a cancelled task): it still
+    raises only once nothing of the write can land (bounded by the drain
+    grace, after which the connections carrying it are reset), not at the
+    second cancel while its bytes may still be on the wire."""
+    from kvflow.engine.transfer import DRAIN_GRACE
+    target = await make_target(protocols=("tcp",), xproc=True,
+                               regions=[{"name": "rw", "length": 32 * MiB, "access": 3}])
+    eng = await make_engine(protocols=("tcp",))
+    peer = await bounded(eng.connect(target.address))
+    src = local_mem(eng, 32 * MiB)
+    base = peer.region("rw").addr
+    os.kill(target.proc.pid, signal.SIGSTOP)
+    try:
+        task = asyncio.get_running_loop().create_task(peer.write([src.addr], [base], [32 * MiB]))
+        await asyncio.sleep(0.1)                # stuck behind the stopped target
+        t0 = time.monotonic()
+        task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()                           # again, while it waits for its bytes
+        try:
+            await bounded(task, 30)
+        except asyncio.CancelledError:
+            pass
+        took = time.monotonic() - t0
+        assert took >= 0.9 * DRAIN_GRACE, f"raised {took:.2f} s after the first cancel, bytes still in flight"
+        assert took < DRAIN_GRACE + 5
+    finally:
+        os.kill(target.proc.pid, signal.SIGCONT)
+    p2 = await bounded(eng.connect(target.address))
+    await bounded(p2.write([src.addr], [base], [4096]))

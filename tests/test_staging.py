@@ -462,3 +462,38 @@ def test_mooncake_gpu_location_without_cuda():
         assert te.register_memory(host.ctypes.data + 8192 * 0 + 0, 16, "cuda:0") == -1   # host memory, said cuda
     finally:
         te.close() if hasattr(te, "close") else None
+
+
+async def test_a_cancelled_awaiter_of_a_staged_transfer_waits_for_it_to_stop():
+    """A staged transfer (a task: kvflow.engine.transfer.TaskTransfer) whose
+    awaiting task is cancelled, once and then again: the cancellation comes
+    through only after the transfer's own task has stopped, i.e. after its
+    transfers waited for what they had on the wire, as a native batch's
+    awaiter does."""
+    import time
+
+    from kvflow.engine.transfer import TaskTransfer
+
+    stopped = []
+
+    async def staged():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)            # its drains wait for bytes on the wire
+            stopped.append(time.monotonic())
+            raise
+
+    t = TaskTransfer(staged(), "peer:1", 4096)
+
+    async def awaiter():
+        await t
+
+    task = asyncio.get_running_loop().create_task(awaiter())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await bounded(task)
+    assert stopped and t.done(), "the awaiter's cancellation came through while the transfer still ran"

@@ -122,7 +122,20 @@ class Transfer:
                 self._table.cancel(self._id)
                 if self._timer is not None:
                     self._timer.cancel()
-                yield from self._wait_drained().__await__()
+                # Cancelled again meanwhile (asyncio.timeout around a
+                # cancelled task, a second task.cancel()): wait on all the
+                # same, or the caller could reuse its buffer while bytes of
+                # it are still on the wire. Bounded all the same: DRAIN_GRACE
+                # from the first cancel, after which the connections still
+                # carrying the batch are reset (nothing of it lands later).
+                loop = self._table.loop
+                end = loop.time() + DRAIN_GRACE
+                while not self._drained:
+                    try:
+                        yield from self._wait_drained(max(0.0, end - loop.time())).__await__()
+                        break
+                    except asyncio.CancelledError:
+                        continue
             raise
 
     def done(self) -> bool:
@@ -235,6 +248,15 @@ class TaskTransfer:
                 raise TransferCancelledError(f"transfer to {self._peer} cancelled", peer=self._peer) from None
             if not self._task.done():       # the awaiting task was cancelled: so is the transfer
                 self._task.cancel()
+                # and its cancellation is let through once the transfer has
+                # stopped: its own transfers wait for what is on the wire
+                # (each bounded by DRAIN_GRACE); the caller must not reuse
+                # its buffers before. Cancelled again meanwhile: still waits.
+                while not self._task.done():
+                    try:
+                        yield from asyncio.wait([self._task]).__await__()
+                    except asyncio.CancelledError:
+                        continue
             raise
 
     def done(self) -> bool:
