@@ -185,6 +185,14 @@ cdef class Core:
         for connections served from now on."""
         kvf_srv_set_spin(self._ctx(), ns)
 
+    def set_liveness_grace(self, double seconds):
+        """The engine's keepalive for the tcp connections it serves: a frame
+        that outlasts its deadline ends only once the peer's kernel has
+        answered nothing for this long too (a stopped or starved initiator
+        is waited for; 0: the deadline alone). For connections served from
+        now on."""
+        kvf_srv_set_grace(self._ctx(), <uint32_t>(seconds * 1000) if seconds > 0 else 0)
+
     def set_receive_window(self, uint64_t window):
         """Caps the write payload bytes in flight toward this engine from
         all initiators together (receiver credits; 0: no cap). Once, before
@@ -530,6 +538,15 @@ cdef class LocalChannel(Channel):
             kvf_channel_close(self.cch)
 
 
+def socket_unanswered(int fd, double grace):
+    """Whether the peer's kernel has answered nothing on tcp socket `fd`
+    for `grace` seconds while sent bytes or probes wait for an answer
+    (_native/sockio.c, sk_unanswered): the host is gone, not slow. One
+    look can catch a send's round trip after a long silence: confirm it
+    with a second."""
+    return sk_unanswered(fd, <uint32_t>(grace * 1000)) == 1
+
+
 def probe_process(int pid, uint64_t addr, size_t length):
     """Reads `length` bytes at `addr` in process `pid` (process_vm_readv):
     returns the bytes, or the errno as an int when not permitted."""
@@ -776,6 +793,19 @@ cdef class TcpChannel(Channel):
         if self.ch == NULL:
             return []
         return [i for i in range(self.nfds) if kvf_tcp_channel_conn_dead(self.ch, i) == 1]
+
+    def check_reach(self, double grace):
+        """Fails the data connections whose peer's kernel answered nothing
+        for `grace` seconds on this look and the last (a rail or host that
+        is gone; a slow peer never is): their slices move to the others.
+        Returns how many. The caller looks every fraction of the grace."""
+        cdef uint32_t ms = <uint32_t>(grace * 1000)
+        cdef int n
+        if self.ch == NULL or ms == 0:
+            return 0
+        with nogil:
+            n = kvf_tcp_channel_check_reach(self.ch, ms)
+        return n
 
     def conn_stats(self):
         """Per data connection: up, payload bytes sent, slices moved away

@@ -149,6 +149,7 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t *out)
     int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd)
     int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id)
+    int kvf_tcp_channel_check_reach(kvf_tcp_channel *ch, uint32_t grace_ms)
     void kvf_tcp_channel_free(kvf_tcp_channel *ch)
 
     void kvf_sched_set_age(kvf_ctx *c, uint64_t age_ns)
@@ -161,6 +162,10 @@ cdef extern from "_native/kvf.h" nogil:
     int kvf_srv_quiesce_region(kvf_ctx *c, uint32_t rid)
     int kvf_srv_set_window(kvf_ctx *c, uint64_t window)
     void kvf_srv_set_spin(kvf_ctx *c, uint64_t ns)
+    void kvf_srv_set_grace(kvf_ctx *c, uint32_t ms)
+
+cdef extern from "_native/sockio.h" nogil:
+    int sk_unanswered(int fd, uint32_t grace_ms)
 
 cdef extern from "_native/credit.h" nogil:
     ctypedef struct kvf_credit_stats:

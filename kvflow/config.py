@@ -34,7 +34,8 @@ class Variable:
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("KVFLOW_SECRET", "shared secret every peer must prove (HMAC challenge-response); "
              "also kvflow-bench's and kvflow-info's", "none (no authentication)", "Engine(secret=)"),
-    Variable("KVFLOW_KEEPALIVE", "seconds of control-connection silence after which a peer is lost "
+    Variable("KVFLOW_KEEPALIVE", "seconds a peer's host may leave its connections unanswered (kernel ACKs and "
+             "probes) before the peer is lost; a slow or stopped peer never is "
              "(0: never)", "5", "Engine(keepalive=)"),
     Variable("KVFLOW_LOCATION", "where registered memory lives (cpu, cpu:N, cuda:N): the NICs near it "
              "are preferred", "cpu", "Engine(location=)"),

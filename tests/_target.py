@@ -117,6 +117,8 @@ class TargetCore:
         self.loop_errors: list[str] = []
         self._watch_task: asyncio.Task | None = None
         self._hammer_task: asyncio.Task | None = None
+        self._hammer_writes = 0
+        self._hammer_error: str | None = None
         self._out_peers: list = []  # peers this target opened itself (notify, hammer)
 
     async def start(self) -> None:
@@ -251,10 +253,28 @@ class TargetCore:
         await peer.write([src.addr], [remote_addr], [length])
 
         async def loop() -> None:
-            while True:
-                await peer.write([src.addr], [remote_addr], [length])
+            try:
+                while True:
+                    await peer.write([src.addr], [remote_addr], [length])
+                    self._hammer_writes += 1
+            except Exception as e:
+                self._hammer_error = f"{type(e).__name__}: {e}"
 
         self._hammer_task = asyncio.get_running_loop().create_task(loop())
+
+    def hammer_stats(self) -> dict:
+        """hammer()'s writes so far and the error that ended it (None: running)."""
+        return {"writes": self._hammer_writes, "error": self._hammer_error}
+
+    def hold_gil(self, seconds: float) -> None:
+        """A host application's thread that holds the GIL for `seconds`
+        (a C call made with it held: ctypes.PyDLL does not release it), so
+        that this process's event loop cannot run meanwhile."""
+        import ctypes
+        import threading
+
+        libc = ctypes.PyDLL("libc.so.6")
+        threading.Thread(target=libc.usleep, args=(int(seconds * 1e6),), daemon=True).start()
 
     def counters(self) -> dict:
         """The engine's live native resources, if it reports them (not in the
@@ -307,6 +327,8 @@ async def _serve(core: TargetCore) -> None:
         "loop_errors": core.get_loop_errors,
         "counters": core.counters,
         "hammer": core.hammer,
+        "hammer_stats": core.hammer_stats,
+        "hold_gil": core.hold_gil,
         "close_peers": core.close_peers,
     }
     while True:

@@ -163,6 +163,8 @@ typedef struct kvf_ctx {
     _Atomic uint64_t n_cut_off; /* server connections cut off by a deregister() (kvf_srv_quiesce_region) */
     struct kvf_credit_pool *credit;   /* the receive window (credit.h); NULL: none */
     _Atomic uint64_t srv_spin_ns;     /* a served connection's thread looks again this long before it sleeps */
+    _Atomic uint32_t srv_grace_ms;    /* 0, or how long a served peer's kernel may leave a frame unanswered
+                                       * before the frame's deadline ends it (kvf_srv_set_grace) */
     kvf_chan_stats *chan_stats;       /* every channel's stats block (guarded by pool_mu) */
 
     struct kvf_local_pool *local_pool;
@@ -366,6 +368,14 @@ int kvf_tcp_channel_conn_queue(kvf_tcp_channel *ch, int i, uint64_t out[3]);
 int kvf_tcp_channel_abort_batch(kvf_tcp_channel *ch, uint64_t id);
 /* Connection i's credits: held, asked for, waits, grants, recalls, need. */
 int kvf_tcp_channel_credit_stats(kvf_tcp_channel *ch, int i, uint64_t out[6]);
+/* Fails (moving their slices to the live ones) the connections whose
+ * peer's kernel has answered nothing for grace_ms, on this look and the
+ * one before (sockio.c, sk_unanswered): a rail or host that is gone. A
+ * peer that is only slow (stopped, starved: its kernel still acknowledges)
+ * is never failed here, so connections carry no TCP_USER_TIMEOUT, which
+ * would also end one whose peer's window stayed closed that long. The
+ * caller looks every fraction of grace_ms. Returns how many it failed. */
+int kvf_tcp_channel_check_reach(kvf_tcp_channel *ch, uint32_t grace_ms);
 /* Replaces dead connection i by the connected (hello done) socket fd. */
 int kvf_tcp_channel_replace(kvf_tcp_channel *ch, int i, int fd);
 void kvf_tcp_channel_close(kvf_tcp_channel *ch);
@@ -388,6 +398,11 @@ int kvf_srv_set_window(kvf_ctx *c, uint64_t window);
  * looking (yielding the CPU) before it sleeps in poll(): 0 never. For
  * connections served from now on. */
 void kvf_srv_set_spin(kvf_ctx *c, uint64_t ns);
+/* The engine's keepalive, for the connections it serves: a frame that
+ * outlasts its deadline (FRAME_TIMEOUT_S) is dropped only once the peer's
+ * kernel has answered nothing for ms as well (sockio.c, sk_heard), so a
+ * stopped or starved initiator is waited for. 0: the deadline alone. */
+void kvf_srv_set_grace(kvf_ctx *c, uint32_t ms);
 struct kvf_credit_stats;
 int kvf_srv_window_stats(kvf_ctx *c, struct kvf_credit_stats *out);
 

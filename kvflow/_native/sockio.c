@@ -10,6 +10,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -52,16 +53,23 @@ uint64_t sk_now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
-int sk_send_iov_until(int fd, struct iovec *iov, int n, uint64_t deadline_ns) {
+int sk_send_iov_until(int fd, struct iovec *iov, int n, uint64_t deadline_ns, uint32_t grace_ms) {
+    int unheard = 0;
     while (n > 0) {
-        if (sk_now_ns() > deadline_ns) return -1;
+        if (sk_now_ns() > deadline_ns) {
+            if (!grace_ms || !sk_heard(fd, grace_ms, &unheard)) return -1;
+            /* still heard: look again in half the grace */
+            deadline_ns = sk_now_ns() + (uint64_t)grace_ms * 500000ull;
+        }
         struct msghdr m = {0};
         m.msg_iov = iov;
         m.msg_iovlen = n > IOV_MAX ? IOV_MAX : n;
         ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
         if (w < 0) {
             if (errno == EINTR) continue;
-            return -1;      /* EAGAIN: SO_SNDTIMEO expired */
+            /* EAGAIN: SO_SNDTIMEO expired; with a grace the deadline decides */
+            if (grace_ms && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+            return -1;
         }
         while (n > 0 && (size_t)w >= iov->iov_len) { w -= iov->iov_len; iov++; n--; }
         if (n > 0) { iov->iov_base = (char *)iov->iov_base + w; iov->iov_len -= w; }
@@ -76,15 +84,23 @@ int sk_send_all(int fd, const void *p, size_t n) {
 
 
 static ssize_t sk_recv(sk_reader *r, void *dst, size_t n, int flags) {
-    /* a frame that takes longer than its deadline is dropped, however the
-     * peer trickles it (SO_RCVTIMEO bounds one call only) */
-    if (r->deadline_ns && sk_now_ns() > r->deadline_ns) { errno = ETIMEDOUT; return -1; }
     for (;;) {
+        /* a frame that takes longer than its deadline is dropped, however
+         * the peer trickles it (SO_RCVTIMEO bounds one call only); with a
+         * grace, only once the peer's kernel has stopped answering too (a
+         * stopped or starved peer finishes its frame when it runs again;
+         * a host that is gone is also caught by the kernel's keepalive) */
+        if (r->deadline_ns && sk_now_ns() > r->deadline_ns) {
+            if (!r->grace_ms || !sk_heard(r->fd, r->grace_ms, &r->unheard)) { errno = ETIMEDOUT; return -1; }
+            r->deadline_ns = sk_now_ns() + (uint64_t)r->grace_ms * 500000ull;
+        }
         ssize_t g = recv(r->fd, dst, n, flags);
         if (g < 0 && errno == EINTR) continue;
-        if (g < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && r->nonblocking &&
-            !(flags & MSG_DONTWAIT) && sk_wait(r->fd, POLLIN) == 0)
-            continue;
+        if (g < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && !(flags & MSG_DONTWAIT)) {
+            if (r->nonblocking && sk_wait(r->fd, POLLIN) == 0) continue;
+            /* a blocking socket's SO_RCVTIMEO expired: the same rule */
+            if (!r->nonblocking && r->grace_ms && sk_heard(r->fd, r->grace_ms, &r->unheard)) continue;
+        }
         return g;
     }
 }
@@ -192,6 +208,34 @@ int sk_read_header(sk_reader *r, kvf_hdr *h) {
         return 0;
     }
     return sk_read_exact(r, h, sizeof(*h));
+}
+
+/* Whether the peer's kernel has left this connection unanswered for
+ * grace_ms: no ACK from it for that long while bytes we sent wait for one,
+ * or while two probes (zero-window or keepalive) are unanswered. A
+ * stopped, starved or paused process's kernel still acknowledges what
+ * reaches it, and answers window probes while its receive buffer is full,
+ * so this tells a host (or rail) that is gone from a process that is only
+ * slow; a closed window alone is never "gone" (its probes are answered:
+ * the kernel resets tcpi_probes on each answer). One look can catch the
+ * moment between a send after a long silence and its ACK: callers confirm
+ * on a second look. 0 also when the socket cannot say (not tcp). */
+int sk_unanswered(int fd, uint32_t grace_ms) {
+    struct tcp_info ti;
+    socklen_t len = sizeof(ti);
+    memset(&ti, 0, sizeof(ti));
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) < 0 ||
+        len < offsetof(struct tcp_info, tcpi_last_ack_recv) + sizeof(ti.tcpi_last_ack_recv))
+        return 0;
+    if (ti.tcpi_last_ack_recv < grace_ms) return 0;
+    return ti.tcpi_unacked > 0 || ti.tcpi_probes >= 2;
+}
+
+int sk_heard(int fd, uint32_t grace_ms, int *unheard) {
+    int now = sk_unanswered(fd, grace_ms);
+    int gone = now && *unheard;
+    *unheard = now;
+    return !gone;
 }
 
 void sk_nodelay(int fd) {

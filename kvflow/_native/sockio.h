@@ -27,6 +27,11 @@ typedef struct {
     int nonblocking;       /* fd is O_NONBLOCK: wait in poll() instead of failing on EAGAIN */
     uint64_t spin_ns;      /* idle_poll: look again this long (yielding) before sleeping in poll() */
     int spin_armed;        /* ... when the last frame ended a batch (set by the caller, cleared here) */
+    /* nonzero: a frame's deadline and SO_RCVTIMEO end the read only when
+     * the peer's kernel stopped answering too (sk_heard); a peer that is
+     * merely stopped or starved is waited for. 0: they always do. */
+    uint32_t grace_ms;
+    int unheard;           /* sk_heard's last look found the peer unanswered */
 } sk_reader;
 
 /* Waits until fd is readable/writable (`events`); -1 on error. */
@@ -39,12 +44,20 @@ uint64_t sk_now_ns(void);
  * event loop can splice into them without ever blocking). */
 int sk_send_iov_flags(int fd, struct iovec *iov, int n, int flags);
 /* sk_send_iov that gives up (-1) once CLOCK_MONOTONIC passes deadline_ns;
- * the socket needs SO_SNDTIMEO so that one call cannot outlast it much. */
-int sk_send_iov_until(int fd, struct iovec *iov, int n, uint64_t deadline_ns);
+ * the socket needs SO_SNDTIMEO so that one call cannot outlast it much.
+ * With grace_ms, past the deadline it goes on while the peer is still
+ * heard (sk_heard): a receiver that stopped reading is slow, not gone. */
+int sk_send_iov_until(int fd, struct iovec *iov, int n, uint64_t deadline_ns, uint32_t grace_ms);
 int sk_send_iov(int fd, struct iovec *iov, int n);
 int sk_send_all(int fd, const void *p, size_t n);
 /* Reads exactly n bytes into dst (dst NULL: discard them). */
 int sk_read_exact(sk_reader *r, void *dst, size_t n);
 int sk_read_header(sk_reader *r, kvf_hdr *h);
 void sk_nodelay(int fd);
+/* 1 when the peer's kernel has answered nothing on fd for grace_ms while
+ * something waits for an answer (sockio.c says what counts). */
+int sk_unanswered(int fd, uint32_t grace_ms);
+/* 0 when this look and the one before (*unheard carries it) both found fd
+ * unanswered for grace_ms: the peer is gone; 1 while it is heard. */
+int sk_heard(int fd, uint32_t grace_ms, int *unheard);
 #endif

@@ -802,6 +802,31 @@ int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i) {
     return i >= 0 && i < ch->n ? atomic_load(&ch->conns[i].dead) : -1;
 }
 
+int kvf_tcp_channel_check_reach(kvf_tcp_channel *ch, uint32_t grace_ms) {
+    int failed = 0;
+    if (atomic_load(&ch->closing)) return 0;
+    for (int i = 0; i < ch->n; i++) {
+        tcp_conn *c = &ch->conns[i];
+        /* under q.mu: replace() swaps fd under it once the connection is
+         * dead, so the fd looked at is this connection's, never a reused
+         * number; unheard is only touched by the caller's thread */
+        pthread_mutex_lock(&c->q.mu);
+        int dead = atomic_load(&c->dead);
+        int unanswered = !dead && sk_unanswered(c->fd, grace_ms);
+        pthread_mutex_unlock(&c->q.mu);
+        int confirmed = unanswered && c->unheard;
+        c->unheard = unanswered;
+        if (!confirmed) continue;
+        c->unheard = 0;
+        pthread_mutex_lock(&c->q.mu);
+        c->unreachable++;
+        pthread_mutex_unlock(&c->q.mu);
+        conn_fail(c, KVF_ELOST);
+        failed++;
+    }
+    return failed;
+}
+
 int kvf_tcp_channel_conn_stats(kvf_tcp_channel *ch, int i, uint64_t *sent_bytes, uint64_t *moved,
                                uint64_t *failures, uint64_t *fences) {
     if (i < 0 || i >= ch->n) return -1;

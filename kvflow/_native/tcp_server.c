@@ -268,7 +268,8 @@ static int srv_read_frame(kvf_srv_conn *s, const kvf_hdr *h) {
     struct iovec v[2] = {{&resp, sizeof(resp)}, {(void *)(uintptr_t)h->addr, ok ? h->len : 0}};
     /* bounded: a deregister of the region may be waiting for it */
     pthread_mutex_lock(&s->wmu);
-    int bad = sk_send_iov_until(s->fd, v, ok ? 2 : 1, sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull);
+    int bad = sk_send_iov_until(s->fd, v, ok ? 2 : 1, sk_now_ns() + FRAME_TIMEOUT_S * 1000000000ull,
+                                atomic_load(&ctx->srv_grace_ms));
     pthread_mutex_unlock(&s->wmu);
     if (ok) {
         atomic_store(&s->using_rid, 0);
@@ -393,6 +394,7 @@ static void srv_loop(kvf_srv_conn *s) {
     }
     sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0, atomic_load(&ctx->srv_spin_ns), 0};
     r.buf = malloc(RD_BUF);
+    r.grace_ms = atomic_load(&ctx->srv_grace_ms);
     r.flush = srv_flush;
     r.arg = s;
     if (!r.buf) return;
@@ -537,6 +539,8 @@ int kvf_srv_set_window(kvf_ctx *c, uint64_t window) {
 }
 
 void kvf_srv_set_spin(kvf_ctx *c, uint64_t ns) { atomic_store(&c->srv_spin_ns, ns); }
+
+void kvf_srv_set_grace(kvf_ctx *c, uint32_t ms) { atomic_store(&c->srv_grace_ms, ms); }
 
 int kvf_srv_window_stats(kvf_ctx *c, kvf_credit_stats *out) {
     if (!c->credit) return KVF_EINVAL;

@@ -1,7 +1,8 @@
 """The initiator's side of a control connection: the handshake (dial) and
 the session that follows (ControlSession): requests and their replies,
-pushes from the peer (its regions, its descriptor), keepalive pings, and
-noticing that the peer is gone."""
+pushes from the peer (its regions, its descriptor), and noticing that the
+peer is gone (kvflow.control.liveness: its kernel stopped answering, never
+because it was slow)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from typing import Any, Callable
 
 from kvflow.control.auth import NONCE_BYTES, check_proof, proof
 from kvflow.control.descriptor import Descriptor
+from kvflow.control.liveness import ReachWatch, keep_probing, look_interval
 from kvflow.control.wire import clip, encode, field, read_message
 from kvflow.errors import AuthenticationError, PeerLostError, PeerUnreachableError, ProtocolError
 from kvflow.tasks import cancel_and_wait
@@ -103,10 +105,11 @@ class ControlSession:
         self._rid = 0
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader_task: asyncio.Task[None] | None = None
-        self._keepalive_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._on_unreachable: Callable[[], None] | None = None
         self._connecting = True
-        self.last_heard = 0.0
         self.lost = False
+        self.unreachable = False      # it ended because the peer's host stopped answering
 
     # ------------------------------------------------------------ requests
     def send(self, msg: dict[str, Any]) -> None:
@@ -142,18 +145,23 @@ class ControlSession:
         (while connecting, a message the session does not expect fails
         the waiting requests with ProtocolError)."""
         loop = asyncio.get_running_loop()
-        self.last_heard = loop.time()
         self._reader_task = loop.create_task(self._read())
 
-    def start(self, keepalive: float, on_silent: Callable[[], None]) -> None:
-        """The peer is in service: with keepalive > 0 the pings start, and
-        `on_silent()` runs when the peer was not heard from for `keepalive`
-        seconds."""
+    def start(self, keepalive: float, on_unreachable: Callable[[], None]) -> None:
+        """The peer is in service: with keepalive > 0 the connection is
+        watched (kvflow.control.liveness), and `on_unreachable()` runs, just
+        before the session ends, when the peer's host has answered nothing
+        for `keepalive` seconds. A peer that is only slow is never taken
+        for gone, and nothing here needs this loop to run on time: no
+        pings are sent."""
         self._connecting = False
-        loop = asyncio.get_running_loop()
-        self.last_heard = loop.time()
         if keepalive:
-            self._keepalive_task = loop.create_task(self._keepalive(keepalive, on_silent))
+            sock = self._writer.get_extra_info("socket")
+            if sock is not None:
+                keep_probing(sock, keepalive)
+                self._on_unreachable = on_unreachable
+                self._watch_task = asyncio.get_running_loop().create_task(
+                    self._watch(ReachWatch(sock, keepalive)))
 
     def abort(self) -> None:
         """Drops the connection at once (ends the reader: the session is lost)."""
@@ -161,8 +169,8 @@ class ControlSession:
 
     async def close(self) -> None:
         """Says bye and closes the connection. Idempotent."""
-        if self._keepalive_task is not None:
-            self._keepalive_task.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         if not self._writer.is_closing():
             try:
                 self._writer.write(encode({"t": "bye"}))
@@ -181,38 +189,28 @@ class ControlSession:
         if self._reader_task is not None:
             self._reader_task.cancel()
 
-    async def _keepalive(self, deadline: float, on_silent: Callable[[], None]) -> None:
-        """Pings the peer every deadline/3; a peer not heard from for
-        `deadline` seconds (stopped, its host gone, a cable pulled: nothing
-        closes the sockets) is lost."""
-        loop = asyncio.get_running_loop()
-        interval = deadline / 3
+    async def _watch(self, watch: ReachWatch) -> None:
+        interval = look_interval(watch.grace)
         while not self.lost:
-            slept = loop.time()
             await asyncio.sleep(interval)
-            now = loop.time()
-            if now - slept > interval + deadline / 2:
-                # We overslept by far: this process was stopped or starved,
-                # so the silence is ours, not the peer's. A new window.
-                self.last_heard = now
-            silent = now - self.last_heard
-            if silent > deadline:
-                log.warning("kvflow: peer %s silent for %.1f s: declaring it lost", self.address, silent)
-                on_silent()
+            if watch.look():
+                log.warning("kvflow: peer %s answered nothing for %.3g s: its host is taken for gone",
+                            self.address, watch.grace)
+                self._ended_unreachable()
                 self.abort()                       # ends _read → on_lost
                 return
-            try:
-                self.send({"t": "ping"})
-            except PeerLostError:
-                return
+
+    def _ended_unreachable(self) -> None:
+        if not self.unreachable:
+            self.unreachable = True
+            if self._on_unreachable is not None:
+                self._on_unreachable()
 
     async def _read(self) -> None:
-        loop = asyncio.get_running_loop()
         error: Exception | None = None
         try:
             while True:
                 msg = await read_message(self._reader)
-                self.last_heard = loop.time()
                 t = msg["t"]
                 if t == "pong":
                     continue
@@ -231,6 +229,11 @@ class ControlSession:
                 else:
                     raise ProtocolError(f"unexpected message {clip(t)} from {self.address}")
         except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except TimeoutError:
+            # ETIMEDOUT from the kernel: its keepalive probes went unanswered
+            self._ended_unreachable()
+        except OSError:
             pass
         except (ProtocolError, ValueError, OverflowError) as e:
             if self._connecting and isinstance(e, ProtocolError):

@@ -5,9 +5,10 @@ proves the shared secret (when there is one: kvflow.control.auth), and is
 welcomed with a session token (the native core accepts data connections
 that show it) and this engine's descriptor. The session then carries
 pings, notifications, descriptor requests and providers' own messages
-(rdma_connect) until the client says bye, goes silent for longer than its
-keepalive, or sends something malformed: then it is dropped, and the
-server stays up.
+(rdma_connect) until the client says bye, its host stops answering for
+longer than its keepalive (kvflow.control.liveness: the kernel's view; a
+client that is only slow or stopped keeps its session), or it sends
+something malformed: then it is dropped, and the server stays up.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any, Awaitable, Callable
 
 from kvflow.control.auth import NONCE_BYTES, check_proof, proof
 from kvflow.control.descriptor import Descriptor
+from kvflow.control.liveness import ReachWatch, keep_probing, look_interval
 from kvflow.control.wire import clip, encode, field, read_message
 from kvflow.errors import AuthenticationError, ProtocolError
 from kvflow.tasks import cancel_and_wait
@@ -161,8 +163,8 @@ class ControlServer:
         token = os.urandom(16)
         self._add_token(token)
         writer.write(encode({"t": "welcome", "token": token, "descriptor": self._describe().to_wire()}))
-        # A client that pings (keepalive > 0) and then falls silent for
-        # that long is gone (stopped, crashed host): drop its session.
+        # A client with a keepalive whose host answers nothing for that
+        # long is gone: its session is dropped (kvflow.control.liveness).
         # A value no engine would send (under MIN_KEEPALIVE) is ignored:
         # it would make this loop wake for nothing.
         silence = hello.get("keepalive")
@@ -173,18 +175,22 @@ class ControlServer:
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer_addr: str,
                        silence: float | None) -> None:
-        loop = asyncio.get_running_loop()
+        watch = look = None
+        sock = writer.get_extra_info("socket")
+        if silence is not None and sock is not None:
+            keep_probing(sock, silence)
+            watch, look = ReachWatch(sock, silence), look_interval(silence)
         while True:
-            waited = loop.time()
             try:
-                msg = await read_message(reader, idle_timeout=silence)
+                msg = await read_message(reader, idle_timeout=look)
             except asyncio.TimeoutError:
-                assert silence is not None
-                # Far longer than asked: this process was stopped or
-                # starved, not the client silent. Give it a new window.
-                if loop.time() - waited > 1.5 * silence:
+                if watch is None or reader.exception() is not None:
+                    return          # ETIMEDOUT from the kernel: its keepalive probes went unanswered
+                # a look, between frames: the client's kernel answers (it
+                # may be stopped or starved: it keeps its session), or not
+                if not watch.look():
                     continue
-                log.warning("kvflow: %s silent for %.3g s: dropping its session", peer_addr, silence)
+                log.warning("kvflow: %s answered nothing for %.3g s: dropping its session", peer_addr, silence)
                 return
             t = msg["t"]
             if t == "ping":

@@ -122,8 +122,8 @@ class Engine:
     (kvflow.topology.pair_tcp_rails) and binds each connection to its local
     rail where that rail reaches the peer's (same subnet, or a route that
     leaves by the rail's netdev; else the kernel picks the source); a connection
-    that fails (rail down: noticed after about `keepalive` seconds without
-    progress) hands its slices to the others and is rebuilt when its rail
+    that fails (rail down: its peer's kernel answered nothing for about
+    `keepalive` seconds) hands its slices to the others and is rebuilt when its rail
     answers again; location: where this engine's registered memory
     lives ("cpu", "cpu:N" for a NUMA node, "cuda:N"; default: env
     KVFLOW_LOCATION, else "cpu"): the NICs near it are preferred, and
@@ -140,10 +140,15 @@ class Engine:
     the device's worker thread posts unpolled batches, not the submitting
     thread (their ibv_post_send does the transfer inside the system call);
     env KVFLOW_RDMA_WORKER_POSTS=0/1 decides for every device;
-    keepalive: seconds of silence on a peer's control connection after
-    which the peer is declared lost and its transfers fail with
-    PeerLostError (pings go every keepalive/3; 0 disables; default: env
-    KVFLOW_KEEPALIVE, else 5);
+    keepalive: seconds a peer's host may leave its connections unanswered
+    (the kernel's acknowledgements and keepalive probes: no ACK while our
+    bytes or probes wait for one) before the peer is declared lost and its
+    transfers fail with PeerLostError (0 disables; default: env
+    KVFLOW_KEEPALIVE, else 5). A peer that is only slow (stopped, starved,
+    its event loop or GIL held for any time) is never lost for that: its
+    kernel still answers; transfers to it wait, bounded by their own
+    timeouts. A peer whose process exits is lost at once (its sockets close);
+    docs/api-contract.md, "Liveness";
     metadata: None or "p2p" (peers connect by address only),
     "redis://[[user]:password@]host:port[/db]" or "etcd://host:port": at
     start() the engine publishes a record under kvflow/engines/<name> (name:
@@ -316,6 +321,7 @@ class Engine:
         self._core = _core.Core(self._local_workers)
         self._core.set_sched_age(self._qos_aging_ns)
         self._core.set_sched_fifo(self.scheduling == "fifo")
+        self._core.set_liveness_grace(self.keepalive)
         if self.receive_window and not self._core.set_receive_window(self.receive_window):
             raise MemoryError("kvflow: cannot allocate the receive window's pool")
         self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)

@@ -27,6 +27,7 @@ from kvflow.errors import InvalidArgumentError, PeerUnreachableError, ProtocolEr
 from kvflow.providers import congestion as cc
 from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext
 from kvflow.schedule.rails import MAX_CONNECTIONS, DataConn, RailPlan, RailWatcher, check_rails
+from kvflow.control.liveness import keep_probing
 from kvflow.tasks import cancel_and_wait
 
 __all__ = ["TcpOptions", "TcpProvider", "bind_source", "control_addresses", "hello_frame", "open_data_connection",
@@ -39,20 +40,16 @@ MAX_BUSY_POLL = 0.01        # TcpOptions.busy_poll: longer would be a core spent
 
 
 def tune_data_socket(s: socket.socket, keepalive: float) -> None:
-    """No Nagle; and with keepalive > 0, a connection whose sent bytes go
-    unacknowledged (or whose peer stops answering probes) for about
-    `keepalive` seconds fails with ETIMEDOUT instead of hanging, so that a
-    dead rail is noticed while its slices can still move elsewhere."""
+    """No Nagle; and with keepalive > 0 the kernel's keepalive probes, so
+    that an idle connection whose peer's host is gone fails with ETIMEDOUT
+    after about `keepalive` seconds. A busy one is watched by
+    RailWatcher (TcpChannel.check_reach: sent bytes unanswered for
+    `keepalive`). No TCP_USER_TIMEOUT: it also ends a connection whose peer
+    keeps its receive window closed that long (a stopped or starved process
+    that is not reading), which is slow, not gone."""
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if keepalive <= 0:
-        return
-    probe = max(1, int(keepalive / 3))
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", probe), ("TCP_KEEPINTVL", probe), ("TCP_KEEPCNT", 3),
-                        ("TCP_USER_TIMEOUT", int(keepalive * 1000))):
-        opt = getattr(socket, name, None)
-        if opt is not None:
-            s.setsockopt(socket.IPPROTO_TCP, opt, value)
+    if keepalive > 0:
+        keep_probing(s, keepalive)
 
 
 # Linux 4.2+; the socket module names it from Python 3.12 on
@@ -408,7 +405,8 @@ class TcpProvider(Provider):
                                    ack_sock.detach() if ack_sock is not None else -1, self.options.slice_size,
                                    len(plan) - 1 if express else -1, max(windows, default=0))
         self._watchers[id(channel)] = RailWatcher(link.address, lambda: link.alive, channel, plan,
-                                                  lambda c, tag: open_one(c, DATA_ROLE_DATA, tag))
+                                                  lambda c, tag: open_one(c, DATA_ROLE_DATA, tag),
+                                                  grace=keepalive)
         return channel
 
     def started(self, link: PeerLink, channel: Any) -> None:

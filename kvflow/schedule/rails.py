@@ -4,7 +4,10 @@ NIC), kept alive by the kernel's timers, and rebuilt when they fail.
 RailPlan says which local rail each group of data connections to a peer
 leaves by (both ends' topologies pair the rails). A failed data connection
 hands its slices to the live ones natively (kvflow/_native/tcp_client.c);
-RailWatcher brings a failed one back: it retries with exponential back-off
+RailWatcher fails a connection whose peer's kernel stopped answering (a
+rail that is gone: TcpChannel.check_reach, from the kernel's own view of
+the connection, so a peer that is only slow is never failed) and brings a
+failed one back: it retries with exponential back-off
 (the rail is "blacklisted" meanwhile: no slice is placed on a dead
 connection) and probes the rail by connecting again.
 """
@@ -119,12 +122,15 @@ class RailWatcher:
     """Rebuilds a tcp peer's failed data connections (see the module doc).
     `alive()` says whether the peer is still in service; `open(conn, tag)`
     opens one data connection whose hello carries `tag` (its index and
-    epoch) and returns the socket once the target accepted it."""
+    epoch) and returns the socket once the target accepted it. `grace`:
+    seconds a connection's peer may leave it unanswered before it is
+    failed (the engine's keepalive; 0: never, the kernel's timers only)."""
     address: str
     alive: Callable[[], bool]
     channel: Any
     conns: list[DataConn]
     open: Callable[[DataConn, int], Awaitable["socket.socket"]]
+    grace: float = 0.0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +161,9 @@ class RailWatcher:
         channel = self.channel
         while self.alive():
             await asyncio.sleep(WATCH_INTERVAL)
+            if self.grace and channel.check_reach(self.grace):
+                log.warning("kvflow: %s: a data connection's peer answered nothing for %.3g s: its rail "
+                            "is taken for down", self.address, self.grace)
             for i in channel.dead_conns():
                 c = self.conns[i]
                 health = c.health

@@ -1,0 +1,311 @@
+"""A peer that is slow is not a lost one (kvflow.control.liveness).
+
+A stopped (SIGSTOP), starved or GIL-starved process keeps its peers: its
+kernel still answers, so neither side declares the other lost however long
+the stall lasts (here 7 s and 30 s against a keepalive of 1 s); transfers
+in flight wait for it, bounded only by their own timeouts, and land once,
+right. A process that exits is still lost at once. All of it on the wire,
+with the target (or the initiator) in a child process.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import kvflow
+from _batches import bounded, pattern, sha256
+
+MiB = 1 << 20
+KEEPALIVE = 1.0
+STALLS = [7.0, pytest.param(30.0, marks=pytest.mark.slow, id="30.0")]
+
+
+@pytest.fixture
+def short_keepalive(monkeypatch):
+    """Child engines (targets) take the same short keepalive as ours."""
+    monkeypatch.setenv("KVFLOW_KEEPALIVE", str(KEEPALIVE))
+
+
+async def _stopped(pid: int, seconds: float) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def _pair(make_engine, make_target, local_mem, size: int = 32 * MiB):
+    target = await make_target(protocols=("tcp",), xproc=True,
+                               regions=[{"name": "rw", "length": size, "access": 3}])
+    eng = await make_engine(protocols=("tcp",), keepalive=KEEPALIVE)
+    peer = await bounded(eng.connect(target.address))
+    lost: list[str] = []
+    peer.on_lost(lambda p: lost.append(p.address))
+    src = local_mem(eng, size)
+    src.view[:] = pattern(11, size)
+    return target, eng, peer, lost, src
+
+
+@pytest.mark.parametrize("seconds", STALLS)
+async def test_target_stopped_during_writes_is_waited_for(make_engine, make_target, local_mem, short_keepalive,
+                                                          seconds):
+    """Writes queued to a target stopped for many keepalives all land,
+    once, after it runs again; the peer is never lost."""
+    target, eng, peer, lost, src = await _pair(make_engine, make_target, local_mem)
+    base = peer.region("rw").addr
+    os.kill(target.proc.pid, signal.SIGSTOP)
+    try:
+        writes = [peer.write_nowait([src.addr + i * MiB], [base + i * MiB], [MiB]) for i in range(32)]
+        await asyncio.sleep(seconds)
+        assert not any(w.done() for w in writes[-4:]), "writes cannot all land while the target is stopped"
+        assert peer.alive and not lost
+    finally:
+        os.kill(target.proc.pid, signal.SIGCONT)
+    await bounded(asyncio.gather(*writes), 60)
+    assert await bounded(target.sha("rw")) == sha256(src.view)
+    assert peer.alive and not lost
+    assert await bounded(eng.connect(target.address)) is peer
+    await bounded(peer.write([src.addr], [base], [4096]))
+
+
+@pytest.mark.parametrize("seconds", STALLS)
+async def test_target_stopped_between_transfers_keeps_its_peer(make_engine, make_target, local_mem,
+                                                               short_keepalive, seconds):
+    target, eng, peer, lost, src = await _pair(make_engine, make_target, local_mem, 4 * MiB)
+    base = peer.region("rw").addr
+    await bounded(peer.write([src.addr], [base], [MiB]))
+    await _stopped(target.proc.pid, seconds)
+    await bounded(peer.write([src.addr + MiB], [base + MiB], [3 * MiB]))
+    back = local_mem(eng, 4 * MiB)
+    await bounded(peer.read([back.addr], [base], [4 * MiB]))
+    assert sha256(back.view) == sha256(src.view)
+    assert peer.alive and not lost
+    await bounded(peer.notify(b"still here"))
+
+
+async def test_a_timed_read_to_a_stopped_target_times_out_and_the_peer_works_after(
+        make_engine, make_target, local_mem, short_keepalive):
+    """A transfer keeps its own timeout: the stall ends it, not the peer."""
+    target, eng, peer, lost, src = await _pair(make_engine, make_target, local_mem, 4 * MiB)
+    base = peer.region("rw").addr
+    await bounded(peer.write([src.addr], [base], [4 * MiB]))
+    back = local_mem(eng, 4 * MiB)
+    os.kill(target.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(kvflow.TransferTimeoutError):
+            await bounded(peer.read([back.addr], [base], [4 * MiB], timeout=2 * KEEPALIVE), 30)
+        await asyncio.sleep(3 * KEEPALIVE)
+        assert peer.alive and not lost
+    finally:
+        os.kill(target.proc.pid, signal.SIGCONT)
+    await bounded(peer.read([back.addr], [base], [4 * MiB]))
+    assert sha256(back.view) == sha256(src.view)
+    assert peer.alive and not lost
+
+
+@pytest.mark.parametrize("seconds", STALLS)
+async def test_initiator_stopped_mid_stream_goes_on_after(make_engine, local_mem, make_target, short_keepalive,
+                                                          seconds):
+    """The other side: the initiator (a child writing into this engine's
+    memory in a loop) is stopped mid-stream; this target keeps its session
+    and data connections (no frame deadline cuts a stopped writer off), and
+    the stream goes on without an error once it runs again."""
+    child = await make_target(protocols=("tcp",), xproc=True,
+                              regions=[{"name": "rw", "length": 8 * MiB, "access": 3}])
+    await bounded(child._op("fill", name="rw", seed=5))
+    eng = await make_engine(protocols=("tcp",), keepalive=KEEPALIVE)
+    dst = local_mem(eng, 8 * MiB, access=kvflow.Access.WRITE)
+    await bounded(child._op("hammer", address=eng.address, remote_addr=dst.addr, length=8 * MiB))
+    await asyncio.sleep(0.5)
+    before = (await bounded(child._op("hammer_stats")))["writes"]
+    await _stopped(child.proc.pid, seconds)
+    await asyncio.sleep(1.0)
+    after = await bounded(child._op("hammer_stats"))
+    assert after["error"] is None, after
+    assert after["writes"] > before, (before, after)
+    assert sha256(dst.view) == await bounded(child.sha("rw"))
+
+
+async def test_killed_target_is_still_lost_at_once(make_engine, make_target, local_mem, short_keepalive):
+    target, eng, peer, lost, src = await _pair(make_engine, make_target, local_mem)
+    base = peer.region("rw").addr
+    writes = [peer.write_nowait([src.addr + i * MiB], [base + i * MiB], [MiB]) for i in range(32)]
+    t0 = time.monotonic()
+    target.kill()
+    results = await bounded(asyncio.gather(*writes, return_exceptions=True), 30)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert all(isinstance(r, kvflow.PeerLostError) for r in failed), results
+    for _ in range(100):
+        if lost:
+            break
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - t0
+    assert lost == [target.address] and not peer.alive
+    assert took < 3, f"a killed peer took {took:.1f} s to be declared lost"
+
+
+def _hold_gil(seconds: float) -> threading.Thread:
+    """A host application's thread in this process that holds the GIL for
+    `seconds` (a C call made with it held: ctypes.PyDLL keeps it)."""
+    libc = ctypes.PyDLL("libc.so.6")
+    t = threading.Thread(target=libc.usleep, args=(int(seconds * 1e6),), daemon=True)
+    t.start()
+    return t
+
+
+async def test_a_gil_held_for_10_s_loses_no_peer(make_engine, make_target, local_mem, short_keepalive):
+    """Neither this process's loop held off for 10 s (a host thread holding
+    the GIL: no event-loop code of kvflow runs), nor the target's, costs a
+    peer: liveness comes from the kernels, not from pings the loops send.
+    While the target's loop is held, its native threads still land writes."""
+    target, eng, peer, lost, src = await _pair(make_engine, make_target, local_mem, 8 * MiB)
+    base = peer.region("rw").addr
+    await bounded(peer.write([src.addr], [base], [MiB]))
+
+    t0 = time.monotonic()
+    _hold_gil(10.0).join()              # this loop, and everything else here, waits
+    assert time.monotonic() - t0 >= 9.5
+    await asyncio.sleep(3 * KEEPALIVE)  # the watches look again
+    await bounded(peer.write([src.addr + MiB], [base + MiB], [MiB]))
+    assert peer.alive and not lost
+
+    await bounded(target._op("hold_gil", seconds=10.0))
+    t0 = time.monotonic()
+    await bounded(peer.write([src.addr + 2 * MiB], [base + 2 * MiB], [6 * MiB]), 30)
+    landed_while_held = time.monotonic() - t0 < 8
+    await asyncio.sleep(10.0 + 3 * KEEPALIVE - (time.monotonic() - t0))
+    assert peer.alive and not lost
+    assert await bounded(target.sha("rw")) == sha256(src.view)     # answered once its loop runs again
+    assert landed_while_held, "the target's native threads land writes while its loop is held"
+
+
+# ---------------------------------------------------------------- the same through NIXL's API
+
+NIXL_CHILD = r"""
+import hashlib, json, sys, uuid
+import numpy as np
+from kvflow.compat.nixl import nixl_agent, nixl_agent_config
+agent = nixl_agent(f"child-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+buf = np.random.default_rng(int(sys.argv[1])).integers(0, 256, 1 << 20, dtype=np.uint8)
+agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+back = np.zeros(1 << 20, np.uint8)
+agent.register_memory([(back.ctypes.data, back.nbytes, 0, "")], "DRAM")
+print(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data,
+                  "sha": hashlib.sha256(buf.tobytes()).hexdigest()}), flush=True)
+remote = None
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "add":
+        remote = agent.add_remote_agent(bytes.fromhex(args[0])).decode()
+        print(json.dumps({"ok": remote}), flush=True)
+    elif cmd == "read":             # one READ of the remote's 1 MiB into back, zeroed first
+        back[:] = 0
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs([(back.ctypes.data, back.nbytes, 0)], "DRAM"),
+                                  agent.get_xfer_descs([(int(args[0]), back.nbytes, 0)], "DRAM"), remote)
+        state = agent.transfer(h)
+        while state == "PROC":
+            state = agent.check_xfer_state(h)
+        print(json.dumps({"state": state, "sha": hashlib.sha256(back.tobytes()).hexdigest()}), flush=True)
+        agent.release_xfer_handle(h)
+"""
+
+
+class _NixlChild:
+    def __init__(self, seed: int) -> None:
+        import json
+        import subprocess
+        import sys
+
+        from conftest import _child_env
+
+        self._json = json
+        self.proc = subprocess.Popen([sys.executable, "-c", NIXL_CHILD, str(seed)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=_child_env())
+        self.info = self.ask(None)
+
+    def ask(self, line: str | None) -> dict:
+        if line is not None:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        return self._json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _wait_nixl(agent, handle, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while (st := agent.check_xfer_state(handle)) == "PROC":
+        assert time.monotonic() < deadline, "the transfer did not finish"
+        time.sleep(0.001)
+    return st
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "local"])
+def test_nixl_agents_survive_a_stopped_peer(short_keepalive, monkeypatch, protocol):
+    """The issue's reproduction, both ways round: two NIXL agents in two
+    processes and three READs; the reading agent's process stopped for 7 s
+    between the first and the second, then the serving one's stopped for
+    7 s between the second and the third and during a fourth. Real NIXL
+    completes all; so must kvflow's, with the same agents (over tcp, and
+    same-host)."""
+    import hashlib
+
+    import numpy as np
+
+    from kvflow.compat.nixl import nixl_agent, nixl_agent_config
+
+    monkeypatch.setenv("KVFLOW_NIXL_PROTOCOLS", protocol)     # both processes' agents
+    here = nixl_agent(f"here-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
+    mine = np.random.default_rng(3).integers(0, 256, MiB, dtype=np.uint8)
+    here.register_memory([(mine.ctypes.data, mine.nbytes, 0, "")], "DRAM")
+    reader, server = _NixlChild(1), _NixlChild(2)
+    try:
+        # the child reads from this process's agent; it is the one stopped
+        assert reader.ask("add " + here.get_agent_metadata().hex())["ok"] == here.name
+        want = hashlib.sha256(mine.tobytes()).hexdigest()
+        assert reader.ask(f"read {mine.ctypes.data}") == {"state": "DONE", "sha": want}
+        os.kill(reader.proc.pid, signal.SIGSTOP)
+        time.sleep(7)
+        os.kill(reader.proc.pid, signal.SIGCONT)
+        for _ in range(2):
+            assert reader.ask(f"read {mine.ctypes.data}") == {"state": "DONE", "sha": want}
+
+        # this process reads from the child's agent; the child is stopped
+        name = here.add_remote_agent(bytes.fromhex(server.info["md"])).decode()
+        back = np.zeros(MiB, np.uint8)
+        here.register_memory([(back.ctypes.data, back.nbytes, 0, "")], "DRAM")
+
+        def read() -> str:
+            return here.initialize_xfer("READ", here.get_xfer_descs([(back.ctypes.data, MiB, 0)], "DRAM"),
+                                        here.get_xfer_descs([(server.info["addr"], MiB, 0)], "DRAM"), name)
+
+        for k in range(4):
+            back[:] = 0
+            if k == 2:
+                os.kill(server.proc.pid, signal.SIGSTOP)
+                time.sleep(7)
+                os.kill(server.proc.pid, signal.SIGCONT)
+            if k == 3:                      # during: its target stops, then it is posted
+                os.kill(server.proc.pid, signal.SIGSTOP)
+            h = read()
+            here.transfer(h)
+            if k == 3:
+                time.sleep(7)
+                # over tcp it waits for the stopped target; a same-host read
+                # (process_vm_readv) needs nothing of the target's process
+                assert here.check_xfer_state(h) == "PROC" or protocol == "local"
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert _wait_nixl(here, h) == "DONE"
+            assert hashlib.sha256(back.tobytes()).hexdigest() == server.info["sha"]
+            here.release_xfer_handle(h)
+    finally:
+        reader.close()
+        server.close()
