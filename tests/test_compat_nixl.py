@@ -432,3 +432,33 @@ def test_utils_buffers():
     finally:
         U.free_passthru(a)
         U.free_passthru(b)
+
+
+def test_raw_agent_statuses_and_local_prep_overload(pair):
+    """The raw agent (`nixl._bindings.nixlAgent`) as NIXL's bindings have it:
+    registerMem and friends return NIXL_SUCCESS, and prepXferDlist(descs)
+    without an agent name prepares a local list."""
+    a, b, src, dst = pair
+    raw = a.agent
+    buf = np.arange(4096, dtype=np.uint8)
+    reg = B.nixlRegDList(B.DRAM_SEG, np.array([[buf.ctypes.data, buf.nbytes, 0]], np.uint64))
+    assert raw.registerMem(reg, []) == B.NIXL_SUCCESS
+    local = raw.prepXferDlist(reg.trim(), [])                                  # NIXL's local overload
+    remote = raw.prepXferDlist(b.name, B.nixlXferDList(B.DRAM_SEG, [(dst.ctypes.data, 4096, 0)]), [])
+    h = raw.makeXferReq(B.NIXL_WRITE, local, [0], remote, [0])
+    assert raw.postXferReq(h) in (B.NIXL_SUCCESS, B.NIXL_IN_PROG)
+    deadline = time.monotonic() + 30
+    while raw.getXferStatus(h) != B.NIXL_SUCCESS:
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    assert np.array_equal(dst[:4096], buf)
+    assert raw.releaseXferReq(h) == B.NIXL_SUCCESS
+    assert raw.releasedDlistH(local) == B.NIXL_SUCCESS and raw.releasedDlistH(remote) == B.NIXL_SUCCESS
+    assert raw.makeConnection(b.name, []) == B.NIXL_SUCCESS
+    assert raw.genNotif(b.name, b"raw", []) == B.NIXL_SUCCESS
+    assert raw.deregisterMem(reg, []) == B.NIXL_SUCCESS
+    with pytest.raises(B.nixlInvalidParamError):
+        raw.prepXferDlist([(1, 2, 0)], [])
+    assert raw.invalidateRemoteMD(b.name) == B.NIXL_SUCCESS
+    with pytest.raises(B.nixlNotFoundError):
+        raw.invalidateRemoteMD(b.name)

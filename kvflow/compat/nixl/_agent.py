@@ -542,7 +542,11 @@ class AgentCore:
         self._xfers[h] = x          # one dict operation: atomic, no lock needed
         return h
 
-    def prepXferDlist(self, agent: str, dlist: B.nixlXferDList, backends: list[Any] = ()) -> int:
+    def prepXferDlist(self, agent: Any, dlist: Any = None, backends: list[Any] = ()) -> int:
+        """A prepared list of `agent`'s memory ("" for local); as NIXL's
+        bindings, prepXferDlist(descs, backends) prepares a local one."""
+        if isinstance(agent, B.nixlXferDList):
+            agent, dlist, backends = B.NIXL_INIT_AGENT, agent, (() if dlist is None else dlist)
         agent = _name(agent)
         if not isinstance(dlist, B.nixlXferDList):
             raise B.nixlInvalidParamError("prep_xfer_dlist takes a nixlXferDList")
