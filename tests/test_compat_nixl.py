@@ -274,3 +274,191 @@ def test_prepared_indices_are_checked_natively(pair):
             assert np.array_equal(dst[i * size:(i + 1) * size], src[i * size:(i + 1) * size])
     for h in (local, remote, odd):
         a.release_dlist_handle(h)
+
+
+def _send_and_check(a, b, local_descs, dst, expect: bytes) -> None:
+    """WRITE `local_descs` (a nixlXferDList) into the start of b's `dst`;
+    the bytes that land must be `expect`."""
+    n = local_descs.descCount()
+    offs, off = [], 0
+    for i in range(n):
+        offs.append(off)
+        off += local_descs[i][1]
+    remote = a.get_xfer_descs([(dst.ctypes.data + o, local_descs[i][1], 0) for i, o in enumerate(offs)], "DRAM")
+    h = a.initialize_xfer("WRITE", local_descs, remote, b.name)
+    a.transfer(h)
+    assert wait_state(a, h) == "DONE"
+    a.release_xfer_handle(h)
+    assert dst[:off].tobytes() == expect
+
+
+def test_register_memory_from_an_array_of_rows(pair):
+    """An Nx3 array of (address, length, device ID) rows with a mem_type, as
+    NIXL's register_memory takes it (NIXL's prep_xfer_perf.py `array`); a
+    registration list with empty metadata, usable like any other."""
+    a, b, _, dst = pair
+    bufs = [np.full(8192, 0x11, np.uint8), np.full(4096, 0x22, np.uint8)]
+    for dtype in (np.uint64, np.int64):
+        rows = np.array([[x.ctypes.data, x.nbytes, 0] for x in bufs], dtype=dtype)
+        reg = a.register_memory(rows, "DRAM")
+        assert isinstance(reg, B.nixlRegDList) and reg.getType() == B.DRAM_SEG and reg.descCount() == 2
+        assert [reg[i] for i in range(2)] == [(x.ctypes.data, x.nbytes, 0, b"") for x in bufs]
+        assert a.query_memory(rows, "UCX", "DRAM") == [{"mem_type": "DRAM", "registered": "true"}] * 2
+        xfer = a.get_xfer_descs(rows, "DRAM")
+        _send_and_check(a, b, xfer, dst, bufs[0].tobytes() + bufs[1].tobytes())
+        local = a.prep_xfer_dlist("", rows, "DRAM")                   # prepared from the same array
+        a.release_dlist_handle(local)
+        a.deregister_memory(reg)
+        remote = a.get_xfer_descs([(dst.ctypes.data, 8192, 0), (dst.ctypes.data + 8192, 4096, 0)], "DRAM")
+        with pytest.raises(B.nixlNotFoundError):                      # gone: not a local descriptor any more
+            a.initialize_xfer("WRITE", xfer, remote, b.name)
+        dst[:] = 0
+    # the list constructors take the same arrays
+    rows = np.array([[4096, 100, 0], [8192, 50, 1]], np.uint64)
+    assert B.nixlRegDList(B.DRAM_SEG, rows)[1] == (8192, 50, 1, b"")
+    assert B.nixlRegDList(B.DRAM_SEG, rows).trim() == B.nixlXferDList(B.DRAM_SEG, rows)
+    assert B.nixlXferDList(B.DRAM_SEG, rows[:, :][::-1])[0] == (8192, 50, 1)   # any layout: copied
+
+
+def test_register_memory_from_tensors(pair):
+    """A tensor, a list or a tuple of tensors (NIXL's forms): one descriptor
+    each (address, bytes, device 0 for host memory), empty metadata."""
+    torch = pytest.importorskip("torch")
+    a, b, _, dst = pair
+    t = torch.arange(4096, dtype=torch.int32)                                      # 16 KiB
+    reg = a.register_memory(t)
+    assert reg.getType() == B.DRAM_SEG and reg[0] == (t.data_ptr(), 16384, 0, b"")
+    _send_and_check(a, b, a.get_xfer_descs(t), dst, t.numpy().tobytes())
+    a.deregister_memory(reg)
+    dst[:] = 0
+    ts = [torch.full((1024,), 7, dtype=torch.uint8), torch.ones(256, dtype=torch.float64)]
+    for form in (ts, tuple(ts)):
+        reg = a.register_memory(form)
+        assert [reg[i] for i in range(2)] == [(x.data_ptr(), x.numel() * x.element_size(), 0, b"") for x in ts]
+        _send_and_check(a, b, a.get_xfer_descs(form), dst, b"".join(x.numpy().tobytes() for x in ts))
+        a.deregister_memory(reg)
+        dst[:] = 0
+    # a mem_type given with tensors is the tensors' own, as in NIXL
+    reg = a.register_memory(t, "DRAM")
+    assert reg.getType() == B.DRAM_SEG
+    a.deregister_memory(reg)
+    # not contiguous: refused, nothing registered
+    with pytest.raises(B.nixlInvalidParamError, match="contiguous tensors"):
+        a.register_memory(t.view(64, 64).t())
+    with pytest.raises(B.nixlInvalidParamError):
+        a.register_memory([t, t.view(64, 64).t()])
+    assert a.get_reg_descs(t.view(64, 64).t()) is None           # NIXL's get_reg_descs says None (and logs)
+
+
+def test_registration_bad_input_is_typed_and_changes_nothing(pair):
+    a, b, src, dst = pair
+    buf = np.zeros(8192, np.uint8)
+    rows = np.array([[buf.ctypes.data, buf.nbytes, 0]], np.uint64)
+    bad = [(rows, None),                                   # an array without its mem_type
+           (np.zeros((2, 4), np.uint64), "DRAM"),          # not Nx3
+           (np.zeros(3, np.uint64), "DRAM"),
+           ([(buf.ctypes.data, buf.nbytes, 0)], "DRAM"),   # 3-tuples where 4 are needed
+           ([(buf.ctypes.data, buf.nbytes, 0, "")], None),  # tuples without a mem_type
+           (5, "DRAM"), (None, "DRAM"), ("DRAM", "DRAM"),
+           (a.get_xfer_descs(rows, "DRAM"), None)]         # a transfer list
+    for what, mem in bad:
+        with pytest.raises(B.nixlInvalidParamError, match="register_memory"):
+            a.register_memory(what, mem)
+    with pytest.raises(ValueError, match="integer array"):
+        a.register_memory(rows.astype(np.float64), "DRAM")
+    with pytest.raises(ValueError, match="negative"):
+        a.register_memory(np.array([[buf.ctypes.data, -1, 0]], np.int64), "DRAM")
+    with pytest.raises(B.nixlInvalidParamError, match="deregisterMem takes a nixlRegDList"):
+        a.deregister_memory(rows)
+    with pytest.raises(B.nixlInvalidParamError, match="query_memory"):
+        a.query_memory(rows, "UCX")
+    # nothing of it was registered: the buffer is not a local descriptor
+    with pytest.raises(B.nixlNotFoundError):
+        a.initialize_xfer("WRITE", a.get_xfer_descs(rows, "DRAM"),
+                          a.get_xfer_descs([(dst.ctypes.data, 8192, 0)], "DRAM"), b.name)
+    # and the agent still registers and moves
+    reg = a.register_memory(rows, "DRAM")
+    buf[:] = 0x5A
+    _send_and_check(a, b, a.get_xfer_descs(rows, "DRAM"), dst, buf.tobytes())
+    a.deregister_memory(reg)
+
+
+def test_descriptor_lists_as_nixl_makes_them():
+    assert B.nixlRegDList(B.DRAM_SEG, 2)[1] == (0, 0, 0, b"")                     # init_size
+    assert B.nixlXferDList(type=B.DRAM_SEG, init_size=3).descCount() == 3
+    lst = B.nixlXferDList(B.DRAM_SEG, [(1, 2, 0), (3, 4, 0)])
+    lst[0] = (7, 8, 9)
+    assert lst[0] == (7, 8, 9) and lst.index((3, 4, 0)) == 1
+    with pytest.raises(B.nixlNotFoundError):
+        lst.index((5, 5, 5))
+    reg = B.nixlRegDList(B.DRAM_SEG, [(1, 2, 0, "a"), (3, 4, 0, "b")])
+    reg[1] = (5, 6, 0, "m")
+    assert reg[1] == (5, 6, 0, b"m") and reg.index((5, 6, 0, "other")) == 1    # metadata not compared
+    with pytest.raises(IndexError):
+        reg.remDesc(2)
+    with pytest.raises(IndexError):
+        reg[2] = (1, 2, 0, "")
+    with pytest.raises(TypeError):
+        B.nixlRemoteDList(B.DRAM_SEG, np.zeros((1, 3), np.uint64))                 # tuples only, as NIXL's
+    with pytest.raises(TypeError):
+        B.nixlRegDList(B.DRAM_SEG, [(1, 2, 0, 5)])                                 # metadata: str or bytes
+    with pytest.raises(TypeError):
+        B.nixlXferDList(9, [(1, 2, 0)])
+    with pytest.raises(TypeError):
+        B.nixlXferDList(B.DRAM_SEG, "1,2,0")
+
+
+def test_utils_buffers():
+    from kvflow.compat.nixl import _utils as U
+    a, b = U.malloc_passthru(1000), U.malloc_passthru(1000)
+    try:
+        assert a % 4096 == 0 and b % 4096 == 0                 # aligned, as NIXL's (O_DIRECT)
+        U.ba_buf(a, 1000)
+        assert ctypes.string_at(a, 1000) == b"\xba" * 1000
+        ctypes.memmove(b, a, 1000)
+        U.verify_transfer(a, b, 1000)
+        ctypes.memset(b + 999, 0, 1)
+        with pytest.raises(AssertionError, match="byte 999 of 1000"):
+            U.verify_transfer(a, b, 1000)
+        U.verify_transfer(a, b, 999)
+        with pytest.raises(ValueError):
+            U.ba_buf(0, 8)
+        with pytest.raises(ValueError):
+            U.ba_buf(a, -1)
+        with pytest.raises(TypeError):
+            U.ba_buf(a, 1.5)
+        with pytest.raises(ValueError):
+            U.malloc_passthru(-1)
+    finally:
+        U.free_passthru(a)
+        U.free_passthru(b)
+
+
+def test_raw_agent_statuses_and_local_prep_overload(pair):
+    """The raw agent (`nixl._bindings.nixlAgent`) as NIXL's bindings have it:
+    registerMem and friends return NIXL_SUCCESS, and prepXferDlist(descs)
+    without an agent name prepares a local list."""
+    a, b, src, dst = pair
+    raw = a.agent
+    buf = np.arange(4096, dtype=np.uint8)
+    reg = B.nixlRegDList(B.DRAM_SEG, np.array([[buf.ctypes.data, buf.nbytes, 0]], np.uint64))
+    assert raw.registerMem(reg, []) == B.NIXL_SUCCESS
+    local = raw.prepXferDlist(reg.trim(), [])                                  # NIXL's local overload
+    remote = raw.prepXferDlist(b.name, B.nixlXferDList(B.DRAM_SEG, [(dst.ctypes.data, 4096, 0)]), [])
+    h = raw.makeXferReq(B.NIXL_WRITE, local, [0], remote, [0])
+    assert raw.postXferReq(h) in (B.NIXL_SUCCESS, B.NIXL_IN_PROG)
+    deadline = time.monotonic() + 30
+    while raw.getXferStatus(h) != B.NIXL_SUCCESS:
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    assert np.array_equal(dst[:4096], buf)
+    assert raw.releaseXferReq(h) == B.NIXL_SUCCESS
+    assert raw.releasedDlistH(local) == B.NIXL_SUCCESS and raw.releasedDlistH(remote) == B.NIXL_SUCCESS
+    assert raw.makeConnection(b.name, []) == B.NIXL_SUCCESS
+    assert raw.genNotif(b.name, b"raw", []) == B.NIXL_SUCCESS
+    assert raw.deregisterMem(reg, []) == B.NIXL_SUCCESS
+    with pytest.raises(B.nixlInvalidParamError):
+        raw.prepXferDlist([(1, 2, 0)], [])
+    assert raw.invalidateRemoteMD(b.name) == B.NIXL_SUCCESS
+    with pytest.raises(B.nixlNotFoundError):
+        raw.invalidateRemoteMD(b.name)

@@ -52,9 +52,27 @@ Differences from NIXL 1.5 (every one known):
 - Telemetry (`get_xfer_telemetry`, when NIXL_TELEMETRY_ENABLE or
   capture_telemetry turns it on) is measured per post; no telemetry sink
   is written (NIXL_TELEMETRY_DIR is not read).
-- NIXL's raw C++-style `nixlAgent` bindings are not reproduced:
-  `_bindings.nixlAgent` is kvflow's agent core with the method names the
-  API layer calls.
+- `_bindings.nixlAgent` is kvflow's agent core, with the methods,
+  arguments and return values of NIXL's bindings (NIXL's
+  test_nixl_bindings.py runs on it); the strided prepXferDlist overload
+  (an Nx5 array) is not there.
+- Registration: descriptor lists, (address, length, device ID, metadata)
+  tuples or an Nx3 integer array with a mem_type, a contiguous tensor, or
+  a list or tuple of them on one device, as NIXL takes them. Input that
+  makes no registration list raises nixlInvalidParamError in
+  register_memory and query_memory (NIXL's fails later with a TypeError);
+  an array of another dtype than an integer one, or with a negative value,
+  raises ValueError. Registering memory that overlaps memory already
+  registered by the agent (the same buffer twice, too) raises
+  nixlInvalidParamError; NIXL registers it again.
+- Descriptor lists also take arrays of any integer dtype and any layout
+  (NIXL's: uint64/int64, C-contiguous), tuples of tuples, and negative
+  indices; nixlRemoteDList pickles too.
+- `nixl._utils` checks its arguments (ValueError/TypeError, where NIXL's
+  writes through a null address), raises MemoryError when malloc_passthru
+  gets no memory (NIXL's returns 0), and verify_transfer raises
+  AssertionError at the first differing byte (NIXL's is a C assert,
+  compiled out of its release builds).
 """
 from kvflow.compat.nixl._api import (DEFAULT_COMM_PORT, nixl_agent, nixl_agent_config, nixl_backend_handle,
                                      nixl_prepped_dlist_handle, nixl_thread_sync_t, nixl_xfer_handle)

@@ -121,6 +121,12 @@ def _name(agent: Any) -> Any:
     return agent.decode() if isinstance(agent, (bytes, bytearray)) else agent
 
 
+def _reg_list(descs: Any, what: str) -> None:
+    if not isinstance(descs, B.nixlRegDList):
+        raise B.nixlInvalidParamError(f"{what} takes a nixlRegDList, not {type(descs).__name__} "
+                                      "(nixl_agent.get_reg_descs makes one)")
+
+
 def _bytes(msg: Any) -> bytes:
     if isinstance(msg, (bytes, bytearray, memoryview)):
         return bytes(msg)
@@ -257,9 +263,10 @@ class AgentCore:
             raise B.nixlNotSupportedError(f"VRAM: CUDA is not usable here ({kvflow.cuda.reason()})")
         raise B.nixlNotSupportedError(f"kvflow.compat.nixl moves DRAM and VRAM only, not {kind.name}")
 
-    def registerMem(self, descs: B.nixlRegDList, backends: list[Any] = ()) -> None:
-        if not isinstance(descs, B.nixlRegDList):
-            raise B.nixlInvalidParamError("registerMem takes a nixlRegDList")
+    def registerMem(self, descs: B.nixlRegDList, backends: list[Any] = ()) -> int:
+        """Registers each descriptor's memory with the engine; NIXL_SUCCESS
+        (NIXL's bindings return the status too), or all of it is undone."""
+        _reg_list(descs, "registerMem")
         self._check_host(descs)
         done: list[int] = []
         try:
@@ -276,15 +283,19 @@ class AgentCore:
             for addr in done:
                 self._thread.call_sync(self._engine.deregister, self._regions.pop(addr))
             raise B.nixlInvalidParamError(str(e)) from e
+        return B.NIXL_SUCCESS
 
-    def deregisterMem(self, descs: B.nixlRegDList, backends: list[Any] = ()) -> None:
+    def deregisterMem(self, descs: B.nixlRegDList, backends: list[Any] = ()) -> int:
+        _reg_list(descs, "deregisterMem")
         missing = [a for a in descs.addrs.tolist() if a not in self._regions]
         if missing:
             raise B.nixlNotFoundError(f"{missing[0]:#x} is not registered")
         for addr in descs.addrs.tolist():
             self._thread.call_sync(self._engine.deregister, self._regions.pop(addr))
+        return B.NIXL_SUCCESS
 
     def queryMem(self, descs: B.nixlRegDList, backend: BackendHandle) -> list[dict[str, str] | None]:
+        _reg_list(descs, "queryMem")
         spans = self._local_spans()
         out: list[dict[str, str] | None] = []
         for i in range(descs.descCount()):
@@ -349,13 +360,14 @@ class AgentCore:
             self._known[name] = (self._known.get(name, []) + spans) if md.get("partial") else spans
         return name
 
-    def invalidateRemoteMD(self, agent: str) -> None:
+    def invalidateRemoteMD(self, agent: str) -> int:
         agent = _name(agent)
         with self._lock:
             peer = self._remotes.pop(agent, None)
             self._known.pop(agent, None)
         if peer is None:
             raise B.nixlNotFoundError(f"remote agent {agent!r} is not loaded")
+        return B.NIXL_SUCCESS
 
     def checkRemoteMD(self, agent: str, descs: B.nixlXferDList) -> int:
         agent = _name(agent)
@@ -366,9 +378,10 @@ class AgentCore:
             return B.NIXL_ERR_NOT_FOUND
         return B.NIXL_SUCCESS
 
-    def makeConnection(self, agent: str, backends: list[Any] = ()) -> None:
+    def makeConnection(self, agent: str, backends: list[Any] = ()) -> int:
         agent = _name(agent)
         self._peer(agent)
+        return B.NIXL_SUCCESS
 
     def _peer(self, agent: str) -> Peer:
         peer = self._remotes.get(agent)
@@ -480,11 +493,12 @@ class AgentCore:
             notifs.setdefault(sender, []).extend(msgs)
         return notifs
 
-    def genNotif(self, agent: str, msg: Any, backend: Any = None) -> None:
+    def genNotif(self, agent: str, msg: Any, backend: Any = None) -> int:
         agent = _name(agent)
         peer = self._peer(agent)
         packed = msgpack.packb([NOTIF_TAG, self.name, _bytes(msg)])
         self._thread.call(peer.notify(packed))
+        return B.NIXL_SUCCESS
 
     # ------------------------------------------------------------ transfers
     def _spans_of(self, agent: str) -> list[tuple[int, int]]:
@@ -528,7 +542,11 @@ class AgentCore:
         self._xfers[h] = x          # one dict operation: atomic, no lock needed
         return h
 
-    def prepXferDlist(self, agent: str, dlist: B.nixlXferDList, backends: list[Any] = ()) -> int:
+    def prepXferDlist(self, agent: Any, dlist: Any = None, backends: list[Any] = ()) -> int:
+        """A prepared list of `agent`'s memory ("" for local); as NIXL's
+        bindings, prepXferDlist(descs, backends) prepares a local one."""
+        if isinstance(agent, B.nixlXferDList):
+            agent, dlist, backends = B.NIXL_INIT_AGENT, agent, (() if dlist is None else dlist)
         agent = _name(agent)
         if not isinstance(dlist, B.nixlXferDList):
             raise B.nixlInvalidParamError("prep_xfer_dlist takes a nixlXferDList")
@@ -575,12 +593,13 @@ class AgentCore:
             raise B.nixlInvalidParamError(f"make_prepped_xfer: {e}") from None
         return self._new_xfer(Xfer(op, la, ra, ln, plan.peer, agent, _bytes(notif) if notif else b""))
 
-    def releasedDlistH(self, handle: int) -> None:
+    def releasedDlistH(self, handle: int) -> int:
         with self._lock:
             if self._dlists.pop(handle, None) is None:
                 raise B.nixlInvalidParamError("unknown or already released descriptor list handle")
             for key in [k for k in list(self._pairs) if handle in k]:    # list(): one atomic copy
                 self._pairs.pop(key, None)
+        return B.NIXL_SUCCESS
 
     def _xfer(self, handle: int) -> Xfer:
         x = self._xfers.get(handle)
@@ -689,7 +708,7 @@ class AgentCore:
         seconds = x.peer.estimate(int(x.ln.sum()), len(x.ln))
         return int(seconds * 1e6), int(seconds * 1e6 / 2), int(B.NIXL_COST_ANALYTICAL_BACKEND)
 
-    def releaseXferReq(self, handle: int) -> None:
+    def releaseXferReq(self, handle: int) -> int:
         x = self._xfer(handle)
         if x.state == "PROC" and x.future is not None:
             x.future.cancel()               # the batch is cancelled: nothing of it lands later
@@ -700,6 +719,7 @@ class AgentCore:
             except (KVFlowError, TimeoutError):
                 pass
         self._xfers.pop(handle, None)
+        return B.NIXL_SUCCESS
 
     def prepMemView(self, dlist: Any, backends: list[Any] = ()) -> int:
         raise B.nixlNotSupportedError("memory views need GPU device memory, which kvflow does not move yet")

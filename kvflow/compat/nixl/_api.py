@@ -160,17 +160,26 @@ class nixl_agent:
     # ------------------------------------------------------------ memory
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
                         backends: list[str] = []) -> Optional[nixlBind.nixlRegDList]:  # noqa: B006
+        descs = self._reg_descs(reg_list, mem_type, "register_memory")
+        self.agent.registerMem(descs, self._handles(backends))
+        return descs
+
+    def _reg_descs(self, reg_list: Any, mem_type: Optional[str], what: str) -> nixlBind.nixlRegDList:
+        """get_reg_descs, or nixlInvalidParamError naming what it takes (NIXL's
+        own goes on with None and fails in its bindings with a TypeError)."""
         descs = self.get_reg_descs(reg_list, mem_type)
         if descs is None:
-            return None
-        self.agent.registerMem(descs, self._handles(backends))
+            raise nixlBind.nixlInvalidParamError(
+                f"{what}: no registration descriptors from {type(reg_list).__name__} (it takes a nixlRegDList, "
+                "(address, length, device ID, metadata) tuples or an Nx3 integer array with a mem_type, "
+                "or contiguous tensors on one device)")
         return descs
 
     def deregister_memory(self, dereg_list: nixlBind.nixlRegDList, backends: list[str] = []) -> None:  # noqa: B006
         self.agent.deregisterMem(dereg_list, self._handles(backends))
 
     def query_memory(self, reg_list: Any, backend: str, mem_type: Optional[str] = None) -> list[Any]:
-        descs = self.get_reg_descs(reg_list, mem_type)
+        descs = self._reg_descs(reg_list, mem_type, "query_memory")
         if backend not in self.backends:
             raise ValueError(f"Backend {backend!r} not found. Available backends: {list(self.backends)}")
         return self.agent.queryMem(descs, self.backends[backend])
@@ -311,11 +320,13 @@ class nixl_agent:
                 return None
             return cls(self.nixl_mems[span[3]], [span[:3] + (("",) if width == 4 else ())])
         if isinstance(descs, np.ndarray):
+            # Nx3 (address, length, device ID) rows; a registration list gets
+            # empty metadata for each, as NIXL's does. Remote lists take tuples.
             if mem_type is None:
                 log.error("kvflow.compat.nixl: please give a mem_type with a descriptor array")
                 return None
-            if width != 3 or descs.ndim != 2 or descs.shape[1] != 3:
-                log.error("kvflow.compat.nixl: an Nx3 array is needed, not %s", descs.shape)
+            if cls is nixlBind.nixlRemoteDList or descs.ndim != 2 or descs.shape[1] != 3:
+                log.error("kvflow.compat.nixl: an Nx3 array is needed for a %s, not %s", cls.__name__, descs.shape)
                 return None
             return cls(self.nixl_mems[mem_type], descs)
         if isinstance(descs, (list, tuple)) and descs and _is_tensor(descs[0]):
