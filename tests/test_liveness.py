@@ -309,3 +309,65 @@ def test_nixl_agents_survive_a_stopped_peer(short_keepalive, monkeypatch, protoc
     finally:
         reader.close()
         server.close()
+
+
+# ---------------------------------------------------------------- a lapsed session resumes
+
+def _reset_connections_to(address: str) -> None:
+    """What a middlebox or a kernel that timed a connection out does: the
+    connections this process has to `address` are destroyed (ss -K sends a
+    reset), while both processes live on."""
+    import subprocess
+
+    host, port = address.rsplit(":", 1)
+    subprocess.run(["ss", "-K", "dst", host, "dport", "=", port], check=True, capture_output=True)
+
+
+async def test_a_lapsed_session_resumes_with_the_same_peer(make_engine, make_target, local_mem, short_keepalive):
+    """The control connection ends while the peer's process lives (reset on
+    the way): the Peer is lost (on_lost fires), dialled again in the
+    background, and, the same incarnation answering, the same Peer object
+    works again; the caller does nothing but write."""
+    target, eng, peer, lost, src = await _pair(make_engine, make_target, local_mem, 4 * MiB)
+    base = peer.region("rw").addr
+    await bounded(peer.write([src.addr], [base], [MiB]))
+    _reset_connections_to(target.address)
+    for _ in range(200):
+        if lost:
+            break
+        await asyncio.sleep(0.01)
+    assert lost == [target.address]
+    await bounded(peer.write([src.addr + MiB], [base + MiB], [3 * MiB]))
+    assert peer.alive
+    assert await bounded(eng.connect(target.address)) is peer
+    assert await bounded(target.sha("rw")) == sha256(src.view)
+    await bounded(peer.notify(b"back"))
+
+
+async def test_a_restarted_peer_is_a_new_incarnation(make_engine, local_mem, short_keepalive):
+    """A peer that exits and comes back on the same address is another
+    process: the old Peer stays lost (superseded; nothing is written with
+    its stale region table) and connect() gives a new Peer."""
+    import numpy as np
+
+    async with kvflow.Engine("127.0.0.1:0", protocols=("tcp",)) as probe:
+        address = probe.address
+    eng = await make_engine(protocols=("tcp",), keepalive=KEEPALIVE)
+    src = local_mem(eng, MiB)
+    src.view[:] = pattern(3, MiB)
+    buf1, buf2 = np.zeros(MiB, np.uint8), np.zeros(MiB, np.uint8)
+    async with kvflow.Engine(address, protocols=("tcp",)) as first:
+        first.register(buf1, name="rw", access=kvflow.Access.WRITE)
+        peer = await bounded(eng.connect(address))
+        old = peer.region("rw").addr
+        await bounded(peer.write([src.addr], [old], [4096]))
+    async with kvflow.Engine(address, protocols=("tcp",)) as second:
+        second.register(buf2, name="rw", access=kvflow.Access.WRITE)
+        with pytest.raises(kvflow.PeerLostError, match="new incarnation"):
+            await bounded(peer.write([src.addr], [old], [4096]), 30)
+        assert not peer.alive and peer.superseded and not buf2.any()
+        fresh = await bounded(eng.connect(address))
+        assert fresh is not peer and fresh.alive
+        await bounded(fresh.write([src.addr], [fresh.region("rw").addr], [MiB]))
+        assert bytes(buf2) == bytes(src.view)
+        await fresh.close()

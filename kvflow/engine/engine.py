@@ -148,7 +148,7 @@ class Engine:
     its event loop or GIL held for any time) is never lost for that: its
     kernel still answers; transfers to it wait, bounded by their own
     timeouts. A peer whose process exits is lost at once (its sockets close);
-    docs/api-contract.md, "Liveness";
+    docs/api.md, "Peer loss and keepalive";
     metadata: None or "p2p" (peers connect by address only),
     "redis://[[user]:password@]host:port[/db]" or "etcd://host:port": at
     start() the engine publishes a record under kvflow/engines/<name> (name:
@@ -795,6 +795,12 @@ class Engine:
         peer = self._peers.get(address)
         if peer is not None and peer.alive:
             return peer
+        if peer is not None and peer._lapsed:
+            try:
+                await asyncio.wait_for(peer._resumed(), timeout)
+                return peer
+            except (PeerLostError, asyncio.TimeoutError):
+                pass                 # gone, or restarted: a new Peer below
         if peer is not None:
             await peer.close()
         # One connection attempt per address, shared by every caller: it
@@ -848,6 +854,27 @@ class Engine:
                 peer._session.close_now()     # its reader too
             writer.close()
             raise
+
+    async def _redial(self, peer: Peer) -> bool:
+        """Dials a lapsed peer again (Peer._resume): True when the same
+        incarnation answered and the peer has its new session and channel;
+        False when another incarnation did (nothing of it kept). Raises what
+        dial() and _open_channel() raise."""
+        host, port = _split_address(peer.address)
+        reader, writer, desc, token = await dial(peer.address, host, port, secret=self._secret, me=self.address,
+                                                 keepalive=self.keepalive)
+        if desc.incarnation != peer.descriptor.incarnation or desc.pid != peer.descriptor.pid:
+            writer.close()
+            return False
+        try:
+            peer._rebind(reader, writer, desc)
+            provider, channel = await self._open_channel(peer, desc, token)
+            peer._start(provider, channel)
+        except BaseException:
+            peer._session.close_now()
+            writer.close()
+            raise
+        return True
 
     async def _open_channel(self, peer: Peer, desc: Descriptor, token: bytes) -> tuple[Provider, Any]:
         """The first allowed provider (in preference order) that reaches

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Peer"]
 
+
+def _retrieve(task: "asyncio.Task[Any]") -> None:
+    if not task.cancelled():
+        task.exception()
+
 log = logging.getLogger("kvflow")
 
 _STAGED = object()      # _reroute(): the batch touches GPU memory
@@ -42,6 +47,8 @@ _NORMAL_CLASS = int(Priority.NORMAL)
 
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
+RESUME_BACKOFF = (0.25, 8.0)    # a lapsed peer is dialled again after these many seconds, doubling
+RESUME_FOR = 60.0               # ... for this long at least (4 keepalives if longer), then it is given up
 
 
 class Peer:
@@ -60,16 +67,27 @@ class Peer:
         self._table = _core.RemoteTable()
         self._set_regions(descriptor.regions)
         self._channel: Any = _ClosedChannel(address)
+        self._channel_closed = False
         self._provider: Provider | None = None
         self.transport = ""
         self._refresh_waiters: list[asyncio.Future[None]] = []
         self._closed = False
-        self._session = ControlSession(address, reader, writer, replies=replies, on_regions=self._on_regions,
-                                       on_descriptor=self._on_descriptor, on_ended=self._on_session_ended,
-                                       on_lost=self._on_control_lost)
+        self._replies = replies
+        self._session = self._new_session(reader, writer)
         self.link = _Link(self)
         self._lost_callbacks: list[Callable[["Peer"], None]] = []
+        # Set when the session ended while this side still wanted it: the
+        # peer is dialled again in the background (_resume) and, if the same
+        # incarnation answers, this Peer works again as it was.
+        self._lapsed = False
+        self._resume_task: asyncio.Task[bool] | None = None
+        self.superseded = False      # the address now answers with another incarnation: this Peer stays lost
         self._session.listen()
+
+    def _new_session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> ControlSession:
+        return ControlSession(self.address, reader, writer, replies=self._replies, on_regions=self._on_regions,
+                              on_descriptor=self._on_descriptor, on_ended=self._on_session_ended,
+                              on_lost=self._on_control_lost)
 
     def on_lost(self, callback: Callable[["Peer"], None]) -> None:
         """Calls `callback(peer)` once, on the loop, when the peer is lost
@@ -90,13 +108,18 @@ class Peer:
     def _start(self, provider: Provider, channel: Any) -> None:
         self._provider = provider
         self._channel = channel
+        self._channel_closed = False
         self.transport = provider.name
         self._session.start(self._engine.keepalive, self._close_channel)
         provider.started(self.link, channel)
 
     def _close_channel(self) -> None:
         """The channel ends now: in-flight batches fail (the provider lets
-        go of it first: no reader left on a descriptor that closes)."""
+        go of it first: no reader left on a descriptor that closes). Once
+        per channel (a lapse closes it, and so may the resumption or close())."""
+        if self._channel_closed:
+            return
+        self._channel_closed = True
         if self._provider is not None:
             self._provider.closed(self._channel)
         self._channel.close()
@@ -213,9 +236,63 @@ class Peer:
         if self._provider is not None and self._provider.caps.lifeline:
             self._close_channel()
         self._fire_lost()
+        if not self._closed and not self._engine._closed:
+            self._lapsed = True
+            self._resume_task = self._engine._loop.create_task(self._resume())
+            self._resume_task.add_done_callback(_retrieve)
+
+    async def _resume(self) -> bool:
+        """Dials the peer again until it answers (back-off RESUME_BACKOFF,
+        for RESUME_FOR seconds at most). The same incarnation: this Peer
+        takes the new session and channel, its regions refreshed, and works
+        again as it was (True). Another incarnation (the process restarted
+        on the address): this Peer stays lost for good, and connect() makes
+        a new one (False); so does giving up."""
+        loop = self._engine._loop
+        delay, until = RESUME_BACKOFF[0], loop.time() + max(RESUME_FOR, 4 * self._engine.keepalive)
+        while not self._closed:
+            try:
+                same = await self._engine._redial(self)
+            except KVFlowError as e:
+                log.debug("kvflow: resuming %s: %s", self.address, e)
+            else:
+                if same:
+                    self._lapsed = False
+                    log.warning("kvflow: peer %s is back (same incarnation): its session resumed", self.address)
+                    return True
+                log.warning("kvflow: peer %s restarted (a new incarnation): the old Peer stays lost", self.address)
+                self.superseded = True
+                self._engine._forget_peer(self)
+                return False
+            if loop.time() + delay > until:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESUME_BACKOFF[1])
+        return False
+
+    def _rebind(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, descriptor: Descriptor) -> None:
+        """A new control session to the same incarnation (_resume): the old
+        channel goes, the regions are the peer's as of now; the engine opens
+        the new channel and start()s it."""
+        self._close_channel()
+        self._channel = _ClosedChannel(self.address)
+        self.descriptor = descriptor
+        self._set_regions(descriptor.regions)
+        self._session = self._new_session(reader, writer)
+        self._session.listen()
+
+    async def _resumed(self) -> None:
+        """Waits for a lapsed peer's resumption (raises PeerLostError when
+        it does not come back as the same incarnation)."""
+        task = self._resume_task
+        if task is None or not await asyncio.shield(task):
+            why = "restarted as a new incarnation; connect() again" if self.superseded else "is gone"
+            raise PeerLostError(f"peer {self.address} {why}", peer=self.address)
 
     async def refresh(self, *, timeout: float = 10.0) -> None:
         """Fetches the peer's descriptor again (regions)."""
+        if self._lapsed:
+            await self._resumed()
         fut = self._engine._loop.create_future()
         self._refresh_waiters.append(fut)
         self._session.send({"t": "describe"})
@@ -335,7 +412,12 @@ class Peer:
 
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
+        A peer whose session lapsed (its host was unreachable for a while)
+        is waited for while it is dialled again (Peer.alive); PeerLostError
+        if it does not come back as the same incarnation.
         """
+        if self._lapsed:
+            await self._resumed()
         if after is not None or self._remote_gpu or self._engine._rerouting:
             route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
             if after is not None or route is not None:
@@ -357,6 +439,8 @@ class Peer:
         remote_addrs[i] into local_addrs[i]. Strided entries, priority,
         deadline, after and errors as write(); reads into this engine's GPU
         memory are staged."""
+        if self._lapsed:
+            await self._resumed()
         if after is not None or self._remote_gpu or self._engine._rerouting:
             route = self._reroute(OP_READ, local_addrs, remote_addrs)
             if after is not None or route is not None:
@@ -620,6 +704,8 @@ class Peer:
         path (no TCP hop); larger ones use the control connection."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError("notify() takes bytes", peer=self.address)
+        if self._lapsed:
+            await self._resumed()
         if self._closed or self._session.lost:
             raise PeerLostError(f"peer {self.address} is gone", peer=self.address)
         provider = self._provider
@@ -638,6 +724,8 @@ class Peer:
         if self._closed:
             return
         self._closed = True
+        if self._resume_task is not None:
+            self._resume_task.cancel()
         self._engine._forget_peer(self)
         if self._engine._gpu is not None:
             self._engine._gpu.forget_peer(self.address)      # its CUDA IPC mappings
