@@ -101,3 +101,39 @@ async def test_prefill_death_fails_the_request_and_decode_recovers():
         assert ok["tokens"] == reference(options("tcp", requests=1, max_new_tokens=2), prompt)
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("who", ["prefill", "decode"])
+async def test_a_server_stopped_for_7_s_is_waited_for(who, monkeypatch):
+    """Through the connector: the prefill or the decode server stopped
+    (SIGSTOP) for 7 keepalives between two requests, and again while one is
+    in flight. Nothing is lost or reconnected by hand: both requests get the
+    reference tokens once it runs again (issue 42: a stalled peer is not a
+    lost one)."""
+    import signal
+
+    monkeypatch.setenv("KVFLOW_KEEPALIVE", "1")          # every server of the cluster
+    args = options("tcp", requests=1)
+    cluster = serve.Cluster(args)
+    try:
+        await cluster.wait_ready()
+        prompt = serve.prompts(args)[0]
+        want = reference(options("tcp", requests=1, max_new_tokens=2), prompt)
+        assert (await asyncio.wait_for(cluster.generate(prompt, 2), 60))["tokens"] == want
+        pid = cluster.procs[1 if who == "prefill" else 2].pid
+
+        async def stall() -> None:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(7)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+        await stall()                                                   # between requests
+        assert (await asyncio.wait_for(cluster.generate(prompt, 2), 60))["tokens"] == want
+        during = asyncio.ensure_future(cluster.generate(prompt, 2))     # while one is in flight
+        await asyncio.sleep(0.2)
+        await stall()
+        assert (await asyncio.wait_for(during, 60))["tokens"] == want
+    finally:
+        cluster.close()

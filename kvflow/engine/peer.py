@@ -4,6 +4,7 @@ bytes move through the channel of the provider that reached it."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import concurrent.futures
 import logging
 from dataclasses import replace
@@ -246,13 +247,19 @@ class Peer:
         for RESUME_FOR seconds at most). The same incarnation: this Peer
         takes the new session and channel, its regions refreshed, and works
         again as it was (True). Another incarnation (the process restarted
-        on the address): this Peer stays lost for good, and connect() makes
-        a new one (False); so does giving up."""
+        on the address), nobody listening there any more (refused: the
+        process that was this peer is gone), or giving up: this Peer stays
+        lost for good, and connect() makes a new one (False)."""
         loop = self._engine._loop
         delay, until = RESUME_BACKOFF[0], loop.time() + max(RESUME_FOR, 4 * self._engine.keepalive)
         while not self._closed:
             try:
                 same = await self._engine._redial(self)
+            except PeerUnreachableError as e:
+                if e.errno == errno.ECONNREFUSED:
+                    log.info("kvflow: peer %s is gone (its address refuses connections)", self.address)
+                    return False
+                log.debug("kvflow: resuming %s: %s", self.address, e)
             except KVFlowError as e:
                 log.debug("kvflow: resuming %s: %s", self.address, e)
             else:
@@ -281,18 +288,25 @@ class Peer:
         self._session = self._new_session(reader, writer)
         self._session.listen()
 
-    async def _resumed(self) -> None:
-        """Waits for a lapsed peer's resumption (raises PeerLostError when
-        it does not come back as the same incarnation)."""
+    async def _resumed(self, timeout: float | None = None) -> None:
+        """Waits for a lapsed peer's resumption, at most `timeout` seconds
+        (TransferTimeoutError); PeerLostError when it does not come back as
+        the same incarnation."""
         task = self._resume_task
-        if task is None or not await asyncio.shield(task):
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeoutError(f"peer {self.address} was not back within {timeout} s",
+                                           peer=self.address) from None
+        if task is None or task.cancelled() or task.exception() is not None or not task.result():
             why = "restarted as a new incarnation; connect() again" if self.superseded else "is gone"
             raise PeerLostError(f"peer {self.address} {why}", peer=self.address)
 
     async def refresh(self, *, timeout: float = 10.0) -> None:
         """Fetches the peer's descriptor again (regions)."""
         if self._lapsed:
-            await self._resumed()
+            await self._resumed(timeout)
         fut = self._engine._loop.create_future()
         self._refresh_waiters.append(fut)
         self._session.send({"t": "describe"})
@@ -417,7 +431,7 @@ class Peer:
         if it does not come back as the same incarnation.
         """
         if self._lapsed:
-            await self._resumed()
+            await self._resumed(timeout)
         if after is not None or self._remote_gpu or self._engine._rerouting:
             route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
             if after is not None or route is not None:
@@ -440,7 +454,7 @@ class Peer:
         deadline, after and errors as write(); reads into this engine's GPU
         memory are staged."""
         if self._lapsed:
-            await self._resumed()
+            await self._resumed(timeout)
         if after is not None or self._remote_gpu or self._engine._rerouting:
             route = self._reroute(OP_READ, local_addrs, remote_addrs)
             if after is not None or route is not None:
