@@ -1,7 +1,10 @@
-"""Same-process peers copy with memcpy against their copy of the target's
-region table: deregister() must update that copy at once, so a write
-submitted right after it (before any pushed update could arrive) is refused
-and lands nowhere."""
+"""deregister() and the local provider: nothing is copied into or out of a
+region after deregister() returned (the region fence, kvflow/_native/
+fence.h), for peers in this process (memcpy) and in others
+(process_vm_writev/readv); a copier stuck inside is waited for a bounded
+time (RegionBusyError). And same-process peers' copy of the target's table
+is updated at once, so a write submitted right after deregister() is
+refused whole."""
 from __future__ import annotations
 
 import numpy as np
@@ -331,3 +334,39 @@ async def test_local_channel_to_a_process_without_a_fence_is_refused():
     finally:
         proc.stdin.close()
         await bounded(proc.wait())
+
+
+def _fence_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("kvflow-fence" in line for line in f)
+
+
+async def test_cancelled_slices_give_the_fence_back():
+    """Queued slices hold the target's fence record; those a cancel drops
+    from the queue give it back: once both engines are closed and their
+    channels gone, no record stays mapped in this process."""
+    import gc
+
+    gc.collect()
+    base = _fence_mappings()
+    async with kvflow.Engine(protocols=("local",), local_workers=1) as a, \
+            kvflow.Engine(protocols=("local",)) as b:
+        assert _fence_mappings() == base + 2          # one record per engine
+        src = np.full(BIG, PAYLOAD, np.uint8)
+        a.register(src)
+        dst = np.zeros(BIG, np.uint8)
+        region = b.register(dst)
+        peer = await bounded(a.connect(b.address))
+        ts = [peer.write_nowait([src.ctypes.data], [region.addr], [BIG]) for _ in range(16)]
+        for t in ts:
+            t.cancel()
+        cancelled = 0
+        for t in ts:
+            try:
+                await bounded(t)
+            except kvflow.TransferCancelledError:
+                cancelled += 1
+        assert cancelled
+        del peer, ts
+    gc.collect()
+    assert _fence_mappings() == base
