@@ -111,9 +111,12 @@ class LocalProvider(Provider):
     async def connect(self, link: PeerLink, remote: Descriptor, token: bytes) -> Any:
         if self.ctx.same_process(link.address, remote):
             target = self.ctx.process_core(link.address)
-            if target is None:
-                raise ProviderUnavailableError(f"the engine at {link.address} closed", peer=link.address)
-            return _core.LocalChannel(self.ctx.core, link.table, link.address, 0, self.inline_limit, target)
+            try:
+                if target is None:
+                    raise RuntimeError("closed")
+                return _core.LocalChannel(self.ctx.core, link.table, link.address, 0, self.inline_limit, target)
+            except RuntimeError:       # its core closed meanwhile
+                raise ProviderUnavailableError(f"the engine at {link.address} closed", peer=link.address) from None
         try:
             return _core.LocalChannel(self.ctx.core, link.table, link.address, remote.pid, self.inline_limit,
                                       None, remote.incarnation)
