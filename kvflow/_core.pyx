@@ -608,6 +608,15 @@ cdef class LocalChannel(Channel):
             kvf_channel_close(self.cch)
 
 
+def probe_process(int pid, uint64_t addr, size_t length):
+    """Reads `length` bytes at `addr` in process `pid` (process_vm_readv):
+    returns the bytes, or the errno as an int when not permitted."""
+    cdef bytes buf = bytes(length)
+    cdef int rc
+    rc = kvf_local_probe(pid, addr, <char *>buf, length)
+    return rc if rc else buf
+
+
 def fence_probe(int pid, uint64_t incarnation):
     """0 when the region fence of engine `incarnation` in process `pid` can
     be attached (what a local channel to it needs), else the errno."""
@@ -617,15 +626,6 @@ def fence_probe(int pid, uint64_t incarnation):
         f = kvf_fence_attach(pid, incarnation, &err)
         kvf_fence_unref(f, 1)
     return 0 if f != NULL else err
-
-
-def probe_process(int pid, uint64_t addr, size_t length):
-    """Reads `length` bytes at `addr` in process `pid` (process_vm_readv):
-    returns the bytes, or the errno as an int when not permitted."""
-    cdef bytes buf = bytes(length)
-    cdef int rc
-    rc = kvf_local_probe(pid, addr, <char *>buf, length)
-    return rc if rc else buf
 
 
 cdef inline int64_t index_at(const char *base, int typenum, Py_ssize_t j) noexcept nogil:
