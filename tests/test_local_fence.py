@@ -51,6 +51,7 @@ import threading
 import time
 
 import kvflow.engine.engine as engine_mod
+from _batches import TIME_SCALE
 from _fence_peer import BIG, IN_FLIGHT, MARKER, PAYLOAD, stream
 from _providers import skip_unavailable
 
@@ -58,6 +59,22 @@ ROUNDS = int(os.environ.get("KVFLOW_FENCE_ROUNDS", "20"))
 XPROC_ROUNDS = int(os.environ.get("KVFLOW_FENCE_XPROC_ROUNDS", "10"))
 REGION = 8 << 20
 PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fence_peer.py")
+
+
+def deregister_quiet(eng: kvflow.Engine, region, bound: float = 60.0) -> int:
+    """deregister(), called again after RegionBusyError (what the contract
+    says to do) until it returns: a copier preempted for longer than
+    LOCAL_FENCE_WAIT on a loaded machine is inside for that long. Returns
+    how many RegionBusyError it took; fails after `bound` seconds."""
+    t0 = time.monotonic()
+    busy = 0
+    while True:
+        try:
+            eng.deregister(region)
+            return busy
+        except kvflow.RegionBusyError:
+            busy += 1
+            assert time.monotonic() - t0 < bound * TIME_SCALE, "a copier stayed inside the region"
 
 
 def _blocking_stream(peer, op: str, buf: np.ndarray, addr: int, length: int, stop: threading.Event,
@@ -115,7 +132,7 @@ async def test_same_process_stream_stops_at_deregister(op):
             try:
                 await bounded(running.wait())
                 await asyncio.sleep(float(rng.uniform(0, 0.01)))
-                b.deregister(region)
+                deregister_quiet(b, region)
                 dst[:] = MARKER                     # anything landing or read from now on shows
                 result = (await bounded(task)).split()
             finally:
@@ -204,7 +221,7 @@ async def test_cross_process_stream_stops_at_deregister(op, xproc_local):
                 await p.send(f"{op} {region.addr} {REGION}")
                 await p.expect("running")
                 await asyncio.sleep(float(rng.uniform(0, 0.01)))
-                b.deregister(region)
+                deregister_quiet(b, region)
                 dst[:] = MARKER
                 words = await p.expect("stopped")
                 errors.append(words[2])
@@ -297,12 +314,16 @@ async def test_a_copier_stopped_at_random_never_hangs_deregister(monkeypatch, xp
                     t0 = time.monotonic()
                     try:
                         b.deregister(region)
+                        inside = False
                     except kvflow.RegionBusyError as e:
                         assert e.pids == (p.pid,)
+                        inside = True
+                    # returned, or gave up after LOCAL_FENCE_WAIT: never hangs on the stopped peer
+                    assert time.monotonic() - t0 < 10 * TIME_SCALE
+                    if inside:
                         busy += 1
                         os.kill(p.pid, signal.SIGCONT)
-                        b.deregister(region)           # it leaves once it runs
-                    assert time.monotonic() - t0 < 10
+                        deregister_quiet(b, region)    # it leaves once it runs
                     dst[:] = MARKER
                 finally:
                     os.kill(p.pid, signal.SIGCONT)
