@@ -371,6 +371,7 @@ int kvf_fence_quiesce(kvf_fence *f, uint32_t rid, uint64_t timeout_ns, int *pids
 
 int kvf_fence_busy_slots(const kvf_fence *f) {
     int n = 0;
+    /* relaxed: a snapshot for a balance check, ordering nothing */
     for (int i = 0; i < KVF_FENCE_SLOTS; i++)
         n += atomic_load_explicit(&f->m->slots[i].word, memory_order_relaxed) != 0;
     return n;
@@ -444,7 +445,9 @@ static _Atomic uint64_t *claim(fence_shm *m, uint64_t w) {
                 return s;
             }
         }
-        /* every slot held: take back those of processes that are gone */
+        /* every slot held: take back those of processes that are gone
+         * (relaxed, as in kvf_fence_quiesce: a process that is gone stores
+         * nothing more, and the slot goes back to seq_cst claims) */
         for (unsigned k = 0; k < KVF_FENCE_SLOTS; k++) {
             _Atomic uint64_t *s = &m->slots[k].word;
             uint64_t x = atomic_load_explicit(s, memory_order_relaxed);
