@@ -8,7 +8,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "sockio", "tcp_client", "tcp_send", "tcp_server", "credit")]
+NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "fence", "sockio", "tcp_client", "tcp_send", "tcp_server", "credit")]
 RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan", "rdma_credit", "rdma_ibgda")]
 debug = os.environ.get("KVFLOW_DEBUG") == "1"
 cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]
@@ -80,7 +80,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
         extra_link_args=["-pthread"],
-        depends=["kvflow/_native/kvf.h", "kvflow/_native/provider.h", "kvflow/_native/wire.h", "kvflow/_native/sockio.h",
+        depends=["kvflow/_native/kvf.h", "kvflow/_native/fence.h", "kvflow/_native/provider.h", "kvflow/_native/wire.h", "kvflow/_native/sockio.h",
                  "kvflow/_native/tcp_int.h",
                  "kvflow/_native.pxd"],
     ),

@@ -107,10 +107,36 @@ cdef class Core:
         cdef int rc
         with nogil:
             rc = kvf_rt_add(&c.local, addr, length, access, rid)
+            # in the fence too (fence.h): where same-host peers look
+            # before every copy
+            if rc == KVF_OK and c.fence != NULL and kvf_fence_add(c.fence, rid, addr, length, access) != KVF_OK:
+                kvf_rt_remove(&c.local, rid)
+                rc = KVF_ENOMEM
+        if rc == KVF_ENOMEM:
+            raise InvalidArgumentError(f"kvflow: more than {KVF_FENCE_REGIONS} regions registered at once")
         if rc != KVF_OK:
             return 0
         self.next_region_id += 1
         return rid
+
+    def set_incarnation(self, uint64_t incarnation):
+        """Names this engine's region fence after its incarnation: how a
+        same-host peer in another process knows it attached the right one."""
+        cdef kvf_ctx *c = self._ctx()
+        if c.fence != NULL:
+            kvf_fence_set_incarnation(c.fence, incarnation)
+
+    def fence_shared(self):
+        """Whether peers in other processes can attach this engine's
+        region fence (it lives in a memfd)."""
+        cdef kvf_ctx *c = self._ctx()
+        return c.fence != NULL and kvf_fence_fd(c.fence) >= 0
+
+    def fence_busy(self):
+        """Copies into or out of this engine's regions by same-host peers
+        in progress now (slots of its fence held)."""
+        cdef kvf_ctx *c = self.ctx
+        return kvf_fence_busy_slots(c.fence) if c != NULL and c.fence != NULL else 0
 
     def set_keys(self, uint32_t rid, keys):
         """Sets a region's rdma lkeys (one per device)."""
@@ -122,17 +148,37 @@ cdef class Core:
             kv[i] = keys[i]
         return kvf_rt_set_keys(&self._ctx().local, rid, kv, nk) == KVF_OK
 
-    def remove_region(self, uint32_t rid):
+    def remove_region(self, uint32_t rid, double local_wait):
         """Removes a region; returns once no receiver is writing into it
         (or reading from it): a tcp payload still moving after a short
-        grace has its connection cut off (kvf_srv_quiesce_region)."""
+        grace has its connection cut off (kvf_srv_quiesce_region); a
+        same-host peer's copy (local provider: it cannot be cut off) is
+        waited for up to `local_wait` seconds (kvf_fence_quiesce). Returns
+        the pids of the processes whose copies were still inside then
+        (empty: none, the memory is free)."""
         cdef kvf_ctx *c = self._ctx()
         cdef int rc
         with nogil:
             rc = kvf_rt_remove(&c.local, rid)
+            if c.fence != NULL:
+                kvf_fence_remove(c.fence, rid)
             if rc == KVF_OK:
                 kvf_srv_quiesce_region(c, rid)
-        return rc == KVF_OK
+        return self.quiesce_region(rid, local_wait)
+
+    def quiesce_region(self, uint32_t rid, double local_wait):
+        """Waits again (up to `local_wait` seconds) for same-host copies
+        still inside a removed region (remove_region); the pids of those
+        still there."""
+        cdef kvf_ctx *c = self._ctx()
+        cdef int pids[16]
+        cdef int stuck = 0
+        cdef uint64_t wait_ns = <uint64_t>(local_wait * 1e9) if local_wait > 0 else 0
+        if c.fence == NULL:
+            return []
+        with nogil:
+            stuck = kvf_fence_quiesce(c.fence, rid, wait_ns, pids, 16)
+        return sorted({pids[i] for i in range(min(stuck, 16))})
 
     def drain(self):
         """Finished batches since the last call: a list of (id, status, entry)."""
@@ -514,11 +560,43 @@ cdef class LocalChannel(Channel):
     cdef kvf_local_channel *ch
     cdef bint closed
 
-    def __init__(self, Core core, RemoteTable table, str peer, int pid, uint64_t inline_limit):
-        self.ch = kvf_local_channel_new(core._ctx(), &table.t, pid, inline_limit)
+    def __init__(self, Core core, RemoteTable table, str peer, int pid, uint64_t inline_limit,
+                 Core target=None, uint64_t incarnation=0):
+        """target: the peer's Core when it is an engine of this process
+        (pid 0); else its region fence is attached from process `pid` by
+        its `incarnation` (OSError with the errno when it cannot be)."""
+        cdef kvf_fence *fence
+        cdef int err = 0
+        if pid == 0:
+            if target is None:
+                raise ValueError("a same-process local channel needs the target's Core")
+            fence = target._ctx().fence
+            if fence == NULL:
+                raise MemoryError("kvflow: the target engine has no region fence")
+            kvf_fence_ref(fence, 1)
+        else:
+            with nogil:
+                fence = kvf_fence_attach(pid, incarnation, &err)
+            if fence == NULL:
+                raise OSError(err, f"cannot attach the region fence of process {pid}: {os.strerror(err)}")
+        self.ch = kvf_local_channel_new(core._ctx(), &table.t, pid, inline_limit, fence)
+        kvf_fence_unref(fence, 1)         # the channel took its own reference
         if self.ch == NULL:
             raise MemoryError()
         self.cch = <kvf_channel *>self.ch
+
+    def _hold(self, uint64_t addr, uint64_t length, bint write=True):
+        """Tests: enters the target's fence for [addr, addr+length) as a
+        copy would and stays inside (a copier stalled between its check and
+        its copy) until _release() or the channel is freed. The status a
+        copy would get (KVF_OK: inside)."""
+        if self.ch == NULL:
+            raise RuntimeError("kvflow: the channel is closed")
+        return kvf_local_channel_hold(self.ch, addr, length, KVF_OP_WRITE if write else KVF_OP_READ)
+
+    def _release(self):
+        if self.ch != NULL:
+            kvf_local_channel_release(self.ch)
 
     def __dealloc__(self):
         if self.ch != NULL:
@@ -554,6 +632,17 @@ def probe_process(int pid, uint64_t addr, size_t length):
     cdef int rc
     rc = kvf_local_probe(pid, addr, <char *>buf, length)
     return rc if rc else buf
+
+
+def fence_probe(int pid, uint64_t incarnation):
+    """0 when the region fence of engine `incarnation` in process `pid` can
+    be attached (what a local channel to it needs), else the errno."""
+    cdef int err = 0
+    cdef kvf_fence *f
+    with nogil:
+        f = kvf_fence_attach(pid, incarnation, &err)
+        kvf_fence_unref(f, 1)
+    return 0 if f != NULL else err
 
 
 cdef inline int64_t index_at(const char *base, int typenum, Py_ssize_t j) noexcept nogil:

@@ -22,6 +22,22 @@ cdef extern from "_native/wire.h" nogil:
     ctypedef struct kvf_hdr:
         pass
 
+cdef extern from "_native/fence.h" nogil:
+    enum:
+        KVF_FENCE_SLOTS
+        KVF_FENCE_REGIONS
+    ctypedef struct kvf_fence:
+        pass
+    void kvf_fence_set_incarnation(kvf_fence *f, uint64_t incarnation)
+    int kvf_fence_fd(const kvf_fence *f)
+    kvf_fence *kvf_fence_attach(int pid, uint64_t incarnation, int *err)
+    void kvf_fence_ref(kvf_fence *f, int64_t n)
+    void kvf_fence_unref(kvf_fence *f, int64_t n)
+    int kvf_fence_add(kvf_fence *f, uint32_t rid, uint64_t addr, uint64_t len, uint32_t access)
+    int kvf_fence_remove(kvf_fence *f, uint32_t rid)
+    int kvf_fence_quiesce(kvf_fence *f, uint32_t rid, uint64_t timeout_ns, int *pids, int max)
+    int kvf_fence_busy_slots(const kvf_fence *f)
+
 cdef extern from "_native/kvf.h" nogil:
     enum:
         KVF_OK
@@ -90,6 +106,7 @@ cdef extern from "_native/kvf.h" nogil:
         int64_t n_threads
         uint64_t n_fenced
         uint64_t n_cut_off
+        kvf_fence *fence
         int64_t n_mrs
         int64_t n_qps
         uint32_t in_use
@@ -129,9 +146,11 @@ cdef extern from "_native/kvf.h" nogil:
     ctypedef struct kvf_local_channel:
         pass
     kvf_local_channel *kvf_local_channel_new(kvf_ctx *c, kvf_region_table *remote, int pid,
-                                             uint64_t inline_limit)
+                                             uint64_t inline_limit, kvf_fence *fence)
     void kvf_local_channel_close(kvf_local_channel *lc)
     void kvf_local_channel_free(kvf_local_channel *lc)
+    int kvf_local_channel_hold(kvf_local_channel *lc, uint64_t addr, uint64_t len, int op)
+    void kvf_local_channel_release(kvf_local_channel *lc)
     int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len)
 
     ctypedef struct kvf_tcp_channel:

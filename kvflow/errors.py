@@ -14,6 +14,7 @@ __all__ = [
     "ProtocolError",
     "AuthenticationError",
     "ProviderUnavailableError",
+    "RegionBusyError",
     "TopologyError",
     "VerbsError",
     "CudaError",
@@ -83,6 +84,20 @@ class AuthenticationError(KVFlowError):
 
 class ProviderUnavailableError(KVFlowError):
     """No requested provider can reach the peer, or it was not built."""
+
+
+class RegionBusyError(KVFlowError):
+    """deregister() gave up waiting for a same-host peer (local provider)
+    still copying into or out of the region: its process stopped, or did
+    not run, in the middle of one copy for longer than the wait. The region
+    is deregistered (nothing new reaches it) but its memory is not free: the
+    engine keeps a reference to the buffer, and the caller must not reuse
+    it until a later deregister(region) returns (it waits again). `pids`:
+    the processes still inside."""
+
+    def __init__(self, message: str, *, pids: "list[int] | tuple[int, ...]" = (), peer: str | None = None) -> None:
+        super().__init__(message, peer=peer)
+        self.pids = tuple(pids)
 
 
 class VerbsError(KVFlowError, OSError):

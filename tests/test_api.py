@@ -39,7 +39,8 @@ CONTRACT_NAMES = {
     "AuthenticationError",
 }
 # Types the contract names in passing; exporting them is allowed, not required.
-OPTIONAL_NAMES = {"Region", "RemoteRegion", "Peer", "ProviderUnavailableError", "RelayGroup", "__version__"}
+OPTIONAL_NAMES = {"Region", "RemoteRegion", "Peer", "ProviderUnavailableError", "RegionBusyError", "RelayGroup",
+                  "__version__"}
 
 ERRORS = [
     "InvalidArgumentError",

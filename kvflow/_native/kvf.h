@@ -168,6 +168,10 @@ typedef struct kvf_ctx {
     kvf_chan_stats *chan_stats;       /* every channel's stats block (guarded by pool_mu) */
 
     struct kvf_local_pool *local_pool;
+    /* This engine's region fence (fence.h): same-host peers announce their
+     * copies into and out of its regions there, and deregister() waits for
+     * them. NULL only if it could not be made (no local peer then). */
+    struct kvf_fence *fence;
 
     /* Scheduled queues of every channel (sched.c), walked by a cancel to
      * drop the batch's queued slices at once. sched_mu before any q->mu. */
@@ -307,6 +311,9 @@ int kvf_sched_push_locked(kvf_sched *s, const kvf_slice *x);
 size_t kvf_sched_pop_locked(kvf_sched *s, kvf_slice *out, size_t max, uint64_t max_bytes,
                             kvf_pop_budget *budget);
 void kvf_sched_free(kvf_sched *s);
+/* A function told of the slices a cancel drops from the queue (before it
+ * is shared: set once, right after kvf_queue_init_sched). */
+void kvf_sched_set_drop(kvf_sched *s, void (*on_drop)(const kvf_slice *v, size_t n));
 /* The engine is being freed: its queues that were never detached forget it. */
 void kvf_sched_orphan_all(kvf_ctx *c);
 /* Drops every queued slice of batch `slot` from the engine's scheduled
@@ -323,10 +330,19 @@ void kvf_sched_set_fifo(kvf_ctx *c, int on);
 /* A local channel (a kvf_channel: submit with kvf_submit). pid 0: this
  * process (memcpy), else process_vm_writev/readv into process pid. */
 typedef struct kvf_local_channel kvf_local_channel;
+struct kvf_fence;
+/* fence: the target engine's region fence (fence.h), which every copy
+ * enters; the channel takes its own reference. */
 kvf_local_channel *kvf_local_channel_new(kvf_ctx *c, kvf_region_table *remote, int pid,
-                                         uint64_t inline_limit);
+                                         uint64_t inline_limit, struct kvf_fence *fence);
 void kvf_local_channel_close(kvf_local_channel *lc);
 void kvf_local_channel_free(kvf_local_channel *lc);
+/* Tests: enters the target's fence for [addr, addr+len) as a copy would,
+ * and stays inside (a copier stalled between its check and its copy)
+ * until kvf_local_channel_release or the channel's free. KVF_OK or the
+ * error a copy would get. */
+int kvf_local_channel_hold(kvf_local_channel *lc, uint64_t addr, uint64_t len, int op);
+void kvf_local_channel_release(kvf_local_channel *lc);
 int kvf_local_probe(int pid, uint64_t addr, void *out, size_t len);
 
 /* ------------------------------------------------------------------- tcp */

@@ -81,6 +81,9 @@ struct kvf_sched {
     pthread_mutex_t *guard; /* the lock its users hold around push and pop */
     int counted;            /* its slices count in ctx->n_slices_inflight */
     int registered;         /* in ctx->scheds (cancels find it) */
+    /* Told of the slices a cancel drops (their provider words may hold
+     * references: the local provider's fence); NULL: nobody. */
+    void (*on_drop)(const kvf_slice *v, size_t n);
     sched_class cls[KVF_NPRIO];
     kvf_flow **buckets;     /* by slot, chained */
     size_t nbuckets, nflows;
@@ -363,6 +366,8 @@ int kvf_queue_init_sched(kvf_queue *q, kvf_ctx *ctx, int counted, pthread_mutex_
     return KVF_OK;
 }
 
+void kvf_sched_set_drop(kvf_sched *s, void (*on_drop)(const kvf_slice *v, size_t n)) { s->on_drop = on_drop; }
+
 static void free_flow(kvf_flow *f) {
     free(f->v);
     free(f);
@@ -506,6 +511,7 @@ size_t kvf_sched_cancel(kvf_ctx *c, uint32_t slot) {
         pthread_mutex_unlock(s->guard);
         if (n && s->counted) atomic_fetch_sub_explicit(&c->n_slices_inflight, (int64_t)n, memory_order_relaxed);
         for (size_t i = 0; i < n; i++) kvf_slice_done(c, v[i].slot, KVF_ECANCELLED, v[i].entry);
+        if (n && s->on_drop) s->on_drop(v, n);
         free(v);
         total += n;
     }

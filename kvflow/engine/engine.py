@@ -25,7 +25,7 @@ from kvflow.engine.metrics import engine_metrics
 from kvflow.engine.peer import Peer
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
-    ProviderUnavailableError
+    ProviderUnavailableError, RegionBusyError
 from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
 from kvflow.engine.gpu import INBOX as GPU_INBOX, STAGING_BYTES, STAGING_SLOT, GpuMemory
@@ -52,6 +52,13 @@ _REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), INBOX_REPL
 # Awaited batches that finish without suspending give the loop a turn at
 # least this often (Engine._inline_turn).
 INLINE_TURN_NS = 1_000_000
+# How long deregister() waits for a same-host peer's copy still inside the
+# region (local provider: a copy cannot be cut off, as tcp cuts a stalled
+# payload's connection). A copy holds the region for one run of slices
+# (about a MiB: well under a millisecond); only a copier process stopped,
+# or not scheduled, in the middle of one is still inside after this, and
+# then deregister() raises RegionBusyError instead of blocking the loop.
+LOCAL_FENCE_WAIT = 1.0
 
 # This process's running engines by address (for the same-process check).
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
@@ -89,6 +96,13 @@ def _is_address(text: str) -> bool:
     except InvalidArgumentError:
         return False
     return True
+
+
+def _process_core(address: str) -> Any:
+    """The native core of this process's running engine at `address`
+    (None: none): a same-process local channel enters its region fence."""
+    other = _live_engines.get(address)
+    return other._core if other is not None and not other._closed else None
 
 
 def _same_process(address: str, desc: Descriptor) -> bool:
@@ -279,6 +293,11 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._server: ControlServer | None = None
         self._regions: dict[int, Region] = {}
+        # deregistered regions a same-host peer's copy was still inside
+        # when deregister() gave up waiting (RegionBusyError): their
+        # buffers are kept referenced until a later deregister() finds
+        # them quiet
+        self._draining: dict[int, Region] = {}
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
         self._notifications: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
@@ -319,6 +338,7 @@ class Engine:
         auto = self._tcp_options.auto
         self.topology = cached_host_topology(fresh_addresses=auto)
         self._core = _core.Core(self._local_workers)
+        self._core.set_incarnation(self._incarnation)
         self._core.set_sched_age(self._qos_aging_ns)
         self._core.set_sched_fifo(self.scheduling == "fifo")
         self._core.set_liveness_grace(self.keepalive)
@@ -327,7 +347,7 @@ class Engine:
         self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)
         ctx = ProviderContext(self._core, self._loop, self._batches, self._deliver, self._rekeyed,
                               self.topology, self.location, self.keepalive, _same_process,
-                              receive_window=self.receive_window)
+                              process_core=_process_core, receive_window=self.receive_window)
         self._local = LocalProvider(ctx, inline_limit=self._inline_limit)
         self._tcp = TcpProvider(ctx, self._tcp_options, host=host, advertise=self._advertise)
         self._providers = {self._local.name: self._local, self._tcp.name: self._tcp}
@@ -554,7 +574,7 @@ class Engine:
         except BaseException:
             for p in done:
                 p.deregister(rid)
-            self._core.remove_region(rid)
+            self._core.remove_region(rid, LOCAL_FENCE_WAIT)     # no peer knew of it: nobody inside
             raise
         region = Region(addr, length, name, access, rid, keep, rkeys, took)
         self._regions[rid] = region
@@ -614,8 +634,23 @@ class Engine:
         return "process" if _same_process(peer.address, peer.descriptor) else "host"
 
     def deregister(self, region: Region) -> None:
-        """Removes a region; returns once no peer is writing into it."""
+        """Removes a region; returns once no peer writes into it or reads
+        from it any more (its memory may be reused or freed then): a tcp
+        payload still moving after 20 ms has its connection cut off, an
+        rdma NIC refuses its keys, and a same-host peer's copy (local
+        provider) is waited for, up to LOCAL_FENCE_WAIT.
+
+        Raises InvalidArgumentError when the region is not registered, and
+        RegionBusyError when a same-host peer's copy was still inside after
+        the wait (a process stopped in the middle of one): the region is
+        deregistered all the same, but its memory is not free; the engine
+        keeps the buffer referenced, and calling deregister(region) again
+        waits again (returning once the copier left, or its process is
+        gone)."""
         self._check_open()
+        if region.id in self._draining:
+            self._wait_quiet(region, self._core.quiesce_region(region.id, LOCAL_FENCE_WAIT))
+            return
         if self._regions.pop(region.id, None) is None:
             raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
         if region.kind == CUDA:
@@ -623,10 +658,24 @@ class Engine:
             self._gpu.local.remove(region)
             self._regions_changed()
             return
-        self._core.remove_region(region.id)
+        inside = self._core.remove_region(region.id, LOCAL_FENCE_WAIT)
         for p in self._providers.values():
             p.deregister(region.id)     # the NICs refuse its keys from now on
         self._regions_changed()
+        self._wait_quiet(region, inside)
+
+    def _wait_quiet(self, region: Region, inside: list[int]) -> None:
+        """After a deregister's wait: `inside` are the processes whose
+        copies were still in the region (RegionBusyError; the region is
+        kept in _draining until a wait finds none)."""
+        if not inside:
+            self._draining.pop(region.id, None)
+            return
+        self._draining[region.id] = region
+        raise RegionBusyError(
+            f"region {region.addr:#x}+{region.length} is deregistered, but a same-host peer's copy "
+            f"(pid {', '.join(map(str, inside))}) was still inside it after {LOCAL_FENCE_WAIT:g} s: "
+            "do not reuse its memory before deregister(region) returns", pids=inside)
 
     def blocks(self, addrs: Any, lengths: Any) -> Blocks:
         """A list of blocks of this engine's registered memory (for
@@ -647,10 +696,10 @@ class Engine:
         self._generation += 1
         if self._metadata is not None:
             self._metadata.changed()
-        # Peers in this process copy with memcpy and check only their copy
-        # of our table: update it now, not when the pushed frame arrives, so
-        # that nothing submitted after deregister() returns can reach the
-        # region. (Batches already queued to their workers are not fenced.)
+        # Peers in this process copy with memcpy: update their copy of our
+        # table now, not when the pushed frame arrives, so that a batch
+        # submitted after deregister() returns is refused whole at once
+        # (what is already queued meets the region fence instead).
         mine = None
         for other in list(_live_engines.values()):
             peer = other._peers.get(self.address)

@@ -103,8 +103,10 @@ class ProviderContext:
     whom to tell when regions got new keys (`rekeyed`: region id -> (lkeys,
     rkeys), after a device came back), the host topology and the memory
     location, the peer-liveness keepalive, whether this process's
-    engine at an address is that very engine (`same_process`), and its
-    receive window (`receive_window`, bytes; 0: none)."""
+    engine at an address is that very engine (`same_process`), the native
+    core of this process's engine at an address (`process_core`: None when
+    there is none; a same-process local channel enters its region fence),
+    and its receive window (`receive_window`, bytes; 0: none)."""
 
     core: Any
     loop: asyncio.AbstractEventLoop
@@ -115,6 +117,7 @@ class ProviderContext:
     location: str
     keepalive: float
     same_process: Callable[[str, "Descriptor"], bool] = field(default=lambda address, desc: False)
+    process_core: Callable[[str], Any] = field(default=lambda address: None)
     receive_window: int = 0
 
 

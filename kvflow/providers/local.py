@@ -5,7 +5,15 @@ A peer on this host proves that this process may use process_vm_readv on
 it when this side reads its probe cookie back (the kernel's ptrace rules:
 Yama, seccomp and containers decide); an engine of this very process is
 recognised from this process's own registry of engines, never from what a
-descriptor claims."""
+descriptor claims.
+
+Every copy enters the target engine's region fence first (kvflow/_native/
+fence.h): a record of its live regions, and of the copies in progress,
+that deregister() on the target waits on, so nothing is copied into or out
+of a region after its deregister() returned, whether the copy was queued
+here or this side's table was stale. A peer in another process maps the
+target's record (a memfd) through /proc/<pid>/fd; one that cannot is not
+reached over this provider."""
 from __future__ import annotations
 
 import os
@@ -16,6 +24,7 @@ import numpy as np
 
 from kvflow import _core
 from kvflow.control.descriptor import Descriptor
+from kvflow.errors import ProviderUnavailableError
 from kvflow.providers.base import Caps, PeerLink, Provider, ProviderContext
 
 __all__ = ["LocalProvider", "process_identity"]
@@ -91,14 +100,29 @@ class LocalProvider(Provider):
         if remote.pid == ident.pid:
             return "the peer claims this process's pid but is not one of its engines"
         got = _core.probe_process(remote.pid, remote.probe_addr, len(remote.probe_cookie))
-        if got == remote.probe_cookie:
-            return None
-        return (f"process_vm_readv on pid {remote.pid} not permitted ({os.strerror(got)})"
-                if isinstance(got, int) else "cross-memory probe mismatch")
+        if got != remote.probe_cookie:
+            return (f"process_vm_readv on pid {remote.pid} not permitted ({os.strerror(got)})"
+                    if isinstance(got, int) else "cross-memory probe mismatch")
+        err = _core.fence_probe(remote.pid, remote.incarnation)
+        if err:
+            return f"the region fence of pid {remote.pid} cannot be attached ({os.strerror(err)})"
+        return None
 
     async def connect(self, link: PeerLink, remote: Descriptor, token: bytes) -> Any:
-        pid = 0 if self.ctx.same_process(link.address, remote) else remote.pid
-        return _core.LocalChannel(self.ctx.core, link.table, link.address, pid, self.inline_limit)
+        if self.ctx.same_process(link.address, remote):
+            target = self.ctx.process_core(link.address)
+            try:
+                if target is None:
+                    raise RuntimeError("closed")
+                return _core.LocalChannel(self.ctx.core, link.table, link.address, 0, self.inline_limit, target)
+            except RuntimeError:       # its core closed meanwhile
+                raise ProviderUnavailableError(f"the engine at {link.address} closed", peer=link.address) from None
+        try:
+            return _core.LocalChannel(self.ctx.core, link.table, link.address, remote.pid, self.inline_limit,
+                                      None, remote.incarnation)
+        except OSError as e:
+            raise ProviderUnavailableError(f"{link.address}: {e.strerror}", peer=link.address,
+                                           errno=e.errno) from None
 
     def estimate(self, nbytes: int, entries: int) -> float:
         return self.LATENCY_S + nbytes / self.BYTES_PER_S
