@@ -275,17 +275,18 @@ cdef class Core:
         tcp target's data connections fenced so far (KVF_F_FENCE: their
         work was sent again on another connection), `cut_off` those a
         deregister() shut down because a payload still moved into or out
-        of the region after the grace. Once closed: zeros,
+        of the region after the grace, `wakeups` the eventfd writes that
+        woke the loop for completions (a polled batch needs none). Once closed: zeros,
         except MRs and QPs, which keep what was still counted when the
         context was freed (the rdma provider closes first, so anything but
         zero there is a leak)."""
         cdef kvf_ctx *c = self.ctx
         if c == NULL:
             return {"sockets": 0, "slices_inflight": 0, "threads": 0, "batches": 0,
-                    "mrs": self.left_mrs, "qps": self.left_qps, "fenced": 0, "cut_off": 0}
+                    "mrs": self.left_mrs, "qps": self.left_qps, "fenced": 0, "cut_off": 0, "wakeups": 0}
         return {"sockets": c.n_sockets, "slices_inflight": c.n_slices_inflight,
                 "threads": c.n_threads, "batches": c.in_use, "mrs": c.n_mrs, "qps": c.n_qps,
-                "fenced": c.n_fenced, "cut_off": c.n_cut_off}
+                "fenced": c.n_fenced, "cut_off": c.n_cut_off, "wakeups": c.n_wakeups}
 
     def close(self):
         """Closes every channel, stops the server threads and workers, frees
@@ -837,10 +838,11 @@ cdef class TcpChannel(Channel):
         cdef int rc
         if self.ch == NULL:
             return False
+        cdef kvf_ctx *c = self.core._ctx()
         with nogil:
-            kvf_set_loop_thread(1)
+            kvf_set_loop_thread(c, 1)
             rc = kvf_tcp_poll_acks(self.ch)
-            kvf_set_loop_thread(0)
+            kvf_set_loop_thread(c, 0)
         return rc == 0
 
     def poll_acks_here(self, uint64_t batch_id=0, double budget=0.0):

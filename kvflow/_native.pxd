@@ -107,6 +107,7 @@ cdef extern from "_native/kvf.h" nogil:
         uint64_t n_fenced
         uint64_t n_cut_off
         kvf_fence *fence
+        uint64_t n_wakeups
         int64_t n_mrs
         int64_t n_qps
         uint32_t in_use
@@ -158,7 +159,7 @@ cdef extern from "_native/kvf.h" nogil:
     kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const int *fds, int nfds,
                                          int ack_fd, uint64_t slice_size, int express, uint64_t window)
     int kvf_tcp_poll_acks(kvf_tcp_channel *ch)
-    void kvf_set_loop_thread(int on)
+    void kvf_set_loop_thread(kvf_ctx *c, int on)
     int kvf_tcp_channel_alive(kvf_tcp_channel *ch)
     int kvf_tcp_channel_idle(kvf_tcp_channel *ch)
     int kvf_tcp_channel_conn_dead(kvf_tcp_channel *ch, int i)

@@ -245,9 +245,26 @@ int kvf_batch_finished(kvf_ctx *c, uint64_t id) {
     return b->gen == id_gen(id) && atomic_load_explicit(&b->remaining, memory_order_acquire) == 0;
 }
 
-static __thread int tls_loop_thread;
+/* Which thread is draining its own completions right after polling for
+ * them (kvf_submit_poll, the loop reading acks): completions pushed on that
+ * thread need no eventfd write. Kept in the context, not in a thread-local:
+ * this file is compiled into both extensions (_core and _verbs), so a
+ * thread-local existed twice, and an rdma poll, which completes slices
+ * through _verbs's copy of completion_push, read the copy nobody set and
+ * woke the loop to drain nothing. One thread holds the mark at a time (a
+ * compare-and-swap from 0); another that polls meanwhile just keeps its
+ * wake-ups, which is always correct. pthread_self() is libc's, the same in
+ * both images. Relaxed: only the thread that set the mark ever finds its
+ * own id there, and its own earlier store is visible to it. */
+void kvf_set_loop_thread(kvf_ctx *c, int on) {
+    unsigned long me = (unsigned long)pthread_self(), expect = on ? 0 : me;
+    atomic_compare_exchange_strong_explicit(&c->poll_thread, &expect, on ? me : 0,
+                                            memory_order_relaxed, memory_order_relaxed);
+}
 
-void kvf_set_loop_thread(int on) { tls_loop_thread = on; }
+static int polling_here(kvf_ctx *c) {
+    return atomic_load_explicit(&c->poll_thread, memory_order_relaxed) == (unsigned long)pthread_self();
+}
 
 static void completion_push(kvf_ctx *c, uint32_t slot) {
     kvf_batch *b = &c->batches[slot];
@@ -280,10 +297,11 @@ static void completion_push(kvf_ctx *c, uint32_t slot) {
     c->comp[c->comp_n++] = e;
     /* The loop thread drains right after polling: it needs no wake-up, and
      * leaving comp_signaled set makes other threads skip theirs until then. */
-    int wake = !c->comp_signaled && !tls_loop_thread;
+    int wake = !c->comp_signaled && !polling_here(c);
     c->comp_signaled = 1;
     pthread_mutex_unlock(&c->comp_mu);
     if (wake) {
+        atomic_fetch_add_explicit(&c->n_wakeups, 1, memory_order_relaxed);
         uint64_t one = 1;
         ssize_t r = write(c->efd, &one, sizeof(one));
         (void)r;   /* EAGAIN only if the counter is saturated: already readable */
@@ -605,9 +623,9 @@ int kvf_submit_poll(kvf_channel *ch, int op, const uint64_t *la, const uint64_t 
     if (rc == KVF_OK && *id_out) {
         /* completions found here need no eventfd: the caller takes its own
          * next (kvf_take), which also wakes the loop for any others */
-        kvf_set_loop_thread(1);
+        kvf_set_loop_thread(ch->ctx, 1);
         *finished = ops->poll(ch, &st, *id_out, budget_ns);
-        kvf_set_loop_thread(0);
+        kvf_set_loop_thread(ch->ctx, 0);
     }
     ops->poll_end(ch, &st);
     return rc;

@@ -161,6 +161,9 @@ typedef struct kvf_ctx {
     _Atomic int n_pre_auth;    /* server connections still before their hello */
     _Atomic uint64_t n_fenced; /* server connections fenced (KVF_F_FENCE): their work moved */
     _Atomic uint64_t n_cut_off; /* server connections cut off by a deregister() (kvf_srv_quiesce_region) */
+    _Atomic uint64_t n_wakeups; /* eventfd writes that woke the loop for completions (completion_push) */
+    _Atomic unsigned long poll_thread;  /* pthread_self() of the thread draining its own completions, or 0
+                                         * (kvf_set_loop_thread) */
     struct kvf_credit_pool *credit;   /* the receive window (credit.h); NULL: none */
     _Atomic uint64_t srv_spin_ns;     /* a served connection's thread looks again this long before it sleeps */
     _Atomic uint32_t srv_grace_ms;    /* 0, or how long a served peer's kernel may leave a frame unanswered
@@ -366,7 +369,7 @@ kvf_tcp_channel *kvf_tcp_channel_new(kvf_ctx *c, kvf_region_table *remote, const
 int kvf_tcp_poll_acks(kvf_tcp_channel *ch);
 /* Set by the event-loop thread around work whose completions it drains
  * itself right after: those completions need no eventfd wake-up. */
-void kvf_set_loop_thread(int on);
+void kvf_set_loop_thread(kvf_ctx *c, int on);
 int kvf_tcp_channel_alive(kvf_tcp_channel *ch);
 /* 1 when nothing is queued or in flight on any live connection and the
  * channel has an ack connection: an awaited small batch may be polled for
