@@ -1,0 +1,303 @@
+"""The master: the StoreModel behind one dispatcher, reachable two ways.
+
+- Embedded: a client in the same process gets a `Session` and calls
+  `dispatch()` directly (no socket, no encoding).
+- Served: `await master.start("host:port")` listens for clients; each tcp
+  connection is one session (`python -m kvflow.store master`).
+
+Liveness: a session is the client's life. Its connection closing (the
+process died: the kernel resets it) loses the client at once: its puts in
+progress are revoked and its segments dropped. A client whose connection
+stays open but who stops talking (SIGSTOP, a long GC pause, a starved
+host) is lost only after `client_grace` seconds without a message
+(default 60 s, where Mooncake drops a client after 10 s of missed
+heartbeats and with it every object it holds). A master that was itself
+stopped does not blame its clients for its own silence: when the monitor
+wakes late, everyone's clock restarts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
+
+from .errors import error_code
+from .model import Object, StoreModel
+from .wire import encode, item_error, item_ok, read_frame
+
+__all__ = ["Master", "Session"]
+
+log = logging.getLogger("kvflow.store.master")
+
+
+class Session:
+    """One client's connection to the master (or its in-process stand-in)."""
+
+    def __init__(self, master: "Master", peer: str) -> None:
+        self.master = master
+        self.peer = peer
+        self.client_id: str | None = None
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<Session {self.client_id or '-'} from {self.peer}>"
+
+    def close(self) -> None:
+        """The client is gone: the master forgets it and what it held."""
+        if self.closed:
+            return
+        self.closed = True
+        self.master._session_closed(self)
+
+
+class Master:
+    """The pool's master. Options: `lease_ttl` (s a get protects an object),
+    `client_grace` (s of silence before a connected client is lost),
+    `heartbeat_interval` (what clients are told), `high_watermark` and
+    `low_watermark` (eviction), `clock` (monotonic seconds; tests)."""
+
+    def __init__(self, *, lease_ttl: float = 5.0, client_grace: float = 60.0,
+                 heartbeat_interval: float = 1.0, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85, clock: Callable[[], float] = time.monotonic,
+                 seed: int | None = None) -> None:
+        if client_grace <= 0 or heartbeat_interval <= 0 or heartbeat_interval >= client_grace:
+            raise InvalidArgumentError("need 0 < heartbeat_interval < client_grace")
+        self.model = StoreModel(lease_ttl=lease_ttl, high_watermark=high_watermark,
+                                low_watermark=low_watermark, seed=seed)
+        self.client_grace = client_grace
+        self.heartbeat_interval = heartbeat_interval
+        self.clock = clock
+        self.sessions: set[Session] = set()
+        self.address: str | None = None
+        self.calls = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._monitor: asyncio.Task | None = None
+        self._conn_tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"<Master {self.address or 'embedded'} clients={len(self.model.clients)} "
+                f"objects={len(self.model.objects)}>")
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self, listen: str | None = None) -> "Master":
+        """Starts the liveness monitor and, with `listen` ("host:port", port
+        0 picks one), the tcp server; `self.address` is where it listens."""
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch_clients())
+        if listen is not None and self._server is None:
+            host, _, port = listen.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgumentError(f"listen must be host:port, not {listen!r}")
+            self._server = await asyncio.start_server(self._serve, host, int(port))
+            sock = self._server.sockets[0].getsockname()
+            self.address = f"{host}:{sock[1]}"
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conn_tasks):
+            t.cancel()
+        if self._monitor is not None:
+            self._monitor.cancel()
+        await asyncio.gather(*self._conn_tasks, *(t for t in [self._monitor] if t), return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        for s in list(self.sessions):
+            s.close()
+
+    async def __aenter__(self) -> "Master":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def session(self, peer: str = "in-process") -> Session:
+        s = Session(self, peer)
+        self.sessions.add(s)
+        return s
+
+    def _session_closed(self, s: Session) -> None:
+        self.sessions.discard(s)
+        if s.client_id is not None:
+            dropped = self.model.client_lost(s.client_id)
+            log.info("client %s gone (%s): %d objects dropped", s.client_id, s.peer, dropped)
+
+    async def _watch_clients(self) -> None:
+        period = min(self.client_grace / 4, 1.0)
+        last = self.clock()
+        while True:
+            await asyncio.sleep(period)
+            now = self.clock()
+            if now - last > period + self.client_grace / 2:
+                # this process was stopped or starved: the silence was ours
+                for c in self.model.clients.values():
+                    c.last_seen = now
+            last = now
+            for cid in self.model.expire_clients(now, self.client_grace):
+                log.warning("client %s silent for more than %.1f s: lost", cid, self.client_grace)
+                for s in list(self.sessions):
+                    if s.client_id == cid:
+                        s.client_id = None          # already forgotten
+                        self.sessions.discard(s)
+
+    # -- the tcp server --------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._conn_tasks.add(task)
+        peer = writer.get_extra_info("peername")
+        s = self.session(f"{peer[0]}:{peer[1]}" if peer else "?")
+        try:
+            while True:
+                try:
+                    msg = await read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                if not (isinstance(msg, list) and len(msg) == 3 and isinstance(msg[1], str)
+                        and isinstance(msg[2], list)):
+                    raise ProtocolError(f"malformed request from {s.peer}")
+                rid, method, args = msg
+                try:
+                    reply = [rid, 0, self.dispatch(s, method, args)]
+                except KVFlowError as e:
+                    reply = [rid, 1, [error_code(e), str(e), getattr(e, "key", None)]]
+                except (TypeError, ValueError) as e:     # wrong arity or types from the wire
+                    reply = [rid, 1, ["invalid_argument", f"{method}: {e}", None]]
+                writer.write(encode(reply))
+                await writer.drain()
+        except ProtocolError as e:
+            log.warning("dropping %s: %s", s.peer, e)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            s.close()
+            writer.close()
+            self._conn_tasks.discard(task)
+
+    # -- the calls -------------------------------------------------------------
+    def dispatch(self, s: Session, method: str, args: list) -> Any:
+        """Runs one call for session `s`; raises the model's typed errors.
+        Every message is a sign of life."""
+        if s.closed:
+            raise KVFlowError("session closed")
+        self.calls += 1
+        now = self.clock()
+        if method == "register":
+            client_id, host, engine = args
+            self.model.register_client(client_id, host, engine, now)
+            s.client_id = client_id
+            return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
+                    "grace": self.client_grace}
+        if s.client_id is None:
+            if method in ("stats", "batch_exists"):      # observers need no identity
+                return getattr(self, f"_{method}")(None, now, *args)
+            raise KVFlowError(f"{method}: register first (or this client was declared lost)")
+        self.model.seen(s.client_id, now)
+        fn = getattr(self, f"_{method}", None)
+        if fn is None or method.startswith("_"):
+            raise InvalidArgumentError(f"unknown method {method!r}")
+        return fn(s.client_id, now, *args)
+
+    def _heartbeat(self, cid: str, now: float) -> None:
+        return None
+
+    def _mount(self, cid: str, now: float, name: str, base: int, size: int) -> int:
+        return self.model.mount(cid, name, base, size)
+
+    def _unmount(self, cid: str, now: float, segment: int) -> int:
+        seg = self.model.segments.get(segment)
+        if seg is not None and seg.client != cid:
+            raise InvalidArgumentError(f"segment {segment} is not this client's")
+        return self.model.unmount(segment)
+
+    def _replicas(self, obj: Object) -> list:
+        out = []
+        for r in obj.replicas:
+            seg = self.model.segments[r.segment]
+            c = self.model.clients[seg.client]
+            out.append([seg.id, c.id, c.engine, c.host, seg.base + r.offset])
+        return out
+
+    def _batch_put_start(self, cid: str, now: float, items: list) -> list:
+        out = []
+        for it in items:
+            try:
+                key, size, replica_num, preferred, pin = it
+                reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin)
+                out.append(item_ok(None if reps is None else self._replicas(self.model.objects[key])))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_put_end(self, cid: str, now: float, items: list) -> list:
+        out = []
+        for key, failed in items:
+            try:
+                out.append(item_ok(self.model.put_end(cid, key, failed)))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_put_revoke(self, cid: str, now: float, keys: list) -> list:
+        out = []
+        for key in keys:
+            try:
+                self.model.put_revoke(cid, key)
+                out.append(item_ok(None))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_get_replicas(self, cid: str, now: float, keys: list) -> list:
+        out = []
+        for key in keys:
+            try:
+                obj = self.model.get_replicas(key, now)
+                out.append(item_ok([obj.size, self._replicas(obj)]))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
+        out = []
+        for key in keys:
+            try:
+                out.append(item_ok(self.model.exists(key)))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_size(self, cid: str, now: float, keys: list) -> list:
+        out = []
+        for key in keys:
+            try:
+                out.append(item_ok(self.model.size(key)))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_remove(self, cid: str, now: float, keys: list, force: bool) -> list:
+        out = []
+        for key in keys:
+            try:
+                self.model.remove(key, now, force=bool(force))
+                out.append(item_ok(None))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _remove_all(self, cid: str, now: float, force: bool) -> int:
+        return self.model.remove_all(now, force=bool(force))
+
+    def _stats(self, cid: str | None, now: float) -> dict:
+        m = self.model
+        return {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
+                "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}

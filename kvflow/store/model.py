@@ -1,0 +1,366 @@
+"""The master's metadata, in memory and synchronous: clients, their
+segments (each with an Allocator), objects (key -> size, replicas, state),
+read leases, pins, and eviction. No I/O and no clock of its own: every
+call that needs the time takes `now` (monotonic seconds), so tests drive
+leases, liveness and LRU without sleeping.
+
+Invariants the tests hold:
+- a reader sees only COMPLETE objects (ALLOCATED ones are invisible to
+  get_replicas, exists and size);
+- every allocated byte belongs to exactly one replica of one object, so
+  when every object is gone every segment is one free extent again;
+- a leased or pinned object is never evicted, and a leased one never removed
+  (unless forced, or its holder is lost).
+"""
+from __future__ import annotations
+
+import enum
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvflow.errors import InvalidArgumentError
+
+from .allocator import Allocator
+from .errors import (InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectLeasedError,
+                     ObjectNotFoundError, SegmentError, StoreError)
+from .placement import place
+
+__all__ = ["State", "Client", "Segment", "Replica", "Object", "StoreModel", "check_key", "MAX_KEY_BYTES"]
+
+MAX_KEY_BYTES = 4096
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"a key must be a str, not {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("a key must not be empty")
+    if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"a key must be at most {MAX_KEY_BYTES} UTF-8 bytes", key=key[:64])
+    return key
+
+
+class State(enum.Enum):
+    ALLOCATED = "allocated"     # space reserved, the writer is writing; invisible
+    COMPLETE = "complete"       # written and committed; readable
+
+
+@dataclass(eq=False)
+class Client:
+    id: str
+    host: str
+    engine: str                 # its kvflow engine's address (peers connect there)
+    last_seen: float
+    segments: set[int] = field(default_factory=set)
+    writing: set[str] = field(default_factory=set)     # keys it has put_start'ed, not ended
+
+
+@dataclass(eq=False)
+class Segment:
+    id: int
+    client: str
+    name: str
+    base: int                   # the region's address in the holder's process
+    size: int
+    alloc: Allocator
+    keys: set[str] = field(default_factory=set)       # objects with a replica here
+
+    def fits(self, size: int) -> bool:
+        return self.alloc.fits(size)
+
+    def fill_after(self, size: int) -> float:
+        return (self.alloc.used + size) / self.alloc.capacity
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    segment: int
+    offset: int
+    length: int                 # the allocation's length (the object's size, rounded up)
+
+
+@dataclass(eq=False)
+class Object:
+    key: str
+    size: int
+    replicas: list[Replica]
+    state: State
+    writer: str
+    pinned: bool = False
+    lease_until: float = 0.0
+
+
+class StoreModel:
+    """The pool's metadata. `high_watermark`/`low_watermark`: fractions of
+    the pool's capacity; a put that would take the pool above the high one
+    first evicts least-recently-used objects down to the low one.
+    `lease_ttl`: seconds a get_replicas protects an object from eviction
+    and removal."""
+
+    def __init__(self, *, lease_ttl: float = 5.0, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85, seed: int | None = None) -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise InvalidArgumentError("watermarks must satisfy 0 < low <= high <= 1")
+        if lease_ttl <= 0:
+            raise InvalidArgumentError("lease_ttl must be > 0")
+        self.lease_ttl = lease_ttl
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.clients: dict[str, Client] = {}
+        self.segments: dict[int, Segment] = {}
+        self.objects: dict[str, Object] = {}
+        # COMPLETE objects by last access, least recent first: eviction walks
+        # it from the front, a hit moves the key to the back (O(1) each).
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self._next_segment = 1
+        self._rng = random.Random(seed)
+        self.evictions = 0
+
+    # -- capacity --------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return sum(s.alloc.capacity for s in self.segments.values())
+
+    @property
+    def used(self) -> int:
+        return sum(s.alloc.used for s in self.segments.values())
+
+    # -- clients and segments --------------------------------------------------
+    def register_client(self, client_id: str, host: str, engine: str, now: float) -> Client:
+        if not isinstance(client_id, str) or not client_id:
+            raise InvalidArgumentError("client id must be a non-empty str")
+        if client_id in self.clients:
+            raise StoreError(f"client {client_id} is already registered")
+        c = Client(client_id, str(host), str(engine), now)
+        self.clients[client_id] = c
+        return c
+
+    def seen(self, client_id: str, now: float) -> None:
+        c = self.clients.get(client_id)
+        if c is not None:
+            c.last_seen = now
+
+    def mount(self, client_id: str, name: str, base: int, size: int) -> int:
+        c = self._client(client_id)
+        if not isinstance(base, int) or not isinstance(size, int) or base <= 0 or size <= 0:
+            raise SegmentError(f"bad segment {name!r}: base {base!r}, size {size!r}")
+        if any(self.segments[s].name == name for s in c.segments):
+            raise SegmentError(f"client {client_id} already mounted a segment named {name!r}")
+        sid = self._next_segment
+        self._next_segment += 1
+        self.segments[sid] = Segment(sid, client_id, str(name), base, size, Allocator(size))
+        c.segments.add(sid)
+        return sid
+
+    def unmount(self, segment_id: int) -> int:
+        """Removes a segment and every replica on it; objects left with no
+        replica are gone. Returns how many objects were dropped."""
+        seg = self.segments.get(segment_id)
+        if seg is None:
+            raise SegmentError(f"no segment {segment_id}")
+        return self._drop_segment(seg)
+
+    def client_lost(self, client_id: str) -> int:
+        """The client's process is gone (its connection closed, or it was
+        silent past the grace): its puts in progress are revoked and its
+        segments dropped. Returns the number of objects dropped."""
+        c = self.clients.pop(client_id, None)
+        if c is None:
+            return 0
+        for key in list(c.writing):
+            obj = self.objects.get(key)
+            if obj is not None and obj.state is State.ALLOCATED and obj.writer == client_id:
+                self._delete(obj)
+        dropped = 0
+        for sid in list(c.segments):
+            dropped += self._drop_segment(self.segments[sid])
+        return dropped
+
+    def expire_clients(self, now: float, grace: float) -> list[str]:
+        """Clients silent for more than `grace` seconds are lost."""
+        dead = [c.id for c in self.clients.values() if now - c.last_seen > grace]
+        for cid in dead:
+            self.client_lost(cid)
+        return dead
+
+    # -- puts: allocate, then commit -------------------------------------------
+    def put_start(self, client_id: str, key: str, size: int, replica_num: int, now: float, *,
+                  preferred: int | None = None, pin: bool = False) -> list[Replica] | None:
+        """Allocates up to `replica_num` replicas of `size` bytes on distinct
+        segments (distinct clients first) and records the object as
+        ALLOCATED: invisible until put_end. Returns the replicas, or None
+        when a COMPLETE object with this key exists (objects are immutable:
+        the put is a no-op success). ObjectBusyError when another put of the
+        key is in progress; NoSpaceError when nothing fits even after
+        eviction."""
+        c = self._client(client_id)
+        check_key(key)
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgumentError(f"object size must be a positive int, not {size!r}", )
+        if not isinstance(replica_num, int) or replica_num < 1:
+            raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
+        old = self.objects.get(key)
+        if old is not None:
+            if old.state is State.COMPLETE:
+                self._touch(key)
+                return None
+            raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
+        cap = self.capacity
+        if cap and self.used + size > self.high_watermark * cap:
+            self._evict(self.used + size - int(self.low_watermark * cap), now)
+        chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+        while not chosen and self._evict_one(now):      # fragmentation: evict until one fits
+            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred,
+                           rng=self._rng)
+        if not chosen:
+            largest = max((s.alloc.largest_free for s in self.segments.values()), default=0)
+            raise NoSpaceError(f"no segment can hold {size} bytes (largest free extent {largest}, "
+                               f"{len(self.segments)} segments)", key=key)
+        replicas = []
+        for seg in chosen:
+            off = seg.alloc.allocate(size)
+            assert off is not None          # place() returned only segments where it fits
+            replicas.append(Replica(seg.id, off, seg.alloc.allocated_length(off)))
+            seg.keys.add(key)
+        self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin))
+        c.writing.add(key)
+        return replicas
+
+    def put_end(self, client_id: str, key: str, failed_segments: list[int] | tuple = ()) -> int:
+        """The writer wrote every replica but those on `failed_segments`:
+        those are freed, the rest become COMPLETE and visible. Returns the
+        number of replicas kept (0: the object is gone, as after a revoke)."""
+        obj = self._pending(client_id, key)
+        failed = set(failed_segments)
+        keep = []
+        for r in obj.replicas:
+            if r.segment in failed:
+                self._free(key, r)
+            else:
+                keep.append(r)
+        obj.replicas = keep
+        self.clients[client_id].writing.discard(key)
+        if not keep:
+            del self.objects[key]
+            return 0
+        obj.state = State.COMPLETE
+        self._lru[key] = None
+        return len(keep)
+
+    def put_revoke(self, client_id: str, key: str) -> None:
+        """The put failed: its allocations are freed and the key is free again."""
+        self._delete(self._pending(client_id, key))
+
+    # -- reads -----------------------------------------------------------------
+    def get_replicas(self, key: str, now: float) -> Object:
+        """The COMPLETE object (size, replicas), with a read lease until
+        now + lease_ttl. ObjectNotFoundError otherwise."""
+        obj = self._complete(key)
+        obj.lease_until = max(obj.lease_until, now + self.lease_ttl)
+        self._touch(key)
+        return obj
+
+    def exists(self, key: str) -> bool:
+        check_key(key)
+        obj = self.objects.get(key)
+        return obj is not None and obj.state is State.COMPLETE
+
+    def size(self, key: str) -> int:
+        return self._complete(key).size
+
+    # -- removal and eviction --------------------------------------------------
+    def remove(self, key: str, now: float, *, force: bool = False) -> None:
+        obj = self._complete(key)
+        if not force and obj.lease_until > now:
+            raise ObjectLeasedError(f"{key!r} is leased to a reader for "
+                                    f"{obj.lease_until - now:.3f} s more", key=key)
+        self._delete(obj)
+
+    def remove_all(self, now: float, *, force: bool = False) -> int:
+        """Removes every COMPLETE object not under a lease (every one with
+        `force`); puts in progress are left to their writers. Returns how
+        many were removed."""
+        gone = 0
+        for key in list(self._lru):
+            obj = self.objects[key]
+            if force or obj.lease_until <= now:
+                self._delete(obj)
+                gone += 1
+        return gone
+
+    def evictable(self, obj: Object, now: float) -> bool:
+        return obj.state is State.COMPLETE and not obj.pinned and obj.lease_until <= now
+
+    def _evict(self, nbytes: int, now: float) -> int:
+        """Evicts least-recently-used objects until `nbytes` bytes were freed
+        or nothing evictable is left; returns the bytes freed."""
+        freed = 0
+        for key in list(self._lru):
+            if freed >= nbytes:
+                break
+            obj = self.objects[key]
+            if self.evictable(obj, now):
+                freed += sum(r.length for r in obj.replicas)
+                self._delete(obj)
+                self.evictions += 1
+        return freed
+
+    def _evict_one(self, now: float) -> bool:
+        return self._evict(1, now) > 0
+
+    # -- helpers ---------------------------------------------------------------
+    def _client(self, client_id: str) -> Client:
+        c = self.clients.get(client_id)
+        if c is None:
+            raise StoreError(f"client {client_id!r} is not registered (or was declared lost)")
+        return c
+
+    def _complete(self, key: str) -> Object:
+        check_key(key)
+        obj = self.objects.get(key)
+        if obj is None or obj.state is not State.COMPLETE:
+            raise ObjectNotFoundError(f"no object {key!r}", key=key)
+        return obj
+
+    def _pending(self, client_id: str, key: str) -> Object:
+        check_key(key)
+        obj = self.objects.get(key)
+        if obj is None or obj.state is not State.ALLOCATED or obj.writer != client_id:
+            raise ObjectNotFoundError(f"no put of {key!r} in progress by {client_id}", key=key)
+        return obj
+
+    def _touch(self, key: str) -> None:
+        if key in self._lru:
+            self._lru.move_to_end(key)
+
+    def _free(self, key: str, r: Replica) -> None:
+        seg = self.segments.get(r.segment)
+        if seg is not None:          # a dropped segment's space went with it
+            seg.alloc.release(r.offset)
+            seg.keys.discard(key)
+
+    def _delete(self, obj: Object) -> None:
+        for r in obj.replicas:
+            self._free(obj.key, r)
+        self.objects.pop(obj.key, None)
+        self._lru.pop(obj.key, None)
+        w = self.clients.get(obj.writer)
+        if w is not None:
+            w.writing.discard(obj.key)
+
+    def _drop_segment(self, seg: Segment) -> int:
+        dropped = 0
+        for key in list(seg.keys):
+            obj = self.objects.get(key)
+            if obj is None:
+                continue
+            obj.replicas = [r for r in obj.replicas if r.segment != seg.id]
+            if not obj.replicas:
+                self._delete(obj)
+                dropped += 1
+        del self.segments[seg.id]
+        c = self.clients.get(seg.client)
+        if c is not None:
+            c.segments.discard(seg.id)
+        return dropped

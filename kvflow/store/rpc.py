@@ -1,0 +1,142 @@
+"""The client's end of the master: one call = one round trip, over tcp
+(`TcpMasterLink`) or, with the master in this process, a direct call
+(`LocalMasterLink`). Both raise the master's typed errors, and
+MasterUnavailableError when the master cannot be reached.
+
+Each call owns its timeout: a call that times out or is cancelled drops
+its waiter, its late reply is ignored, and the link stays usable."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
+
+from .errors import MasterUnavailableError, error_from_code
+from .master import Master, Session
+from .wire import encode, read_frame
+
+__all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "connect_master"]
+
+
+class MasterLink:
+    closed: bool
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class LocalMasterLink(MasterLink):
+    """The master in this process: calls are plain function calls."""
+
+    def __init__(self, master: Master) -> None:
+        self.master = master
+        self.session: Session = master.session()
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<LocalMasterLink {self.master!r}>"
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        if self.closed or self.session.closed:
+            raise MasterUnavailableError("the link to the in-process master is closed")
+        return self.master.dispatch(self.session, method, list(args))
+
+    async def close(self) -> None:
+        self.closed = True
+        self.session.close()
+
+
+class TcpMasterLink(MasterLink):
+    """Requests pipelined on one connection; replies matched by id."""
+
+    def __init__(self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.address = address
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._lost: KVFlowError | None = None
+        self.closed = False
+        self._task = asyncio.get_running_loop().create_task(self._read_replies())
+
+    def __repr__(self) -> str:
+        return f"<TcpMasterLink {self.address}{' closed' if self.closed else ''}>"
+
+    @classmethod
+    async def open(cls, address: str, *, timeout: float = 5.0) -> "TcpMasterLink":
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(f"master address must be host:port, not {address!r}")
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, int(port))
+        except (OSError, TimeoutError) as e:
+            raise MasterUnavailableError(f"master {address} unreachable: {e or 'timeout'}") from None
+        return cls(address, reader, writer)
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                msg = await read_frame(self._reader)
+                if not (isinstance(msg, list) and len(msg) == 3):
+                    raise ProtocolError("malformed reply from the master")
+                rid, failed, result = msg
+                fut = self._waiters.pop(rid, None)
+                if fut is None or fut.done():          # its caller timed out or was cancelled
+                    continue
+                if failed:
+                    code, message, key = result
+                    fut.set_exception(error_from_code(code, message, key))
+                else:
+                    fut.set_result(result)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            self._lost = MasterUnavailableError(f"connection to master {self.address} lost: {e!r}")
+        except ProtocolError as e:
+            self._lost = MasterUnavailableError(f"master {self.address}: {e}")
+        except asyncio.CancelledError:
+            self._lost = MasterUnavailableError("link closed")
+            raise
+        finally:
+            self.closed = True
+            err = self._lost or MasterUnavailableError("link closed")
+            for fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            self._waiters.clear()
+            self._writer.close()
+
+    async def call(self, method: str, *args: Any, timeout: float | None = 10.0) -> Any:
+        if self.closed:
+            raise self._lost or MasterUnavailableError(f"link to master {self.address} is closed")
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = fut
+        try:
+            self._writer.write(encode([rid, method, list(args)]))
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            raise MasterUnavailableError(f"master {self.address}: {method} timed out after {timeout} s") from None
+        finally:
+            self._waiters.pop(rid, None)
+
+    async def close(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.closed = True
+
+
+async def connect_master(master: "str | Master", *, timeout: float = 5.0) -> MasterLink:
+    if isinstance(master, Master):
+        return LocalMasterLink(master)
+    if isinstance(master, str):
+        return await TcpMasterLink.open(master, timeout=timeout)
+    raise InvalidArgumentError(f"master must be 'host:port' or a Master, not {type(master).__name__}")
+
+
