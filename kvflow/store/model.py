@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvflow.errors import InvalidArgumentError
 
 from .allocator import Allocator
-from .errors import (InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectLeasedError,
+from .errors import (InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
                      ObjectNotFoundError, SegmentError, StoreError)
 from .placement import place
 
@@ -203,6 +203,8 @@ class StoreModel:
         old = self.objects.get(key)
         if old is not None:
             if old.state is State.COMPLETE:
+                if old.size != size:
+                    raise ObjectExistsError(f"{key!r} exists with {old.size} bytes, not {size}", key=key)
                 self._touch(key)
                 return None
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
