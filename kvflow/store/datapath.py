@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import kvflow
-from kvflow.errors import KVFlowError
+from kvflow.errors import KVFlowError, PeerLostError
 
 __all__ = ["Entry", "Mover"]
 
@@ -63,9 +63,14 @@ class Mover:
         results = await asyncio.gather(*(self._batch(op, h, groups[h], timeout) for h in holders),
                                        return_exceptions=True)
         failed: dict[str, KVFlowError] = {}
+        me = asyncio.current_task()
         for h, r in zip(holders, results):
             if isinstance(r, KVFlowError):
                 failed[h] = r
+            elif isinstance(r, asyncio.CancelledError) and not (me and me.cancelling()):
+                # not our cancel: this engine closed under the transfer (its
+                # close cancels what is in flight on it)
+                failed[h] = PeerLostError(f"transfer to {h} cancelled: this client's engine closed", peer=h)
             elif isinstance(r, BaseException):
                 raise r
         return failed

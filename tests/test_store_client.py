@@ -1,0 +1,299 @@
+"""kvflow.store end to end in one process: real kvflow engines (tcp, and
+the automatic choice, which is `local` within a process), a master shared
+in-process, every byte checked."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow.errors import InvalidArgumentError, UnregisteredMemoryError
+from kvflow.store import (BufferTooSmallError, InvalidKeyError, MasterUnavailableError, Master,
+                          NoSpaceError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
+                          ReplicaUnavailableError, StoreClient)
+
+PROTOCOLS = [pytest.param(("tcp",), id="tcp"), pytest.param(None, id="auto")]
+
+
+def _data(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@contextlib.asynccontextmanager
+async def _pool(n: int, protocols, *, segment_size=4 << 20, master=None, **kw):
+    master = master or Master(seed=1)
+    await master.start()
+    clients = []
+    try:
+        for _ in range(n):
+            clients.append(await StoreClient(master, segment_size=segment_size, protocols=protocols,
+                                             **kw).start())
+        yield master, clients
+    finally:
+        for c in clients:
+            await c.close()
+        await master.close()
+
+
+def _assert_no_leak(master: Master, objects: int = 0) -> None:
+    m = master.model
+    for s in m.segments.values():
+        s.alloc.check()
+    assert len(m.objects) == objects
+    if objects == 0:
+        assert m.used == 0
+        assert all(s.alloc.extents == 1 for s in m.segments.values())
+
+
+@pytest.mark.parametrize("protocols", PROTOCOLS)
+async def test_put_on_one_get_on_another(protocols):
+    async with _pool(3, protocols) as (master, (a, b, c)):
+        values = {f"obj/{i}": _data(n, i).tobytes()
+                  for i, n in enumerate([1, 63, 64, 65, 4096, 100_000, 1 << 20])}
+        for k, v in values.items():
+            assert await a.put(k, v) == 1
+        for client in (a, b, c):
+            for k, v in values.items():
+                assert await client.get(k) == v
+                assert await client.size(k) == len(v)
+        got = await c.batch_get(list(values) + ["missing"])
+        assert got[:-1] == list(values.values())
+        assert isinstance(got[-1], ObjectNotFoundError)
+        assert await b.batch_exists(list(values) + ["missing"]) == [True] * len(values) + [False]
+        # objects spread over the three segments (power of two choices)
+        holders = {(await a.get_replicas(k))[0].client for k in values}
+        assert len(holders) >= 2
+        assert await a.remove_all() == 0            # every one is leased by the gets above
+        assert await a.remove_all(force=True) == len(values)
+        _assert_no_leak(master)
+
+
+@pytest.mark.parametrize("protocols", PROTOCOLS)
+async def test_zero_copy_batch_and_parts(protocols):
+    async with _pool(2, protocols, segment_size=16 << 20) as (master, (a, b)):
+        n, size = 16, 256 << 10
+        src = _data(n * size, 5)
+        dst = np.zeros(n * size + 4096, np.uint8)
+        ra, rb = a.register_buffer(src), b.register_buffer(dst)
+        keys = [f"kv/{i}" for i in range(n)]
+        out = await a.batch_put_from(keys, [ra.addr + i * size for i in range(n)], [size] * n, replica_num=2)
+        assert out == [2] * n
+        assert await a.batch_put_from(keys, [ra.addr] * n, [size] * n) == [0] * n   # dedup: no-op
+        # gather into reversed slots
+        got = await b.batch_get_into(keys, [rb.addr + (n - 1 - i) * size for i in range(n)], [size] * n)
+        assert got == [size] * n
+        for i in range(n):
+            assert np.array_equal(dst[(n - 1 - i) * size:(n - i) * size], src[i * size:(i + 1) * size])
+        assert not dst[n * size:].any()        # nothing written past the objects
+        # scatter/gather: an object made of K and V pages in two places
+        k_page, v_page = src[:4096], src[8192:8192 + 1000]
+        await a.put_from_parts("kv-pair", [(ra.addr, 4096), (ra.addr + 8192, 1000)])
+        dst[:] = 0
+        assert await b.get_into_parts("kv-pair", [(rb.addr + 10_000, 1000), (rb.addr, 4096)]) == 5096
+        assert np.array_equal(dst[10_000:11_000], k_page[:1000])
+        assert np.array_equal(dst[:4096], np.concatenate([k_page[1000:], v_page]))
+        assert await b.get("kv-pair") == k_page.tobytes() + v_page.tobytes()
+        await a.remove_all(force=True)
+        _assert_no_leak(master)
+
+
+async def test_replica_holder_lost_mid_stream_reads_the_other_replica():
+    # a and b hold; c (no segment) puts and reads. b's engine dies while c
+    # streams gets: every get returns the right bytes from a's replica.
+    master = Master(seed=2)
+    await master.start()
+    a = await StoreClient(master, segment_size=8 << 20, protocols=("tcp",)).start()
+    b = await StoreClient(master, segment_size=8 << 20, protocols=("tcp",)).start()
+    c = await StoreClient(master, segment_size=0, protocols=("tcp",)).start()
+    try:
+        values = {f"r/{i}": _data(50_000 + i, i).tobytes() for i in range(40)}
+        assert await c.batch_put(list(values), list(values.values()), replica_num=2) == [2] * 40
+        only_b = _data(1000, 99).tobytes()
+        assert await c.put("only-b", only_b, preferred_segment=b.segment_id) == 1
+        assert (await c.get_replicas("only-b"))[0].client == b.client_id
+
+        async def stream():
+            n = 0
+            for _ in range(10):
+                for k, v in values.items():
+                    assert await c.get(k) == v
+                    n += 1
+            return n
+
+        reader = asyncio.create_task(stream())
+        await asyncio.sleep(0.05)
+        await b.engine.close()                 # the holder's process "dies": the master is not told
+        assert await reader == 400
+        # the object whose only replica was on b: a typed error, never bytes
+        with pytest.raises(ReplicaUnavailableError):
+            await c.get("only-b")
+        # puts keep working (b's segment, still listed, fails its writes: fewer replicas)
+        for i in range(10):
+            n = await c.put(f"after/{i}", values["r/0"], replica_num=2)
+            assert n >= 1
+            assert await c.get(f"after/{i}") == values["r/0"]
+    finally:
+        for x in (c, b, a):
+            await x.close()
+        await master.close()
+
+
+async def test_full_pool_puts_evict_and_succeed():
+    async with _pool(2, ("tcp",), segment_size=1 << 20) as (master, (a, b)):
+        value = _data(100_000, 1).tobytes()
+        for i in range(60):                    # 6 MB into a 2 MiB pool
+            assert await a.put(f"f/{i}", value) == 1
+        assert master.model.evictions > 0
+        assert await b.get("f/59") == value    # the newest survive
+        assert not await b.exists("f/0")       # the oldest were evicted
+        # pinned objects stay; a pool full of pinned objects says NoSpace
+        async with _pool(1, ("tcp",), segment_size=1 << 20) as (m2, (p,)):
+            for i in range(10):
+                await p.put(f"pin/{i}", value, pin=True)
+            with pytest.raises(NoSpaceError):
+                await p.put("one-more", value)
+            assert all(await p.batch_exists([f"pin/{i}" for i in range(10)]))
+
+
+async def test_ten_thousand_put_remove_cycles_with_failing_writers_leak_nothing():
+    async with _pool(2, ("tcp",), segment_size=1 << 20) as (master, (a, b)):
+        src = _data(1 << 18, 3)
+        ra = a.register_buffer(src)
+        rng = random.Random(4)
+        failures = {"cancelled": 0, "no_space": 0, "unregistered": 0}
+        for i in range(10_000):
+            size = rng.choice((64, 1000, 4096, 65536))
+            key = f"cyc/{i}"
+            what = rng.random()
+            if what < 0.1:
+                # a writer cancelled mid-put: its allocation must come back
+                t = asyncio.create_task(a.put_from(key, ra.addr, 1 << 18))
+                for _ in range(rng.randint(0, 3)):
+                    await asyncio.sleep(0)
+                t.cancel()
+                try:
+                    await t
+                    await b.remove(key)
+                except asyncio.CancelledError:
+                    failures["cancelled"] += 1
+                continue
+            if what < 0.12:
+                with pytest.raises(NoSpaceError):
+                    await a.put(key, b"x" * (3 << 20))      # larger than any segment
+                failures["no_space"] += 1
+                continue
+            if what < 0.14:
+                with pytest.raises(UnregisteredMemoryError):
+                    await a.put_from(key, ra.addr + (1 << 18) - 10, 100)
+                failures["unregistered"] += 1
+                continue
+            assert await a.put_from(key, ra.addr, size) == 1
+            await b.remove(key, force=True)
+        assert min(failures.values()) > 0
+        _assert_no_leak(master)
+
+
+async def test_writer_dies_between_allocation_and_commit():
+    async with _pool(1, ("tcp",), segment_size=16 << 20) as (master, (holder,)):
+        w = await StoreClient(master, segment_size=0, protocols=("tcp",)).start()
+        src = _data(8 << 20, 1)
+        r = w.register_buffer(src)
+        t = asyncio.create_task(w.put_from("dying", r.addr, 8 << 20))
+        while not master.model.objects:           # the allocation is made
+            await asyncio.sleep(0)
+        await w.close()                            # the writer leaves: its put is revoked
+        with contextlib.suppress(Exception):
+            await t
+        assert not await holder.exists("dying")
+        _assert_no_leak(master)
+        assert await holder.put("dying", b"fresh") == 1     # the key is free again
+        assert await holder.get("dying") == b"fresh"
+
+
+async def test_bad_input_gets_typed_errors_and_the_client_stays_usable():
+    async with _pool(2, ("tcp",), local_buffer_size=1 << 20) as (master, (a, b)):
+        await a.put("good", b"12345")
+        buf = np.zeros(4096, np.uint8)
+        reg = b.register_buffer(buf)
+        unregistered = np.zeros(4096, np.uint8)
+        with pytest.raises(InvalidKeyError):
+            await a.put("", b"x")
+        with pytest.raises(InvalidKeyError):
+            await a.put(7, b"x")
+        with pytest.raises(InvalidKeyError):
+            await b.get(b"good")
+        with pytest.raises(InvalidArgumentError):
+            await a.put("k", 12345)                # not a buffer
+        with pytest.raises(InvalidArgumentError):
+            await a.put("huge", bytes(2 << 20))    # larger than the local buffer
+        with pytest.raises(ObjectExistsError):
+            await a.put("good", b"123")            # same key, another size
+        with pytest.raises(InvalidArgumentError):
+            await a.batch_put_from(["a", "b"], [reg.addr], [1, 2])
+        with pytest.raises(UnregisteredMemoryError):
+            await a.put_from("k", unregistered.ctypes.data, 100)
+        with pytest.raises(UnregisteredMemoryError):
+            await b.get_into("good", unregistered.ctypes.data, 4096)
+        with pytest.raises(UnregisteredMemoryError):
+            await b.get_into("good", reg.addr + 4000, 200)      # runs past the region
+        with pytest.raises(BufferTooSmallError):
+            await b.get_into("good", reg.addr, 4)
+        with pytest.raises(InvalidArgumentError):
+            await b.get_into("good", reg.addr, 0)
+        with pytest.raises(ObjectNotFoundError):
+            await b.get("nothing")
+        with pytest.raises(ObjectNotFoundError):
+            await b.remove("nothing")
+        assert not buf.any()                       # nothing landed anywhere
+        # a batch: the bad items fail, the good ones go through
+        out = await b.batch_get_into(["good", "", "nothing"], [reg.addr, reg.addr + 100, reg.addr + 200],
+                                     [100, 100, 100])
+        assert out[0] == 5 and isinstance(out[1], InvalidKeyError) and isinstance(out[2], ObjectNotFoundError)
+        assert bytes(buf[:5]) == b"12345"
+        # still usable
+        await a.put("after", b"ok")
+        assert await b.get("after") == b"ok" and await b.get("good") == b"12345"
+        assert len(master.model.objects) == 2
+
+
+async def test_no_master_is_a_typed_error():
+    with pytest.raises(MasterUnavailableError):
+        await StoreClient("127.0.0.1:1", segment_size=0, protocols=("tcp",)).start()
+    with pytest.raises(InvalidArgumentError):
+        await StoreClient("nowhere", segment_size=0, protocols=("tcp",)).start()
+
+
+async def test_lease_keeps_an_object_from_removal():
+    async with _pool(1, ("tcp",), master=Master(lease_ttl=30.0)) as (master, (a,)):
+        await a.put("leased", b"v")
+        await a.get_replicas("leased")             # a lease for 30 s
+        with pytest.raises(ObjectLeasedError):
+            await a.remove("leased")
+        assert await a.remove_all() == 0
+        await a.remove("leased", force=True)
+        assert not await a.exists("leased")
+
+
+async def test_cancelled_get_leaves_the_client_usable():
+    async with _pool(2, ("tcp",), segment_size=32 << 20, local_buffer_size=32 << 20) as (master, (a, b)):
+        v = _data(16 << 20, 8).tobytes()
+        await a.put("big", v, preferred_segment=a.segment_id)
+        for delay in (0, 0.001, 0.01):
+            t = asyncio.create_task(b.get("big"))
+            await asyncio.sleep(delay)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        assert await b.get("big") == v
+        assert b._staging_alloc.used == 0          # staging space came back
+
+
+async def test_embedded_master_needs_nothing_started():
+    async with StoreClient(segment_size=1 << 20) as a, StoreClient(segment_size=1 << 20) as b:
+        await a.put("e", b"embedded")
+        assert await b.get("e") == b"embedded"
+        assert (await b.stats())["clients"] == 2
