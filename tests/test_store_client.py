@@ -128,6 +128,7 @@ async def test_replica_holder_lost_mid_stream_reads_the_other_replica():
         await asyncio.sleep(0.05)
         await b.engine.close()                 # the holder's process "dies": the master is not told
         assert await reader == 400
+        assert c.replica_fallbacks > 0         # some gets did find b gone and went on to a
         # the object whose only replica was on b: a typed error, never bytes
         with pytest.raises(ReplicaUnavailableError):
             await c.get("only-b")
@@ -194,6 +195,8 @@ async def test_ten_thousand_put_remove_cycles_with_failing_writers_leak_nothing(
             assert await a.put_from(key, ra.addr, size) == 1
             await b.remove(key, force=True)
         assert min(failures.values()) > 0
+        assert master.calls > 25_000             # every cycle went through the master
+        assert a.engine.peer(b.engine.address) is not None    # and over tcp to b's segment
         _assert_no_leak(master)
 
 

@@ -115,6 +115,7 @@ class StoreClient:
         self._mover: Mover | None = None
         self._heartbeat: asyncio.Task | None = None
         self.lease_ttl = 5.0
+        self.replica_fallbacks = 0      # reads that went on to another replica
         self._started = False
         self._closed = False
 
@@ -443,6 +444,7 @@ class StoreClient:
                 last[i].append(f"{h}: {failed[h]}")
                 attempt[i] += 1
                 if attempt[i] < len(reps):
+                    self.replica_fallbacks += 1
                     again.append((i, size, reps))
                 else:
                     results[i] = ReplicaUnavailableError(
