@@ -116,16 +116,20 @@ async def test_replica_holder_lost_mid_stream_reads_the_other_replica():
         assert await c.put("only-b", only_b, preferred_segment=b.segment_id) == 1
         assert (await c.get_replicas("only-b"))[0].client == b.client_id
 
+        started = asyncio.Event()
+
         async def stream():
             n = 0
             for _ in range(10):
                 for k, v in values.items():
                     assert await c.get(k) == v
                     n += 1
+                    if n == 40:
+                        started.set()
             return n
 
         reader = asyncio.create_task(stream())
-        await asyncio.sleep(0.05)
+        await started.wait()
         await b.engine.close()                 # the holder's process "dies": the master is not told
         assert await reader == 400
         assert c.replica_fallbacks > 0         # some gets did find b gone and went on to a

@@ -67,7 +67,9 @@ class Replica(tuple):
     addr = property(lambda self: self[4])
 
 
-def _result(item: list, key: str) -> Any:
+def _result(item: Any, key: str) -> Any:
+    if item is True or item is False:          # batch_exists' compact items
+        return item
     if item[0] == 0:
         return item[1]
     return error_from_code(item[1], item[2], key)

@@ -27,7 +27,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import error_code
 from .model import Object, StoreModel
-from .wire import encode, item_error, item_ok, read_frame
+from .wire import FrameBuffer, encode, item_error, item_ok
 
 __all__ = ["Master", "Session"]
 
@@ -76,7 +76,7 @@ class Master:
         self.calls = 0
         self._server: asyncio.base_events.Server | None = None
         self._monitor: asyncio.Task | None = None
-        self._conn_tasks: set[asyncio.Task] = set()
+        self._connections: set[_MasterProtocol] = set()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -93,7 +93,7 @@ class Master:
             host, _, port = listen.rpartition(":")
             if not host or not port.isdigit():
                 raise InvalidArgumentError(f"listen must be host:port, not {listen!r}")
-            self._server = await asyncio.start_server(self._serve, host, int(port))
+            self._server = await asyncio.get_running_loop().create_server(self._connection, host, int(port))
             sock = self._server.sockets[0].getsockname()
             self.address = f"{host}:{sock[1]}"
         return self
@@ -104,11 +104,11 @@ class Master:
         self._closed = True
         if self._server is not None:
             self._server.close()
-        for t in list(self._conn_tasks):
-            t.cancel()
+        for proto in list(self._connections):
+            proto.transport.abort()
         if self._monitor is not None:
             self._monitor.cancel()
-        await asyncio.gather(*self._conn_tasks, *(t for t in [self._monitor] if t), return_exceptions=True)
+            await asyncio.gather(self._monitor, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
         for s in list(self.sessions):
@@ -150,37 +150,8 @@ class Master:
                         self.sessions.discard(s)
 
     # -- the tcp server --------------------------------------------------------
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._conn_tasks.add(task)
-        peer = writer.get_extra_info("peername")
-        s = self.session(f"{peer[0]}:{peer[1]}" if peer else "?")
-        try:
-            while True:
-                try:
-                    msg = await read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    break
-                if not (isinstance(msg, list) and len(msg) == 3 and isinstance(msg[1], str)
-                        and isinstance(msg[2], list)):
-                    raise ProtocolError(f"malformed request from {s.peer}")
-                rid, method, args = msg
-                try:
-                    reply = [rid, 0, self.dispatch(s, method, args)]
-                except KVFlowError as e:
-                    reply = [rid, 1, [error_code(e), str(e), getattr(e, "key", None)]]
-                except (TypeError, ValueError) as e:     # wrong arity or types from the wire
-                    reply = [rid, 1, ["invalid_argument", f"{method}: {e}", None]]
-                writer.write(encode(reply))
-                await writer.drain()
-        except ProtocolError as e:
-            log.warning("dropping %s: %s", s.peer, e)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            s.close()
-            writer.close()
-            self._conn_tasks.discard(task)
+    def _connection(self) -> "_MasterProtocol":
+        return _MasterProtocol(self)
 
     # -- the calls -------------------------------------------------------------
     def dispatch(self, s: Session, method: str, args: list) -> Any:
@@ -267,10 +238,13 @@ class Master:
         return out
 
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
+        # the servers ask this before every put and get: one bool per key
+        # (an [1, code, message] item only for a bad key) keeps it small
         out = []
+        exists = self.model.exists
         for key in keys:
             try:
-                out.append(item_ok(self.model.exists(key)))
+                out.append(exists(key))
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return out
@@ -301,3 +275,58 @@ class Master:
         m = self.model
         return {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
                 "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}
+
+
+class _MasterProtocol(asyncio.Protocol):
+    """One client connection: frames in, dispatch, frames out, all in
+    data_received (dispatch is synchronous, so replies leave in request
+    order). A protocol instead of streams: no task and no await per
+    request, which is most of a small call's cost on the master."""
+
+    # a client that sends requests but never reads its replies is cut off
+    # once this much is waiting to be sent to it
+    MAX_PENDING_REPLIES = 256 << 20
+
+    def __init__(self, master: Master) -> None:
+        self.master = master
+        self.frames = FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.session = self.master.session(f"{peer[0]}:{peer[1]}" if peer else "?")
+        self.master._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.master._connections.discard(self)
+        self.session.close()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            msgs = self.frames.feed(data)
+        except ProtocolError as e:
+            log.warning("dropping %s: %s", self.session.peer, e)
+            self.transport.abort()
+            return
+        out = []
+        for msg in msgs:
+            if not (isinstance(msg, list) and len(msg) == 3 and isinstance(msg[1], str)
+                    and isinstance(msg[2], list)):
+                log.warning("dropping %s: malformed request", self.session.peer)
+                self.transport.abort()
+                return
+            rid, method, args = msg
+            try:
+                reply = [rid, 0, self.master.dispatch(self.session, method, args)]
+            except KVFlowError as e:
+                reply = [rid, 1, [error_code(e), str(e), getattr(e, "key", None)]]
+            except (TypeError, ValueError) as e:       # wrong arity or types from the wire
+                reply = [rid, 1, ["invalid_argument", f"{method}: {e}", None]]
+            out.append(encode(reply))
+        if out:
+            self.transport.write(b"".join(out))
+            if self.transport.get_write_buffer_size() > self.MAX_PENDING_REPLIES:
+                log.warning("dropping %s: it does not read its replies", self.session.peer)
+                self.transport.abort()

@@ -15,7 +15,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import MasterUnavailableError, error_from_code
 from .master import Master, Session
-from .wire import encode, read_frame
+from .wire import FrameBuffer, encode
 
 __all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "connect_master"]
 
@@ -51,18 +51,18 @@ class LocalMasterLink(MasterLink):
         self.session.close()
 
 
-class TcpMasterLink(MasterLink):
-    """Requests pipelined on one connection; replies matched by id."""
+class TcpMasterLink(MasterLink, asyncio.Protocol):
+    """Requests pipelined on one connection; replies matched by id, in
+    data_received (a protocol, not streams: no reader task hop per reply)."""
 
-    def __init__(self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, address: str) -> None:
         self.address = address
-        self._reader = reader
-        self._writer = writer
         self._ids = itertools.count(1)
         self._waiters: dict[int, asyncio.Future] = {}
+        self._frames = FrameBuffer()
         self._lost: KVFlowError | None = None
+        self._transport: asyncio.Transport | None = None
         self.closed = False
-        self._task = asyncio.get_running_loop().create_task(self._read_replies())
 
     def __repr__(self) -> str:
         return f"<TcpMasterLink {self.address}{' closed' if self.closed else ''}>"
@@ -72,17 +72,22 @@ class TcpMasterLink(MasterLink):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgumentError(f"master address must be host:port, not {address!r}")
+        link = cls(address)
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(host, int(port))
+                await asyncio.get_running_loop().create_connection(lambda: link, host, int(port))
         except (OSError, TimeoutError) as e:
             raise MasterUnavailableError(f"master {address} unreachable: {e or 'timeout'}") from None
-        return cls(address, reader, writer)
+        return link
 
-    async def _read_replies(self) -> None:
+    # -- asyncio.Protocol ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
         try:
-            while True:
-                msg = await read_frame(self._reader)
+            msgs = self._frames.feed(data)
+            for msg in msgs:
                 if not (isinstance(msg, list) and len(msg) == 3):
                     raise ProtocolError("malformed reply from the master")
                 rid, failed, result = msg
@@ -94,22 +99,21 @@ class TcpMasterLink(MasterLink):
                     fut.set_exception(error_from_code(code, message, key))
                 else:
                     fut.set_result(result)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            self._lost = MasterUnavailableError(f"connection to master {self.address} lost: {e!r}")
-        except ProtocolError as e:
+        except (ProtocolError, ValueError, TypeError) as e:
             self._lost = MasterUnavailableError(f"master {self.address}: {e}")
-        except asyncio.CancelledError:
-            self._lost = MasterUnavailableError("link closed")
-            raise
-        finally:
-            self.closed = True
-            err = self._lost or MasterUnavailableError("link closed")
-            for fut in self._waiters.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            self._waiters.clear()
-            self._writer.close()
+            self._transport.abort()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._lost is None:
+            self._lost = MasterUnavailableError(f"connection to master {self.address} lost"
+                                                + (f": {exc!r}" if exc else ""))
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(self._lost)
+        self._waiters.clear()
+
+    # -- calls -----------------------------------------------------------------
     async def call(self, method: str, *args: Any, timeout: float | None = 10.0) -> Any:
         if self.closed:
             raise self._lost or MasterUnavailableError(f"link to master {self.address} is closed")
@@ -117,7 +121,7 @@ class TcpMasterLink(MasterLink):
         fut = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         try:
-            self._writer.write(encode([rid, method, list(args)]))
+            self._transport.write(encode([rid, method, list(args)]))
             async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError:
@@ -126,9 +130,9 @@ class TcpMasterLink(MasterLink):
             self._waiters.pop(rid, None)
 
     async def close(self) -> None:
-        if not self._task.done():
-            self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        if self._transport is not None and not self.closed:
+            self._lost = MasterUnavailableError("link closed")
+            self._transport.close()
         self.closed = True
 
 

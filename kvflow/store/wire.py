@@ -17,7 +17,7 @@ import msgpack
 
 from kvflow.errors import ProtocolError
 
-__all__ = ["MAX_FRAME", "encode", "read_frame", "item_ok", "item_error"]
+__all__ = ["MAX_FRAME", "FrameBuffer", "encode", "read_frame", "item_ok", "item_error"]
 
 # A batch of 100k keys of 100 bytes is ~10 MiB; anything past this is a bug
 # or an attack, and is refused before its body is read.
@@ -43,6 +43,38 @@ async def read_frame(reader: asyncio.StreamReader) -> object:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as e:          # msgpack raises several unrelated types
         raise ProtocolError(f"malformed frame: {e}") from None
+
+
+class FrameBuffer:
+    """Bytes received so far; yields each complete message (for
+    asyncio.Protocol.data_received, which the master and the link use:
+    no task and no await per message, unlike streams)."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        buf = self._buf
+        buf += data
+        out = []
+        pos = 0
+        while len(buf) - pos >= 4:
+            (n,) = _LEN.unpack_from(buf, pos)
+            if n > MAX_FRAME:
+                raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+            if len(buf) - pos - 4 < n:
+                break
+            try:
+                out.append(msgpack.unpackb(memoryview(buf)[pos + 4:pos + 4 + n], raw=False,
+                                           strict_map_key=False))
+            except Exception as e:      # msgpack raises several unrelated types
+                raise ProtocolError(f"malformed frame: {e}") from None
+            pos += 4 + n
+        if pos:
+            del buf[:pos]
+        return out
 
 
 def item_ok(value: object) -> list:
