@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvflow.store import ObjectNotFoundError, ReplicaUnavailableError, StoreClient
+from kvflow.store import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, StoreClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ async def _master(*args: str):
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert "ready" in line, line
-        yield line.split()[-1]
+        yield line.split()[-1], proc
     finally:
         if proc.returncode is None:
             proc.terminate()
@@ -68,7 +68,7 @@ async def _stop(proc) -> None:
 
 
 async def test_holder_killed_replicas_survive_and_lost_objects_are_typed_errors():
-    async with _master() as address:
+    async with _master() as (address, master):
         h1, i1 = await _member(address, "from-h1", 300_000, 11)
         h2, i2 = await _member(address, "from-h2", 200_000, 12)
         try:
@@ -125,7 +125,7 @@ async def test_holder_killed_replicas_survive_and_lost_objects_are_typed_errors(
 
 async def test_stopped_holder_is_not_dropped():
     # heartbeats every second; a holder stopped for 3 s keeps its objects
-    async with _master() as address:
+    async with _master() as (address, master):
         h, info = await _member(address, "held", 50_000, 21)
         try:
             async with StoreClient(address, segment_size=0, protocols=("tcp",)) as c:
@@ -137,6 +137,49 @@ async def test_stopped_holder_is_not_dropped():
                 assert (await c.stats())["clients"] == 2
         finally:
             await _stop(h)
+
+
+async def test_silent_past_the_grace_is_lost():
+    # the other side of the rule: a client silent for longer than the grace
+    # (here 1.5 s) is lost, and the objects only it held go with it
+    async with _master("--client-grace", "1.5", "--heartbeat-interval", "0.3") as (address, _):
+        h, info = await _member(address, "held", 1000, 22)
+        try:
+            async with StoreClient(address, segment_size=0, protocols=("tcp",)) as c:
+                os.kill(h.pid, signal.SIGSTOP)
+                for _ in range(100):
+                    if not await c.exists("held"):
+                        break
+                    await asyncio.sleep(0.1)
+                assert not await c.exists("held")
+                assert (await c.stats())["clients"] == 1      # c itself kept beating
+                with pytest.raises(ObjectNotFoundError):
+                    await c.get("held")
+        finally:
+            await _stop(h)
+
+
+async def test_master_stopped_calls_time_out_and_the_client_recovers():
+    async with _master("--client-grace", "3", "--heartbeat-interval", "0.3") as (address, master):
+        async with StoreClient(address, segment_size=1 << 20, protocols=("tcp",), timeout=0.5) as c:
+            await c.put("k", b"value")
+            proc_pid = master.pid
+            os.kill(proc_pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(MasterUnavailableError):
+                    await c.exists("k")                  # times out after 0.5 s
+                with pytest.raises(MasterUnavailableError):
+                    await c.get("k")
+            finally:
+                os.kill(proc_pid, signal.SIGCONT)
+            # the late replies are dropped; the link and the client still work
+            assert await c.exists("k")
+            assert await c.get("k") == b"value"
+            await c.put("k2", b"more")
+            assert await c.get("k2") == b"more"
+            # heartbeats went on after the ones that timed out: still a member past the grace
+            await asyncio.sleep(3.5)
+            assert (await c.stats())["clients"] == 1 and await c.exists("k2")
 
 
 async def test_master_cli_bad_listen_fails_cleanly():

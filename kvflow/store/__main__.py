@@ -13,6 +13,7 @@ from .master import Master
 
 async def _serve(args: argparse.Namespace) -> None:
     master = Master(lease_ttl=args.lease_ttl, client_grace=args.client_grace,
+                    heartbeat_interval=args.heartbeat_interval,
                     high_watermark=args.high_watermark, low_watermark=args.low_watermark)
     await master.start(args.listen)
     print(f"kvflow.store master ready on {master.address}", flush=True)
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--lease-ttl", type=float, default=5.0, help="seconds a get's lease lasts")
     m.add_argument("--client-grace", type=float, default=60.0,
                    help="seconds of silence before a connected client is declared lost")
+    m.add_argument("--heartbeat-interval", type=float, default=1.0,
+                   help="seconds between a client's heartbeats (what clients are told)")
     m.add_argument("--high-watermark", type=float, default=0.95)
     m.add_argument("--low-watermark", type=float, default=0.85)
     m.add_argument("-v", "--verbose", action="store_true")

@@ -211,7 +211,9 @@ class StoreClient:
             try:
                 await self._call("heartbeat")
             except MasterUnavailableError:
-                return            # the link is gone; calls will say so
+                if self._link is None or self._link.closed:
+                    return        # the link is gone; calls will say so
+                # a heartbeat that timed out (a stopped or slow master): keep beating
             except KVFlowError:
                 pass
 
