@@ -40,7 +40,7 @@ import kvflow
 from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryError
 
 from .allocator import Allocator
-from .datapath import Entry, Mover
+from .datapath import Mover, Moves
 from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError,
                      ReplicaUnavailableError, error_from_code)
 from .master import Master
@@ -65,6 +65,12 @@ class Replica(tuple):
     engine = property(lambda self: self[2])
     host = property(lambda self: self[3])
     addr = property(lambda self: self[4])
+
+
+def _replica_rows(reply: dict) -> tuple[list, dict]:
+    """A put_start/get_replicas reply: its items, and its segments table
+    (segment id -> [client, engine, host])."""
+    return reply["items"], reply["segments"]
 
 
 def _result(item: Any, key: str) -> Any:
@@ -291,9 +297,9 @@ class StoreClient:
                 results[i] = e
         if not todo:
             return results
-        started = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)]
-                                                       for j, i in enumerate(todo)])
-        writing: list[tuple[int, list[Replica]]] = []
+        started, segs = _replica_rows(await self._call(
+            "batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)] for j, i in enumerate(todo)]))
+        writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
         for i, item in zip(todo, started):
             r = _result(item, keys[i])
             if isinstance(r, KVFlowError):
@@ -301,29 +307,35 @@ class StoreClient:
             elif r is None:
                 results[i] = 0                      # exists already: immutable, nothing to write
             else:
-                writing.append((i, [Replica(x) for x in r]))
+                writing.append((i, r))
         if not writing:
             return results
         try:
-            entries = []
+            moves = Moves()
             for i, reps in writing:
-                for rep in reps:
+                ps = parts[i]
+                for sid, addr in reps:
+                    holder = segs[sid][1]
+                    if len(ps) == 1:
+                        moves.add(int(ps[0][0]), holder, addr, int(ps[0][1]))
+                        continue
                     off = 0
-                    for a, s in parts[i]:
-                        entries.append(Entry(int(a), rep.engine, rep.addr + off, int(s)))
+                    for a, s in ps:
+                        moves.add(int(a), holder, addr + off, int(s))
                         off += int(s)
-            failed = await self._mover.run("write", entries, timeout=self.timeout)
+            failed = await self._mover.run("write", moves, timeout=self.timeout)
         except BaseException:
             # cancelled, or a bug: nothing of the writes is in flight any more
             # (kvflow drains before raising); give the space back
             await asyncio.shield(self._revoke([keys[i] for i, _ in writing]))
             raise
-        ends = [[keys[i], [rep.segment for rep in reps if rep.engine in failed]] for i, reps in writing]
+        ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
+                for i, reps in writing]
         ended = await self._call("batch_put_end", ends)
         for (i, reps), item in zip(writing, ended):
             r = _result(item, keys[i])
             if r == 0:
-                errs = "; ".join(f"{h}: {failed[h]}" for h in {rep.engine for rep in reps} if h in failed)
+                errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
                 r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
             results[i] = r
         return results
@@ -402,7 +414,8 @@ class StoreClient:
         if not todo:
             return results
         t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
-        found = await self._call("batch_get_replicas", [keys[i] for i in todo])
+        found, segs = _replica_rows(await self._call("batch_get_replicas", [keys[i] for i in todo]))
+        holders = self._holders(segs)
         reading = []
         for i, item in zip(todo, found):
             r = _result(item, keys[i])
@@ -414,38 +427,56 @@ class StoreClient:
             if room < size:
                 results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}", key=keys[i])
                 continue
-            reading.append((i, size, self._nearest([Replica(x) for x in reps])))
+            reading.append((i, size, self._nearest(reps, holders)))
         await self._read(keys, reading, parts, results, t0)
         return results
 
-    def _nearest(self, reps: list[Replica]) -> list[Replica]:
+    def _holders(self, segs: dict) -> dict:
+        """segment id -> (rank, holder engine): 0 this process, 1 this host, 2 elsewhere."""
         me = self.engine.address
-        return sorted(reps, key=lambda r: 0 if r.engine == me else 1 if r.host == self.host else 2)
+        return {int(sid): (0 if engine == me else 1 if host == self.host else 2, engine)
+                for sid, (_, engine, host) in segs.items()}
+
+    @staticmethod
+    def _nearest(reps: list, holders: dict) -> list[tuple[str, int]]:
+        """[(holder engine, address), ...], nearest first."""
+        out = [(holders[sid], addr) for sid, addr in reps]
+        if len(out) > 1:
+            out.sort(key=lambda x: x[0][0])
+        return [(h[1], addr) for h, addr in out]
 
     async def _read(self, keys: Sequence[str], reading: list, parts: Sequence[Parts], results: list,
                     t0: float) -> None:
         attempt = {i: 0 for i, _, _ in reading}
-        last: dict[int, list[str]] = {i: [] for i, _, _ in reading}
+        last: dict[int, list[str]] = {}
         pending = reading
         while pending:
-            entries = []
+            moves = Moves()
             for i, size, reps in pending:
-                rep = reps[attempt[i]]
+                holder, addr = reps[attempt[i]]
+                ps = parts[i]
+                if len(ps) == 1:
+                    moves.add(int(ps[0][0]), holder, addr, size)
+                    continue
                 off = 0
-                for a, s in parts[i]:
+                for a, s in ps:
                     n = min(int(s), size - off)
                     if n <= 0:
                         break
-                    entries.append(Entry(int(a), rep.engine, rep.addr + off, n))
+                    moves.add(int(a), holder, addr + off, n)
                     off += n
-            failed = await self._mover.run("read", entries, timeout=self.timeout)
+            failed = await self._mover.run("read", moves, timeout=self.timeout)
+            if not failed:
+                for i, size, _ in pending:
+                    results[i] = size
+                break
             again = []
             for i, size, reps in pending:
-                h = reps[attempt[i]].engine
+                h = reps[attempt[i]][0]
                 if h not in failed:
                     results[i] = size
                     continue
-                last[i].append(f"{h}: {failed[h]}")
+                last.setdefault(i, []).append(f"{h}: {failed[h]}")
                 attempt[i] += 1
                 if attempt[i] < len(reps):
                     self.replica_fallbacks += 1
@@ -476,14 +507,15 @@ class StoreClient:
         if not todo:
             return results
         t0 = time.monotonic()
-        found = await self._call("batch_get_replicas", [keys[i] for i in todo])
+        found, segs = _replica_rows(await self._call("batch_get_replicas", [keys[i] for i in todo]))
+        holders = self._holders(segs)
         sized = []
         for i, item in zip(todo, found):
             r = _result(item, keys[i])
             if isinstance(r, KVFlowError):
                 results[i] = r
             else:
-                sized.append((i, r[0], self._nearest([Replica(x) for x in r[1]])))
+                sized.append((i, r[0], self._nearest(r[1], holders)))
         sizes = [s for _, s, _ in sized]
         sub: list[Any] = [None] * len(sized)
         for chunk in self._chunks(sizes, sub):
@@ -520,10 +552,11 @@ class StoreClient:
 
     async def get_replicas(self, key: str) -> list[Replica]:
         """Where the object's replicas are (and a read lease on it)."""
-        r = _result((await self._call("batch_get_replicas", [key]))[0], key)
+        found, segs = _replica_rows(await self._call("batch_get_replicas", [key]))
+        r = _result(found[0], key)
         if isinstance(r, KVFlowError):
             raise r
-        return [Replica(x) for x in r[1]]
+        return [Replica((sid, *segs[sid], addr)) for sid, addr in r[1]]
 
     async def remove(self, key: str, *, force: bool = False) -> None:
         """Removes the object. ObjectNotFoundError; ObjectLeasedError while a

@@ -13,23 +13,35 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 
 import kvflow
 from kvflow.errors import KVFlowError, PeerLostError
 
-__all__ = ["Entry", "Mover"]
+__all__ = ["Moves", "Mover"]
 
 
-@dataclass(slots=True)
-class Entry:
-    local: int          # address in this engine's registered memory
-    holder: str         # the holder's engine address
-    remote: int         # address in the holder's segment
-    length: int
+class Moves:
+    """A call's entries as four columns (what Peer.write takes), appended
+    to without an object per entry."""
+
+    __slots__ = ("local", "holder", "remote", "length")
+
+    def __init__(self) -> None:
+        self.local: list[int] = []
+        self.holder: list[str] = []
+        self.remote: list[int] = []
+        self.length: list[int] = []
+
+    def add(self, local: int, holder: str, remote: int, length: int) -> None:
+        self.local.append(local)
+        self.holder.append(holder)
+        self.remote.append(remote)
+        self.length.append(length)
+
+    def __len__(self) -> int:
+        return len(self.local)
 
 
 class Mover:
@@ -37,31 +49,35 @@ class Mover:
         self.engine = engine
         self.connect_timeout = connect_timeout
 
-    @property
-    def own(self) -> str:
-        return self.engine.address
-
-    async def run(self, op: str, entries: list[Entry], *, timeout: float | None) -> dict[str, KVFlowError]:
+    async def run(self, op: str, moves: Moves, *, timeout: float | None) -> dict[str, KVFlowError]:
         """Moves every entry (op "write": local -> remote, "read": remote ->
         local); returns the holders whose batch failed, with their error."""
-        groups: dict[str, list[Entry]] = defaultdict(list)
-        for e in entries:
-            groups[e.holder].append(e)
-        own = groups.pop(self.own, None)
-        if own:
+        own = self.engine.address
+        groups: dict[str, list[int]] = {}
+        for j, h in enumerate(moves.holder):
+            g = groups.get(h)
+            if g is None:
+                groups[h] = [j]
+            else:
+                g.append(j)
+        mine = groups.pop(own, None)
+        if mine:
             # same process: the segment is our own memory (the caller checked
             # every local range is registered, and the master gave the
             # remote ranges inside our segment)
-            for e in own:
+            for j in mine:
                 if op == "write":
-                    ctypes.memmove(e.remote, e.local, e.length)
+                    ctypes.memmove(moves.remote[j], moves.local[j], moves.length[j])
                 else:
-                    ctypes.memmove(e.local, e.remote, e.length)
+                    ctypes.memmove(moves.local[j], moves.remote[j], moves.length[j])
         if not groups:
             return {}
         holders = list(groups)
-        results = await asyncio.gather(*(self._batch(op, h, groups[h], timeout) for h in holders),
-                                       return_exceptions=True)
+        cols = (np.array(moves.local, np.uint64), np.array(moves.remote, np.uint64),
+                np.array(moves.length, np.uint64))
+        results = await asyncio.gather(
+            *(self._batch(op, h, cols, None if len(groups[h]) == len(moves) else groups[h], timeout)
+              for h in holders), return_exceptions=True)
         failed: dict[str, KVFlowError] = {}
         me = asyncio.current_task()
         for h, r in zip(holders, results):
@@ -75,12 +91,10 @@ class Mover:
                 raise r
         return failed
 
-    async def _batch(self, op: str, holder: str, entries: list[Entry], timeout: float | None) -> None:
+    async def _batch(self, op: str, holder: str, cols: tuple, rows: list[int] | None,
+                     timeout: float | None) -> None:
         peer = await self.engine.connect(holder, timeout=self.connect_timeout)
-        n = len(entries)
-        local = np.fromiter((e.local for e in entries), np.uint64, n)
-        remote = np.fromiter((e.remote for e in entries), np.uint64, n)
-        lengths = np.fromiter((e.length for e in entries), np.uint64, n)
+        local, remote, lengths = cols if rows is None else (c[rows] for c in cols)
         if op == "write":
             await peer.write(local, remote, lengths, timeout=timeout)
         else:

@@ -189,24 +189,30 @@ class Master:
             raise InvalidArgumentError(f"segment {segment} is not this client's")
         return self.model.unmount(segment)
 
-    def _replicas(self, obj: Object) -> list:
+    def _replicas(self, obj: Object, segments: dict) -> list:
+        """[[segment id, address], ...]; each segment's holder goes into
+        `segments` once per reply (segment id -> [client, engine, host]), not
+        once per replica: a 64-key reply is a third of the bytes."""
         out = []
         for r in obj.replicas:
             seg = self.model.segments[r.segment]
-            c = self.model.clients[seg.client]
-            out.append([seg.id, c.id, c.engine, c.host, seg.base + r.offset])
+            if seg.id not in segments:
+                c = self.model.clients[seg.client]
+                segments[seg.id] = [c.id, c.engine, c.host]
+            out.append([seg.id, seg.base + r.offset])
         return out
 
-    def _batch_put_start(self, cid: str, now: float, items: list) -> list:
+    def _batch_put_start(self, cid: str, now: float, items: list) -> dict:
         out = []
+        segments: dict = {}
         for it in items:
             try:
                 key, size, replica_num, preferred, pin = it
                 reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin)
-                out.append(item_ok(None if reps is None else self._replicas(self.model.objects[key])))
+                out.append(item_ok(None if reps is None else self._replicas(self.model.objects[key], segments)))
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
-        return out
+        return {"segments": segments, "items": out}
 
     def _batch_put_end(self, cid: str, now: float, items: list) -> list:
         out = []
@@ -227,15 +233,16 @@ class Master:
                 out.append(item_error(error_code(e), str(e)))
         return out
 
-    def _batch_get_replicas(self, cid: str, now: float, keys: list) -> list:
+    def _batch_get_replicas(self, cid: str, now: float, keys: list) -> dict:
         out = []
+        segments: dict = {}
         for key in keys:
             try:
                 obj = self.model.get_replicas(key, now)
-                out.append(item_ok([obj.size, self._replicas(obj)]))
+                out.append(item_ok([obj.size, self._replicas(obj, segments)]))
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
-        return out
+        return {"segments": segments, "items": out}
 
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key
