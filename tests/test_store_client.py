@@ -304,3 +304,37 @@ async def test_embedded_master_needs_nothing_started():
         await a.put("e", b"embedded")
         assert await b.get("e") == b"embedded"
         assert (await b.stats())["clients"] == 2
+
+
+async def test_a_reader_never_sees_a_half_written_object():
+    async with _pool(2, ("tcp",), segment_size=64 << 20, local_buffer_size=64 << 20) as (master, (a, b)):
+        v = _data(24 << 20, 9).tobytes()
+        for round_ in range(3):
+            key = f"half/{round_}"
+            put = asyncio.create_task(a.put(key, v, preferred_segment=b.segment_id))
+            seen = {"missing": 0, "whole": 0}
+            while not put.done():
+                try:
+                    got = await b.get(key)
+                except ObjectNotFoundError:
+                    seen["missing"] += 1
+                else:
+                    assert got == v                  # visible means complete
+                    seen["whole"] += 1
+                await asyncio.sleep(0)
+            assert await put == 1
+            assert seen["missing"] > 0               # it was polled while being written
+            assert await b.get(key) == v
+
+
+async def test_concurrent_puts_of_one_key_one_wins():
+    async with _pool(3, ("tcp",)) as (master, (a, b, c)):
+        va, vb = b"A" * 300_000, b"B" * 300_000
+        ra, rb = await asyncio.gather(a.put("same", va), b.put("same", vb), return_exceptions=True)
+        outcomes = sorted(type(r).__name__ if isinstance(r, Exception) else str(r) for r in (ra, rb))
+        # one wrote it; the other found it in progress (busy) or complete (0: dedup)
+        assert outcomes in (["1", "ObjectBusyError"], ["0", "1"]), outcomes
+        got = await c.get("same")
+        assert got in (va, vb)
+        assert got == (va if ra == 1 else vb)
+        _assert_no_leak(master, objects=1)
