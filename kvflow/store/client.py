@@ -26,7 +26,7 @@ forms raise their key's error.
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import bisect
 import socket
 import time
 import uuid
@@ -237,19 +237,29 @@ class StoreClient:
     def unregister_buffer(self, region: kvflow.Region) -> None:
         self.engine.deregister(region)
 
-    def _check_local(self, addr: Any, size: Any) -> None:
-        if not isinstance(addr, (int, np.integer)) or not isinstance(size, (int, np.integer)) \
-                or isinstance(addr, bool) or isinstance(size, bool):
-            raise InvalidArgumentError(f"address and size must be ints, not {type(addr).__name__}, "
-                                       f"{type(size).__name__}")
-        addr, size = int(addr), int(size)
+    def _regions(self) -> tuple[list[int], list[int]]:
+        """The engine's registered regions as sorted (starts, ends), read once
+        per call (Engine.regions builds a sorted list each time)."""
+        # host memory only: the own-segment path copies with memmove, and
+        # GPU memory through the store is not built yet
+        regions = [r for r in self.engine.regions if r.kind == "host"]
+        return [r.addr for r in regions], [r.end for r in regions]
+
+    @staticmethod
+    def _check_local(addr: Any, size: Any, regions: tuple[list[int], list[int]]) -> None:
+        if type(addr) is not int or type(size) is not int:
+            if not isinstance(addr, (int, np.integer)) or not isinstance(size, (int, np.integer)) \
+                    or isinstance(addr, bool) or isinstance(size, bool):
+                raise InvalidArgumentError(f"address and size must be ints, not {type(addr).__name__}, "
+                                           f"{type(size).__name__}")
+            addr, size = int(addr), int(size)
         if size <= 0 or addr <= 0:
             raise InvalidArgumentError(f"bad range: address {addr:#x}, size {size}")
-        for r in self.engine.regions:
-            if r.addr <= addr and addr + size <= r.end:
-                return
-        raise UnregisteredMemoryError(f"[{addr:#x}, +{size}) is not inside memory registered with "
-                                      f"this client's engine (register_buffer)")
+        starts, ends = regions
+        i = bisect.bisect_right(starts, addr) - 1     # regions never overlap
+        if i < 0 or addr + size > ends[i]:
+            raise UnregisteredMemoryError(f"[{addr:#x}, +{size}) is not inside memory registered with "
+                                          f"this client's engine (register_buffer; host memory)")
 
     # -- puts ------------------------------------------------------------------
     async def put_from(self, key: str, addr: int, size: int, **kw: Any) -> int:
@@ -284,13 +294,14 @@ class StoreClient:
         results: list[Any] = [None] * len(keys)
         todo: list[int] = []
         sizes: list[int] = []
+        regions = self._regions()
         for i, (key, ps) in enumerate(zip(keys, parts)):
             try:
                 check_key(key)
                 if not ps:
                     raise InvalidArgumentError("an object needs at least one part")
                 for a, s in ps:
-                    self._check_local(a, s)
+                    self._check_local(a, s, regions)
                 todo.append(i)
                 sizes.append(sum(int(s) for _, s in ps))
             except KVFlowError as e:
@@ -401,13 +412,14 @@ class StoreClient:
             raise InvalidArgumentError("keys and parts must have the same length")
         results: list[Any] = [None] * len(keys)
         todo = []
+        regions = self._regions()
         for i, (key, ps) in enumerate(zip(keys, parts)):
             try:
                 check_key(key)
                 if not ps:
                     raise InvalidArgumentError("an object needs at least one part")
                 for a, s in ps:
-                    self._check_local(a, s)
+                    self._check_local(a, s, regions)
                 todo.append(i)
             except KVFlowError as e:
                 results[i] = e
