@@ -223,6 +223,24 @@ def test_lease_blocks_remove_and_eviction_until_it_expires():
     assert not m.exists("k") and m.used == 0
 
 
+def test_forced_removal_of_a_leased_object_frees_its_space_when_the_lease_ends():
+    m = _model(segments=1, size=64 * 4, lease_ttl=5.0)
+    reps = m.put_start("c0", "k", 64, 1, now=0)
+    m.put_end("c0", "k")
+    m.get_replicas("k", now=10)             # a reader holds [10, 15)
+    m.remove("k", now=11, force=True)
+    assert not m.exists("k") and m.used == 64          # gone, space still held
+    # a new put before the lease ends never gets the reader's bytes
+    for i in range(3):
+        got = m.put_start("c0", f"n{i}", 64, 1, now=12)
+        assert got[0].offset != reps[0].offset
+    with pytest.raises(NoSpaceError):
+        m.put_start("c0", "full", 64, 1, now=12)
+    assert m.put_start("c0", "k", 64, 1, now=15.5)[0].offset == reps[0].offset   # freed at 15
+    for s in m.segments.values():
+        s.alloc.check()
+
+
 def test_eviction_is_lru_and_skips_leased_and_pinned():
     # 100 slots of 64 bytes; watermarks 0.9 / 0.5
     m = _model(segments=1, size=64 * 100, high_watermark=0.9, low_watermark=0.5)

@@ -142,6 +142,7 @@ class Master:
                 for c in self.model.clients.values():
                     c.last_seen = now
             last = now
+            self.model.release_quarantine(now)
             for cid in self.model.expire_clients(now, self.client_grace):
                 log.warning("client %s silent for more than %.1f s: lost", cid, self.client_grace)
                 for s in list(self.sessions):

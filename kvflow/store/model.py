@@ -116,6 +116,10 @@ class StoreModel:
         self._next_segment = 1
         self._rng = random.Random(seed)
         self.evictions = 0
+        # forced removals of leased objects: the key is gone at once, but the
+        # space is freed only when the lease ends, so a reader still holding
+        # it never sees a new object's bytes; (lease end, key, replicas)
+        self._quarantine: list[tuple[float, str, list[Replica]]] = []
 
     # -- capacity --------------------------------------------------------------
     @property
@@ -200,6 +204,7 @@ class StoreModel:
             raise InvalidArgumentError(f"object size must be a positive int, not {size!r}", )
         if not isinstance(replica_num, int) or replica_num < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
+        self.release_quarantine(now)
         old = self.objects.get(key)
         if old is not None:
             if old.state is State.COMPLETE:
@@ -273,23 +278,52 @@ class StoreModel:
 
     # -- removal and eviction --------------------------------------------------
     def remove(self, key: str, now: float, *, force: bool = False) -> None:
+        """ObjectLeasedError while a get's lease runs, unless `force`: then
+        the key is gone at once and its space is freed when the lease ends."""
         obj = self._complete(key)
-        if not force and obj.lease_until > now:
-            raise ObjectLeasedError(f"{key!r} is leased to a reader for "
-                                    f"{obj.lease_until - now:.3f} s more", key=key)
+        if obj.lease_until > now:
+            if not force:
+                raise ObjectLeasedError(f"{key!r} is leased to a reader for "
+                                        f"{obj.lease_until - now:.3f} s more", key=key)
+            self._quarantine.append((obj.lease_until, key, obj.replicas))
+            for r in obj.replicas:            # no longer an object's replica
+                seg = self.segments.get(r.segment)
+                if seg is not None:
+                    seg.keys.discard(key)
+            obj.replicas = []
         self._delete(obj)
 
     def remove_all(self, now: float, *, force: bool = False) -> int:
         """Removes every COMPLETE object not under a lease (every one with
-        `force`); puts in progress are left to their writers. Returns how
-        many were removed."""
+        `force`, leased ones' space freed when their leases end); puts in
+        progress are left to their writers. Returns how many were removed."""
         gone = 0
         for key in list(self._lru):
             obj = self.objects[key]
             if force or obj.lease_until <= now:
-                self._delete(obj)
+                self.remove(key, now, force=force)
                 gone += 1
         return gone
+
+    def release_quarantine(self, now: float) -> int:
+        """Frees the space of forced removals whose leases have ended;
+        returns the bytes freed. Called at every put_start, and by the
+        master's monitor."""
+        if not self._quarantine:
+            return 0
+        freed = 0
+        keep = []
+        for until, key, replicas in self._quarantine:
+            if until > now:
+                keep.append((until, key, replicas))
+                continue
+            for r in replicas:
+                seg = self.segments.get(r.segment)
+                if seg is not None:           # a dropped segment's space went with it
+                    seg.alloc.release(r.offset)
+                    freed += r.length
+        self._quarantine = keep
+        return freed
 
     def evictable(self, obj: Object, now: float) -> bool:
         return obj.state is State.COMPLETE and not obj.pinned and obj.lease_until <= now
