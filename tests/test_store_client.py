@@ -341,3 +341,35 @@ async def test_concurrent_puts_of_one_key_one_wins():
         assert got in (va, vb)
         assert got == (va if ra == 1 else vb)
         _assert_no_leak(master, objects=1)
+
+
+async def test_own_segment_large_copies_leave_the_loop_free_and_cancel_drains():
+    # a put into and a get from the client's own segment larger than the
+    # inline limit runs on a worker thread; cancelling it gives the space
+    # back only once the copy is over, and the client stays usable
+    async with _pool(1, ("tcp",), segment_size=96 << 20, local_buffer_size=0) as (master, (a,)):
+        src = _data(32 << 20, 12)
+        dst = np.zeros(32 << 20, np.uint8)
+        rs, rd = a.register_buffer(src), a.register_buffer(dst)
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        assert await a.put_from("own", rs.addr, 32 << 20, preferred_segment=a.segment_id) == 1
+        assert await a.get_into("own", rd.addr, 32 << 20) == 32 << 20
+        t.cancel()
+        assert np.array_equal(src, dst)
+        assert ticks > 0                       # the loop ran during the copies
+        for i in range(5):
+            put = asyncio.create_task(a.put_from(f"c{i}", rs.addr, 32 << 20))
+            await asyncio.sleep(0.001 * i)
+            put.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await put
+        await a.remove("own", force=True)
+        _assert_no_leak(master, objects=sum([await a.exists(f"c{i}") for i in range(5)]))

@@ -22,6 +22,11 @@ from kvflow.errors import KVFlowError, PeerLostError
 __all__ = ["Moves", "Mover"]
 
 
+# own-segment copies up to this many bytes run on the loop's thread (about
+# 100 us of memcpy); larger ones on a worker thread
+COPY_INLINE = 1 << 20
+
+
 class Moves:
     """A call's entries as four columns (what Peer.write takes), appended
     to without an object per entry."""
@@ -61,23 +66,25 @@ class Mover:
             else:
                 g.append(j)
         mine = groups.pop(own, None)
-        if mine:
-            # same process: the segment is our own memory (the caller checked
-            # every local range is registered, and the master gave the
-            # remote ranges inside our segment)
-            for j in mine:
-                if op == "write":
-                    ctypes.memmove(moves.remote[j], moves.local[j], moves.length[j])
-                else:
-                    ctypes.memmove(moves.local[j], moves.remote[j], moves.length[j])
-        if not groups:
+        if mine and not groups:
+            await self._copy_own(op, moves, mine)
             return {}
+        jobs = []
+        if mine:
+            jobs.append(self._copy_own(op, moves, mine))
         holders = list(groups)
-        cols = (np.array(moves.local, np.uint64), np.array(moves.remote, np.uint64),
-                np.array(moves.length, np.uint64))
-        results = await asyncio.gather(
-            *(self._batch(op, h, cols, None if len(groups[h]) == len(moves) else groups[h], timeout)
-              for h in holders), return_exceptions=True)
+        if holders:
+            cols = (np.array(moves.local, np.uint64), np.array(moves.remote, np.uint64),
+                    np.array(moves.length, np.uint64))
+            jobs += [self._batch(op, h, cols, None if len(groups[h]) == len(moves) else groups[h], timeout)
+                     for h in holders]
+        if not jobs:
+            return {}
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        if mine:
+            own_result, results = results[0], results[1:]
+            if isinstance(own_result, BaseException):
+                raise own_result
         failed: dict[str, KVFlowError] = {}
         me = asyncio.current_task()
         for h, r in zip(holders, results):
@@ -90,6 +97,35 @@ class Mover:
             elif isinstance(r, BaseException):
                 raise r
         return failed
+
+    async def _copy_own(self, op: str, moves: Moves, rows: list[int]) -> None:
+        """The client's own segment is this process's memory (the caller
+        checked every local range is registered host memory, and the master
+        gave remote ranges inside our segment): memmove. Up to COPY_INLINE
+        bytes on the loop's thread; more on a worker thread (memmove
+        through ctypes releases the GIL), and then, as kvflow's transfers
+        do, a cancel waits for the copy to finish before it is raised, so
+        nothing lands after the caller gave the space back."""
+        def copy() -> None:
+            for j in rows:
+                if op == "write":
+                    ctypes.memmove(moves.remote[j], moves.local[j], moves.length[j])
+                else:
+                    ctypes.memmove(moves.local[j], moves.remote[j], moves.length[j])
+
+        if sum(moves.length[j] for j in rows) <= COPY_INLINE:
+            copy()
+            return
+        fut = asyncio.get_running_loop().run_in_executor(None, copy)
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        fut.result()
 
     async def _batch(self, op: str, holder: str, cols: tuple, rows: list[int] | None,
                      timeout: float | None) -> None:
