@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import socket
 import time
 import uuid
@@ -124,6 +125,7 @@ class StoreClient:
         self._heartbeat: asyncio.Task | None = None
         self.lease_ttl = 5.0
         self.replica_fallbacks = 0      # reads that went on to another replica
+        self._put_tokens = itertools.count(1)
         self._started = False
         self._closed = False
 
@@ -308,8 +310,16 @@ class StoreClient:
                 results[i] = e
         if not todo:
             return results
-        started, segs = _replica_rows(await self._call(
-            "batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)] for j, i in enumerate(todo)]))
+        token = next(self._put_tokens)
+        try:
+            reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)]
+                                                         for j, i in enumerate(todo)], token)
+        except (asyncio.CancelledError, MasterUnavailableError):
+            # the request may have reached the master and allocated: undo this
+            # call's allocations (queued behind the put_start on the same link)
+            await asyncio.shield(self._revoke([keys[i] for i in todo], token))
+            raise
+        started, segs = _replica_rows(reply)
         writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
         for i, item in zip(todo, started):
             r = _result(item, keys[i])
@@ -338,7 +348,7 @@ class StoreClient:
         except BaseException:
             # cancelled, or a bug: nothing of the writes is in flight any more
             # (kvflow drains before raising); give the space back
-            await asyncio.shield(self._revoke([keys[i] for i, _ in writing]))
+            await asyncio.shield(self._revoke([keys[i] for i, _ in writing], token))
             raise
         ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
                 for i, reps in writing]
@@ -351,9 +361,9 @@ class StoreClient:
             results[i] = r
         return results
 
-    async def _revoke(self, keys: list[str]) -> None:
+    async def _revoke(self, keys: list[str], token: int) -> None:
         try:
-            await self._call("batch_put_revoke", keys)
+            await self._call("batch_put_revoke", keys, token)
         except KVFlowError:
             pass        # the master is gone or lost us: it dropped our puts itself
 

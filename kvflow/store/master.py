@@ -203,13 +203,14 @@ class Master:
             out.append([seg.id, seg.base + r.offset])
         return out
 
-    def _batch_put_start(self, cid: str, now: float, items: list) -> dict:
+    def _batch_put_start(self, cid: str, now: float, items: list, token: int = 0) -> dict:
         out = []
         segments: dict = {}
         for it in items:
             try:
                 key, size, replica_num, preferred, pin = it
-                reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin)
+                reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin,
+                                            token=token)
                 out.append(item_ok(None if reps is None else self._replicas(self.model.objects[key], segments)))
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
@@ -224,11 +225,11 @@ class Master:
                 out.append(item_error(error_code(e), str(e)))
         return out
 
-    def _batch_put_revoke(self, cid: str, now: float, keys: list) -> list:
+    def _batch_put_revoke(self, cid: str, now: float, keys: list, token: int | None = None) -> list:
         out = []
         for key in keys:
             try:
-                self.model.put_revoke(cid, key)
+                self.model.put_revoke(cid, key, token)
                 out.append(item_ok(None))
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))

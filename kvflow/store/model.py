@@ -88,6 +88,7 @@ class Object:
     state: State
     writer: str
     pinned: bool = False
+    token: int = 0              # the writer's put call, so a revoke undoes only its own call's puts
     lease_until: float = 0.0
 
 
@@ -190,7 +191,7 @@ class StoreModel:
 
     # -- puts: allocate, then commit -------------------------------------------
     def put_start(self, client_id: str, key: str, size: int, replica_num: int, now: float, *,
-                  preferred: int | None = None, pin: bool = False) -> list[Replica] | None:
+                  preferred: int | None = None, pin: bool = False, token: int = 0) -> list[Replica] | None:
         """Allocates up to `replica_num` replicas of `size` bytes on distinct
         segments (distinct clients first) and records the object as
         ALLOCATED: invisible until put_end. Returns the replicas, or None
@@ -230,7 +231,8 @@ class StoreModel:
             assert off is not None          # place() returned only segments where it fits
             replicas.append(Replica(seg.id, off, seg.alloc.allocated_length(off)))
             seg.keys.add(key)
-        self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin))
+        self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin),
+                                   token=token)
         c.writing.add(key)
         return replicas
 
@@ -255,9 +257,15 @@ class StoreModel:
         self._lru[key] = None
         return len(keep)
 
-    def put_revoke(self, client_id: str, key: str) -> None:
-        """The put failed: its allocations are freed and the key is free again."""
-        self._delete(self._pending(client_id, key))
+    def put_revoke(self, client_id: str, key: str, token: int | None = None) -> None:
+        """The put failed: its allocations are freed and the key is free again.
+        With `token`, only a put_start made with that token is revoked (a
+        call that gave up on its own put_start's reply revokes whatever that
+        put_start allocated, and nothing another call of the client holds)."""
+        obj = self._pending(client_id, key)
+        if token is not None and obj.token != token:
+            raise ObjectNotFoundError(f"no put of {key!r} in progress by this call", key=key)
+        self._delete(obj)
 
     # -- reads -----------------------------------------------------------------
     def get_replicas(self, key: str, now: float) -> Object:
