@@ -401,3 +401,31 @@ async def test_put_cancelled_while_its_allocation_is_on_the_wire_leaks_nothing()
             _assert_no_leak(master)
     finally:
         await master.close()
+
+
+async def test_embedded_master_can_serve_other_processes_too():
+    async with StoreClient(segment_size=1 << 20, master_listen="127.0.0.1:0", protocols=("tcp",)) as a:
+        address = a.master_address
+        assert address and address.startswith("127.0.0.1:")
+        async with StoreClient(address, segment_size=1 << 20, protocols=("tcp",)) as b:
+            await b.put("via-tcp", b"remote member")
+            assert await a.get("via-tcp") == b"remote member"
+            assert (await a.stats())["clients"] == 2
+
+
+async def test_master_refuses_unknown_methods():
+    master = Master()
+    await master.start("127.0.0.1:0")
+    try:
+        from kvflow.store.rpc import TcpMasterLink
+        link = await TcpMasterLink.open(master.address)
+        await link.call("register", "x", "h", "127.0.0.1:1")
+        for method in ("connection", "watch_clients", "session_closed", "replicas", "nope"):
+            with pytest.raises(InvalidArgumentError):
+                await link.call(method)
+        with pytest.raises(InvalidArgumentError):
+            await link.call("batch_exists")              # wrong arity
+        assert await link.call("batch_exists", ["a"]) == [False]     # the link still works
+        await link.close()
+    finally:
+        await master.close()

@@ -90,18 +90,24 @@ class StoreClient:
     `segment_size`: bytes this client contributes (0: none).
     `local_buffer_size`: staging memory for put()/get() of bytes (0: only
     put_from/get_into). `timeout`: seconds each call's transfers and master
-    round trips may take. `replica_num`: the default per put."""
+    round trips may take. `replica_num`: the default per put.
+    `master_listen`: "host:port" where the embedded master (master=None)
+    also listens for clients in other processes, when this client is the
+    one that starts it (it stops when the last client of this process
+    closes)."""
 
     def __init__(self, master: "str | Master | None" = None, *, engine: kvflow.Engine | None = None,
                  segment_size: int = 64 << 20, local_buffer_size: int = 16 << 20,
                  listen: str = "127.0.0.1:0", protocols: Sequence[str] | None = None,
-                 host: str | None = None, timeout: float = 10.0, replica_num: int = 1) -> None:
+                 host: str | None = None, timeout: float = 10.0, replica_num: int = 1,
+                 master_listen: str | None = None) -> None:
         for name, v in (("segment_size", segment_size), ("local_buffer_size", local_buffer_size)):
             if not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, not {v!r}")
         if not isinstance(replica_num, int) or replica_num < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
         self.master_spec = master
+        self.master_listen = master_listen
         self.client_id = uuid.uuid4().hex[:16]
         self.host = host or socket.gethostname()
         self.segment_size = segment_size
@@ -133,6 +139,15 @@ class StoreClient:
         where = self.master_spec if isinstance(self.master_spec, str) else "embedded"
         return f"<StoreClient {self.client_id} master={where} segment={self.segment_size}>"
 
+    @property
+    def master_address(self) -> str | None:
+        """Where other processes reach this client's master ("host:port"), or
+        None for an in-process master that does not listen."""
+        if isinstance(self.master_spec, str):
+            return self.master_spec
+        m = self._embedded or (self.master_spec if isinstance(self.master_spec, Master) else None)
+        return m.address if m is not None else None
+
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> "StoreClient":
         """Connects to (or embeds) the master, mounts the segment, starts
@@ -147,7 +162,9 @@ class StoreClient:
             self._mover = Mover(self.engine)
             master = self._master_object()
             if isinstance(master, Master):
-                await master.start()           # idempotent: the liveness monitor
+                # idempotent: the liveness monitor; with master_listen, the
+                # embedded master also serves other processes over tcp
+                await master.start(self.master_listen if self._embedded is not None else None)
             self._link = await connect_master(master, timeout=self.timeout)
             hello = await self._link.call("register", self.client_id, self.host, self.engine.address,
                                           timeout=self.timeout)

@@ -29,7 +29,12 @@ from .errors import error_code
 from .model import Object, StoreModel
 from .wire import FrameBuffer, encode, item_error, item_ok
 
-__all__ = ["Master", "Session"]
+__all__ = ["Master", "Session", "METHODS"]
+
+# what a client may call (each is Master._<name>(client id, now, *args))
+METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
+                     "batch_put_revoke", "batch_get_replicas", "batch_exists", "batch_size",
+                     "batch_remove", "remove_all", "stats"})
 
 log = logging.getLogger("kvflow.store.master")
 
@@ -173,10 +178,9 @@ class Master:
                 return getattr(self, f"_{method}")(None, now, *args)
             raise KVFlowError(f"{method}: register first (or this client was declared lost)")
         self.model.seen(s.client_id, now)
-        fn = getattr(self, f"_{method}", None)
-        if fn is None or method.startswith("_"):
+        if method not in METHODS:
             raise InvalidArgumentError(f"unknown method {method!r}")
-        return fn(s.client_id, now, *args)
+        return getattr(self, f"_{method}")(s.client_id, now, *args)
 
     def _heartbeat(self, cid: str, now: float) -> None:
         return None
