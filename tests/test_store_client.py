@@ -299,7 +299,7 @@ async def test_cancelled_get_leaves_the_client_usable():
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         assert await b.get("big") == v
-        assert b._staging_alloc.used == 0          # staging space came back
+        assert b.local_buffer_in_use == 0          # staging space came back
 
 
 async def test_embedded_master_needs_nothing_started():

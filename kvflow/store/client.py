@@ -148,6 +148,11 @@ class StoreClient:
         m = self._embedded or (self.master_spec if isinstance(self.master_spec, Master) else None)
         return m.address if m is not None else None
 
+    @property
+    def local_buffer_in_use(self) -> int:
+        """Bytes of the local buffer held by put()/get() calls in progress."""
+        return self._staging_alloc.used if self._staging_alloc else 0
+
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> "StoreClient":
         """Connects to (or embeds) the master, mounts the segment, starts
