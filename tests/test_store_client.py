@@ -429,3 +429,25 @@ async def test_master_refuses_unknown_methods():
         await link.close()
     finally:
         await master.close()
+
+
+async def test_a_given_engine_is_used_and_left_open():
+    async with kvflow.Engine(protocols=["tcp"]) as e1, kvflow.Engine(protocols=["tcp"]) as e2:
+        before = len(e1.regions)
+        async with StoreClient(engine=e1, segment_size=1 << 20) as a, \
+                StoreClient(engine=e2, segment_size=1 << 20) as b:
+            assert a.engine is e1 and len(e1.regions) == before + 2      # segment + local buffer
+            await a.put("given", b"engine", preferred_segment=b.segment_id)
+            assert await b.get("given") == b"engine"
+            assert (await a.get_replicas("given"))[0].engine == e2.address
+        # the client gave its memory back and left the engines running
+        assert len(e1.regions) == before
+        keep = np.zeros(4096, np.uint8)
+        e2.register(keep, name="after")
+        peer = await e1.connect(e2.address)
+        await peer.refresh()                   # the cached peer learns of "after" now, not when pushed
+        src = np.full(4096, 7, np.uint8)
+        r = e1.register(src)
+        await peer.write(np.array([r.addr], np.uint64), np.array([peer.region("after").addr], np.uint64),
+                         np.array([4096], np.uint64))
+        assert (keep == 7).all()
