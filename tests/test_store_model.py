@@ -241,6 +241,35 @@ def test_forced_removal_of_a_leased_object_frees_its_space_when_the_lease_ends()
         s.alloc.check()
 
 
+def test_released_leases():
+    m = _model(segments=1, size=64 * 4, lease_ttl=5.0)
+    m.put_start("c0", "k", 64, 1, now=0)
+    m.put_end("c0", "k")
+    one, two = m.new_lease(now=1), m.new_lease(now=1)
+    m.get_replicas("k", now=1, lease=one)
+    m.get_replicas("k", now=1, lease=two)
+    m.release_lease(one, now=2)
+    with pytest.raises(ObjectLeasedError):      # the other reader still holds it
+        m.remove("k", now=2)
+    m.remove("k", now=2, force=True)            # gone; space held for reader two
+    assert not m.exists("k") and m.used == 64
+    m.release_lease(two, now=3)                 # the last reader is done: freed at once
+    assert m.used == 0
+    m.release_lease(two, now=3)                 # twice, or unknown ids: nothing happens
+    m.release_lease(12345, now=3)
+    for s in m.segments.values():
+        s.alloc.check()
+    # leases nobody releases run out by time, and their ids are swept
+    m.put_start("c0", "j", 64, 1, now=4)
+    m.put_end("c0", "j")
+    m.get_replicas("j", now=4)
+    with pytest.raises(ObjectLeasedError):
+        m.remove("j", now=8.9)
+    m.expire_leases(now=9.1)
+    assert not m._leases
+    m.remove("j", now=9.1)
+
+
 def test_eviction_is_lru_and_skips_leased_and_pinned():
     # 100 slots of 64 bytes; watermarks 0.9 / 0.5
     m = _model(segments=1, size=64 * 100, high_watermark=0.9, low_watermark=0.5)

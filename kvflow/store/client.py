@@ -458,22 +458,35 @@ class StoreClient:
         if not todo:
             return results
         t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
-        found, segs = _replica_rows(await self._call("batch_get_replicas", [keys[i] for i in todo]))
-        holders = self._holders(segs)
-        reading = []
-        for i, item in zip(todo, found):
-            r = _result(item, keys[i])
-            if isinstance(r, KVFlowError):
-                results[i] = r
-                continue
-            size, reps = r
-            room = sum(int(s) for _, s in parts[i])
-            if room < size:
-                results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}", key=keys[i])
-                continue
-            reading.append((i, size, self._nearest(reps, holders)))
-        await self._read(keys, reading, parts, results, t0)
+        reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
+        try:
+            found, segs = _replica_rows(reply)
+            holders = self._holders(segs)
+            reading = []
+            for i, item in zip(todo, found):
+                r = _result(item, keys[i])
+                if isinstance(r, KVFlowError):
+                    results[i] = r
+                    continue
+                size, reps = r
+                room = sum(int(s) for _, s in parts[i])
+                if room < size:
+                    results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}",
+                                                     key=keys[i])
+                    continue
+                reading.append((i, size, self._nearest(reps, holders)))
+            await self._read(keys, reading, parts, results, t0)
+        finally:
+            self._release(reply)
         return results
+
+    def _release(self, reply: dict) -> None:
+        """Nothing of the call's reads is in flight any more (kvflow drains a
+        failed or cancelled batch before raising): its lease may go, so the
+        objects can be removed and evicted again at once."""
+        lease = reply.get("lease")
+        if lease and self._link is not None:
+            self._link.notify("release_lease", lease)
 
     def _holders(self, segs: dict) -> dict:
         """segment id -> (rank, holder engine): 0 this process, 1 this host, 2 elsewhere."""
@@ -551,7 +564,15 @@ class StoreClient:
         if not todo:
             return results
         t0 = time.monotonic()
-        found, segs = _replica_rows(await self._call("batch_get_replicas", [keys[i] for i in todo]))
+        reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
+        try:
+            return await self._get_staged(keys, todo, reply, results, t0)
+        finally:
+            self._release(reply)
+
+    async def _get_staged(self, keys: Sequence[str], todo: list[int], reply: dict, results: list,
+                          t0: float) -> list:
+        found, segs = _replica_rows(reply)
         holders = self._holders(segs)
         sized = []
         for i, item in zip(todo, found):

@@ -33,7 +33,7 @@ __all__ = ["Master", "Session", "METHODS"]
 
 # what a client may call (each is Master._<name>(client id, now, *args))
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
-                     "batch_put_revoke", "batch_get_replicas", "batch_exists", "batch_size",
+                     "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
                      "batch_remove", "remove_all", "stats"})
 
 log = logging.getLogger("kvflow.store.master")
@@ -147,6 +147,7 @@ class Master:
                 for c in self.model.clients.values():
                     c.last_seen = now
             last = now
+            self.model.expire_leases(now)
             self.model.release_quarantine(now)
             for cid in self.model.expire_clients(now, self.client_grace):
                 log.warning("client %s silent for more than %.1f s: lost", cid, self.client_grace)
@@ -242,13 +243,17 @@ class Master:
     def _batch_get_replicas(self, cid: str, now: float, keys: list) -> dict:
         out = []
         segments: dict = {}
+        lease = self.model.new_lease(now)
         for key in keys:
             try:
-                obj = self.model.get_replicas(key, now)
+                obj = self.model.get_replicas(key, now, lease)
                 out.append(item_ok([obj.size, self._replicas(obj, segments)]))
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
-        return {"segments": segments, "items": out}
+        return {"segments": segments, "items": out, "lease": lease}
+
+    def _release_lease(self, cid: str, now: float, lease: int) -> None:
+        self.model.release_lease(lease, now)
 
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key
@@ -331,6 +336,13 @@ class _MasterProtocol(asyncio.Protocol):
                 self.transport.abort()
                 return
             rid, method, args = msg
+            if rid == 0:
+                # a notice (a lease release): no reply is wanted; its errors are the sender's loss
+                try:
+                    self.master.dispatch(self.session, method, args)
+                except (KVFlowError, TypeError, ValueError) as e:
+                    log.debug("notice %s from %s failed: %s", method, self.session.peer, e)
+                continue
             try:
                 reply = [rid, 0, self.master.dispatch(self.session, method, args)]
             except KVFlowError as e:

@@ -89,7 +89,21 @@ class Object:
     writer: str
     pinned: bool = False
     token: int = 0              # the writer's put call, so a revoke undoes only its own call's puts
-    lease_until: float = 0.0
+    # read leases on it: lease id -> until (one id per get call; a reader
+    # that finished releases its id, the others run out by time)
+    leases: dict[int, float] = field(default_factory=dict)
+
+    def leased(self, now: float) -> bool:
+        if not self.leases:
+            return False
+        for until in self.leases.values():
+            if until > now:
+                return True
+        self.leases.clear()
+        return False
+
+    def lease_end(self) -> float:
+        return max(self.leases.values(), default=0.0)
 
 
 class StoreModel:
@@ -118,9 +132,12 @@ class StoreModel:
         self._rng = random.Random(seed)
         self.evictions = 0
         # forced removals of leased objects: the key is gone at once, but the
-        # space is freed only when the lease ends, so a reader still holding
-        # it never sees a new object's bytes; (lease end, key, replicas)
-        self._quarantine: list[tuple[float, str, list[Replica]]] = []
+        # space is freed only when its leases end or are released, so a
+        # reader still copying it never sees a new object's bytes
+        self._quarantine: list[tuple[Object, list[Replica]]] = []
+        # live leases: id -> (until, the objects it covers)
+        self._leases: dict[int, tuple[float, list[Object]]] = {}
+        self._next_lease = 1
 
     # -- capacity --------------------------------------------------------------
     @property
@@ -268,13 +285,41 @@ class StoreModel:
         self._delete(obj)
 
     # -- reads -----------------------------------------------------------------
-    def get_replicas(self, key: str, now: float) -> Object:
-        """The COMPLETE object (size, replicas), with a read lease until
-        now + lease_ttl. ObjectNotFoundError otherwise."""
+    def new_lease(self, now: float) -> int:
+        """A lease id for one get call's objects, valid until now + lease_ttl."""
+        if len(self._leases) > 4096:
+            self.expire_leases(now)
+        lid = self._next_lease
+        self._next_lease += 1
+        self._leases[lid] = (now + self.lease_ttl, [])
+        return lid
+
+    def get_replicas(self, key: str, now: float, lease: int | None = None) -> Object:
+        """The COMPLETE object (size, replicas), under read lease `lease`
+        (a new one of its own if None) until now + lease_ttl.
+        ObjectNotFoundError otherwise."""
         obj = self._complete(key)
-        obj.lease_until = max(obj.lease_until, now + self.lease_ttl)
+        if lease is None or lease not in self._leases:
+            lease = self.new_lease(now)
+        until, objs = self._leases[lease]
+        obj.leases[lease] = until
+        objs.append(obj)
         self._touch(key)
         return obj
+
+    def release_lease(self, lease: int, now: float) -> None:
+        """The reader is done: its objects are no longer leased by it."""
+        entry = self._leases.pop(lease, None)
+        if entry is not None:
+            for obj in entry[1]:
+                obj.leases.pop(lease, None)
+            if self._quarantine:
+                self.release_quarantine(now)
+
+    def expire_leases(self, now: float) -> None:
+        for lid in [lid for lid, (until, _) in self._leases.items() if until <= now]:
+            for obj in self._leases.pop(lid)[1]:
+                obj.leases.pop(lid, None)
 
     def exists(self, key: str) -> bool:
         check_key(key)
@@ -289,11 +334,11 @@ class StoreModel:
         """ObjectLeasedError while a get's lease runs, unless `force`: then
         the key is gone at once and its space is freed when the lease ends."""
         obj = self._complete(key)
-        if obj.lease_until > now:
+        if obj.leased(now):
             if not force:
-                raise ObjectLeasedError(f"{key!r} is leased to a reader for "
-                                        f"{obj.lease_until - now:.3f} s more", key=key)
-            self._quarantine.append((obj.lease_until, key, obj.replicas))
+                raise ObjectLeasedError(f"{key!r} is leased to a reader for at most "
+                                        f"{obj.lease_end() - now:.3f} s more", key=key)
+            self._quarantine.append((obj, obj.replicas))
             for r in obj.replicas:            # no longer an object's replica
                 seg = self.segments.get(r.segment)
                 if seg is not None:
@@ -308,22 +353,22 @@ class StoreModel:
         gone = 0
         for key in list(self._lru):
             obj = self.objects[key]
-            if force or obj.lease_until <= now:
+            if force or not obj.leased(now):
                 self.remove(key, now, force=force)
                 gone += 1
         return gone
 
     def release_quarantine(self, now: float) -> int:
-        """Frees the space of forced removals whose leases have ended;
-        returns the bytes freed. Called at every put_start, and by the
-        master's monitor."""
+        """Frees the space of forced removals whose leases have ended or
+        were released; returns the bytes freed. Called at every put_start,
+        lease release, and by the master's monitor."""
         if not self._quarantine:
             return 0
         freed = 0
         keep = []
-        for until, key, replicas in self._quarantine:
-            if until > now:
-                keep.append((until, key, replicas))
+        for obj, replicas in self._quarantine:
+            if obj.leased(now):
+                keep.append((obj, replicas))
                 continue
             for r in replicas:
                 seg = self.segments.get(r.segment)
@@ -334,7 +379,7 @@ class StoreModel:
         return freed
 
     def evictable(self, obj: Object, now: float) -> bool:
-        return obj.state is State.COMPLETE and not obj.pinned and obj.lease_until <= now
+        return obj.state is State.COMPLETE and not obj.pinned and not obj.leased(now)
 
     def _evict(self, nbytes: int, now: float) -> int:
         """Evicts least-recently-used objects until `nbytes` bytes were freed

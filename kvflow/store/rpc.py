@@ -26,6 +26,11 @@ class MasterLink:
     async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         raise NotImplementedError
 
+    def notify(self, method: str, *args: Any) -> None:
+        """Sends a call whose answer nobody waits for (a lease release): no
+        round trip, and safe from a finally block (it never awaits)."""
+        raise NotImplementedError
+
     async def close(self) -> None:
         raise NotImplementedError
 
@@ -45,6 +50,13 @@ class LocalMasterLink(MasterLink):
         if self.closed or self.session.closed:
             raise MasterUnavailableError("the link to the in-process master is closed")
         return self.master.dispatch(self.session, method, list(args))
+
+    def notify(self, method: str, *args: Any) -> None:
+        if not (self.closed or self.session.closed):
+            try:
+                self.master.dispatch(self.session, method, list(args))
+            except KVFlowError:
+                pass
 
     async def close(self) -> None:
         self.closed = True
@@ -117,7 +129,7 @@ class TcpMasterLink(MasterLink, asyncio.Protocol):
     async def call(self, method: str, *args: Any, timeout: float | None = 10.0) -> Any:
         if self.closed:
             raise self._lost or MasterUnavailableError(f"link to master {self.address} is closed")
-        rid = next(self._ids)
+        rid = next(self._ids)                       # from 1: id 0 is a notice
         fut = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         try:
@@ -128,6 +140,10 @@ class TcpMasterLink(MasterLink, asyncio.Protocol):
             raise MasterUnavailableError(f"master {self.address}: {method} timed out after {timeout} s") from None
         finally:
             self._waiters.pop(rid, None)
+
+    def notify(self, method: str, *args: Any) -> None:
+        if not self.closed and self._transport is not None:
+            self._transport.write(encode([0, method, list(args)]))     # id 0: no reply
 
     async def close(self) -> None:
         if self._transport is not None and not self.closed:
