@@ -175,12 +175,17 @@ class StoreClient:
                                           timeout=self.timeout)
             self.lease_ttl = float(hello["lease_ttl"])
             if self.local_buffer_size:
-                self._staging = np.zeros(self.local_buffer_size, np.uint8)
+                self._staging = np.empty(self.local_buffer_size, np.uint8)
+                self._staging.fill(0)
                 self._staging_region = self.engine.register(self._staging)
                 self._staging_alloc = Allocator(self.local_buffer_size)
                 self._staging_freed = asyncio.Condition()
             if self.segment_size:
-                self._segment = np.zeros(self.segment_size, np.uint8)
+                # touched now, not by the first puts: np.zeros maps pages lazily,
+                # and a put landing on never-touched pages pays a page fault per
+                # 4 KiB (3-10x slower writes until the segment has been used once)
+                self._segment = np.empty(self.segment_size, np.uint8)
+                self._segment.fill(0)
                 name = f"kvflow-store/{self.client_id}/0"
                 self._segment_region = self.engine.register(self._segment, name=name)
                 self.segment_id = await self._link.call("mount", name, self._segment_region.addr,

@@ -222,7 +222,6 @@ class StoreModel:
             raise InvalidArgumentError(f"object size must be a positive int, not {size!r}", )
         if not isinstance(replica_num, int) or replica_num < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
-        self.release_quarantine(now)
         old = self.objects.get(key)
         if old is not None:
             if old.state is State.COMPLETE:
@@ -233,8 +232,13 @@ class StoreModel:
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
         cap = self.capacity
         if cap and self.used + size > self.high_watermark * cap:
-            self._evict(self.used + size - int(self.low_watermark * cap), now)
+            # space of forced removals whose readers are done comes back first
+            self.release_quarantine(now)
+            if self.used + size > self.high_watermark * cap:
+                self._evict(self.used + size - int(self.low_watermark * cap), now)
         chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+        if not chosen and self.release_quarantine(now):
+            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
         while not chosen and self._evict_one(now):      # fragmentation: evict until one fits
             chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred,
                            rng=self._rng)
@@ -360,8 +364,8 @@ class StoreModel:
 
     def release_quarantine(self, now: float) -> int:
         """Frees the space of forced removals whose leases have ended or
-        were released; returns the bytes freed. Called at every put_start,
-        lease release, and by the master's monitor."""
+        were released; returns the bytes freed. Called when a put needs
+        space, at a lease release, and by the master's monitor."""
         if not self._quarantine:
             return 0
         freed = 0
