@@ -94,14 +94,30 @@ async def test_holder_killed_replicas_survive_and_lost_objects_are_typed_errors(
                             assert g == v, (k, g)      # never wrong bytes, never an error
                         seen["gets"] += len(got)
 
+                put_during: dict[str, bytes] = {}
+
+                async def putter():
+                    i = 0
+                    while not stop.is_set():
+                        k, v = f"during/{i}", _data(20_000, 1000 + i).tobytes()
+                        n = await c.put(k, v, replica_num=2)   # never fails: h2 lives
+                        assert n in (1, 2), n
+                        put_during[k] = v
+                        i += 1
+
                 reader = asyncio.create_task(stream())
+                writer = asyncio.create_task(putter())
                 await asyncio.sleep(0.2)
                 h1.kill()                                   # SIGKILL mid-stream
                 await h1.wait()
                 await asyncio.sleep(0.5)
                 stop.set()
                 await reader
+                await writer
                 assert seen["gets"] >= 2 * len(values)
+                assert len(put_during) > 5
+                for k, v in put_during.items():             # every put during the kill reads back
+                    assert await c.get(k) == v
                 # objects whose only holder died: a typed error, never bytes
                 for k in only_h1:
                     with pytest.raises((ReplicaUnavailableError, ObjectNotFoundError)):

@@ -169,6 +169,8 @@ class Master:
         self.calls += 1
         now = self.clock()
         if method == "register":
+            if s.client_id is not None:
+                raise InvalidArgumentError(f"this connection is client {s.client_id} already")
             client_id, host, engine = args
             self.model.register_client(client_id, host, engine, now)
             s.client_id = client_id
