@@ -12,7 +12,7 @@ import pytest
 
 import kvflow
 from kvflow.errors import InvalidArgumentError, UnregisteredMemoryError
-from kvflow.store import (BufferTooSmallError, InvalidKeyError, MasterUnavailableError, Master,
+from kvflow.store import (BufferTooSmallError, InvalidKeyError, MasterUnavailableError, Master, StoreTimeoutError,
                           NoSpaceError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
                           ReplicaUnavailableError, StoreClient)
 
@@ -451,3 +451,26 @@ async def test_a_given_engine_is_used_and_left_open():
         await peer.write(np.array([r.addr], np.uint64), np.array([peer.region("after").addr], np.uint64),
                          np.array([4096], np.uint64))
         assert (keep == 7).all()
+
+
+async def test_call_timeouts_are_typed_and_undo_what_they_started():
+    async with _pool(2, ("tcp",), segment_size=64 << 20, local_buffer_size=64 << 20) as (master, (a, b)):
+        v = _data(32 << 20, 13).tobytes()
+        await a.put("big", v, preferred_segment=b.segment_id)
+        for t in (1e-6, 1e-4, 1e-3):
+            with contextlib.suppress(StoreTimeoutError):
+                await a.get("big", timeout=t)
+            with contextlib.suppress(StoreTimeoutError):
+                await b.put(f"late/{t}", v, timeout=t, preferred_segment=a.segment_id)
+        with pytest.raises(StoreTimeoutError):
+            await a.get("big", timeout=1e-6)
+        with pytest.raises(InvalidArgumentError):
+            await a.get("big", timeout=-1)
+        # usable, nothing held: staging back, leases released (remove needs no force)
+        assert await a.get("big", timeout=30) == v
+        assert a.local_buffer_in_use == 0 and b.local_buffer_in_use == 0
+        late = [k for k in (f"late/{t}" for t in (1e-6, 1e-4, 1e-3)) if await a.exists(k)]
+        await a.remove("big")
+        for k in late:
+            await a.remove(k)
+        _assert_no_leak(master)

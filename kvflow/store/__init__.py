@@ -14,7 +14,8 @@ from .allocator import Allocator
 from .client import Replica, StoreClient
 from .errors import (BufferTooSmallError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
                      NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
-                     ObjectNotFoundError, ReplicaUnavailableError, SegmentError, StoreError)
+                     ObjectNotFoundError, ReplicaUnavailableError, SegmentError, StoreError,
+                     StoreTimeoutError)
 from .master import Master
 from .model import State, StoreModel
 
@@ -22,5 +23,5 @@ __all__ = [
     "Allocator", "BufferTooSmallError", "InvalidKeyError", "LeaseExpiredError", "Master",
     "MasterUnavailableError", "NoSpaceError", "ObjectBusyError", "ObjectExistsError",
     "ObjectLeasedError", "ObjectNotFoundError", "Replica", "ReplicaUnavailableError",
-    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel",
+    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError",
 ]

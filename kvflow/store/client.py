@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import itertools
 import socket
 import time
@@ -43,7 +44,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryE
 from .allocator import Allocator
 from .datapath import Mover, Moves
 from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError,
-                     ReplicaUnavailableError, error_from_code)
+                     ReplicaUnavailableError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .model import MAX_KEY_BYTES, check_key
 from .rpc import MasterLink, connect_master
@@ -66,6 +67,29 @@ class Replica(tuple):
     engine = property(lambda self: self[2])
     host = property(lambda self: self[3])
     addr = property(lambda self: self[4])
+
+
+def _with_timeout(fn):
+    """Gives a public call a keyword-only `timeout=` (seconds, None: the
+    client's own per-step timeouts only). The whole call runs under it; on
+    expiry it is cancelled, which undoes what it started (revokes a put's
+    allocations, releases a get's lease, drains its transfers) before
+    StoreTimeoutError is raised."""
+    @functools.wraps(fn)
+    async def call(self, *args: Any, timeout: float | None = None, **kw: Any) -> Any:
+        if timeout is None:
+            return await fn(self, *args, **kw)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        cm = asyncio.timeout(timeout)
+        try:
+            async with cm:
+                return await fn(self, *args, **kw)
+        except TimeoutError:
+            if cm.expired():
+                raise StoreTimeoutError(f"{fn.__name__} did not finish within {timeout} s") from None
+            raise
+    return call
 
 
 def _replica_rows(reply: dict) -> tuple[list, dict]:
@@ -291,6 +315,7 @@ class StoreClient:
                                           f"this client's engine (register_buffer; host memory)")
 
     # -- puts ------------------------------------------------------------------
+    @_with_timeout
     async def put_from(self, key: str, addr: int, size: int, **kw: Any) -> int:
         """Puts `size` bytes at `addr` (registered memory) as `key`.
         Returns the number of replicas stored (0 when the key existed
@@ -300,16 +325,19 @@ class StoreClient:
         (every replica's write failed), MasterUnavailableError."""
         return self._one(await self.batch_put_from_parts([key], [[(addr, size)]], **kw))
 
+    @_with_timeout
     async def put_from_parts(self, key: str, parts: Parts, **kw: Any) -> int:
         """put_from of an object made of several buffers, concatenated in order."""
         return self._one(await self.batch_put_from_parts([key], [parts], **kw))
 
+    @_with_timeout
     async def batch_put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
                              **kw: Any) -> list:
         if not (len(keys) == len(addrs) == len(sizes)):
             raise InvalidArgumentError("keys, addrs and sizes must have the same length")
         return await self.batch_put_from_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)], **kw)
 
+    @_with_timeout
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
                                    replica_num: int | None = None, preferred_segment: int | None = None,
                                    pin: bool = False) -> list:
@@ -394,12 +422,14 @@ class StoreClient:
         except KVFlowError:
             pass        # the master is gone or lost us: it dropped our puts itself
 
+    @_with_timeout
     async def put(self, key: str, value: Any, **kw: Any) -> int:
         """Puts bytes (anything with the buffer protocol) through the local
         buffer. Returns replicas stored (0: existed). put_from's errors, and
         InvalidArgumentError for a value larger than the local buffer."""
         return self._one(await self.batch_put([key], [value], **kw))
 
+    @_with_timeout
     async def batch_put(self, keys: Sequence[str], values: Sequence[Any], **kw: Any) -> list:
         if len(keys) != len(values):
             raise InvalidArgumentError("keys and values must have the same length")
@@ -427,6 +457,7 @@ class StoreClient:
         return results
 
     # -- gets ------------------------------------------------------------------
+    @_with_timeout
     async def get_into(self, key: str, addr: int, size: int) -> int:
         """Reads `key` into `size` bytes at `addr` (registered memory).
         Returns the object's size. Raises ObjectNotFoundError,
@@ -435,14 +466,17 @@ class StoreClient:
         LeaseExpiredError, MasterUnavailableError."""
         return self._one(await self.batch_get_into_parts([key], [[(addr, size)]]))
 
+    @_with_timeout
     async def get_into_parts(self, key: str, parts: Parts) -> int:
         return self._one(await self.batch_get_into_parts([key], [parts]))
 
+    @_with_timeout
     async def batch_get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> list:
         if not (len(keys) == len(addrs) == len(sizes)):
             raise InvalidArgumentError("keys, addrs and sizes must have the same length")
         return await self.batch_get_into_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)])
 
+    @_with_timeout
     async def batch_get_into_parts(self, keys: Sequence[str], parts: Sequence[Parts]) -> list:
         """The funnel of every get into registered memory."""
         if len(keys) != len(parts):
@@ -553,10 +587,12 @@ class StoreClient:
                     results[i] = LeaseExpiredError(
                         f"reading {keys[i]!r} outlasted its {self.lease_ttl} s lease", key=keys[i])
 
+    @_with_timeout
     async def get(self, key: str) -> bytes:
         """The object's bytes, through the local buffer. get_into's errors."""
         return self._one(await self.batch_get([key]))
 
+    @_with_timeout
     async def batch_get(self, keys: Sequence[str]) -> list:
         results: list[Any] = [None] * len(keys)
         todo = []
@@ -605,21 +641,26 @@ class StoreClient:
         return results
 
     # -- queries and removal ---------------------------------------------------
+    @_with_timeout
     async def exists(self, key: str) -> bool:
         """Whether a complete object `key` is in the pool."""
         return self._one(await self.batch_exists([key]))
 
+    @_with_timeout
     async def batch_exists(self, keys: Sequence[str]) -> list:
         """One round trip for any number of keys."""
         return await self._keyed("batch_exists", keys)
 
+    @_with_timeout
     async def size(self, key: str) -> int:
         """The object's size. ObjectNotFoundError."""
         return self._one(await self.batch_size([key]))
 
+    @_with_timeout
     async def batch_size(self, keys: Sequence[str]) -> list:
         return await self._keyed("batch_size", keys)
 
+    @_with_timeout
     async def get_replicas(self, key: str) -> list[Replica]:
         """Where the object's replicas are (and a read lease on it)."""
         found, segs = _replica_rows(await self._call("batch_get_replicas", [key]))
@@ -628,18 +669,22 @@ class StoreClient:
             raise r
         return [Replica((sid, *segs[sid], addr)) for sid, addr in r[1]]
 
+    @_with_timeout
     async def remove(self, key: str, *, force: bool = False) -> None:
         """Removes the object. ObjectNotFoundError; ObjectLeasedError while a
         get holds a lease on it (unless `force`)."""
         self._one(await self.batch_remove([key], force=force))
 
+    @_with_timeout
     async def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list:
         return await self._keyed("batch_remove", keys, bool(force))
 
+    @_with_timeout
     async def remove_all(self, *, force: bool = False) -> int:
         """Removes every complete object not under a lease; returns how many."""
         return await self._call("remove_all", bool(force))
 
+    @_with_timeout
     async def stats(self) -> dict:
         return await self._call("stats")
 

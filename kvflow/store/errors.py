@@ -8,7 +8,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError
 __all__ = [
     "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
     "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError",
-    "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError",
+    "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
     "SegmentError", "CODES", "error_code", "error_from_code",
 ]
 
@@ -65,6 +65,12 @@ class LeaseExpiredError(StoreError):
     returned."""
 
 
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A call's `timeout=` elapsed. What it had started was undone first
+    (a put's allocations revoked, a get's lease released, its transfers
+    drained), and the client stays usable."""
+
+
 class MasterUnavailableError(StoreError):
     """The master cannot be reached, or its connection was lost."""
 
@@ -85,6 +91,7 @@ CODES: dict[str, type[KVFlowError]] = {
     "replica_unavailable": ReplicaUnavailableError,
     "lease_expired": LeaseExpiredError,
     "master_unavailable": MasterUnavailableError,
+    "timeout": StoreTimeoutError,
     "segment": SegmentError,
     "store": StoreError,
     "internal": KVFlowError,
