@@ -474,3 +474,31 @@ async def test_call_timeouts_are_typed_and_undo_what_they_started():
         for k in late:
             await a.remove(k)
         _assert_no_leak(master)
+
+
+async def test_master_survives_malformed_frames():
+    master = Master()
+    await master.start("127.0.0.1:0")
+    try:
+        host, port = master.address.rsplit(":", 1)
+        bad_frames = [b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1",             # not msgpack
+                      b"\x00\x00\x00\x01\x90",                             # [] : not a request
+                      b"\xff\xff\xff\xff",                                 # over the frame limit
+                      b"\x00\x00\x00\x04\x93\x01\xa1x"]                    # truncated, then EOF
+        for frame in bad_frames:
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(frame)
+            await w.drain()
+            w.write_eof()
+            assert await asyncio.wait_for(r.read(), 5) == b""         # dropped, no reply
+            w.close()
+        async with StoreClient(master.address, segment_size=1 << 20, protocols=("tcp",)) as c:
+            await c.put("after-garbage", b"fine")
+            assert await c.get("after-garbage") == b"fine"
+        for _ in range(100):                   # the master sees the client's connection close
+            if not master.model.clients:
+                break
+            await asyncio.sleep(0.01)
+        assert not master.model.clients and not master.sessions
+    finally:
+        await master.close()
