@@ -43,6 +43,10 @@ def _label(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def _protocols(args) -> tuple[str, ...] | None:
+    return None if args.protocol == "auto" else (args.protocol,)
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -54,7 +58,7 @@ def _env() -> dict:
 async def _kvflow_holder(args) -> None:
     from kvflow.store import StoreClient
     async with StoreClient(args.master, segment_size=args.segment, local_buffer_size=0,
-                           protocols=("tcp",)) as c:
+                           protocols=_protocols(args)) as c:
         region = [r for r in c.engine.regions if r.name and r.name.startswith("kvflow-store/")][0]
         print(json.dumps({"engine": c.engine.address, "region": region.name}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -80,19 +84,20 @@ async def _kvflow_client(args, holder: dict) -> dict:
     from kvflow.store import StoreClient
     sizes, batch = [_parse_size(s) for s in args.sizes.split(",")], args.batch
     out: dict = {"system": "kvflow", "points": []}
-    async with StoreClient(args.master, segment_size=0, local_buffer_size=0, protocols=("tcp",)) as c:
+    async with StoreClient(args.master, segment_size=0, local_buffer_size=0, protocols=_protocols(args)) as c:
         top = max(sizes) * batch
         src = np.random.default_rng(1).integers(0, 256, top, dtype=np.uint8)
         dst = np.zeros(top, np.uint8)
         rs, rd = c.register_buffer(src), c.register_buffer(dst)
         peer = await c.engine.connect(holder["engine"])
         seg = peer.region(holder["region"])
+        out["transport"] = peer.transport
         for size in sizes:
             idx = np.arange(batch, dtype=np.uint64) * np.uint64(size)
             lens = np.full(batch, size, np.uint64)
             laddr = [rs.addr + i * size for i in range(batch)]
             daddr = [rd.addr + i * size for i in range(batch)]
-            t = {"put": [], "get": [], "raw_write": [], "raw_read": []}
+            t = {"put": [], "get": [], "raw_write": [], "raw_read": [], "memcpy": []}
             for r in range(args.rounds + 1):
                 t0 = time.perf_counter()
                 await peer.write(rs.addr + idx, seg.addr + idx, lens)
@@ -110,7 +115,12 @@ async def _kvflow_client(args, holder: dict) -> dict:
                 assert res == [size] * batch, res
                 assert np.array_equal(dst[:batch * size], src[:batch * size]), "wrong bytes"
                 await c.batch_remove(keys, force=True)
+                t6 = time.perf_counter()
+                for i in range(batch):                  # the ceiling: the same bytes, one process
+                    dst[i * size:(i + 1) * size] = src[i * size:(i + 1) * size]
+                t7 = time.perf_counter()
                 if r:                                   # round 0 warms up
+                    t["memcpy"].append(t7 - t6)
                     t["raw_write"].append(t1 - t0)
                     t["raw_read"].append(t2 - t1)
                     t["put"].append(t3 - t2)
@@ -204,7 +214,7 @@ def _free_port() -> int:
 
 def _run_system(system: str, args) -> dict:
     me = [sys.executable, os.path.abspath(__file__)]
-    common = ["--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
+    common = ["--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
               "--exists-keys", str(args.exists_keys), "--exists-calls", str(args.exists_calls)]
     procs = []
     try:
@@ -223,7 +233,7 @@ def _run_system(system: str, args) -> dict:
             procs.append(m)
             master = f"127.0.0.1:{port}"
             time.sleep(1.0)
-        h = subprocess.Popen(me + ["holder", "--system", system, "--master", master,
+        h = subprocess.Popen(me + ["holder", "--system", system, "--master", master, "--protocol", args.protocol,
                                    "--segment", str(args.segment)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
         procs.append(h)
@@ -256,19 +266,23 @@ def _table(runs: list[dict]) -> str:
                 name = {"put": "batch_put_from", "get": "batch_get_into"}.get(p["op"], p["op"])
                 key = (name, f"{p['batch']} x {_label(p['size'])}", "GB/s")
                 rows.setdefault(key, {}).setdefault(run["system"], []).append(p["gbps"])
-    lines = ["| op | layout | unit | kvflow store | kvflow raw tcp | store / raw | Mooncake Store | kvflow / Mooncake |",
-             "|---|---|---|---|---|---|---|---|"]
+    transports = sorted({r.get("transport", "?") for r in runs if r.get("system") == "kvflow"})
+    lines = [f"kvflow transport: {', '.join(transports)}",
+             "| op | layout | unit | kvflow store | kvflow raw | store / raw | memcpy | store / memcpy "
+             "| Mooncake Store (tcp) | kvflow / Mooncake |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: f"{statistics.median(v):.3g}" if v else "-"
     for (op, layout, unit), by in rows.items():
-        if op.startswith("raw"):
+        if op.startswith("raw") or op == "memcpy":
             continue
         kv = by.get("kvflow", [])
         raw_op = {"batch_put_from": "raw_write", "batch_get_into": "raw_read"}.get(op)
         raw = rows.get((raw_op, layout, unit), {}).get("kvflow", []) if raw_op else []
         mc = by.get("mooncake", [])
-        ratio_raw = f"{statistics.median(kv) / statistics.median(raw):.2f}" if kv and raw else "-"
-        ratio_mc = f"{statistics.median(kv) / statistics.median(mc):.2f}" if kv and mc else "-"
-        lines.append(f"| {op} | {layout} | {unit} | {fmt(kv)} | {fmt(raw)} | {ratio_raw} | {fmt(mc)} | {ratio_mc} |")
+        cp = rows.get(("memcpy", layout, unit), {}).get("kvflow", []) if raw_op else []
+        ratio = lambda a, b: f"{statistics.median(a) / statistics.median(b):.2f}" if a and b else "-"
+        lines.append(f"| {op} | {layout} | {unit} | {fmt(kv)} | {fmt(raw)} | {ratio(kv, raw)} | {fmt(cp)} "
+                     f"| {ratio(kv, cp)} | {fmt(mc)} | {ratio(kv, mc)} |")
     return "\n".join(lines)
 
 
@@ -280,6 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--holder")
     p.add_argument("--segment", type=int, default=512 << 20)
     p.add_argument("--sizes", default="64K,1M,4M")
+    p.add_argument("--protocol", default="tcp", choices=("tcp", "local", "auto"),
+                   help="kvflow's provider between the two client processes (Mooncake: always tcp)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--exists-keys", type=int, default=128)
