@@ -46,6 +46,7 @@ def _assert_no_leak(master: Master, objects: int = 0) -> None:
     m.release_quarantine(float("inf"))
     for s in m.segments.values():
         s.alloc.check()
+    assert m.used == sum(s.alloc.used for s in m.segments.values())      # the running total
     assert len(m.objects) == objects
     if objects == 0:
         assert m.used == 0

@@ -305,7 +305,11 @@ def test_full_pool_puts_evict_and_succeed():
         m.put_start(f"c{i % 2}", f"k{i}", size, 1, now=i)
         m.put_end(f"c{i % 2}", f"k{i}")
     assert m.evictions > 0 and m.used <= m.capacity
+    assert m.used == sum(s.alloc.used for s in m.segments.values())
     assert m.exists("k9999")
+    m.client_lost("c0")
+    assert m.used == sum(s.alloc.used for s in m.segments.values())
+    assert m.capacity == sum(s.alloc.capacity for s in m.segments.values())
 
 
 def test_oversize_object_and_bad_input():

@@ -129,6 +129,8 @@ class StoreModel:
         # it from the front, a hit moves the key to the back (O(1) each).
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._next_segment = 1
+        self._capacity = 0
+        self._used = 0
         self._rng = random.Random(seed)
         self.evictions = 0
         # forced removals of leased objects: the key is gone at once, but the
@@ -142,11 +144,14 @@ class StoreModel:
     # -- capacity --------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return sum(s.alloc.capacity for s in self.segments.values())
+        return self._capacity
 
     @property
     def used(self) -> int:
-        return sum(s.alloc.used for s in self.segments.values())
+        """Bytes allocated over every segment (kept as allocations come and
+        go: a put asks for it, and a sum over segments per key was a third
+        of put_start's time)."""
+        return self._used
 
     # -- clients and segments --------------------------------------------------
     def register_client(self, client_id: str, host: str, engine: str, now: float) -> Client:
@@ -171,7 +176,8 @@ class StoreModel:
             raise SegmentError(f"client {client_id} already mounted a segment named {name!r}")
         sid = self._next_segment
         self._next_segment += 1
-        self.segments[sid] = Segment(sid, client_id, str(name), base, size, Allocator(size))
+        seg = self.segments[sid] = Segment(sid, client_id, str(name), base, size, Allocator(size))
+        self._capacity += seg.alloc.capacity
         c.segments.add(sid)
         return sid
 
@@ -230,12 +236,12 @@ class StoreModel:
                 self._touch(key)
                 return None
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
-        cap = self.capacity
-        if cap and self.used + size > self.high_watermark * cap:
+        cap = self._capacity
+        if cap and self._used + size > self.high_watermark * cap:
             # space of forced removals whose readers are done comes back first
             self.release_quarantine(now)
-            if self.used + size > self.high_watermark * cap:
-                self._evict(self.used + size - int(self.low_watermark * cap), now)
+            if self._used + size > self.high_watermark * cap:
+                self._evict(self._used + size - int(self.low_watermark * cap), now)
         chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
         if not chosen and self.release_quarantine(now):
             chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
@@ -250,7 +256,9 @@ class StoreModel:
         for seg in chosen:
             off = seg.alloc.allocate(size)
             assert off is not None          # place() returned only segments where it fits
-            replicas.append(Replica(seg.id, off, seg.alloc.allocated_length(off)))
+            length = seg.alloc.allocated_length(off)
+            self._used += length
+            replicas.append(Replica(seg.id, off, length))
             seg.keys.add(key)
         self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin),
                                    token=token)
@@ -377,7 +385,7 @@ class StoreModel:
             for r in replicas:
                 seg = self.segments.get(r.segment)
                 if seg is not None:           # a dropped segment's space went with it
-                    seg.alloc.release(r.offset)
+                    self._used -= seg.alloc.release(r.offset)
                     freed += r.length
         self._quarantine = keep
         return freed
@@ -430,7 +438,7 @@ class StoreModel:
     def _free(self, key: str, r: Replica) -> None:
         seg = self.segments.get(r.segment)
         if seg is not None:          # a dropped segment's space went with it
-            seg.alloc.release(r.offset)
+            self._used -= seg.alloc.release(r.offset)
             seg.keys.discard(key)
 
     def _delete(self, obj: Object) -> None:
@@ -453,6 +461,8 @@ class StoreModel:
                 self._delete(obj)
                 dropped += 1
         del self.segments[seg.id]
+        self._capacity -= seg.alloc.capacity
+        self._used -= seg.alloc.used       # its space goes with it, live or quarantined
         c = self.clients.get(seg.client)
         if c is not None:
             c.segments.discard(seg.id)

@@ -33,6 +33,13 @@ def place(segments: Sequence[Placeable], size: int, replica_num: int, *,
     clients while there are clients left, then on distinct segments."""
     rng = rng or random
     fitting = [s for s in segments if s.fits(size)]
+    if replica_num == 1 and preferred is None and len(fitting) <= 2:
+        # the common case, without the bookkeeping below
+        if len(fitting) < 2:
+            return fitting
+        a, b = fitting
+        fa, fb = a.fill_after(size), b.fill_after(size)
+        return [a if fa < fb else b if fb < fa else rng.choice((a, b))]
     chosen: list[Placeable] = []
     if preferred is not None:
         for s in fitting:
