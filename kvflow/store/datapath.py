@@ -80,7 +80,15 @@ class Mover:
                      for h in holders]
         if not jobs:
             return {}
-        results = await asyncio.gather(*jobs, return_exceptions=True)
+        if len(jobs) == 1:
+            # one holder (the common case): no task and no gather
+            try:
+                await jobs[0]
+                results = [None]
+            except (KVFlowError, asyncio.CancelledError) as e:
+                results = [e]
+        else:
+            results = await asyncio.gather(*jobs, return_exceptions=True)
         if mine:
             own_result, results = results[0], results[1:]
             if isinstance(own_result, BaseException):
