@@ -314,8 +314,12 @@ def test_full_pool_puts_evict_and_succeed():
 
 def test_oversize_object_and_bad_input():
     m = _model(segments=1, size=4096)
+    m.put_start("c0", "small", 64, 1, now=0)
+    m.put_end("c0", "small")
     with pytest.raises(NoSpaceError):
         m.put_start("c0", "big", 8192, 1, now=0)
+    assert m.exists("small") and m.evictions == 0      # nothing evicted for a put that cannot fit
+    m.remove("small", now=0)
     for key in ("", 3, None, b"k", "x" * 5000):
         with pytest.raises(InvalidKeyError):
             m.put_start("c0", key, 10, 1, now=0)

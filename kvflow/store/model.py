@@ -236,12 +236,18 @@ class StoreModel:
                 self._touch(key)
                 return None
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
+        if not any(s.alloc.capacity >= size for s in self.segments.values()):
+            # larger than every segment: no eviction could help, so none is done
+            raise NoSpaceError(f"no segment can hold {size} bytes ({len(self.segments)} segments, "
+                               f"the largest {max((s.size for s in self.segments.values()), default=0)})",
+                               key=key)
         cap = self._capacity
-        if cap and self._used + size > self.high_watermark * cap:
+        need = size * min(replica_num, len(self.segments))
+        if cap and self._used + need > self.high_watermark * cap:
             # space of forced removals whose readers are done comes back first
             self.release_quarantine(now)
-            if self._used + size > self.high_watermark * cap:
-                self._evict(self._used + size - int(self.low_watermark * cap), now)
+            if self._used + need > self.high_watermark * cap:
+                self._evict(self._used + need - int(self.low_watermark * cap), now)
         chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
         if not chosen and self.release_quarantine(now):
             chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
