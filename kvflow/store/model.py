@@ -403,14 +403,17 @@ class StoreModel:
         """Evicts least-recently-used objects until `nbytes` bytes were freed
         or nothing evictable is left; returns the bytes freed."""
         freed = 0
-        for key in list(self._lru):
+        victims = []
+        for key in self._lru:                 # oldest first; no copy of the whole order
             if freed >= nbytes:
                 break
             obj = self.objects[key]
             if self.evictable(obj, now):
                 freed += sum(r.length for r in obj.replicas)
-                self._delete(obj)
-                self.evictions += 1
+                victims.append(obj)
+        for obj in victims:
+            self._delete(obj)
+        self.evictions += len(victims)
         return freed
 
     def _evict_one(self, now: float) -> bool:
