@@ -245,6 +245,12 @@ async def test_bad_input_gets_typed_errors_and_the_client_stays_usable():
             await a.put("good", b"123")            # same key, another size
         with pytest.raises(InvalidArgumentError):
             await a.batch_put_from(["a", "b"], [reg.addr], [1, 2])
+        with pytest.raises(InvalidArgumentError):
+            await a.put_from_parts("k", [reg.addr, 100])          # not (address, size) pairs
+        with pytest.raises(InvalidArgumentError):
+            await b.get_into_parts("good", [])
+        with pytest.raises(InvalidArgumentError):
+            await a.put_from("k", reg.addr, 1.5)
         with pytest.raises(UnregisteredMemoryError):
             await a.put_from("k", unregistered.ctypes.data, 100)
         with pytest.raises(UnregisteredMemoryError):

@@ -299,6 +299,17 @@ class StoreClient:
         return [r.addr for r in regions], [r.end for r in regions]
 
     @staticmethod
+    def _parts(ps: Any) -> list:
+        """An object's parts as a list of (address, size) pairs."""
+        try:
+            out = [(a, s) for a, s in ps]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("an object's parts must be (address, size) pairs") from None
+        if not out:
+            raise InvalidArgumentError("an object needs at least one part")
+        return out
+
+    @staticmethod
     def _check_local(addr: Any, size: Any, regions: tuple[list[int], list[int]]) -> None:
         if type(addr) is not int or type(size) is not int:
             if not isinstance(addr, (int, np.integer)) or not isinstance(size, (int, np.integer)) \
@@ -357,7 +368,7 @@ class StoreClient:
                 check_key(key)
                 if not ps:
                     raise InvalidArgumentError("an object needs at least one part")
-                for a, s in ps:
+                for a, s in self._parts(ps):
                     self._check_local(a, s, regions)
                 todo.append(i)
                 sizes.append(sum(int(s) for _, s in ps))
@@ -489,7 +500,7 @@ class StoreClient:
                 check_key(key)
                 if not ps:
                     raise InvalidArgumentError("an object needs at least one part")
-                for a, s in ps:
+                for a, s in self._parts(ps):
                     self._check_local(a, s, regions)
                 todo.append(i)
             except KVFlowError as e:
