@@ -10,6 +10,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -175,6 +176,17 @@ async def test_silent_past_the_grace_is_lost():
                     await c.get("held")
         finally:
             await _stop(h)
+
+
+async def test_a_blocked_event_loop_does_not_lose_the_client():
+    # the host application blocks the client's loop longer than the grace:
+    # the heartbeat thread keeps the client (and its segment) in the pool
+    async with _master("--client-grace", "1.5", "--heartbeat-interval", "0.3") as (address, _):
+        async with StoreClient(address, segment_size=1 << 20, protocols=("tcp",)) as c:
+            await c.put("mine", b"still here", preferred_segment=c.segment_id)
+            time.sleep(4.0)                                # blocks this loop: no loop heartbeats
+            assert (await c.stats())["clients"] == 1
+            assert await c.get("mine") == b"still here"
 
 
 async def test_master_stopped_calls_time_out_and_the_client_recovers():

@@ -47,7 +47,7 @@ from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableEr
                      ReplicaUnavailableError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .model import MAX_KEY_BYTES, check_key
-from .rpc import MasterLink, connect_master
+from .rpc import HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 
 __all__ = ["StoreClient", "Replica"]
 
@@ -153,6 +153,7 @@ class StoreClient:
         self._staging_freed: asyncio.Condition | None = None
         self._mover: Mover | None = None
         self._heartbeat: asyncio.Task | None = None
+        self._beat_thread: HeartbeatThread | None = None
         self.lease_ttl = 5.0
         self.replica_fallbacks = 0      # reads that went on to another replica
         self._put_tokens = itertools.count(1)
@@ -215,6 +216,10 @@ class StoreClient:
                 self.segment_id = await self._link.call("mount", name, self._segment_region.addr,
                                                         self.segment_size, timeout=self.timeout)
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(float(hello["heartbeat"])))
+            if isinstance(self._link, TcpMasterLink):
+                self._beat_thread = HeartbeatThread(self._link.address, self.client_id, hello["beat_token"],
+                                                    float(hello["heartbeat"]))
+                self._beat_thread.start()
         except BaseException:
             await self.close()
             raise
@@ -241,6 +246,8 @@ class StoreClient:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._beat_thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
         if self._link is not None:
             await self._link.close()
         if self._embedded is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -172,10 +173,21 @@ class Master:
             if s.client_id is not None:
                 raise InvalidArgumentError(f"this connection is client {s.client_id} already")
             client_id, host, engine = args
-            self.model.register_client(client_id, host, engine, now)
+            c = self.model.register_client(client_id, host, engine, now)
+            c.beat_token = secrets.token_hex(16)
             s.client_id = client_id
             return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
-                    "grace": self.client_grace}
+                    "grace": self.client_grace, "beat_token": c.beat_token}
+        if method == "beat":
+            # a client's heartbeat thread, on a connection of its own: alive
+            # even while its event loop is blocked (its kvflow engine's native
+            # threads still serve its segment). The connection is nobody's
+            # session: its closing loses no one.
+            client_id, token = args
+            c = self.model.clients.get(client_id)
+            if c is not None and token and c.beat_token == token:
+                c.last_seen = now
+            return None
         if s.client_id is None:
             if method in ("stats", "batch_exists"):      # observers need no identity
                 return getattr(self, f"_{method}")(None, now, *args)

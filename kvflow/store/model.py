@@ -54,6 +54,7 @@ class Client:
     last_seen: float
     segments: set[int] = field(default_factory=set)
     writing: set[str] = field(default_factory=set)     # keys it has put_start'ed, not ended
+    beat_token: str = ""        # proves a heartbeat from the client's own thread is its
 
 
 @dataclass(eq=False)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
+import threading
 from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
@@ -17,7 +19,7 @@ from .errors import MasterUnavailableError, error_from_code
 from .master import Master, Session
 from .wire import FrameBuffer, encode
 
-__all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "connect_master"]
+__all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "HeartbeatThread", "connect_master"]
 
 
 class MasterLink:
@@ -160,3 +162,41 @@ async def connect_master(master: "str | Master", *, timeout: float = 5.0) -> Mas
     raise InvalidArgumentError(f"master must be 'host:port' or a Master, not {type(master).__name__}")
 
 
+class HeartbeatThread(threading.Thread):
+    """Heartbeats from a thread of their own, on a connection of their own,
+    so that a client whose event loop is blocked (a long GIL-holding step of
+    the host application) is not declared lost while its process lives and
+    its engine's native threads still serve its segment (STYLE rule 18:
+    liveness the host application cannot starve). Each beat is a one-way
+    notice (`beat`, client id, the token the master gave at registration)."""
+
+    def __init__(self, address: str, client_id: str, token: str, interval: float) -> None:
+        super().__init__(name=f"kvflow-store-beat-{client_id}", daemon=True)
+        host, _, port = address.rpartition(":")
+        self._where = (host, int(port))
+        self._frame = encode([0, "beat", [client_id, token]])
+        self._interval = interval
+        self._stop_event = threading.Event()
+        self.sent = 0
+
+    def run(self) -> None:
+        sock: socket.socket | None = None
+        try:
+            while not self._stop_event.wait(self._interval):
+                try:
+                    if sock is None:
+                        sock = socket.create_connection(self._where, timeout=self._interval)
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.sendall(self._frame)
+                    self.sent += 1
+                except OSError:
+                    if sock is not None:
+                        sock.close()
+                    sock = None            # the master is away: try again next beat
+        finally:
+            if sock is not None:
+                sock.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
