@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -24,14 +26,14 @@ def _data(n: int, seed: int) -> np.ndarray:
 
 
 @contextlib.asynccontextmanager
-async def _pool(n: int, protocols, *, segment_size=4 << 20, master=None, **kw):
+async def _pool(n: int, protocols, *, segment_size=4 << 20, master=None, master_tcp=False, **kw):
     master = master or Master(seed=1)
-    await master.start()
+    await master.start("127.0.0.1:0" if master_tcp else None)
     clients = []
     try:
         for _ in range(n):
-            clients.append(await StoreClient(master, segment_size=segment_size, protocols=protocols,
-                                             **kw).start())
+            clients.append(await StoreClient(master.address if master_tcp else master, segment_size=segment_size,
+                                             protocols=protocols, **kw).start())
         yield master, clients
     finally:
         for c in clients:
@@ -509,3 +511,48 @@ async def test_master_survives_malformed_frames():
         assert not master.model.clients and not master.sessions
     finally:
         await master.close()
+
+
+def _value_of(key: str) -> bytes:
+    # every client can tell the right bytes of any key: size and content from the key
+    h = zlib.crc32(key.encode()) % 1000
+    return _data(1000 + h * 97, h).tobytes()
+
+
+@pytest.mark.parametrize("master_tcp", [False, True], ids=["master-in-process", "master-tcp"])
+async def test_concurrent_mixed_operations_never_return_wrong_bytes(master_tcp):
+    # three clients put, get, remove and batch-get one small key space at
+    # once, on a pool small enough to evict all the time; a get returns the
+    # key's own bytes or a typed error, never anything else
+    from kvflow.store import ObjectBusyError, StoreError
+    async with _pool(3, ("tcp",), segment_size=512 << 10, local_buffer_size=4 << 20,
+                     master_tcp=master_tcp) as (master, clients):
+        keys = [f"mix/{i}" for i in range(40)]
+        counts = {"hit": 0, "miss": 0, "put": 0, "removed": 0}
+
+        async def worker(c, seed):
+            rng = random.Random(seed)
+            for _ in range(int(os.environ.get("STORE_MIX_OPS", "300"))):
+                op = rng.random()
+                k = rng.choice(keys)
+                try:
+                    if op < 0.35:
+                        await c.put(k, _value_of(k), replica_num=rng.choice((1, 2)))
+                        counts["put"] += 1
+                    elif op < 0.75:
+                        assert await c.get(k) == _value_of(k)
+                        counts["hit"] += 1
+                    elif op < 0.9:
+                        ks = rng.sample(keys, 6)
+                        for kk, got in zip(ks, await c.batch_get(ks)):
+                            assert isinstance(got, StoreError) or got == _value_of(kk), kk
+                    else:
+                        await c.remove(k, force=rng.random() < 0.5)
+                        counts["removed"] += 1
+                except (ObjectNotFoundError, ObjectBusyError, ObjectLeasedError, NoSpaceError):
+                    counts["miss"] += 1
+
+        await asyncio.gather(*(worker(c, i) for i, c in enumerate(clients)))
+        assert counts["hit"] > 50 and counts["put"] > 50 and master.model.evictions > 0
+        await clients[0].remove_all(force=True)
+        _assert_no_leak(master)
