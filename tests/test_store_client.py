@@ -556,3 +556,13 @@ async def test_concurrent_mixed_operations_never_return_wrong_bytes(master_tcp):
         assert counts["hit"] > 50 and counts["put"] > 50 and master.model.evictions > 0
         await clients[0].remove_all(force=True)
         _assert_no_leak(master)
+
+
+async def test_prefer_local_puts_the_first_replica_in_the_own_segment():
+    async with _pool(3, ("tcp",), prefer_local=True) as (master, (a, b, c)):
+        for i in range(10):
+            assert await a.put(f"local/{i}", b"x" * 5000, replica_num=2) == 2
+            reps = master.model.objects[f"local/{i}"].replicas
+            holders = [master.model.segments[r.segment].client for r in reps]
+            assert holders[0] == a.client_id and holders[1] != a.client_id
+            assert await b.get(f"local/{i}") == b"x" * 5000

@@ -118,13 +118,15 @@ class StoreClient:
     `master_listen`: "host:port" where the embedded master (master=None)
     also listens for clients in other processes, when this client is the
     one that starts it (it stops when the last client of this process
-    closes)."""
+    closes). `prefer_local`: a put's first replica goes to this client's own
+    segment when it fits (a memmove, and the nearest replica for this
+    process's gets), the others elsewhere as usual."""
 
     def __init__(self, master: "str | Master | None" = None, *, engine: kvflow.Engine | None = None,
                  segment_size: int = 64 << 20, local_buffer_size: int = 16 << 20,
                  listen: str = "127.0.0.1:0", protocols: Sequence[str] | None = None,
                  host: str | None = None, timeout: float = 10.0, replica_num: int = 1,
-                 master_listen: str | None = None) -> None:
+                 master_listen: str | None = None, prefer_local: bool = False) -> None:
         for name, v in (("segment_size", segment_size), ("local_buffer_size", local_buffer_size)):
             if not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, not {v!r}")
@@ -132,6 +134,7 @@ class StoreClient:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
         self.master_spec = master
         self.master_listen = master_listen
+        self.prefer_local = bool(prefer_local)
         self.client_id = uuid.uuid4().hex[:16]
         self.host = host or socket.gethostname()
         self.segment_size = segment_size
@@ -364,6 +367,8 @@ class StoreClient:
         if len(keys) != len(parts):
             raise InvalidArgumentError("keys and parts must have the same length")
         rn = self.replica_num if replica_num is None else replica_num
+        if preferred_segment is None and self.prefer_local:
+            preferred_segment = self.segment_id
         if not isinstance(rn, int) or isinstance(rn, bool) or rn < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {rn!r}")
         results: list[Any] = [None] * len(keys)
