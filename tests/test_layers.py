@@ -12,7 +12,11 @@ parsed, type-only ones under TYPE_CHECKING included):
   parsing (cli/ flags, compat/'s Mooncake protocol argument), which turn
   what a user wrote into protocols;
 - connector/ and compat/ use kvflow's public names: no private attribute
-  of the engine's layers is reached from them.
+  of the engine's layers is reached from them;
+- store/ (the KVCache pool) is built on kvflow's public API: it imports
+  only `kvflow` itself (its exported names), kvflow.errors, kvflow.metadata
+  and its own modules, and reaches no private attribute of the engine's
+  layers; nothing in the library imports store/ but the outer layers.
 """
 from __future__ import annotations
 
@@ -139,7 +143,7 @@ def _private_names(layers: tuple[str, ...]) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("outer", ["connector", "compat"])
+@pytest.mark.parametrize("outer", ["connector", "compat", "store"])
 def test_outer_layers_use_public_names(outer):
     inner = _private_names(("engine", "providers", "control", "schedule"))
     own = _private_names((outer,))
@@ -152,6 +156,31 @@ def test_outer_layers_use_public_names(outer):
                 if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                     bad.append(f"{m}:{node.lineno} .{node.attr}")
     assert not bad, f"{outer}/ reaches into the engine's privates:\n" + "\n".join(bad)
+
+
+STORE_MAY_IMPORT = ("errors", "metadata", "store")
+
+
+def test_store_uses_the_public_api_only():
+    public = {f"kvflow.{n}" for n in kvflow.__all__}
+    seen = 0
+    bad = []
+    for m, tree in MODULES.items():
+        if _layer(m) != "store":
+            continue
+        seen += 1
+        for i in _imports(m, tree):
+            if i.split(".")[0] == "kvflow" and i != "kvflow" and i not in public \
+                    and not any(_inside(i, ok) for ok in STORE_MAY_IMPORT):
+                bad.append((m, i))
+    assert seen >= 5, "the walk found no store/ modules"
+    assert not bad, f"store/ imports kvflow internals: {sorted(bad)}"
+
+
+def test_the_library_never_imports_the_store():
+    bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) not in OUTER + ("store",)
+                 for i in _imports(m, tree) if _inside(i, "store"))
+    assert not bad, f"the library imports store/: {bad}"
 
 
 def test_every_package_is_installed():

@@ -1,0 +1,795 @@
+"""StoreClient: a process's member of the pool.
+
+    async with StoreClient(master="10.0.0.1:50051", segment_size=1 << 30) as store:
+        await store.put("k", b"bytes")
+        assert await store.get("k") == b"bytes"
+
+It mounts `segment_size` bytes of host memory (registered with its kvflow
+Engine) into the pool, and keeps `local_buffer_size` bytes of registered
+memory to stage put()/get() of Python bytes. put_from/get_into move bytes
+straight between memory the caller registered (`register_buffer`) and the
+holders' segments: a put is kvflow writes into the replicas the master
+allocated, then a commit; a get asks for the replicas (one round trip,
+granting a read lease) and reads the nearest (this process, this host,
+the network), falling back to the next replica within the same call when
+a holder is lost.
+
+Objects are immutable: putting a key that exists (with the same size) is a
+no-op success, as SGLang's and vLLM's store code expects (they check
+existence first and put only what is missing).
+
+Batch forms return one result per key, in order: the value, or the
+KVFlowError that key met (the others still went through); errors of the
+whole call (master unreachable, malformed arguments) raise. The single
+forms raise their key's error.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import functools
+import itertools
+import socket
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import kvflow
+from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryError
+
+from .allocator import Allocator
+from .datapath import Mover, Moves
+from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError,
+                     ReplicaUnavailableError, StoreTimeoutError, error_from_code)
+from .master import Master
+from .model import MAX_KEY_BYTES, check_key
+from .rpc import HeartbeatThread, MasterLink, TcpMasterLink, connect_master
+
+__all__ = ["StoreClient", "Replica"]
+
+Parts = Sequence[tuple[int, int]]
+
+# One master per event loop for clients given no master address: the first
+# client starts it, the last one to close stops it.
+_EMBEDDED: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list]" = weakref.WeakKeyDictionary()
+
+
+class Replica(tuple):
+    """(segment id, client id, holder engine address, holder host, address)."""
+    __slots__ = ()
+
+    segment = property(lambda self: self[0])
+    client = property(lambda self: self[1])
+    engine = property(lambda self: self[2])
+    host = property(lambda self: self[3])
+    addr = property(lambda self: self[4])
+
+
+def _with_timeout(fn):
+    """Gives a public call a keyword-only `timeout=` (seconds, None: the
+    client's own per-step timeouts only). The whole call runs under it; on
+    expiry it is cancelled, which undoes what it started (revokes a put's
+    allocations, releases a get's lease, drains its transfers) before
+    StoreTimeoutError is raised."""
+    @functools.wraps(fn)
+    async def call(self, *args: Any, timeout: float | None = None, **kw: Any) -> Any:
+        if timeout is None:
+            return await fn(self, *args, **kw)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        cm = asyncio.timeout(timeout)
+        try:
+            async with cm:
+                return await fn(self, *args, **kw)
+        except TimeoutError:
+            if cm.expired():
+                raise StoreTimeoutError(f"{fn.__name__} did not finish within {timeout} s") from None
+            raise
+    return call
+
+
+def _replica_rows(reply: dict) -> tuple[list, dict]:
+    """A put_start/get_replicas reply: its items, and its segments table
+    (segment id -> [client, engine, host])."""
+    return reply["items"], reply["segments"]
+
+
+def _result(item: Any, key: str) -> Any:
+    if item is True or item is False:          # batch_exists' compact items
+        return item
+    if item[0] == 0:
+        return item[1]
+    return error_from_code(item[1], item[2], key)
+
+
+class StoreClient:
+    """A member of the pool. `master`: "host:port" of a standalone master,
+    a `Master` object, or None for the master embedded in this process
+    (started by the first such client). `engine`: a started kvflow.Engine
+    to use (else the client starts its own with `listen`/`protocols`).
+    `segment_size`: bytes this client contributes (0: none).
+    `local_buffer_size`: staging memory for put()/get() of bytes (0: only
+    put_from/get_into). `timeout`: seconds each call's transfers and master
+    round trips may take. `replica_num`: the default per put.
+    `master_listen`: "host:port" where the embedded master (master=None)
+    also listens for clients in other processes, when this client is the
+    one that starts it (it stops when the last client of this process
+    closes). `prefer_local`: a put's first replica goes to this client's own
+    segment when it fits (a memmove, and the nearest replica for this
+    process's gets), the others elsewhere as usual."""
+
+    def __init__(self, master: "str | Master | None" = None, *, engine: kvflow.Engine | None = None,
+                 segment_size: int = 64 << 20, local_buffer_size: int = 16 << 20,
+                 listen: str = "127.0.0.1:0", protocols: Sequence[str] | None = None,
+                 host: str | None = None, timeout: float = 10.0, replica_num: int = 1,
+                 master_listen: str | None = None, prefer_local: bool = False) -> None:
+        for name, v in (("segment_size", segment_size), ("local_buffer_size", local_buffer_size)):
+            if not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"{name} must be an int >= 0, not {v!r}")
+        if not isinstance(replica_num, int) or replica_num < 1:
+            raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
+        self.master_spec = master
+        self.master_listen = master_listen
+        self.prefer_local = bool(prefer_local)
+        self.client_id = uuid.uuid4().hex[:16]
+        self.host = host or socket.gethostname()
+        self.segment_size = segment_size
+        self.local_buffer_size = local_buffer_size
+        self.timeout = timeout
+        self.replica_num = replica_num
+        self.engine = engine
+        self._own_engine = engine is None
+        self._listen = listen
+        self._protocols = protocols
+        self._link: MasterLink | None = None
+        self._embedded: Master | None = None
+        self._segment: np.ndarray | None = None
+        self._segment_region: kvflow.Region | None = None
+        self.segment_id: int | None = None
+        self._staging: np.ndarray | None = None
+        self._staging_region: kvflow.Region | None = None
+        self._staging_alloc: Allocator | None = None
+        self._staging_freed: asyncio.Condition | None = None
+        self._mover: Mover | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._beat_thread: HeartbeatThread | None = None
+        self.lease_ttl = 5.0
+        self.replica_fallbacks = 0      # reads that went on to another replica
+        self._put_tokens = itertools.count(1)
+        self._started = False
+        self._closed = False
+
+    def __repr__(self) -> str:
+        where = self.master_spec if isinstance(self.master_spec, str) else "embedded"
+        return f"<StoreClient {self.client_id} master={where} segment={self.segment_size}>"
+
+    @property
+    def master_address(self) -> str | None:
+        """Where other processes reach this client's master ("host:port"), or
+        None for an in-process master that does not listen."""
+        if isinstance(self.master_spec, str):
+            return self.master_spec
+        m = self._embedded or (self.master_spec if isinstance(self.master_spec, Master) else None)
+        return m.address if m is not None else None
+
+    @property
+    def local_buffer_in_use(self) -> int:
+        """Bytes of the local buffer held by put()/get() calls in progress."""
+        return self._staging_alloc.used if self._staging_alloc else 0
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self) -> "StoreClient":
+        """Connects to (or embeds) the master, mounts the segment, starts
+        heartbeats. MasterUnavailableError if the master cannot be reached."""
+        if self._started:
+            return self
+        self._started = True
+        try:
+            if self.engine is None:
+                self.engine = kvflow.Engine(self._listen, protocols=self._protocols)
+                await self.engine.start()
+            self._mover = Mover(self.engine)
+            master = self._master_object()
+            if isinstance(master, Master):
+                # idempotent: the liveness monitor; with master_listen, the
+                # embedded master also serves other processes over tcp
+                await master.start(self.master_listen if self._embedded is not None else None)
+            self._link = await connect_master(master, timeout=self.timeout)
+            hello = await self._link.call("register", self.client_id, self.host, self.engine.address,
+                                          timeout=self.timeout)
+            self.lease_ttl = float(hello["lease_ttl"])
+            if self.local_buffer_size:
+                self._staging = np.empty(self.local_buffer_size, np.uint8)
+                self._staging.fill(0)
+                self._staging_region = self.engine.register(self._staging)
+                self._staging_alloc = Allocator(self.local_buffer_size)
+                self._staging_freed = asyncio.Condition()
+            if self.segment_size:
+                # touched now, not by the first puts: np.zeros maps pages lazily,
+                # and a put landing on never-touched pages pays a page fault per
+                # 4 KiB (3-10x slower writes until the segment has been used once)
+                self._segment = np.empty(self.segment_size, np.uint8)
+                self._segment.fill(0)
+                name = f"kvflow-store/{self.client_id}/0"
+                self._segment_region = self.engine.register(self._segment, name=name)
+                self.segment_id = await self._link.call("mount", name, self._segment_region.addr,
+                                                        self.segment_size, timeout=self.timeout)
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat(float(hello["heartbeat"])))
+            if isinstance(self._link, TcpMasterLink):
+                self._beat_thread = HeartbeatThread(self._link.address, self.client_id, hello["beat_token"],
+                                                    float(hello["heartbeat"]))
+                self._beat_thread.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    def _master_object(self) -> "str | Master":
+        if self.master_spec is not None:
+            return self.master_spec
+        loop = asyncio.get_running_loop()
+        slot = _EMBEDDED.get(loop)
+        if slot is None:
+            slot = _EMBEDDED[loop] = [Master(), 0]
+        slot[1] += 1
+        self._embedded = slot[0]
+        return slot[0]
+
+    async def close(self) -> None:
+        """Leaves the pool: the master forgets this client and the objects
+        only it held; the engine is closed if the client started it.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._beat_thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
+        if self._link is not None:
+            await self._link.close()
+        if self._embedded is not None:
+            slot = _EMBEDDED.get(asyncio.get_running_loop())
+            if slot is not None and slot[0] is self._embedded:
+                slot[1] -= 1
+                if slot[1] <= 0:
+                    del _EMBEDDED[asyncio.get_running_loop()]
+                    await self._embedded.close()
+        if self.engine is not None:
+            if self._own_engine:
+                await self.engine.close()
+            else:
+                for r in (self._segment_region, self._staging_region):
+                    if r is not None:
+                        self.engine.deregister(r)
+
+    async def __aenter__(self) -> "StoreClient":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _beat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._call("heartbeat")
+            except MasterUnavailableError:
+                if self._link is None or self._link.closed:
+                    return        # the link is gone; calls will say so
+                # a heartbeat that timed out (a stopped or slow master): keep beating
+            except KVFlowError:
+                pass
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self._link is None or self._closed:
+            raise MasterUnavailableError("the client is not started, or closed")
+        return await self._link.call(method, *args, timeout=self.timeout)
+
+    # -- memory ----------------------------------------------------------------
+    def register_buffer(self, buffer: Any, *, name: str | None = None) -> kvflow.Region:
+        """Registers memory with the client's engine so put_from/get_into
+        may use it (kvflow.Engine.register; its errors)."""
+        return self.engine.register(buffer, name=name, access=kvflow.Access.READ | kvflow.Access.WRITE)
+
+    def unregister_buffer(self, region: kvflow.Region) -> None:
+        self.engine.deregister(region)
+
+    def _regions(self) -> tuple[list[int], list[int]]:
+        """The engine's registered regions as sorted (starts, ends), read once
+        per call (Engine.regions builds a sorted list each time)."""
+        # host memory only: the own-segment path copies with memmove, and
+        # GPU memory through the store is not built yet
+        regions = [r for r in self.engine.regions if r.kind == "host"]
+        return [r.addr for r in regions], [r.end for r in regions]
+
+    @staticmethod
+    def _parts(ps: Any) -> list:
+        """An object's parts as a list of (address, size) pairs."""
+        try:
+            out = [(a, s) for a, s in ps]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("an object's parts must be (address, size) pairs") from None
+        if not out:
+            raise InvalidArgumentError("an object needs at least one part")
+        return out
+
+    @staticmethod
+    def _check_local(addr: Any, size: Any, regions: tuple[list[int], list[int]]) -> None:
+        if type(addr) is not int or type(size) is not int:
+            if not isinstance(addr, (int, np.integer)) or not isinstance(size, (int, np.integer)) \
+                    or isinstance(addr, bool) or isinstance(size, bool):
+                raise InvalidArgumentError(f"address and size must be ints, not {type(addr).__name__}, "
+                                           f"{type(size).__name__}")
+            addr, size = int(addr), int(size)
+        if size <= 0 or addr <= 0:
+            raise InvalidArgumentError(f"bad range: address {addr:#x}, size {size}")
+        starts, ends = regions
+        i = bisect.bisect_right(starts, addr) - 1     # regions never overlap
+        if i < 0 or addr + size > ends[i]:
+            raise UnregisteredMemoryError(f"[{addr:#x}, +{size}) is not inside memory registered with "
+                                          f"this client's engine (register_buffer; host memory)")
+
+    # -- puts ------------------------------------------------------------------
+    @_with_timeout
+    async def put_from(self, key: str, addr: int, size: int, **kw: Any) -> int:
+        """Puts `size` bytes at `addr` (registered memory) as `key`.
+        Returns the number of replicas stored (0 when the key existed
+        already: a no-op). Raises InvalidKeyError, InvalidArgumentError,
+        UnregisteredMemoryError, ObjectBusyError, ObjectExistsError (the key
+        exists with another size), NoSpaceError, ReplicaUnavailableError
+        (every replica's write failed), MasterUnavailableError."""
+        return self._one(await self.batch_put_from_parts([key], [[(addr, size)]], **kw))
+
+    @_with_timeout
+    async def put_from_parts(self, key: str, parts: Parts, **kw: Any) -> int:
+        """put_from of an object made of several buffers, concatenated in order."""
+        return self._one(await self.batch_put_from_parts([key], [parts], **kw))
+
+    @_with_timeout
+    async def batch_put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                             **kw: Any) -> list:
+        if not (len(keys) == len(addrs) == len(sizes)):
+            raise InvalidArgumentError("keys, addrs and sizes must have the same length")
+        return await self.batch_put_from_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)], **kw)
+
+    @_with_timeout
+    async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
+                                   replica_num: int | None = None, preferred_segment: int | None = None,
+                                   pin: bool = False) -> list:
+        """The funnel of every put. One master round trip to allocate, one
+        kvflow batch per holder, one round trip to commit."""
+        if len(keys) != len(parts):
+            raise InvalidArgumentError("keys and parts must have the same length")
+        rn = self.replica_num if replica_num is None else replica_num
+        if preferred_segment is None and self.prefer_local:
+            preferred_segment = self.segment_id
+        if not isinstance(rn, int) or isinstance(rn, bool) or rn < 1:
+            raise InvalidArgumentError(f"replica_num must be an int >= 1, not {rn!r}")
+        results: list[Any] = [None] * len(keys)
+        todo: list[int] = []
+        sizes: list[int] = []
+        regions = self._regions()
+        for i, (key, ps) in enumerate(zip(keys, parts)):
+            try:
+                check_key(key)
+                if not ps:
+                    raise InvalidArgumentError("an object needs at least one part")
+                for a, s in self._parts(ps):
+                    self._check_local(a, s, regions)
+                todo.append(i)
+                sizes.append(sum(int(s) for _, s in ps))
+            except KVFlowError as e:
+                results[i] = e
+        if not todo:
+            return results
+        token = next(self._put_tokens)
+        try:
+            reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)]
+                                                         for j, i in enumerate(todo)], token)
+        except (asyncio.CancelledError, MasterUnavailableError):
+            # the request may have reached the master and allocated: undo this
+            # call's allocations (queued behind the put_start on the same link)
+            await asyncio.shield(self._revoke([keys[i] for i in todo], token))
+            raise
+        started, segs = _replica_rows(reply)
+        writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
+        for i, item in zip(todo, started):
+            r = _result(item, keys[i])
+            if isinstance(r, KVFlowError):
+                results[i] = r
+            elif r is None:
+                results[i] = 0                      # exists already: immutable, nothing to write
+            else:
+                writing.append((i, r))
+        if not writing:
+            return results
+        try:
+            moves = Moves()
+            for i, reps in writing:
+                ps = parts[i]
+                for sid, addr in reps:
+                    holder = segs[sid][1]
+                    if len(ps) == 1:
+                        moves.add(int(ps[0][0]), holder, addr, int(ps[0][1]))
+                        continue
+                    off = 0
+                    for a, s in ps:
+                        moves.add(int(a), holder, addr + off, int(s))
+                        off += int(s)
+            failed = await self._mover.run("write", moves, timeout=self.timeout)
+        except BaseException:
+            # cancelled, or a bug: nothing of the writes is in flight any more
+            # (kvflow drains before raising); give the space back
+            await asyncio.shield(self._revoke([keys[i] for i, _ in writing], token))
+            raise
+        ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
+                for i, reps in writing]
+        ended = await self._call("batch_put_end", ends)
+        for (i, reps), item in zip(writing, ended):
+            r = _result(item, keys[i])
+            if r == 0:
+                errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
+                r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
+            results[i] = r
+        return results
+
+    async def _revoke(self, keys: list[str], token: int) -> None:
+        try:
+            await self._call("batch_put_revoke", keys, token)
+        except KVFlowError:
+            pass        # the master is gone or lost us: it dropped our puts itself
+
+    @_with_timeout
+    async def put(self, key: str, value: Any, **kw: Any) -> int:
+        """Puts bytes (anything with the buffer protocol) through the local
+        buffer. Returns replicas stored (0: existed). put_from's errors, and
+        InvalidArgumentError for a value larger than the local buffer."""
+        return self._one(await self.batch_put([key], [value], **kw))
+
+    @_with_timeout
+    async def batch_put(self, keys: Sequence[str], values: Sequence[Any], **kw: Any) -> list:
+        if len(keys) != len(values):
+            raise InvalidArgumentError("keys and values must have the same length")
+        views = []
+        for v in values:
+            try:
+                m = memoryview(v).cast("B")
+            except TypeError:
+                raise InvalidArgumentError(f"a value must support the buffer protocol, not "
+                                           f"{type(v).__name__}") from None
+            views.append(m)
+        results: list[Any] = [None] * len(keys)
+        for chunk in self._chunks([len(m) for m in views], results):
+            addrs = await self._stage([len(views[i]) for i in chunk])
+            try:
+                for i, a in zip(chunk, addrs):
+                    n = len(views[i])
+                    np.frombuffer(self._staging_view(a, n), np.uint8)[:] = np.frombuffer(views[i], np.uint8)
+                out = await self.batch_put_from_parts([keys[i] for i in chunk],
+                                                      [[(a, len(views[i]))] for i, a in zip(chunk, addrs)], **kw)
+            finally:
+                await self._unstage(addrs)
+            for i, r in zip(chunk, out):
+                results[i] = r
+        return results
+
+    # -- gets ------------------------------------------------------------------
+    @_with_timeout
+    async def get_into(self, key: str, addr: int, size: int) -> int:
+        """Reads `key` into `size` bytes at `addr` (registered memory).
+        Returns the object's size. Raises ObjectNotFoundError,
+        BufferTooSmallError, UnregisteredMemoryError, InvalidKeyError,
+        ReplicaUnavailableError (no replica's holder could be read),
+        LeaseExpiredError, MasterUnavailableError."""
+        return self._one(await self.batch_get_into_parts([key], [[(addr, size)]]))
+
+    @_with_timeout
+    async def get_into_parts(self, key: str, parts: Parts) -> int:
+        return self._one(await self.batch_get_into_parts([key], [parts]))
+
+    @_with_timeout
+    async def batch_get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> list:
+        if not (len(keys) == len(addrs) == len(sizes)):
+            raise InvalidArgumentError("keys, addrs and sizes must have the same length")
+        return await self.batch_get_into_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)])
+
+    @_with_timeout
+    async def batch_get_into_parts(self, keys: Sequence[str], parts: Sequence[Parts]) -> list:
+        """The funnel of every get into registered memory."""
+        if len(keys) != len(parts):
+            raise InvalidArgumentError("keys and parts must have the same length")
+        results: list[Any] = [None] * len(keys)
+        todo = []
+        regions = self._regions()
+        for i, (key, ps) in enumerate(zip(keys, parts)):
+            try:
+                check_key(key)
+                if not ps:
+                    raise InvalidArgumentError("an object needs at least one part")
+                for a, s in self._parts(ps):
+                    self._check_local(a, s, regions)
+                todo.append(i)
+            except KVFlowError as e:
+                results[i] = e
+        if not todo:
+            return results
+        t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
+        reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
+        try:
+            found, segs = _replica_rows(reply)
+            holders = self._holders(segs)
+            reading = []
+            for i, item in zip(todo, found):
+                r = _result(item, keys[i])
+                if isinstance(r, KVFlowError):
+                    results[i] = r
+                    continue
+                size, reps = r
+                room = sum(int(s) for _, s in parts[i])
+                if room < size:
+                    results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}",
+                                                     key=keys[i])
+                    continue
+                reading.append((i, size, self._nearest(reps, holders)))
+            await self._read(keys, reading, parts, results, t0)
+        finally:
+            self._release(reply)
+        return results
+
+    def _release(self, reply: dict) -> None:
+        """Nothing of the call's reads is in flight any more (kvflow drains a
+        failed or cancelled batch before raising): its lease may go, so the
+        objects can be removed and evicted again at once."""
+        lease = reply.get("lease")
+        if lease and self._link is not None:
+            self._link.notify("release_lease", lease)
+
+    def _holders(self, segs: dict) -> dict:
+        """segment id -> (rank, holder engine): 0 this process, 1 this host, 2 elsewhere."""
+        me = self.engine.address
+        return {int(sid): (0 if engine == me else 1 if host == self.host else 2, engine)
+                for sid, (_, engine, host) in segs.items()}
+
+    @staticmethod
+    def _nearest(reps: list, holders: dict) -> list[tuple[str, int]]:
+        """[(holder engine, address), ...], nearest first."""
+        out = [(holders[sid], addr) for sid, addr in reps]
+        if len(out) > 1:
+            out.sort(key=lambda x: x[0][0])
+        return [(h[1], addr) for h, addr in out]
+
+    async def _read(self, keys: Sequence[str], reading: list, parts: Sequence[Parts], results: list,
+                    t0: float) -> None:
+        attempt = {i: 0 for i, _, _ in reading}
+        last: dict[int, list[str]] = {}
+        pending = reading
+        while pending:
+            moves = Moves()
+            for i, size, reps in pending:
+                holder, addr = reps[attempt[i]]
+                ps = parts[i]
+                if len(ps) == 1:
+                    moves.add(int(ps[0][0]), holder, addr, size)
+                    continue
+                off = 0
+                for a, s in ps:
+                    n = min(int(s), size - off)
+                    if n <= 0:
+                        break
+                    moves.add(int(a), holder, addr + off, n)
+                    off += n
+            failed = await self._mover.run("read", moves, timeout=self.timeout)
+            if not failed:
+                for i, size, _ in pending:
+                    results[i] = size
+                break
+            again = []
+            for i, size, reps in pending:
+                h = reps[attempt[i]][0]
+                if h not in failed:
+                    results[i] = size
+                    continue
+                last.setdefault(i, []).append(f"{h}: {failed[h]}")
+                attempt[i] += 1
+                if attempt[i] < len(reps):
+                    self.replica_fallbacks += 1
+                    again.append((i, size, reps))
+                else:
+                    results[i] = ReplicaUnavailableError(
+                        f"no replica of {keys[i]!r} could be read ({'; '.join(last[i])})", key=keys[i])
+            pending = again
+        if time.monotonic() - t0 >= self.lease_ttl:
+            for i, _, _ in reading:
+                if isinstance(results[i], int):
+                    results[i] = LeaseExpiredError(
+                        f"reading {keys[i]!r} outlasted its {self.lease_ttl} s lease", key=keys[i])
+
+    @_with_timeout
+    async def get(self, key: str) -> bytes:
+        """The object's bytes, through the local buffer. get_into's errors."""
+        return self._one(await self.batch_get([key]))
+
+    @_with_timeout
+    async def batch_get(self, keys: Sequence[str]) -> list:
+        results: list[Any] = [None] * len(keys)
+        todo = []
+        for i, key in enumerate(keys):
+            try:
+                check_key(key)
+                todo.append(i)
+            except KVFlowError as e:
+                results[i] = e
+        if not todo:
+            return results
+        t0 = time.monotonic()
+        reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
+        try:
+            return await self._get_staged(keys, todo, reply, results, t0)
+        finally:
+            self._release(reply)
+
+    async def _get_staged(self, keys: Sequence[str], todo: list[int], reply: dict, results: list,
+                          t0: float) -> list:
+        found, segs = _replica_rows(reply)
+        holders = self._holders(segs)
+        sized = []
+        for i, item in zip(todo, found):
+            r = _result(item, keys[i])
+            if isinstance(r, KVFlowError):
+                results[i] = r
+            else:
+                sized.append((i, r[0], self._nearest(r[1], holders)))
+        sizes = [s for _, s, _ in sized]
+        sub: list[Any] = [None] * len(sized)
+        for chunk in self._chunks(sizes, sub):
+            addrs = await self._stage([sizes[j] for j in chunk])
+            try:
+                parts = {sized[j][0]: [(a, sizes[j])] for j, a in zip(chunk, addrs)}
+                await self._read(keys, [sized[j] for j in chunk], parts, results, t0)
+                for j, a in zip(chunk, addrs):
+                    i = sized[j][0]
+                    if isinstance(results[i], int):
+                        results[i] = bytes(self._staging_view(a, sizes[j]))
+            finally:
+                await self._unstage(addrs)
+        for j, r in enumerate(sub):
+            if r is not None:
+                results[sized[j][0]] = r
+        return results
+
+    # -- queries and removal ---------------------------------------------------
+    @_with_timeout
+    async def exists(self, key: str) -> bool:
+        """Whether a complete object `key` is in the pool."""
+        return self._one(await self.batch_exists([key]))
+
+    @_with_timeout
+    async def batch_exists(self, keys: Sequence[str]) -> list:
+        """One round trip for any number of keys."""
+        return await self._keyed("batch_exists", keys)
+
+    @_with_timeout
+    async def size(self, key: str) -> int:
+        """The object's size. ObjectNotFoundError."""
+        return self._one(await self.batch_size([key]))
+
+    @_with_timeout
+    async def batch_size(self, keys: Sequence[str]) -> list:
+        return await self._keyed("batch_size", keys)
+
+    @_with_timeout
+    async def get_replicas(self, key: str) -> list[Replica]:
+        """Where the object's replicas are (and a read lease on it)."""
+        found, segs = _replica_rows(await self._call("batch_get_replicas", [key]))
+        r = _result(found[0], key)
+        if isinstance(r, KVFlowError):
+            raise r
+        return [Replica((sid, *segs[sid], addr)) for sid, addr in r[1]]
+
+    @_with_timeout
+    async def remove(self, key: str, *, force: bool = False) -> None:
+        """Removes the object. ObjectNotFoundError; ObjectLeasedError while a
+        get holds a lease on it (unless `force`)."""
+        self._one(await self.batch_remove([key], force=force))
+
+    @_with_timeout
+    async def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list:
+        return await self._keyed("batch_remove", keys, bool(force))
+
+    @_with_timeout
+    async def remove_all(self, *, force: bool = False) -> int:
+        """Removes every complete object not under a lease; returns how many."""
+        return await self._call("remove_all", bool(force))
+
+    @_with_timeout
+    async def stats(self) -> dict:
+        return await self._call("stats")
+
+    # -- helpers ---------------------------------------------------------------
+    @staticmethod
+    def _one(results: list) -> Any:
+        r = results[0]
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    async def _keyed(self, method: str, keys: Sequence[str], *extra: Any) -> list:
+        """A batch call whose only input is keys: bad keys get their error
+        here, the rest go to the master in one round trip."""
+        if all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
+            # the common case (the servers' prefix checks): no per-key work
+            items = await self._call(method, list(keys), *extra)
+            if method == "batch_exists" and all(type(x) is bool for x in items):
+                return items
+            return [_result(item, k) for k, item in zip(keys, items)]
+        results: list[Any] = [None] * len(keys)
+        todo = []
+        for i, k in enumerate(keys):
+            try:
+                check_key(k)
+                todo.append(i)
+            except KVFlowError as e:
+                results[i] = e
+        if todo:
+            items = await self._call(method, [keys[i] for i in todo], *extra)
+            for i, item in zip(todo, items):
+                results[i] = _result(item, keys[i])
+        return results
+
+    def _chunks(self, sizes: list[int], results: list) -> list[list[int]]:
+        """Indices grouped so each group fits the local buffer; an object
+        larger than the whole buffer gets its error in `results`."""
+        cap = self._staging_alloc.capacity if self._staging_alloc else 0
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
+        for i, n in enumerate(sizes):
+            need = (max(n, 1) + 63) // 64 * 64
+            if need > cap:
+                results[i] = InvalidArgumentError(
+                    f"object of {n} bytes does not fit the local buffer ({cap} bytes): "
+                    f"use put_from/get_into, or a larger local_buffer_size")
+                continue
+            if used + need > cap:
+                chunks.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += need
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    async def _stage(self, sizes: list[int]) -> list[int]:
+        """Addresses in the local buffer for `sizes` (all or none: waits
+        while other calls hold the space)."""
+        base = self._staging_region.addr
+        async with self._staging_freed:
+            while True:
+                got = []
+                for n in sizes:
+                    off = self._staging_alloc.allocate(max(n, 1))
+                    if off is None:
+                        break
+                    got.append(off)
+                if len(got) == len(sizes):
+                    return [base + off for off in got]
+                for off in got:
+                    self._staging_alloc.release(off)
+                await self._staging_freed.wait()
+
+    async def _unstage(self, addrs: list[int]) -> None:
+        base = self._staging_region.addr
+        async with self._staging_freed:
+            for a in addrs:
+                self._staging_alloc.release(a - base)
+            self._staging_freed.notify_all()
+
+    def _staging_view(self, addr: int, n: int) -> memoryview:
+        off = addr - self._staging_region.addr
+        return memoryview(self._staging)[off:off + n]

@@ -1,0 +1,145 @@
+"""Moving an operation's bytes: one batch per holder engine, all holders at
+once. The client's own segment is in this process, so its share is a plain
+memmove; every other holder gets one kvflow Peer.write (puts) or Peer.read
+(gets) with the whole call's entries for it as address arrays.
+
+A holder's batch that fails (the holder was lost or is unreachable, its
+memory is gone, the timeout elapsed) fails only that holder's entries: the
+caller learns which holders failed and decides (another replica, or fewer
+replicas). kvflow drains a failed batch before raising, so nothing of it
+lands afterwards and the space may be reused at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+
+import numpy as np
+
+import kvflow
+from kvflow.errors import KVFlowError, PeerLostError
+
+__all__ = ["Moves", "Mover"]
+
+
+# own-segment copies up to this many bytes run on the loop's thread (about
+# 100 us of memcpy); larger ones on a worker thread
+COPY_INLINE = 1 << 20
+
+
+class Moves:
+    """A call's entries as four columns (what Peer.write takes), appended
+    to without an object per entry."""
+
+    __slots__ = ("local", "holder", "remote", "length")
+
+    def __init__(self) -> None:
+        self.local: list[int] = []
+        self.holder: list[str] = []
+        self.remote: list[int] = []
+        self.length: list[int] = []
+
+    def add(self, local: int, holder: str, remote: int, length: int) -> None:
+        self.local.append(local)
+        self.holder.append(holder)
+        self.remote.append(remote)
+        self.length.append(length)
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+class Mover:
+    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = 5.0) -> None:
+        self.engine = engine
+        self.connect_timeout = connect_timeout
+
+    async def run(self, op: str, moves: Moves, *, timeout: float | None) -> dict[str, KVFlowError]:
+        """Moves every entry (op "write": local -> remote, "read": remote ->
+        local); returns the holders whose batch failed, with their error."""
+        own = self.engine.address
+        groups: dict[str, list[int]] = {}
+        for j, h in enumerate(moves.holder):
+            g = groups.get(h)
+            if g is None:
+                groups[h] = [j]
+            else:
+                g.append(j)
+        mine = groups.pop(own, None)
+        if mine and not groups:
+            await self._copy_own(op, moves, mine)
+            return {}
+        jobs = []
+        if mine:
+            jobs.append(self._copy_own(op, moves, mine))
+        holders = list(groups)
+        if holders:
+            cols = (np.array(moves.local, np.uint64), np.array(moves.remote, np.uint64),
+                    np.array(moves.length, np.uint64))
+            jobs += [self._batch(op, h, cols, None if len(groups[h]) == len(moves) else groups[h], timeout)
+                     for h in holders]
+        if not jobs:
+            return {}
+        if len(jobs) == 1:
+            # one holder (the common case): no task and no gather
+            try:
+                await jobs[0]
+                results = [None]
+            except (KVFlowError, asyncio.CancelledError) as e:
+                results = [e]
+        else:
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+        if mine:
+            own_result, results = results[0], results[1:]
+            if isinstance(own_result, BaseException):
+                raise own_result
+        failed: dict[str, KVFlowError] = {}
+        me = asyncio.current_task()
+        for h, r in zip(holders, results):
+            if isinstance(r, KVFlowError):
+                failed[h] = r
+            elif isinstance(r, asyncio.CancelledError) and not (me and me.cancelling()):
+                # not our cancel: this engine closed under the transfer (its
+                # close cancels what is in flight on it)
+                failed[h] = PeerLostError(f"transfer to {h} cancelled: this client's engine closed", peer=h)
+            elif isinstance(r, BaseException):
+                raise r
+        return failed
+
+    async def _copy_own(self, op: str, moves: Moves, rows: list[int]) -> None:
+        """The client's own segment is this process's memory (the caller
+        checked every local range is registered host memory, and the master
+        gave remote ranges inside our segment): memmove. Up to COPY_INLINE
+        bytes on the loop's thread; more on a worker thread (memmove
+        through ctypes releases the GIL), and then, as kvflow's transfers
+        do, a cancel waits for the copy to finish before it is raised, so
+        nothing lands after the caller gave the space back."""
+        def copy() -> None:
+            for j in rows:
+                if op == "write":
+                    ctypes.memmove(moves.remote[j], moves.local[j], moves.length[j])
+                else:
+                    ctypes.memmove(moves.local[j], moves.remote[j], moves.length[j])
+
+        if sum(moves.length[j] for j in rows) <= COPY_INLINE:
+            copy()
+            return
+        fut = asyncio.get_running_loop().run_in_executor(None, copy)
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        fut.result()
+
+    async def _batch(self, op: str, holder: str, cols: tuple, rows: list[int] | None,
+                     timeout: float | None) -> None:
+        peer = await self.engine.connect(holder, timeout=self.connect_timeout)
+        local, remote, lengths = cols if rows is None else (c[rows] for c in cols)
+        if op == "write":
+            await peer.write(local, remote, lengths, timeout=timeout)
+        else:
+            await peer.read(local, remote, lengths, timeout=timeout)

@@ -1,0 +1,114 @@
+"""The store's errors: every one is a kvflow.KVFlowError, and each has a
+short code that crosses the master's wire (`CODES`), so a client raises the
+same class the master raised."""
+from __future__ import annotations
+
+from kvflow.errors import InvalidArgumentError, KVFlowError
+
+__all__ = [
+    "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
+    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError",
+    "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
+    "SegmentError", "CODES", "error_code", "error_from_code",
+]
+
+
+class StoreError(KVFlowError):
+    """Base of the store's own errors. `key` names the object where there is one."""
+
+    def __init__(self, message: str, *, key: str | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.key = key
+
+
+class InvalidKeyError(StoreError, InvalidArgumentError):
+    """A key that is not a non-empty str (at most 4096 UTF-8 bytes)."""
+
+
+class BufferTooSmallError(StoreError, InvalidArgumentError):
+    """get_into: the object is larger than the buffer it should land in."""
+
+
+class ObjectNotFoundError(StoreError, KeyError):
+    """No complete object with this key (never put, removed, evicted, or
+    still being written)."""
+
+    def __str__(self) -> str:            # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ObjectExistsError(StoreError):
+    """Reserved for callers that ask for a put to fail on an existing key."""
+
+
+class ObjectBusyError(StoreError):
+    """Another put of this key is between put_start and put_end."""
+
+
+class ObjectLeasedError(StoreError):
+    """remove: the object is under a read lease (a get is reading it)."""
+
+
+class NoSpaceError(StoreError):
+    """No segment can hold the object, even after eviction (everything left
+    is leased, pinned or being written, or the object is larger than every
+    segment)."""
+
+
+class ReplicaUnavailableError(StoreError):
+    """Every replica's holder was lost or unreachable during the get."""
+
+
+class LeaseExpiredError(StoreError):
+    """The read took longer than the lease the master granted: the bytes
+    could have been evicted and overwritten under it, so they are not
+    returned."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A call's `timeout=` elapsed. What it had started was undone first
+    (a put's allocations revoked, a get's lease released, its transfers
+    drained), and the client stays usable."""
+
+
+class MasterUnavailableError(StoreError):
+    """The master cannot be reached, or its connection was lost."""
+
+
+class SegmentError(StoreError):
+    """A segment cannot be mounted or unmounted (unknown, duplicate, bad size)."""
+
+
+CODES: dict[str, type[KVFlowError]] = {
+    "invalid_argument": InvalidArgumentError,
+    "invalid_key": InvalidKeyError,
+    "buffer_too_small": BufferTooSmallError,
+    "not_found": ObjectNotFoundError,
+    "exists": ObjectExistsError,
+    "busy": ObjectBusyError,
+    "leased": ObjectLeasedError,
+    "no_space": NoSpaceError,
+    "replica_unavailable": ReplicaUnavailableError,
+    "lease_expired": LeaseExpiredError,
+    "master_unavailable": MasterUnavailableError,
+    "timeout": StoreTimeoutError,
+    "segment": SegmentError,
+    "store": StoreError,
+    "internal": KVFlowError,
+}
+_BY_CLASS = {cls: code for code, cls in CODES.items()}
+
+
+def error_code(exc: BaseException) -> str:
+    """The wire code of `exc`: its own class's, else its nearest base's."""
+    for cls in type(exc).__mro__:
+        if cls in _BY_CLASS:
+            return _BY_CLASS[cls]
+    return "internal"
+
+
+def error_from_code(code: str, message: str, key: str | None = None) -> KVFlowError:
+    cls = CODES.get(code, KVFlowError)
+    if issubclass(cls, StoreError):
+        return cls(message, key=key)
+    return cls(message)

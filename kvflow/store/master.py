@@ -1,0 +1,371 @@
+"""The master: the StoreModel behind one dispatcher, reachable two ways.
+
+- Embedded: a client in the same process gets a `Session` and calls
+  `dispatch()` directly (no socket, no encoding).
+- Served: `await master.start("host:port")` listens for clients; each tcp
+  connection is one session (`python -m kvflow.store master`).
+
+Liveness: a session is the client's life. Its connection closing (the
+process died: the kernel resets it) loses the client at once: its puts in
+progress are revoked and its segments dropped. A client whose connection
+stays open but who stops talking (SIGSTOP, a long GC pause, a starved
+host) is lost only after `client_grace` seconds without a message
+(default 60 s, where Mooncake drops a client after 10 s of missed
+heartbeats and with it every object it holds). A master that was itself
+stopped does not blame its clients for its own silence: when the monitor
+wakes late, everyone's clock restarts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
+
+from .errors import error_code
+from .model import Object, StoreModel
+from .wire import FrameBuffer, encode, item_error, item_ok
+
+__all__ = ["Master", "Session", "METHODS"]
+
+# what a client may call (each is Master._<name>(client id, now, *args))
+METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
+                     "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
+                     "batch_remove", "remove_all", "stats"})
+
+log = logging.getLogger("kvflow.store.master")
+
+
+class Session:
+    """One client's connection to the master (or its in-process stand-in)."""
+
+    def __init__(self, master: "Master", peer: str) -> None:
+        self.master = master
+        self.peer = peer
+        self.client_id: str | None = None
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<Session {self.client_id or '-'} from {self.peer}>"
+
+    def close(self) -> None:
+        """The client is gone: the master forgets it and what it held."""
+        if self.closed:
+            return
+        self.closed = True
+        self.master._session_closed(self)
+
+
+class Master:
+    """The pool's master. Options: `lease_ttl` (s a get protects an object),
+    `client_grace` (s of silence before a connected client is lost),
+    `heartbeat_interval` (what clients are told), `high_watermark` and
+    `low_watermark` (eviction), `clock` (monotonic seconds; tests)."""
+
+    def __init__(self, *, lease_ttl: float = 5.0, client_grace: float = 60.0,
+                 heartbeat_interval: float = 1.0, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85, clock: Callable[[], float] = time.monotonic,
+                 seed: int | None = None) -> None:
+        if client_grace <= 0 or heartbeat_interval <= 0 or heartbeat_interval >= client_grace:
+            raise InvalidArgumentError("need 0 < heartbeat_interval < client_grace")
+        self.model = StoreModel(lease_ttl=lease_ttl, high_watermark=high_watermark,
+                                low_watermark=low_watermark, seed=seed)
+        self.client_grace = client_grace
+        self.heartbeat_interval = heartbeat_interval
+        self.clock = clock
+        self.sessions: set[Session] = set()
+        self.address: str | None = None
+        self.calls = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._monitor: asyncio.Task | None = None
+        self._connections: set[_MasterProtocol] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"<Master {self.address or 'embedded'} clients={len(self.model.clients)} "
+                f"objects={len(self.model.objects)}>")
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self, listen: str | None = None) -> "Master":
+        """Starts the liveness monitor and, with `listen` ("host:port", port
+        0 picks one), the tcp server; `self.address` is where it listens."""
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch_clients())
+        if listen is not None and self._server is None:
+            host, _, port = listen.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgumentError(f"listen must be host:port, not {listen!r}")
+            self._server = await asyncio.get_running_loop().create_server(self._connection, host, int(port))
+            sock = self._server.sockets[0].getsockname()
+            self.address = f"{host}:{sock[1]}"
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for proto in list(self._connections):
+            proto.transport.abort()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        for s in list(self.sessions):
+            s.close()
+
+    async def __aenter__(self) -> "Master":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def session(self, peer: str = "in-process") -> Session:
+        s = Session(self, peer)
+        self.sessions.add(s)
+        return s
+
+    def _session_closed(self, s: Session) -> None:
+        self.sessions.discard(s)
+        if s.client_id is not None:
+            dropped = self.model.client_lost(s.client_id)
+            log.info("client %s gone (%s): %d objects dropped", s.client_id, s.peer, dropped)
+
+    async def _watch_clients(self) -> None:
+        period = min(self.client_grace / 4, 1.0)
+        last = self.clock()
+        while True:
+            await asyncio.sleep(period)
+            now = self.clock()
+            if now - last > period + self.client_grace / 2:
+                # this process was stopped or starved: the silence was ours
+                for c in self.model.clients.values():
+                    c.last_seen = now
+            last = now
+            self.model.expire_leases(now)
+            self.model.release_quarantine(now)
+            for cid in self.model.expire_clients(now, self.client_grace):
+                log.warning("client %s silent for more than %.1f s: lost", cid, self.client_grace)
+                for s in list(self.sessions):
+                    if s.client_id == cid:
+                        s.client_id = None          # already forgotten
+                        self.sessions.discard(s)
+
+    # -- the tcp server --------------------------------------------------------
+    def _connection(self) -> "_MasterProtocol":
+        return _MasterProtocol(self)
+
+    # -- the calls -------------------------------------------------------------
+    def dispatch(self, s: Session, method: str, args: list) -> Any:
+        """Runs one call for session `s`; raises the model's typed errors.
+        Every message is a sign of life."""
+        if s.closed:
+            raise KVFlowError("session closed")
+        self.calls += 1
+        now = self.clock()
+        if method == "register":
+            if s.client_id is not None:
+                raise InvalidArgumentError(f"this connection is client {s.client_id} already")
+            client_id, host, engine = args
+            c = self.model.register_client(client_id, host, engine, now)
+            c.beat_token = secrets.token_hex(16)
+            s.client_id = client_id
+            return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
+                    "grace": self.client_grace, "beat_token": c.beat_token}
+        if method == "beat":
+            # a client's heartbeat thread, on a connection of its own: alive
+            # even while its event loop is blocked (its kvflow engine's native
+            # threads still serve its segment). The connection is nobody's
+            # session: its closing loses no one.
+            client_id, token = args
+            c = self.model.clients.get(client_id)
+            if c is not None and token and c.beat_token == token:
+                c.last_seen = now
+            return None
+        if s.client_id is None:
+            if method in ("stats", "batch_exists"):      # observers need no identity
+                return getattr(self, f"_{method}")(None, now, *args)
+            raise KVFlowError(f"{method}: register first (or this client was declared lost)")
+        self.model.seen(s.client_id, now)
+        if method not in METHODS:
+            raise InvalidArgumentError(f"unknown method {method!r}")
+        return getattr(self, f"_{method}")(s.client_id, now, *args)
+
+    def _heartbeat(self, cid: str, now: float) -> None:
+        return None
+
+    def _mount(self, cid: str, now: float, name: str, base: int, size: int) -> int:
+        return self.model.mount(cid, name, base, size)
+
+    def _unmount(self, cid: str, now: float, segment: int) -> int:
+        seg = self.model.segments.get(segment)
+        if seg is not None and seg.client != cid:
+            raise InvalidArgumentError(f"segment {segment} is not this client's")
+        return self.model.unmount(segment)
+
+    def _replicas(self, obj: Object, segments: dict) -> list:
+        """[[segment id, address], ...]; each segment's holder goes into
+        `segments` once per reply (segment id -> [client, engine, host]), not
+        once per replica: a 64-key reply is a third of the bytes."""
+        out = []
+        for r in obj.replicas:
+            seg = self.model.segments[r.segment]
+            if seg.id not in segments:
+                c = self.model.clients[seg.client]
+                segments[seg.id] = [c.id, c.engine, c.host]
+            out.append([seg.id, seg.base + r.offset])
+        return out
+
+    def _batch_put_start(self, cid: str, now: float, items: list, token: int = 0) -> dict:
+        out = []
+        segments: dict = {}
+        for it in items:
+            try:
+                key, size, replica_num, preferred, pin = it
+                reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin,
+                                            token=token)
+                out.append(item_ok(None if reps is None else self._replicas(self.model.objects[key], segments)))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return {"segments": segments, "items": out}
+
+    def _batch_put_end(self, cid: str, now: float, items: list) -> list:
+        out = []
+        for key, failed in items:
+            try:
+                out.append(item_ok(self.model.put_end(cid, key, failed)))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_put_revoke(self, cid: str, now: float, keys: list, token: int | None = None) -> list:
+        out = []
+        for key in keys:
+            try:
+                self.model.put_revoke(cid, key, token)
+                out.append(item_ok(None))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_get_replicas(self, cid: str, now: float, keys: list) -> dict:
+        out = []
+        segments: dict = {}
+        lease = self.model.new_lease(now)
+        for key in keys:
+            try:
+                obj = self.model.get_replicas(key, now, lease)
+                out.append(item_ok([obj.size, self._replicas(obj, segments)]))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return {"segments": segments, "items": out, "lease": lease}
+
+    def _release_lease(self, cid: str, now: float, lease: int) -> None:
+        self.model.release_lease(lease, now)
+
+    def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
+        # the servers ask this before every put and get: one bool per key
+        # (an [1, code, message] item only for a bad key) keeps it small
+        out = []
+        exists = self.model.exists
+        for key in keys:
+            try:
+                out.append(exists(key))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_size(self, cid: str, now: float, keys: list) -> list:
+        out = []
+        for key in keys:
+            try:
+                out.append(item_ok(self.model.size(key)))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _batch_remove(self, cid: str, now: float, keys: list, force: bool) -> list:
+        out = []
+        for key in keys:
+            try:
+                self.model.remove(key, now, force=bool(force))
+                out.append(item_ok(None))
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
+
+    def _remove_all(self, cid: str, now: float, force: bool) -> int:
+        return self.model.remove_all(now, force=bool(force))
+
+    def _stats(self, cid: str | None, now: float) -> dict:
+        m = self.model
+        return {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
+                "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}
+
+
+class _MasterProtocol(asyncio.Protocol):
+    """One client connection: frames in, dispatch, frames out, all in
+    data_received (dispatch is synchronous, so replies leave in request
+    order). A protocol instead of streams: no task and no await per
+    request, which is most of a small call's cost on the master."""
+
+    # a client that sends requests but never reads its replies is cut off
+    # once this much is waiting to be sent to it
+    MAX_PENDING_REPLIES = 256 << 20
+
+    def __init__(self, master: Master) -> None:
+        self.master = master
+        self.frames = FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.session = self.master.session(f"{peer[0]}:{peer[1]}" if peer else "?")
+        self.master._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.master._connections.discard(self)
+        self.session.close()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            msgs = self.frames.feed(data)
+        except ProtocolError as e:
+            log.warning("dropping %s: %s", self.session.peer, e)
+            self.transport.abort()
+            return
+        out = []
+        for msg in msgs:
+            if not (isinstance(msg, list) and len(msg) == 3 and isinstance(msg[1], str)
+                    and isinstance(msg[2], list)):
+                log.warning("dropping %s: malformed request", self.session.peer)
+                self.transport.abort()
+                return
+            rid, method, args = msg
+            if rid == 0:
+                # a notice (a lease release): no reply is wanted; its errors are the sender's loss
+                try:
+                    self.master.dispatch(self.session, method, args)
+                except (KVFlowError, TypeError, ValueError) as e:
+                    log.debug("notice %s from %s failed: %s", method, self.session.peer, e)
+                continue
+            try:
+                reply = [rid, 0, self.master.dispatch(self.session, method, args)]
+            except KVFlowError as e:
+                reply = [rid, 1, [error_code(e), str(e), getattr(e, "key", None)]]
+            except (TypeError, ValueError) as e:       # wrong arity or types from the wire
+                reply = [rid, 1, ["invalid_argument", f"{method}: {e}", None]]
+            out.append(encode(reply))
+        if out:
+            self.transport.write(b"".join(out))
+            if self.transport.get_write_buffer_size() > self.MAX_PENDING_REPLIES:
+                log.warning("dropping %s: it does not read its replies", self.session.peer)
+                self.transport.abort()

@@ -1,0 +1,479 @@
+"""The master's metadata, in memory and synchronous: clients, their
+segments (each with an Allocator), objects (key -> size, replicas, state),
+read leases, pins, and eviction. No I/O and no clock of its own: every
+call that needs the time takes `now` (monotonic seconds), so tests drive
+leases, liveness and LRU without sleeping.
+
+Invariants the tests hold:
+- a reader sees only COMPLETE objects (ALLOCATED ones are invisible to
+  get_replicas, exists and size);
+- every allocated byte belongs to exactly one replica of one object, so
+  when every object is gone every segment is one free extent again;
+- a leased or pinned object is never evicted, and a leased one never removed
+  (unless forced, or its holder is lost).
+"""
+from __future__ import annotations
+
+import enum
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvflow.errors import InvalidArgumentError
+
+from .allocator import Allocator
+from .errors import (InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
+                     ObjectNotFoundError, SegmentError, StoreError)
+from .placement import place
+
+__all__ = ["State", "Client", "Segment", "Replica", "Object", "StoreModel", "check_key", "MAX_KEY_BYTES"]
+
+MAX_KEY_BYTES = 4096
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"a key must be a str, not {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("a key must not be empty")
+    if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"a key must be at most {MAX_KEY_BYTES} UTF-8 bytes", key=key[:64])
+    return key
+
+
+class State(enum.Enum):
+    ALLOCATED = "allocated"     # space reserved, the writer is writing; invisible
+    COMPLETE = "complete"       # written and committed; readable
+
+
+@dataclass(eq=False)
+class Client:
+    id: str
+    host: str
+    engine: str                 # its kvflow engine's address (peers connect there)
+    last_seen: float
+    segments: set[int] = field(default_factory=set)
+    writing: set[str] = field(default_factory=set)     # keys it has put_start'ed, not ended
+    beat_token: str = ""        # proves a heartbeat from the client's own thread is its
+
+
+@dataclass(eq=False)
+class Segment:
+    id: int
+    client: str
+    name: str
+    base: int                   # the region's address in the holder's process
+    size: int
+    alloc: Allocator
+    keys: set[str] = field(default_factory=set)       # objects with a replica here
+
+    def fits(self, size: int) -> bool:
+        return self.alloc.fits(size)
+
+    def fill_after(self, size: int) -> float:
+        return (self.alloc.used + size) / self.alloc.capacity
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    segment: int
+    offset: int
+    length: int                 # the allocation's length (the object's size, rounded up)
+
+
+@dataclass(eq=False)
+class Object:
+    key: str
+    size: int
+    replicas: list[Replica]
+    state: State
+    writer: str
+    pinned: bool = False
+    token: int = 0              # the writer's put call, so a revoke undoes only its own call's puts
+    # read leases on it: lease id -> until (one id per get call; a reader
+    # that finished releases its id, the others run out by time)
+    leases: dict[int, float] = field(default_factory=dict)
+
+    def leased(self, now: float) -> bool:
+        if not self.leases:
+            return False
+        for until in self.leases.values():
+            if until > now:
+                return True
+        self.leases.clear()
+        return False
+
+    def lease_end(self) -> float:
+        return max(self.leases.values(), default=0.0)
+
+
+class StoreModel:
+    """The pool's metadata. `high_watermark`/`low_watermark`: fractions of
+    the pool's capacity; a put that would take the pool above the high one
+    first evicts least-recently-used objects down to the low one.
+    `lease_ttl`: seconds a get_replicas protects an object from eviction
+    and removal."""
+
+    def __init__(self, *, lease_ttl: float = 5.0, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85, seed: int | None = None) -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise InvalidArgumentError("watermarks must satisfy 0 < low <= high <= 1")
+        if lease_ttl <= 0:
+            raise InvalidArgumentError("lease_ttl must be > 0")
+        self.lease_ttl = lease_ttl
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.clients: dict[str, Client] = {}
+        self.segments: dict[int, Segment] = {}
+        self.objects: dict[str, Object] = {}
+        # COMPLETE objects by last access, least recent first: eviction walks
+        # it from the front, a hit moves the key to the back (O(1) each).
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self._next_segment = 1
+        self._capacity = 0
+        self._used = 0
+        self._rng = random.Random(seed)
+        self.evictions = 0
+        # forced removals of leased objects: the key is gone at once, but the
+        # space is freed only when its leases end or are released, so a
+        # reader still copying it never sees a new object's bytes
+        self._quarantine: list[tuple[Object, list[Replica]]] = []
+        # live leases: id -> (until, the objects it covers)
+        self._leases: dict[int, tuple[float, list[Object]]] = {}
+        self._next_lease = 1
+
+    # -- capacity --------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes allocated over every segment (kept as allocations come and
+        go: a put asks for it, and a sum over segments per key was a third
+        of put_start's time)."""
+        return self._used
+
+    # -- clients and segments --------------------------------------------------
+    def register_client(self, client_id: str, host: str, engine: str, now: float) -> Client:
+        if not isinstance(client_id, str) or not client_id:
+            raise InvalidArgumentError("client id must be a non-empty str")
+        if client_id in self.clients:
+            raise StoreError(f"client {client_id} is already registered")
+        c = Client(client_id, str(host), str(engine), now)
+        self.clients[client_id] = c
+        return c
+
+    def seen(self, client_id: str, now: float) -> None:
+        c = self.clients.get(client_id)
+        if c is not None:
+            c.last_seen = now
+
+    def mount(self, client_id: str, name: str, base: int, size: int) -> int:
+        c = self._client(client_id)
+        if not isinstance(base, int) or not isinstance(size, int) or base <= 0 or size <= 0:
+            raise SegmentError(f"bad segment {name!r}: base {base!r}, size {size!r}")
+        if any(self.segments[s].name == name for s in c.segments):
+            raise SegmentError(f"client {client_id} already mounted a segment named {name!r}")
+        sid = self._next_segment
+        self._next_segment += 1
+        seg = self.segments[sid] = Segment(sid, client_id, str(name), base, size, Allocator(size))
+        self._capacity += seg.alloc.capacity
+        c.segments.add(sid)
+        return sid
+
+    def unmount(self, segment_id: int) -> int:
+        """Removes a segment and every replica on it; objects left with no
+        replica are gone. Returns how many objects were dropped."""
+        seg = self.segments.get(segment_id)
+        if seg is None:
+            raise SegmentError(f"no segment {segment_id}")
+        return self._drop_segment(seg)
+
+    def client_lost(self, client_id: str) -> int:
+        """The client's process is gone (its connection closed, or it was
+        silent past the grace): its puts in progress are revoked and its
+        segments dropped. Returns the number of objects dropped."""
+        c = self.clients.pop(client_id, None)
+        if c is None:
+            return 0
+        for key in list(c.writing):
+            obj = self.objects.get(key)
+            if obj is not None and obj.state is State.ALLOCATED and obj.writer == client_id:
+                self._delete(obj)
+        dropped = 0
+        for sid in list(c.segments):
+            dropped += self._drop_segment(self.segments[sid])
+        return dropped
+
+    def expire_clients(self, now: float, grace: float) -> list[str]:
+        """Clients silent for more than `grace` seconds are lost."""
+        dead = [c.id for c in self.clients.values() if now - c.last_seen > grace]
+        for cid in dead:
+            self.client_lost(cid)
+        return dead
+
+    # -- puts: allocate, then commit -------------------------------------------
+    def put_start(self, client_id: str, key: str, size: int, replica_num: int, now: float, *,
+                  preferred: int | None = None, pin: bool = False, token: int = 0) -> list[Replica] | None:
+        """Allocates up to `replica_num` replicas of `size` bytes on distinct
+        segments (distinct clients first) and records the object as
+        ALLOCATED: invisible until put_end. Returns the replicas, or None
+        when a COMPLETE object with this key exists (objects are immutable:
+        the put is a no-op success). ObjectBusyError when another put of the
+        key is in progress; NoSpaceError when nothing fits even after
+        eviction."""
+        c = self._client(client_id)
+        check_key(key)
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgumentError(f"object size must be a positive int, not {size!r}", )
+        if not isinstance(replica_num, int) or replica_num < 1:
+            raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
+        old = self.objects.get(key)
+        if old is not None:
+            if old.state is State.COMPLETE:
+                if old.size != size:
+                    raise ObjectExistsError(f"{key!r} exists with {old.size} bytes, not {size}", key=key)
+                self._touch(key)
+                return None
+            raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
+        if not any(s.alloc.capacity >= size for s in self.segments.values()):
+            # larger than every segment: no eviction could help, so none is done
+            raise NoSpaceError(f"no segment can hold {size} bytes ({len(self.segments)} segments, "
+                               f"the largest {max((s.size for s in self.segments.values()), default=0)})",
+                               key=key)
+        cap = self._capacity
+        need = size * min(replica_num, len(self.segments))
+        if cap and self._used + need > self.high_watermark * cap:
+            # space of forced removals whose readers are done comes back first
+            self.release_quarantine(now)
+            if self._used + need > self.high_watermark * cap:
+                self._evict(self._used + need - int(self.low_watermark * cap), now)
+        chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+        if not chosen and self.release_quarantine(now):
+            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+        while not chosen and self._evict_one(now):      # fragmentation: evict until one fits
+            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred,
+                           rng=self._rng)
+        if not chosen:
+            largest = max((s.alloc.largest_free for s in self.segments.values()), default=0)
+            raise NoSpaceError(f"no segment can hold {size} bytes (largest free extent {largest}, "
+                               f"{len(self.segments)} segments)", key=key)
+        replicas = []
+        for seg in chosen:
+            off = seg.alloc.allocate(size)
+            assert off is not None          # place() returned only segments where it fits
+            length = seg.alloc.allocated_length(off)
+            self._used += length
+            replicas.append(Replica(seg.id, off, length))
+            seg.keys.add(key)
+        self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin),
+                                   token=token)
+        c.writing.add(key)
+        return replicas
+
+    def put_end(self, client_id: str, key: str, failed_segments: list[int] | tuple = ()) -> int:
+        """The writer wrote every replica but those on `failed_segments`:
+        those are freed, the rest become COMPLETE and visible. Returns the
+        number of replicas kept (0: the object is gone, as after a revoke)."""
+        obj = self._pending(client_id, key)
+        failed = set(failed_segments)
+        keep = []
+        for r in obj.replicas:
+            if r.segment in failed:
+                self._free(key, r)
+            else:
+                keep.append(r)
+        obj.replicas = keep
+        self.clients[client_id].writing.discard(key)
+        if not keep:
+            del self.objects[key]
+            return 0
+        obj.state = State.COMPLETE
+        self._lru[key] = None
+        return len(keep)
+
+    def put_revoke(self, client_id: str, key: str, token: int | None = None) -> None:
+        """The put failed: its allocations are freed and the key is free again.
+        With `token`, only a put_start made with that token is revoked (a
+        call that gave up on its own put_start's reply revokes whatever that
+        put_start allocated, and nothing another call of the client holds)."""
+        obj = self._pending(client_id, key)
+        if token is not None and obj.token != token:
+            raise ObjectNotFoundError(f"no put of {key!r} in progress by this call", key=key)
+        self._delete(obj)
+
+    # -- reads -----------------------------------------------------------------
+    def new_lease(self, now: float) -> int:
+        """A lease id for one get call's objects, valid until now + lease_ttl."""
+        if len(self._leases) > 4096:
+            self.expire_leases(now)
+        lid = self._next_lease
+        self._next_lease += 1
+        self._leases[lid] = (now + self.lease_ttl, [])
+        return lid
+
+    def get_replicas(self, key: str, now: float, lease: int | None = None) -> Object:
+        """The COMPLETE object (size, replicas), under read lease `lease`
+        (a new one of its own if None) until now + lease_ttl.
+        ObjectNotFoundError otherwise."""
+        obj = self._complete(key)
+        if lease is None or lease not in self._leases:
+            lease = self.new_lease(now)
+        until, objs = self._leases[lease]
+        obj.leases[lease] = until
+        objs.append(obj)
+        self._touch(key)
+        return obj
+
+    def release_lease(self, lease: int, now: float) -> None:
+        """The reader is done: its objects are no longer leased by it."""
+        entry = self._leases.pop(lease, None)
+        if entry is not None:
+            for obj in entry[1]:
+                obj.leases.pop(lease, None)
+            if self._quarantine:
+                self.release_quarantine(now)
+
+    def expire_leases(self, now: float) -> None:
+        for lid in [lid for lid, (until, _) in self._leases.items() if until <= now]:
+            for obj in self._leases.pop(lid)[1]:
+                obj.leases.pop(lid, None)
+
+    def exists(self, key: str) -> bool:
+        check_key(key)
+        obj = self.objects.get(key)
+        return obj is not None and obj.state is State.COMPLETE
+
+    def size(self, key: str) -> int:
+        return self._complete(key).size
+
+    # -- removal and eviction --------------------------------------------------
+    def remove(self, key: str, now: float, *, force: bool = False) -> None:
+        """ObjectLeasedError while a get's lease runs, unless `force`: then
+        the key is gone at once and its space is freed when the lease ends."""
+        obj = self._complete(key)
+        if obj.leased(now):
+            if not force:
+                raise ObjectLeasedError(f"{key!r} is leased to a reader for at most "
+                                        f"{obj.lease_end() - now:.3f} s more", key=key)
+            self._quarantine.append((obj, obj.replicas))
+            for r in obj.replicas:            # no longer an object's replica
+                seg = self.segments.get(r.segment)
+                if seg is not None:
+                    seg.keys.discard(key)
+            obj.replicas = []
+        self._delete(obj)
+
+    def remove_all(self, now: float, *, force: bool = False) -> int:
+        """Removes every COMPLETE object not under a lease (every one with
+        `force`, leased ones' space freed when their leases end); puts in
+        progress are left to their writers. Returns how many were removed."""
+        gone = 0
+        for key in list(self._lru):
+            obj = self.objects[key]
+            if force or not obj.leased(now):
+                self.remove(key, now, force=force)
+                gone += 1
+        return gone
+
+    def release_quarantine(self, now: float) -> int:
+        """Frees the space of forced removals whose leases have ended or
+        were released; returns the bytes freed. Called when a put needs
+        space, at a lease release, and by the master's monitor."""
+        if not self._quarantine:
+            return 0
+        freed = 0
+        keep = []
+        for obj, replicas in self._quarantine:
+            if obj.leased(now):
+                keep.append((obj, replicas))
+                continue
+            for r in replicas:
+                seg = self.segments.get(r.segment)
+                if seg is not None:           # a dropped segment's space went with it
+                    self._used -= seg.alloc.release(r.offset)
+                    freed += r.length
+        self._quarantine = keep
+        return freed
+
+    def evictable(self, obj: Object, now: float) -> bool:
+        return obj.state is State.COMPLETE and not obj.pinned and not obj.leased(now)
+
+    def _evict(self, nbytes: int, now: float) -> int:
+        """Evicts least-recently-used objects until `nbytes` bytes were freed
+        or nothing evictable is left; returns the bytes freed."""
+        freed = 0
+        victims = []
+        for key in self._lru:                 # oldest first; no copy of the whole order
+            if freed >= nbytes:
+                break
+            obj = self.objects[key]
+            if self.evictable(obj, now):
+                freed += sum(r.length for r in obj.replicas)
+                victims.append(obj)
+        for obj in victims:
+            self._delete(obj)
+        self.evictions += len(victims)
+        return freed
+
+    def _evict_one(self, now: float) -> bool:
+        return self._evict(1, now) > 0
+
+    # -- helpers ---------------------------------------------------------------
+    def _client(self, client_id: str) -> Client:
+        c = self.clients.get(client_id)
+        if c is None:
+            raise StoreError(f"client {client_id!r} is not registered (or was declared lost)")
+        return c
+
+    def _complete(self, key: str) -> Object:
+        check_key(key)
+        obj = self.objects.get(key)
+        if obj is None or obj.state is not State.COMPLETE:
+            raise ObjectNotFoundError(f"no object {key!r}", key=key)
+        return obj
+
+    def _pending(self, client_id: str, key: str) -> Object:
+        check_key(key)
+        obj = self.objects.get(key)
+        if obj is None or obj.state is not State.ALLOCATED or obj.writer != client_id:
+            raise ObjectNotFoundError(f"no put of {key!r} in progress by {client_id}", key=key)
+        return obj
+
+    def _touch(self, key: str) -> None:
+        if key in self._lru:
+            self._lru.move_to_end(key)
+
+    def _free(self, key: str, r: Replica) -> None:
+        seg = self.segments.get(r.segment)
+        if seg is not None:          # a dropped segment's space went with it
+            self._used -= seg.alloc.release(r.offset)
+            seg.keys.discard(key)
+
+    def _delete(self, obj: Object) -> None:
+        for r in obj.replicas:
+            self._free(obj.key, r)
+        self.objects.pop(obj.key, None)
+        self._lru.pop(obj.key, None)
+        w = self.clients.get(obj.writer)
+        if w is not None:
+            w.writing.discard(obj.key)
+
+    def _drop_segment(self, seg: Segment) -> int:
+        dropped = 0
+        for key in list(seg.keys):
+            obj = self.objects.get(key)
+            if obj is None:
+                continue
+            obj.replicas = [r for r in obj.replicas if r.segment != seg.id]
+            if not obj.replicas:
+                self._delete(obj)
+                dropped += 1
+        del self.segments[seg.id]
+        self._capacity -= seg.alloc.capacity
+        self._used -= seg.alloc.used       # its space goes with it, live or quarantined
+        c = self.clients.get(seg.client)
+        if c is not None:
+            c.segments.discard(seg.id)
+        return dropped

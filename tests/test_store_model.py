@@ -1,0 +1,344 @@
+"""kvflow.store's pure parts: the segment allocator, placement and the
+master's metadata model (two-phase visibility, leases, eviction, liveness).
+No engine, no clock: time is passed in."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvflow.errors import InvalidArgumentError, KVFlowError
+from kvflow.store import Allocator, StoreModel
+from kvflow.store.allocator import ALIGN
+from kvflow.store.errors import (CODES, InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectExistsError,
+                                 ObjectLeasedError, ObjectNotFoundError, error_code, error_from_code)
+from kvflow.store.model import State
+from kvflow.store.placement import place
+
+# -- allocator -----------------------------------------------------------------
+
+
+def test_allocator_best_fit_and_alignment():
+    a = Allocator(1 << 16)
+    x = a.allocate(100)
+    y = a.allocate(1000)
+    z = a.allocate(100)
+    assert (x, y, z) == (0, 128, 128 + 1024)
+    assert all(o % ALIGN == 0 for o in (x, y, z))
+    a.release(y)                          # a 1024-byte hole between x and z
+    # best fit: a 900-byte request takes the hole, not the big tail
+    assert a.allocate(900) == 128
+    a.check()
+
+
+def test_allocator_coalesces_both_neighbours():
+    a = Allocator(64 * 10)
+    offs = [a.allocate(64) for _ in range(10)]
+    assert a.allocate(1) is None and a.free == 0
+    for o in (offs[3], offs[5]):
+        a.release(o)
+    assert a.extents == 2
+    a.release(offs[4])                    # joins [3] and [5] into one extent
+    assert a.extents == 1 and a.largest_free == 3 * 64
+    a.check()
+    for o in offs[:3] + offs[6:]:
+        a.release(o)
+    assert a.extents == 1 and a.largest_free == a.capacity and a.used == 0
+    a.check()
+
+
+def test_allocator_fragmentation_then_recovery():
+    a = Allocator(1 << 20)
+    offs = [a.allocate(4096) for _ in range(256)]
+    assert a.allocate(1) is None
+    for o in offs[::2]:                   # every other block: half free, all fragmented
+        a.release(o)
+    assert a.free == 1 << 19 and a.largest_free == 4096
+    assert a.allocate(8192) is None       # fragmented: no 8 KiB extent
+    for o in offs[1::2]:
+        a.release(o)
+    assert a.allocate(1 << 20) == 0       # coalesced back to one extent
+    a.check()
+
+
+def test_allocator_no_leak_after_many_random_cycles():
+    rng = random.Random(7)
+    a = Allocator(1 << 22)
+    live: dict[int, int] = {}
+    for step in range(20000):
+        if live and (rng.random() < 0.45 or a.free < 1 << 16):
+            off = rng.choice(list(live))
+            assert a.release(off) == live.pop(off)
+        else:
+            n = rng.choice((1, 63, 64, 65, 4096, 100_000, 1 << 18))
+            off = a.allocate(n)
+            if off is not None:
+                live[off] = (n + ALIGN - 1) // ALIGN * ALIGN
+        if step % 997 == 0:
+            a.check()
+            assert a.used == sum(live.values())
+    for off in list(live):
+        a.release(off)
+    a.check()
+    assert a.used == 0 and a.extents == 1 and a.largest_free == a.capacity
+
+
+def test_allocator_bad_input():
+    a = Allocator(4096)
+    for bad in (0, -1, 1.5, "8"):
+        with pytest.raises(InvalidArgumentError):
+            a.allocate(bad)
+    off = a.allocate(10)
+    a.release(off)
+    with pytest.raises(InvalidArgumentError):
+        a.release(off)                    # double free
+    with pytest.raises(InvalidArgumentError):
+        Allocator(10)
+    a.check()
+
+
+# -- placement -----------------------------------------------------------------
+
+
+class _Seg:
+    def __init__(self, id, client, cap, used=0):
+        self.id, self.client, self.cap, self.used = id, client, cap, used
+
+    def fits(self, size):
+        return self.cap - self.used >= size
+
+    def fill_after(self, size):
+        return (self.used + size) / self.cap
+
+
+def test_placement_spreads_over_clients_then_segments():
+    segs = [_Seg(1, "a", 100), _Seg(2, "a", 100), _Seg(3, "b", 100)]
+    for seed in range(20):
+        got = place(segs, 10, 2, rng=random.Random(seed))
+        assert {s.client for s in got} == {"a", "b"}
+        got = place(segs, 10, 3, rng=random.Random(seed))
+        assert {s.id for s in got} == {1, 2, 3}
+    # more replicas than segments: as many as there are
+    assert len(place(segs, 10, 5)) == 3
+    # nothing fits: none
+    assert place(segs, 1000, 1) == []
+
+
+def test_placement_preferred_segment_first():
+    segs = [_Seg(1, "a", 100), _Seg(2, "b", 100), _Seg(3, "c", 100)]
+    for seed in range(10):
+        got = place(segs, 10, 2, preferred=3, rng=random.Random(seed))
+        assert got[0].id == 3 and got[1].client != "c"
+    # a preferred segment that is full is passed over
+    segs[2].used = 95
+    assert place(segs, 10, 1, preferred=3, rng=random.Random(1))[0].id != 3
+
+
+def test_placement_new_empty_segment_does_not_draw_every_write():
+    # nine segments 80% full and one just joined, empty: the empty one gets
+    # more than its share (free space counts) but far from every write
+    segs = [_Seg(i, f"c{i}", 1000, used=800) for i in range(9)] + [_Seg(9, "new", 1000)]
+    rng = random.Random(3)
+    hits = sum(place(segs, 1, 1, rng=rng)[0].id == 9 for _ in range(2000))
+    assert 2000 / 10 < hits < 2000 / 2
+
+
+# -- the model -----------------------------------------------------------------
+
+
+def _model(segments=2, size=1 << 20, **kw):
+    m = StoreModel(seed=1, **kw)
+    for i in range(segments):
+        m.register_client(f"c{i}", "host", f"127.0.0.1:{1000 + i}", now=0)
+        m.mount(f"c{i}", "seg", 0x10000000 * (i + 1), size)
+    return m
+
+
+def test_two_phase_put_is_invisible_until_put_end():
+    m = _model()
+    reps = m.put_start("c0", "k", 1000, 2, now=0)
+    assert len(reps) == 2 and len({m.segments[r.segment].client for r in reps}) == 2
+    assert not m.exists("k")
+    with pytest.raises(ObjectNotFoundError):
+        m.get_replicas("k", now=0)
+    with pytest.raises(ObjectNotFoundError):
+        m.size("k")
+    with pytest.raises(ObjectBusyError):
+        m.put_start("c1", "k", 1000, 1, now=0)
+    with pytest.raises(ObjectNotFoundError):
+        m.put_end("c1", "k")               # only the writer commits
+    assert m.put_end("c0", "k") == 2
+    assert m.exists("k") and m.size("k") == 1000
+    assert m.objects["k"].state is State.COMPLETE
+    # immutable: a second put of the key is a no-op success
+    assert m.put_start("c1", "k", 1000, 1, now=0) is None
+    with pytest.raises(ObjectExistsError):
+        m.put_start("c1", "k", 999, 1, now=0)     # same key, another size
+
+
+def test_revoke_and_failed_replicas_free_space():
+    m = _model()
+    m.put_start("c0", "k", 5000, 2, now=0)
+    assert m.used == 2 * 5056
+    m.put_revoke("c0", "k")
+    assert m.used == 0 and "k" not in m.objects and not m.exists("k")
+    reps = m.put_start("c0", "k", 5000, 2, now=0)
+    assert m.put_end("c0", "k", [reps[0].segment]) == 1   # one replica's write failed
+    assert m.used == 5056 and len(m.objects["k"].replicas) == 1
+    reps = m.put_start("c0", "j", 64, 2, now=0)
+    assert m.put_end("c0", "j", [r.segment for r in reps]) == 0   # every write failed
+    assert "j" not in m.objects and m.used == 5056
+
+
+def test_writer_death_revokes_its_puts_and_holder_death_drops_replicas():
+    m = _model(segments=3)
+    m.put_start("c0", "pending", 100, 1, now=0)
+    used = m.used
+    m.client_lost("c0")                     # the writer died before put_end
+    assert "pending" not in m.objects and m.used < used
+    for s in m.segments.values():
+        assert s.alloc.used == 0
+    m.put_start("c1", "two", 100, 2, now=0)
+    m.put_end("c1", "two")
+    a, b = (m.segments[r.segment].client for r in m.objects["two"].replicas)
+    m.client_lost(a)                        # one holder gone: the other replica lives
+    assert m.exists("two") and len(m.objects["two"].replicas) == 1
+    assert m.segments[m.objects["two"].replicas[0].segment].client == b
+    m.client_lost(b)                        # no holder left: the object is gone
+    assert not m.exists("two") and not m.objects
+    for s in m.segments.values():
+        s.alloc.check()
+        assert s.alloc.used == 0
+
+
+def test_lease_blocks_remove_and_eviction_until_it_expires():
+    m = _model(segments=1, size=64 * 100, lease_ttl=5.0)
+    m.put_start("c0", "k", 64, 1, now=0)
+    m.put_end("c0", "k")
+    m.get_replicas("k", now=10)
+    with pytest.raises(ObjectLeasedError):
+        m.remove("k", now=14)
+    assert m.remove_all(now=14) == 0
+    m.remove("k", now=15.01)
+    assert not m.exists("k") and m.used == 0
+
+
+def test_forced_removal_of_a_leased_object_frees_its_space_when_the_lease_ends():
+    m = _model(segments=1, size=64 * 4, lease_ttl=5.0)
+    reps = m.put_start("c0", "k", 64, 1, now=0)
+    m.put_end("c0", "k")
+    m.get_replicas("k", now=10)             # a reader holds [10, 15)
+    m.remove("k", now=11, force=True)
+    assert not m.exists("k") and m.used == 64          # gone, space still held
+    # a new put before the lease ends never gets the reader's bytes
+    for i in range(3):
+        got = m.put_start("c0", f"n{i}", 64, 1, now=12)
+        assert got[0].offset != reps[0].offset
+    with pytest.raises(NoSpaceError):
+        m.put_start("c0", "full", 64, 1, now=12)
+    assert m.put_start("c0", "k", 64, 1, now=15.5)[0].offset == reps[0].offset   # freed at 15
+    for s in m.segments.values():
+        s.alloc.check()
+
+
+def test_released_leases():
+    m = _model(segments=1, size=64 * 4, lease_ttl=5.0)
+    m.put_start("c0", "k", 64, 1, now=0)
+    m.put_end("c0", "k")
+    one, two = m.new_lease(now=1), m.new_lease(now=1)
+    m.get_replicas("k", now=1, lease=one)
+    m.get_replicas("k", now=1, lease=two)
+    m.release_lease(one, now=2)
+    with pytest.raises(ObjectLeasedError):      # the other reader still holds it
+        m.remove("k", now=2)
+    m.remove("k", now=2, force=True)            # gone; space held for reader two
+    assert not m.exists("k") and m.used == 64
+    m.release_lease(two, now=3)                 # the last reader is done: freed at once
+    assert m.used == 0
+    m.release_lease(two, now=3)                 # twice, or unknown ids: nothing happens
+    m.release_lease(12345, now=3)
+    for s in m.segments.values():
+        s.alloc.check()
+    # leases nobody releases run out by time, and their ids are swept
+    m.put_start("c0", "j", 64, 1, now=4)
+    m.put_end("c0", "j")
+    m.get_replicas("j", now=4)
+    with pytest.raises(ObjectLeasedError):
+        m.remove("j", now=8.9)
+    m.expire_leases(now=9.1)
+    assert not m._leases
+    m.remove("j", now=9.1)
+
+
+def test_eviction_is_lru_and_skips_leased_and_pinned():
+    # 100 slots of 64 bytes; watermarks 0.9 / 0.5
+    m = _model(segments=1, size=64 * 100, high_watermark=0.9, low_watermark=0.5)
+    for i in range(90):
+        m.put_start("c0", f"k{i}", 64, 1, now=0, pin=(i == 1))
+        m.put_end("c0", f"k{i}")
+    m.get_replicas("k0", now=1)            # k0: leased (and now most recent)
+    m.get_replicas("k5", now=1)            # k5: recently used (lease expires at 6)
+    m.put_start("c0", "new", 64, 1, now=100)   # above 0.9: evict down to 0.5
+    m.put_end("c0", "new")
+    assert m.used <= 0.5 * m.capacity + 64
+    assert m.exists("k1")                  # pinned
+    assert m.exists("k5") and m.exists("new")
+    gone = [i for i in range(90) if not m.exists(f"k{i}")]
+    # least recently used first: the first ones put (k2, k3, ...), never the
+    # pinned k1, nor k5, used since
+    assert gone == [i for i in range(2, 2 + len(gone) + 1) if i != 5] and len(gone) >= 40
+    # leased objects survive eviction, even when nothing else is left
+    m2 = _model(segments=1, size=64 * 10, high_watermark=0.9, low_watermark=0.5)
+    for i in range(10):
+        m2.put_start("c0", f"k{i}", 64, 1, now=0)
+        m2.put_end("c0", f"k{i}")
+        m2.get_replicas(f"k{i}", now=0)
+    with pytest.raises(NoSpaceError):
+        m2.put_start("c0", "x", 64, 1, now=1)
+    assert m2.put_start("c0", "x", 64, 1, now=6) is not None   # leases expired: evicts
+
+
+def test_full_pool_puts_evict_and_succeed():
+    m = _model(segments=2, size=64 * 1000)
+    for i in range(10000):
+        size = 64 * (1 + i % 7)
+        m.put_start(f"c{i % 2}", f"k{i}", size, 1, now=i)
+        m.put_end(f"c{i % 2}", f"k{i}")
+    assert m.evictions > 0 and m.used <= m.capacity
+    assert m.used == sum(s.alloc.used for s in m.segments.values())
+    assert m.exists("k9999")
+    m.client_lost("c0")
+    assert m.used == sum(s.alloc.used for s in m.segments.values())
+    assert m.capacity == sum(s.alloc.capacity for s in m.segments.values())
+
+
+def test_oversize_object_and_bad_input():
+    m = _model(segments=1, size=4096)
+    m.put_start("c0", "small", 64, 1, now=0)
+    m.put_end("c0", "small")
+    with pytest.raises(NoSpaceError):
+        m.put_start("c0", "big", 8192, 1, now=0)
+    assert m.exists("small") and m.evictions == 0      # nothing evicted for a put that cannot fit
+    m.remove("small", now=0)
+    for key in ("", 3, None, b"k", "x" * 5000):
+        with pytest.raises(InvalidKeyError):
+            m.put_start("c0", key, 10, 1, now=0)
+    for size in (0, -1, 1.0, True):
+        with pytest.raises(InvalidArgumentError):
+            m.put_start("c0", "k", size, 1, now=0)
+    with pytest.raises(KVFlowError):
+        m.put_start("nobody", "k", 10, 1, now=0)
+    assert m.used == 0 and not m.objects
+
+
+def test_liveness_grace():
+    m = _model(segments=2)
+    m.seen("c0", 100.0)
+    assert m.expire_clients(now=100.0, grace=60) == ["c1"]     # c1 last seen at 0
+    assert list(m.clients) == ["c0"] and len(m.segments) == 1
+
+
+def test_error_codes_round_trip():
+    for code, cls in CODES.items():
+        e = error_from_code(code, "msg", "k")
+        assert type(e) is cls and error_code(e) == code

@@ -1,0 +1,336 @@
+"""kvflow.store beside kvflow's raw tcp writes (and Mooncake Store), in one run.
+
+    python tools/store_bench.py                          # kvflow store + raw, 64 x 64K/1M/4M, 5 rounds
+    python tools/store_bench.py --mooncake --repeat 2    # Mooncake Store too, systems alternating
+    python tools/store_bench.py --json out.json
+
+Layout, per system: a master process (kvflow: `python -m kvflow.store master`;
+Mooncake: `mooncake_master`), a holder process that mounts one segment
+(and serves), and a bench client process that mounts nothing, puts 64
+objects per batch call from its registered memory into the holder's
+segment (batch_put_from), reads them back into other registered memory
+(batch_get_into, every byte compared after the timed call), and removes
+them. Over tcp on loopback. kvflow's raw row is the same bench client's
+engine writing (Peer.write) / reading (Peer.read) the same 64 entries
+into the holder's segment directly: the pool's overhead is the
+difference. batch_exists: 128 keys that exist, one call at a time, p50.
+Each point is the median of --rounds timed calls after one warm-up call.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(s.rstrip("KMG")) * mult
+
+
+def _label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _protocols(args) -> tuple[str, ...] | None:
+    return None if args.protocol == "auto" else (args.protocol,)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+# -- roles ----------------------------------------------------------------------
+
+async def _kvflow_holder(args) -> None:
+    from kvflow.store import StoreClient
+    async with StoreClient(args.master, segment_size=args.segment, local_buffer_size=0,
+                           protocols=_protocols(args)) as c:
+        region = [r for r in c.engine.regions if r.name and r.name.startswith("kvflow-store/")][0]
+        print(json.dumps({"engine": c.engine.address, "region": region.name}), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+
+def _mooncake_holder(args) -> None:
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", args.segment, 16 << 20, "tcp", "", args.master)
+    if rc != 0:
+        raise SystemExit(f"mooncake setup: {rc}")
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.read()
+    s.close()
+
+
+def _timed(samples: list, nbytes: int) -> dict:
+    med = statistics.median(samples)
+    return {"seconds_p50": med, "gbps": nbytes / med / 1e9, "rounds": len(samples)}
+
+
+async def _kvflow_client(args, holder: dict) -> dict:
+    from kvflow.store import StoreClient
+    sizes, batch = [_parse_size(s) for s in args.sizes.split(",")], args.batch
+    out: dict = {"system": "kvflow", "points": []}
+    async with StoreClient(args.master, segment_size=0, local_buffer_size=0, protocols=_protocols(args)) as c:
+        top = max(sizes) * batch
+        src = np.random.default_rng(1).integers(0, 256, top, dtype=np.uint8)
+        dst = np.zeros(top, np.uint8)
+        rs, rd = c.register_buffer(src), c.register_buffer(dst)
+        peer = await c.engine.connect(holder["engine"])
+        seg = peer.region(holder["region"])
+        out["transport"] = peer.transport
+        for size in sizes:
+            idx = np.arange(batch, dtype=np.uint64) * np.uint64(size)
+            lens = np.full(batch, size, np.uint64)
+            laddr = [rs.addr + i * size for i in range(batch)]
+            daddr = [rd.addr + i * size for i in range(batch)]
+            t = {"put": [], "get": [], "raw_write": [], "raw_read": [], "memcpy": []}
+            for r in range(args.rounds + 1):
+                t0 = time.perf_counter()
+                await peer.write(rs.addr + idx, seg.addr + idx, lens)
+                t1 = time.perf_counter()
+                await peer.read(rd.addr + idx, seg.addr + idx, lens)
+                t2 = time.perf_counter()
+                keys = [f"bench/{size}/{r}/{i}" for i in range(batch)]
+                res = await c.batch_put_from(keys, laddr, [size] * batch)
+                t3 = time.perf_counter()
+                assert res == [1] * batch, res
+                dst[:] = 0
+                t4 = time.perf_counter()
+                res = await c.batch_get_into(keys, daddr, [size] * batch)
+                t5 = time.perf_counter()
+                assert res == [size] * batch, res
+                assert np.array_equal(dst[:batch * size], src[:batch * size]), "wrong bytes"
+                await c.batch_remove(keys, force=True)
+                t6 = time.perf_counter()
+                for i in range(batch):                  # the ceiling: the same bytes, one process
+                    dst[i * size:(i + 1) * size] = src[i * size:(i + 1) * size]
+                t7 = time.perf_counter()
+                if r:                                   # round 0 warms up
+                    t["memcpy"].append(t7 - t6)
+                    t["raw_write"].append(t1 - t0)
+                    t["raw_read"].append(t2 - t1)
+                    t["put"].append(t3 - t2)
+                    t["get"].append(t5 - t4)
+            nbytes = batch * size
+            for op, samples in t.items():
+                out["points"].append({"op": op, "size": size, "batch": batch, **_timed(samples, nbytes)})
+        out["points"].append(await _kvflow_exists(c, args, rs.addr))
+    return out
+
+
+async def _kvflow_exists(c, args, addr: int) -> dict:
+    keys = [f"exists/{i}" for i in range(args.exists_keys)]
+    assert await c.batch_put_from(keys, [addr] * len(keys), [64] * len(keys)) == [1] * len(keys)
+    lat = []
+    for i in range(args.exists_calls + 10):
+        t0 = time.perf_counter()
+        got = await c.batch_exists(keys)
+        dt = time.perf_counter() - t0
+        assert got == [True] * len(keys)
+        if i >= 10:
+            lat.append(dt)
+    await c.batch_remove(keys, force=True)
+    lat.sort()
+    return {"op": "batch_exists", "keys": len(keys), "p50_us": lat[len(lat) // 2] * 1e6,
+            "p99_us": lat[int(len(lat) * 0.99)] * 1e6}
+
+
+def _mooncake_client(args) -> dict:
+    from mooncake.store import MooncakeDistributedStore
+    sizes, batch = [_parse_size(s) for s in args.sizes.split(",")], args.batch
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", args.master)
+    if rc != 0:
+        raise SystemExit(f"mooncake setup: {rc}")
+    out: dict = {"system": "mooncake", "points": []}
+    top = max(sizes) * batch
+    src = np.random.default_rng(1).integers(0, 256, top, dtype=np.uint8)
+    dst = np.zeros(top, np.uint8)
+    assert s.register_buffer(src.ctypes.data, top) == 0
+    assert s.register_buffer(dst.ctypes.data, top) == 0
+    for size in sizes:
+        laddr = [src.ctypes.data + i * size for i in range(batch)]
+        daddr = [dst.ctypes.data + i * size for i in range(batch)]
+        t = {"put": [], "get": []}
+        for r in range(args.rounds + 1):
+            keys = [f"bench/{size}/{r}/{i}" for i in range(batch)]
+            t0 = time.perf_counter()
+            res = s.batch_put_from(keys, laddr, [size] * batch)
+            t1 = time.perf_counter()
+            assert list(res) == [0] * batch, res
+            dst[:] = 0
+            t2 = time.perf_counter()
+            res = s.batch_get_into(keys, daddr, [size] * batch)
+            t3 = time.perf_counter()
+            assert list(res) == [size] * batch, res
+            assert np.array_equal(dst[:batch * size], src[:batch * size]), "wrong bytes"
+            assert list(s.batch_remove(keys, True)) == [0] * batch     # force: past the get's lease
+            if r:
+                t["put"].append(t1 - t0)
+                t["get"].append(t3 - t2)
+        for op, samples in t.items():
+            out["points"].append({"op": op, "size": size, "batch": batch, **_timed(samples, batch * size)})
+    keys = [f"exists/{i}" for i in range(args.exists_keys)]
+    small = np.ones(64, np.uint8)
+    assert s.register_buffer(small.ctypes.data, 64) == 0
+    s.batch_put_from(keys, [small.ctypes.data] * len(keys), [64] * len(keys))
+    lat = []
+    for i in range(args.exists_calls + 10):
+        t0 = time.perf_counter()
+        got = s.batch_is_exist(keys)
+        dt = time.perf_counter() - t0
+        assert list(got) == [1] * len(keys), got
+        if i >= 10:
+            lat.append(dt)
+    lat.sort()
+    out["points"].append({"op": "batch_exists", "keys": len(keys), "p50_us": lat[len(lat) // 2] * 1e6,
+                          "p99_us": lat[int(len(lat) * 0.99)] * 1e6})
+    s.close()
+    return out
+
+
+# -- orchestration --------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def _run_system(system: str, args) -> dict:
+    me = [sys.executable, os.path.abspath(__file__)]
+    common = ["--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
+              "--exists-keys", str(args.exists_keys), "--exists-calls", str(args.exists_calls)]
+    procs = []
+    try:
+        if system == "kvflow":
+            m = subprocess.Popen([sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0"],
+                                 stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+            procs.append(m)
+            line = m.stdout.readline()
+            assert "ready" in line, line
+            master = line.split()[-1]
+        else:
+            port = _free_port()
+            m = subprocess.Popen(["mooncake_master", f"--rpc_port={port}",
+                                  f"--metrics_port={_free_port()}", "--enable_metric_reporting=false"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            procs.append(m)
+            master = f"127.0.0.1:{port}"
+            time.sleep(1.0)
+        h = subprocess.Popen(me + ["holder", "--system", system, "--master", master, "--protocol", args.protocol,
+                                   "--segment", str(args.segment)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+        procs.append(h)
+        holder = h.stdout.readline()
+        assert holder.strip(), f"{system} holder did not start"
+        r = subprocess.run(me + ["client", "--system", system, "--master", master, "--holder", holder.strip()]
+                           + common, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600)
+        if r.returncode != 0:
+            return {"system": system, "error": r.stderr[-2000:]}
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        for p in reversed(procs):
+            if p.stdin:
+                p.stdin.close()
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _table(runs: list[dict]) -> str:
+    rows: dict[tuple, dict[str, list[float]]] = {}
+    for run in runs:
+        for p in run.get("points", []):
+            if p["op"] == "batch_exists":
+                key = ("batch_exists", f"{p['keys']} keys", "p50 us")
+                rows.setdefault(key, {}).setdefault(run["system"], []).append(p["p50_us"])
+            else:
+                name = {"put": "batch_put_from", "get": "batch_get_into"}.get(p["op"], p["op"])
+                key = (name, f"{p['batch']} x {_label(p['size'])}", "GB/s")
+                rows.setdefault(key, {}).setdefault(run["system"], []).append(p["gbps"])
+    transports = sorted({r.get("transport", "?") for r in runs if r.get("system") == "kvflow"})
+    lines = [f"kvflow transport: {', '.join(transports)}",
+             "| op | layout | unit | kvflow store | kvflow raw | store / raw | memcpy | store / memcpy "
+             "| Mooncake Store (tcp) | kvflow / Mooncake |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: f"{statistics.median(v):.3g}" if v else "-"
+    for (op, layout, unit), by in rows.items():
+        if op.startswith("raw") or op == "memcpy":
+            continue
+        kv = by.get("kvflow", [])
+        raw_op = {"batch_put_from": "raw_write", "batch_get_into": "raw_read"}.get(op)
+        raw = rows.get((raw_op, layout, unit), {}).get("kvflow", []) if raw_op else []
+        mc = by.get("mooncake", [])
+        cp = rows.get(("memcpy", layout, unit), {}).get("kvflow", []) if raw_op else []
+        ratio = lambda a, b: f"{statistics.median(a) / statistics.median(b):.2f}" if a and b else "-"
+        lines.append(f"| {op} | {layout} | {unit} | {fmt(kv)} | {fmt(raw)} | {ratio(kv, raw)} | {fmt(cp)} "
+                     f"| {ratio(kv, cp)} | {fmt(mc)} | {ratio(kv, mc)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("role", nargs="?", default="run", choices=("run", "holder", "client"))
+    p.add_argument("--system", default="kvflow", choices=("kvflow", "mooncake"))
+    p.add_argument("--master")
+    p.add_argument("--holder")
+    p.add_argument("--segment", type=int, default=512 << 20)
+    p.add_argument("--sizes", default="64K,1M,4M")
+    p.add_argument("--protocol", default="tcp", choices=("tcp", "local", "auto"),
+                   help="kvflow's provider between the two client processes (Mooncake: always tcp)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--exists-keys", type=int, default=128)
+    p.add_argument("--exists-calls", type=int, default=200)
+    p.add_argument("--mooncake", action="store_true", help="Mooncake Store beside kvflow")
+    p.add_argument("--repeat", type=int, default=1, help="runs per system, alternating")
+    p.add_argument("--json", help="write every run's points here")
+    args = p.parse_args(argv)
+    if args.role == "holder":
+        if args.system == "kvflow":
+            asyncio.run(_kvflow_holder(args))
+        else:
+            _mooncake_holder(args)
+        return 0
+    if args.role == "client":
+        if args.system == "kvflow":
+            out = asyncio.run(_kvflow_client(args, json.loads(args.holder)))
+        else:
+            out = _mooncake_client(args)
+        print(json.dumps(out), flush=True)
+        return 0
+    systems = ["kvflow"] + (["mooncake"] if args.mooncake else [])
+    runs = []
+    for i in range(args.repeat):
+        for system in systems:
+            run = _run_system(system, args)
+            if "error" in run:
+                print(f"{system}: error\n{run['error']}", file=sys.stderr)
+            runs.append(run)
+    print(_table(runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
