@@ -31,8 +31,9 @@ Protocol: JSON lines. The child prints ``@@KVF@@{"ready": ...}`` once set up
 block stride and block length within it); then reads one op per line and
 answers ``@@KVF@@{"id": ..., "result": ...}`` or ``{"id": ..., "error": ...}``:
 - ``dump {path}``: writes the whole KV storage (every layer, every block) to path;
-- ``send {req, blocks}`` (producer): the request's prefill finished with its KV in
-  ``blocks``; steps until the connector reports it finished sending;
+- ``prefill {req}`` (producer): the engine step that computes the request's KV;
+- ``send {req, blocks}`` (producer): the request finished with its KV in ``blocks``;
+  steps until the connector reports it finished sending (in this or an earlier step);
 - ``recv {req, blocks, remote}`` (consumer): the request is to receive its KV into
   ``blocks`` from the producer ``remote`` (engine id, host, port, request id and,
   pull, its blocks); steps until the connector reports it finished receiving;
@@ -131,26 +132,34 @@ def main() -> None:
                        "storage_bytes": storage.nbytes(), "layers": layers, "layout": layout,
                        "nixl": sys.modules["nixl._api"].__file__}})
 
-        def step(meta) -> tuple[set, set]:
+        # What get_finished reported, over all steps: the engine reports a request once,
+        # in whichever step its transfer completed (the consumer may finish reading
+        # before the producer's worker saw the request's lease, as in vLLM).
+        finished: tuple[set, set] = (set(), set())
+
+        def step(meta) -> None:
             """One engine step of the connector's worker side, as the model runner runs it."""
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             worker.wait_for_save()
             sending, recving = worker.get_finished(set())
             worker.clear_connector_metadata()
-            return set(sending or ()), set(recving or ())
+            finished[0].update(sending or ())
+            finished[1].update(recving or ())
 
         def until(req: str, which: int, first) -> dict:
             deadline = time.monotonic() + OP_TIMEOUT_S
             meta = first
             steps = 0
             while True:
-                done = step(meta)[which]
+                step(meta)
+                done = finished[which]
                 steps += 1
                 errors = worker.get_block_ids_with_load_errors()
                 if errors:
                     raise RuntimeError(f"blocks with load errors: {sorted(errors)}")
                 if req in done:
+                    done.discard(req)
                     return {"steps": steps}
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{req} not finished after {OP_TIMEOUT_S} s ({steps} steps)")
@@ -166,13 +175,17 @@ def main() -> None:
                     with open(args["path"], "wb") as f:
                         f.write(bytes(memoryview(ctypes_buf)))
                     res = {"bytes": storage.nbytes()}
+                elif op == "prefill":
+                    # The step that computes the request's KV: it is in the batch
+                    # (update_state_after_alloc). Only then does the consumer hear of it.
+                    m = NixlConnectorMetadata()
+                    m.reqs_in_batch = {args["req"]}
+                    step(m)
+                    res = {}
                 elif op == "send":
                     req, blocks = args["req"], [list(args["blocks"])]
-                    # The prefill step: the request is in the batch (update_state_after_alloc).
-                    m = NixlConnectorMetadata()
-                    m.reqs_in_batch = {req}
-                    step(m)
-                    # request_finished: its blocks are held for the consumer under a lease.
+                    # The next step: request_finished held its blocks for the consumer
+                    # under a lease (and, push, handed them to the writer).
                     m = NixlConnectorMetadata()
                     m.reqs_to_send = {req: time.perf_counter() + lease_s}
                     m.scheduler_clock = time.perf_counter()

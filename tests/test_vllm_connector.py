@@ -21,6 +21,7 @@ other byte of both storages is what it was before.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
 import random
@@ -129,6 +130,8 @@ def _expected(before: np.ndarray, src: np.ndarray, layers: dict, moves: list[tup
 @pytest.mark.parametrize("protocols", [None, "tcp"], ids=["default", "tcp"])
 @pytest.mark.parametrize("mode", ["pull", "push"])
 async def test_vllm_nixl_connector_worker_side_moves_every_kv_byte(model, tmp_path, mode, protocols):
+    # conftest's per-test watchdog (150 s) is short for two vLLM imports on a loaded 2-core host
+    faulthandler.dump_traceback_later(600, exit=True)
     producer = consumer = None
     try:
         producer, consumer = await asyncio.gather(
@@ -160,6 +163,7 @@ async def test_vllm_nixl_connector_worker_side_moves_every_kv_byte(model, tmp_pa
             info = producer.info
             remote = {"engine_id": info["engine_id"], "req": p_req, "host": info["side_host"],
                       "port": info["side_port"], "blocks": src}
+            await producer.op("prefill", req=p_req)
             sent, got = await asyncio.gather(producer.op("send", req=p_req, blocks=src),
                                              consumer.op("recv", req=c_req, blocks=dst, remote=remote),
                                              return_exceptions=True)
@@ -188,3 +192,4 @@ async def test_vllm_nixl_connector_worker_side_moves_every_kv_byte(model, tmp_pa
         for e in (consumer, producer):
             if e is not None:
                 await e.close()
+        faulthandler.cancel_dump_traceback_later()
