@@ -14,6 +14,8 @@ with it: a harness the tests need may not be missing there.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import random
 import signal
@@ -141,8 +143,6 @@ class VllmServer:
 
     def __init__(self, name: str, model: str, log_path: str, *, kv_transfer: dict | None = None,
                  extra_env: dict[str, str] | None = None):
-        import json
-
         self.name = name
         self.port = free_port()
         self.log_path = log_path
@@ -180,8 +180,6 @@ class VllmServer:
                         return
             except (aiohttp.ClientError, OSError, TimeoutError):
                 pass
-            import asyncio
-
             await asyncio.sleep(1.0)
         raise AssertionError(f"vLLM {self.name} not ready in time\n{self.tail()}")
 

