@@ -24,6 +24,7 @@ runs again.
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 
 import aiohttp
@@ -38,6 +39,9 @@ class PDProxy:
         self.runner: web.AppRunner | None = None
         self.url = ""
         self.served = 0
+        # Per request: when the prefill was sent and answered, when the decode was
+        # sent, answered (headers) and done (monotonic seconds).
+        self.timings: list[dict] = []
 
     async def start(self) -> str:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
@@ -76,16 +80,21 @@ class PDProxy:
         pre.pop("stream_options", None)
         pre.pop("min_tokens", None)
         pre.pop("min_completion_tokens", None)
+        t = {"rid": rid, "prefill_sent": time.monotonic()}
+        self.timings.append(t)
         async with self.session.post(next(self._prefill) + path, json=pre, headers=headers) as r:
             text = await r.text()
             if r.status != 200:
                 return web.Response(status=r.status, text=f"prefill: {text}")
             kv = (await r.json()).get("kv_transfer_params") or {}
+        t["prefill_done"] = time.monotonic()
 
         dec = dict(body)
         if kv:
             dec["kv_transfer_params"] = kv
+        t["decode_sent"] = time.monotonic()
         async with self.session.post(next(self._decode) + path, json=dec, headers=headers) as r:
+            t["decode_answered"] = time.monotonic()
             if r.status != 200:
                 return web.Response(status=r.status, text=f"decode: {await r.text()}")
             resp = web.StreamResponse(status=200, headers={"Content-Type": r.headers.get("Content-Type",
@@ -94,5 +103,6 @@ class PDProxy:
             async for chunk in r.content.iter_any():
                 await resp.write(chunk)
             await resp.write_eof()
+        t["decode_done"] = time.monotonic()
         self.served += 1
         return resp

@@ -150,7 +150,7 @@ class VllmServer:
         args = [VENV_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                 "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0", "--block-size", str(BLOCK_SIZE),
-                "--disable-uvicorn-access-log"]
+                "--disable-uvicorn-access-log", "--enable-log-requests"]
         env = dict(extra_env or {})
         if kv_transfer:
             args += ["--kv-transfer-config", json.dumps(kv_transfer)]

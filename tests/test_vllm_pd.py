@@ -142,6 +142,11 @@ async def test_vllm_pd_servers_on_kvflow_match_a_single_instance_through_a_stop(
         assert m["vllm:nixl_bytes_transferred_sum"] == blocks * LAYERS * BLOCK_BYTES, (blocks, m)
         pm = await servers["prefill"].metrics(session)
         assert pm['vllm:prompt_tokens_by_source_total{source="local_compute"}'] == total, pm
+        for i, t in enumerate(proxy.timings):
+            t0 = t["prefill_sent"]
+            _vllm.echo(f"  proxy, request {i}: prefill {t['prefill_done'] - t0:.2f} s, decode answered "
+                       f"{t['decode_answered'] - t['decode_sent']:.2f} s after it was sent, done at "
+                       f"{t['decode_done'] - t0:.2f} s")
         # Not asserted (the host's load decides it, the tokens above say whether it mattered):
         # KV leases of the prefill side that ran out before the decode side read the blocks.
         _vllm.echo(f"prefill side: {pm.get('vllm:nixl_num_kv_expired_reqs_total', 0):.0f} KV leases expired, "
