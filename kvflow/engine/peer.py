@@ -289,16 +289,23 @@ class Peer:
         self._session.listen()
 
     async def _resumed(self, timeout: float | None = None) -> None:
-        """Waits for a lapsed peer's resumption, at most `timeout` seconds
-        (TransferTimeoutError); PeerLostError when it does not come back as
-        the same incarnation."""
+        """Waits for a lapsed peer's resumption: at most the engine's
+        keepalive (the grace after which a host that answers nothing is
+        lost: PeerLostError, while the background dialling goes on) and
+        `timeout` (TransferTimeoutError); PeerLostError at once when it
+        will not come back as the same incarnation."""
         task = self._resume_task
         if task is not None and not task.done():
+            grace = self._engine.keepalive or None
+            wait = grace if timeout is None else timeout if grace is None else min(grace, timeout)
             try:
-                await asyncio.wait_for(asyncio.shield(task), timeout)
+                await asyncio.wait_for(asyncio.shield(task), wait)
             except asyncio.TimeoutError:
-                raise TransferTimeoutError(f"peer {self.address} was not back within {timeout} s",
-                                           peer=self.address) from None
+                if timeout is not None and wait == timeout:
+                    raise TransferTimeoutError(f"peer {self.address} was not back within {timeout} s",
+                                               peer=self.address) from None
+                raise PeerLostError(f"peer {self.address} is lost (not back within the {wait:g} s keepalive; "
+                                    "it is dialled again in the background)", peer=self.address) from None
         if task is None or task.cancelled() or task.exception() is not None or not task.result():
             why = "restarted as a new incarnation; connect() again" if self.superseded else "is gone"
             raise PeerLostError(f"peer {self.address} {why}", peer=self.address)
