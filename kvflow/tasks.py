@@ -18,3 +18,10 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future | None]) -> None:
         t.cancel()
     if live:
         await asyncio.gather(*live, return_exceptions=True)
+
+
+def retrieve(task: "asyncio.Future") -> None:
+    """A done-callback for a task nobody may await: takes its exception,
+    so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -809,20 +809,19 @@ int kvf_tcp_channel_check_reach(kvf_tcp_channel *ch, uint32_t grace_ms) {
         tcp_conn *c = &ch->conns[i];
         /* under q.mu: replace() swaps fd under it once the connection is
          * dead, so the fd looked at is this connection's, never a reused
-         * number; unheard is only touched by the caller's thread */
+         * number; a dead one's look is reset for its successor */
         pthread_mutex_lock(&c->q.mu);
-        int dead = atomic_load(&c->dead);
-        int unanswered = !dead && sk_unanswered(c->fd, grace_ms);
+        int gone = 0;
+        if (atomic_load(&c->dead)) c->unheard = 0;
+        else if (!sk_heard(c->fd, grace_ms, &c->unheard)) {
+            gone = 1;
+            c->unheard = 0;
+        }
         pthread_mutex_unlock(&c->q.mu);
-        int confirmed = unanswered && c->unheard;
-        c->unheard = unanswered;
-        if (!confirmed) continue;
-        c->unheard = 0;
-        pthread_mutex_lock(&c->q.mu);
-        c->unreachable++;
-        pthread_mutex_unlock(&c->q.mu);
-        conn_fail(c, KVF_ELOST);
-        failed++;
+        if (gone) {
+            conn_fail(c, KVF_ELOST);
+            failed++;
+        }
     }
     return failed;
 }

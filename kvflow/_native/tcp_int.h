@@ -62,8 +62,7 @@ typedef struct tcp_conn {
     uint64_t moved;           /* slices handed to other connections when it failed */
     uint64_t fences;          /* fence frames it sent (for failed connections whose work it took) */
     uint64_t failures;
-    uint64_t unreachable;     /* times it failed because the peer's kernel stopped answering */
-    int unheard;              /* the last reach check found it unanswered (kvf_tcp_channel_check_reach) */
+    int unheard;              /* the last reach check found it unanswered (sk_heard; under q.mu) */
     uint32_t cancel_seen;     /* ctx->cancel_epoch at its last claim */
     kvf_credit_wallet cr;     /* receiver credits (when the channel has a window; under q.mu) */
     kvf_hdr ctl;              /* a credit ask to send before the next frames */

@@ -38,6 +38,7 @@ from kvflow.providers.tcp import TcpOptions, TcpProvider
 from kvflow.schedule.credits import window_bytes
 from kvflow.schedule.qos import AGING, SCHEDULING, aging_ns
 from kvflow.topology import Topology, cached_host_topology, parse_location
+from kvflow.tasks import retrieve
 
 __all__ = ["Engine", "PROVIDERS"]
 
@@ -76,11 +77,6 @@ def _ipc_handle(span: Any) -> "tuple[bytes, int, bytes] | None":
     except (CudaError, ProviderUnavailableError) as e:
         log.debug("kvflow: no CUDA IPC handle for %#x: %s", span.addr, e)
         return None
-
-
-def _retrieve(task: "asyncio.Task[Any]") -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -858,7 +854,7 @@ class Engine:
         pending = self._connecting.get(address)
         if pending is None:
             pending = self._loop.create_task(self._connect_shared(address, timeout))
-            pending.add_done_callback(_retrieve)      # every waiter may have gone
+            pending.add_done_callback(retrieve)      # every waiter may have gone
             self._connecting[address] = pending
         return await asyncio.shield(pending)
 

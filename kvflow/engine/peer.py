@@ -17,6 +17,7 @@ from kvflow._core import OP_READ, OP_WRITE
 from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, ProtocolError,
                            TransferTimeoutError)
 from kvflow.status import ECLOSED, EREMOTE, status_error
+from kvflow.tasks import retrieve
 from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
@@ -240,7 +241,7 @@ class Peer:
         if not self._closed and not self._engine._closed:
             self._lapsed = True
             self._resume_task = self._engine._loop.create_task(self._resume())
-            self._resume_task.add_done_callback(_retrieve)
+            self._resume_task.add_done_callback(retrieve)
 
     async def _resume(self) -> bool:
         """Dials the peer again until it answers (back-off RESUME_BACKOFF,

@@ -223,48 +223,30 @@ class Master:
         return out
 
     def _batch_put_start(self, cid: str, now: float, items: list, token: int = 0) -> dict:
-        out = []
         segments: dict = {}
-        for it in items:
-            try:
-                key, size, replica_num, preferred, pin = it
-                reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin,
-                                            token=token)
-                out.append(item_ok(None if reps is None else self._replicas(self.model.objects[key], segments)))
-            except KVFlowError as e:
-                out.append(item_error(error_code(e), str(e)))
-        return {"segments": segments, "items": out}
+
+        def start(it: Any) -> Any:
+            key, size, replica_num, preferred, pin = it
+            reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin, token=token)
+            return None if reps is None else self._replicas(self.model.objects[key], segments)
+
+        return {"segments": segments, "items": _per_item(items, start)}
 
     def _batch_put_end(self, cid: str, now: float, items: list) -> list:
-        out = []
-        for key, failed in items:
-            try:
-                out.append(item_ok(self.model.put_end(cid, key, failed)))
-            except KVFlowError as e:
-                out.append(item_error(error_code(e), str(e)))
-        return out
+        return _per_item(items, lambda it: self.model.put_end(cid, it[0], it[1]))
 
     def _batch_put_revoke(self, cid: str, now: float, keys: list, token: int | None = None) -> list:
-        out = []
-        for key in keys:
-            try:
-                self.model.put_revoke(cid, key, token)
-                out.append(item_ok(None))
-            except KVFlowError as e:
-                out.append(item_error(error_code(e), str(e)))
-        return out
+        return _per_item(keys, lambda key: self.model.put_revoke(cid, key, token))
 
     def _batch_get_replicas(self, cid: str, now: float, keys: list) -> dict:
-        out = []
         segments: dict = {}
         lease = self.model.new_lease(now)
-        for key in keys:
-            try:
-                obj = self.model.get_replicas(key, now, lease)
-                out.append(item_ok([obj.size, self._replicas(obj, segments)]))
-            except KVFlowError as e:
-                out.append(item_error(error_code(e), str(e)))
-        return {"segments": segments, "items": out, "lease": lease}
+
+        def replicas(key: Any) -> Any:
+            obj = self.model.get_replicas(key, now, lease)
+            return [obj.size, self._replicas(obj, segments)]
+
+        return {"segments": segments, "items": _per_item(keys, replicas), "lease": lease}
 
     def _release_lease(self, cid: str, now: float, lease: int) -> None:
         self.model.release_lease(lease, now)
@@ -272,33 +254,13 @@ class Master:
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key
         # (an [1, code, message] item only for a bad key) keeps it small
-        out = []
-        exists = self.model.exists
-        for key in keys:
-            try:
-                out.append(exists(key))
-            except KVFlowError as e:
-                out.append(item_error(error_code(e), str(e)))
-        return out
+        return _per_item(keys, self.model.exists, wrap=None)
 
     def _batch_size(self, cid: str, now: float, keys: list) -> list:
-        out = []
-        for key in keys:
-            try:
-                out.append(item_ok(self.model.size(key)))
-            except KVFlowError as e:
-                out.append(item_error(error_code(e), str(e)))
-        return out
+        return _per_item(keys, self.model.size)
 
     def _batch_remove(self, cid: str, now: float, keys: list, force: bool) -> list:
-        out = []
-        for key in keys:
-            try:
-                self.model.remove(key, now, force=bool(force))
-                out.append(item_ok(None))
-            except KVFlowError as e:
-                out.append(item_error(error_code(e), str(e)))
-        return out
+        return _per_item(keys, lambda key: self.model.remove(key, now, force=bool(force)))
 
     def _remove_all(self, cid: str, now: float, force: bool) -> int:
         return self.model.remove_all(now, force=bool(force))
@@ -369,3 +331,16 @@ class _MasterProtocol(asyncio.Protocol):
             if self.transport.get_write_buffer_size() > self.MAX_PENDING_REPLIES:
                 log.warning("dropping %s: it does not read its replies", self.session.peer)
                 self.transport.abort()
+
+
+def _per_item(items: list, fn: Callable[[Any], Any], wrap: Callable[[Any], Any] | None = item_ok) -> list:
+    """A batch call's reply: per item, fn(item) (wrapped, unless wrap is
+    None) or the typed error it raised, so that one bad key fails alone."""
+    out = []
+    for it in items:
+        try:
+            v = fn(it)
+            out.append(v if wrap is None else wrap(v))
+        except KVFlowError as e:
+            out.append(item_error(error_code(e), str(e)))
+    return out
