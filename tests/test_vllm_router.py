@@ -14,6 +14,8 @@ user runs it). Checked:
   own ``cached_tokens``);
 - the decode instance stopped (SIGSTOP, all its processes) for 7 s with a
   request in flight: everything is served, the same tokens;
+- the router tokenizes prompts itself (``--tokenizer``) exactly as the
+  servers do; the second router below asks the servers (``/tokenize``);
 - overload: a second router (in this process) with a TTFT SLO a burst cannot
   meet answers 429 to the requests it cannot serve in time, before any
   server works on them, and serves the others.
@@ -108,9 +110,16 @@ async def test_conductor_routes_vllm_pd_servers_by_their_caches_through_a_stop(t
             for srv in servers:
                 await srv.wait_ready(s, deadline)
             router, url = _start_router(
-                ["--block-tokens", str(B), "--calibrate", "--decode", f"d0={dec.url}",
+                ["--block-tokens", str(B), "--calibrate", "--decode", f"d0={dec.url}", "--tokenizer", model,
                  *(a for srv in (p0, p1) for a in ("--prefill", f"{srv.name}={srv.url}@{events[srv.name]}"))],
                 str(tmp_path / "router.log"))
+
+            # The router tokenizes here (--tokenizer) as the servers do.
+            from transformers import AutoTokenizer
+
+            text = _vllm.prompt(rng, 50)
+            async with s.post(p0.url + "/tokenize", json={"model": model, "prompt": text}) as r:
+                assert (await r.json())["tokens"] == AutoTokenizer.from_pretrained(model)(text)["input_ids"]
 
             # 1. The same tokens as one instance alone.
             for n in (40, 300):

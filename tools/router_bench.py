@@ -9,7 +9,8 @@ tokens, so a cache hit shows), with NixlConnector on kvflow's NIXL
 stand-in, KV cache events over ZMQ and a prefix cache of
 ``--cache-blocks`` blocks per instance. Then, for each rule in turn (the
 order rotated per run), the same multi-turn workload: ``--conversations``
-conversations of ``--turns`` turns sharing a system prompt, each turn the
+conversations of ``--turns`` turns sharing a system prompt, each with a
+document of its own after it, each turn the
 conversation so far plus a new user message, sent when the last answer came
 back and a think time passed (exponential, seeded: the same schedule and the
 same words for every rule), streamed, its TTFT timed at the client. Between
@@ -113,7 +114,7 @@ async def conversation(session, url: str, model: str, c: int, args: argparse.Nam
                        t_start: float, out: list) -> None:
     rng = random.Random(args.seed * 1000 + c)
     await asyncio.sleep(rng.uniform(0, args.think))
-    history = system
+    history = system + " " + words(rng, args.doc_tokens) if args.doc_tokens else system
     for turn in range(args.turns):
         prompt = history + " " + words(rng, args.user_tokens)
         body = {"model": model, "prompt": prompt, "max_tokens": args.answer_tokens, "temperature": 0,
@@ -151,7 +152,8 @@ async def run_rule(rule: str, servers: Servers, session, args: argparse.Namespac
     else:
         front = PDRouter([Instance(s.name, Role.PREFILL, s.url, servers.events[s.name]) for s in servers.prefill],
                          [Instance("d0", Role.DECODE, servers.decode.url)], block_tokens=_vllm.BLOCK_SIZE,
-                         policy=rule, rejection=RejectionMode.NONE, kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+                         policy=rule, rejection=RejectionMode.NONE, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                         tokenizer=servers.model)
         url = await front.start()
         await front.calibrate()
         await servers.reset(session)
@@ -194,7 +196,8 @@ async def main_async(args: argparse.Namespace) -> int:
                                              connector=aiohttp.TCPConnector(force_close=True)) as session:
                 await servers.ready(session)
                 print(f"servers ready; {args.conversations} conversations x {args.turns} turns, "
-                      f"system {args.system_tokens} tokens, user {args.user_tokens}, answer {args.answer_tokens}",
+                      f"system {args.system_tokens} tokens, document {args.doc_tokens}, user {args.user_tokens}, "
+                      f"answer {args.answer_tokens}",
                       flush=True)
                 for run in range(args.runs):
                     order = rules[run % len(rules):] + rules[:run % len(rules)]
@@ -229,14 +232,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rules", default="proxy,sglang_cache_aware,kvcache")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--system-tokens", type=int, default=512)
-    ap.add_argument("--user-tokens", type=int, default=200)
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--doc-tokens", type=int, default=768, help="a document of each conversation's own, after the system prompt")
+    ap.add_argument("--user-tokens", type=int, default=100)
     ap.add_argument("--answer-tokens", type=int, default=16)
-    ap.add_argument("--think", type=float, default=2.0, help="mean seconds between an answer and the next turn")
+    ap.add_argument("--think", type=float, default=3.0, help="mean seconds between an answer and the next turn")
     ap.add_argument("--cache-blocks", type=int, default=48, help="prefix cache blocks per prefill instance")
-    ap.add_argument("--slo", type=float, default=1.0, help="TTFT SLO in seconds, for goodput")
+    ap.add_argument("--slo", type=float, default=2.0, help="TTFT SLO in seconds, for goodput")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill instance i on core i (taskset): instances that do not share cores")

@@ -17,9 +17,11 @@ answer relayed as it comes. What it adds is the choice:
   after a prefill instance's URL the router subscribes to its KV cache
   events (vLLM's ``--kv-events-config`` ZMQ publisher, `kv_events`) and
   keeps the conductor's prefix index to what the instance stored and
-  evicted. Prompts are keyed with the instance's own tokens (its
-  ``/tokenize``) in blocks of ``--block-tokens``, which must be the
-  servers' ``--block-size``. Without events the index holds what the
+  evicted. Prompts are keyed by their tokens in blocks of
+  ``--block-tokens``, which must be the servers' ``--block-size``: tokenized
+  here with ``--tokenizer`` (the model's folder or hub name, loaded with
+  transformers' AutoTokenizer as vLLM loads it), or else by an instance
+  (its ``/tokenize``: exact, but a round trip to a busy server). Without events the index holds what the
   router routed (the conductor's own bookkeeping), evicting by LRU at
   ``--cache-blocks``.
 - **Time models fitted online** (`online`): every prefill that ran alone on
@@ -133,7 +135,8 @@ class PDRouter:
                  policy: str = "kvcache", rejection: RejectionMode = RejectionMode.EARLY,
                  slo_ttft_s: float = 30.0, slo_tbt_s: float = 1.0, cache_blocks: int | None = None,
                  kv_bytes_per_token: int = 2048, prefill_model: PrefillModel | None = None,
-                 decode_model: DecodeModel | None = None, request_timeout_s: float = 600.0) -> None:
+                 decode_model: DecodeModel | None = None, request_timeout_s: float = 600.0,
+                 tokenizer: str | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode instance")
         names = [i.name for i in (*prefill, *decode)]
@@ -157,6 +160,12 @@ class PDRouter:
             self.conductor.register(InstanceSpec(i.name, Role.DECODE))
         self.timeout_s = request_timeout_s
         self._tokenize_at = itertools.cycle(list(self.prefill.values()))
+        self._tokenizer = None
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenize_s = 0.0       # time spent tokenizing, in total
         self._session = None
         self._runner = None
         self.url = ""
@@ -259,6 +268,7 @@ class PDRouter:
         c = self.conductor
         return web.json_response({
             "served": self.served, "rejected": self.rejected, "failed": self.failed,
+            "tokenize_s": self.tokenize_s,
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "conductor": {"routed": c.stats.routed, "blocks": c.stats.blocks, "reused_blocks": c.stats.reused_blocks,
                           "rejected": dict(c.stats.rejected)},
@@ -383,10 +393,22 @@ class PDRouter:
 
     async def _tokens(self, body: dict[str, Any], chat: bool) -> list[int]:
         """The prompt's token ids, as the instances tokenize it."""
+        t0 = time.perf_counter()
+        try:
+            return await self._tokenize(body, chat)
+        finally:
+            self.tokenize_s += time.perf_counter() - t0
+
+    async def _tokenize(self, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise HTTPError(400, "messages must be a non-empty list")
+            if self._tokenizer is not None:
+                try:
+                    return list(self._tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+                except (ValueError, TypeError) as exc:
+                    raise HTTPError(400, f"messages: {exc}") from None
             ask = {"model": body.get("model"), "messages": msgs, "add_generation_prompt": True}
         else:
             prompt = body.get("prompt")
@@ -395,6 +417,8 @@ class PDRouter:
             if not isinstance(prompt, str):
                 raise HTTPError(400, "prompt must be one string or one list of token ids "
                                      "(the router routes one prompt per request)")
+            if self._tokenizer is not None:
+                return list(self._tokenizer(prompt)["input_ids"])
             ask = {"model": body.get("model"), "prompt": prompt}
         inst = next(self._tokenize_at)
         status, reply = await self._post(inst, "/tokenize", ask)
@@ -460,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-bytes-per-token", type=int, default=2048)
     ap.add_argument("--prefill-model", help="overhead_s,linear_s,attention_s to start from")
     ap.add_argument("--decode-model", help="step_s,per_request_s,per_context_token_s to start from")
+    ap.add_argument("--tokenizer", help="the model's tokenizer (folder or name): tokenize here, not at a server")
     ap.add_argument("--calibrate", action="store_true", help="time a few prefills of each instance first")
     return ap
 
@@ -471,7 +496,7 @@ async def _serve(args: argparse.Namespace) -> None:
                       slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, cache_blocks=args.cache_blocks,
                       kv_bytes_per_token=args.kv_bytes_per_token,
                       prefill_model=_parse_model(args.prefill_model, PrefillModel),
-                      decode_model=_parse_model(args.decode_model, DecodeModel))
+                      decode_model=_parse_model(args.decode_model, DecodeModel), tokenizer=args.tokenizer)
     url = await router.start(args.host, args.port)
     try:
         if args.calibrate:
