@@ -274,6 +274,25 @@ async def test_gpu_memory_moves(gpu_mem, make_engine, protocol, kinds):
     assert STANDIN.kvfstandin_count(b"copies") > copies          # the driver made the copies
 
 
+@pytest.mark.parametrize("protocol", ["tcp", "local"])
+async def test_gpu_memory_moves_between_two_gpus(gpu_mem, make_engine, protocol):
+    """A write from cuda:1 into a peer's cuda:0 and a read back into cuda:1
+    from there: each engine's copies in its own GPU's context."""
+    a = await make_engine(protocols=[protocol])
+    b = await make_engine(protocols=[protocol])
+    n = 3 << 20
+    src, mid, back = gpu_mem(n, device=1), gpu_mem(n, device=0), gpu_mem(n, device=1)
+    src.host[:] = _pattern(n, 9)
+    rs, rb = a.register(src, name="src"), a.register(back, name="back")
+    b.register(mid, name="mid")
+    peer = await bounded(a.connect(b.address))
+    offs = np.arange(3, dtype=np.uint64) * np.uint64(1 << 20)
+    await bounded(peer.write(rs.addr + offs, peer.region("mid").addr + offs, np.full(3, 1 << 20, np.uint64)))
+    assert _sha(mid.host) == _sha(src.host)
+    await bounded(peer.read([rb.addr], [peer.region("mid").addr], [n]))
+    assert _sha(back.host) == _sha(src.host)
+
+
 _IPC_PEER = r"""
 import asyncio, hashlib, json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + '/..']
@@ -285,6 +304,8 @@ async def main():
         eng.register((whole.ptr, 4 << 20), name="lo")                    # two regions of one allocation
         eng.register((whole.ptr + (4 << 20), 4 << 20), name="hi")
         whole.host[:] = np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8)
+        mem = np.zeros(1 << 20, np.uint8)
+        eng.register(mem, name="h")
         print(json.dumps({"address": eng.address}), flush=True)
         loop = asyncio.get_running_loop()
         while True:
@@ -292,6 +313,7 @@ async def main():
             if line in ("", "quit"):
                 break
             print(json.dumps({"sha": hashlib.sha256(whole.host.tobytes()).hexdigest(),
+                              "host": hashlib.sha256(mem.tobytes()).hexdigest(),
                               "guards": whole.guards_ok()}), flush=True)
         whole.close()
 asyncio.run(main())
@@ -302,8 +324,9 @@ async def test_cuda_ipc_between_processes(gpu_mem, make_engine):
     """A same-host peer in another process (local provider): writes into
     and reads from its GPU memory are one copy each through CUDA IPC (its
     allocation opened here, not staged), into two regions of one
-    allocation and from two engines of this process; every byte checked
-    on both sides; the mappings close with the peers."""
+    allocation and from two engines of this process; its host memory
+    staged; every byte checked on both sides; the mappings close with the
+    peers."""
     proc = subprocess.Popen([sys.executable, "-c", _IPC_PEER, os.path.dirname(os.path.abspath(__file__))],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     loop = asyncio.get_running_loop()
@@ -334,8 +357,11 @@ async def test_cuda_ipc_between_processes(gpu_mem, make_engine):
         await bounded(pb.read([rb.addr, rb.addr + (4 << 20)], [lo, hi], [4 << 20, 4 << 20]))
         assert _sha(back.host) == _sha(src.host)
         assert STANDIN.kvfstandin_count(b"ipc_opens") > opens            # the direct path, not staged
-        assert STANDIN.kvfstandin_count(b"pinned") == staged             # no staging memory was made
+        assert STANDIN.kvfstandin_count(b"pinned") == staged             # no staging memory was made yet
         assert (await ask("sha"))["guards"]
+        # into its host memory: no IPC there, so staged through its inbox over the local provider
+        await bounded(pa.write([ra.addr + 12345], [pa.region("h").addr], [1 << 20]))
+        assert (await ask("sha"))["host"] == _sha(src.host[12345:12345 + (1 << 20)])
         await pa.close()
         await pb.close()
         assert STANDIN.kvfstandin_count(b"ipc") == 0, "an IPC mapping outlived its peer"
@@ -507,3 +533,69 @@ def test_kernels_flag_write_and_doorbells(gpu_mem):
     finally:
         stream.close()
         pinned.close()
+
+
+_RESTARTING_PEER = r"""
+import asyncio, hashlib, json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + '/..']
+import kvflow
+from cases import DeviceArray
+async def main():
+    async with kvflow.Engine(sys.argv[2], protocols=("local",)) as eng:
+        kv = DeviceArray(4 << 20)
+        r = eng.register(kv, name="kv")
+        print(json.dumps({"address": eng.address, "kv": r.addr}), flush=True)
+        loop = asyncio.get_running_loop()
+        while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "sha":
+            print(json.dumps({"sha": hashlib.sha256(kv.host.tobytes()).hexdigest()}), flush=True)
+asyncio.run(main())
+"""
+
+
+async def test_a_restarted_peer_gets_the_write_not_its_predecessor(gpu_mem, make_engine):
+    """A same-host peer killed and restarted at the same address, its GPU
+    region at the same device address (a GPU's allocator hands the same
+    addresses to the same sequence of allocations; so does the stand-in):
+    a write to the new one lands in the new one's memory, not through the
+    CUDA IPC mapping of its predecessor's allocation."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    async def start():
+        p = subprocess.Popen([sys.executable, "-c", _RESTARTING_PEER, here, f"127.0.0.1:{port}"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        return p, json.loads(await bounded(loop.run_in_executor(None, p.stdout.readline), 60))
+
+    async def sha(p) -> str:
+        p.stdin.write("sha\n")
+        p.stdin.flush()
+        return json.loads(await bounded(loop.run_in_executor(None, p.stdout.readline), 60))["sha"]
+
+    a = await make_engine(protocols=["local"])
+    src = gpu_mem(4 << 20)
+    rs = a.register(src, name="src")
+    first, hello = await start()
+    second = None
+    try:
+        src.host[:] = _pattern(4 << 20, 21)
+        peer = await bounded(a.connect(hello["address"]))
+        await bounded(peer.write([rs.addr], [peer.region("kv").addr], [4 << 20]))
+        assert await sha(first) == _sha(src.host)
+        first.kill()
+        first.wait(30)
+        second, hello2 = await start()
+        assert (hello2["address"], hello2["kv"]) == (hello["address"], hello["kv"]), "the premise: the same address"
+        src.host[:] = _pattern(4 << 20, 22)
+        peer2 = await bounded(a.connect(hello2["address"]))
+        await bounded(peer2.write([rs.addr], [peer2.region("kv").addr], [4 << 20]))
+        assert await sha(second) == _sha(src.host), "the write went to the predecessor's memory"
+        await peer2.close()
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.stdin.close()
+                p.wait(30)

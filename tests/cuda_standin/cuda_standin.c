@@ -326,6 +326,27 @@ static int copy_bytes(char *dst, const char *src, uint64_t n)
     return 0;
 }
 
+/* A device address range: as a GPU's allocator, the same sequence of
+   allocations gets the same addresses in every process (from a range per
+   device, 2 MiB aligned), so a restarted peer's memory can sit where its
+   predecessor's was. Imports and a taken range go wherever mmap puts them. */
+static uint64_t g_next_va[MAX_DEVICES];
+
+static void *reserve(int dev, uint64_t len)
+{
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    if (dev >= 0) {
+        pthread_mutex_lock(&g_mu);
+        uint64_t va = 0x600000000000ULL + ((uint64_t)g_phys[dev] << 38) + g_next_va[dev];
+        g_next_va[dev] += (len + (2 << 20) - 1) & ~(uint64_t)((2 << 20) - 1);
+        pthread_mutex_unlock(&g_mu);
+        void *p = mmap((void *)(uintptr_t)va, len, PROT_NONE, flags | MAP_FIXED_NOREPLACE, -1, 0);
+        if (p != MAP_FAILED)
+            return p;
+    }
+    return mmap(NULL, len, PROT_NONE, flags, -1, 0);
+}
+
 /* ------------------------------------------------------------ init, devices */
 
 CUresult CUDAAPI cuDriverGetVersion(int *v)
@@ -650,7 +671,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t size)
         return fail(CUDA_ERROR_OUT_OF_MEMORY, "cuMemAlloc(%zu): %s", size, strerror(errno));
     }
     /* the device address: reserved, never accessible to the CPU */
-    void *dev = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *dev = reserve(c->dev, len);
     void *shadow = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (dev == MAP_FAILED || shadow == MAP_FAILED) {
         close(fd);
@@ -915,7 +936,7 @@ CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, u
             close(fd);
         return fail(CUDA_ERROR_INVALID_VALUE, "cuIpcOpenMemHandle: cannot map pid %d's allocation", h.pid);
     }
-    void *dev = mmap(NULL, h.size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *dev = reserve(-1, h.size);
     void *shadow = mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (dev == MAP_FAILED || shadow == MAP_FAILED)
