@@ -599,3 +599,70 @@ async def test_a_restarted_peer_gets_the_write_not_its_predecessor(gpu_mem, make
             if p is not None and p.poll() is None:
                 p.stdin.close()
                 p.wait(30)
+
+
+def test_nixl_api_moves_vram(gpu_mem):
+    """kvflow.compat.nixl with VRAM descriptor lists of device pointers (as
+    vLLM's NixlConnector registers its KV caches): a write of 64 blocks and
+    a read back, every byte."""
+    import time
+    import uuid
+    from kvflow.compat.nixl import nixl_agent, nixl_agent_config
+    n = 4 << 20
+    a = nixl_agent(f"a-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    b = nixl_agent(f"b-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+    src, dst, back = gpu_mem(n), gpu_mem(n), gpu_mem(n)
+    src.host[:] = _pattern(n, 13)
+    assert a.register_memory([(src.ptr, n, 0, ""), (back.ptr, n, 0, "")], "VRAM") is not None
+    assert b.register_memory([(dst.ptr, n, 0, "")], "VRAM") is not None
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+
+    def run(op: str, local: int) -> None:
+        descs = a.get_xfer_descs([(local + i * 65536, 65536, 0) for i in range(64)], "VRAM")
+        remote = a.get_xfer_descs([(dst.ptr + i * 65536, 65536, 0) for i in range(64)], "VRAM")
+        h = a.initialize_xfer(op, descs, remote, b.name, b"done")
+        a.transfer(h)
+        deadline = time.monotonic() + 60
+        while a.check_xfer_state(h) == "PROC":
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert a.check_xfer_state(h) == "DONE"
+        a.release_xfer_handle(h)
+
+    run("WRITE", src.ptr)
+    assert _sha(dst.host) == _sha(src.host)
+    run("READ", back.ptr)
+    assert _sha(back.host) == _sha(src.host)
+    a.remove_remote_agent(b.name)
+    b.remove_remote_agent(a.name)
+    del a, b
+    import gc
+    gc.collect()
+
+
+def test_mooncake_api_registers_cuda_memory(gpu_mem):
+    """kvflow.compat.mooncake: register_memory(ptr, len, "cuda:0") of device
+    memory on both sides (as SGLang's and vLLM's Mooncake connectors pass
+    their KV pools), then transfer_sync_write and _read, every byte."""
+    from kvflow.compat.mooncake import TransferEngine
+    n = 2 << 20
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    src, dst, back = gpu_mem(n), gpu_mem(n), gpu_mem(n)
+    src.host[:] = _pattern(n, 17)
+    assert a.register_memory(src.ptr, n, "cuda:0") == 0 and a.register_memory(back.ptr, n, "cuda:0") == 0
+    assert b.register_memory(dst.ptr, n, "cuda:0") == 0
+    peer = f"127.0.0.1:{b.get_rpc_port()}"
+    assert a.transfer_sync_write(peer, src.ptr, dst.ptr, n) == 0
+    assert _sha(dst.host) == _sha(src.host)
+    assert a.transfer_sync_read(peer, back.ptr, dst.ptr, n) == 0
+    assert _sha(back.host) == _sha(src.host)
+    for eng, ptrs in ((a, (src.ptr, back.ptr)), (b, (dst.ptr,))):
+        for p in ptrs:
+            assert eng.unregister_memory(p) == 0
+    for eng in (a, b):
+        close = getattr(eng, "close", None) or getattr(eng, "shutdown", None)
+        if close is not None:
+            close()
