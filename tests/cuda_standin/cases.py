@@ -666,3 +666,66 @@ def test_mooncake_api_registers_cuda_memory(gpu_mem):
         close = getattr(eng, "close", None) or getattr(eng, "shutdown", None)
         if close is not None:
             close()
+
+
+@pytest.mark.parametrize("into", ["host", "cuda"])
+async def test_a_timed_out_gpu_write_leaves_nothing_behind(gpu_mem, make_engine, into):
+    """A staged write from GPU memory that times out while its device→host
+    copies are slow (200 ms each here): TransferTimeoutError, and nothing of
+    it lands later over the write that follows (which lands whole); the
+    engines and the peer still work."""
+    a = await make_engine(protocols=["tcp"])
+    b = await make_engine(protocols=["tcp"])
+    n = 8 << 20
+    src = gpu_mem(n)
+    dst = gpu_mem(n) if into == "cuda" else np.zeros(n, np.uint8)
+    rs = a.register(src, name="src")
+    b.register(dst, name="dst")
+    peer = await bounded(a.connect(b.address))
+    there = peer.region("dst").addr
+    src.host[:] = 1
+    STANDIN.kvfstandin_copy_delay(200_000)
+    try:
+        with pytest.raises(kvflow.TransferTimeoutError):
+            await bounded(peer.write([rs.addr], [there], [n], timeout=0.1))
+    finally:
+        STANDIN.kvfstandin_copy_delay(0)
+    src.host[:] = _pattern(n, 23)
+    await bounded(peer.write([rs.addr], [there], [n]))
+    await asyncio.sleep(0.6)                    # longer than any copy of the first write still running
+    assert _sha(dst.host if into == "cuda" else dst) == _sha(src.host)
+
+
+async def test_after_is_bounded_by_the_timeout(gpu_mem, make_engine):
+    """write(timeout=, after=) whose stream is not done within the timeout
+    raises TransferTimeoutError in about that time, sends nothing, and the
+    next write (after the stream finished) lands whole."""
+    import time
+    from cuda.bindings import driver as cu
+    drv = _drv()
+    a = await make_engine(protocols=["tcp"])
+    b = await make_engine(protocols=["tcp"])
+    n = 1 << 20
+    src = gpu_mem(n)
+    src.host[:] = 3
+    dst = np.zeros(n, np.uint8)
+    rs = a.register(src, name="src")
+    b.register(dst, name="dst")
+    peer = await bounded(a.connect(b.address))
+    with drv.on_device(0):
+        stream = _ok(cu.cuStreamCreate(1))
+        assert STANDIN.kvfstandin_delay(ctypes.c_void_p(int(stream)), 1_500_000) == 0
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(kvflow.TransferTimeoutError):
+            await bounded(peer.write([rs.addr], [peer.region("dst").addr], [n], timeout=0.2, after=stream))
+        assert time.monotonic() - t0 < 1.0, "the wait for after= outlived the write's timeout"
+        assert not dst.any()
+        with drv.on_device(0):
+            _ok(cu.cuStreamSynchronize(stream))
+        await bounded(peer.write([rs.addr], [peer.region("dst").addr], [n], timeout=5, after=stream))
+        assert (dst == 3).all()
+    finally:
+        with drv.on_device(0):
+            _ok(cu.cuStreamSynchronize(stream))
+            _ok(cu.cuStreamDestroy(stream))

@@ -382,6 +382,8 @@ CUresult CUDAAPI cuInit(unsigned int flags)
             for (int i = 0; i < total; i++)
                 g_phys[g_ndev++] = i;
         }
+        const char *delay = getenv("KVFLOW_CUDA_STANDIN_COPY_DELAY_US");
+        g_copy_delay_us = delay ? atol(delay) : 0;
         g_init = 1;
     }
     pthread_mutex_unlock(&g_mu);
