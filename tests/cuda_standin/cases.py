@@ -729,3 +729,37 @@ async def test_after_is_bounded_by_the_timeout(gpu_mem, make_engine):
         with drv.on_device(0):
             _ok(cu.cuStreamSynchronize(stream))
             _ok(cu.cuStreamDestroy(stream))
+
+
+async def test_a_stuck_after_does_not_hold_up_the_next(gpu_mem, make_engine):
+    """A write whose after= stream is stuck times out; a later write whose
+    after= stream finishes in 50 ms is not held up behind the stuck one."""
+    import time
+    from cuda.bindings import driver as cu
+    drv = _drv()
+    a = await make_engine(protocols=["tcp"])
+    b = await make_engine(protocols=["tcp"])
+    n = 1 << 16
+    src = gpu_mem(n)
+    src.host[:] = 4
+    dst = np.zeros(n, np.uint8)
+    rs = a.register(src, name="src")
+    b.register(dst, name="dst")
+    peer = await bounded(a.connect(b.address))
+    there = peer.region("dst").addr
+    with drv.on_device(0):
+        stuck, quick = _ok(cu.cuStreamCreate(1)), _ok(cu.cuStreamCreate(1))
+        assert STANDIN.kvfstandin_delay(ctypes.c_void_p(int(stuck)), 4_000_000) == 0
+    try:
+        with pytest.raises(kvflow.TransferTimeoutError):
+            await bounded(peer.write([rs.addr], [there], [n], timeout=0.1, after=stuck))
+        with drv.on_device(0):
+            assert STANDIN.kvfstandin_delay(ctypes.c_void_p(int(quick)), 50_000) == 0
+        t0 = time.monotonic()
+        await bounded(peer.write([rs.addr], [there], [n], timeout=2, after=quick))
+        assert time.monotonic() - t0 < 1.5 and (dst == 4).all()
+    finally:
+        with drv.on_device(0):
+            for s in (stuck, quick):
+                _ok(cu.cuStreamSynchronize(s))
+                _ok(cu.cuStreamDestroy(s))
