@@ -34,6 +34,10 @@
 //   drives an mlx5 NIC): cuModuleGetFunction returns NOT_SUPPORTED for it.
 //   The fatbin must hold sm_90 code or PTX for the stand-in's 9.0 devices.
 //
+// Not modelled: the legacy NULL stream's implicit synchronization with
+// other streams (kvflow's streams are non-blocking), peer access, memory
+// limits, stream priorities, graphs, anything about speed.
+//
 // Entry points: cuGetProcAddress_v2 (how cuda-bindings finds everything),
 // cuDriverGetVersion (dlsym'd by cuda-bindings' version check), and the
 // calls below under their ABI names; every one is checked against cuda.h's
