@@ -208,6 +208,8 @@ async def recover(etcd: EtcdClient, layout: Layout, model: StoreModel, now: floa
     n_obj = len(layout.root) + 2
     for kv in kvs:
         k = kv["key"]
+        if k == layout.leader:
+            continue
         try:
             v = msgpack.unpackb(kv["value"], raw=False)
             if k == layout.meta:

@@ -418,10 +418,10 @@ class _MasterProtocol(asyncio.Protocol):
     def _durable_reply(self, reply: list, fut: asyncio.Future) -> None:
         """A reply that waited for etcd: sent once its changes are durable;
         when they cannot be, the call fails with the DurabilityError."""
+        e = fut.exception()             # retrieved even when the reply is dropped
         if self.transport.is_closing():
             return
-        if fut.exception() is not None:
-            e = fut.exception()
+        if e is not None:
             reply = [reply[0], 1, [error_code(e), str(e), None]]
         self.transport.write(encode(reply))
 
