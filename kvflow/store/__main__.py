@@ -47,7 +47,7 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
     t0 = time.monotonic()
     journal = Journal(etcd, layout, master.model, fence_revision=revision)
     counts = await recover(etcd, layout, master.model, master.clock())
-    master.attach_journal(journal)
+    master.attach_journal(journal, sync_commit=args.commit == "sync")
     journal.stage()                 # records recovery found unusable go now
     log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped) in %.3f s",
                 args.cluster, counts["segments"], counts["objects"], counts["dropped"], time.monotonic() - t0)
@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--cluster", default="default", help="the cluster's name in etcd")
     m.add_argument("--leader-ttl", type=float, default=2.0,
                    help="seconds of the leader's etcd lease (how long a dead leader is waited for)")
+    m.add_argument("--commit", choices=("sync", "async"), default="sync",
+                   help="sync: a put is acknowledged once its record is in etcd; async: at once, "
+                        "the record follows within one flush (a crash may forget the last puts)")
     m.add_argument("--etcd-timeout", type=float, default=2.0, help="seconds per etcd request")
     m.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)

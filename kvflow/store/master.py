@@ -17,8 +17,10 @@ wakes late, everyone's clock restarts.
 
 Durability (`attach_journal`, a master given etcd): after each call the
 model's changes go to the journal (durable.py), and the reply of a call
-that changed durable state, or that hands out space (put_start), waits
-until etcd has every change staged so far; other replies leave at once.
+that changed durable state waits until etcd has every change staged so
+far (a put_end only with `sync_commit`); a put_start's reply also waits
+for every deletion staged before it (durable.py says why); other replies
+leave at once.
 A journal that fails (etcd gone, this master fenced) stops the master:
 `failed` is set and every waiting reply gets the DurabilityError.
 """
@@ -92,6 +94,7 @@ class Master:
         self._connections: set[_MasterProtocol] = set()
         self._closed = False
         self.journal = None             # durable.Journal, when etcd keeps the index
+        self.sync_commit = True
         self.failed: asyncio.Future | None = None   # set (with the error) when durability is lost
 
     def __repr__(self) -> str:
@@ -126,9 +129,12 @@ class Master:
         if self._server is not None:
             await self._server.start_serving()
 
-    def attach_journal(self, journal) -> None:
-        """From now on the model's changes are made durable by `journal`."""
+    def attach_journal(self, journal, *, sync_commit: bool = True) -> None:
+        """From now on the model's changes are made durable by `journal`.
+        `sync_commit`: a put_end replies once its objects are in etcd (else
+        at once, the record following within one flush)."""
         self.journal = journal
+        self.sync_commit = sync_commit
         journal.on_failure = self.durability_lost
 
     def durability_lost(self, e: DurabilityError) -> None:
@@ -147,9 +153,15 @@ class Master:
         """The future a reply must wait for (None: reply at once): a call
         that staged changes, or a put_start, waits for every staged change."""
         j = self.journal
-        if j is None or (j.seq == before and method != "batch_put_start") or j.committed >= j.seq:
+        if j is None:
             return None
-        return j.wait(j.seq)
+        if j.seq != before and (self.sync_commit or method != "batch_put_end"):
+            target = j.seq                  # this call's own changes (and all before them)
+        elif method == "batch_put_start":
+            target = j.free_seq             # space freed before it may be handed out again
+        else:
+            return None
+        return None if j.committed >= target else j.wait(target)
 
     async def call(self, s: Session, method: str, args: list) -> Any:
         """dispatch(), then wait for durability where the reply must."""
