@@ -313,3 +313,34 @@ async def test_etcd_down_at_start_is_a_typed_error():
     with pytest.raises(Exception) as e:
         StoreClient(["not an address"])
     assert "host:port" in str(e.value)
+
+
+async def test_an_address_list_follows_a_master_restarted_in_memory():
+    # no etcd: the master keeps everything in memory as before; a client
+    # given a list of addresses reconnects to whichever answers, mounts its
+    # segment again and goes on (what the lost master held is gone)
+    port = free_port()
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def master() -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvflow.store", "master", "--listen", f"127.0.0.1:{port}",
+            stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
+        assert "ready" in (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        return proc
+
+    m = await master()
+    try:
+        async with StoreClient([dead, f"127.0.0.1:{port}"], segment_size=1 << 20, protocols=("tcp",)) as c:
+            await c.put("k", b"value")
+            assert await c.get("k") == b"value"
+            m.kill()
+            await m.wait()
+            m = await master()
+            assert not await c.exists("k")               # retried on the new master: in memory, gone
+            assert await c.put("k", b"again") == 1       # its segment was mounted again
+            assert await c.get("k") == b"again"
+            assert (await c.stats())["clients"] == 1
+    finally:
+        m.kill()
+        await m.wait()

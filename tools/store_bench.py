@@ -256,6 +256,8 @@ def _run_system(system: str, args) -> dict:
                                   *extra], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
             procs.append(m)
             line = m.stdout.readline()
+            while line and "standby" in line:         # a durable master campaigns first
+                line = m.stdout.readline()
             assert "ready" in line, line
             master = line.split()[-1] if not extra else f"etcd://{where}/bench"
         else:

@@ -31,10 +31,9 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
     etcd = EtcdClient(args.etcd, timeout=args.etcd_timeout)
     await etcd.post("/v3/maintenance/status", {})        # reachable now, or a DurabilityError
     election = Election(etcd, layout.leader, master.address, ttl=args.leader_ttl)
-    campaign = asyncio.ensure_future(election.campaign())
-    done, _ = await asyncio.wait([campaign], timeout=0.3)
-    if not done:
+    if not await election.attempt():
         print(f"kvflow.store master standby on {master.address} (cluster {args.cluster})", flush=True)
+        campaign = asyncio.ensure_future(election.campaign())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([campaign, stopped], return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
@@ -42,10 +41,11 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
             campaign.cancel()
             await asyncio.gather(campaign, return_exceptions=True)
             await election.resign()
+            await etcd.close()
             return None
-    revision = campaign.result()
+        campaign.result()
     t0 = time.monotonic()
-    journal = Journal(etcd, layout, master.model, fence_revision=revision)
+    journal = Journal(etcd, layout, master.model, fence_revision=election.revision)
     counts = await recover(etcd, layout, master.model, master.clock())
     master.attach_journal(journal, sync_commit=args.commit == "sync")
     journal.stage()                 # records recovery found unusable go now

@@ -55,21 +55,27 @@ class Election:
     def __repr__(self) -> str:
         return f"<Election {self.key.decode()} {'leader' if self.revision else 'candidate'} {self.value}>"
 
-    async def campaign(self) -> int:
-        self.lease = await self.etcd.grant(self.ttl)
-        self._keeper = asyncio.get_running_loop().create_task(self._keep())
+    async def attempt(self) -> bool:
+        """One try to lead (True: this candidate leads now, `revision` set)."""
+        if self._keeper is None:
+            self.lease = await self.etcd.grant(self.ttl)
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
+        if self.lost.done():
+            raise self.lost.exception()
         k = b64(self.key)
-        while True:
-            if self.lost.done():
-                raise self.lost.exception()
-            doc = await self.etcd.txn(
-                [{"target": "CREATE", "key": k, "result": "EQUAL", "create_revision": "0"}],
-                [{"request_put": {"key": k, "value": b64(self.value.encode()), "lease": str(self.lease)}}])
-            if doc.get("succeeded"):
-                self.revision = int(doc["header"]["revision"])
-                log.info("leading %s from revision %d", self.key.decode(), self.revision)
-                return self.revision
+        doc = await self.etcd.txn(
+            [{"target": "CREATE", "key": k, "result": "EQUAL", "create_revision": "0"}],
+            [{"request_put": {"key": k, "value": b64(self.value.encode()), "lease": str(self.lease)}}])
+        if doc.get("succeeded"):
+            self.revision = int(doc["header"]["revision"])
+            log.info("leading %s from revision %d", self.key.decode(), self.revision)
+        return bool(self.revision)
+
+    async def campaign(self) -> int:
+        """Tries every `poll` seconds until this candidate leads; its fence revision."""
+        while not await self.attempt():
             await asyncio.sleep(self.poll)
+        return self.revision
 
     async def _keep(self) -> None:
         """Keeps the lease; a lease that cannot be renewed for ttl seconds

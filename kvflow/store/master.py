@@ -186,9 +186,11 @@ class Master:
         if self._server is not None:
             await self._server.wait_closed()
         if self.journal is not None:
-            # clients that closed with the master stay in etcd: they were not
-            # lost, only this master went away
-            self.journal = None
+            # what is staged still goes to etcd; clients whose connections
+            # close with the master stay there (they were not lost, only
+            # this master went away)
+            journal, self.journal = self.journal, None
+            await journal.close()
         for s in list(self.sessions):
             s.close()
 
