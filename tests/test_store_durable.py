@@ -144,8 +144,8 @@ async def test_restarted_master_recovers_the_index(etcd):
                 assert [n for r in await asyncio.gather(*on1) for n in r] == [1] * 48
                 used = (await c.stats())["used"]
                 m1.kill()
+                await m1.proc.wait()                    # gone first: it never sees h2 go
                 h2.kill()                               # h2 dies with the master and never comes back
-                await m1.proc.wait()
                 await h2.wait()
                 m2 = await start(etcd, "--client-grace", "3")
                 await m2.ready()
