@@ -80,7 +80,7 @@ class MasterProc:
 async def _start_master(etcd: str, *args: str, cluster: str = "t") -> MasterProc:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0", "--etcd", etcd,
-        "--cluster", cluster, *FAST, *args, stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
+        "--cluster", cluster, *FAST, *args, "-v", stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
     return MasterProc(proc)
 
 

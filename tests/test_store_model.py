@@ -424,6 +424,7 @@ def test_restore_rebuilds_the_index_and_waits_for_owners():
     assert r.get_replicas("k3", 100).size == 1003                # readable before the owner is back
     with pytest.raises(NoSpaceError):
         r.put_start("c1", "new", 10, 1, 100)  # never placed into a detached segment
+    assert len(r.objects) == 5 and r.evictions == 0              # and nothing evicted to make room
     assert r.clients["c1"].recovered
     r.register_client("c1", "h", "e1", 101)                      # the owner, back
     assert r.mount("c1", "seg", 4096, 1 << 20) == s1              # same segment, same objects

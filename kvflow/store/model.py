@@ -327,9 +327,10 @@ class StoreModel:
                 # link retried it): the same replicas, nothing allocated twice
                 return old.replicas
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
-        if not any(s.alloc.capacity >= size for s in self.segments.values()):
-            # larger than every segment: no eviction could help, so none is done
-            raise NoSpaceError(f"no segment can hold {size} bytes ({len(self.segments)} segments, "
+        if not any(s.attached and s.alloc.capacity >= size for s in self.segments.values()):
+            # larger than every segment (or no segment is attached yet after a
+            # restart): no eviction could help, so none is done
+            raise NoSpaceError(f"no mounted segment can hold {size} bytes ({len(self.segments)} segments, "
                                f"the largest {max((s.size for s in self.segments.values()), default=0)})",
                                key=key)
         cap = self._capacity
@@ -506,7 +507,9 @@ class StoreModel:
             if freed >= nbytes:
                 break
             obj = self.objects[key]
-            if self.evictable(obj, now):
+            if self.evictable(obj, now) and any(self.segments[r.segment].attached for r in obj.replicas):
+                # (an object only on segments not yet re-attached after a
+                # restart frees nothing a put could use: it stays)
                 freed += sum(r.length for r in obj.replicas)
                 victims.append(obj)
         for obj in victims:
