@@ -222,9 +222,15 @@ async def test_leader_killed_standby_takes_over(etcd):
                       f"{stalled:.3f} s; hit rate before {hits_before}/64, after {hits_after}/64")
                 assert hits_before == hits_after == 64
                 assert c.master_address == a2 != a1
-                # the client goes on: puts, and its gets of them
-                assert await c.put("after", b"still here", replica_num=2) == 2
-                assert await c.get("after") == b"still here"
+                # the client goes on: puts (two replicas once both holders are back), and gets
+                n = 0
+
+                async def put_two() -> bool:
+                    nonlocal n
+                    n += 1
+                    return await c.put(f"after/{n}", b"still here", replica_num=2) == 2
+                await _until(put_two, timeout=10)
+                assert await c.get(f"after/{n}") == b"still here"
                 assert (await c.stats())["clients"] == 3
         finally:
             await _stop_member(h1)
