@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -162,9 +163,26 @@ async def test_restarted_master_recovers_the_index(etcd):
                 await _until(lambda: _gone(c, keys[24:]), timeout=15)
                 assert all(await c.batch_exists(keys[:24]))
                 assert await c.batch_get(keys[:24]) == [values[k] for k in keys[:24]]
+                # etcd holds exactly what is left: h2's objects left their records
+                left = set(keys[:24]) | {"from-h1", "after"}
+                await _until(lambda: _same(_recorded(etcd, "t"), left), timeout=5)
         finally:
             await _stop_member(h1)
             await _stop_member(h2)
+
+
+async def _recorded(etcd: str, cluster: str) -> set[str]:
+    """The object keys in the cluster's records in etcd (durable.py's layout)."""
+    e = EtcdClient(etcd)
+    try:
+        kvs = await e.range_prefix(f"kvflow/store/{cluster}/r/".encode())
+    finally:
+        await e.close()
+    return {entry[0] for kv in kvs for entry in msgpack.unpackb(kv["value"], raw=False)}
+
+
+async def _same(got, want) -> bool:
+    return await got == want
 
 
 async def _quiet(cond) -> bool:

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from .durable import Journal, Layout, recover
+from .durable import Journal, Layout
 from .election import Election
 from .errors import DurabilityError
 from .etcd import EtcdClient
@@ -46,9 +46,10 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
         campaign.result()
     t0 = time.monotonic()
     journal = Journal(etcd, layout, master.model, fence_revision=election.revision)
-    counts = await recover(etcd, layout, master.model, master.clock())
+    counts = await journal.recover(master.clock())
     master.attach_journal(journal, sync_commit=args.commit == "sync")
-    journal.stage()                 # records recovery found unusable go now
+    journal.stage()
+    journal.flush_recovered()       # records recovery found stale go now
     log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped) in %.3f s",
                 args.cluster, counts["segments"], counts["objects"], counts["dropped"], time.monotonic() - t0)
     election.lost.add_done_callback(
