@@ -222,15 +222,37 @@ async def test_leader_killed_standby_takes_over(etcd):
                         assert got == [values[k] for k in keys]     # never an error, never wrong bytes
                         times.append((t, time.monotonic()))
 
+                put_ok: dict[str, bytes] = {}
+                put_failed: list[KVFlowError] = []
+
+                async def putter():
+                    # puts straddle the kill: each one is stored or fails with a typed error
+                    i = 0
+                    while not stop.is_set():
+                        k, v = f"during/{i}", _data(20_000, 5000 + i)
+                        i += 1
+                        try:
+                            if await c.put(k, v) == 1:
+                                put_ok[k] = v
+                        except KVFlowError as e:
+                            put_failed.append(e)
+
                 task = asyncio.create_task(reader())
+                ptask = asyncio.create_task(putter())
                 await asyncio.sleep(0.3)
                 t_kill = time.monotonic()
                 m1.kill()
                 a2 = await m2.ready()
                 t_ready = time.monotonic()
                 await _until(lambda: _after(times, t_kill))
+                await asyncio.sleep(0.3)
                 stop.set()
                 await task
+                await ptask
+                print(f"\nputs during the failover: {len(put_ok)} stored, {len(put_failed)} failed: "
+                      f"{sorted({type(e).__name__ for e in put_failed})}")
+                assert len(put_ok) > 5 and not put_failed, put_failed
+                assert await c.batch_get(list(put_ok)) == list(put_ok.values())
                 # the gap: from the kill to the end of the first get that began after it
                 first = min(e for s, e in times if s >= t_kill)
                 stalled = max(e - s for s, e in times)

@@ -422,13 +422,15 @@ def test_restore_rebuilds_the_index_and_waits_for_owners():
     assert "orphan" in r.dirty_objects                          # deleted at the first flush
     assert sorted(r.objects) == sorted(records) and r.used == sum(rr[0][2] for _, rr in records.values())
     assert r.get_replicas("k3", 100).size == 1003                # readable before the owner is back
-    with pytest.raises(NoSpaceError):
-        r.put_start("c1", "new", 10, 1, 100)  # never placed into a detached segment
-    assert len(r.objects) == 5 and r.evictions == 0              # and nothing evicted to make room
+    r.register_client("c2", "h", "e2", 100)
+    s2 = r.mount("c2", "seg", 1 << 30, 1 << 20)
+    # an attached segment first; the detached one only for what it cannot hold
+    assert [x.segment for x in r.put_start("c2", "new", 10, 1, 100)] == [s2]
+    assert sorted(x.segment for x in r.put_start("c2", "two", 10, 2, 100)) == sorted([s1, s2])
     assert r.clients["c1"].recovered
     r.register_client("c1", "h", "e1", 101)                      # the owner, back
     assert r.mount("c1", "seg", 4096, 1 << 20) == s1              # same segment, same objects
-    assert r.put_start("c1", "new", 10, 1, 101)
+    assert not r.clients["c1"].recovered and r.segments[s1].attached
     assert r.mount("c1", "other", 8192, 1 << 20) > 99            # ids are never reused
     # an owner that does not come back is lost after the grace, with its objects
     r2 = StoreModel(seed=1)

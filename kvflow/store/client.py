@@ -44,7 +44,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryE
 from .allocator import Allocator
 from .datapath import Mover, Moves
 from .follow import FollowingLink, finder_for
-from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError,
+from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError, ObjectNotFoundError,
                      ReplicaUnavailableError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .model import MAX_KEY_BYTES, check_key
@@ -385,9 +385,11 @@ class StoreClient:
     @_with_timeout
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
                                    replica_num: int | None = None, preferred_segment: int | None = None,
-                                   pin: bool = False) -> list:
+                                   pin: bool = False, _again: bool = False) -> list:
         """The funnel of every put. One master round trip to allocate, one
-        kvflow batch per holder, one round trip to commit."""
+        kvflow batch per holder, one round trip to commit. A put whose
+        commit reached a new leader that never saw its allocation (the old
+        one died in between: follow.py) is put again, once."""
         if len(keys) != len(parts):
             raise InvalidArgumentError("keys and parts must have the same length")
         rn = self.replica_num if replica_num is None else replica_num
@@ -412,6 +414,7 @@ class StoreClient:
                 results[i] = e
         if not todo:
             return results
+        relinks = getattr(self._link, "reconnects", 0)
         token = next(self._put_tokens)
         try:
             reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)]
@@ -455,12 +458,22 @@ class StoreClient:
         ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
                 for i, reps in writing]
         ended = await self._call("batch_put_end", ends)
+        again = []
         for (i, reps), item in zip(writing, ended):
             r = _result(item, keys[i])
             if r == 0:
                 errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
                 r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
+            elif isinstance(r, ObjectNotFoundError) and getattr(self._link, "reconnects", 0) != relinks \
+                    and not _again:
+                again.append(i)
             results[i] = r
+        if again:
+            redo = await self.batch_put_from_parts([keys[i] for i in again], [parts[i] for i in again],
+                                                   replica_num=rn, preferred_segment=preferred_segment,
+                                                   pin=pin, _again=True)
+            for i, r in zip(again, redo):
+                results[i] = r
         return results
 
     async def _revoke(self, keys: list[str], token: int) -> None:

@@ -18,8 +18,8 @@ segment) names the key or segment in `dirty_objects`/`dirty_segments`;
 the master writes their current state (or their absence) to etcd after
 the call. Puts in progress, leases and the LRU order are never recorded.
 `restore_segment`/`restore_object` rebuild the index from those records:
-restored segments are detached (read from, never placed into) until
-their owner mounts them again, and restored clients are lost after the
+restored segments are detached (read from, placed into only for what the
+attached ones cannot hold) until their owner mounts them again, and restored clients are lost after the
 grace unless they register again.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Segment:
     attached: bool = True       # False: restored from etcd, its owner has not mounted it again
 
     def fits(self, size: int) -> bool:
-        return self.attached and self.alloc.fits(size)
+        return self.alloc.fits(size)
 
     def fill_after(self, size: int) -> float:
         return (self.alloc.used + size) / self.alloc.capacity
@@ -327,10 +327,9 @@ class StoreModel:
                 # link retried it): the same replicas, nothing allocated twice
                 return old.replicas
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
-        if not any(s.attached and s.alloc.capacity >= size for s in self.segments.values()):
-            # larger than every segment (or no segment is attached yet after a
-            # restart): no eviction could help, so none is done
-            raise NoSpaceError(f"no mounted segment can hold {size} bytes ({len(self.segments)} segments, "
+        if not any(s.alloc.capacity >= size for s in self.segments.values()):
+            # larger than every segment: no eviction could help, so none is done
+            raise NoSpaceError(f"no segment can hold {size} bytes ({len(self.segments)} segments, "
                                f"the largest {max((s.size for s in self.segments.values()), default=0)})",
                                key=key)
         cap = self._capacity
@@ -340,12 +339,11 @@ class StoreModel:
             self.release_quarantine(now)
             if self._used + need > self.high_watermark * cap:
                 self._evict(self._used + need - int(self.low_watermark * cap), now)
-        chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+        chosen = self._place(size, replica_num, preferred)
         if not chosen and self.release_quarantine(now):
-            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+            chosen = self._place(size, replica_num, preferred)
         while not chosen and self._evict_one(now):      # fragmentation: evict until one fits
-            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred,
-                           rng=self._rng)
+            chosen = self._place(size, replica_num, preferred)
         if not chosen:
             largest = max((s.alloc.largest_free for s in self.segments.values()), default=0)
             raise NoSpaceError(f"no segment can hold {size} bytes (largest free extent {largest}, "
@@ -507,9 +505,7 @@ class StoreModel:
             if freed >= nbytes:
                 break
             obj = self.objects[key]
-            if self.evictable(obj, now) and any(self.segments[r.segment].attached for r in obj.replicas):
-                # (an object only on segments not yet re-attached after a
-                # restart frees nothing a put could use: it stays)
+            if self.evictable(obj, now):
                 freed += sum(r.length for r in obj.replicas)
                 victims.append(obj)
         for obj in victims:
@@ -521,6 +517,22 @@ class StoreModel:
         return self._evict(1, now) > 0
 
     # -- helpers ---------------------------------------------------------------
+    def _place(self, size: int, replica_num: int, preferred: int | None) -> list[Segment]:
+        """place() over the attached segments; segments restored from etcd
+        whose owners have not mounted them again are used only for what
+        the attached ones cannot hold (right after a failover, before the
+        holders are back: gets already read from them, and a write to a
+        holder that is gone fails like any other, per replica)."""
+        segs = list(self.segments.values())
+        if all(s.attached for s in segs):
+            return place(segs, size, replica_num, preferred=preferred, rng=self._rng)
+        chosen = place([s for s in segs if s.attached], size, replica_num, preferred=preferred, rng=self._rng)
+        if len(chosen) < replica_num:
+            taken = {s.id for s in chosen}
+            chosen += place([s for s in segs if not s.attached and s.id not in taken], size,
+                            replica_num - len(chosen), preferred=preferred, rng=self._rng)
+        return chosen
+
     def _client(self, client_id: str) -> Client:
         c = self.clients.get(client_id)
         if c is None:
