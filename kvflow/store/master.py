@@ -151,7 +151,9 @@ class Master:
 
     def durable(self, method: str, before: int) -> asyncio.Future | None:
         """The future a reply must wait for (None: reply at once): a call
-        that staged changes, or a put_start, waits for every staged change."""
+        that staged changes waits for every change staged so far (a put_end
+        only with sync_commit); a put_start for every deletion staged
+        before it, so the space it hands out is free in etcd too."""
         j = self.journal
         if j is None:
             return None
