@@ -108,9 +108,28 @@ def make_model(out: str, **shape: int) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: vLLM's own processes
+    bind port 0 for their internal sockets, and a port the kernel handed us
+    could be handed to one of them before our server binds it."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def prompt(rng: random.Random, n: int, vocab_words: int = 1000) -> str:

@@ -299,6 +299,7 @@ class PDRouter:
             return _error(502, f"an instance did not answer: {exc!r}", "upstream_error")
 
     async def _route(self, request, body: dict[str, Any]):
+        import aiohttp
         from aiohttp import web
 
         chat = request.path.endswith("/chat/completions")
@@ -366,12 +367,20 @@ class PDRouter:
                 await resp.prepare(request)
                 streamed = body.get("stream") is True
                 tail = b""
-                async for chunk in r.content.iter_any():
-                    await resp.write(chunk)
-                    if streamed:
-                        out_tokens += chunk.count(b"data: {")
-                    else:
-                        tail += chunk
+                try:
+                    async for chunk in r.content.iter_any():
+                        await resp.write(chunk)
+                        if streamed:
+                            out_tokens += chunk.count(b"data: {")
+                        else:
+                            tail += chunk
+                except (asyncio.TimeoutError, aiohttp.ClientError):
+                    # the decode instance failed mid-answer: the client has a
+                    # truncated answer, the conductor forgets the request
+                    c.forget(rid)
+                    d.failed += 1
+                    self.failed += 1
+                    return resp
                 await resp.write_eof()
         except BaseException:
             c.forget(rid)
