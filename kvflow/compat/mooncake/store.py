@@ -270,7 +270,8 @@ class MooncakeDistributedStore:
             if self._own_thread:
                 thread.close()
             self._thread = None
-            return self._fail(e if isinstance(e, KVFlowError) else MasterUnavailableError(str(e)))
+            e = e if isinstance(e, KVFlowError) else MasterUnavailableError(f"{type(e).__name__}: {e}")
+            return self._fail(e, error_code(e))
         self._client = client
         return 0
 
