@@ -3,6 +3,7 @@
     python tools/store_bench.py                          # kvflow store + raw, 64 x 64K/1M/4M, 5 rounds
     python tools/store_bench.py --mooncake --repeat 2    # Mooncake Store too, systems alternating
     python tools/store_bench.py --json out.json
+    python tools/store_bench.py --compat --repeat 3      # Mooncake Store's API: kvflow's class vs the wheel
 
 Layout, per system: a master process (kvflow: `python -m kvflow.store master`;
 Mooncake: `mooncake_master`), a holder process that mounts one segment
@@ -15,6 +16,13 @@ engine writing (Peer.write) / reading (Peer.read) the same 64 entries
 into the holder's segment directly: the pool's overhead is the
 difference. batch_exists: 128 keys that exist, one call at a time, p50.
 Each point is the median of --rounds timed calls after one warm-up call.
+
+--compat runs the same Mooncake-API bench client and holder (the code of
+the Mooncake rows) twice: on kvflow's MooncakeDistributedStore
+(kvflow.compat.mooncake.store, through the shim, against `python -m
+kvflow.store master`) and on the real wheel (mooncake_master): the same
+calls, so the ratio is kvflow's drop-in against Mooncake Store. It adds
+single-call put()/get() of 4 KiB bytes (p50 over --exists-calls calls).
 """
 from __future__ import annotations
 
@@ -47,9 +55,13 @@ def _protocols(args) -> tuple[str, ...] | None:
     return None if args.protocol == "auto" else (args.protocol,)
 
 
-def _env() -> dict:
+def _env(system: str = "kvflow") -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    paths = [ROOT]
+    if system == "kvflow-mc":       # `mooncake.store` is kvflow's (the shim first)
+        from kvflow.compat.mooncake import shim_path
+        paths.insert(0, shim_path())
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 
@@ -156,7 +168,7 @@ def _mooncake_client(args) -> dict:
     rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", args.master)
     if rc != 0:
         raise SystemExit(f"mooncake setup: {rc}")
-    out: dict = {"system": "mooncake", "points": []}
+    out: dict = {"system": args.system, "points": []}
     top = max(sizes) * batch
     src = np.random.default_rng(1).integers(0, 256, top, dtype=np.uint8)
     dst = np.zeros(top, np.uint8)
@@ -199,7 +211,32 @@ def _mooncake_client(args) -> dict:
     lat.sort()
     out["points"].append({"op": "batch_exists", "keys": len(keys), "p50_us": lat[len(lat) // 2] * 1e6,
                           "p99_us": lat[int(len(lat) * 0.99)] * 1e6})
+    if args.compat:
+        out["points"] += _mooncake_single_calls(s, args.exists_calls)
     s.close()
+    return out
+
+
+def _mooncake_single_calls(s, calls: int) -> list[dict]:
+    """put()/get() of 4 KiB bytes, one call at a time (through the local
+    buffer): each call's latency, p50/p99."""
+    value = os.urandom(4096)
+    lat: dict[str, list[float]] = {"put": [], "get": []}
+    for i in range(calls + 10):
+        key = f"single/{i}"
+        t0 = time.perf_counter()
+        assert s.put(key, value) == 0
+        t1 = time.perf_counter()
+        assert s.get(key) == value
+        t2 = time.perf_counter()
+        if i >= 10:
+            lat["put"].append(t1 - t0)
+            lat["get"].append(t2 - t1)
+    out = []
+    for op, v in lat.items():
+        v.sort()
+        out.append({"op": f"{op} 4 KiB", "keys": 1, "p50_us": v[len(v) // 2] * 1e6,
+                    "p99_us": v[int(len(v) * 0.99)] * 1e6})
     return out
 
 
@@ -214,11 +251,11 @@ def _free_port() -> int:
 
 def _run_system(system: str, args) -> dict:
     me = [sys.executable, os.path.abspath(__file__)]
-    common = ["--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
+    common = ["--compat"] * bool(args.compat) + ["--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
               "--exists-keys", str(args.exists_keys), "--exists-calls", str(args.exists_calls)]
     procs = []
     try:
-        if system == "kvflow":
+        if system in ("kvflow", "kvflow-mc"):
             m = subprocess.Popen([sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0"],
                                  stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
             procs.append(m)
@@ -235,12 +272,12 @@ def _run_system(system: str, args) -> dict:
             time.sleep(1.0)
         h = subprocess.Popen(me + ["holder", "--system", system, "--master", master, "--protocol", args.protocol,
                                    "--segment", str(args.segment)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env(system))
         procs.append(h)
         holder = h.stdout.readline()
         assert holder.strip(), f"{system} holder did not start"
         r = subprocess.run(me + ["client", "--system", system, "--master", master, "--holder", holder.strip()]
-                           + common, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600)
+                           + common, capture_output=True, text=True, cwd=ROOT, env=_env(system), timeout=600)
         if r.returncode != 0:
             return {"system": system, "error": r.stderr[-2000:]}
         return json.loads(r.stdout.strip().splitlines()[-1])
@@ -286,10 +323,34 @@ def _table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _compat_table(runs: list[dict]) -> str:
+    """kvflow's MooncakeDistributedStore against the wheel's, same calls."""
+    rows: dict[tuple, dict[str, list[float]]] = {}
+    for run in runs:
+        for p in run.get("points", []):
+            if "p50_us" in p:
+                key = (p["op"], f"{p['keys']} keys" if p["keys"] > 1 else "1 call", "p50 us")
+                val = p["p50_us"]
+            else:
+                key = ({"put": "batch_put_from", "get": "batch_get_into"}[p["op"]],
+                       f"{p['batch']} x {_label(p['size'])}", "GB/s")
+                val = p["gbps"]
+            rows.setdefault(key, {}).setdefault(run["system"], []).append(val)
+    lines = ["| op | layout | unit | kvflow (Mooncake API) | Mooncake Store | kvflow / Mooncake |",
+             "|---|---|---|---|---|---|"]
+    med = lambda v: statistics.median(v) if v else None  # noqa: E731
+    for (op, layout, unit), by in rows.items():
+        kv, mc = med(by.get("kvflow-mc", [])), med(by.get("mooncake", []))
+        ratio = f"{kv / mc:.2f}" if kv and mc else "-"
+        lines.append(f"| {op} | {layout} | {unit} | {f'{kv:.3g}' if kv else '-'} | {f'{mc:.3g}' if mc else '-'} "
+                     f"| {ratio} |")
+    return "\n".join(lines) + "\n(latency rows: below 1 means kvflow is faster)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", nargs="?", default="run", choices=("run", "holder", "client"))
-    p.add_argument("--system", default="kvflow", choices=("kvflow", "mooncake"))
+    p.add_argument("--system", default="kvflow", choices=("kvflow", "mooncake", "kvflow-mc"))
     p.add_argument("--master")
     p.add_argument("--holder")
     p.add_argument("--segment", type=int, default=512 << 20)
@@ -301,6 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--exists-keys", type=int, default=128)
     p.add_argument("--exists-calls", type=int, default=200)
     p.add_argument("--mooncake", action="store_true", help="Mooncake Store beside kvflow")
+    p.add_argument("--compat", action="store_true",
+                   help="Mooncake Store's API on both: kvflow's MooncakeDistributedStore vs the wheel's")
     p.add_argument("--repeat", type=int, default=1, help="runs per system, alternating")
     p.add_argument("--json", help="write every run's points here")
     args = p.parse_args(argv)
@@ -317,7 +380,7 @@ def main(argv=None) -> int:
             out = _mooncake_client(args)
         print(json.dumps(out), flush=True)
         return 0
-    systems = ["kvflow"] + (["mooncake"] if args.mooncake else [])
+    systems = ["kvflow-mc", "mooncake"] if args.compat else ["kvflow"] + (["mooncake"] if args.mooncake else [])
     runs = []
     for i in range(args.repeat):
         for system in systems:
@@ -325,7 +388,7 @@ def main(argv=None) -> int:
             if "error" in run:
                 print(f"{system}: error\n{run['error']}", file=sys.stderr)
             runs.append(run)
-    print(_table(runs))
+    print(_compat_table(runs) if args.compat else _table(runs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=1)
