@@ -318,3 +318,20 @@ def test_setup_failures_are_codes():
     assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", "127.0.0.1:1",
                    enable_ssd_offload=True) == -1012
     assert s.health_check() == 1 and s.close() == 0
+
+
+def test_a_store_never_closed_is_closed_when_collected(kvflow_master):
+    """SGLang never calls close() (Mooncake frees its client in the
+    destructor): the engine thread and the master's record go with the object."""
+    import gc
+    import threading
+    before = threading.active_count()
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", kvflow_master.address) == 0
+    assert s.put("collected", b"x") == 0 and threading.active_count() > before
+    del s
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before

@@ -33,6 +33,7 @@ import enum
 import logging
 import random
 import re
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -158,6 +159,21 @@ class BufferHandle(bytearray):
         return len(self)
 
 
+def _shutdown(thread: EngineThread, client: StoreClient, buffers: dict, own_thread: bool) -> None:
+    """close()'s work, also run by the store's finalizer: the client leaves
+    the pool on its loop, then the engine thread stops (or, when the engine
+    was a TransferEngine's, the buffers registered here are deregistered)."""
+    try:
+        thread.call(client.close(), timeout=30)
+        if not own_thread:
+            for region in buffers.values():
+                thread.call_sync(thread.engine.deregister, region)
+    except Exception as e:  # noqa: BLE001 - closing goes on
+        log.debug("kvflow.compat.mooncake: close: %s", e)
+    if own_thread:
+        thread.close()
+
+
 def _size(value: Any) -> int | None:
     """Mooncake's try_string_to_byte_size for config-dict values: bytes, or
     "1.5 GB" / "16MB" / "64 K" (binary units), "infinite"; None if not one."""
@@ -214,6 +230,7 @@ class MooncakeDistributedStore:
         self._client: StoreClient | None = None
         self._hostname = ""
         self._buffers: dict[int, Any] = {}      # register_buffer address -> kvflow Region
+        self._finalizer: weakref.finalize | None = None
         self.last_error: KVFlowError | None = None
 
     def __repr__(self) -> str:
@@ -273,6 +290,9 @@ class MooncakeDistributedStore:
             e = e if isinstance(e, KVFlowError) else MasterUnavailableError(f"{type(e).__name__}: {e}")
             return self._fail(e, error_code(e))
         self._client = client
+        # Mooncake frees its client in the destructor (SGLang never calls
+        # close()): so does this, when collected or at interpreter exit
+        self._finalizer = weakref.finalize(self, _shutdown, thread, client, self._buffers, self._own_thread)
         return 0
 
     def _engine_thread(self, engine: Any, host: str, port: str, protocol: str, devices: str) -> EngineThread:
@@ -333,20 +353,11 @@ class MooncakeDistributedStore:
     def close(self) -> int:
         """Leaves the pool (objects only this client held go) and stops the
         engine; 0. Idempotent; setup() may be called again afterwards."""
-        client, thread = self._client, self._thread
+        finalizer, self._finalizer = self._finalizer, None
         self._client, self._thread, self._hostname = None, None, ""
-        if thread is not None:
-            try:
-                if client is not None:
-                    thread.call(client.close(), timeout=30)
-                for region in self._buffers.values():
-                    if not self._own_thread:
-                        thread.call_sync(thread.engine.deregister, region)
-            except Exception as e:  # noqa: BLE001 - closing goes on
-                log.debug("kvflow.compat.mooncake: close: %s", e)
-            if self._own_thread:
-                thread.close()
-        self._buffers.clear()
+        if finalizer is not None:
+            finalizer()
+        self._buffers = {}
         return 0
 
     def health_check(self) -> int:
