@@ -335,3 +335,16 @@ def test_a_store_never_closed_is_closed_when_collected(kvflow_master):
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() == before
+
+
+def test_rdma_protocol_works_with_or_without_a_device(kvflow_master):
+    """SGLang's MOONCAKE_PROTOCOL defaults to "rdma": without an RDMA device
+    the store falls back to tcp (a warning), as Mooncake does."""
+    a, b = MooncakeDistributedStore(), MooncakeDistributedStore()
+    try:
+        for s in (a, b):
+            assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "rdma", "", kvflow_master.address) == 0
+        assert a.put("over-rdma-or-tcp", b"abc") == 0 and b.get("over-rdma-or-tcp") == b"abc"
+    finally:
+        a.close()
+        b.close()

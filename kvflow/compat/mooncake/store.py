@@ -244,8 +244,8 @@ class MooncakeDistributedStore:
               engine: Any = None, enable_ssd_offload: bool = False, ssd_offload_path: str = "",
               tenant_id: str = "default", enable_client_http_server: bool = False,
               client_http_port: int = 9300) -> int:
-        """Joins the pool: 0, or a negative code (-600 bad parameters or a
-        feature kvflow.store does not have, -1 unknown protocol, -900 the
+        """Joins the pool: 0, or a negative code (-600 bad parameters, -1012
+        a feature kvflow.store does not have, -1 unknown protocol, -900 the
         master cannot be reached). Also setup(config: dict), with Mooncake's
         keys and human-readable sizes."""
         if isinstance(local_hostname, dict):
@@ -286,7 +286,7 @@ class MooncakeDistributedStore:
         except Exception as e:  # noqa: BLE001 - a code, never a raise
             if self._own_thread:
                 thread.close()
-            self._thread = None
+            self._thread, self._hostname = None, ""
             e = e if isinstance(e, KVFlowError) else MasterUnavailableError(f"{type(e).__name__}: {e}")
             return self._fail(e, error_code(e))
         self._client = client
@@ -318,6 +318,19 @@ class MooncakeDistributedStore:
                 thread.close()
                 last = e
                 continue
+            if protocol == "rdma" and thread.call_sync(lambda: thread.engine.descriptor().rdma) is None:
+                # no RDMA device could be opened: tcp, as Mooncake falls back
+                # (SGLang's MOONCAKE_PROTOCOL defaults to "rdma")
+                log.warning("kvflow.compat.mooncake: protocol 'rdma': no RDMA device could be opened; "
+                            "falling back to tcp")
+                thread.close()
+                thread = EngineThread(thread_name="kvflow-mooncake-store", listen=f"{host}:{p}",
+                                      protocols=PROTOCOLS["tcp"])
+                try:
+                    thread.start()
+                except (KVFlowError, OSError) as e:
+                    thread.close()
+                    raise InvalidArgumentError(f"no tcp engine could listen on {host}:{p} ({e})") from None
             self._thread, self._own_thread = thread, True
             self._hostname = f"{host}:{p}"
             return thread
