@@ -34,7 +34,7 @@ import logging
 import random
 import re
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from kvflow.engine.thread import EngineThread
@@ -47,6 +47,7 @@ from .codes import (PROTOCOLS, STORE_INTERNAL_ERROR, STORE_INVALID_PARAMS, STORE
                     STORE_NO_AVAILABLE_HANDLE, STORE_NOT_SUPPORTED, STORE_OBJECT_HAS_LEASE, STORE_OBJECT_NOT_FOUND,
                     STORE_RPC_FAIL, STORE_RPC_TIMEOUT, STORE_SEGMENT_NOT_FOUND, STORE_TRANSFER_FAIL,
                     mooncake_flag)
+from .waiting import run_blocking
 
 __all__ = ["BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "ReplicateConfig", "SoftPinAction"]
 
@@ -710,7 +711,7 @@ class MooncakeDistributedStore:
             coro.close()
             raise self._not_ready()
         try:
-            return thread.call(coro)
+            return run_blocking(thread, coro)
         except KVFlowError:
             raise
         except TimeoutError:
