@@ -499,7 +499,7 @@ class MooncakeDistributedStore:
             return self._fail(e, error_code(e))
         return None
 
-    def _options(self, config: ReplicateConfig | None) -> InvalidArgumentError | dict | None:
+    def _options(self, config: ReplicateConfig | None) -> InvalidArgumentError | None:
         """What Mooncake refuses in a ReplicateConfig (a soft-pin TTL without
         soft_pin_action ENABLE, replica_num < 1), or None when it is fine."""
         if config is None:
