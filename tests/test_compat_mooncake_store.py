@@ -348,3 +348,31 @@ def test_rdma_protocol_works_with_or_without_a_device(kvflow_master):
     finally:
         a.close()
         b.close()
+
+
+def test_ports_taken_or_seeded_random(kvflow_master):
+    """A port already in use is skipped for another in 12300-14300, and two
+    stores in processes that seeded `random` alike (vLLM seeds it) do not
+    draw the same ports. A port given in local_hostname that is taken: -600."""
+    import random
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    stores = []
+    try:
+        s = MooncakeDistributedStore()
+        stores.append(s)
+        assert s.setup(f"127.0.0.1:{port}", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "",
+                       kvflow_master.address) == -600
+        for _ in range(2):
+            random.seed(0)
+            s = MooncakeDistributedStore()
+            stores.append(s)
+            assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", kvflow_master.address) == 0
+        assert stores[1].get_hostname() != stores[2].get_hostname()
+    finally:
+        taken.close()
+        for s in stores:
+            s.close()

@@ -309,15 +309,16 @@ class MooncakeDistributedStore:
         options: dict[str, Any] = {"protocols": PROTOCOLS[protocol]}
         if protocol == "rdma" and devices:
             options["rdma_devices"] = [d.strip() for d in devices.split(",") if d.strip()]
-        ports = [int(port)] if port.isdigit() else random.sample(range(*PORT_RANGE), 8)
+        # SystemRandom: the host application may have seeded `random` (vLLM
+        # seeds it with --seed), and two processes must not draw the same ports
+        ports = [int(port)] if port.isdigit() else random.SystemRandom().sample(range(*PORT_RANGE), 8)
         last: Exception | None = None
         for p in ports:
             thread = EngineThread(thread_name="kvflow-mooncake-store", listen=f"{host}:{p}", **options)
             try:
                 thread.start()
             except (KVFlowError, OSError) as e:       # the port is taken: try another
-                thread.close()
-                last = e
+                last = e                # (a thread whose engine failed to start has ended itself)
                 continue
             if protocol == "rdma" and thread.call_sync(lambda: thread.engine.descriptor().rdma) is None:
                 # no RDMA device could be opened: tcp, as Mooncake falls back
@@ -330,7 +331,6 @@ class MooncakeDistributedStore:
                 try:
                     thread.start()
                 except (KVFlowError, OSError) as e:
-                    thread.close()
                     raise InvalidArgumentError(f"no tcp engine could listen on {host}:{p} ({e})") from None
             self._thread, self._own_thread = thread, True
             self._hostname = f"{host}:{p}"
