@@ -215,7 +215,7 @@ def test_sglang_hicache_mooncake_backend(impl, tmp_path):
     m = start_master(impl)
     try:
         env = _env(impl, MOONCAKE_MASTER=m.address, MOONCAKE_PROTOCOL="tcp", MOONCAKE_DEVICE="",
-                   MOONCAKE_TE_META_DATA_SERVER="P2PHANDSHAKE", MOONCAKE_GLOBAL_SEGMENT_SIZE=str(64 << 20))
+                   MOONCAKE_TE_META_DATA_SERVER="P2PHANDSHAKE", MOONCAKE_GLOBAL_SEGMENT_SIZE=str(256 << 20))
         run = subprocess.run([sys.executable, str(HERE / "_sglang_mooncake_store.py")], env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     finally:
