@@ -30,6 +30,8 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from kvflow.conductor.router import prefill_body
+
 
 class PDProxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str]):
@@ -69,17 +71,7 @@ class PDProxy:
         rid = str(uuid.uuid4())
         headers = {"X-Request-Id": rid}
 
-        pre = dict(body)
-        pre["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                     "remote_engine_id": None, "remote_block_ids": None,
-                                     "remote_host": None, "remote_port": None}
-        pre["stream"] = False
-        pre["max_tokens"] = 1
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
-        pre.pop("stream_options", None)
-        pre.pop("min_tokens", None)
-        pre.pop("min_completion_tokens", None)
+        pre = prefill_body(body)
         t = {"rid": rid, "prefill_sent": time.monotonic()}
         self.timings.append(t)
         async with self.session.post(next(self._prefill) + path, json=pre, headers=headers) as r:

@@ -98,9 +98,11 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def make_model(out: str) -> str:
-    """The tiny random-weight model (tests/_vllm_model.py), made with the venv's python."""
-    r = subprocess.run([VENV_PY, MODEL_SCRIPT, out], env=child_env(), capture_output=True, text=True, timeout=300)
+def make_model(out: str, **shape: int) -> str:
+    """The tiny random-weight model (tests/_vllm_model.py), made with the venv's python
+    (``shape``: layers, hidden, heads, kv_heads, intermediate, max_positions)."""
+    r = subprocess.run([VENV_PY, MODEL_SCRIPT, out, *(f"{k}={v}" for k, v in shape.items())], env=child_env(),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -142,15 +144,18 @@ class VllmServer:
     """One OpenAI-compatible vLLM server (the venv's python) in its own process group."""
 
     def __init__(self, name: str, model: str, log_path: str, *, kv_transfer: dict | None = None,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 max_model_len: int = 1024, cpus: str | None = None):
         self.name = name
         self.port = free_port()
         self.log_path = log_path
         self.side_port = free_port() if kv_transfer else None
-        args = [VENV_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        # cpus: the cores it may run on (taskset), to keep instances off each other's
+        args = ["taskset", "-c", cpus] if cpus else []
+        args += [VENV_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-                "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0", "--block-size", str(BLOCK_SIZE),
-                "--disable-uvicorn-access-log", "--enable-log-requests"]
+                "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--seed", "0", "--block-size", str(BLOCK_SIZE),
+                "--disable-uvicorn-access-log", "--enable-log-requests", *(extra_args or [])]
         env = dict(extra_env or {})
         if kv_transfer:
             args += ["--kv-transfer-config", json.dumps(kv_transfer)]

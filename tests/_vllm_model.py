@@ -18,7 +18,8 @@ VOCAB_WORDS = 1000
 SEED = 1234
 
 
-def main(out: str) -> None:
+def main(out: str, layers: int = 2, hidden: int = 128, heads: int = 2, kv_heads: int = 2,
+         intermediate: int = 256, max_positions: int = 2048) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -34,9 +35,9 @@ def main(out: str) -> None:
     fast.save_pretrained(out)
 
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
                       torch_dtype="float32")
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -46,8 +47,9 @@ def main(out: str) -> None:
     # Greedy runs stop only at max_tokens: no token ends a sequence early.
     with open(f"{out}/generation_config.json", "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
-    print(json.dumps({"vocab": len(vocab), "layers": cfg.num_hidden_layers, "kv_heads": 2, "head_dim": 64}))
+    print(json.dumps({"vocab": len(vocab), "layers": layers, "kv_heads": kv_heads, "head_dim": hidden // heads}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # OUT_DIR [key=value ...]: a bigger model for benchmarks (tools/router_bench.py), e.g. layers=4 hidden=256
+    main(sys.argv[1], **{k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[2:])})

@@ -123,8 +123,9 @@ async def test_pipeline_error_returns_every_slot():
     async def drain(slot, part):
         nonlocal calls
         calls += 1
-        await asyncio.sleep(0.001 * calls)
-        if calls == 3:
+        me = calls          # this drain's number: `calls` moves on while it sleeps (under load, past 3)
+        await asyncio.sleep(0.001 * me)
+        if me == 3:
             raise kvflow.PeerLostError("gone")
 
     parts = pack([0] * 10, [0] * 10, [1000] * 10, 1000)

@@ -342,3 +342,98 @@ def test_error_codes_round_trip():
     for code, cls in CODES.items():
         e = error_from_code(code, "msg", "k")
         assert type(e) is cls and error_code(e) == code
+
+
+# -- durability: what the master records, and recovery --------------------------
+
+
+def test_allocator_reserve_rebuilds_what_allocate_gave():
+    a = Allocator(64 * 100)
+    offs = [a.allocate(64 * n) for n in (3, 5, 2, 7)]
+    b = Allocator(64 * 100)
+    for o in reversed(offs):                    # any order
+        b.reserve(o, a.allocated_length(o))
+    b.check()
+    assert (b.used, b.extents, b.largest_free) == (a.used, a.extents, a.largest_free)
+    with pytest.raises(InvalidArgumentError):
+        b.reserve(offs[1], 64)                  # taken: two records claim the same bytes
+    with pytest.raises(InvalidArgumentError):
+        b.reserve(64 * 99, 128)                 # past the end
+    with pytest.raises(InvalidArgumentError):
+        b.reserve(3, 64)                        # not aligned
+    b.check()
+
+
+def test_model_records_durable_changes_only():
+    m = StoreModel(seed=1)
+    m.track()
+    m.register_client("c1", "h", "e1", 0)
+    sid = m.mount("c1", "s", 4096, 1 << 20)
+    assert (m.dirty_objects, m.dirty_segments) == (set(), {sid})
+    m.dirty_segments.clear()
+    m.put_start("c1", "k", 1000, 1, 0, token=1)
+    m.put_start("c1", "gone", 1000, 1, 0, token=1)
+    m.put_revoke("c1", "gone")
+    assert m.dirty_objects == set()             # puts in progress are never recorded
+    m.put_end("c1", "k")
+    assert m.dirty_objects == {"k"}
+    m.dirty_objects.clear()
+    m.get_replicas("k", 1)                       # reads and leases: nothing
+    assert m.dirty_objects == set()
+    m.remove("k", 10)
+    assert m.dirty_objects == {"k"} and "k" not in m.objects
+
+
+def test_put_start_and_put_end_are_idempotent_for_a_retried_request():
+    m = StoreModel(seed=1)
+    m.register_client("c1", "h", "e1", 0)
+    m.register_client("c2", "h", "e2", 0)
+    m.mount("c1", "s", 4096, 1 << 20)
+    first = m.put_start("c1", "k", 1000, 1, 0, token=7)
+    assert m.put_start("c1", "k", 1000, 1, 0, token=7) is first     # same request id: same replicas
+    assert m.used == first[0].length                                 # allocated once
+    with pytest.raises(ObjectBusyError):
+        m.put_start("c1", "k", 1000, 1, 0, token=8)                  # another call of the same client
+    with pytest.raises(ObjectBusyError):
+        m.put_start("c2", "k", 1000, 1, 0, token=7)                  # another client
+    assert m.put_end("c1", "k") == 1
+    assert m.put_end("c1", "k") == 1                                 # the commit, retried
+    with pytest.raises(ObjectNotFoundError):
+        m.put_end("c2", "k")
+
+
+def test_restore_rebuilds_the_index_and_waits_for_owners():
+    m = StoreModel(seed=1)
+    m.register_client("c1", "h", "e1", 0)
+    s1 = m.mount("c1", "seg", 4096, 1 << 20)
+    for i in range(5):
+        m.put_start("c1", f"k{i}", 1000 + i, 1, 0)
+        m.put_end("c1", f"k{i}")
+    m.put_start("c1", "half", 5000, 1, 0)        # in progress: not recorded, not restored
+    records = {k: (o.size, [[r.segment, r.offset, r.length] for r in o.replicas])
+               for k, o in m.objects.items() if o.state is State.COMPLETE}
+
+    r = StoreModel(seed=1)
+    r.track()
+    r.restore_segment(s1, "c1", "h", "e1", "seg", 4096, 1 << 20, now=100)
+    for k, (size, reps) in records.items():
+        assert r.restore_object(k, size, reps, writer="c1")
+    assert not r.restore_object("orphan", 10, [[99, 0, 64]])   # its segment is gone
+    assert "orphan" in r.dirty_objects                          # deleted at the first flush
+    assert sorted(r.objects) == sorted(records) and r.used == sum(rr[0][2] for _, rr in records.values())
+    assert r.get_replicas("k3", 100).size == 1003                # readable before the owner is back
+    r.register_client("c2", "h", "e2", 100)
+    s2 = r.mount("c2", "seg", 1 << 30, 1 << 20)
+    # an attached segment first; the detached one only for what it cannot hold
+    assert [x.segment for x in r.put_start("c2", "new", 10, 1, 100)] == [s2]
+    assert sorted(x.segment for x in r.put_start("c2", "two", 10, 2, 100)) == sorted([s1, s2])
+    assert r.clients["c1"].recovered
+    r.register_client("c1", "h", "e1", 101)                      # the owner, back
+    assert r.mount("c1", "seg", 4096, 1 << 20) == s1              # same segment, same objects
+    assert not r.clients["c1"].recovered and r.segments[s1].attached
+    assert r.mount("c1", "other", 8192, 1 << 20) > 99            # ids are never reused
+    # an owner that does not come back is lost after the grace, with its objects
+    r2 = StoreModel(seed=1)
+    r2.restore_segment(s1, "c1", "h", "e1", "seg", 4096, 1 << 20, now=100)
+    r2.restore_object("k0", *records["k0"])
+    assert r2.expire_clients(now=100 + 61, grace=60) == ["c1"] and not r2.objects

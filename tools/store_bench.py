@@ -4,6 +4,7 @@
     python tools/store_bench.py --mooncake --repeat 2    # Mooncake Store too, systems alternating
     python tools/store_bench.py --json out.json
     python tools/store_bench.py --compat --repeat 3      # Mooncake Store's API: kvflow's class vs the wheel
+    python tools/store_bench.py --etcd --repeat 3        # the master in memory vs made durable by etcd
 
 Layout, per system: a master process (kvflow: `python -m kvflow.store master`;
 Mooncake: `mooncake_master`), a holder process that mounts one segment
@@ -16,6 +17,14 @@ engine writing (Peer.write) / reading (Peer.read) the same 64 entries
 into the holder's segment directly: the pool's overhead is the
 difference. batch_exists: 128 keys that exist, one call at a time, p50.
 Each point is the median of --rounds timed calls after one warm-up call.
+put_from: one 4 KiB object per call, --put-calls calls one after another, p50.
+
+--etcd: the kvflow store twice, alternating: its master in memory, and its
+master made durable by an etcd the bench starts (`python -m kvflow.store
+master --etcd`, a fresh data dir under the system's temp dir: etcd fsyncs
+each commit there; the client follows the leader through etcd). The table
+is then the durable master's cost per op, with the etcd txns per call the
+master reports.
 
 --compat runs kvflow's own asyncio bench client (StoreClient), then the
 same Mooncake-API bench client and holder (the code of the Mooncake rows)
@@ -142,7 +151,24 @@ async def _kvflow_client(args, holder: dict) -> dict:
             for op, samples in t.items():
                 out["points"].append({"op": op, "size": size, "batch": batch, **_timed(samples, nbytes)})
         out["points"].append(await _kvflow_exists(c, args, rs.addr))
+        out["points"].append(await _kvflow_put_one(c, args, rs.addr))
+        out["master"] = await c.stats()
     return out
+
+
+async def _kvflow_put_one(c, args, addr: int) -> dict:
+    """A single small put per call: the latency a commit adds (etcd's, with --etcd)."""
+    lat = []
+    for i in range(args.put_calls + 10):
+        t0 = time.perf_counter()
+        assert await c.put_from(f"one/{i}", addr, 4096) == 1
+        dt = time.perf_counter() - t0
+        if i >= 10:
+            lat.append(dt)
+    await c.batch_remove([f"one/{i}" for i in range(args.put_calls + 10)], force=True)
+    lat.sort()
+    return {"op": "put_from", "keys": 1, "p50_us": lat[len(lat) // 2] * 1e6,
+            "p99_us": lat[int(len(lat) * 0.99)] * 1e6}
 
 
 async def _kvflow_exists(c, args, addr: int) -> dict:
@@ -252,17 +278,27 @@ def _free_port() -> int:
 
 def _run_system(system: str, args) -> dict:
     me = [sys.executable, os.path.abspath(__file__)]
-    common = ["--compat"] * bool(args.compat) + ["--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
-              "--exists-keys", str(args.exists_keys), "--exists-calls", str(args.exists_calls)]
+    common = ["--compat"] * bool(args.compat) + [
+        "--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
+        "--exists-keys", str(args.exists_keys), "--exists-calls", str(args.exists_calls),
+        "--put-calls", str(args.put_calls)]
     procs = []
+    tmp = None
     try:
-        if system in ("kvflow", "kvflow-mc"):
-            m = subprocess.Popen([sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0"],
-                                 stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+        if system.startswith("kvflow"):
+            extra = []
+            if system.startswith("kvflow-etcd"):
+                tmp, where = _start_etcd(procs)
+                extra = ["--etcd", where, "--cluster", "bench",
+                         "--commit", "async" if system.endswith("async") else "sync"]
+            m = subprocess.Popen([sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0",
+                                  *extra], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
             procs.append(m)
             line = m.stdout.readline()
+            while line and "standby" in line:         # a durable master campaigns first
+                line = m.stdout.readline()
             assert "ready" in line, line
-            master = line.split()[-1]
+            master = line.split()[-1] if not extra else f"etcd://{where}/bench"
         else:
             port = _free_port()
             m = subprocess.Popen(["mooncake_master", f"--rpc_port={port}",
@@ -271,17 +307,20 @@ def _run_system(system: str, args) -> dict:
             procs.append(m)
             master = f"127.0.0.1:{port}"
             time.sleep(1.0)
-        h = subprocess.Popen(me + ["holder", "--system", system, "--master", master, "--protocol", args.protocol,
+        # the holder's and client's code: kvflow's own, or the Mooncake-API one
+        # (kvflow-mc: the same code as mooncake's, on kvflow's mooncake.store)
+        kind = "kvflow" if system.startswith("kvflow") and system != "kvflow-mc" else system
+        h = subprocess.Popen(me + ["holder", "--system", kind, "--master", master, "--protocol", args.protocol,
                                    "--segment", str(args.segment)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env(system))
         procs.append(h)
         holder = h.stdout.readline()
         assert holder.strip(), f"{system} holder did not start"
-        r = subprocess.run(me + ["client", "--system", system, "--master", master, "--holder", holder.strip()]
+        r = subprocess.run(me + ["client", "--system", kind, "--master", master, "--holder", holder.strip()]
                            + common, capture_output=True, text=True, cwd=ROOT, env=_env(system), timeout=600)
         if r.returncode != 0:
             return {"system": system, "error": r.stderr[-2000:]}
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        return {**json.loads(r.stdout.strip().splitlines()[-1]), "system": system}
     finally:
         for p in reversed(procs):
             if p.stdin:
@@ -291,14 +330,72 @@ def _run_system(system: str, args) -> dict:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if tmp is not None:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_etcd(procs: list) -> tuple[str, str]:
+    """etcd on free loopback ports with a fresh data dir: (dir, host:port)."""
+    import tempfile
+    import urllib.request
+    tmp = tempfile.mkdtemp(prefix="kvflow-bench-etcd-")
+    port, peer = _free_port(), _free_port()
+    client, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+    e = subprocess.Popen(["etcd", "--name", "bench", "--data-dir", os.path.join(tmp, "data"),
+                          "--listen-client-urls", client, "--advertise-client-urls", client,
+                          "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                          "--initial-cluster", f"bench={peer_url}", "--log-level", "warn"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.append(e)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                if json.load(r).get("health") == "true":
+                    return tmp, f"127.0.0.1:{port}"
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("etcd did not start")
+        time.sleep(0.1)
+
+
+def _durability_table(runs: list[dict]) -> str:
+    """The master in memory vs made durable by etcd, per op."""
+    by: dict[tuple, dict[str, list[float]]] = {}
+    txns: dict[str, list[float]] = {}
+    for run in runs:
+        for p in run.get("points", []):
+            if p["op"] in ("batch_exists", "put_from"):
+                key = (p["op"], f"{p['keys']} key{'s' if p['keys'] > 1 else ''}", "p50 us")
+                v = p["p50_us"]
+            elif p["op"] in ("put", "get"):
+                key = ({"put": "batch_put_from", "get": "batch_get_into"}[p["op"]],
+                       f"{p['batch']} x {_label(p['size'])}", "ms")
+                v = p["seconds_p50"] * 1e3
+            else:
+                continue
+            by.setdefault(key, {}).setdefault(run["system"], []).append(v)
+        if "etcd_txns" in run.get("master", {}):
+            txns.setdefault(run["system"], []).append((run["master"]["etcd_txns"], run["master"]["etcd_keys"]))
+    med = lambda v: statistics.median(v) if v else float("nan")
+    lines = ["| op | layout | unit | master in memory | + etcd, sync commit | added | + etcd, async commit "
+             "| added |", "|---|---|---|---|---|---|---|---|"]
+    for (op, layout, unit), sys_ in by.items():
+        a, b, c = (med(sys_.get(k, [])) for k in ("kvflow", "kvflow-etcd", "kvflow-etcd-async"))
+        lines.append(f"| {op} | {layout} | {unit} | {a:.3g} | {b:.3g} | {b - a:+.3g} | {c:.3g} | {c - a:+.3g} |")
+    for system, tk in txns.items():
+        lines.append(f"\n{system}: etcd txns / keys written per run: " + ", ".join(f"{t}/{k}" for t, k in tk))
+    return "\n".join(lines)
 
 
 def _table(runs: list[dict]) -> str:
     rows: dict[tuple, dict[str, list[float]]] = {}
     for run in runs:
         for p in run.get("points", []):
-            if p["op"] == "batch_exists":
-                key = ("batch_exists", f"{p['keys']} keys", "p50 us")
+            if p["op"] in ("batch_exists", "put_from"):
+                key = (p["op"], f"{p['keys']} keys", "p50 us")
                 rows.setdefault(key, {}).setdefault(run["system"], []).append(p["p50_us"])
             else:
                 name = {"put": "batch_put_from", "get": "batch_get_into"}.get(p["op"], p["op"])
@@ -370,6 +467,9 @@ def main(argv=None) -> int:
                    help="Mooncake Store's API on both: kvflow's MooncakeDistributedStore vs the wheel's")
     p.add_argument("--repeat", type=int, default=1, help="runs per system, alternating")
     p.add_argument("--json", help="write every run's points here")
+    p.add_argument("--put-calls", type=int, default=200, help="single 4 KiB puts timed, one at a time")
+    p.add_argument("--etcd", action="store_true",
+                   help="the master in memory vs made durable by an etcd the bench starts")
     args = p.parse_args(argv)
     if args.role == "holder":
         if args.system == "kvflow":
@@ -384,7 +484,11 @@ def main(argv=None) -> int:
             out = _mooncake_client(args)
         print(json.dumps(out), flush=True)
         return 0
-    systems = ["kvflow", "kvflow-mc", "mooncake"] if args.compat else ["kvflow"] + (["mooncake"] if args.mooncake else [])
+    if args.compat:
+        systems = ["kvflow", "kvflow-mc", "mooncake"]
+    else:
+        systems = ["kvflow"] + (["kvflow-etcd", "kvflow-etcd-async"] if args.etcd else []) + \
+            (["mooncake"] if args.mooncake else [])
     runs = []
     for i in range(args.repeat):
         for system in systems:
@@ -392,7 +496,12 @@ def main(argv=None) -> int:
             if "error" in run:
                 print(f"{system}: error\n{run['error']}", file=sys.stderr)
             runs.append(run)
-    print(_compat_table(runs) if args.compat else _table(runs))
+    if args.compat:
+        print(_compat_table(runs))
+    else:
+        print(_table([r for r in runs if not r.get("system", "").startswith("kvflow-etcd")]))
+    if args.etcd:
+        print(_durability_table(runs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=1)

@@ -56,8 +56,9 @@ import numpy as np
 
 import kvflow
 from kvflow.conductor import (
-    Conductor, Decision, InstanceSpec, PeerTransferModel, PrefillModel, Rejected, Request, Role,
+    Conductor, Decision, DecodeModel, InstanceSpec, PeerTransferModel, PrefillModel, Rejected, Request, Role,
 )
+from kvflow.conductor.online import OnlineFit
 from kvflow.conductor.blocks import block_keys
 from kvflow.connector import DisaggregationMode, KVManager, KVPoll, KVSender
 
@@ -330,7 +331,6 @@ class Router:
         self.args = args
         self.prefill = parse_instances(args.prefill, True)
         self.decode = parse_instances(args.decode, False)
-        self.samples: list[tuple[int, int, float]] = []
         self.engine: kvflow.Engine | None = None
         self.peers: dict[str, kvflow.Peer] = {}
         self.conductor: Conductor | None = None
@@ -350,8 +350,10 @@ class Router:
             self.peers[name] = await self.engine.connect(info["engine"])
             page_bytes = info["page_bytes"]
             block_bytes = page_bytes * 2 * info["layers"]     # one block: every layer's K and V page
+        self.fit = OnlineFit(PrefillModel(linear_s=2e-4, attention_s=2e-8, overhead_s=0.01, load_s_per_token=0.0),
+                             DecodeModel())
         self.conductor = Conductor(
-            prefill_model=PrefillModel(linear_s=2e-4, attention_s=2e-8, overhead_s=0.01, load_s_per_token=0.0),
+            prefill_model=self.fit.prefill,
             kv_bytes_per_token=max(1, block_bytes // self.page_size),
             links=lambda src, dst: PeerTransferModel(self.peers[src].estimate, entry_bytes=page_bytes),
             slo_ttft_s=self.args.slo_ttft)
@@ -361,15 +363,10 @@ class Router:
             self.conductor.register(InstanceSpec(name, Role.DECODE))
 
     def learn(self, tokens: int, cached: int, seconds: float) -> None:
-        """Refit the prefill time model to what the servers measured."""
-        self.samples.append((tokens, cached, seconds))
-        self.samples = self.samples[-256:]
-        if len(self.samples) >= 4:
-            assert self.conductor is not None
-            try:
-                self.conductor.prefill_model = PrefillModel.fit(self.samples)
-            except Exception:       # a degenerate sample set: keep the last model
-                pass
+        """Refit the prefill time model to what the servers measured (their
+        compute time: a sample whatever else was in flight)."""
+        assert self.conductor is not None
+        self.conductor.prefill_model = self.fit.add_prefill(tokens, cached, seconds)
 
     async def generate(self, http: Any, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         c = self.conductor

@@ -17,7 +17,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-__all__ = ["block_keys", "DEFAULT_BLOCK_TOKENS"]
+__all__ = ["block_keys", "chain_keys", "DEFAULT_BLOCK_TOKENS"]
 
 DEFAULT_BLOCK_TOKENS = 512
 
@@ -29,10 +29,18 @@ def block_keys(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) 
 
     Raises ValueError for a block size below 1 or a token id outside
     0..2**32-1 (what a tokenizer gives)."""
+    return chain_keys(None, tokens, block_tokens)
+
+
+def chain_keys(parent: int | None, tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[int]:
+    """The keys of the full blocks of `tokens` that follow the block keyed
+    `parent` (None: the prompt's start), so that chaining the keys of a
+    prompt's blocks piece by piece gives `block_keys` of the whole: how a
+    server's "these blocks, after that one" events are keyed."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     keys: list[int] = []
-    prev = _SEED
+    prev = _SEED if parent is None else int(parent).to_bytes(8, "little")
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         block = tokens[start:start + block_tokens]
         try:

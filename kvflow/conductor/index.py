@@ -53,6 +53,10 @@ class BlockCache:
     def __contains__(self, key: int) -> bool:
         return key in self._lru
 
+    def keys(self) -> list[int]:
+        """The cached keys, least recently used first."""
+        return list(self._lru)
+
     def match(self, keys: Sequence[int]) -> int:
         """How many of `keys`, from the first, are cached here."""
         lru = self._lru

@@ -371,8 +371,8 @@ class Engine:
                                     local_spans=lambda: [(r.addr, r.end) for r in self._regions.values()
                                                          if r.kind == HOST],
                                     gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
-                                    register_device=lambda a, n, nm: self.register((a, n), name=nm,
-                                                                                   access=Access(0)))
+                                    # not register(): the engine is not running until start() returns
+                                    register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)))
                 self._relay.publish()
                 self._rerouting = True
             self._server.handlers.update(self._control_handlers())
@@ -540,6 +540,11 @@ class Engine:
         that is not contiguous memory, overlaps a registered region, or is
         read-only while WRITE access is asked."""
         self._check_open()
+        return self._register(buffer, name, access)
+
+    def _register(self, buffer: Any, name: str | None, access: Access) -> Region:
+        """register() without the running check: for what the engine
+        registers of its own while it starts (a relay member's device lanes)."""
         span = buffer_span(buffer)
         addr, length, writable, keep = span.addr, span.length, span.writable, span.keep
         access = Access(access)

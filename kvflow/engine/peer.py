@@ -431,6 +431,7 @@ class Peer:
         source is written by: the batch starts once it has completed (for
         a stream, the work queued on it so far), awaited without blocking
         the event loop; a prefill layer's KV is sent when its kernel is done.
+        `timeout` covers that wait and the batch together.
 
         Raises InvalidArgumentError, UnregisteredMemoryError, RemoteAccessError,
         PeerLostError, TransferTimeoutError (asyncio cancellation cancels the batch).
@@ -483,7 +484,17 @@ class Peer:
         `route` (_reroute's answer) says."""
         if after is not None:
             from kvflow.providers.cuda.copier import wait_after
-            await wait_after(after)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                # the timeout covers the wait: a stream that never finishes (a
+                # kernel stuck on this very transfer, say) must not hang the call
+                await asyncio.wait_for(wait_after(after), timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeoutError(f"{'write' if op == OP_WRITE else 'read'} to {self.address}: its "
+                                           f"after= was not done within {timeout} s", peer=self.address) from None
+            if timeout is not None:             # and the batch gets what is left of it
+                timeout = max(timeout - (loop.time() - started), 1e-3)
         if route is not None and (counts is not None or local_strides is not None or remote_strides is not None):
             la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
         if route is _STAGED:

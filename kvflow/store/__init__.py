@@ -12,7 +12,7 @@ the library imports it. docs/store.md has what works and what is measured.
 """
 from .allocator import Allocator
 from .client import Replica, StoreClient
-from .errors import (BufferTooSmallError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
+from .errors import (BufferTooSmallError, DurabilityError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
                      NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
                      ObjectNotFoundError, ReplicaUnavailableError, SegmentError, StoreError,
                      StoreTimeoutError)
@@ -20,7 +20,7 @@ from .master import Master
 from .model import State, StoreModel
 
 __all__ = [
-    "Allocator", "BufferTooSmallError", "InvalidKeyError", "LeaseExpiredError", "Master",
+    "Allocator", "BufferTooSmallError", "DurabilityError", "InvalidKeyError", "LeaseExpiredError", "Master",
     "MasterUnavailableError", "NoSpaceError", "ObjectBusyError", "ObjectExistsError",
     "ObjectLeasedError", "ObjectNotFoundError", "Replica", "ReplicaUnavailableError",
     "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError",

@@ -1,5 +1,12 @@
 """python -m kvflow.store master --listen HOST:PORT: a standalone master.
-Prints a line containing `ready` once it listens; stops on SIGINT/SIGTERM."""
+Prints a line containing `ready` once it listens; stops on SIGINT/SIGTERM.
+
+With `--etcd HOST:PORT [--cluster NAME]` the master is durable and one of
+possibly several: it campaigns for the cluster's leadership (printing
+`standby` while another master leads), and once it leads it recovers the
+index from etcd, then serves (`ready`). It exits with status 3 when it
+can no longer make its changes durable (etcd lost, or fenced by a newer
+leader), and with status 1 when etcd cannot be reached at start."""
 from __future__ import annotations
 
 import argparse
@@ -7,24 +14,77 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
+from .durable import Journal, Layout
+from .election import Election
+from .errors import DurabilityError
+from .etcd import EtcdClient
 from .master import Master
+
+log = logging.getLogger("kvflow.store.master")
+
+
+async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -> Election | None:
+    """Campaigns, recovers, attaches the journal. None when stopped first."""
+    layout = Layout(args.cluster)
+    etcd = EtcdClient(args.etcd, timeout=args.etcd_timeout)
+    await etcd.post("/v3/maintenance/status", {})        # reachable now, or a DurabilityError
+    election = Election(etcd, layout.leader, master.address, ttl=args.leader_ttl)
+    if not await election.attempt():
+        print(f"kvflow.store master standby on {master.address} (cluster {args.cluster})", flush=True)
+        campaign = asyncio.ensure_future(election.campaign())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([campaign, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not campaign.done():
+            campaign.cancel()
+            await asyncio.gather(campaign, return_exceptions=True)
+            await election.resign()
+            await etcd.close()
+            return None
+        campaign.result()
+    t0 = time.monotonic()
+    journal = Journal(etcd, layout, master.model, fence_revision=election.revision)
+    counts = await journal.recover(master.clock())
+    master.attach_journal(journal, sync_commit=args.commit == "sync")
+    journal.stage()
+    journal.flush_recovered()       # records recovery found stale go now
+    log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped) in %.3f s",
+                args.cluster, counts["segments"], counts["objects"], counts["dropped"], time.monotonic() - t0)
+    election.lost.add_done_callback(
+        lambda f: master.durability_lost(f.exception()) if f.exception() else None)
+    return election
 
 
 async def _serve(args: argparse.Namespace) -> None:
     master = Master(lease_ttl=args.lease_ttl, client_grace=args.client_grace,
                     heartbeat_interval=args.heartbeat_interval,
                     high_watermark=args.high_watermark, low_watermark=args.low_watermark)
-    await master.start(args.listen)
-    print(f"kvflow.store master ready on {master.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    election = None
+    await master.start(args.listen, serving=args.etcd is None)
     try:
-        await stop.wait()
+        if args.etcd is not None:
+            election = await _lead(master, args, stop)
+            if election is None:
+                return
+            await master.serve()
+        print(f"kvflow.store master ready on {master.address}", flush=True)
+        args.ready = True
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopped, master.failed], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if master.failed.done() and master.failed.exception() is not None:
+            raise master.failed.exception()
     finally:
         await master.close()
+        if election is not None:
+            await election.resign()         # the standby takes over at once
+            await election.etcd.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,19 +94,31 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0 picks one)")
     m.add_argument("--lease-ttl", type=float, default=5.0, help="seconds a get's lease lasts")
     m.add_argument("--client-grace", type=float, default=60.0,
-                   help="seconds of silence before a connected client is declared lost")
+                   help="seconds of silence before a connected client is declared lost (after a "
+                        "restart: before a client that has not registered again is)")
     m.add_argument("--heartbeat-interval", type=float, default=1.0,
                    help="seconds between a client's heartbeats (what clients are told)")
     m.add_argument("--high-watermark", type=float, default=0.95)
     m.add_argument("--low-watermark", type=float, default=0.85)
+    m.add_argument("--etcd", help="HOST:PORT of etcd: a durable master, leader of --cluster")
+    m.add_argument("--cluster", default="default", help="the cluster's name in etcd")
+    m.add_argument("--leader-ttl", type=float, default=2.0,
+                   help="seconds of the leader's etcd lease (how long a dead leader is waited for)")
+    m.add_argument("--commit", choices=("sync", "async"), default="sync",
+                   help="sync: a put is acknowledged once its record is in etcd; async: at once, "
+                        "the record follows within one flush (a crash may forget the last puts)")
+    m.add_argument("--etcd-timeout", type=float, default=2.0, help="seconds per etcd request")
     m.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     try:
         asyncio.run(_serve(args))
+    except DurabilityError as e:
+        print(f"kvflow.store master: DurabilityError: {e}", file=sys.stderr)
+        return 3 if getattr(args, "ready", False) else 1
     except Exception as e:        # a listen address in use, or not this host's
-        print(f"kvflow.store master: {e}", file=sys.stderr)
+        print(f"kvflow.store master: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
 

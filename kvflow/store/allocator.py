@@ -83,6 +83,28 @@ class Allocator:
         self.used += need
         return start
 
+    def reserve(self, offset: int, length: int) -> None:
+        """Marks [offset, offset + length) allocated, as an earlier allocate()
+        had returned it (a master recovering its index from etcd rebuilds
+        each segment's free list from the objects' recorded extents).
+        InvalidArgumentError when the range is not free (two records claim
+        the same bytes) or not aligned."""
+        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length <= 0 \
+                or offset % ALIGN or length % ALIGN:
+            raise InvalidArgumentError(f"bad extent [{offset!r}, +{length!r})")
+        i = bisect.bisect_right(self._by_offset, offset) - 1
+        start = self._by_offset[i] if i >= 0 else -1
+        if start < 0 or start + self._size[start] < offset + length:
+            raise InvalidArgumentError(f"extent [{offset}, +{length}) is not free")
+        size = self._size[start]
+        self._drop_extent(start)
+        if offset > start:
+            self._add_extent(start, offset - start)
+        if start + size > offset + length:
+            self._add_extent(offset + length, start + size - offset - length)
+        self._used[offset] = length
+        self.used += length
+
     def release(self, offset: int) -> int:
         """Frees the allocation at `offset`; returns its (rounded) length.
         InvalidArgumentError for an offset that is not allocated (a double free)."""

@@ -43,7 +43,8 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryE
 
 from .allocator import Allocator
 from .datapath import Mover, Moves
-from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError,
+from .follow import FollowingLink, finder_for
+from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError, ObjectNotFoundError,
                      ReplicaUnavailableError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .model import MAX_KEY_BYTES, check_key
@@ -108,6 +109,8 @@ def _result(item: Any, key: str) -> Any:
 
 class StoreClient:
     """A member of the pool. `master`: "host:port" of a standalone master,
+    "etcd://host:port/cluster" or a list of "host:port" (follow the
+    cluster's leader across restarts and failovers: kvflow/store/follow.py),
     a `Master` object, or None for the master embedded in this process
     (started by the first such client). `engine`: a started kvflow.Engine
     to use (else the client starts its own with `listen`/`protocols`).
@@ -122,7 +125,7 @@ class StoreClient:
     segment when it fits (a memmove, and the nearest replica for this
     process's gets), the others elsewhere as usual."""
 
-    def __init__(self, master: "str | Master | None" = None, *, engine: kvflow.Engine | None = None,
+    def __init__(self, master: "str | Sequence[str] | Master | None" = None, *, engine: kvflow.Engine | None = None,
                  segment_size: int = 64 << 20, local_buffer_size: int = 16 << 20,
                  listen: str = "127.0.0.1:0", protocols: Sequence[str] | None = None,
                  host: str | None = None, timeout: float = 10.0, replica_num: int = 1,
@@ -133,6 +136,7 @@ class StoreClient:
         if not isinstance(replica_num, int) or replica_num < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
         self.master_spec = master
+        self._finder = finder_for(master)       # typed error now for a bad list
         self.master_listen = master_listen
         self.prefer_local = bool(prefer_local)
         self.client_id = uuid.uuid4().hex[:16]
@@ -156,6 +160,7 @@ class StoreClient:
         self._staging_freed: asyncio.Condition | None = None
         self._mover: Mover | None = None
         self._heartbeat: asyncio.Task | None = None
+        self._hello: dict = {}
         self._beat_thread: HeartbeatThread | None = None
         self.lease_ttl = 5.0
         self.replica_fallbacks = 0      # reads that went on to another replica
@@ -164,13 +169,15 @@ class StoreClient:
         self._closed = False
 
     def __repr__(self) -> str:
-        where = self.master_spec if isinstance(self.master_spec, str) else "embedded"
+        where = self.master_spec if isinstance(self.master_spec, (str, list, tuple)) else "embedded"
         return f"<StoreClient {self.client_id} master={where} segment={self.segment_size}>"
 
     @property
     def master_address(self) -> str | None:
         """Where other processes reach this client's master ("host:port"), or
         None for an in-process master that does not listen."""
+        if isinstance(self._link, FollowingLink):
+            return self._link.address
         if isinstance(self.master_spec, str):
             return self.master_spec
         m = self._embedded or (self.master_spec if isinstance(self.master_spec, Master) else None)
@@ -193,15 +200,6 @@ class StoreClient:
                 self.engine = kvflow.Engine(self._listen, protocols=self._protocols)
                 await self.engine.start()
             self._mover = Mover(self.engine)
-            master = self._master_object()
-            if isinstance(master, Master):
-                # idempotent: the liveness monitor; with master_listen, the
-                # embedded master also serves other processes over tcp
-                await master.start(self.master_listen if self._embedded is not None else None)
-            self._link = await connect_master(master, timeout=self.timeout)
-            hello = await self._link.call("register", self.client_id, self.host, self.engine.address,
-                                          timeout=self.timeout)
-            self.lease_ttl = float(hello["lease_ttl"])
             if self.local_buffer_size:
                 self._staging = np.empty(self.local_buffer_size, np.uint8)
                 self._staging.fill(0)
@@ -216,10 +214,19 @@ class StoreClient:
                 self._segment.fill(0)
                 name = f"kvflow-store/{self.client_id}/0"
                 self._segment_region = self.engine.register(self._segment, name=name)
-                self.segment_id = await self._link.call("mount", name, self._segment_region.addr,
-                                                        self.segment_size, timeout=self.timeout)
+            if self._finder is not None:
+                self._link = await FollowingLink(self._finder, self._attach).open(self.timeout)
+            else:
+                master = self._master_object()
+                if isinstance(master, Master):
+                    # idempotent: the liveness monitor; with master_listen, the
+                    # embedded master also serves other processes over tcp
+                    await master.start(self.master_listen if self._embedded is not None else None)
+                self._link = await connect_master(master, timeout=self.timeout)
+                await self._attach(self._link)
+            hello = self._hello
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(float(hello["heartbeat"])))
-            if isinstance(self._link, TcpMasterLink):
+            if isinstance(self._link, (TcpMasterLink, FollowingLink)):
                 self._beat_thread = HeartbeatThread(self._link.address, self.client_id, hello["beat_token"],
                                                     float(hello["heartbeat"]))
                 self._beat_thread.start()
@@ -227,6 +234,21 @@ class StoreClient:
             await self.close()
             raise
         return self
+
+    async def _attach(self, link: MasterLink) -> None:
+        """Registers with the master on `link` and mounts the segment: at
+        start, and again on each new leader (the same client id and segment
+        name: a master that recovered them from etcd gives back the same
+        segment id and the objects in it)."""
+        hello = await link.call("register", self.client_id, self.host, self.engine.address,
+                                timeout=self.timeout)
+        if self._segment_region is not None:
+            self.segment_id = await link.call("mount", f"kvflow-store/{self.client_id}/0",
+                                              self._segment_region.addr, self.segment_size, timeout=self.timeout)
+        self._hello = hello
+        self.lease_ttl = float(hello["lease_ttl"])
+        if self._beat_thread is not None and isinstance(link, TcpMasterLink):
+            self._beat_thread.retarget(link.address, hello["beat_token"])
 
     def _master_object(self) -> "str | Master":
         if self.master_spec is not None:
@@ -253,6 +275,8 @@ class StoreClient:
             await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
         if self._link is not None:
             await self._link.close()
+        if self._finder is not None:
+            await self._finder.close()
         if self._embedded is not None:
             slot = _EMBEDDED.get(asyncio.get_running_loop())
             if slot is not None and slot[0] is self._embedded:
@@ -361,9 +385,11 @@ class StoreClient:
     @_with_timeout
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
                                    replica_num: int | None = None, preferred_segment: int | None = None,
-                                   pin: bool = False) -> list:
+                                   pin: bool = False, _again: bool = False) -> list:
         """The funnel of every put. One master round trip to allocate, one
-        kvflow batch per holder, one round trip to commit."""
+        kvflow batch per holder, one round trip to commit. A put whose
+        commit reached a new leader that never saw its allocation (the old
+        one died in between: follow.py) is put again, once."""
         if len(keys) != len(parts):
             raise InvalidArgumentError("keys and parts must have the same length")
         rn = self.replica_num if replica_num is None else replica_num
@@ -388,6 +414,7 @@ class StoreClient:
                 results[i] = e
         if not todo:
             return results
+        relinks = getattr(self._link, "reconnects", 0)
         token = next(self._put_tokens)
         try:
             reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)]
@@ -431,12 +458,22 @@ class StoreClient:
         ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
                 for i, reps in writing]
         ended = await self._call("batch_put_end", ends)
+        again = []
         for (i, reps), item in zip(writing, ended):
             r = _result(item, keys[i])
             if r == 0:
                 errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
                 r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
+            elif isinstance(r, ObjectNotFoundError) and getattr(self._link, "reconnects", 0) != relinks \
+                    and not _again:
+                again.append(i)
             results[i] = r
+        if again:
+            redo = await self.batch_put_from_parts([keys[i] for i in again], [parts[i] for i in again],
+                                                   replica_num=rn, preferred_segment=preferred_segment,
+                                                   pin=pin, _again=True)
+            for i, r in zip(again, redo):
+                results[i] = r
         return results
 
     async def _revoke(self, keys: list[str], token: int) -> None:

@@ -9,7 +9,7 @@ __all__ = [
     "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
     "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError",
     "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
-    "SegmentError", "CODES", "error_code", "error_from_code",
+    "SegmentError", "DurabilityError", "CODES", "error_code", "error_from_code",
 ]
 
 
@@ -79,6 +79,13 @@ class SegmentError(StoreError):
     """A segment cannot be mounted or unmounted (unknown, duplicate, bad size)."""
 
 
+class DurabilityError(StoreError):
+    """The master's etcd cannot be reached, did not answer in time, or
+    refused a write, or this master is no longer the cluster's leader (its
+    writes are fenced). A master that meets it while serving stops: what it
+    holds in memory could no longer be made durable."""
+
+
 CODES: dict[str, type[KVFlowError]] = {
     "invalid_argument": InvalidArgumentError,
     "invalid_key": InvalidKeyError,
@@ -93,6 +100,7 @@ CODES: dict[str, type[KVFlowError]] = {
     "master_unavailable": MasterUnavailableError,
     "timeout": StoreTimeoutError,
     "segment": SegmentError,
+    "durability": DurabilityError,
     "store": StoreError,
     "internal": KVFlowError,
 }

@@ -14,6 +14,15 @@ host) is lost only after `client_grace` seconds without a message
 heartbeats and with it every object it holds). A master that was itself
 stopped does not blame its clients for its own silence: when the monitor
 wakes late, everyone's clock restarts.
+
+Durability (`attach_journal`, a master given etcd): after each call the
+model's changes go to the journal (durable.py), and the reply of a call
+that changed durable state waits until etcd has every change staged so
+far (a put_end only with `sync_commit`); a put_start's reply also waits
+for every deletion staged before it (durable.py says why); other replies
+leave at once.
+A journal that fails (etcd gone, this master fenced) stops the master:
+`failed` is set and every waiting reply gets the DurabilityError.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
-from .errors import error_code
+from .errors import DurabilityError, ObjectBusyError, error_code
 from .model import Object, StoreModel
 from .wire import FrameBuffer, encode, item_error, item_ok
 
@@ -84,25 +93,86 @@ class Master:
         self._monitor: asyncio.Task | None = None
         self._connections: set[_MasterProtocol] = set()
         self._closed = False
+        self.journal = None             # durable.Journal, when etcd keeps the index
+        self.sync_commit = True
+        self.failed: asyncio.Future | None = None   # set (with the error) when durability is lost
 
     def __repr__(self) -> str:
         return (f"<Master {self.address or 'embedded'} clients={len(self.model.clients)} "
                 f"objects={len(self.model.objects)}>")
 
     # -- lifecycle -------------------------------------------------------------
-    async def start(self, listen: str | None = None) -> "Master":
+    async def start(self, listen: str | None = None, *, serving: bool = True) -> "Master":
         """Starts the liveness monitor and, with `listen` ("host:port", port
-        0 picks one), the tcp server; `self.address` is where it listens."""
-        if self._monitor is None:
+        0 picks one), the tcp server; `self.address` is where it listens.
+        `serving=False` binds the address without listening (connections are
+        refused) until `serve()`: a standby knows the address it will
+        publish before it leads."""
+        if self.failed is None:
+            self.failed = asyncio.get_running_loop().create_future()
+        if self._monitor is None and serving:
             self._monitor = asyncio.get_running_loop().create_task(self._watch_clients())
         if listen is not None and self._server is None:
             host, _, port = listen.rpartition(":")
             if not host or not port.isdigit():
                 raise InvalidArgumentError(f"listen must be host:port, not {listen!r}")
-            self._server = await asyncio.get_running_loop().create_server(self._connection, host, int(port))
+            self._server = await asyncio.get_running_loop().create_server(self._connection, host, int(port),
+                                                                          start_serving=serving)
             sock = self._server.sockets[0].getsockname()
             self.address = f"{host}:{sock[1]}"
         return self
+
+    async def serve(self) -> None:
+        """Starts accepting clients (after start(serving=False))."""
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch_clients())
+        if self._server is not None:
+            await self._server.start_serving()
+
+    def attach_journal(self, journal, *, sync_commit: bool = True) -> None:
+        """From now on the model's changes are made durable by `journal`.
+        `sync_commit`: a put_end replies once its objects are in etcd (else
+        at once, the record following within one flush)."""
+        self.journal = journal
+        self.sync_commit = sync_commit
+        journal.on_failure = self.durability_lost
+
+    def durability_lost(self, e: DurabilityError) -> None:
+        log.error("stopping: %s", e)
+        if self.failed is not None and not self.failed.done():
+            self.failed.set_exception(e)
+            self.failed.exception()         # retrieved: the owner may be gone already
+        for proto in list(self._connections):
+            proto.transport.abort()         # clients go on to the next leader
+
+    def _persist(self) -> None:
+        if self.journal is not None:
+            self.journal.stage()
+
+    def durable(self, method: str, before: int) -> asyncio.Future | None:
+        """The future a reply must wait for (None: reply at once): a call
+        that staged changes waits for every change staged so far (a put_end
+        only with sync_commit); a put_start for every deletion staged
+        before it, so the space it hands out is free in etcd too."""
+        j = self.journal
+        if j is None:
+            return None
+        if j.seq != before and (self.sync_commit or method != "batch_put_end"):
+            target = j.seq                  # this call's own changes (and all before them)
+        elif method == "batch_put_start":
+            target = j.free_seq             # space freed before it may be handed out again
+        else:
+            return None
+        return None if j.committed >= target else j.wait(target)
+
+    async def call(self, s: Session, method: str, args: list) -> Any:
+        """dispatch(), then wait for durability where the reply must."""
+        before = self.journal.seq if self.journal is not None else 0
+        result = self.dispatch(s, method, args)
+        fut = self.durable(method, before)
+        if fut is not None:
+            await fut
+        return result
 
     async def close(self) -> None:
         if self._closed:
@@ -117,6 +187,12 @@ class Master:
             await asyncio.gather(self._monitor, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
+        if self.journal is not None:
+            # what is staged still goes to etcd; clients whose connections
+            # close with the master stay there (they were not lost, only
+            # this master went away)
+            journal, self.journal = self.journal, None
+            await journal.close()
         for s in list(self.sessions):
             s.close()
 
@@ -133,9 +209,10 @@ class Master:
 
     def _session_closed(self, s: Session) -> None:
         self.sessions.discard(s)
-        if s.client_id is not None:
+        if s.client_id is not None and not self._closed:
             dropped = self.model.client_lost(s.client_id)
             log.info("client %s gone (%s): %d objects dropped", s.client_id, s.peer, dropped)
+            self._persist()
 
     async def _watch_clients(self) -> None:
         period = min(self.client_grace / 4, 1.0)
@@ -156,6 +233,7 @@ class Master:
                     if s.client_id == cid:
                         s.client_id = None          # already forgotten
                         self.sessions.discard(s)
+            self._persist()
 
     # -- the tcp server --------------------------------------------------------
     def _connection(self) -> "_MasterProtocol":
@@ -164,7 +242,16 @@ class Master:
     # -- the calls -------------------------------------------------------------
     def dispatch(self, s: Session, method: str, args: list) -> Any:
         """Runs one call for session `s`; raises the model's typed errors.
-        Every message is a sign of life."""
+        Every message is a sign of life. With a journal, what the call
+        changed is staged for etcd (whatever it raised)."""
+        if self.journal is None:
+            return self._dispatch(s, method, args)
+        try:
+            return self._dispatch(s, method, args)
+        finally:
+            self.journal.stage()
+
+    def _dispatch(self, s: Session, method: str, args: list) -> Any:
         if s.closed:
             raise KVFlowError("session closed")
         self.calls += 1
@@ -224,9 +311,13 @@ class Master:
 
     def _batch_put_start(self, cid: str, now: float, items: list, token: int = 0) -> dict:
         segments: dict = {}
+        seen: set = set()
 
         def start(it: Any) -> Any:
             key, size, replica_num, preferred, pin = it
+            if key in seen:         # a retried put_start returns its replicas again: not one key twice
+                raise ObjectBusyError(f"{key!r} appears twice in one put", key=key)
+            seen.add(key)
             reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin, token=token)
             return None if reps is None else self._replicas(self.model.objects[key], segments)
 
@@ -267,8 +358,12 @@ class Master:
 
     def _stats(self, cid: str | None, now: float) -> dict:
         m = self.model
-        return {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
-                "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}
+        out = {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
+               "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}
+        if self.journal is not None:
+            out["etcd_txns"] = self.journal.txns
+            out["etcd_keys"] = self.journal.keys_written
+        return out
 
 
 class _MasterProtocol(asyncio.Protocol):
@@ -312,6 +407,7 @@ class _MasterProtocol(asyncio.Protocol):
                 self.transport.abort()
                 return
             rid, method, args = msg
+            before = journal.seq if (journal := self.master.journal) is not None else 0
             if rid == 0:
                 # a notice (a lease release): no reply is wanted; its errors are the sender's loss
                 try:
@@ -325,12 +421,25 @@ class _MasterProtocol(asyncio.Protocol):
                 reply = [rid, 1, [error_code(e), str(e), getattr(e, "key", None)]]
             except (TypeError, ValueError) as e:       # wrong arity or types from the wire
                 reply = [rid, 1, ["invalid_argument", f"{method}: {e}", None]]
+            if journal is not None and (fut := self.master.durable(method, before)) is not None:
+                fut.add_done_callback(lambda f, reply=reply: self._durable_reply(reply, f))
+                continue
             out.append(encode(reply))
         if out:
             self.transport.write(b"".join(out))
             if self.transport.get_write_buffer_size() > self.MAX_PENDING_REPLIES:
                 log.warning("dropping %s: it does not read its replies", self.session.peer)
                 self.transport.abort()
+
+    def _durable_reply(self, reply: list, fut: asyncio.Future) -> None:
+        """A reply that waited for etcd: sent once its changes are durable;
+        when they cannot be, the call fails with the DurabilityError."""
+        e = fut.exception()             # retrieved even when the reply is dropped
+        if self.transport.is_closing():
+            return
+        if e is not None:
+            reply = [reply[0], 1, [error_code(e), str(e), None]]
+        self.transport.write(encode(reply))
 
 
 def _per_item(items: list, fn: Callable[[Any], Any], wrap: Callable[[Any], Any] | None = item_ok) -> list:

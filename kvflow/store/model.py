@@ -11,6 +11,16 @@ Invariants the tests hold:
   when every object is gone every segment is one free extent again;
 - a leased or pinned object is never evicted, and a leased one never removed
   (unless forced, or its holder is lost).
+
+Durability (a master given etcd): with `track()` on, every call that
+changes what must survive a restart (a COMPLETE object's replicas, a
+segment) names the key or segment in `dirty_objects`/`dirty_segments`;
+the master writes their current state (or their absence) to etcd after
+the call. Puts in progress, leases and the LRU order are never recorded.
+`restore_segment`/`restore_object` rebuild the index from those records:
+restored segments are detached (read from, placed into only for what the
+attached ones cannot hold) until their owner mounts them again, and restored clients are lost after the
+grace unless they register again.
 """
 from __future__ import annotations
 
@@ -55,6 +65,7 @@ class Client:
     segments: set[int] = field(default_factory=set)
     writing: set[str] = field(default_factory=set)     # keys it has put_start'ed, not ended
     beat_token: str = ""        # proves a heartbeat from the client's own thread is its
+    recovered: bool = False     # restored from etcd: no session yet (its owner may register again)
 
 
 @dataclass(eq=False)
@@ -66,6 +77,7 @@ class Segment:
     size: int
     alloc: Allocator
     keys: set[str] = field(default_factory=set)       # objects with a replica here
+    attached: bool = True       # False: restored from etcd, its owner has not mounted it again
 
     def fits(self, size: int) -> bool:
         return self.alloc.fits(size)
@@ -141,6 +153,21 @@ class StoreModel:
         # live leases: id -> (until, the objects it covers)
         self._leases: dict[int, tuple[float, list[Object]]] = {}
         self._next_lease = 1
+        # what changed since the master last wrote to etcd (None: not tracked)
+        self.dirty_objects: set[str] | None = None
+        self.dirty_segments: set[int] | None = None
+
+    def track(self) -> None:
+        """Starts recording changes for durability (see the module's doc)."""
+        self.dirty_objects, self.dirty_segments = set(), set()
+
+    @property
+    def next_segment(self) -> int:
+        return self._next_segment
+
+    def skip_segment_ids(self, next_id: int) -> None:
+        """New segments get ids from `next_id` on (recovery: never reuse an id)."""
+        self._next_segment = max(self._next_segment, int(next_id))
 
     # -- capacity --------------------------------------------------------------
     @property
@@ -158,8 +185,14 @@ class StoreModel:
     def register_client(self, client_id: str, host: str, engine: str, now: float) -> Client:
         if not isinstance(client_id, str) or not client_id:
             raise InvalidArgumentError("client id must be a non-empty str")
-        if client_id in self.clients:
-            raise StoreError(f"client {client_id} is already registered")
+        old = self.clients.get(client_id)
+        if old is not None:
+            if not old.recovered:
+                raise StoreError(f"client {client_id} is already registered")
+            # its owner is back after a master restart or failover: the same
+            # client (its restored segments wait for it to mount them again)
+            old.recovered, old.host, old.engine, old.last_seen = False, str(host), str(engine), now
+            return old
         c = Client(client_id, str(host), str(engine), now)
         self.clients[client_id] = c
         return c
@@ -173,14 +206,65 @@ class StoreModel:
         c = self._client(client_id)
         if not isinstance(base, int) or not isinstance(size, int) or base <= 0 or size <= 0:
             raise SegmentError(f"bad segment {name!r}: base {base!r}, size {size!r}")
-        if any(self.segments[s].name == name for s in c.segments):
+        for s in c.segments:
+            seg = self.segments[s]
+            if seg.name != name:
+                continue
+            if not seg.attached and seg.base == base and seg.size == size:
+                seg.attached = True         # re-attached after a restart: same id, same objects
+                return seg.id
             raise SegmentError(f"client {client_id} already mounted a segment named {name!r}")
         sid = self._next_segment
         self._next_segment += 1
         seg = self.segments[sid] = Segment(sid, client_id, str(name), base, size, Allocator(size))
         self._capacity += seg.alloc.capacity
         c.segments.add(sid)
+        if self.dirty_segments is not None:
+            self.dirty_segments.add(sid)
         return sid
+
+    # -- recovery from durable records -----------------------------------------
+    def restore_segment(self, sid: int, client_id: str, host: str, engine: str, name: str, base: int,
+                        size: int, now: float) -> Segment:
+        """A segment recorded in etcd, detached until its owner mounts it again."""
+        c = self.clients.get(client_id)
+        if c is None:
+            c = self.clients[client_id] = Client(client_id, host, engine, now, recovered=True)
+        seg = self.segments[sid] = Segment(sid, client_id, name, base, size, Allocator(size), attached=False)
+        self._capacity += seg.alloc.capacity
+        c.segments.add(sid)
+        self._next_segment = max(self._next_segment, sid + 1)
+        return seg
+
+    def restore_object(self, key: str, size: int, replicas: list, *, pinned: bool = False,
+                       writer: str = "", token: int = 0) -> bool:
+        """A COMPLETE object recorded in etcd ([[segment, offset, length], ...]).
+        Replicas on segments that are not restored, or whose extent another
+        record holds, are left out (and the record rewritten); False when
+        none is left (the record is deleted)."""
+        check_key(key)
+        reps = []
+        for sid, off, length in replicas:
+            self._next_segment = max(self._next_segment, int(sid) + 1)   # ids are never reused
+            seg = self.segments.get(sid)
+            if seg is None:
+                continue
+            try:
+                seg.alloc.reserve(off, length)
+            except InvalidArgumentError:
+                continue
+            self._used += length
+            seg.keys.add(key)
+            reps.append(Replica(sid, off, length))
+        if len(reps) != len(replicas) and self.dirty_objects is not None:
+            self.dirty_objects.add(key)
+        if not reps or key in self.objects:
+            for r in reps:
+                self._free(key, r)
+            return False
+        self.objects[key] = Object(key, size, reps, State.COMPLETE, writer, pinned=pinned, token=token)
+        self._lru[key] = None
+        return True
 
     def unmount(self, segment_id: int) -> int:
         """Removes a segment and every replica on it; objects left with no
@@ -220,7 +304,9 @@ class StoreModel:
         segments (distinct clients first) and records the object as
         ALLOCATED: invisible until put_end. Returns the replicas, or None
         when a COMPLETE object with this key exists (objects are immutable:
-        the put is a no-op success). ObjectBusyError when another put of the
+        the put is a no-op success). A put_start repeated with the same
+        nonzero `token` (a retried request) returns the replicas it allocated
+        the first time. ObjectBusyError when another put of the
         key is in progress; NoSpaceError when nothing fits even after
         eviction."""
         c = self._client(client_id)
@@ -236,6 +322,10 @@ class StoreModel:
                     raise ObjectExistsError(f"{key!r} exists with {old.size} bytes, not {size}", key=key)
                 self._touch(key)
                 return None
+            if token and old.writer == client_id and old.token == token and old.size == size:
+                # the same call's put_start again (its reply was lost and the
+                # link retried it): the same replicas, nothing allocated twice
+                return old.replicas
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
         if not any(s.alloc.capacity >= size for s in self.segments.values()):
             # larger than every segment: no eviction could help, so none is done
@@ -249,12 +339,11 @@ class StoreModel:
             self.release_quarantine(now)
             if self._used + need > self.high_watermark * cap:
                 self._evict(self._used + need - int(self.low_watermark * cap), now)
-        chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+        chosen = self._place(size, replica_num, preferred)
         if not chosen and self.release_quarantine(now):
-            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred, rng=self._rng)
+            chosen = self._place(size, replica_num, preferred)
         while not chosen and self._evict_one(now):      # fragmentation: evict until one fits
-            chosen = place(list(self.segments.values()), size, replica_num, preferred=preferred,
-                           rng=self._rng)
+            chosen = self._place(size, replica_num, preferred)
         if not chosen:
             largest = max((s.alloc.largest_free for s in self.segments.values()), default=0)
             raise NoSpaceError(f"no segment can hold {size} bytes (largest free extent {largest}, "
@@ -275,7 +364,12 @@ class StoreModel:
     def put_end(self, client_id: str, key: str, failed_segments: list[int] | tuple = ()) -> int:
         """The writer wrote every replica but those on `failed_segments`:
         those are freed, the rest become COMPLETE and visible. Returns the
-        number of replicas kept (0: the object is gone, as after a revoke)."""
+        number of replicas kept (0: the object is gone, as after a revoke).
+        A put_end repeated after it succeeded (a retried request, possibly
+        at a new master that recovered the object) returns the same count."""
+        done = self.objects.get(key) if isinstance(key, str) else None
+        if done is not None and done.state is State.COMPLETE and done.writer == client_id:
+            return len(done.replicas)
         obj = self._pending(client_id, key)
         failed = set(failed_segments)
         keep = []
@@ -291,6 +385,8 @@ class StoreModel:
             return 0
         obj.state = State.COMPLETE
         self._lru[key] = None
+        if self.dirty_objects is not None:
+            self.dirty_objects.add(key)
         return len(keep)
 
     def put_revoke(self, client_id: str, key: str, token: int | None = None) -> None:
@@ -421,6 +517,22 @@ class StoreModel:
         return self._evict(1, now) > 0
 
     # -- helpers ---------------------------------------------------------------
+    def _place(self, size: int, replica_num: int, preferred: int | None) -> list[Segment]:
+        """place() over the attached segments; segments restored from etcd
+        whose owners have not mounted them again are used only for what
+        the attached ones cannot hold (right after a failover, before the
+        holders are back: gets already read from them, and a write to a
+        holder that is gone fails like any other, per replica)."""
+        segs = list(self.segments.values())
+        if all(s.attached for s in segs):
+            return place(segs, size, replica_num, preferred=preferred, rng=self._rng)
+        chosen = place([s for s in segs if s.attached], size, replica_num, preferred=preferred, rng=self._rng)
+        if len(chosen) < replica_num:
+            taken = {s.id for s in chosen}
+            chosen += place([s for s in segs if not s.attached and s.id not in taken], size,
+                            replica_num - len(chosen), preferred=preferred, rng=self._rng)
+        return chosen
+
     def _client(self, client_id: str) -> Client:
         c = self.clients.get(client_id)
         if c is None:
@@ -452,6 +564,8 @@ class StoreModel:
             seg.keys.discard(key)
 
     def _delete(self, obj: Object) -> None:
+        if obj.state is State.COMPLETE and self.dirty_objects is not None:
+            self.dirty_objects.add(obj.key)
         for r in obj.replicas:
             self._free(obj.key, r)
         self.objects.pop(obj.key, None)
@@ -470,7 +584,11 @@ class StoreModel:
             if not obj.replicas:
                 self._delete(obj)
                 dropped += 1
+            elif obj.state is State.COMPLETE and self.dirty_objects is not None:
+                self.dirty_objects.add(key)
         del self.segments[seg.id]
+        if self.dirty_segments is not None:
+            self.dirty_segments.add(seg.id)
         self._capacity -= seg.alloc.capacity
         self._used -= seg.alloc.used       # its space goes with it, live or quarantined
         c = self.clients.get(seg.client)

@@ -51,7 +51,9 @@ class LocalMasterLink(MasterLink):
     async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         if self.closed or self.session.closed:
             raise MasterUnavailableError("the link to the in-process master is closed")
-        return self.master.dispatch(self.session, method, list(args))
+        if self.master.journal is None:
+            return self.master.dispatch(self.session, method, list(args))
+        return await self.master.call(self.session, method, list(args))
 
     def notify(self, method: str, *args: Any) -> None:
         if not (self.closed or self.session.closed):
@@ -172,18 +174,32 @@ class HeartbeatThread(threading.Thread):
 
     def __init__(self, address: str, client_id: str, token: str, interval: float) -> None:
         super().__init__(name=f"kvflow-store-beat-{client_id}", daemon=True)
-        host, _, port = address.rpartition(":")
-        self._where = (host, int(port))
-        self._frame = encode([0, "beat", [client_id, token]])
+        self.client_id = client_id
         self._interval = interval
         self._stop_event = threading.Event()
+        self._moved = False
         self.sent = 0
+        self.retarget(address, token)
+
+    def retarget(self, address: str, token: str) -> None:
+        """Beats go to `address` with `token` from now on (the client
+        re-registered with a new leader). Two attribute stores the thread
+        reads once per beat; a beat between them goes to the old master,
+        which ignores it."""
+        host, _, port = address.rpartition(":")
+        self._frame = encode([0, "beat", [self.client_id, token]])
+        self._where = (host, int(port))
+        self._moved = True
 
     def run(self) -> None:
         sock: socket.socket | None = None
         try:
             while not self._stop_event.wait(self._interval):
                 try:
+                    if self._moved and sock is not None:
+                        sock.close()
+                        sock = None
+                    self._moved = False
                     if sock is None:
                         sock = socket.create_connection(self._where, timeout=self._interval)
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -158,7 +158,72 @@ class CudaCopyEngine:
                 pass
 
 
-_after_pool: ThreadPoolExecutor | None = None
+class _AfterWaiter:
+    """One thread that polls the events after= waits for (cuEventQuery,
+    which takes no context and never blocks) and resolves each wait's
+    future on its loop. A wait given up (its write timed out, or was
+    cancelled) is dropped at the next look: a stream that never finishes
+    holds up no other wait, as a thread blocked in cuEventSynchronize on
+    it would hold up every wait queued behind it. Looks every 20 us while
+    something finishes, backing off to 1 ms while nothing does; a new wait
+    wakes it at once."""
+
+    POLL_MIN, POLL_MAX = 20e-6, 1e-3
+
+    def __init__(self, cu: Any) -> None:
+        self._cu = cu
+        self._cv = threading.Condition()
+        self._items: list[list[Any]] = []       # [event, own Event or None, loop, future, dropped]
+        threading.Thread(target=self._run, name="kvflow-cuda-after", daemon=True).start()
+
+    def add(self, event: Any, own: Any, loop: asyncio.AbstractEventLoop, fut: "asyncio.Future[Any]") -> list[Any]:
+        item = [event, own, loop, fut, False]
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify()
+        return item
+
+    def _run(self) -> None:
+        cu = self._cu
+        not_ready = cu.CUresult.CUDA_ERROR_NOT_READY
+        delay = self.POLL_MIN
+        while True:
+            with self._cv:
+                while not self._items:
+                    self._cv.wait()
+                    delay = self.POLL_MIN
+                items = list(self._items)
+            finished = []
+            for item in items:
+                event, own, loop, fut, dropped = item
+                err = None if dropped else cu.cuEventQuery(event)[0]
+                if err == not_ready:
+                    continue
+                finished.append(item)
+                try:
+                    loop.call_soon_threadsafe(_after_done, fut, err, own)
+                except RuntimeError:            # its loop closed meanwhile
+                    if own is not None:
+                        own.close()
+            with self._cv:
+                for item in finished:
+                    self._items.remove(item)
+                if finished or len(self._items) > len(items):
+                    delay = self.POLL_MIN
+                else:
+                    self._cv.wait(delay)        # a new wait cuts it short
+                    delay = min(delay * 2, self.POLL_MAX)
+
+
+def _after_done(fut: "asyncio.Future[Any]", err: Any, own: Any) -> None:
+    if own is not None:
+        own.close()                             # the waiter no longer looks at it
+    if not fut.done():
+        fut.set_result(err)
+
+
+_after_lock = threading.Lock()
+_after_waiter: _AfterWaiter | None = None
 
 
 async def wait_after(after: Any) -> None:
@@ -166,29 +231,28 @@ async def wait_after(after: Any) -> None:
     or stream (torch.cuda.Event / Stream, cupy.cuda.Event / Stream,
     cuda-python's CUevent / CUstream). For a stream, the work queued on it
     so far. Returns at once when it has completed already (and for a torch
-    event never recorded, which torch reports complete)."""
-    global _after_pool
+    event never recorded, which torch reports complete). Cancelling it
+    (a timeout) leaves nothing waiting."""
+    global _after_waiter
     from kvflow._cuda import driver as drv
     cu = drv.driver()
     found = _event_of(after, cu, drv)
     if found is None:
         return
-    event, own, device = found
+    event, own, _device = found
     err, = cu.cuEventQuery(event)
     if err == cu.CUresult.CUDA_ERROR_NOT_READY:
-        if _after_pool is None:
-            _after_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-cuda-after")
-
-        def wait() -> Any:
-            with drv.on_device(device):
-                return cu.cuEventSynchronize(event)[0]
-
-        job = asyncio.get_running_loop().run_in_executor(_after_pool, wait)
+        with _after_lock:
+            if _after_waiter is None:
+                _after_waiter = _AfterWaiter(cu)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        item = _after_waiter.add(event, own, loop, fut)
+        own = None                              # the waiter closes it when it lets go of the event
         try:
-            err = await asyncio.shield(job)
+            err = await fut
         except asyncio.CancelledError:
-            if own is not None:                 # destroyed once the thread no longer waits on it
-                job.add_done_callback(lambda _: own.close())
+            item[4] = True                      # dropped at its next look
             raise
     if own is not None:
         own.close()
