@@ -376,3 +376,15 @@ def test_ports_taken_or_seeded_random(kvflow_master):
         taken.close()
         for s in stores:
             s.close()
+
+
+def test_master_address_list_follows_the_live_master(kvflow_master):
+    """master_server_addr "host:port,host:port" (kvflow's durable masters:
+    the client follows the leader): a dead first address is passed over."""
+    s = MooncakeDistributedStore()
+    try:
+        addrs = f"127.0.0.1:{_free_port()},{kvflow_master.address}"
+        assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", addrs) == 0
+        assert s.put("listed", b"x") == 0 and s.get("listed") == b"x"
+    finally:
+        s.close()

@@ -280,7 +280,12 @@ class MooncakeDistributedStore:
             thread = self._engine_thread(engine, host, port, protocol, rdma_devices)
         except KVFlowError as e:
             return self._fail(e, STORE_INVALID_PARAMS)
-        client = StoreClient(master_server_addr, engine=thread.engine, segment_size=global_segment_size,
+        # "host:port"; kvflow's durable master: "etcd://host:port/cluster" or
+        # "host:port,host:port" (the client follows the leader)
+        master: str | list[str] = master_server_addr
+        if "," in master_server_addr and "://" not in master_server_addr:
+            master = [a.strip() for a in master_server_addr.split(",") if a.strip()]
+        client = StoreClient(master, engine=thread.engine, segment_size=global_segment_size,
                              local_buffer_size=local_buffer_size)
         try:
             thread.call(client.start())
