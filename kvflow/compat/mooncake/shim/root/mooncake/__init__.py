@@ -1,3 +1,5 @@
 """kvflow's stand-in for the `mooncake` package: `mooncake.engine` is
-kvflow.compat.mooncake (Mooncake's TransferEngine API on kvflow). Only the
-transfer engine is there, not Mooncake's store, EP or other modules."""
+kvflow.compat.mooncake (Mooncake's TransferEngine API on kvflow) and
+`mooncake.store` is kvflow.compat.mooncake.store (Mooncake Store's
+MooncakeDistributedStore on kvflow.store). Mooncake's EP and other modules
+are not there."""
