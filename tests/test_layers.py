@@ -13,6 +13,9 @@ parsed, type-only ones under TYPE_CHECKING included):
   what a user wrote into protocols;
 - connector/ and compat/ use kvflow's public names: no private attribute
   of the engine's layers is reached from them;
+- _cuda/ (the driver's bindings, kernels and the IBGDA launcher) imports
+  nothing of kvflow but kvflow.errors and itself: the providers and the
+  engine build on it, never the other way;
 - store/ (the KVCache pool) is built on kvflow's public API: it imports
   only `kvflow` itself (its exported names), kvflow.errors, kvflow.metadata
   and its own modules, and reaches no private attribute of the engine's
@@ -87,6 +90,13 @@ def test_lower_layers_never_import_the_engine(layer):
     bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) == layer
                  for i in _imports(m, tree) if _inside(i, "engine"))
     assert not bad, f"{layer}/ imports engine/: {bad}"
+
+
+def test_cuda_imports_only_errors():
+    bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) == "_cuda"
+                 for i in _imports(m, tree)
+                 if i.split(".")[0] == "kvflow" and not (_inside(i, "_cuda") or _inside(i, "errors")))
+    assert not bad, f"_cuda/ imports more of kvflow than kvflow.errors: {bad}"
 
 
 def test_schedule_imports_no_provider():

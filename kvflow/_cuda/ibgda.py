@@ -22,8 +22,8 @@ import numpy as np
 
 from kvflow._cuda import driver as drv
 from kvflow._cuda import kernels
+from kvflow._cuda.limits import check_length
 from kvflow.errors import CudaError, InvalidArgumentError
-from kvflow.providers.rdma.ibgda import check_length
 
 __all__ = ["DeviceQp", "PAGE", "QP_DTYPE", "page_spans"]
 

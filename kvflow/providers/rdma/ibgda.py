@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvflow._cuda.limits import check_length
 from kvflow.errors import (InvalidArgumentError, ProviderUnavailableError, RemoteAccessError,
                            TransferTimeoutError, UnregisteredMemoryError, VerbsError)
 from kvflow.memory import Access
@@ -47,14 +48,6 @@ EBUSY = 16
 # struct kvf_mr in kvflow/_cuda/ibgda.cuh: the region table the device code
 # searches by address (sorted by addr, no overlaps)
 MR_DTYPE = np.dtype([("addr", "<u8"), ("length", "<u8"), ("lkey", "<u4"), ("rkey", "<u4")])
-
-
-def check_length(length: object) -> int:
-    """`length` if it is a write's length one work request can carry, else
-    InvalidArgumentError."""
-    if isinstance(length, bool) or not isinstance(length, int) or not 0 < length < 1 << 31:
-        raise InvalidArgumentError(f"an IBGDA write is 1 byte to 2 GiB - 1, not {length!r}")
-    return length
 
 
 class IbgdaEndpoint:
