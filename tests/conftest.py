@@ -51,6 +51,58 @@ TARGET_SCRIPT = os.path.join(TESTS_DIR, "_target.py")
 # exits, so a hang in the engine shows where it hangs instead of stalling CI.
 TEST_WATCHDOG_S = float(os.environ.get("KVFLOW_TEST_WATCHDOG_S", str(150 * TIME_SCALE)))
 
+# ---------------------------------------------------------------- the local loop
+
+# Files whose tests are marked (besides their own marks), so that a plain
+# `python3 -m pytest -q` on a developer's machine is a short loop:
+#   interop: runs another project's code (NIXL, Mooncake, SGLang, vLLM, their tests);
+#   e2e: servers or members in processes of their own, stopped and killed;
+#   slow: long by design (soaks, the Soft-RoCE VM, stalls of 7-30 s, fuzzing).
+# The loop leaves them out; CI=true, KVFLOW_TESTS=all, a -m expression or
+# naming test files runs them (CI runs everything).
+LOOP_MARKS = {
+    "test_compat_mooncake.py": ("interop",), "test_compat_mooncake_store.py": ("interop",),
+    "test_compat_nixl.py": ("interop",), "test_upstream_mooncake.py": ("interop",),
+    "test_upstream_nixl.py": ("interop",), "test_sglang_backend.py": ("interop",),
+    "test_sglang_hicache.py": ("interop",), "test_vllm_connector.py": ("interop",),
+    "test_vllm_mooncake_store.py": ("interop",), "test_vllm_pd.py": ("interop", "e2e"),
+    "test_vllm_router.py": ("interop", "e2e"), "test_compare_rdma.py": ("interop",),
+    "test_pd_e2e.py": ("e2e",), "test_pd_routed.py": ("e2e",), "test_store_process.py": ("e2e",),
+    "test_store_durable.py": ("e2e",), "test_netns.py": ("e2e",), "test_metadata.py": ("e2e",),
+    "test_liveness.py": ("slow",), "test_soak.py": ("slow",), "test_soak_rdma.py": ("slow",),
+    "test_rdma_vm.py": ("slow",), "test_fuzz.py": ("slow",), "test_cuda_standin.py": ("slow",),
+    "test_local_fence.py": ("slow",), "test_failover.py": ("slow",), "test_incast.py": ("slow",),
+}
+LOOP_LEAVES_OUT = ("interop", "e2e", "slow")
+
+
+def _whole_loop(config) -> bool:
+    return (os.environ.get("CI", "").lower() == "true" or os.environ.get("KVFLOW_TESTS") == "all"
+            or bool(config.option.markexpr) or config.args_source is not pytest.Config.ArgsSource.TESTPATHS)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in LOOP_MARKS.get(os.path.basename(str(item.fspath)), ()):
+            item.add_marker(mark)
+    if _whole_loop(config):
+        return
+    keep, left = [], []
+    for i in items:
+        (left if any(i.get_closest_marker(m) for m in LOOP_LEAVES_OUT) else keep).append(i)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
+        config._kvflow_left_out = len(left)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_kvflow_left_out", 0)
+    if n:
+        terminalreporter.write_line(f"the local loop left out {n} tests marked {'/'.join(LOOP_LEAVES_OUT)}: "
+                                    "KVFLOW_TESTS=all (or CI=true) runs everything")
+
+
 # Regions every target registers unless a test asks for others.
 DEFAULT_REGIONS = (
     {"name": "rw", "length": 4 << 20, "access": 3},
