@@ -41,7 +41,6 @@ def host_gpu(engine: kvflow.Engine, staging_bytes: int = 4 * SLOT) -> GpuMemory:
         register_host=lambda a, n, nm: engine._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
         deregister_host=engine.deregister, copier=lambda device: HostCopyEngine(), allocate=_numpy_memory,
         holds_host=engine._holds_host)
-    engine._rerouting = True
     return engine._gpu
 
 

@@ -7,6 +7,7 @@ import asyncio
 import errno
 import concurrent.futures
 import logging
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -31,9 +32,9 @@ from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
 
 if TYPE_CHECKING:
-    from kvflow.engine.engine import Engine
+    from kvflow.engine.router import Router
 
-__all__ = ["Peer"]
+__all__ = ["Peer", "PeerContext"]
 
 
 def _retrieve(task: "asyncio.Task[Any]") -> None:
@@ -51,6 +52,50 @@ DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is d
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 RESUME_BACKOFF = (0.25, 8.0)    # a lapsed peer is dialled again after these many seconds, doubling
 RESUME_FOR = 60.0               # ... for this long at least (4 keepalives if longer), then it is given up
+# Awaited batches that finish without suspending give the loop a turn at
+# least this often (PeerContext.inline_turn).
+INLINE_TURN_NS = 1_000_000
+
+
+class PeerContext:
+    """What a Peer may use of its engine, and nothing else (never the
+    Engine: a Peer holds no reference to it, tests/test_layers.py checks).
+    One per engine, shared by its peers; the engine builds it in start().
+
+    loop, core (the native core: detached waits and cancels), batches (the
+    BatchTable), router (each batch's path: kvflow.engine.router),
+    keepalive; the hooks: redial(peer) -> bool (dial a lapsed peer again:
+    the same incarnation?), forget(peer) (drop it from the engine's peers),
+    connect(address) -> Peer (a relay member); `closed`, set by the engine
+    when it closes (a lost peer is then not dialled again)."""
+
+    __slots__ = ("loop", "core", "batches", "router", "keepalive", "redial", "forget", "connect", "closed",
+                 "_turn_ns")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, core: Any, batches: Any, router: "Router",
+                 keepalive: float, *, redial: Callable[["Peer"], Awaitable[bool]],
+                 forget: Callable[["Peer"], None], connect: Callable[..., Awaitable["Peer"]]) -> None:
+        self.loop = loop
+        self.core = core
+        self.batches = batches
+        self.router = router
+        self.keepalive = keepalive
+        self.redial = redial
+        self.forget = forget
+        self.connect = connect
+        self.closed = False
+        self._turn_ns = 0      # when awaited batches that finished inline last yielded
+
+    def inline_turn(self) -> bool:
+        """True when an awaited write()/read() that finished without
+        suspending (inline, or polled to completion) should yield to the
+        loop: at most once per INLINE_TURN_NS. A caller awaiting small
+        same-host writes in a loop would otherwise never let the loop run."""
+        now = time.monotonic_ns()
+        if now - self._turn_ns < INLINE_TURN_NS:
+            return False
+        self._turn_ns = now
+        return True
 
 
 class Peer:
@@ -61,9 +106,9 @@ class Peer:
     refreshed when the peer registers or deregisters memory.
     """
 
-    def __init__(self, engine: "Engine", address: str, reader: asyncio.StreamReader,
+    def __init__(self, ctx: PeerContext, address: str, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, descriptor: Descriptor, replies: frozenset[str]) -> None:
-        self._engine = engine
+        self._ctx = ctx
         self.address = address
         self.descriptor = descriptor
         self._table = _core.RemoteTable()
@@ -95,7 +140,7 @@ class Peer:
         """Calls `callback(peer)` once, on the loop, when the peer is lost
         (its control connection ends) or closed; at once if it already is."""
         if self._closed or self._session.lost:
-            self._engine._loop.call_soon(callback, self)
+            self._ctx.loop.call_soon(callback, self)
         else:
             self._lost_callbacks.append(callback)
 
@@ -112,7 +157,7 @@ class Peer:
         self._channel = channel
         self._channel_closed = False
         self.transport = provider.name
-        self._session.start(self._engine.keepalive, self._close_channel)
+        self._session.start(self._ctx.keepalive, self._close_channel)
         provider.started(self.link, channel)
 
     def _close_channel(self) -> None:
@@ -168,10 +213,9 @@ class Peer:
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
         gpu_table = remote_table(regions)
-        engine_gpu = getattr(self._engine, "_gpu", None)
-        if engine_gpu is not None and getattr(self, "_gpu_table", None) is not None and \
+        if getattr(self, "_gpu_table", None) is not None and \
                 [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in gpu_table]:
-            engine_gpu.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
+            self._ctx.router.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
         self._gpu_table = gpu_table
         self._remote_gpu = bool(gpu_table)      # a plain bool: the write path tests it on every call
         self._regions = regions
@@ -188,19 +232,19 @@ class Peer:
         memory on either side: kvflow.engine.gpu), the address of the relay
         member a write goes through (the peer's rail is not ours:
         kvflow.engine.relay), or None (the native path)."""
-        relay = self._engine._relay
+        relay = self._ctx.router.relay
         if op == OP_WRITE and relay is not None:
             via = relay.route(self.descriptor)
             if via is not None:             # GPU memory too: the relay copies or stages it
                 return via
-        if (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra):
+        if (self._remote_gpu or self._ctx.router.gpu is not None) and self._staged(la, ra):
             return _STAGED
         return None
 
     def _staged(self, la: Any, ra: Any) -> bool:
         """Whether a batch reads or writes GPU memory (either side): it is
         staged (kvflow.engine.gpu) instead of going to the native core."""
-        gpu = self._engine._gpu
+        gpu = self._ctx.router.gpu
         if gpu is None:
             return bool(self._gpu_table) and self._gpu_table.any_in(np.asarray(ra, dtype=np.uint64))
         return gpu.touches(la, ra, self._gpu_table)
@@ -238,9 +282,9 @@ class Peer:
         if self._provider is not None and self._provider.caps.lifeline:
             self._close_channel()
         self._fire_lost()
-        if not self._closed and not self._engine._closed:
+        if not self._closed and not self._ctx.closed:
             self._lapsed = True
-            self._resume_task = self._engine._loop.create_task(self._resume())
+            self._resume_task = self._ctx.loop.create_task(self._resume())
             self._resume_task.add_done_callback(retrieve)
 
     async def _resume(self) -> bool:
@@ -251,11 +295,11 @@ class Peer:
         on the address), nobody listening there any more (refused: the
         process that was this peer is gone), or giving up: this Peer stays
         lost for good, and connect() makes a new one (False)."""
-        loop = self._engine._loop
-        delay, until = RESUME_BACKOFF[0], loop.time() + max(RESUME_FOR, 4 * self._engine.keepalive)
+        loop = self._ctx.loop
+        delay, until = RESUME_BACKOFF[0], loop.time() + max(RESUME_FOR, 4 * self._ctx.keepalive)
         while not self._closed:
             try:
-                same = await self._engine._redial(self)
+                same = await self._ctx.redial(self)
             except PeerUnreachableError as e:
                 if e.errno == errno.ECONNREFUSED:
                     log.info("kvflow: peer %s is gone (its address refuses connections)", self.address)
@@ -270,7 +314,7 @@ class Peer:
                     return True
                 log.warning("kvflow: peer %s restarted (a new incarnation): the old Peer stays lost", self.address)
                 self.superseded = True
-                self._engine._forget_peer(self)
+                self._ctx.forget(self)
                 return False
             if loop.time() + delay > until:
                 return False
@@ -297,7 +341,7 @@ class Peer:
         will not come back as the same incarnation."""
         task = self._resume_task
         if task is not None and not task.done():
-            grace = self._engine.keepalive or None
+            grace = self._ctx.keepalive or None
             wait = grace if timeout is None else timeout if grace is None else min(grace, timeout)
             try:
                 await asyncio.wait_for(asyncio.shield(task), wait)
@@ -315,7 +359,7 @@ class Peer:
         """Fetches the peer's descriptor again (regions)."""
         if self._lapsed:
             await self._resumed(timeout)
-        fut = self._engine._loop.create_future()
+        fut = self._ctx.loop.create_future()
         self._refresh_waiters.append(fut)
         self._session.send({"t": "describe"})
         await asyncio.wait_for(fut, timeout)
@@ -346,7 +390,7 @@ class Peer:
 
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:
         """The Transfer of a posted batch (batch_id 0: completed inline)."""
-        return self._engine._batches.track(batch_id, self.address, op, nbytes, timeout)
+        return self._ctx.batches.track(batch_id, self.address, op, nbytes, timeout)
 
     def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
                 counts: Any, local_strides: Any, remote_strides: Any, priority: Any,
@@ -378,7 +422,7 @@ class Peer:
         status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln, True, prio, deadline_ns)
         if finished:                   # status and aux are the batch's
             if status:
-                raise batch_error(self._engine._batches, self.address, op, status, aux, first)
+                raise batch_error(self._ctx.batches, self.address, op, status, aux, first)
             return None
         if status == EREMOTE and refresh and not self._session.lost:
             return self._after_refresh(op, la, ra, ln, timeout, first, prio, deadline)
@@ -441,7 +485,7 @@ class Peer:
         """
         if self._lapsed:
             await self._resumed(timeout)
-        if after is not None or self._remote_gpu or self._engine._rerouting:
+        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
             route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
             if after is not None or route is not None:
                 await self._routed(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
@@ -451,7 +495,7 @@ class Peer:
                                  counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
             await t
-        elif self._engine._inline_turn():
+        elif self._ctx.inline_turn():
             await asyncio.sleep(0)
 
     async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
@@ -464,7 +508,7 @@ class Peer:
         memory are staged."""
         if self._lapsed:
             await self._resumed(timeout)
-        if after is not None or self._remote_gpu or self._engine._rerouting:
+        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
             route = self._reroute(OP_READ, local_addrs, remote_addrs)
             if after is not None or route is not None:
                 await self._routed(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
@@ -474,7 +518,7 @@ class Peer:
                                  counts, local_strides, remote_strides, priority, deadline)
         if t is not None:
             await t
-        elif self._engine._inline_turn():
+        elif self._ctx.inline_turn():
             await asyncio.sleep(0)
 
     async def _routed(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
@@ -501,18 +545,18 @@ class Peer:
             await self._staged_op(op, la, ra, ln, timeout)
             return
         if route is not None:
-            relay = self._engine._relay
+            relay = self._ctx.router.relay
             assert relay is not None
 
             async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
-                if (self._remote_gpu or self._engine._gpu is not None) and self._staged(l, r):
+                if (self._remote_gpu or self._ctx.router.gpu is not None) and self._staged(l, r):
                     await self._staged_op(OP_WRITE, l, r, n, None)
                 else:
                     await self._host_op(OP_WRITE, l, r, n)
 
             async def relayed() -> None:
                 try:
-                    via = await self._engine.connect(route)
+                    via = await self._ctx.connect(route)
                 except (PeerUnreachableError, PeerLostError) as e:
                     log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", route, e,
                                 self.address)
@@ -541,9 +585,7 @@ class Peer:
             await t
 
     async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
-        gpu = self._engine._gpu
-        if gpu is None:             # host memory here, GPU memory there: only writes land in it
-            gpu = self._engine._gpu_memory()
+        gpu = self._ctx.router.staging()    # host memory here, GPU memory there: only writes land in it
 
         async def write(l: Any, r: Any, n: Any) -> None:
             await self._host_op(OP_WRITE, l, r, n)
@@ -551,7 +593,7 @@ class Peer:
         async def read(l: Any, r: Any, n: Any) -> None:
             await self._host_op(OP_READ, l, r, n)
 
-        reach = self._engine._reach(self)
+        reach = self._ctx.router.reach(self._provider, self.address, self.descriptor)
         run = gpu.write(self, la, ra, ln, write, self._gpu_table, reach) if op == OP_WRITE else \
             gpu.read(self, la, ra, ln, read, self._gpu_table, reach)
         try:
@@ -577,7 +619,7 @@ class Peer:
         its slices still queued are dropped at once). Argument and
         validation errors raise here; transfer errors on await (for GPU
         memory, staged, and with `after`, all of them on await)."""
-        if after is not None or self._remote_gpu or self._engine._rerouting:
+        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
             route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
             if after is not None or route is not None:
                 return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
@@ -590,7 +632,7 @@ class Peer:
                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
                     deadline: float | None = None, after: Any = None) -> "Transfer | TaskTransfer":
         """Starts a read and returns its Transfer."""
-        if after is not None or self._remote_gpu or self._engine._rerouting:
+        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
             route = self._reroute(OP_READ, local_addrs, remote_addrs)
             if after is not None or route is not None:
                 return self._task_transfer(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts,
@@ -625,7 +667,7 @@ class Peer:
     def _blocking(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, priority: Any,
                   deadline: float | None) -> None:
         prio, deadline_ns = qos_args(priority, deadline)
-        loop = self._engine._loop
+        loop = self._ctx.loop
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -633,7 +675,7 @@ class Peer:
         if running is loop:
             raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
                               "thread would block the loop: await write()/read() there", peer=self.address)
-        rerouted = (self._remote_gpu or self._engine._rerouting) and self._reroute(op, la, ra) is not None
+        rerouted = (self._remote_gpu or self._ctx.router.rerouting) and self._reroute(op, la, ra) is not None
         if not rerouted and self.alive and self._provider is not None and self._provider.caps.detached and \
                 self._detached(op, la, ra, ln, timeout, prio, deadline_ns):
             return
@@ -653,7 +695,7 @@ class Peer:
                   deadline_ns: int) -> bool:
         """The calling thread's own path (write_blocking): True once done,
         False where the loop must do it (the peer's table lacks the range)."""
-        core = self._engine._core
+        core = self._ctx.core
         try:
             status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
             if status == EREMOTE:
@@ -678,7 +720,7 @@ class Peer:
         except RuntimeError:       # the engine closed meanwhile
             raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
         if status:
-            raise batch_error(self._engine._batches, self.address, op, status, entry, None)
+            raise batch_error(self._ctx.batches, self.address, op, status, entry, None)
         return True
 
     # ------------------------------------------------------------ posted from a thread, polled there
@@ -703,7 +745,7 @@ class Peer:
         else:
             prio, deadline_ns = qos_args(priority, deadline)
         provider = self._provider
-        rerouted = (self._remote_gpu or self._engine._rerouting) and self._reroute(op, la, ra) is not None
+        rerouted = (self._remote_gpu or self._ctx.router.rerouting) and self._reroute(op, la, ra) is not None
         if not rerouted and provider is not None and provider.caps.detached and not self._closed and \
                 not self._session.lost and self._channel.alive:
             try:
@@ -713,8 +755,8 @@ class Peer:
             if status == 0:
                 if batch == 0:
                     return COMPLETED                    # it completed inline
-                return PostedTransfer(self._engine._core, batch, error_of=lambda st, entry: batch_error(
-                    self._engine._batches, self.address, op, st, entry, None),
+                return PostedTransfer(self._ctx.core, batch, error_of=lambda st, entry: batch_error(
+                    self._ctx.batches, self.address, op, st, entry, None),
                     progress=self._provider.poller(self._channel), nbytes=aux)
             if status != EREMOTE:
                 raise status_error(status, peer=self.address, op=op, index=aux)
@@ -722,7 +764,7 @@ class Peer:
         kw = {"priority": prio, "deadline": deadline}
         coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
         try:
-            return PostedTransfer(future=asyncio.run_coroutine_threadsafe(coro, self._engine._loop))
+            return PostedTransfer(future=asyncio.run_coroutine_threadsafe(coro, self._ctx.loop))
         except RuntimeError:
             coro.close()
             raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
@@ -759,9 +801,8 @@ class Peer:
         self._closed = True
         if self._resume_task is not None:
             self._resume_task.cancel()
-        self._engine._forget_peer(self)
-        if self._engine._gpu is not None:
-            self._engine._gpu.forget_peer(self.address)      # its CUDA IPC mappings
+        self._ctx.forget(self)
+        self._ctx.router.forget_peer(self.address)      # its CUDA IPC mappings
         self._fire_lost()
         self._close_channel()
         self._channel = _ClosedChannel(self.address)
