@@ -711,7 +711,7 @@ class Engine:
         mine = None
         for other in list(_live_engines.values()):
             peer = other._peers.get(self.address)
-            if peer is not None and peer._provider is other._local and _same_process(self.address, peer.descriptor):
+            if peer is not None and other._router.reach(peer._provider, self.address, peer.descriptor) == "process":
                 mine = mine if mine is not None else self._remote_regions()
                 peer._set_regions(mine)
         if self._server is None or not self._server.sessions:

@@ -27,6 +27,7 @@ from kvflow.memory import HOST, RemoteRegion
 from kvflow.engine.blocks import Blocks, Prepared
 from kvflow.engine.gpu import remote_table
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
+from kvflow.engine.router import NATIVE, Path, Route
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
 from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
@@ -43,12 +44,12 @@ def _retrieve(task: "asyncio.Task[Any]") -> None:
 
 log = logging.getLogger("kvflow")
 
-_STAGED = object()      # _reroute(): the batch touches GPU memory
-
 _DEFAULT_PRIORITY = Priority.NORMAL      # module globals: the enum's class attribute costs a lookup
 _NORMAL_CLASS = int(Priority.NORMAL)
 
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
+# how a batch's caller takes its completion (Peer._submit)
+_AWAITED, _NOWAIT, _BLOCKING, _POSTED = range(4)
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 RESUME_BACKOFF = (0.25, 8.0)    # a lapsed peer is dialled again after these many seconds, doubling
 RESUME_FOR = 60.0               # ... for this long at least (4 keepalives if longer), then it is given up
@@ -227,27 +228,16 @@ class Peer:
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
                    for r in self._regions)
 
-    def _reroute(self, op: int, la: Any, ra: Any) -> Any:
-        """Where a batch goes when not to the native core: _STAGED (GPU
-        memory on either side: kvflow.engine.gpu), the address of the relay
-        member a write goes through (the peer's rail is not ours:
-        kvflow.engine.relay), or None (the native path)."""
-        relay = self._ctx.router.relay
-        if op == OP_WRITE and relay is not None:
-            via = relay.route(self.descriptor)
-            if via is not None:             # GPU memory too: the relay copies or stages it
-                return via
-        if (self._remote_gpu or self._ctx.router.gpu is not None) and self._staged(la, ra):
-            return _STAGED
-        return None
-
-    def _staged(self, la: Any, ra: Any) -> bool:
-        """Whether a batch reads or writes GPU memory (either side): it is
-        staged (kvflow.engine.gpu) instead of going to the native core."""
-        gpu = self._ctx.router.gpu
-        if gpu is None:
-            return bool(self._gpu_table) and self._gpu_table.any_in(np.asarray(ra, dtype=np.uint64))
-        return gpu.touches(la, ra, self._gpu_table)
+    def _route(self, op: int, la: Any, ra: Any, relay: bool = True) -> Route:
+        """The one prologue of every entry point: the batch's path, as the
+        engine's router decides it (kvflow.engine.router), asked only where
+        the batch may leave the native path (GPU memory here or there, a
+        relay group); NATIVE at once otherwise."""
+        router = self._ctx.router
+        if not (self._remote_gpu or router.rerouting):
+            return NATIVE
+        return router.path(op, la, ra, address=self.address, descriptor=self.descriptor, remote=self._gpu_table,
+                           provider=self._provider, relay=relay)
 
     def _on_regions(self, msg: dict[str, Any]) -> None:
         """A "regions" push: the peer's regions (with their rkeys) and, from
@@ -392,44 +382,70 @@ class Peer:
         """The Transfer of a posted batch (batch_id 0: completed inline)."""
         return self._ctx.batches.track(batch_id, self.address, op, nbytes, timeout)
 
-    def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                counts: Any, local_strides: Any, remote_strides: Any, priority: Any,
-                deadline: float | None) -> Transfer:
-        prio, deadline_ns = qos_args(priority, deadline)
-        first = None
-        if counts is not None or local_strides is not None or remote_strides is not None:
-            la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        status, batch_id, aux = self._channel.submit(op, la, ra, ln, prio, deadline_ns)
-        if status:
-            raise status_error(status, peer=self.address, op=op,
-                               index=aux if first is None else entry_of(first, aux))
-        t = self._track(batch_id, op, aux, timeout)
-        t._first_piece = first
-        return t
+    def _route(self, op: int, la: Any, ra: Any, relay: bool = True) -> Route:
+        """The batch's path, as the engine's router decides it
+        (kvflow.engine.router); relay=False: never through a relay member."""
+        return self._ctx.router.path(op, la, ra, address=self.address, descriptor=self.descriptor,
+                                     remote=self._gpu_table, provider=self._provider, relay=relay)
 
-    def _submit_awaited(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                        counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
-                        priority: Any = Priority.NORMAL, deadline: float | None = None,
-                        first: Any = None, refresh: bool = True) -> Awaitable[None] | None:
-        """Submits a batch its caller awaits at once: None if it already
-        completed (inline, or polled to completion on this thread: no
-        Transfer, no wake-up), else what to await. write() and read() await
-        no other coroutine on that path: on Soft-RoCE under emulation each
-        one costs as much as a tenth of the write."""
-        prio, deadline_ns = qos_args(priority, deadline)
+    def _submit(self, op: int, la: Any, ra: Any, ln: Any, mode: int, timeout: float | None = None,
+                counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                priority: Any = _DEFAULT_PRIORITY, deadline: float | None = None, after: Any = None,
+                route: Route | None = None, first: Any = None, refresh: bool = True) -> Any:
+        """The one submission path of all eight entry points (write, read,
+        their _nowait, _blocking and post_ forms), asyncpg's _execute:
+
+        1. the path, decided once per batch: by the router where the batch
+           may leave the native path (GPU memory here or there, a relay
+           group: one test of two attributes otherwise), or given (the legs
+           of a staged or relayed batch: NATIVE);
+        2. a batch off the native path, or one that waits for `after`, runs
+           as a coroutine on the loop (_routed), returned as `mode` wants it;
+        3. the options, alike for every mode: priority and deadline become
+           the native class and deadline, strided entries are expanded;
+        4. the native submission, completed as `mode` wants it: _AWAITED
+           (None when it already completed, inline or polled to completion:
+           no Transfer, no wake-up; else what to await: write() and read()
+           await no other coroutine on that path, which on Soft-RoCE under
+           emulation costs as much as a tenth of the write), _NOWAIT (a
+           Transfer), _BLOCKING (done on the calling thread, or on the loop
+           while this thread waits), _POSTED (a PostedTransfer)."""
+        if mode == _BLOCKING:
+            self._not_on_loop(op)
+        if route is None:
+            route = self._route(op, la, ra) if self._remote_gpu or self._ctx.router.rerouting else NATIVE
+        if after is not None or route is not NATIVE:
+            return self._off_native(op, la, ra, ln, mode, timeout, counts, local_strides, remote_strides,
+                                    priority, deadline, after, route)
+        if priority is _DEFAULT_PRIORITY and deadline is None:
+            prio, deadline_ns = _NORMAL_CLASS, 0
+        else:
+            prio, deadline_ns = qos_args(priority, deadline)
         if counts is not None or local_strides is not None or remote_strides is not None:
             la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln, True, prio, deadline_ns)
-        if finished:                   # status and aux are the batch's
-            if status:
-                raise batch_error(self._ctx.batches, self.address, op, status, aux, first)
-            return None
-        if status == EREMOTE and refresh and not self._session.lost:
-            return self._after_refresh(op, la, ra, ln, timeout, first, prio, deadline)
+        if mode == _AWAITED:
+            status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln, True, prio, deadline_ns)
+            if finished:                   # status and aux are the batch's
+                if status:
+                    raise batch_error(self._ctx.batches, self.address, op, status, aux, first)
+                return None
+            if status == EREMOTE and refresh and not self._session.lost:
+                return self._after_refresh(op, la, ra, ln, timeout, first, prio, deadline)
+        elif mode == _NOWAIT:
+            status, batch_id, aux = self._channel.submit(op, la, ra, ln, prio, deadline_ns)
+        elif mode == _BLOCKING:
+            provider = self._provider
+            if self.alive and provider is not None and provider.caps.detached and \
+                    self._detached(op, la, ra, ln, timeout, prio, deadline_ns, first):
+                return None
+            # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
+            return self._to_loop(self._on_loop(op, la, ra, ln, timeout, priority, deadline, first), mode)
+        else:
+            return self._posted(op, la, ra, ln, prio, deadline_ns, priority, deadline, first)
         if status:
             raise status_error(status, peer=self.address, op=op,
                                index=aux if first is None else entry_of(first, aux))
-        if batch_id == 0:
+        if batch_id == 0 and mode == _AWAITED:
             return None
         t = self._track(batch_id, op, aux, timeout)
         t._first_piece = first
@@ -439,10 +455,54 @@ class Peer:
                              first: Any, priority: int, deadline: float | None) -> None:
         # The peer may have registered memory we have not heard of yet.
         await self.refresh()
-        t = self._submit_awaited(op, la, ra, ln, timeout, priority=priority, deadline=deadline,
-                                 first=first, refresh=False)
+        t = self._submit(op, la, ra, ln, _AWAITED, timeout, priority=priority, deadline=deadline, route=NATIVE,
+                         first=first, refresh=False)
         if t is not None:
             await t
+
+    async def _on_loop(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, priority: Any,
+                       deadline: float | None, first: Any) -> None:
+        """A thread's native batch that the loop must carry (_BLOCKING,
+        _POSTED): as write() would, its entries expanded already."""
+        if self._lapsed:
+            await self._resumed(timeout)
+        t = self._submit(op, la, ra, ln, _AWAITED, timeout, priority=priority, deadline=deadline, route=NATIVE,
+                         first=first)
+        if t is not None:
+            await t
+
+    def _to_loop(self, coro: Any, mode: int) -> Any:
+        """Runs `coro` on the engine's loop for a thread: a PostedTransfer
+        of it (_POSTED), or waited for here (_BLOCKING)."""
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._ctx.loop)
+        except RuntimeError:            # the loop closed under us
+            coro.close()
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        if mode == _POSTED:
+            return PostedTransfer(future=future)
+        try:
+            future.result()
+        except concurrent.futures.CancelledError:      # the loop cancelled it while closing
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        return None
+
+    def _off_native(self, op: int, la: Any, ra: Any, ln: Any, mode: int, timeout: float | None, counts: Any,
+                    local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None, after: Any,
+                    route: Route) -> Any:
+        """A batch that leaves the native path or waits for `after` first:
+        _routed() as the coroutine to await (_AWAITED), a TaskTransfer
+        running it (_NOWAIT), or run on the loop for a thread."""
+        coro = self._routed(op, la, ra, ln, timeout, counts, local_strides, remote_strides, priority, deadline,
+                            after, route, lapse=mode in (_BLOCKING, _POSTED))
+        if mode == _AWAITED:
+            return coro
+        if mode == _NOWAIT:
+            lengths = np.asarray(ln, dtype=np.uint64)
+            nbytes = int((lengths * np.asarray(counts, dtype=np.uint64)).sum()) if counts is not None \
+                else int(lengths.sum())
+            return TaskTransfer(coro, self.address, nbytes)
+        return self._to_loop(coro, mode)
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -485,14 +545,8 @@ class Peer:
         """
         if self._lapsed:
             await self._resumed(timeout)
-        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
-            route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                await self._routed(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
-                                   remote_strides, priority, deadline, after, route)
-                return
-        t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                                 counts, local_strides, remote_strides, priority, deadline)
+        t = self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _AWAITED, timeout, counts, local_strides,
+                         remote_strides, priority, deadline, after)
         if t is not None:
             await t
         elif self._ctx.inline_turn():
@@ -508,14 +562,8 @@ class Peer:
         memory are staged."""
         if self._lapsed:
             await self._resumed(timeout)
-        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
-            route = self._reroute(OP_READ, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                await self._routed(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
-                                   remote_strides, priority, deadline, after, route)
-                return
-        t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                                 counts, local_strides, remote_strides, priority, deadline)
+        t = self._submit(OP_READ, local_addrs, remote_addrs, lengths, _AWAITED, timeout, counts, local_strides,
+                         remote_strides, priority, deadline, after)
         if t is not None:
             await t
         elif self._ctx.inline_turn():
@@ -523,9 +571,12 @@ class Peer:
 
     async def _routed(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
                       local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
-                      after: Any, route: Any) -> None:
+                      after: Any, route: Route, lapse: bool = False) -> None:
         """A batch that waits for a CUDA event first, and then goes where
-        `route` (_reroute's answer) says."""
+        `route` (the router's answer) says. lapse: a thread's batch, which
+        waits for a lapsed peer as write() does."""
+        if lapse and self._lapsed:
+            await self._resumed(timeout)
         if after is not None:
             from kvflow.providers.cuda.copier import wait_after
             loop = asyncio.get_running_loop()
@@ -539,53 +590,58 @@ class Peer:
                                            f"after= was not done within {timeout} s", peer=self.address) from None
             if timeout is not None:             # and the batch gets what is left of it
                 timeout = max(timeout - (loop.time() - started), 1e-3)
-        if route is not None and (counts is not None or local_strides is not None or remote_strides is not None):
+        if route is NATIVE:
+            t = self._submit(op, la, ra, ln, _AWAITED, timeout, counts, local_strides, remote_strides, priority,
+                             deadline, route=NATIVE)
+            if t is not None:
+                await t
+            return
+        if counts is not None or local_strides is not None or remote_strides is not None:
             la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        if route is _STAGED:
-            await self._staged_op(op, la, ra, ln, timeout)
+        if route.path is not Path.RELAYED:          # STAGED, IPC
+            await self._staged_op(op, la, ra, ln, timeout, route.reach)
             return
-        if route is not None:
-            relay = self._ctx.router.relay
-            assert relay is not None
+        relay = self._ctx.router.relay
+        assert relay is not None and route.via is not None
+        member = route.via
 
-            async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
-                if (self._remote_gpu or self._ctx.router.gpu is not None) and self._staged(l, r):
-                    await self._staged_op(OP_WRITE, l, r, n, None)
-                else:
-                    await self._host_op(OP_WRITE, l, r, n)
+        async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
+            leg = self._route(OP_WRITE, l, r, relay=False)
+            if leg is NATIVE:
+                await self._host_op(OP_WRITE, l, r, n)
+            else:
+                await self._staged_op(OP_WRITE, l, r, n, None, leg.reach)
 
-            async def relayed() -> None:
-                try:
-                    via = await self._ctx.connect(route)
-                except (PeerUnreachableError, PeerLostError) as e:
-                    log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", route, e,
-                                self.address)
-                    await direct(la, ra, ln)
-                    relay.rerouted_bytes += int(np.sum(np.asarray(ln, dtype=np.uint64)))
-                    return
-                await relay.write(self.address, via, la, ra, ln, direct)
-
+        async def relayed() -> None:
             try:
-                await asyncio.wait_for(relayed(), timeout)
-            except asyncio.TimeoutError:
-                raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
-                                           peer=self.address) from None
-            return
-        t = self._submit_awaited(op, la, ra, ln, timeout, counts, local_strides, remote_strides, priority, deadline)
-        if t is not None:
-            await t
+                via = await self._ctx.connect(member)
+            except (PeerUnreachableError, PeerLostError) as e:
+                log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", member, e,
+                            self.address)
+                await direct(la, ra, ln)
+                relay.rerouted_bytes += int(np.sum(np.asarray(ln, dtype=np.uint64)))
+                return
+            await relay.write(self.address, via, la, ra, ln, direct)
+
+        try:
+            await asyncio.wait_for(relayed(), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
+                                       peer=self.address) from None
 
     async def _host_op(self, op: int, l: Any, r: Any, n: Any) -> None:
         """One host-memory batch on the native path, no rerouting: the legs
         of a staged transfer, and a relayed write's parts written around a
         lost member."""
-        t = self._submit_awaited(op, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
-                                 np.asarray(n, dtype=np.uint64), None)
+        t = self._submit(op, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
+                         np.asarray(n, dtype=np.uint64), _AWAITED, route=NATIVE)
         if t is not None:
             await t
 
-    async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
-        gpu = self._ctx.router.staging()    # host memory here, GPU memory there: only writes land in it
+    async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, reach: str) -> None:
+        """GPU memory on either side (kvflow.engine.gpu): CUDA IPC copies
+        where `reach` (the router's) allows them, else staged."""
+        gpu = self._ctx.router.staging()
 
         async def write(l: Any, r: Any, n: Any) -> None:
             await self._host_op(OP_WRITE, l, r, n)
@@ -593,7 +649,6 @@ class Peer:
         async def read(l: Any, r: Any, n: Any) -> None:
             await self._host_op(OP_READ, l, r, n)
 
-        reach = self._ctx.router.reach(self._provider, self.address, self.descriptor)
         run = gpu.write(self, la, ra, ln, write, self._gpu_table, reach) if op == OP_WRITE else \
             gpu.read(self, la, ra, ln, read, self._gpu_table, reach)
         try:
@@ -601,15 +656,6 @@ class Peer:
         except asyncio.TimeoutError:
             raise TransferTimeoutError(f"staged transfer to {self.address} timed out after {timeout} s",
                                        peer=self.address) from None
-
-    def _task_transfer(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
-                       local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
-                       after: Any, route: Any) -> TaskTransfer:
-        lengths = np.asarray(ln, dtype=np.uint64)
-        nbytes = int((lengths * np.asarray(counts, dtype=np.uint64)).sum()) if counts is not None \
-            else int(lengths.sum())
-        return TaskTransfer(self._routed(op, la, ra, ln, timeout, counts, local_strides, remote_strides,
-                                         priority, deadline, after, route), self.address, nbytes)
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -619,26 +665,16 @@ class Peer:
         its slices still queued are dropped at once). Argument and
         validation errors raise here; transfer errors on await (for GPU
         memory, staged, and with `after`, all of them on await)."""
-        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
-            route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
-                                           local_strides, remote_strides, priority, deadline, after, route)
-        return self._nowait(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                            counts, local_strides, remote_strides, priority, deadline)
+        return self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _NOWAIT, timeout, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     def read_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
                     deadline: float | None = None, after: Any = None) -> "Transfer | TaskTransfer":
         """Starts a read and returns its Transfer."""
-        if after is not None or self._remote_gpu or self._ctx.router.rerouting:
-            route = self._reroute(OP_READ, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                return self._task_transfer(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts,
-                                           local_strides, remote_strides, priority, deadline, after, route)
-        return self._nowait(OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                            counts, local_strides, remote_strides, priority, deadline)
+        return self._submit(OP_READ, local_addrs, remote_addrs, lengths, _NOWAIT, timeout, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     # ------------------------------------------------------------ blocking callers
     def write_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
@@ -655,44 +691,28 @@ class Peer:
         after `timeout` seconds (None: no limit), once the batch drained
         (at most CANCEL_GRACE more seconds); KVFlowError when called on the
         loop's own thread (it would block the loop: await write())."""
-        self._blocking(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, priority, deadline)
+        self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, priority=priority,
+                     deadline=deadline)
 
     def read_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                       timeout: float | None = None, priority: Priority = Priority.NORMAL,
                       deadline: float | None = None) -> None:
         """read() for a thread that is not the engine's event loop; as
         write_blocking()."""
-        self._blocking(OP_READ, local_addrs, remote_addrs, lengths, timeout, priority, deadline)
+        self._submit(OP_READ, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, priority=priority,
+                     deadline=deadline)
 
-    def _blocking(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, priority: Any,
-                  deadline: float | None) -> None:
-        prio, deadline_ns = qos_args(priority, deadline)
-        loop = self._ctx.loop
+    def _not_on_loop(self, op: int) -> None:
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is loop:
+        if running is self._ctx.loop:
             raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
                               "thread would block the loop: await write()/read() there", peer=self.address)
-        rerouted = (self._remote_gpu or self._ctx.router.rerouting) and self._reroute(op, la, ra) is not None
-        if not rerouted and self.alive and self._provider is not None and self._provider.caps.detached and \
-                self._detached(op, la, ra, ln, timeout, prio, deadline_ns):
-            return
-        kw = {"timeout": timeout, "priority": prio, "deadline": deadline}
-        coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
-        try:
-            future = asyncio.run_coroutine_threadsafe(coro, loop)
-        except RuntimeError:            # the loop closed under us
-            coro.close()
-            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
-        try:
-            future.result()
-        except concurrent.futures.CancelledError:      # the loop cancelled it while closing
-            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
 
     def _detached(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, prio: int,
-                  deadline_ns: int) -> bool:
+                  deadline_ns: int, first: Any) -> bool:
         """The calling thread's own path (write_blocking): True once done,
         False where the loop must do it (the peer's table lacks the range)."""
         core = self._ctx.core
@@ -701,7 +721,8 @@ class Peer:
             if status == EREMOTE:
                 return False       # the loop path refreshes the peer's regions and retries
             if status:
-                raise status_error(status, peer=self.address, op=op, index=aux)
+                raise status_error(status, peer=self.address, op=op,
+                                   index=aux if first is None else entry_of(first, aux))
             if batch == 0:
                 return True        # completed inline
             progress = self._provider.poller(self._channel)
@@ -720,7 +741,7 @@ class Peer:
         except RuntimeError:       # the engine closed meanwhile
             raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
         if status:
-            raise batch_error(self._ctx.batches, self.address, op, status, entry, None)
+            raise batch_error(self._ctx.batches, self.address, op, status, entry, first)
         return True
 
     # ------------------------------------------------------------ posted from a thread, polled there
@@ -730,23 +751,19 @@ class Peer:
         returns at once: poll() the PostedTransfer for its completion (NIXL's
         post-then-poll; kvflow.engine.posted). Raises what write() raises
         for bad input, before anything moves."""
-        return self._post(OP_WRITE, local_addrs, remote_addrs, lengths, priority, deadline)
+        return self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _POSTED, priority=priority, deadline=deadline)
 
     def post_read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                   priority: Priority = Priority.NORMAL, deadline: float | None = None) -> PostedTransfer:
         """post_write() for a read."""
-        return self._post(OP_READ, local_addrs, remote_addrs, lengths, priority, deadline)
+        return self._submit(OP_READ, local_addrs, remote_addrs, lengths, _POSTED, priority=priority, deadline=deadline)
 
-    def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
+    def _posted(self, op: int, la: Any, ra: Any, ln: Any, prio: int, deadline_ns: int, priority: Any,
+                deadline: float | None, first: Any) -> PostedTransfer:
         # (a NIXL agent's every transfer() comes through here: attribute
         # lookups and calls are what it costs besides the copy)
-        if priority is _DEFAULT_PRIORITY and deadline is None:
-            prio, deadline_ns = _NORMAL_CLASS, 0
-        else:
-            prio, deadline_ns = qos_args(priority, deadline)
         provider = self._provider
-        rerouted = (self._remote_gpu or self._ctx.router.rerouting) and self._reroute(op, la, ra) is not None
-        if not rerouted and provider is not None and provider.caps.detached and not self._closed and \
+        if provider is not None and provider.caps.detached and not self._closed and \
                 not self._session.lost and self._channel.alive:
             try:
                 status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
@@ -756,18 +773,13 @@ class Peer:
                 if batch == 0:
                     return COMPLETED                    # it completed inline
                 return PostedTransfer(self._ctx.core, batch, error_of=lambda st, entry: batch_error(
-                    self._ctx.batches, self.address, op, st, entry, None),
-                    progress=self._provider.poller(self._channel), nbytes=aux)
+                    self._ctx.batches, self.address, op, st, entry, first),
+                    progress=provider.poller(self._channel), nbytes=aux)
             if status != EREMOTE:
-                raise status_error(status, peer=self.address, op=op, index=aux)
+                raise status_error(status, peer=self.address, op=op,
+                                   index=aux if first is None else entry_of(first, aux))
         # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
-        kw = {"priority": prio, "deadline": deadline}
-        coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
-        try:
-            return PostedTransfer(future=asyncio.run_coroutine_threadsafe(coro, self._ctx.loop))
-        except RuntimeError:
-            coro.close()
-            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        return self._to_loop(self._on_loop(op, la, ra, ln, None, priority, deadline, first), _POSTED)
 
     # ------------------------------------------------------------ notifications
     async def notify(self, data: bytes) -> None:
