@@ -678,8 +678,9 @@ class Peer:
 
     # ------------------------------------------------------------ blocking callers
     def write_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                       timeout: float | None = None, priority: Priority = Priority.NORMAL,
-                       deadline: float | None = None) -> None:
+                       timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                       remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                       deadline: float | None = None, after: Any = None) -> None:
         """write() for a thread that is not the engine's event loop (a
         blocking API such as the Mooncake-compatible one): returns once
         every byte landed. Where the provider allows it (local, tcp) the
@@ -690,17 +691,22 @@ class Peer:
         write() on the loop. Raises what write() raises; TransferTimeoutError
         after `timeout` seconds (None: no limit), once the batch drained
         (at most CANCEL_GRACE more seconds); KVFlowError when called on the
-        loop's own thread (it would block the loop: await write())."""
-        self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, priority=priority,
-                     deadline=deadline)
+        loop's own thread (it would block the loop: await write()).
+        Strided entries, priority, deadline and after as write(): a batch
+        with `after`, or one the router sends off the native path (GPU
+        memory: staged or CUDA IPC; relayed), runs on the loop while this
+        thread waits."""
+        self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, counts, local_strides,
+                     remote_strides, priority, deadline, after)
 
     def read_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                      timeout: float | None = None, priority: Priority = Priority.NORMAL,
-                      deadline: float | None = None) -> None:
+                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                      remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                      deadline: float | None = None, after: Any = None) -> None:
         """read() for a thread that is not the engine's event loop; as
         write_blocking()."""
-        self._submit(OP_READ, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, priority=priority,
-                     deadline=deadline)
+        self._submit(OP_READ, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, counts, local_strides,
+                     remote_strides, priority, deadline, after)
 
     def _not_on_loop(self, op: int) -> None:
         try:
@@ -746,17 +752,28 @@ class Peer:
 
     # ------------------------------------------------------------ posted from a thread, polled there
     def post_write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                   priority: Priority = Priority.NORMAL, deadline: float | None = None) -> PostedTransfer:
+                   counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                   priority: Priority = Priority.NORMAL, deadline: float | None = None,
+                   after: Any = None) -> PostedTransfer:
         """Starts a write from a thread that is not the engine's loop and
         returns at once: poll() the PostedTransfer for its completion (NIXL's
         post-then-poll; kvflow.engine.posted). Raises what write() raises
-        for bad input, before anything moves."""
-        return self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _POSTED, priority=priority, deadline=deadline)
+        for bad input, before anything moves. Strided entries, priority,
+        deadline and after as write() (a batch with `after`, or off the
+        native path, runs on the loop; the PostedTransfer follows it). No
+        `timeout`: this returns before anything is waited for, and the
+        thread that polls owns the waiting (PostedTransfer.wait(timeout)
+        bounds it, cancel() stops the batch)."""
+        return self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _POSTED, None, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     def post_read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                  priority: Priority = Priority.NORMAL, deadline: float | None = None) -> PostedTransfer:
+                  counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                  priority: Priority = Priority.NORMAL, deadline: float | None = None,
+                  after: Any = None) -> PostedTransfer:
         """post_write() for a read."""
-        return self._submit(OP_READ, local_addrs, remote_addrs, lengths, _POSTED, priority=priority, deadline=deadline)
+        return self._submit(OP_READ, local_addrs, remote_addrs, lengths, _POSTED, None, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     def _posted(self, op: int, la: Any, ra: Any, ln: Any, prio: int, deadline_ns: int, priority: Any,
                 deadline: float | None, first: Any) -> PostedTransfer:
