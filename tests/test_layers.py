@@ -269,3 +269,12 @@ async def test_a_connected_peer_holds_no_engine(make_engine):
     held = [*vars(peer).values(), *(getattr(ctx, s) for s in type(ctx).__slots__ if hasattr(ctx, s))]
     assert not [v for v in held if isinstance(v, kvflow.Engine)]
     assert not hasattr(peer, "_engine")
+
+
+def test_engine_metrics_reads_public_read_outs_only():
+    """engine/metrics.py summarises what the engine and its peers show
+    (engine.peers, pending_batches(), counters(); peer.channel_stats(),
+    connections()), never their private attributes."""
+    bad = [f"line {n.lineno}: .{n.attr}" for n in ast.walk(MODULES["kvflow.engine.metrics"])
+           if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")]
+    assert not bad, "engine/metrics.py reaches into privates:\n" + "\n".join(bad)

@@ -802,6 +802,11 @@ class Engine:
             log.warning("kvflow: %s: a cancelled batch was still on the wire after %g s: reset the "
                         "connections carrying it", peer, DRAIN_GRACE)
 
+    def pending_batches(self) -> int:
+        """Batches awaited through a Transfer now (the BatchTable: submitted
+        and not finished, or finished and not reaped yet)."""
+        return len(self._batches) if self._batches is not None else 0
+
     def counters(self) -> dict[str, int]:
         """Live native resources (sockets, threads, slices, batches in flight)."""
         return self._core.counters() if self._core is not None else {}

@@ -370,6 +370,14 @@ class Peer:
         inflight_bytes, failures, repairs). Empty for local."""
         return self._provider.connections(self._channel) if self._provider is not None else []
 
+    def channel_stats(self) -> dict[str, Any] | None:
+        """The native counters of the channel carrying this peer's batches
+        (kvf_chan_stats: per operation batches, bytes, failed, in flight
+        and the latency histogram; failures by status), or None once the
+        channel is closed. engine.metrics() summarises them."""
+        stats = getattr(self._channel, "stats", None)
+        return stats() if stats is not None else None
+
     def ibgda_endpoints(self) -> list[Any]:
         """rdma with Engine(rdma_ibgda=True): one IBGDA endpoint per device
         pair of this peer's channel, a QP a GPU drives itself
