@@ -21,7 +21,8 @@ from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
 from kvflow.control.wire import encode
 from kvflow.engine.blocks import Blocks
 from kvflow.engine.metrics import engine_metrics
-from kvflow.engine.peer import INLINE_TURN_NS, Peer, PeerContext  # noqa: F401 (INLINE_TURN_NS: re-exported)
+from kvflow.engine.context import INLINE_TURN_NS, PeerContext  # noqa: F401 (INLINE_TURN_NS: re-exported)
+from kvflow.engine.peer import Peer
 from kvflow.engine.router import Router
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
@@ -50,7 +51,7 @@ _PROVIDER_CLASSES: tuple[type[Provider], ...] = (LocalProvider, RdmaProvider, Tc
 PROVIDERS = tuple(c.name for c in _PROVIDER_CLASSES)
 # every reply type a provider's request() may get back
 _REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), INBOX_REPLIES)
-# (INLINE_TURN_NS, imported above from kvflow.engine.peer, was defined here:
+# (INLINE_TURN_NS, imported above from kvflow.engine.context, was defined here:
 # awaited batches that finish inline yield at least this often.)
 # How long deregister() waits for a same-host peer's copy still inside the
 # region (local provider: a copy cannot be cut off, as tcp cuts a stalled

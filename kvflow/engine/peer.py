@@ -7,7 +7,6 @@ import asyncio
 import errno
 import concurrent.futures
 import logging
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -33,9 +32,9 @@ from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
 
 if TYPE_CHECKING:
-    from kvflow.engine.router import Router
+    from kvflow.engine.context import PeerContext
 
-__all__ = ["Peer", "PeerContext"]
+__all__ = ["Peer"]
 
 
 def _retrieve(task: "asyncio.Task[Any]") -> None:
@@ -53,52 +52,6 @@ _AWAITED, _NOWAIT, _BLOCKING, _POSTED = range(4)
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 RESUME_BACKOFF = (0.25, 8.0)    # a lapsed peer is dialled again after these many seconds, doubling
 RESUME_FOR = 60.0               # ... for this long at least (4 keepalives if longer), then it is given up
-# Awaited batches that finish without suspending give the loop a turn at
-# least this often (PeerContext.inline_turn).
-INLINE_TURN_NS = 1_000_000
-
-
-class PeerContext:
-    """What a Peer may use of its engine, and nothing else (never the
-    Engine: a Peer holds no reference to it, tests/test_layers.py checks).
-    One per engine, shared by its peers; the engine builds it in start().
-
-    loop, core (the native core: detached waits and cancels), batches (the
-    BatchTable), router (each batch's path: kvflow.engine.router),
-    keepalive; the hooks: redial(peer) -> bool (dial a lapsed peer again:
-    the same incarnation?), forget(peer) (drop it from the engine's peers),
-    connect(address) -> Peer (a relay member); `closed`, set by the engine
-    when it closes (a lost peer is then not dialled again)."""
-
-    __slots__ = ("loop", "core", "batches", "router", "keepalive", "redial", "forget", "connect", "closed",
-                 "_turn_ns")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, core: Any, batches: Any, router: "Router",
-                 keepalive: float, *, redial: Callable[["Peer"], Awaitable[bool]],
-                 forget: Callable[["Peer"], None], connect: Callable[..., Awaitable["Peer"]]) -> None:
-        self.loop = loop
-        self.core = core
-        self.batches = batches
-        self.router = router
-        self.keepalive = keepalive
-        self.redial = redial
-        self.forget = forget
-        self.connect = connect
-        self.closed = False
-        self._turn_ns = 0      # when awaited batches that finished inline last yielded
-
-    def inline_turn(self) -> bool:
-        """True when an awaited write()/read() that finished without
-        suspending (inline, or polled to completion) should yield to the
-        loop: at most once per INLINE_TURN_NS. A caller awaiting small
-        same-host writes in a loop would otherwise never let the loop run."""
-        now = time.monotonic_ns()
-        if now - self._turn_ns < INLINE_TURN_NS:
-            return False
-        self._turn_ns = now
-        return True
-
-
 class Peer:
     """A remote engine this engine is connected to.
 
@@ -107,7 +60,7 @@ class Peer:
     refreshed when the peer registers or deregisters memory.
     """
 
-    def __init__(self, ctx: PeerContext, address: str, reader: asyncio.StreamReader,
+    def __init__(self, ctx: "PeerContext", address: str, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, descriptor: Descriptor, replies: frozenset[str]) -> None:
         self._ctx = ctx
         self.address = address
