@@ -63,6 +63,7 @@ class Peer:
     def __init__(self, ctx: "PeerContext", address: str, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, descriptor: Descriptor, replies: frozenset[str]) -> None:
         self._ctx = ctx
+        self._router = ctx.router       # (the write path reads it on every batch)
         self.address = address
         self.descriptor = descriptor
         self._table = _core.RemoteTable()
@@ -180,17 +181,6 @@ class Peer:
         need = 2 if write else 1
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
                    for r in self._regions)
-
-    def _route(self, op: int, la: Any, ra: Any, relay: bool = True) -> Route:
-        """The one prologue of every entry point: the batch's path, as the
-        engine's router decides it (kvflow.engine.router), asked only where
-        the batch may leave the native path (GPU memory here or there, a
-        relay group); NATIVE at once otherwise."""
-        router = self._ctx.router
-        if not (self._remote_gpu or router.rerouting):
-            return NATIVE
-        return router.path(op, la, ra, address=self.address, descriptor=self.descriptor, remote=self._gpu_table,
-                           provider=self._provider, relay=relay)
 
     def _on_regions(self, msg: dict[str, Any]) -> None:
         """A "regions" push: the peer's regions (with their rkeys) and, from
@@ -372,9 +362,15 @@ class Peer:
            Transfer), _BLOCKING (done on the calling thread, or on the loop
            while this thread waits), _POSTED (a PostedTransfer)."""
         if mode == _BLOCKING:
-            self._not_on_loop(op)
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self._ctx.loop:
+                raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event "
+                                  "loop thread would block the loop: await write()/read() there", peer=self.address)
         if route is None:
-            route = self._route(op, la, ra) if self._remote_gpu or self._ctx.router.rerouting else NATIVE
+            route = self._route(op, la, ra) if self._remote_gpu or self._router.rerouting else NATIVE
         if after is not None or route is not NATIVE:
             return self._off_native(op, la, ra, ln, mode, timeout, counts, local_strides, remote_strides,
                                     priority, deadline, after, route)
@@ -401,8 +397,26 @@ class Peer:
                 return None
             # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
             return self._to_loop(self._on_loop(op, la, ra, ln, timeout, priority, deadline, first), mode)
-        else:
-            return self._posted(op, la, ra, ln, prio, deadline_ns, priority, deadline, first)
+        else:       # _POSTED (a NIXL agent's every transfer() comes through here: each attribute
+                    # lookup and call is what it costs besides the copy)
+            provider = self._provider
+            if provider is not None and provider.caps.detached and not self._closed and \
+                    not self._session.lost and self._channel.alive:
+                try:
+                    status, batch_id, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
+                except RuntimeError:
+                    raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+                if status == 0:
+                    if batch_id == 0:
+                        return COMPLETED                    # it completed inline
+                    return PostedTransfer(self._ctx.core, batch_id, error_of=lambda st, entry: batch_error(
+                        self._ctx.batches, self.address, op, st, entry, first),
+                        progress=provider.poller(self._channel), nbytes=aux)
+                if status != EREMOTE:
+                    raise status_error(status, peer=self.address, op=op,
+                                       index=aux if first is None else entry_of(first, aux))
+            # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
+            return self._to_loop(self._on_loop(op, la, ra, ln, None, priority, deadline, first), mode)
         if status:
             raise status_error(status, peer=self.address, op=op,
                                index=aux if first is None else entry_of(first, aux))
@@ -669,15 +683,6 @@ class Peer:
         self._submit(OP_READ, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, counts, local_strides,
                      remote_strides, priority, deadline, after)
 
-    def _not_on_loop(self, op: int) -> None:
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._ctx.loop:
-            raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
-                              "thread would block the loop: await write()/read() there", peer=self.address)
-
     def _detached(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, prio: int,
                   deadline_ns: int, first: Any) -> bool:
         """The calling thread's own path (write_blocking): True once done,
@@ -735,29 +740,6 @@ class Peer:
         """post_write() for a read."""
         return self._submit(OP_READ, local_addrs, remote_addrs, lengths, _POSTED, None, counts, local_strides,
                             remote_strides, priority, deadline, after)
-
-    def _posted(self, op: int, la: Any, ra: Any, ln: Any, prio: int, deadline_ns: int, priority: Any,
-                deadline: float | None, first: Any) -> PostedTransfer:
-        # (a NIXL agent's every transfer() comes through here: attribute
-        # lookups and calls are what it costs besides the copy)
-        provider = self._provider
-        if provider is not None and provider.caps.detached and not self._closed and \
-                not self._session.lost and self._channel.alive:
-            try:
-                status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
-            except RuntimeError:
-                raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
-            if status == 0:
-                if batch == 0:
-                    return COMPLETED                    # it completed inline
-                return PostedTransfer(self._ctx.core, batch, error_of=lambda st, entry: batch_error(
-                    self._ctx.batches, self.address, op, st, entry, first),
-                    progress=provider.poller(self._channel), nbytes=aux)
-            if status != EREMOTE:
-                raise status_error(status, peer=self.address, op=op,
-                                   index=aux if first is None else entry_of(first, aux))
-        # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
-        return self._to_loop(self._on_loop(op, la, ra, ln, None, priority, deadline, first), _POSTED)
 
     # ------------------------------------------------------------ notifications
     async def notify(self, data: bytes) -> None:
