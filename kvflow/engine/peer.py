@@ -409,9 +409,8 @@ class Peer:
                 if status == 0:
                     if batch_id == 0:
                         return COMPLETED                    # it completed inline
-                    return PostedTransfer(self._ctx.core, batch_id, error_of=lambda st, entry: batch_error(
-                        self._ctx.batches, self.address, op, st, entry, first),
-                        progress=provider.poller(self._channel), nbytes=aux)
+                    return PostedTransfer(self._ctx.core, batch_id, error_of=self._error_of(op, first),
+                                          progress=provider.poller(self._channel), nbytes=aux)
                 if status != EREMOTE:
                     raise status_error(status, peer=self.address, op=op,
                                        index=aux if first is None else entry_of(first, aux))
@@ -425,6 +424,12 @@ class Peer:
         t = self._track(batch_id, op, aux, timeout)
         t._first_piece = first
         return t
+
+    def _error_of(self, op: int, first: Any) -> Callable[[int, int], KVFlowError]:
+        """A posted batch's error, from its status and failed entry. (Made
+        here, not in _submit: a closure there would make its variables
+        cells on every call.)"""
+        return lambda status, entry: batch_error(self._ctx.batches, self.address, op, status, entry, first)
 
     async def _after_refresh(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
                              first: Any, priority: int, deadline: float | None) -> None:
