@@ -7,7 +7,6 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 if TYPE_CHECKING:
-    from kvflow.engine.peer import Peer
     from kvflow.engine.router import Router
 
 __all__ = ["INLINE_TURN_NS", "PeerContext"]
@@ -33,8 +32,10 @@ class PeerContext:
                  "_turn_ns")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, core: Any, batches: Any, router: "Router",
-                 keepalive: float, *, redial: Callable[["Peer"], Awaitable[bool]],
-                 forget: Callable[["Peer"], None], connect: Callable[..., Awaitable["Peer"]]) -> None:
+                 keepalive: float, *, redial: Callable[[Any], Awaitable[bool]],
+                 forget: Callable[[Any], None], connect: Callable[..., Awaitable[Any]]) -> None:
+        # (the hooks take and give Peers: typed Any, so that this module,
+        # which peer.py imports, imports nothing of peer.py)
         self.loop = loop
         self.core = core
         self.batches = batches
