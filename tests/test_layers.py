@@ -19,7 +19,12 @@ parsed, type-only ones under TYPE_CHECKING included):
 - store/ (the KVCache pool) is built on kvflow's public API: it imports
   only `kvflow` itself (its exported names), kvflow.errors, kvflow.metadata
   and its own modules, and reaches no private attribute of the engine's
-  layers; nothing in the library imports store/ but the outer layers.
+  layers; nothing in the library imports store/ but the outer layers;
+- inside engine/: the Peer keeps no reference to the Engine (it gets a
+  PeerContext), and only engine/router.py decides a batch's path (a
+  relay's route(), GPU memory's touches(), a provider's caps.same_host,
+  caps.remote or caps.memory, a Route built, a provider compared by
+  identity).
 """
 from __future__ import annotations
 
@@ -202,3 +207,85 @@ def test_every_package_is_installed():
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvflow").rglob("__init__.py")}
     assert found - listed == set(), "packages not in pyproject.toml [tool.setuptools] packages"
     assert listed - found - {"kvflow._native"} == set(), "pyproject.toml lists packages that do not exist"
+
+
+# ------------------------------------------------------------ the engine's rooms
+# A Peer gets a PeerContext (kvflow.engine.context): what it may use of its
+# engine. Its hooks are bound methods of the engine's (as ProviderContext's
+# are), but neither the Peer nor its context holds, names or imports the Engine.
+ENGINE_PEER = ("kvflow.engine.peer", "kvflow.engine.context")
+
+
+@pytest.mark.parametrize("module", ENGINE_PEER)
+def test_the_peer_keeps_no_reference_to_the_engine(module):
+    tree = MODULES[module]
+    bad = sorted(f"imports {i}" for i in _imports(module, tree) if i.startswith("kvflow.engine.engine"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "_engine":
+            bad.append(f"line {node.lineno}: ._engine")
+        elif isinstance(node, ast.Name) and node.id == "Engine":
+            bad.append(f"line {node.lineno}: Engine")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value == "Engine":
+            bad.append(f"line {node.lineno}: 'Engine' (an annotation)")
+    assert not bad, f"{module} reaches the Engine (give the Peer what it needs in PeerContext):\n" + \
+        "\n".join(bad)
+
+
+# What decides a batch's path: a relay's route(), GPU memory's touches(),
+# a provider's declared capabilities, a Route built, or a provider compared
+# by identity (`peer._provider is engine._local`: ask its caps instead).
+PATH_CALLS = {"route", "touches"}
+PATH_CAPS = {"same_host", "remote", "memory"}
+PROVIDER_ATTRS = {"_provider", "_local", "_tcp", "_rdma"}
+ENGINE_ROUTER = "kvflow.engine.router"
+
+
+def _decides_a_path(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in PATH_CALLS:
+        return f".{node.func.attr}()"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Route":
+        return "Route()"
+    if isinstance(node, ast.Attribute) and node.attr in PATH_CAPS and isinstance(node.value, ast.Attribute) \
+            and node.value.attr == "caps":
+        return f"caps.{node.attr}"
+    if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+        sides = [node.left, *node.comparators]
+        if any(isinstance(s, ast.Attribute) and s.attr in PROVIDER_ATTRS for s in sides) and \
+                not any(isinstance(s, ast.Constant) and s.value is None for s in sides):
+            return "a provider compared by identity"
+    return None
+
+
+def test_only_the_router_decides_a_batchs_path():
+    assert ENGINE_ROUTER in MODULES, "the walk found no engine/router.py"
+    bad = []
+    for m, tree in MODULES.items():
+        if _layer(m) != "engine" or m == ENGINE_ROUTER:
+            continue
+        for node in ast.walk(tree):
+            why = _decides_a_path(node)
+            if why:
+                bad.append(f"{m}:{node.lineno} {why}")
+    assert not bad, "a path decided outside kvflow/engine/router.py (ask the router):\n" + "\n".join(bad)
+
+
+async def test_a_connected_peer_holds_no_engine(make_engine):
+    """The same at run time: nothing a Peer or its PeerContext holds is an
+    Engine (the context's hooks are the engine's bound methods, as a
+    ProviderContext's are: calls, never the object to reach into)."""
+    a = await make_engine(protocols=["local"])
+    b = await make_engine(protocols=["local"])
+    peer = await a.connect(b.address)
+    ctx = peer._ctx
+    held = [*vars(peer).values(), *(getattr(ctx, s) for s in type(ctx).__slots__ if hasattr(ctx, s))]
+    assert not [v for v in held if isinstance(v, kvflow.Engine)]
+    assert not hasattr(peer, "_engine")
+
+
+def test_engine_metrics_reads_public_read_outs_only():
+    """engine/metrics.py summarises what the engine and its peers show
+    (engine.peers, pending_batches(), counters(); peer.channel_stats(),
+    connections()), never their private attributes."""
+    bad = [f"line {n.lineno}: .{n.attr}" for n in ast.walk(MODULES["kvflow.engine.metrics"])
+           if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")]
+    assert not bad, "engine/metrics.py reaches into privates:\n" + "\n".join(bad)

@@ -41,7 +41,6 @@ def host_gpu(engine: kvflow.Engine, staging_bytes: int = 4 * SLOT) -> GpuMemory:
         register_host=lambda a, n, nm: engine._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
         deregister_host=engine.deregister, copier=lambda device: HostCopyEngine(), allocate=_numpy_memory,
         holds_host=engine._holds_host)
-    engine._rerouting = True
     return engine._gpu
 
 
@@ -433,6 +432,31 @@ async def test_staged_nowait_strided_blocking_and_posted(make_engine):
         await asyncio.sleep(0.02)
     assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
     await bounded(peer.write([s.addr], [base], [4096]))          # still usable
+
+
+async def test_strided_blocking_and_posted_reach_gpu_memory(make_engine, protocols):
+    """write_blocking and post_write take strided entries as write() does
+    (one submission path, Peer._submit), and the router sends them to the
+    peer's GPU memory too (tcp: staged; local: a direct copy)."""
+    a, b, peer = await _pair(make_engine, protocols)
+    pool = np.zeros(1 << 18, np.uint8)
+    gpu_region(b, pool, "kv_pool")
+    await bounded(peer.refresh())
+    base = peer.region("kv_pool").addr
+    src = _pattern(1 << 16, 9)
+    s = a.register(src)
+    loop = asyncio.get_running_loop()
+    strided = {"counts": [8], "local_strides": [4096], "remote_strides": [2048]}
+
+    def posted():
+        p = peer.post_write([s.addr], [base + 65536], [1024], **strided)
+        while not p.poll():
+            pass
+    await bounded(loop.run_in_executor(None, lambda: peer.write_blocking([s.addr], [base], [1024], **strided)))
+    await bounded(loop.run_in_executor(None, posted))
+    for off in (0, 65536):
+        for k in range(8):
+            assert sha(pool[off + 2048 * k: off + 2048 * k + 1024]) == sha(src[4096 * k: 4096 * k + 1024])
 
 
 async def test_after_needs_cuda(make_engine):

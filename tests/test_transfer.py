@@ -153,7 +153,7 @@ async def test_a_loop_of_awaited_writes_lets_the_loop_run(pair, local_mem):
     """Small writes that finish inline (local: copied on the caller's
     thread; tcp: polled to completion) do not suspend their coroutine. A
     caller awaiting them back to back must still let other tasks run: the
-    engine yields at least once a millisecond (Engine._inline_turn)."""
+    engine yields at least once a millisecond (PeerContext.inline_turn)."""
     p = pair
     src = local_mem(p.eng, 64 * KiB)
     src.view[:] = pattern(21, len(src.view))

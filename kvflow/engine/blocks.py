@@ -132,7 +132,9 @@ class Prepared:
     local block i to remote block j (write) or back (read); paired blocks must
     have the same length (LengthMismatchError). An index outside its list
     raises InvalidArgumentError naming it; nothing moves then. The keyword
-    arguments are those of the peer's call of the same name."""
+    arguments are those of the peer's call of the same name, but strided
+    entries: a pick is of whole blocks, each checked once when its list was
+    made; a strided piece would run outside the block that was checked."""
 
     __slots__ = ("peer", "local", "remote")
 
@@ -196,22 +198,26 @@ class Prepared:
                                      priority=priority, deadline=deadline, after=after)
 
     def write_blocking(self, local_indices: Any, remote_indices: Any = None, *, timeout: float | None = None,
-                       priority: Priority = Priority.NORMAL, deadline: float | None = None) -> None:
+                       priority: Priority = Priority.NORMAL, deadline: float | None = None,
+                       after: Any = None) -> None:
         self.peer.write_blocking(*self.pick(local_indices, remote_indices), timeout=timeout, priority=priority,
-                                 deadline=deadline)
+                                 deadline=deadline, after=after)
 
     def read_blocking(self, local_indices: Any, remote_indices: Any = None, *, timeout: float | None = None,
-                      priority: Priority = Priority.NORMAL, deadline: float | None = None) -> None:
+                      priority: Priority = Priority.NORMAL, deadline: float | None = None,
+                      after: Any = None) -> None:
         self.peer.read_blocking(*self.pick(local_indices, remote_indices), timeout=timeout, priority=priority,
-                                deadline=deadline)
+                                deadline=deadline, after=after)
 
     def post_write(self, local_indices: Any, remote_indices: Any = None, *, priority: Priority = Priority.NORMAL,
-                   deadline: float | None = None) -> "PostedTransfer":
-        return self.peer.post_write(*self.pick(local_indices, remote_indices), priority=priority, deadline=deadline)
+                   deadline: float | None = None, after: Any = None) -> "PostedTransfer":
+        return self.peer.post_write(*self.pick(local_indices, remote_indices), priority=priority, deadline=deadline,
+                                    after=after)
 
     def post_read(self, local_indices: Any, remote_indices: Any = None, *, priority: Priority = Priority.NORMAL,
-                  deadline: float | None = None) -> "PostedTransfer":
-        return self.peer.post_read(*self.pick(local_indices, remote_indices), priority=priority, deadline=deadline)
+                  deadline: float | None = None, after: Any = None) -> "PostedTransfer":
+        return self.peer.post_read(*self.pick(local_indices, remote_indices), priority=priority, deadline=deadline,
+                                   after=after)
 
     def __repr__(self) -> str:
         return f"<kvflow.Prepared {len(self.local)} local x {len(self.remote)} remote blocks, peer {self.peer.address}>"

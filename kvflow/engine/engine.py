@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 import weakref
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -22,7 +21,9 @@ from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
 from kvflow.control.wire import encode
 from kvflow.engine.blocks import Blocks
 from kvflow.engine.metrics import engine_metrics
+from kvflow.engine.context import INLINE_TURN_NS, PeerContext  # noqa: F401 (INLINE_TURN_NS: re-exported)
 from kvflow.engine.peer import Peer
+from kvflow.engine.router import Router
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
     ProviderUnavailableError, RegionBusyError
@@ -50,9 +51,8 @@ _PROVIDER_CLASSES: tuple[type[Provider], ...] = (LocalProvider, RdmaProvider, Tc
 PROVIDERS = tuple(c.name for c in _PROVIDER_CLASSES)
 # every reply type a provider's request() may get back
 _REPLIES = frozenset().union(*(c.replies for c in _PROVIDER_CLASSES), INBOX_REPLIES)
-# Awaited batches that finish without suspending give the loop a turn at
-# least this often (Engine._inline_turn).
-INLINE_TURN_NS = 1_000_000
+# (INLINE_TURN_NS, imported above from kvflow.engine.context, was defined here:
+# awaited batches that finish inline yield at least this often.)
 # How long deregister() waits for a same-host peer's copy still inside the
 # region (local provider: a copy cannot be cut off, as tcp cuts a stalled
 # payload's connection). A copy holds the region for one run of slices
@@ -304,17 +304,31 @@ class Engine:
         if staging_bytes < 2 * STAGING_SLOT:
             raise InvalidArgumentError(f"staging_bytes must be at least {2 * STAGING_SLOT} (two slots)")
         self._staging_bytes = int(staging_bytes)
-        self._gpu: GpuMemory | None = None      # made when GPU memory is first registered
         if relay is not None and not isinstance(relay, RelayGroup):
             raise InvalidArgumentError("relay= takes a kvflow.RelayGroup")
         self._relay_group = relay
-        self._relay: Relay | None = None
-        # whether a write may leave the native path (GPU memory here, a relay
-        # group): one attribute the write path tests, set when either appears
-        self._rerouting = False
+        # each batch's path (kvflow.engine.router): it holds the GPU memory
+        # (made when GPU memory is first registered) and the relay member
+        self._router = Router(self._gpu_memory, _same_process)
+        self._peer_ctx: PeerContext | None = None      # what peers may use of this engine (start())
         self._started = False
         self._closed = False
-        self._turn_ns = 0          # _inline_turn(): when awaited batches that finished inline last yielded
+
+    @property
+    def _gpu(self) -> GpuMemory | None:
+        return self._router.gpu
+
+    @_gpu.setter
+    def _gpu(self, gpu: GpuMemory | None) -> None:
+        self._router.gpu = gpu
+
+    @property
+    def _relay(self) -> Relay | None:
+        return self._router.relay
+
+    @_relay.setter
+    def _relay(self, relay: Relay | None) -> None:
+        self._router.relay = relay
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Engine":
@@ -341,6 +355,8 @@ class Engine:
         if self.receive_window and not self._core.set_receive_window(self.receive_window):
             raise MemoryError("kvflow: cannot allocate the receive window's pool")
         self._batches = BatchTable(self._core, self._loop, self._abort_batch, self._device_names)
+        self._peer_ctx = PeerContext(self._loop, self._core, self._batches, self._router, self.keepalive,
+                                     redial=self._redial, forget=self._forget_peer, connect=self.connect)
         ctx = ProviderContext(self._core, self._loop, self._batches, self._deliver, self._rekeyed,
                               self.topology, self.location, self.keepalive, _same_process,
                               process_core=_process_core, receive_window=self.receive_window)
@@ -374,7 +390,6 @@ class Engine:
                                     # not register(): the engine is not running until start() returns
                                     register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)))
                 self._relay.publish()
-                self._rerouting = True
             self._server.handlers.update(self._control_handlers())
         except OSError as e:
             await self._teardown()
@@ -474,6 +489,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._peer_ctx is not None:
+            self._peer_ctx.closed = True     # a peer lost from now on is not dialled again
         if _live_engines.get(self.address) is self:
             del _live_engines[self.address]
         if self._metadata is not None:
@@ -613,7 +630,6 @@ class Engine:
                 register_host=lambda a, n, nm: self._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
                 deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned,
                 holds_host=self._holds_host)
-            self._rerouting = True
         return self._gpu
 
     def relay_stats(self) -> dict[str, int] | None:
@@ -625,14 +641,6 @@ class Engine:
     def _holds_host(self, addr: int, n: int) -> bool:
         """Whether [addr, addr+n) lies in one of this engine's host regions."""
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end for r in self._regions.values())
-
-    def _reach(self, peer: Any) -> str:
-        """How far a peer is, for GPU memory: "process" (an engine of this
-        process, over the local provider), "host" (local provider, another
-        process), else "remote"."""
-        if peer._provider is not self._local or self._local is None:
-            return "remote"
-        return "process" if _same_process(peer.address, peer.descriptor) else "host"
 
     def deregister(self, region: Region) -> None:
         """Removes a region; returns once no peer writes into it or reads
@@ -704,7 +712,7 @@ class Engine:
         mine = None
         for other in list(_live_engines.values()):
             peer = other._peers.get(self.address)
-            if peer is not None and peer._provider is other._local and _same_process(self.address, peer.descriptor):
+            if peer is not None and other._router.reach(peer._provider, self.address, peer.descriptor) == "process":
                 mine = mine if mine is not None else self._remote_regions()
                 peer._set_regions(mine)
         if self._server is None or not self._server.sessions:
@@ -794,6 +802,11 @@ class Engine:
         if p is not None and p._abort_batch(batch_id):
             log.warning("kvflow: %s: a cancelled batch was still on the wire after %g s: reset the "
                         "connections carrying it", peer, DRAIN_GRACE)
+
+    def pending_batches(self) -> int:
+        """Batches awaited through a Transfer now (the BatchTable: submitted
+        and not finished, or finished and not reaped yet)."""
+        return len(self._batches) if self._batches is not None else 0
 
     def counters(self) -> dict[str, int]:
         """Live native resources (sockets, threads, slices, batches in flight)."""
@@ -894,7 +907,8 @@ class Engine:
                                                  keepalive=self.keepalive)
         peer = None
         try:
-            peer = Peer(self, address, reader, writer, desc, _REPLIES)
+            assert self._peer_ctx is not None
+            peer = Peer(self._peer_ctx, address, reader, writer, desc, _REPLIES)
             provider, channel = await self._open_channel(peer, desc, token)
             peer._start(provider, channel)
             log.info("kvflow: connected to %s via %s", address, provider.name)
@@ -947,17 +961,6 @@ class Engine:
                          allowed[k + 1])
         raise ProviderUnavailableError(
             f"{peer.address}: no allowed provider reaches the peer ({reason})", peer=peer.address)
-
-    def _inline_turn(self) -> bool:
-        """True when an awaited write()/read() that finished without
-        suspending (inline, or polled to completion) should yield to the
-        loop: at most once per INLINE_TURN_NS. A caller awaiting small
-        same-host writes in a loop would otherwise never let the loop run."""
-        now = time.monotonic_ns()
-        if now - self._turn_ns < INLINE_TURN_NS:
-            return False
-        self._turn_ns = now
-        return True
 
     def _forget_peer(self, peer: Peer) -> None:
         if self._peers.get(peer.address) is peer:

@@ -5,7 +5,10 @@ bytes, failures by kind, and a latency histogram, counted in the native
 core once per batch as it finishes (kvf_chan_stats: relaxed atomics, no
 Python per batch); tcp connections' bytes, moves and rebuilds; the
 receive window's pool; what is in flight; the native resources.
-kvflow.metrics exports the same numbers to Prometheus."""
+kvflow.metrics exports the same numbers to Prometheus. Read through the
+engine's and the peers' public read-outs only (engine.peers,
+engine.pending_batches(), engine.counters(), peer.channel_stats(),
+peer.connections())."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -49,7 +52,7 @@ def _op_summary(s: dict[str, Any]) -> dict[str, Any]:
 
 def peer_metrics(peer: "Peer") -> dict[str, Any] | None:
     """One peer's numbers, or None once its channel is closed."""
-    stats = peer._channel.stats() if hasattr(peer._channel, "stats") else None
+    stats = peer.channel_stats()
     if stats is None:
         return None
     conns = peer.connections()
@@ -64,13 +67,13 @@ def peer_metrics(peer: "Peer") -> dict[str, Any] | None:
 
 def engine_metrics(engine: "Engine") -> dict[str, Any]:
     peers = {}
-    for address, peer in list(engine._peers.items()):
+    for peer in engine.peers:
         m = peer_metrics(peer)
         if m is not None:
-            peers[address] = m
+            peers[peer.address] = m
     counters = engine.counters()
     return {"peers": peers,
-            "inflight": {"batches": len(engine._batches) if engine._batches is not None else 0,
+            "inflight": {"batches": engine.pending_batches(),
                          "slices": counters.get("slices_inflight", 0)},
             "resources": counters,
             "receive_window": engine.receive_window_stats()}

@@ -26,12 +26,13 @@ from kvflow.memory import HOST, RemoteRegion
 from kvflow.engine.blocks import Blocks, Prepared
 from kvflow.engine.gpu import remote_table
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
+from kvflow.engine.router import NATIVE, Path, Route
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
 from kvflow.providers.base import Provider
 from kvflow.schedule.qos import Priority, qos_args
 
 if TYPE_CHECKING:
-    from kvflow.engine.engine import Engine
+    from kvflow.engine.context import PeerContext
 
 __all__ = ["Peer"]
 
@@ -42,17 +43,15 @@ def _retrieve(task: "asyncio.Task[Any]") -> None:
 
 log = logging.getLogger("kvflow")
 
-_STAGED = object()      # _reroute(): the batch touches GPU memory
-
 _DEFAULT_PRIORITY = Priority.NORMAL      # module globals: the enum's class attribute costs a lookup
 _NORMAL_CLASS = int(Priority.NORMAL)
 
 DETACHED_SPIN = 100e-6      # spin this long before sleeping: a small batch is done by then
+# how a batch's caller takes its completion (Peer._submit)
+_AWAITED, _NOWAIT, _BLOCKING, _POSTED = range(4)
 CANCEL_GRACE = 5.0          # a timed-out blocking batch is waited for this long after its cancel
 RESUME_BACKOFF = (0.25, 8.0)    # a lapsed peer is dialled again after these many seconds, doubling
 RESUME_FOR = 60.0               # ... for this long at least (4 keepalives if longer), then it is given up
-
-
 class Peer:
     """A remote engine this engine is connected to.
 
@@ -61,9 +60,10 @@ class Peer:
     refreshed when the peer registers or deregisters memory.
     """
 
-    def __init__(self, engine: "Engine", address: str, reader: asyncio.StreamReader,
+    def __init__(self, ctx: "PeerContext", address: str, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, descriptor: Descriptor, replies: frozenset[str]) -> None:
-        self._engine = engine
+        self._ctx = ctx
+        self._router = ctx.router       # (the write path reads it on every batch)
         self.address = address
         self.descriptor = descriptor
         self._table = _core.RemoteTable()
@@ -95,7 +95,7 @@ class Peer:
         """Calls `callback(peer)` once, on the loop, when the peer is lost
         (its control connection ends) or closed; at once if it already is."""
         if self._closed or self._session.lost:
-            self._engine._loop.call_soon(callback, self)
+            self._ctx.loop.call_soon(callback, self)
         else:
             self._lost_callbacks.append(callback)
 
@@ -112,7 +112,7 @@ class Peer:
         self._channel = channel
         self._channel_closed = False
         self.transport = provider.name
-        self._session.start(self._engine.keepalive, self._close_channel)
+        self._session.start(self._ctx.keepalive, self._close_channel)
         provider.started(self.link, channel)
 
     def _close_channel(self) -> None:
@@ -168,10 +168,9 @@ class Peer:
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
         gpu_table = remote_table(regions)
-        engine_gpu = getattr(self._engine, "_gpu", None)
-        if engine_gpu is not None and getattr(self, "_gpu_table", None) is not None and \
+        if getattr(self, "_gpu_table", None) is not None and \
                 [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in gpu_table]:
-            engine_gpu.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
+            self._ctx.router.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
         self._gpu_table = gpu_table
         self._remote_gpu = bool(gpu_table)      # a plain bool: the write path tests it on every call
         self._regions = regions
@@ -182,28 +181,6 @@ class Peer:
         need = 2 if write else 1
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
                    for r in self._regions)
-
-    def _reroute(self, op: int, la: Any, ra: Any) -> Any:
-        """Where a batch goes when not to the native core: _STAGED (GPU
-        memory on either side: kvflow.engine.gpu), the address of the relay
-        member a write goes through (the peer's rail is not ours:
-        kvflow.engine.relay), or None (the native path)."""
-        relay = self._engine._relay
-        if op == OP_WRITE and relay is not None:
-            via = relay.route(self.descriptor)
-            if via is not None:             # GPU memory too: the relay copies or stages it
-                return via
-        if (self._remote_gpu or self._engine._gpu is not None) and self._staged(la, ra):
-            return _STAGED
-        return None
-
-    def _staged(self, la: Any, ra: Any) -> bool:
-        """Whether a batch reads or writes GPU memory (either side): it is
-        staged (kvflow.engine.gpu) instead of going to the native core."""
-        gpu = self._engine._gpu
-        if gpu is None:
-            return bool(self._gpu_table) and self._gpu_table.any_in(np.asarray(ra, dtype=np.uint64))
-        return gpu.touches(la, ra, self._gpu_table)
 
     def _on_regions(self, msg: dict[str, Any]) -> None:
         """A "regions" push: the peer's regions (with their rkeys) and, from
@@ -238,9 +215,9 @@ class Peer:
         if self._provider is not None and self._provider.caps.lifeline:
             self._close_channel()
         self._fire_lost()
-        if not self._closed and not self._engine._closed:
+        if not self._closed and not self._ctx.closed:
             self._lapsed = True
-            self._resume_task = self._engine._loop.create_task(self._resume())
+            self._resume_task = self._ctx.loop.create_task(self._resume())
             self._resume_task.add_done_callback(retrieve)
 
     async def _resume(self) -> bool:
@@ -251,11 +228,11 @@ class Peer:
         on the address), nobody listening there any more (refused: the
         process that was this peer is gone), or giving up: this Peer stays
         lost for good, and connect() makes a new one (False)."""
-        loop = self._engine._loop
-        delay, until = RESUME_BACKOFF[0], loop.time() + max(RESUME_FOR, 4 * self._engine.keepalive)
+        loop = self._ctx.loop
+        delay, until = RESUME_BACKOFF[0], loop.time() + max(RESUME_FOR, 4 * self._ctx.keepalive)
         while not self._closed:
             try:
-                same = await self._engine._redial(self)
+                same = await self._ctx.redial(self)
             except PeerUnreachableError as e:
                 if e.errno == errno.ECONNREFUSED:
                     log.info("kvflow: peer %s is gone (its address refuses connections)", self.address)
@@ -270,7 +247,7 @@ class Peer:
                     return True
                 log.warning("kvflow: peer %s restarted (a new incarnation): the old Peer stays lost", self.address)
                 self.superseded = True
-                self._engine._forget_peer(self)
+                self._ctx.forget(self)
                 return False
             if loop.time() + delay > until:
                 return False
@@ -297,7 +274,7 @@ class Peer:
         will not come back as the same incarnation."""
         task = self._resume_task
         if task is not None and not task.done():
-            grace = self._engine.keepalive or None
+            grace = self._ctx.keepalive or None
             wait = grace if timeout is None else timeout if grace is None else min(grace, timeout)
             try:
                 await asyncio.wait_for(asyncio.shield(task), wait)
@@ -315,7 +292,7 @@ class Peer:
         """Fetches the peer's descriptor again (regions)."""
         if self._lapsed:
             await self._resumed(timeout)
-        fut = self._engine._loop.create_future()
+        fut = self._ctx.loop.create_future()
         self._refresh_waiters.append(fut)
         self._session.send({"t": "describe"})
         await asyncio.wait_for(fut, timeout)
@@ -336,6 +313,14 @@ class Peer:
         inflight_bytes, failures, repairs). Empty for local."""
         return self._provider.connections(self._channel) if self._provider is not None else []
 
+    def channel_stats(self) -> dict[str, Any] | None:
+        """The native counters of the channel carrying this peer's batches
+        (kvf_chan_stats: per operation batches, bytes, failed, in flight
+        and the latency histogram; failures by status), or None once the
+        channel is closed. engine.metrics() summarises them."""
+        stats = getattr(self._channel, "stats", None)
+        return stats() if stats is not None else None
+
     def ibgda_endpoints(self) -> list[Any]:
         """rdma with Engine(rdma_ibgda=True): one IBGDA endpoint per device
         pair of this peer's channel, a QP a GPU drives itself
@@ -346,59 +331,158 @@ class Peer:
 
     def _track(self, batch_id: int, op: int, nbytes: int, timeout: float | None) -> Transfer:
         """The Transfer of a posted batch (batch_id 0: completed inline)."""
-        return self._engine._batches.track(batch_id, self.address, op, nbytes, timeout)
+        return self._ctx.batches.track(batch_id, self.address, op, nbytes, timeout)
 
-    def _nowait(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                counts: Any, local_strides: Any, remote_strides: Any, priority: Any,
-                deadline: float | None) -> Transfer:
-        prio, deadline_ns = qos_args(priority, deadline)
-        first = None
+    def _route(self, op: int, la: Any, ra: Any, relay: bool = True) -> Route:
+        """The batch's path, as the engine's router decides it
+        (kvflow.engine.router); relay=False: never through a relay member."""
+        return self._ctx.router.path(op, la, ra, address=self.address, descriptor=self.descriptor,
+                                     remote=self._gpu_table, provider=self._provider, relay=relay)
+
+    def _submit(self, op: int, la: Any, ra: Any, ln: Any, mode: int, timeout: float | None = None,
+                counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                priority: Any = _DEFAULT_PRIORITY, deadline: float | None = None, after: Any = None,
+                route: Route | None = None, first: Any = None, refresh: bool = True) -> Any:
+        """The one submission path of all eight entry points (write, read,
+        their _nowait, _blocking and post_ forms), asyncpg's _execute:
+
+        1. the path, decided once per batch: by the router where the batch
+           may leave the native path (GPU memory here or there, a relay
+           group: one test of two attributes otherwise), or given (the legs
+           of a staged or relayed batch: NATIVE);
+        2. a batch off the native path, or one that waits for `after`, runs
+           as a coroutine on the loop (_routed), returned as `mode` wants it;
+        3. the options, alike for every mode: priority and deadline become
+           the native class and deadline, strided entries are expanded;
+        4. the native submission, completed as `mode` wants it: _AWAITED
+           (None when it already completed, inline or polled to completion:
+           no Transfer, no wake-up; else what to await: write() and read()
+           await no other coroutine on that path, which on Soft-RoCE under
+           emulation costs as much as a tenth of the write), _NOWAIT (a
+           Transfer), _BLOCKING (done on the calling thread, or on the loop
+           while this thread waits), _POSTED (a PostedTransfer)."""
+        if mode == _BLOCKING:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self._ctx.loop:
+                raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event "
+                                  "loop thread would block the loop: await write()/read() there", peer=self.address)
+        if route is None:
+            route = self._route(op, la, ra) if self._remote_gpu or self._router.rerouting else NATIVE
+        if after is not None or route is not NATIVE:
+            return self._off_native(op, la, ra, ln, mode, timeout, counts, local_strides, remote_strides,
+                                    priority, deadline, after, route)
+        if priority is _DEFAULT_PRIORITY and deadline is None:
+            prio, deadline_ns = _NORMAL_CLASS, 0
+        else:
+            prio, deadline_ns = qos_args(priority, deadline)
         if counts is not None or local_strides is not None or remote_strides is not None:
             la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        status, batch_id, aux = self._channel.submit(op, la, ra, ln, prio, deadline_ns)
+        if mode == _AWAITED:
+            status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln, True, prio, deadline_ns)
+            if finished:                   # status and aux are the batch's
+                if status:
+                    raise batch_error(self._ctx.batches, self.address, op, status, aux, first)
+                return None
+            if status == EREMOTE and refresh and not self._session.lost:
+                return self._after_refresh(op, la, ra, ln, timeout, first, prio, deadline)
+        elif mode == _NOWAIT:
+            status, batch_id, aux = self._channel.submit(op, la, ra, ln, prio, deadline_ns)
+        elif mode == _BLOCKING:
+            provider = self._provider
+            if self.alive and provider is not None and provider.caps.detached and \
+                    self._detached(op, la, ra, ln, timeout, prio, deadline_ns, first):
+                return None
+            # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
+            return self._to_loop(self._on_loop(op, la, ra, ln, timeout, priority, deadline, first), mode)
+        else:       # _POSTED (a NIXL agent's every transfer() comes through here: each attribute
+                    # lookup and call is what it costs besides the copy)
+            provider = self._provider
+            if provider is not None and provider.caps.detached and not self._closed and \
+                    not self._session.lost and self._channel.alive:
+                try:
+                    status, batch_id, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
+                except RuntimeError:
+                    raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+                if status == 0:
+                    if batch_id == 0:
+                        return COMPLETED                    # it completed inline
+                    return PostedTransfer(self._ctx.core, batch_id, error_of=self._error_of(op, first),
+                                          progress=provider.poller(self._channel), nbytes=aux)
+                if status != EREMOTE:
+                    raise status_error(status, peer=self.address, op=op,
+                                       index=aux if first is None else entry_of(first, aux))
+            # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
+            return self._to_loop(self._on_loop(op, la, ra, ln, None, priority, deadline, first), mode)
         if status:
             raise status_error(status, peer=self.address, op=op,
                                index=aux if first is None else entry_of(first, aux))
+        if batch_id == 0 and mode == _AWAITED:
+            return None
         t = self._track(batch_id, op, aux, timeout)
         t._first_piece = first
         return t
 
-    def _submit_awaited(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
-                        counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
-                        priority: Any = Priority.NORMAL, deadline: float | None = None,
-                        first: Any = None, refresh: bool = True) -> Awaitable[None] | None:
-        """Submits a batch its caller awaits at once: None if it already
-        completed (inline, or polled to completion on this thread: no
-        Transfer, no wake-up), else what to await. write() and read() await
-        no other coroutine on that path: on Soft-RoCE under emulation each
-        one costs as much as a tenth of the write."""
-        prio, deadline_ns = qos_args(priority, deadline)
-        if counts is not None or local_strides is not None or remote_strides is not None:
-            la, ra, ln, first = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        status, batch_id, aux, finished = self._channel.submit_poll(op, la, ra, ln, True, prio, deadline_ns)
-        if finished:                   # status and aux are the batch's
-            if status:
-                raise batch_error(self._engine._batches, self.address, op, status, aux, first)
-            return None
-        if status == EREMOTE and refresh and not self._session.lost:
-            return self._after_refresh(op, la, ra, ln, timeout, first, prio, deadline)
-        if status:
-            raise status_error(status, peer=self.address, op=op,
-                               index=aux if first is None else entry_of(first, aux))
-        if batch_id == 0:
-            return None
-        t = self._track(batch_id, op, aux, timeout)
-        t._first_piece = first
-        return t
+    def _error_of(self, op: int, first: Any) -> Callable[[int, int], KVFlowError]:
+        """A posted batch's error, from its status and failed entry. (Made
+        here, not in _submit: a closure there would make its variables
+        cells on every call.)"""
+        return lambda status, entry: batch_error(self._ctx.batches, self.address, op, status, entry, first)
 
     async def _after_refresh(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None,
                              first: Any, priority: int, deadline: float | None) -> None:
         # The peer may have registered memory we have not heard of yet.
         await self.refresh()
-        t = self._submit_awaited(op, la, ra, ln, timeout, priority=priority, deadline=deadline,
-                                 first=first, refresh=False)
+        t = self._submit(op, la, ra, ln, _AWAITED, timeout, priority=priority, deadline=deadline, route=NATIVE,
+                         first=first, refresh=False)
         if t is not None:
             await t
+
+    async def _on_loop(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, priority: Any,
+                       deadline: float | None, first: Any) -> None:
+        """A thread's native batch that the loop must carry (_BLOCKING,
+        _POSTED): as write() would, its entries expanded already."""
+        if self._lapsed:
+            await self._resumed(timeout)
+        t = self._submit(op, la, ra, ln, _AWAITED, timeout, priority=priority, deadline=deadline, route=NATIVE,
+                         first=first)
+        if t is not None:
+            await t
+
+    def _to_loop(self, coro: Any, mode: int) -> Any:
+        """Runs `coro` on the engine's loop for a thread: a PostedTransfer
+        of it (_POSTED), or waited for here (_BLOCKING)."""
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._ctx.loop)
+        except RuntimeError:            # the loop closed under us
+            coro.close()
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        if mode == _POSTED:
+            return PostedTransfer(future=future)
+        try:
+            future.result()
+        except concurrent.futures.CancelledError:      # the loop cancelled it while closing
+            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        return None
+
+    def _off_native(self, op: int, la: Any, ra: Any, ln: Any, mode: int, timeout: float | None, counts: Any,
+                    local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None, after: Any,
+                    route: Route) -> Any:
+        """A batch that leaves the native path or waits for `after` first:
+        _routed() as the coroutine to await (_AWAITED), a TaskTransfer
+        running it (_NOWAIT), or run on the loop for a thread."""
+        coro = self._routed(op, la, ra, ln, timeout, counts, local_strides, remote_strides, priority, deadline,
+                            after, route, lapse=mode in (_BLOCKING, _POSTED))
+        if mode == _AWAITED:
+            return coro
+        if mode == _NOWAIT:
+            lengths = np.asarray(ln, dtype=np.uint64)
+            nbytes = int((lengths * np.asarray(counts, dtype=np.uint64)).sum()) if counts is not None \
+                else int(lengths.sum())
+            return TaskTransfer(coro, self.address, nbytes)
+        return self._to_loop(coro, mode)
 
     async def write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -441,17 +525,11 @@ class Peer:
         """
         if self._lapsed:
             await self._resumed(timeout)
-        if after is not None or self._remote_gpu or self._engine._rerouting:
-            route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                await self._routed(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
-                                   remote_strides, priority, deadline, after, route)
-                return
-        t = self._submit_awaited(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                                 counts, local_strides, remote_strides, priority, deadline)
+        t = self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _AWAITED, timeout, counts, local_strides,
+                         remote_strides, priority, deadline, after)
         if t is not None:
             await t
-        elif self._engine._inline_turn():
+        elif self._ctx.inline_turn():
             await asyncio.sleep(0)
 
     async def read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
@@ -464,24 +542,21 @@ class Peer:
         memory are staged."""
         if self._lapsed:
             await self._resumed(timeout)
-        if after is not None or self._remote_gpu or self._engine._rerouting:
-            route = self._reroute(OP_READ, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                await self._routed(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts, local_strides,
-                                   remote_strides, priority, deadline, after, route)
-                return
-        t = self._submit_awaited(OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                                 counts, local_strides, remote_strides, priority, deadline)
+        t = self._submit(OP_READ, local_addrs, remote_addrs, lengths, _AWAITED, timeout, counts, local_strides,
+                         remote_strides, priority, deadline, after)
         if t is not None:
             await t
-        elif self._engine._inline_turn():
+        elif self._ctx.inline_turn():
             await asyncio.sleep(0)
 
     async def _routed(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
                       local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
-                      after: Any, route: Any) -> None:
+                      after: Any, route: Route, lapse: bool = False) -> None:
         """A batch that waits for a CUDA event first, and then goes where
-        `route` (_reroute's answer) says."""
+        `route` (the router's answer) says. lapse: a thread's batch, which
+        waits for a lapsed peer as write() does."""
+        if lapse and self._lapsed:
+            await self._resumed(timeout)
         if after is not None:
             from kvflow.providers.cuda.copier import wait_after
             loop = asyncio.get_running_loop()
@@ -495,55 +570,58 @@ class Peer:
                                            f"after= was not done within {timeout} s", peer=self.address) from None
             if timeout is not None:             # and the batch gets what is left of it
                 timeout = max(timeout - (loop.time() - started), 1e-3)
-        if route is not None and (counts is not None or local_strides is not None or remote_strides is not None):
+        if route is NATIVE:
+            t = self._submit(op, la, ra, ln, _AWAITED, timeout, counts, local_strides, remote_strides, priority,
+                             deadline, route=NATIVE)
+            if t is not None:
+                await t
+            return
+        if counts is not None or local_strides is not None or remote_strides is not None:
             la, ra, ln, _ = _expanded(la, ra, ln, counts, local_strides, remote_strides)
-        if route is _STAGED:
-            await self._staged_op(op, la, ra, ln, timeout)
+        if route.path is not Path.RELAYED:          # STAGED, IPC
+            await self._staged_op(op, la, ra, ln, timeout, route.reach)
             return
-        if route is not None:
-            relay = self._engine._relay
-            assert relay is not None
+        relay = self._ctx.router.relay
+        assert relay is not None and route.via is not None
+        member = route.via
 
-            async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
-                if (self._remote_gpu or self._engine._gpu is not None) and self._staged(l, r):
-                    await self._staged_op(OP_WRITE, l, r, n, None)
-                else:
-                    await self._host_op(OP_WRITE, l, r, n)
+        async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
+            leg = self._route(OP_WRITE, l, r, relay=False)
+            if leg is NATIVE:
+                await self._host_op(OP_WRITE, l, r, n)
+            else:
+                await self._staged_op(OP_WRITE, l, r, n, None, leg.reach)
 
-            async def relayed() -> None:
-                try:
-                    via = await self._engine.connect(route)
-                except (PeerUnreachableError, PeerLostError) as e:
-                    log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", route, e,
-                                self.address)
-                    await direct(la, ra, ln)
-                    relay.rerouted_bytes += int(np.sum(np.asarray(ln, dtype=np.uint64)))
-                    return
-                await relay.write(self.address, via, la, ra, ln, direct)
-
+        async def relayed() -> None:
             try:
-                await asyncio.wait_for(relayed(), timeout)
-            except asyncio.TimeoutError:
-                raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
-                                           peer=self.address) from None
-            return
-        t = self._submit_awaited(op, la, ra, ln, timeout, counts, local_strides, remote_strides, priority, deadline)
-        if t is not None:
-            await t
+                via = await self._ctx.connect(member)
+            except (PeerUnreachableError, PeerLostError) as e:
+                log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", member, e,
+                            self.address)
+                await direct(la, ra, ln)
+                relay.rerouted_bytes += int(np.sum(np.asarray(ln, dtype=np.uint64)))
+                return
+            await relay.write(self.address, via, la, ra, ln, direct)
+
+        try:
+            await asyncio.wait_for(relayed(), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
+                                       peer=self.address) from None
 
     async def _host_op(self, op: int, l: Any, r: Any, n: Any) -> None:
         """One host-memory batch on the native path, no rerouting: the legs
         of a staged transfer, and a relayed write's parts written around a
         lost member."""
-        t = self._submit_awaited(op, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
-                                 np.asarray(n, dtype=np.uint64), None)
+        t = self._submit(op, np.asarray(l, dtype=np.uint64), np.asarray(r, dtype=np.uint64),
+                         np.asarray(n, dtype=np.uint64), _AWAITED, route=NATIVE)
         if t is not None:
             await t
 
-    async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None) -> None:
-        gpu = self._engine._gpu
-        if gpu is None:             # host memory here, GPU memory there: only writes land in it
-            gpu = self._engine._gpu_memory()
+    async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, reach: str) -> None:
+        """GPU memory on either side (kvflow.engine.gpu): CUDA IPC copies
+        where `reach` (the router's) allows them, else staged."""
+        gpu = self._ctx.router.staging()
 
         async def write(l: Any, r: Any, n: Any) -> None:
             await self._host_op(OP_WRITE, l, r, n)
@@ -551,7 +629,6 @@ class Peer:
         async def read(l: Any, r: Any, n: Any) -> None:
             await self._host_op(OP_READ, l, r, n)
 
-        reach = self._engine._reach(self)
         run = gpu.write(self, la, ra, ln, write, self._gpu_table, reach) if op == OP_WRITE else \
             gpu.read(self, la, ra, ln, read, self._gpu_table, reach)
         try:
@@ -559,15 +636,6 @@ class Peer:
         except asyncio.TimeoutError:
             raise TransferTimeoutError(f"staged transfer to {self.address} timed out after {timeout} s",
                                        peer=self.address) from None
-
-    def _task_transfer(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, counts: Any,
-                       local_strides: Any, remote_strides: Any, priority: Any, deadline: float | None,
-                       after: Any, route: Any) -> TaskTransfer:
-        lengths = np.asarray(ln, dtype=np.uint64)
-        nbytes = int((lengths * np.asarray(counts, dtype=np.uint64)).sum()) if counts is not None \
-            else int(lengths.sum())
-        return TaskTransfer(self._routed(op, la, ra, ln, timeout, counts, local_strides, remote_strides,
-                                         priority, deadline, after, route), self.address, nbytes)
 
     def write_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
@@ -577,31 +645,22 @@ class Peer:
         its slices still queued are dropped at once). Argument and
         validation errors raise here; transfer errors on await (for GPU
         memory, staged, and with `after`, all of them on await)."""
-        if after is not None or self._remote_gpu or self._engine._rerouting:
-            route = self._reroute(OP_WRITE, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                return self._task_transfer(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, counts,
-                                           local_strides, remote_strides, priority, deadline, after, route)
-        return self._nowait(OP_WRITE, local_addrs, remote_addrs, lengths, timeout,
-                            counts, local_strides, remote_strides, priority, deadline)
+        return self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _NOWAIT, timeout, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     def read_nowait(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
                     timeout: float | None = None, counts: Any = None, local_strides: Any = None,
                     remote_strides: Any = None, priority: Priority = Priority.NORMAL,
                     deadline: float | None = None, after: Any = None) -> "Transfer | TaskTransfer":
         """Starts a read and returns its Transfer."""
-        if after is not None or self._remote_gpu or self._engine._rerouting:
-            route = self._reroute(OP_READ, local_addrs, remote_addrs)
-            if after is not None or route is not None:
-                return self._task_transfer(OP_READ, local_addrs, remote_addrs, lengths, timeout, counts,
-                                           local_strides, remote_strides, priority, deadline, after, route)
-        return self._nowait(OP_READ, local_addrs, remote_addrs, lengths, timeout,
-                            counts, local_strides, remote_strides, priority, deadline)
+        return self._submit(OP_READ, local_addrs, remote_addrs, lengths, _NOWAIT, timeout, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     # ------------------------------------------------------------ blocking callers
     def write_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                       timeout: float | None = None, priority: Priority = Priority.NORMAL,
-                       deadline: float | None = None) -> None:
+                       timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                       remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                       deadline: float | None = None, after: Any = None) -> None:
         """write() for a thread that is not the engine's event loop (a
         blocking API such as the Mooncake-compatible one): returns once
         every byte landed. Where the provider allows it (local, tcp) the
@@ -612,54 +671,35 @@ class Peer:
         write() on the loop. Raises what write() raises; TransferTimeoutError
         after `timeout` seconds (None: no limit), once the batch drained
         (at most CANCEL_GRACE more seconds); KVFlowError when called on the
-        loop's own thread (it would block the loop: await write())."""
-        self._blocking(OP_WRITE, local_addrs, remote_addrs, lengths, timeout, priority, deadline)
+        loop's own thread (it would block the loop: await write()).
+        Strided entries, priority, deadline and after as write(): a batch
+        with `after`, or one the router sends off the native path (GPU
+        memory: staged or CUDA IPC; relayed), runs on the loop while this
+        thread waits."""
+        self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, counts, local_strides,
+                     remote_strides, priority, deadline, after)
 
     def read_blocking(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                      timeout: float | None = None, priority: Priority = Priority.NORMAL,
-                      deadline: float | None = None) -> None:
+                      timeout: float | None = None, counts: Any = None, local_strides: Any = None,
+                      remote_strides: Any = None, priority: Priority = Priority.NORMAL,
+                      deadline: float | None = None, after: Any = None) -> None:
         """read() for a thread that is not the engine's event loop; as
         write_blocking()."""
-        self._blocking(OP_READ, local_addrs, remote_addrs, lengths, timeout, priority, deadline)
-
-    def _blocking(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, priority: Any,
-                  deadline: float | None) -> None:
-        prio, deadline_ns = qos_args(priority, deadline)
-        loop = self._engine._loop
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            raise KVFlowError(f"{'write' if op == OP_WRITE else 'read'}_blocking() on the engine's event loop "
-                              "thread would block the loop: await write()/read() there", peer=self.address)
-        rerouted = (self._remote_gpu or self._engine._rerouting) and self._reroute(op, la, ra) is not None
-        if not rerouted and self.alive and self._provider is not None and self._provider.caps.detached and \
-                self._detached(op, la, ra, ln, timeout, prio, deadline_ns):
-            return
-        kw = {"timeout": timeout, "priority": prio, "deadline": deadline}
-        coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
-        try:
-            future = asyncio.run_coroutine_threadsafe(coro, loop)
-        except RuntimeError:            # the loop closed under us
-            coro.close()
-            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
-        try:
-            future.result()
-        except concurrent.futures.CancelledError:      # the loop cancelled it while closing
-            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        self._submit(OP_READ, local_addrs, remote_addrs, lengths, _BLOCKING, timeout, counts, local_strides,
+                     remote_strides, priority, deadline, after)
 
     def _detached(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, prio: int,
-                  deadline_ns: int) -> bool:
+                  deadline_ns: int, first: Any) -> bool:
         """The calling thread's own path (write_blocking): True once done,
         False where the loop must do it (the peer's table lacks the range)."""
-        core = self._engine._core
+        core = self._ctx.core
         try:
             status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
             if status == EREMOTE:
                 return False       # the loop path refreshes the peer's regions and retries
             if status:
-                raise status_error(status, peer=self.address, op=op, index=aux)
+                raise status_error(status, peer=self.address, op=op,
+                                   index=aux if first is None else entry_of(first, aux))
             if batch == 0:
                 return True        # completed inline
             progress = self._provider.poller(self._channel)
@@ -678,54 +718,33 @@ class Peer:
         except RuntimeError:       # the engine closed meanwhile
             raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
         if status:
-            raise batch_error(self._engine._batches, self.address, op, status, entry, None)
+            raise batch_error(self._ctx.batches, self.address, op, status, entry, first)
         return True
 
     # ------------------------------------------------------------ posted from a thread, polled there
     def post_write(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                   priority: Priority = Priority.NORMAL, deadline: float | None = None) -> PostedTransfer:
+                   counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                   priority: Priority = Priority.NORMAL, deadline: float | None = None,
+                   after: Any = None) -> PostedTransfer:
         """Starts a write from a thread that is not the engine's loop and
         returns at once: poll() the PostedTransfer for its completion (NIXL's
         post-then-poll; kvflow.engine.posted). Raises what write() raises
-        for bad input, before anything moves."""
-        return self._post(OP_WRITE, local_addrs, remote_addrs, lengths, priority, deadline)
+        for bad input, before anything moves. Strided entries, priority,
+        deadline and after as write() (a batch with `after`, or off the
+        native path, runs on the loop; the PostedTransfer follows it). No
+        `timeout`: this returns before anything is waited for, and the
+        thread that polls owns the waiting (PostedTransfer.wait(timeout)
+        bounds it, cancel() stops the batch)."""
+        return self._submit(OP_WRITE, local_addrs, remote_addrs, lengths, _POSTED, None, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     def post_read(self, local_addrs: Any, remote_addrs: Any, lengths: Any, *,
-                  priority: Priority = Priority.NORMAL, deadline: float | None = None) -> PostedTransfer:
+                  counts: Any = None, local_strides: Any = None, remote_strides: Any = None,
+                  priority: Priority = Priority.NORMAL, deadline: float | None = None,
+                  after: Any = None) -> PostedTransfer:
         """post_write() for a read."""
-        return self._post(OP_READ, local_addrs, remote_addrs, lengths, priority, deadline)
-
-    def _post(self, op: int, la: Any, ra: Any, ln: Any, priority: Any, deadline: float | None) -> PostedTransfer:
-        # (a NIXL agent's every transfer() comes through here: attribute
-        # lookups and calls are what it costs besides the copy)
-        if priority is _DEFAULT_PRIORITY and deadline is None:
-            prio, deadline_ns = _NORMAL_CLASS, 0
-        else:
-            prio, deadline_ns = qos_args(priority, deadline)
-        provider = self._provider
-        rerouted = (self._remote_gpu or self._engine._rerouting) and self._reroute(op, la, ra) is not None
-        if not rerouted and provider is not None and provider.caps.detached and not self._closed and \
-                not self._session.lost and self._channel.alive:
-            try:
-                status, batch, aux = self._channel.submit_detached(op, la, ra, ln, prio, deadline_ns)
-            except RuntimeError:
-                raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
-            if status == 0:
-                if batch == 0:
-                    return COMPLETED                    # it completed inline
-                return PostedTransfer(self._engine._core, batch, error_of=lambda st, entry: batch_error(
-                    self._engine._batches, self.address, op, st, entry, None),
-                    progress=self._provider.poller(self._channel), nbytes=aux)
-            if status != EREMOTE:
-                raise status_error(status, peer=self.address, op=op, index=aux)
-        # the loop's path (rdma; or the peer's table lacks the range: it is asked again)
-        kw = {"priority": prio, "deadline": deadline}
-        coro = self.write(la, ra, ln, **kw) if op == OP_WRITE else self.read(la, ra, ln, **kw)
-        try:
-            return PostedTransfer(future=asyncio.run_coroutine_threadsafe(coro, self._engine._loop))
-        except RuntimeError:
-            coro.close()
-            raise PeerLostError(f"peer {self.address}: the engine was closed", peer=self.address) from None
+        return self._submit(OP_READ, local_addrs, remote_addrs, lengths, _POSTED, None, counts, local_strides,
+                            remote_strides, priority, deadline, after)
 
     # ------------------------------------------------------------ notifications
     async def notify(self, data: bytes) -> None:
@@ -759,9 +778,8 @@ class Peer:
         self._closed = True
         if self._resume_task is not None:
             self._resume_task.cancel()
-        self._engine._forget_peer(self)
-        if self._engine._gpu is not None:
-            self._engine._gpu.forget_peer(self.address)      # its CUDA IPC mappings
+        self._ctx.forget(self)
+        self._ctx.router.forget_peer(self.address)      # its CUDA IPC mappings
         self._fire_lost()
         self._close_channel()
         self._channel = _ClosedChannel(self.address)
