@@ -36,7 +36,7 @@ from typing import Any
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import DurabilityError, ObjectBusyError, error_code
-from .model import MAX_KEY_BYTES, Object, State, StoreModel
+from .model import MAX_KEY_BYTES, Object, StoreModel
 from .wire import FrameBuffer, encode, item_error, item_ok
 
 __all__ = ["Master", "Session", "METHODS"]
@@ -361,11 +361,9 @@ class Master:
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key
         # (an [1, code, message] item only for a bad key) keeps it small
-        objects = self.model.objects
         if all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
             # valid keys all (the common case): no per-key call or try
-            complete = State.COMPLETE
-            return [(o := objects.get(k)) is not None and o.state is complete for k in keys]
+            return self.model.exist_many(keys)
         return _per_item(keys, self.model.exists, wrap=None)
 
     def _batch_size(self, cid: str, now: float, keys: list) -> list:

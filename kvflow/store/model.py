@@ -462,6 +462,12 @@ class StoreModel:
         obj = self.objects.get(key)
         return obj is not None and obj.state is State.COMPLETE
 
+    def exist_many(self, keys: list[str]) -> list[bool]:
+        """exists() of each of `keys`, which the caller checked are valid
+        keys. The LRU order holds exactly the COMPLETE objects' keys."""
+        lru = self._lru
+        return [k in lru for k in keys]
+
     def size(self, key: str) -> int:
         return self._complete(key).size
 
