@@ -340,7 +340,14 @@ class Master:
         return {"segments": segments, "items": out}
 
     def _batch_put_end(self, cid: str, now: float, items: list) -> list:
-        return _per_item(items, lambda it: self.model.put_end(cid, it[0], it[1]))
+        put_end = self.model.put_end
+        out = []
+        for it in items:                # _per_item's loop, inline
+            try:
+                out.append([0, put_end(cid, it[0], it[1])])
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
 
     def _batch_put_revoke(self, cid: str, now: float, keys: list, token: int | None = None) -> list:
         return _per_item(keys, lambda key: self.model.put_revoke(cid, key, token))
@@ -349,11 +356,24 @@ class Master:
         segments: dict = {}
         lease = self.model.new_lease(now)
 
-        def replicas(key: Any) -> Any:
-            obj = self.model.get_replicas(key, now, lease)
-            return [obj.size, self._replicas(obj, segments)]
-
-        return {"segments": segments, "items": _per_item(keys, replicas), "lease": lease}
+        model = self.model
+        get_replicas = model.get_replicas
+        out = []
+        for key in keys:                # _per_item's loop and _replicas, inline
+            try:
+                obj = get_replicas(key, now, lease)
+                rows = []
+                for r in obj.replicas:
+                    sid = r.segment
+                    seg = model.segments[sid]
+                    if sid not in segments:
+                        c = model.clients[seg.client]
+                        segments[sid] = [c.id, c.engine, c.host]
+                    rows.append([sid, seg.base + r.offset])
+                out.append([0, [obj.size, rows]])
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return {"segments": segments, "items": out, "lease": lease}
 
     def _release_lease(self, cid: str, now: float, lease: int) -> None:
         self.model.release_lease(lease, now)

@@ -392,14 +392,17 @@ class StoreModel:
         if done is not None and done.state is State.COMPLETE and done.writer == client_id:
             return len(done.replicas)
         obj = self._pending(client_id, key)
-        failed = set(failed_segments)
-        keep = []
-        for r in obj.replicas:
-            if r.segment in failed:
-                self._free(key, r)
-            else:
-                keep.append(r)
-        obj.replicas = keep
+        if type(failed_segments) in (list, tuple) and not failed_segments:
+            keep = obj.replicas             # every replica written (the common case)
+        else:
+            failed = set(failed_segments)
+            keep = []
+            for r in obj.replicas:
+                if r.segment in failed:
+                    self._free(key, r)
+                else:
+                    keep.append(r)
+            obj.replicas = keep
         self.clients[client_id].writing.discard(key)
         if not keep:
             del self.objects[key]
