@@ -566,3 +566,21 @@ async def test_prefer_local_puts_the_first_replica_in_the_own_segment():
             holders = [master.model.segments[r.segment].client for r in reps]
             assert holders[0] == a.client_id and holders[1] != a.client_id
             assert await b.get(f"local/{i}") == b"x" * 5000
+
+
+async def test_batch_exists_blocking_answers_from_another_thread_and_falls_back():
+    async with _pool(1, ("tcp",), master_tcp=True) as (master, (a,)):
+        await a.put("here", b"x" * 100)
+        loop = asyncio.get_running_loop()
+        ask = lambda keys: loop.run_in_executor(None, a.batch_exists_blocking, keys)  # noqa: E731
+        assert await ask(["here", "absent"]) == [True, False]
+        assert await ask(["here", ""]) is None                  # a bad key: batch_exists says why
+        assert a.batch_exists_blocking(["here"]) is None       # the loop's own thread never blocks
+        await a.remove("here")
+        assert await ask(["here"]) == [False]
+        # the query connection is no client: it closing loses nothing
+        a._query.close()
+        assert await ask(["absent"]) == [False]
+        assert (await a.stats())["clients"] == 1
+    async with _pool(1, ("tcp",)) as (master, (b,)):              # an in-process master: the loop's path
+        assert await asyncio.get_running_loop().run_in_executor(None, b.batch_exists_blocking, ["k"]) is None

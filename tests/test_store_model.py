@@ -158,7 +158,7 @@ def test_two_phase_put_is_invisible_until_put_end():
     m = _model()
     reps = m.put_start("c0", "k", 1000, 2, now=0)
     assert len(reps) == 2 and len({m.segments[r.segment].client for r in reps}) == 2
-    assert not m.exists("k")
+    assert not m.exists("k") and m.exist_many(["k"]) == [False]
     with pytest.raises(ObjectNotFoundError):
         m.get_replicas("k", now=0)
     with pytest.raises(ObjectNotFoundError):
@@ -169,6 +169,7 @@ def test_two_phase_put_is_invisible_until_put_end():
         m.put_end("c1", "k")               # only the writer commits
     assert m.put_end("c0", "k") == 2
     assert m.exists("k") and m.size("k") == 1000
+    assert m.exist_many(["k", "other"]) == [True, False]
     assert m.objects["k"].state is State.COMPLETE
     # immutable: a second put of the key is a no-op success
     assert m.put_start("c1", "k", 1000, 1, now=0) is None

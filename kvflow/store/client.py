@@ -30,6 +30,7 @@ import bisect
 import functools
 import itertools
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -48,7 +49,7 @@ from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableEr
                      ReplicaUnavailableError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .model import MAX_KEY_BYTES, check_key
-from .rpc import HeartbeatThread, MasterLink, TcpMasterLink, connect_master
+from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 
 __all__ = ["StoreClient", "Replica"]
 
@@ -97,6 +98,25 @@ def _replica_rows(reply: dict) -> tuple[list, dict]:
     """A put_start/get_replicas reply: its items, and its segments table
     (segment id -> [client, engine, host])."""
     return reply["items"], reply["segments"]
+
+
+def _one_part(key: Any, ps: Any, starts: list[int], ends: list[int]) -> int:
+    """The size of an object given as one (int address, int size) part of
+    registered host memory under a plain valid key; 0 for anything else
+    (then the caller's full checks run and raise the right error)."""
+    if type(key) is not str or not key or len(key) > MAX_KEY_BYTES // 4 or type(ps) is not list \
+            or len(ps) != 1:
+        return 0
+    p = ps[0]
+    if type(p) is not tuple or len(p) != 2:
+        return 0
+    a, n = p
+    if type(a) is not int or type(n) is not int or a <= 0 or n <= 0:
+        return 0
+    i = bisect.bisect_right(starts, a) - 1
+    if i < 0 or a + n > ends[i]:
+        return 0
+    return n
 
 
 def _result(item: Any, key: str) -> Any:
@@ -165,6 +185,8 @@ class StoreClient:
         self.lease_ttl = 5.0
         self.replica_fallbacks = 0      # reads that went on to another replica
         self._put_tokens = itertools.count(1)
+        self._query: BlockingQuery | None = None
+        self._loop_thread: int | None = None
         self._started = False
         self._closed = False
 
@@ -195,6 +217,7 @@ class StoreClient:
         if self._started:
             return self
         self._started = True
+        self._loop_thread = threading.get_ident()
         try:
             if self.engine is None:
                 self.engine = kvflow.Engine(self._listen, protocols=self._protocols)
@@ -275,6 +298,9 @@ class StoreClient:
             await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
         if self._link is not None:
             await self._link.close()
+        if (q := self._query) is not None:
+            self._query = None
+            q.close()
         if self._finder is not None:
             await self._finder.close()
         if self._embedded is not None:
@@ -401,7 +427,13 @@ class StoreClient:
         todo: list[int] = []
         sizes: list[int] = []
         regions = self._regions()
+        starts, ends_ = regions
         for i, (key, ps) in enumerate(zip(keys, parts)):
+            n = _one_part(key, ps, starts, ends_)
+            if n:                                       # the common case, checked inline
+                todo.append(i)
+                sizes.append(n)
+                continue
             try:
                 check_key(key)
                 if not ps:
@@ -544,7 +576,11 @@ class StoreClient:
         results: list[Any] = [None] * len(keys)
         todo = []
         regions = self._regions()
+        starts, ends = regions
         for i, (key, ps) in enumerate(zip(keys, parts)):
+            if _one_part(key, ps, starts, ends):       # the common case, checked inline
+                todo.append(i)
+                continue
             try:
                 check_key(key)
                 if not ps:
@@ -710,6 +746,35 @@ class StoreClient:
     async def batch_exists(self, keys: Sequence[str]) -> list:
         """One round trip for any number of keys."""
         return await self._keyed("batch_exists", keys)
+
+    def batch_exists_blocking(self, keys: Sequence[str]) -> list | None:
+        """batch_exists for a caller on another thread than the client's
+        loop (a synchronous API): straight to the master on a blocking
+        socket of its own, one round trip, no hop to the loop and back.
+        The same answers as batch_exists (a list of bools); None when this
+        path cannot serve the call (an in-process master, a key that needs
+        batch_exists' per-key checks, the master unreachable on it): then
+        call batch_exists on the loop, which says what went wrong."""
+        link = self._link
+        if self._closed or link is None or link.closed or not isinstance(link, (TcpMasterLink, FollowingLink)):
+            return None
+        if not all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
+            return None
+        address = link.address
+        if address is None or threading.get_ident() == self._loop_thread:
+            return None                 # no leader known; or the loop's own thread: never block it
+        q = self._query
+        if q is None or q.address != address:
+            if q is not None:
+                q.close()
+            q = self._query = BlockingQuery(address, self.timeout)
+        try:
+            items = q.call("batch_exists", list(keys))
+        except KVFlowError:
+            return None
+        if isinstance(items, list) and len(items) == len(keys) and all(type(x) is bool for x in items):
+            return items
+        return None
 
     @_with_timeout
     async def size(self, key: str) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import DurabilityError, ObjectBusyError, error_code
-from .model import Object, StoreModel
+from .model import MAX_KEY_BYTES, Object, StoreModel
 from .wire import FrameBuffer, encode, item_error, item_ok
 
 __all__ = ["Master", "Session", "METHODS"]
@@ -312,19 +312,42 @@ class Master:
     def _batch_put_start(self, cid: str, now: float, items: list, token: int = 0) -> dict:
         segments: dict = {}
         seen: set = set()
-
-        def start(it: Any) -> Any:
-            key, size, replica_num, preferred, pin = it
-            if key in seen:         # a retried put_start returns its replicas again: not one key twice
-                raise ObjectBusyError(f"{key!r} appears twice in one put", key=key)
-            seen.add(key)
-            reps = self.model.put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin, token=token)
-            return None if reps is None else self._replicas(self.model.objects[key], segments)
-
-        return {"segments": segments, "items": _per_item(items, start)}
+        model = self.model
+        put_start = model.put_start
+        out = []
+        # _per_item's loop, inline: this is the hottest call of a batch put
+        for it in items:
+            try:
+                key, size, replica_num, preferred, pin = it
+                if key in seen:     # a retried put_start returns its replicas again: not one key twice
+                    raise ObjectBusyError(f"{key!r} appears twice in one put", key=key)
+                seen.add(key)
+                reps = put_start(cid, key, size, replica_num, now, preferred=preferred, pin=pin, token=token)
+                if reps is None:
+                    out.append([0, None])
+                    continue
+                rows = []
+                for r in reps:
+                    sid = r.segment
+                    seg = model.segments[sid]
+                    if sid not in segments:
+                        c = model.clients[seg.client]
+                        segments[sid] = [c.id, c.engine, c.host]
+                    rows.append([sid, seg.base + r.offset])
+                out.append([0, rows])
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return {"segments": segments, "items": out}
 
     def _batch_put_end(self, cid: str, now: float, items: list) -> list:
-        return _per_item(items, lambda it: self.model.put_end(cid, it[0], it[1]))
+        put_end = self.model.put_end
+        out = []
+        for it in items:                # _per_item's loop, inline
+            try:
+                out.append([0, put_end(cid, it[0], it[1])])
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return out
 
     def _batch_put_revoke(self, cid: str, now: float, keys: list, token: int | None = None) -> list:
         return _per_item(keys, lambda key: self.model.put_revoke(cid, key, token))
@@ -333,11 +356,24 @@ class Master:
         segments: dict = {}
         lease = self.model.new_lease(now)
 
-        def replicas(key: Any) -> Any:
-            obj = self.model.get_replicas(key, now, lease)
-            return [obj.size, self._replicas(obj, segments)]
-
-        return {"segments": segments, "items": _per_item(keys, replicas), "lease": lease}
+        model = self.model
+        get_replicas = model.get_replicas
+        out = []
+        for key in keys:                # _per_item's loop and _replicas, inline
+            try:
+                obj = get_replicas(key, now, lease)
+                rows = []
+                for r in obj.replicas:
+                    sid = r.segment
+                    seg = model.segments[sid]
+                    if sid not in segments:
+                        c = model.clients[seg.client]
+                        segments[sid] = [c.id, c.engine, c.host]
+                    rows.append([sid, seg.base + r.offset])
+                out.append([0, [obj.size, rows]])
+            except KVFlowError as e:
+                out.append(item_error(error_code(e), str(e)))
+        return {"segments": segments, "items": out, "lease": lease}
 
     def _release_lease(self, cid: str, now: float, lease: int) -> None:
         self.model.release_lease(lease, now)
@@ -345,6 +381,9 @@ class Master:
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key
         # (an [1, code, message] item only for a bad key) keeps it small
+        if all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
+            # valid keys all (the common case): no per-key call or try
+            return self.model.exist_many(keys)
         return _per_item(keys, self.model.exists, wrap=None)
 
     def _batch_size(self, cid: str, now: float, keys: list) -> list:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from kvflow.errors import InvalidArgumentError
 
-from .allocator import Allocator
+from .allocator import ALIGN, Allocator
 from .errors import (InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
                      ObjectNotFoundError, SegmentError, StoreError)
 from .placement import place
@@ -156,6 +156,10 @@ class StoreModel:
         # what changed since the master last wrote to etcd (None: not tracked)
         self.dirty_objects: set[str] | None = None
         self.dirty_segments: set[int] | None = None
+        # (segments, all attached, largest capacity), rebuilt after any
+        # change to the segments (mount, restore, re-attach, drop): a put
+        # reads it per key instead of walking every segment three times
+        self._seg_view: tuple[list[Segment], bool, int] | None = None
 
     def track(self) -> None:
         """Starts recording changes for durability (see the module's doc)."""
@@ -212,12 +216,14 @@ class StoreModel:
                 continue
             if not seg.attached and seg.base == base and seg.size == size:
                 seg.attached = True         # re-attached after a restart: same id, same objects
+                self._seg_view = None
                 return seg.id
             raise SegmentError(f"client {client_id} already mounted a segment named {name!r}")
         sid = self._next_segment
         self._next_segment += 1
         seg = self.segments[sid] = Segment(sid, client_id, str(name), base, size, Allocator(size))
         self._capacity += seg.alloc.capacity
+        self._seg_view = None
         c.segments.add(sid)
         if self.dirty_segments is not None:
             self.dirty_segments.add(sid)
@@ -232,6 +238,7 @@ class StoreModel:
             c = self.clients[client_id] = Client(client_id, host, engine, now, recovered=True)
         seg = self.segments[sid] = Segment(sid, client_id, name, base, size, Allocator(size), attached=False)
         self._capacity += seg.alloc.capacity
+        self._seg_view = None
         c.segments.add(sid)
         self._next_segment = max(self._next_segment, sid + 1)
         return seg
@@ -310,11 +317,14 @@ class StoreModel:
         key is in progress; NoSpaceError when nothing fits even after
         eviction."""
         c = self._client(client_id)
-        check_key(key)
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise InvalidArgumentError(f"object size must be a positive int, not {size!r}", )
-        if not isinstance(replica_num, int) or replica_num < 1:
-            raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
+        if type(key) is not str or not key or len(key) > MAX_KEY_BYTES // 4:
+            check_key(key)
+        if type(size) is not int or size <= 0:
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise InvalidArgumentError(f"object size must be a positive int, not {size!r}", )
+        if type(replica_num) is not int or replica_num < 1:
+            if not isinstance(replica_num, int) or replica_num < 1:
+                raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
         old = self.objects.get(key)
         if old is not None:
             if old.state is State.COMPLETE:
@@ -327,7 +337,8 @@ class StoreModel:
                 # link retried it): the same replicas, nothing allocated twice
                 return old.replicas
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
-        if not any(s.alloc.capacity >= size for s in self.segments.values()):
+        view = self._seg_view or self._segments_view()
+        if size > view[2]:
             # larger than every segment: no eviction could help, so none is done
             raise NoSpaceError(f"no segment can hold {size} bytes ({len(self.segments)} segments, "
                                f"the largest {max((s.size for s in self.segments.values()), default=0)})",
@@ -339,7 +350,17 @@ class StoreModel:
             self.release_quarantine(now)
             if self._used + need > self.high_watermark * cap:
                 self._evict(self._used + need - int(self.low_watermark * cap), now)
-        chosen = self._place(size, replica_num, preferred)
+        segs, attached, _ = view
+        if attached and replica_num == 1 and preferred is None and len(segs) <= 2:
+            # place()'s common case inline: one replica, at most two segments
+            need = (size + ALIGN - 1) // ALIGN * ALIGN
+            fitting = [s for s in segs if need <= s.alloc.largest_free]
+            if len(fitting) == 2:
+                chosen = place(fitting, size, 1, rng=self._rng)
+            else:
+                chosen = fitting
+        else:
+            chosen = self._place(size, replica_num, preferred)
         if not chosen and self.release_quarantine(now):
             chosen = self._place(size, replica_num, preferred)
         while not chosen and self._evict_one(now):      # fragmentation: evict until one fits
@@ -371,14 +392,17 @@ class StoreModel:
         if done is not None and done.state is State.COMPLETE and done.writer == client_id:
             return len(done.replicas)
         obj = self._pending(client_id, key)
-        failed = set(failed_segments)
-        keep = []
-        for r in obj.replicas:
-            if r.segment in failed:
-                self._free(key, r)
-            else:
-                keep.append(r)
-        obj.replicas = keep
+        if type(failed_segments) in (list, tuple) and not failed_segments:
+            keep = obj.replicas             # every replica written (the common case)
+        else:
+            failed = set(failed_segments)
+            keep = []
+            for r in obj.replicas:
+                if r.segment in failed:
+                    self._free(key, r)
+                else:
+                    keep.append(r)
+            obj.replicas = keep
         self.clients[client_id].writing.discard(key)
         if not keep:
             del self.objects[key]
@@ -440,6 +464,12 @@ class StoreModel:
         check_key(key)
         obj = self.objects.get(key)
         return obj is not None and obj.state is State.COMPLETE
+
+    def exist_many(self, keys: list[str]) -> list[bool]:
+        """exists() of each of `keys`, which the caller checked are valid
+        keys. The LRU order holds exactly the COMPLETE objects' keys."""
+        lru = self._lru
+        return [k in lru for k in keys]
 
     def size(self, key: str) -> int:
         return self._complete(key).size
@@ -523,8 +553,8 @@ class StoreModel:
         the attached ones cannot hold (right after a failover, before the
         holders are back: gets already read from them, and a write to a
         holder that is gone fails like any other, per replica)."""
-        segs = list(self.segments.values())
-        if all(s.attached for s in segs):
+        segs, attached, _ = self._seg_view or self._segments_view()
+        if attached:
             return place(segs, size, replica_num, preferred=preferred, rng=self._rng)
         chosen = place([s for s in segs if s.attached], size, replica_num, preferred=preferred, rng=self._rng)
         if len(chosen) < replica_num:
@@ -532,6 +562,11 @@ class StoreModel:
             chosen += place([s for s in segs if not s.attached and s.id not in taken], size,
                             replica_num - len(chosen), preferred=preferred, rng=self._rng)
         return chosen
+
+    def _segments_view(self) -> tuple[list[Segment], bool, int]:
+        segs = list(self.segments.values())
+        self._seg_view = (segs, all(s.attached for s in segs), max((s.alloc.capacity for s in segs), default=0))
+        return self._seg_view
 
     def _client(self, client_id: str) -> Client:
         c = self.clients.get(client_id)
@@ -587,6 +622,7 @@ class StoreModel:
             elif obj.state is State.COMPLETE and self.dirty_objects is not None:
                 self.dirty_objects.add(key)
         del self.segments[seg.id]
+        self._seg_view = None
         if self.dirty_segments is not None:
             self.dirty_segments.add(seg.id)
         self._capacity -= seg.alloc.capacity

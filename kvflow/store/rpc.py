@@ -17,9 +17,9 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import MasterUnavailableError, error_from_code
 from .master import Master, Session
-from .wire import FrameBuffer, encode
+from .wire import MAX_FRAME, FrameBuffer, encode
 
-__all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "HeartbeatThread", "connect_master"]
+__all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "HeartbeatThread", "BlockingQuery", "connect_master"]
 
 
 class MasterLink:
@@ -162,6 +162,71 @@ async def connect_master(master: "str | Master", *, timeout: float = 5.0) -> Mas
     if isinstance(master, str):
         return await TcpMasterLink.open(master, timeout=timeout)
     raise InvalidArgumentError(f"master must be 'host:port' or a Master, not {type(master).__name__}")
+
+
+class BlockingQuery:
+    """Read-only calls (batch_exists) from the caller's own thread on a
+    blocking socket of their own: no hop to the client's event loop and
+    back, which is most of a small query's cost for a synchronous caller
+    (the Mooncake API). The connection registers as no client (the master
+    answers batch_exists and stats to anyone), so its closing loses no
+    one. One call at a time (a lock); any failure closes the socket and
+    raises MasterUnavailableError, and the caller falls back to its link."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            try:
+                if self._sock is None:
+                    host, _, port = self.address.rpartition(":")
+                    self._sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+                    self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                rid = next(self._ids)
+                self._sock.sendall(encode([rid, method, list(args)]))
+                msg = self._read()
+            except (OSError, ValueError, ProtocolError) as e:
+                self.close()
+                raise MasterUnavailableError(f"master {self.address}: {e or 'closed'}") from None
+        if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == rid):
+            self.close()
+            raise MasterUnavailableError(f"master {self.address}: malformed reply")
+        _, failed, result = msg
+        if failed:
+            code, message, key = result
+            raise error_from_code(code, message, key)
+        return result
+
+    def _read(self) -> Any:
+        buf = bytearray()
+        need = 4
+        while len(buf) < need:
+            chunk = self._sock.recv(max(need - len(buf), 65536))
+            if not chunk:
+                raise ProtocolError("connection closed")
+            buf += chunk
+            if need == 4 and len(buf) >= 4:
+                n = int.from_bytes(buf[:4], "big")
+                if n > MAX_FRAME:
+                    raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+                need = 4 + n
+        if len(buf) != need:        # one call at a time: nothing may follow the reply
+            raise ProtocolError("unexpected bytes after the reply")
+        msgs = FrameBuffer().feed(bytes(buf))
+        return msgs[0]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
 
 
 class HeartbeatThread(threading.Thread):

@@ -665,6 +665,9 @@ class MooncakeDistributedStore:
             return self._fail_all(len(keys), self._not_ready(), STORE_INTERNAL_ERROR)
         if not keys:
             return []
+        found = self._client.batch_exists_blocking(keys)     # no hop to the loop thread
+        if found is not None:
+            return [1 if r else 0 for r in found]
         try:
             found = self._call(self._client.batch_exists(keys))
         except KVFlowError as e:
