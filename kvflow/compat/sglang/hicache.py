@@ -204,8 +204,8 @@ class KVFlowHiCacheStorage(HiCacheStorage):
             if not isinstance(b, torch.Tensor) or b.device.type != "cpu" or not b.is_contiguous():
                 raise InvalidArgumentError("KVFlowHiCacheStorage needs contiguous CPU host buffers")
             span = (b.data_ptr(), b.numel() * b.element_size())
-            self._regions.append(self._thread.call_sync(self.client.register_buffer, span,
-                                                        name=f"hicache:{span[0]:#x}"))
+            self._regions.append(self._thread.call_sync(
+                lambda: self.client.register_buffer(span, name=f"hicache:{span[0]:#x}")))
 
     # ------------------------------------------------------------ interface_v1
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
