@@ -175,3 +175,37 @@ def test_misuse_before_register_and_bad_config(sg):
     with pytest.raises(ValueError):         # SGLang's own check of the dynamic config
         StorageBackendFactory.create_backend("dynamic", sg.storage_config(False, 0, 1, {"backend_name": "x"}),
                                              None)
+
+
+def _master_calls(backend, make) -> int:
+    """Master calls that `make()`'s callable makes: the master counts every
+    call it answers; heartbeats (one a second) only add, so the least of
+    three tries is the call's own count."""
+    counts = []
+    for _ in range(3):
+        fn = make()
+        before = backend.pool_stats()["calls"]
+        fn()
+        counts.append(backend.pool_stats()["calls"] - before - 1)     # less the second stats call
+    return min(counts)
+
+
+def test_one_master_round_trip_per_batch(built):
+    import uuid
+    import torch
+    sg, pool, backend = built
+    slots = torch.arange(8, 8 + 12 * 8)
+    fresh = lambda: [uuid.uuid4().hex for _ in range(12)]      # noqa: E731
+    keys = fresh()
+    assert _master_calls(backend, lambda: lambda: backend.batch_exists(keys)) == 1
+    assert _master_calls(backend, lambda: lambda: backend.batch_exists(keys * 10)) == 1
+    # a first backup: one exists, one put_start, one put_end
+    assert _master_calls(backend, lambda: (lambda k: lambda: backend.batch_set_v1(k, slots))(fresh())) == 3
+    # every page present: the exists call only, and nothing written
+    backend.batch_set_v1(keys, slots)
+    w = backend.counters.pages_written
+    assert _master_calls(backend, lambda: lambda: backend.batch_set_v1(keys, slots)) == 1
+    assert backend.counters.pages_written == w
+    # a get: one round trip for every page's replicas, then the lease's
+    # release as a one-way notice (no reply waited for)
+    assert _master_calls(backend, lambda: lambda: backend.batch_get_v1(keys, torch.arange(128, 128 + 12 * 8))) == 2

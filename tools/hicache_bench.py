@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in args.systems.split(","):
                 r = _run(system, shape, args)
                 runs.append(r)
-                print(json.dumps({k: v for k, v in r.items() if not k.endswith("_s")}), file=sys.stderr, flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k not in ("set_s", "get_s")}), file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)

@@ -299,6 +299,11 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         parts = [_parts(a, s) for a, s in zip(target_locations, target_sizes)]
         return all(self._call(self._set(self.object_keys(keys), parts)))
 
+    def pool_stats(self) -> dict:
+        """The master's view of the pool (objects, space, evictions, calls
+        it has answered) and this backend's counters under "hicache"."""
+        return {**self._call(self.client.stats()), "hicache": self.counters.as_dict()}
+
     # ------------------------------------------------------------ lifecycle
     def clear(self) -> None:
         """Removes every object of the pool that no get holds (all models',
