@@ -18,7 +18,9 @@ CPU host pool (MHATokenToKVPoolHost, page_first, bf16), per round
 batch_set_v1 of --batch new pages (SGLang's backup: an exists call, then
 the missing pages) and batch_exists + batch_get_v1 of them (SGLang's
 prefetch), every byte compared after the timed calls; median of --rounds
-rounds after one warm-up round. Holders: tools/store_bench.py's.
+rounds after one warm-up round (systems alternate, their order turning
+each repeat); the holder's segment keeps every round's
+pages (--remove: removed after each round). Holders: tools/store_bench.py's.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def _run(system: str, shape: str, args) -> dict:
         page, layers, heads, dim = SHAPES[shape]
         a = {"mla": False, "layout": "page_first", "tokens": (2 * args.batch + 4) * page // 2 + page, "page": page,
              "layers": layers, "heads": heads, "dim": dim, "batch": args.batch, "rounds": args.rounds,
-             "remove": True}
+             "remove": args.remove}
         if system == "kvflow":
             a.update(backend="dynamic", extra={"backend_name": "kvflow", "module_path": "kvflow.compat.sglang.hicache",
                                                "class_name": "KVFlowHiCacheStorage", "interface_v1": 1,
@@ -123,11 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per system, alternating")
     p.add_argument("--segment", type=int, default=512 << 20)
     p.add_argument("--json", help="write every run here")
+    p.add_argument("--remove", action="store_true",
+                   help="remove every object after each round (kvflow.store: the next put is then slower)")
     args = p.parse_args(argv)
     runs = []
-    for _ in range(args.repeat):
+    systems = args.systems.split(",")
+    for rep in range(args.repeat):
         for shape in args.shapes.split(","):
-            for system in args.systems.split(","):
+            # the order turns each repeat (no system always first after a
+            # change of shape), and a pause lets the last run's processes go
+            for system in systems[rep % len(systems):] + systems[:rep % len(systems)]:
+                time.sleep(2.0)
                 r = _run(system, shape, args)
                 runs.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k not in ("set_s", "get_s")}), file=sys.stderr, flush=True)
