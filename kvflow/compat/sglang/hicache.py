@@ -61,7 +61,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvflow.compat.mooncake.waiting import run_blocking
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError
-from kvflow.store import MasterUnavailableError, StoreClient, StoreTimeoutError
+from kvflow.store import StoreClient, StoreTimeoutError
 
 __all__ = ["KVFlowHiCacheStorage", "HiCacheCounters"]
 
@@ -317,7 +317,7 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         self._closed = True
         try:
             self._call(self.client.close())
-        except (KVFlowError, MasterUnavailableError) as e:
+        except KVFlowError as e:      # the master is gone: leaving is done anyway
             log.debug("kvflow hicache: close: %s", e)
         self._thread.close()
 
