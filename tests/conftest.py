@@ -72,8 +72,9 @@ LOOP_MARKS = {
     "test_liveness.py": ("slow",), "test_soak.py": ("slow",), "test_soak_rdma.py": ("slow",),
     "test_rdma_vm.py": ("slow",), "test_fuzz.py": ("slow",), "test_cuda_standin.py": ("slow",),
     "test_local_fence.py": ("slow",), "test_failover.py": ("slow",), "test_incast.py": ("slow",),
+    "test_bench.py": ("e2e",),
 }
-LOOP_LEAVES_OUT = ("interop", "e2e", "slow")
+LOOP_LEAVES_OUT = ("interop", "e2e", "slow", "vllm")
 
 
 def _whole_loop(config) -> bool:

@@ -393,6 +393,7 @@ def test_prefill_ideal_is_a_bound_that_one_unlimited_cache_reaches(conversation)
     assert excess["least_loaded"] > 1.1 > excess["kvcache"] >= 1 - 1e-9
 
 
+@pytest.mark.slow   # replays of the trace: out of the local loop
 def test_ttft_ordering_of_the_papers_figure(conversation):
     """[FAST'25] Fig. 5: random >> load balancing > cache-aware >
     KVCache-centric, by average TTFT, on the conversation trace."""
@@ -402,6 +403,7 @@ def test_ttft_ordering_of_the_papers_figure(conversation):
     assert mean["least_loaded"] > mean["prefix_greedy"] > mean["kvcache"]
 
 
+@pytest.mark.slow   # replays of the trace: out of the local loop
 def test_early_rejection_wastes_less_prefill(conversation):
     """Under overload (14 prefill + 2 decode at 4x, where the decode pool
     saturates), rejecting before prefill wastes less prefill than rejecting
@@ -428,6 +430,7 @@ def test_capacity_search_brackets_and_bisects(conversation):
         assert below[f"attainment_tbt_{int(c.tbt_s * 1000)}ms"] >= 0.9
 
 
+@pytest.mark.slow   # replays of the trace: out of the local loop
 def test_capacity_with_admission_replays_each_threshold(conversation):
     """With `rejection`, every threshold gets its own replays (admission
     depends on the TBT SLO), refused requests count as misses, and the gate
@@ -451,6 +454,7 @@ def test_summary_and_percentiles():
     assert percentile([5], 90) == 5
 
 
+@pytest.mark.slow   # replays of the trace: out of the local loop
 def test_replay_cli_json_and_plots(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvflow.conductor.replay", "--trace", CONV, "--limit", "400",
                           "--policy", "kvcache,least_loaded", "--speedup", "1,4", "--prefill", "2",
