@@ -60,6 +60,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "sleeps", "200000"),
     Variable("KVFLOW_NIXL_HOST", "the address kvflow.compat.nixl agents' engines listen on and publish in "
              "their metadata (set one other hosts reach)", "127.0.0.1"),
+    Variable("KVFLOW_STORE_MASTER", "the kvflow.store master kvflow's SGLang HiCache backend joins "
+             "(host:port, a comma list, or etcd://host:port/cluster) when its extra config names none",
+             "none (an embedded master)"),
     Variable("KVFLOW_NIXL_PROTOCOLS", "comma-separated kvflow providers kvflow.compat.nixl agents may use "
              "(local, rdma, tcp)", "all (kvflow picks per peer)"),
 )}

@@ -26,7 +26,7 @@ answer relayed as it comes. What it adds is the choice:
   ``--cache-blocks``.
 - **Time models fitted online** (`online`): every prefill that ran alone on
   its instance refits the prefill model (tokens, cached tokens, seconds),
-  every decode the decode model; ``--calibrate`` measures a few prefills
+  every streamed decode the decode model (seconds between its tokens); ``--calibrate`` measures a few prefills
   of each instance at start so that the first requests are not routed on
   the defaults.
 - **Algorithm 1** (``--policy kvcache``, Mooncake's, the default) or any of
@@ -367,11 +367,16 @@ class PDRouter:
                 await resp.prepare(request)
                 streamed = body.get("stream") is True
                 tail = b""
+                first = last = 0.0       # when the first and the last streamed tokens came
                 try:
                     async for chunk in r.content.iter_any():
                         await resp.write(chunk)
                         if streamed:
-                            out_tokens += chunk.count(b"data: {")
+                            n = chunk.count(b"data: {")
+                            if n:
+                                last = loop.time()
+                                first = first or last
+                                out_tokens += n
                         else:
                             tail += chunk
                 except (asyncio.TimeoutError, aiohttp.ClientError):
@@ -388,14 +393,17 @@ class PDRouter:
         finally:
             d.in_flight -= 1
         t2 = loop.time()
-        if not streamed:
+        if streamed:
+            # A decode step is what separates streamed tokens: the time to
+            # the first one is the KV's transfer and the queue, not a step.
+            if out_tokens >= 2 and last > first:
+                self.conductor.decode_model = self.fit.add_decode(batch, len(tokens) + out_tokens // 2,
+                                                                  (last - first) / (out_tokens - 1))
+        else:
             try:
                 out_tokens = int(json.loads(tail)["usage"]["completion_tokens"])
             except (ValueError, KeyError, TypeError):
                 out_tokens = 0
-        if out_tokens > 0:
-            self.conductor.decode_model = self.fit.add_decode(batch, len(tokens) + out_tokens // 2,
-                                                              (t2 - t1) / out_tokens)
         c.on_decode_done(rid, t2, out_tokens or None)
         self.served += 1
         return resp

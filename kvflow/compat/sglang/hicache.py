@@ -50,7 +50,6 @@ match the keys, unsupported layouts) raises a typed kvflow error.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -59,6 +58,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvflow.compat.mooncake.waiting import run_blocking
+from kvflow.config import env_str
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError
 from kvflow.store import StoreClient, StoreTimeoutError
@@ -117,7 +117,7 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         segment = _int_option(extra, "global_segment_size", 1 << 30)
         replica_num = _int_option(extra, "replica_num", 1, low=1)
         timeout = float(extra.get("timeout", 10.0))
-        master = extra.get("master_server_addr") or os.environ.get("KVFLOW_STORE_MASTER") or None
+        master = extra.get("master_server_addr") or env_str("KVFLOW_STORE_MASTER")
         if isinstance(master, str) and "," in master and "://" not in master:
             master = [a.strip() for a in master.split(",") if a.strip()]
         self.config = storage_config
