@@ -8,7 +8,7 @@ import errno
 import concurrent.futures
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 

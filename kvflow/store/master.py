@@ -36,7 +36,7 @@ from typing import Any
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import DurabilityError, ObjectBusyError, error_code
-from .model import MAX_KEY_BYTES, Object, StoreModel
+from .model import MAX_KEY_BYTES, StoreModel
 from .wire import FrameBuffer, encode, item_error, item_ok
 
 __all__ = ["Master", "Session", "METHODS"]
@@ -296,24 +296,26 @@ class Master:
             raise InvalidArgumentError(f"segment {segment} is not this client's")
         return self.model.unmount(segment)
 
-    def _replicas(self, obj: Object, segments: dict) -> list:
+    def _replicas(self, replicas: list, segments: dict) -> list:
         """[[segment id, address], ...]; each segment's holder goes into
         `segments` once per reply (segment id -> [client, engine, host]), not
         once per replica: a 64-key reply is a third of the bytes."""
+        model = self.model
         out = []
-        for r in obj.replicas:
-            seg = self.model.segments[r.segment]
-            if seg.id not in segments:
-                c = self.model.clients[seg.client]
-                segments[seg.id] = [c.id, c.engine, c.host]
-            out.append([seg.id, seg.base + r.offset])
+        for r in replicas:
+            sid = r.segment
+            seg = model.segments[sid]
+            if sid not in segments:
+                c = model.clients[seg.client]
+                segments[sid] = [c.id, c.engine, c.host]
+            out.append([sid, seg.base + r.offset])
         return out
 
     def _batch_put_start(self, cid: str, now: float, items: list, token: int = 0) -> dict:
         segments: dict = {}
         seen: set = set()
-        model = self.model
-        put_start = model.put_start
+        put_start = self.model.put_start
+        replicas = self._replicas
         out = []
         # _per_item's loop, inline: this is the hottest call of a batch put
         for it in items:
@@ -326,15 +328,7 @@ class Master:
                 if reps is None:
                     out.append([0, None])
                     continue
-                rows = []
-                for r in reps:
-                    sid = r.segment
-                    seg = model.segments[sid]
-                    if sid not in segments:
-                        c = model.clients[seg.client]
-                        segments[sid] = [c.id, c.engine, c.host]
-                    rows.append([sid, seg.base + r.offset])
-                out.append([0, rows])
+                out.append([0, replicas(reps, segments)])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return {"segments": segments, "items": out}
@@ -356,21 +350,13 @@ class Master:
         segments: dict = {}
         lease = self.model.new_lease(now)
 
-        model = self.model
-        get_replicas = model.get_replicas
+        get_replicas = self.model.get_replicas
         out = []
-        for key in keys:                # _per_item's loop and _replicas, inline
+        replicas = self._replicas
+        for key in keys:                # _per_item's loop, inline
             try:
                 obj = get_replicas(key, now, lease)
-                rows = []
-                for r in obj.replicas:
-                    sid = r.segment
-                    seg = model.segments[sid]
-                    if sid not in segments:
-                        c = model.clients[seg.client]
-                        segments[sid] = [c.id, c.engine, c.host]
-                    rows.append([sid, seg.base + r.offset])
-                out.append([0, [obj.size, rows]])
+                out.append([0, [obj.size, replicas(obj.replicas, segments)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return {"segments": segments, "items": out, "lease": lease}
