@@ -32,10 +32,10 @@ class OnlineFit:
     prefill: PrefillModel
     decode: DecodeModel
     window: int = 256
-    prefill_samples: deque = field(default_factory=deque)
-    prefill_prior: list = field(default_factory=list)
-    decode_samples: deque = field(default_factory=deque)
     refits: int = 0
+    prefill_samples: deque = field(init=False)
+    decode_samples: deque = field(init=False)
+    prefill_prior: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.prefill_samples = deque(maxlen=self.window)
