@@ -57,7 +57,8 @@ from kvflow.control.wire import (
     read_message,
 )
 from kvflow.control.auth import NONCE_BYTES, check_proof, proof
-from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
+from kvflow.control.descriptor import Descriptor, regions_from_wire
+from kvflow.providers.rdma.part import rdma_from_wire
 from kvflow.memory import Access, RemoteRegion
 
 FUZZ_SCALE = float(os.environ.get("KVFLOW_FUZZ_SCALE", "1"))

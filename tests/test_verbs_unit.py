@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvflow
-from kvflow.control.descriptor import rdma_from_wire
+from kvflow.providers.rdma.part import rdma_from_wire
 from kvflow.errors import ProtocolError, RemoteAccessError
 from kvflow.status import status_error
 
@@ -97,3 +97,26 @@ def test_worker_posts_on_software_devices_only(tmp_path, monkeypatch):
         monkeypatch.setenv("KVFLOW_RDMA_WORKER_POSTS", bad)
         with pytest.raises(kvflow.InvalidArgumentError):
             rdma.choose_worker_posts("rxe0", sysfs=str(tmp_path))
+
+
+def test_the_rdma_part_is_the_providers_own():
+    """The descriptor carries rdma's part under "rdma" on the wire (as
+    before), decoded by the rdma package's registered decoder; control/
+    has no decoder of a provider's part of its own, refuses a part that
+    would shadow one of its fields, and leaves out a part that no imported
+    provider registered."""
+    from kvflow.control import descriptor as d
+
+    assert d._PARTS["rdma"] is rdma_from_wire
+    part = {"devices": [{"name": "rxe0", "gid": bytes(16), "lid": 0, "mtu": 3}], "probe": [4096, [7], b"c"]}
+    desc = d.Descriptor(address="h:1", incarnation=1, host="h", pid=1, process=b"p", probe_addr=4096,
+                        probe_cookie=b"c", data=[("h", 2)], regions=[], generation=0, providers={"rdma": part})
+    wire = desc.to_wire()
+    assert wire["rdma"] is part and "providers" not in wire
+    back = d.Descriptor.from_wire({**wire, "unknown_provider": {"x": 1}})
+    assert back.rdma == part and back.providers == {"rdma": part}
+    with pytest.raises(ProtocolError):
+        d.Descriptor.from_wire({**wire, "rdma": {"devices": [], "probe": [0, [], b""]}})
+    with pytest.raises(ValueError):
+        d.register_part("regions", lambda v: v)
+    assert d.parts_from_wire({"t": "regions", "regions": []}) == {}

@@ -2,8 +2,8 @@
 segment), and how each part of it is checked when it comes off the wire."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field as dataclass_field
+from typing import Any, Callable, Mapping
 
 from kvflow._core import MAX_DEVS
 from kvflow.control.wire import field
@@ -11,7 +11,8 @@ from kvflow.errors import InvalidArgumentError, ProtocolError
 from kvflow.memory import CUDA, Access, RemoteRegion
 from kvflow.topology import Topology, parse_location
 
-__all__ = ["Descriptor", "rdma_from_wire", "regions_from_wire", "regions_to_wire", "relay_from_wire"]
+__all__ = ["Descriptor", "parts_from_wire", "register_part", "regions_from_wire", "regions_to_wire",
+           "relay_from_wire"]
 
 
 @dataclass
@@ -28,20 +29,28 @@ class Descriptor:
     data: list[tuple[str, int]]
     regions: list[RemoteRegion]
     generation: int
-    rdma: dict[str, Any] | None = None     # devices and probe, when the engine has rdma
     topology: Topology | None = None       # its NICs and their order per memory location
     location: str | None = None            # where its registered memory lives ("cpu:0", "cuda:1")
     rail_nics: list[str] | None = None     # the NIC of each data endpoint ("" unknown); None: no rails
     relay: dict[str, Any] | None = None    # its relay group, rank and rail (kvflow.engine.relay)
+    # each provider's own part, by provider name: checked by the decoder its
+    # package registered (register_part), carried under that name on the wire
+    providers: dict[str, Any] = dataclass_field(default_factory=dict)
+
+    @property
+    def rdma(self) -> dict[str, Any] | None:
+        """The rdma provider's part (devices and probe), when the engine has rdma."""
+        return self.providers.get("rdma")
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "address": self.address, "incarnation": self.incarnation, "host": self.host,
             "pid": self.pid, "process": self.process, "probe": [self.probe_addr, self.probe_cookie],
             "data": [list(d) for d in self.data], "generation": self.generation,
-            "regions": regions_to_wire(self.regions), "rdma": self.rdma,
+            "regions": regions_to_wire(self.regions),
             "topology": self.topology.to_wire() if self.topology is not None else None,
             "location": self.location, "rail_nics": self.rail_nics, "relay": self.relay,
+            **self.providers,
         }
 
     @classmethod
@@ -65,12 +74,41 @@ class Descriptor:
             host=field(d, "host", str), pid=field(d, "pid", int), process=field(d, "process", bytes),
             probe_addr=probe_addr, probe_cookie=cookie, data=endpoints,
             regions=regions_from_wire(field(d, "regions", list)),
-            generation=field(d, "generation", int), rdma=rdma_from_wire(d.get("rdma")),
+            generation=field(d, "generation", int), providers=parts_from_wire(d),
             topology=Topology.from_wire(d["topology"]) if d.get("topology") is not None else None,
             location=_location_from_wire(d.get("location")),
             rail_nics=_rail_nics_from_wire(d.get("rail_nics"), len(endpoints)),
             relay=relay_from_wire(d.get("relay")),
         )
+
+
+# A provider's own part: the decoder that checks it (raising ProtocolError),
+# by the provider's name, which is also the part's key on the wire
+_PARTS: dict[str, Callable[[Any], Any]] = {}
+_FIELDS = frozenset(("t", "address", "incarnation", "host", "pid", "process", "probe", "data", "generation",
+                     "regions", "topology", "location", "rail_nics", "relay"))
+
+
+def register_part(name: str, decode: Callable[[Any], Any]) -> None:
+    """Provider `name` owns the descriptor's part under `name`: `decode`
+    checks a received one and returns what Descriptor.providers[name]
+    holds (None: absent). Called by the provider's package when imported;
+    a part that no imported provider registered is left out (nothing here
+    could read it)."""
+    if name in _FIELDS:
+        raise ValueError(f"descriptor part {name!r} would shadow a field of the descriptor")
+    _PARTS[name] = decode
+
+
+def parts_from_wire(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The providers' parts found in a descriptor or a "regions" push,
+    each checked by its provider's decoder."""
+    out = {}
+    for name, decode in _PARTS.items():
+        part = decode(d.get(name))
+        if part is not None:
+            out[name] = part
+    return out
 
 
 def _rail_nics_from_wire(v: Any, endpoints: int) -> list[str] | None:
@@ -113,30 +151,6 @@ def _location_from_wire(v: Any) -> str | None:
     except InvalidArgumentError:
         raise ProtocolError("descriptor: malformed memory location") from None
     return v
-
-
-def rdma_from_wire(v: Any) -> dict[str, Any] | None:
-    """The rdma part of a descriptor: {"devices": [{name, gid, lid, mtu,
-    link, port}], "probe": [addr, [rkey per device], cookie]}, checked."""
-    if v is None:
-        return None
-    try:
-        devices = v["devices"]
-        addr, rkeys, cookie = v["probe"]
-        ok = (isinstance(devices, list) and 0 < len(devices) <= MAX_DEVS and isinstance(addr, int)
-              and 0 < addr < 1 << 64 and isinstance(rkeys, list) and len(rkeys) == len(devices)
-              and all(isinstance(k, int) and 0 <= k < 1 << 32 for k in rkeys)
-              and isinstance(cookie, bytes) and 0 < len(cookie) <= 64)
-        for d in devices:
-            ok = ok and (isinstance(d.get("name"), str) and isinstance(d.get("gid"), bytes)
-                         and len(d["gid"]) == 16 and isinstance(d.get("lid"), int)
-                         and isinstance(d.get("mtu"), int) and 1 <= d["mtu"] <= 5
-                         and isinstance(d.get("up", True), bool))
-        if not ok:
-            raise ValueError
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise ProtocolError("descriptor: malformed rdma section") from None
-    return {"devices": devices, "probe": [addr, rkeys, cookie]}
 
 
 IPC_HANDLE_BYTES = 64          # a CUipcMemHandle (kvflow._cuda.driver)

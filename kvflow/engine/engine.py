@@ -724,7 +724,7 @@ class Engine:
                 # its part changes at run time (rdma: the devices in service
                 # and the probe keys, when a device comes back;
                 # Peer._on_regions; absent: unchanged)
-                msg.update(p.describe())
+                msg[p.name] = p.part()
         self._server.push(encode(msg))
 
     def _rekeyed(self, keys: dict[int, tuple[list[int], list[int]]]) -> None:
@@ -741,12 +741,16 @@ class Engine:
     def descriptor(self) -> Descriptor:
         """What this engine tells its peers about itself: every running
         provider's part, its regions and its topology."""
+        fields: dict[str, Any] = {}
         parts: dict[str, Any] = {}
         for p in self._providers.values():
-            parts.update(p.describe())
+            fields.update(p.describe())
+            if (part := p.part()) is not None:
+                parts[p.name] = part
         return Descriptor(address=self.address, incarnation=self._incarnation, regions=self._remote_regions(),
                           generation=self._generation, topology=self.topology, location=self.location,
-                          relay=self._relay.describe() if self._relay is not None else None, **parts)
+                          relay=self._relay.describe() if self._relay is not None else None, providers=parts,
+                          **fields)
 
     def _record(self) -> EngineRecord:
         return EngineRecord(self.name or self.address, self.address, self._incarnation, self.descriptor())

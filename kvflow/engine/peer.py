@@ -20,7 +20,7 @@ from kvflow.status import ECLOSED, EREMOTE, status_error
 from kvflow.tasks import retrieve
 from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.client import ControlSession
-from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_wire
+from kvflow.control.descriptor import Descriptor, parts_from_wire, regions_from_wire
 from kvflow.control.wire import field
 from kvflow.memory import HOST, RemoteRegion
 from kvflow.engine.blocks import Blocks, Prepared
@@ -183,15 +183,15 @@ class Peer:
                    for r in self._regions)
 
     def _on_regions(self, msg: dict[str, Any]) -> None:
-        """A "regions" push: the peer's regions (with their rkeys) and, from
-        an rdma engine, the rdma part of its descriptor (devices in service,
-        probe keys), which change when one of its devices comes back; an
-        engine that does not send it leaves it unchanged."""
+        """A "regions" push: the peer's regions (with their rkeys) and the
+        parts of its descriptor that change at run time (rdma's: devices in
+        service, probe keys, when one of its devices comes back), each
+        checked by its provider's decoder; a part not sent is unchanged."""
         regions = regions_from_wire(field(msg, "regions", list))
-        rdma = rdma_from_wire(msg.get("rdma"))
+        parts = parts_from_wire(msg)
         self._set_regions(regions)
-        if rdma is not None:
-            self.descriptor = replace(self.descriptor, rdma=rdma)
+        if parts:
+            self.descriptor = replace(self.descriptor, providers={**self.descriptor.providers, **parts})
             if self._provider is not None and self._provider.pushed:
                 self._provider.remote_changed(self.link, self._channel)
 

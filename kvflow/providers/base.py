@@ -156,9 +156,16 @@ class Provider:
 
     # ------------------------------------------------------------ descriptor
     def describe(self) -> dict[str, Any]:
-        """This provider's part of the engine's descriptor, as Descriptor
+        """What this provider sets of the descriptor's shared fields (tcp:
+        its data endpoints; local: the process identity), as Descriptor
         fields (the wire encodes them under the same names)."""
         raise NotImplementedError
+
+    def part(self) -> Any:
+        """This provider's own part of the descriptor (Descriptor.providers[
+        name], on the wire under its name), or None; a provider with a part
+        registers its decoder (kvflow.control.descriptor.register_part)."""
+        return None
 
     def reaches(self, address: str, remote: "Descriptor") -> str | None:
         """None if this provider can connect to the peer at `address` (the

@@ -258,7 +258,10 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
                       for r in self._mrs.values() if r.handles[index])
 
     def describe(self) -> dict[str, Any]:
-        return {"rdma": self._part()}
+        return {}
+
+    def part(self) -> dict[str, Any]:
+        return self._part()
 
     def reaches(self, address: str, remote: Descriptor) -> str | None:
         return None if remote.rdma is not None else "the peer has no rdma devices"
