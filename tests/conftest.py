@@ -41,7 +41,7 @@ if TESTS_DIR not in sys.path:  # so that ``import _target`` works under any impo
     sys.path.insert(0, TESTS_DIR)
 
 from _batches import TIME_SCALE, Pair, bounded  # noqa: E402
-from _providers import (PROVIDERS, Provider, closed_leaks, param, rdma_devices,  # noqa: E402,F401
+from _providers import (IDLE_ZERO, PROVIDERS, Provider, closed_leaks, param, rdma_devices,  # noqa: E402,F401
                         skip_unavailable, xproc_vm_probe)
 from _target import MARK, GuardedBuffer, TargetCore  # noqa: E402
 
@@ -402,7 +402,6 @@ class XprocTarget(Target):
 # once nothing is in flight, and those that must return to their value right
 # after start() once every peer has gone.
 # KVFLOW_TEST_BALANCE=0 turns the baseline part off (to look past a known leak).
-IDLE_ZERO = ("batches", "slices_inflight")
 AT_BASELINE = ("sockets", "threads") if os.environ.get("KVFLOW_TEST_BALANCE", "1") != "0" else ()
 
 

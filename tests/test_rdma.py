@@ -84,10 +84,10 @@ async def test_remote_access_error_then_endpoint_works(caplog):
             assert asyncio.get_running_loop().time() < deadline
         assert np.array_equal(dst, src)
         for _ in range(100):
-            if all(s["state"] == 1 for s in peer._channel.qp_stats()):
+            if all(s["up"] for s in peer.connections()):
                 break
             await asyncio.sleep(0.1)
-        assert all(s["state"] == 1 for s in peer._channel.qp_stats()), peer._channel.qp_stats()
+        assert all(s["up"] for s in peer.connections()), peer.connections()
         assert any("broke" in r.getMessage() for r in caplog.records)
         assert a.counters()["slices_inflight"] == 0
         # engine.metrics() counts the break and the repair per QP
@@ -105,7 +105,7 @@ async def test_notify_over_the_data_path_after_the_data():
     try:
         dst, src, r, l, peer = await connected(a, b, 1 << 20, 2)
         it = b.notifications().__aiter__()
-        before = sum(s["wrs"] for s in peer._channel.qp_stats())
+        before = sum(s["wrs"] for s in peer.connections())
         for i in range(5):
             await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
             await bounded(peer.notify(b"layer %d" % i))
@@ -114,7 +114,7 @@ async def test_notify_over_the_data_path_after_the_data():
             assert np.array_equal(dst, src)     # the data was there when the notification came
             src[:] = np.roll(src, 1)
         # each small notification was one work request on a QP (a SEND)
-        assert sum(s["wrs"] for s in peer._channel.qp_stats()) - before >= 5 + 5
+        assert sum(s["wrs"] for s in peer.connections()) - before >= 5 + 5
         big = os.urandom(3 * rdma._verbs.RECV_BYTES)   # too big for a receive buffer: control path
         await bounded(peer.notify(big))
         assert await bounded(it.__anext__()) == (a.address, big)
@@ -228,8 +228,8 @@ async def test_two_devices_slices_striped_over_both():
         await bounded(peer.write([l.addr], [r.addr], [n]), 120)
         assert np.array_equal(dst, src)
         per_dev = {0: 0, 1: 0}
-        for s in peer._channel.qp_stats():
-            per_dev[s["dev"]] += s["bytes"]
+        for s in peer.connections():
+            per_dev[s["device_index"]] += s["bytes"]
         # kvflow's own accounting: both devices carried a fair share
         assert min(per_dev.values()) >= n // 4, per_dev
         # the devices' counters agree (each packet carries at most one MTU)
@@ -276,23 +276,23 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
             # the port error event took rxe1 out of service (not only its QPs' retries)
             assert 1 in a._rdma.device_down_at and 1 in b._rdma.device_down_at
             print(f"\n{link} down: initiator saw it after {a._rdma.device_down_at[1] - t_down:.3f} s")
-            states = {s["dev"]: set() for s in peer._channel.qp_stats()}
-            for s in peer._channel.qp_stats():
-                states[s["dev"]].add(s["state"])
-            assert 1 not in states[1] and states[0] == {1}, states
+            states = {s["device_index"]: set() for s in peer.connections()}
+            for s in peer.connections():
+                states[s["device_index"]].add(s["state"])
+            assert "up" not in states[1] and states[0] == {"up"}, states
         finally:
             up = await asyncio.create_subprocess_exec("ip", "link", "set", link, "up")
             await up.wait()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60 * TIME_SCALE
-        while any(s["state"] != 1 for s in peer._channel.qp_stats()):
-            assert loop.time() < deadline, peer._channel.qp_stats()
+        while any(not s["up"] for s in peer.connections()):
+            assert loop.time() < deadline, peer.connections()
             await asyncio.sleep(0.2)
-        before = sum(s["bytes"] for s in peer._channel.qp_stats() if s["dev"] == 1)
+        before = sum(s["bytes"] for s in peer.connections() if s["device_index"] == 1)
         src[:] = rng.integers(0, 255, n, dtype=np.uint8)
         await bounded(peer.write([l.addr], [r.addr], [n]), 120)
         assert np.array_equal(dst, src)
-        assert sum(s["bytes"] for s in peer._channel.qp_stats() if s["dev"] == 1) > before
+        assert sum(s["bytes"] for s in peer.connections() if s["device_index"] == 1) > before
         assert peer.alive
     finally:
         await a.close()
@@ -348,8 +348,8 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
         for i in range(3):
             assert await one(i) == "verified"
         per_dev = {0: 0, 1: 0}
-        for s in peer._channel.qp_stats():
-            per_dev[s["dev"]] += s["bytes"]
+        for s in peer.connections():
+            per_dev[s["device_index"]] += s["bytes"]
         assert min(per_dev.values()) > 0, per_dev          # both devices carried data
 
         t0 = loop.time()
@@ -369,13 +369,13 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
         for name, e in (("initiator", a), ("target", b)):
             assert 1 in e._rdma.device_gone, (name, e._rdma.device_down)
             detect[name] = round(e._rdma.device_down_at[1] - t0, 3)
-        states = [(s["dev"], s["state"]) for s in peer._channel.qp_stats()]
-        assert all(st == -2 for d, st in states if d == 1), states     # destroyed, never repaired
-        assert all(st == 1 for d, st in states if d == 0), states
-        on_dev0 = sum(s["bytes"] for s in peer._channel.qp_stats() if s["dev"] == 0)
+        states = [(s["device_index"], s["state"]) for s in peer.connections()]
+        assert all(st == "gone" for d, st in states if d == 1), states     # destroyed, never repaired
+        assert all(st == "up" for d, st in states if d == 0), states
+        on_dev0 = sum(s["bytes"] for s in peer.connections() if s["device_index"] == 0)
         for j in range(3):
             assert await one(i + j) == "verified", outcomes
-        assert sum(s["bytes"] for s in peer._channel.qp_stats() if s["dev"] == 0) >= on_dev0 + 3 * n
+        assert sum(s["bytes"] for s in peer.connections() if s["device_index"] == 0) >= on_dev0 + 3 * n
         assert b.counters()["mrs"] == 4 + 1 and a.counters()["mrs"] == 4 + 1   # rxe0's only
         print(f"\nrdma link delete {gone}: returned in {took:.2f} s; noticed after {detect} s "
               f"({a._rdma.device_down[1]}); "
@@ -418,9 +418,10 @@ async def readd(dev: str, netdev: str) -> None:
 
 
 def dev_bytes(ch, index: int, rdev: int | None = None) -> int:
-    """Bytes a channel posted on its QPs on device `index` (toward the
-    peer's device `rdev` only, when given)."""
-    return sum(s["bytes"] for s in ch.qp_stats() if s["dev"] == index and rdev in (None, s["rdev"]))
+    """Bytes a peer's channel posted on its QPs on device `index` (toward
+    the peer's device `rdev` only, when given), from Peer.connections()."""
+    return sum(s["bytes"] for s in ch.connections()
+               if s["device_index"] == index and rdev in (None, s["remote_device"]))
 
 
 @pytest.mark.skipif(len(rdma.device_names()) < 2, reason="needs two RDMA devices (tools/rdma_vm.py --devices 2)")
@@ -470,7 +471,7 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
 
         stream = loop.create_task(writes())
         await until(lambda: verified("before") >= 2, "writes before the deletion")
-        assert min(dev_bytes(peer._channel, 0), dev_bytes(peer._channel, 1)) > 0
+        assert min(dev_bytes(peer, 0), dev_bytes(peer, 1)) > 0
         held = [(e.counters()["mrs"], e.counters()["qps"]) for e in (a, b)]
 
         phase[0] = phases.index("deleting")
@@ -479,8 +480,8 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
         assert rc == 0, out
         await until(lambda: 1 in a._rdma.device_gone and 1 in b._rdma.device_gone, "both engines retired it")
         deleted = loop.time() - t0
-        for ch in (peer._channel, back_peer._channel):
-            assert all(s["state"] == -2 for s in ch.qp_stats() if s["dev"] == 1), ch.qp_stats()
+        for ch in (peer, back_peer):
+            assert all(s["state"] == "gone" for s in ch.connections() if s["device_index"] == 1), ch.connections()
         phase[0] = phases.index("gone")
         await until(lambda: verified("gone") >= 2, "writes over rxe0 alone")
 
@@ -492,8 +493,8 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
         await until(lambda: 1 not in a._rdma.device_gone and 1 not in b._rdma.device_gone,
                     "both engines reopened it", 60)
         reopened["seen"] = round(loop.time() - t_add, 3)
-        await until(lambda: all(s["state"] == 1 for ch in (peer._channel, back_peer._channel)
-                                for s in ch.qp_stats()), "every QP up again", 60)
+        await until(lambda: all(s["up"] for ch in (peer, back_peer)
+                                for s in ch.connections()), "every QP up again", 60)
         up = loop.time() - t_add
         phase[0] = phases.index("back")
         # the keys the peers were pushed are the ones now registered
@@ -503,16 +504,16 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
             assert {x.name: x.rkeys for x in p.regions} == {x.name: x.rkeys for x in e.regions}
             assert all(x.rkeys[1] for x in p.regions)
         # slices flow over rxe1 again, in both directions
-        on1, back_on1 = dev_bytes(peer._channel, 1), dev_bytes(back_peer._channel, 1)
+        on1, back_on1 = dev_bytes(peer, 1), dev_bytes(back_peer, 1)
         pkts = rxe_counter(gone, "sent_pkts")
         mark = verified("back")
         await until(lambda: verified("back") >= mark + 3, "writes after the return")
         back_src[:] = rng.integers(0, 255, n, dtype=np.uint8)
         await bounded(back_peer.write([back_l.addr], [back_r.addr], [n]), 120)
         assert np.array_equal(back_dst, back_src)
-        carried = dev_bytes(peer._channel, 1) - on1
-        assert carried >= n, (carried, peer._channel.qp_stats())
-        assert dev_bytes(back_peer._channel, 1) - back_on1 >= n // 4, back_peer._channel.qp_stats()
+        carried = dev_bytes(peer, 1) - on1
+        assert carried >= n, (carried, peer.connections())
+        assert dev_bytes(back_peer, 1) - back_on1 >= n // 4, back_peer.connections()
         assert rxe_counter(gone, "sent_pkts") - pkts >= carried // 4096
         assert [(e.counters()["mrs"], e.counters()["qps"]) for e in (a, b)] == held
         stop.set()
@@ -561,20 +562,20 @@ async def test_the_initiator_reaches_a_target_device_that_was_reopened():
         # its QPs toward the closed device time out; their slices move to rxe0
         for i in range(2):
             assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
-        await until(lambda: all(s["state"] == 0 for s in peer._channel.qp_stats() if s["dev"] == 1),
+        await until(lambda: all(s["state"] == "broken" for s in peer.connections() if s["device_index"] == 1),
                     "the initiator's QPs toward the closed device broken", 60)
         await asyncio.sleep(2)                  # their repairs back off meanwhile
-        assert 1 in b._rdma.device_gone and all(s["state"] == 0 for s in peer._channel.qp_stats()
-                                                if s["dev"] == 1), peer._channel.qp_stats()
+        assert 1 in b._rdma.device_gone and all(s["state"] == "broken" for s in peer.connections()
+                                                if s["device_index"] == 1), peer.connections()
         t0 = loop.time()
         b._rdma._reopen(1, "test: back")
-        await until(lambda: all(s["state"] == 1 for s in peer._channel.qp_stats()), "every QP up again", 60)
+        await until(lambda: all(s["up"] for s in peer.connections()), "every QP up again", 60)
         up = loop.time() - t0
         assert peer.descriptor.rdma["probe"][1] == b._rdma.probe_keys[1]
-        on1 = dev_bytes(peer._channel, 1)
+        on1 = dev_bytes(peer, 1)
         for i in range(2, 4):
             assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
-        assert dev_bytes(peer._channel, 1) - on1 >= n, peer._channel.qp_stats()
+        assert dev_bytes(peer, 1) - on1 >= n, peer.connections()
         assert [(e.counters()["mrs"], e.counters()["qps"]) for e in (a, b)] == held
         print(f"\nthe target's rxe1 reopened: the initiator's QPs toward it up again after {up:.2f} s")
         closed = True
@@ -610,24 +611,25 @@ async def test_a_channel_connected_while_a_device_was_gone_gets_qps_on_it_when_i
         gone._rdma._retire(1, "test: removed")
         dst, src, r, l, peer = await connected(a, b, n, 29)
         rng = np.random.default_rng(29)
-        ch = peer._channel
-        pairs = {(s["dev"], s["rdev"]) for s in ch.qp_stats()}
-        assert (1, 1) not in pairs and all(s["state"] == 1 for s in ch.qp_stats() if s["dev"] == s["rdev"] == 0), \
-            ch.qp_stats()
+        ch = peer
+        pairs = {(s["device_index"], s["remote_device"]) for s in ch.connections()}
+        assert (1, 1) not in pairs and all(s["up"] for s in ch.connections()
+                                           if s["device_index"] == s["remote_device"] == 0), ch.connections()
         assert await verified_write(peer, l, r, src, dst, rng, "write 0") == "verified"
-        before = len(ch.qp_stats())
+        before = len(ch.connections())
         t0 = loop.time()
         gone._rdma._reopen(1, "test: back")
-        await until(lambda: any(s["dev"] == 1 and s["rdev"] == 1 and s["state"] == 1 for s in ch.qp_stats()),
+        await until(lambda: any(s["device_index"] == 1 and s["remote_device"] == 1 and s["up"]
+                                for s in ch.connections()),
                     "QPs for the returning device pair in service", 60)
         took = loop.time() - t0
-        stats = ch.qp_stats()
+        stats = ch.connections()
         assert len(stats) == before + a._rdma.qps_per_pair, stats
-        assert all(s["state"] == 1 for s in stats if s["dev"] == s["rdev"]), stats
+        assert all(s["up"] for s in stats if s["device_index"] == s["remote_device"]), stats
         on1 = dev_bytes(ch, 1, 1)
         for i in range(1, 4):
             assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
-        assert dev_bytes(ch, 1, 1) > on1, ch.qp_stats()
+        assert dev_bytes(ch, 1, 1) > on1, ch.connections()
         print(f"\nthe {side}'s rxe1 back: the channel connected without it has QPs on it after {took:.2f} s")
         closed = True
         await close_released(a, b)
@@ -714,7 +716,7 @@ async def test_a_device_retired_during_connect_or_repair_leaves_no_qp():
         del a._rdma.connect
         assert a.counters()["qps"] == 0, a.counters()
         dst, src, r, l, peer = await connected(a, b, 1 << 20, 11)
-        assert {s["dev"] for s in peer._channel.qp_stats()} == {0}
+        assert {s["device_index"] for s in peer.connections()} == {0}
         await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
         assert np.array_equal(dst, src)
         # a repair whose reply never comes, then the engine closes
@@ -765,7 +767,7 @@ async def test_a_peer_whose_only_device_goes_is_lost_and_a_new_connect_works(mon
         n = 1 << 20
         dst, src, r, l, peer = await connected(a, b, n, 13)
         monkeypatch.undo()
-        assert {s["dev"] for s in peer._channel.qp_stats()} == {1}
+        assert {s["device_index"] for s in peer.connections()} == {1}
         await bounded(peer.write([l.addr], [r.addr], [n]), 120)
         assert np.array_equal(dst, src)
         down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
@@ -791,7 +793,7 @@ async def test_a_peer_whose_only_device_goes_is_lost_and_a_new_connect_works(mon
         await until(lambda: not a._rdma._lost, "the lost peer closed")
         assert a.counters()["qps"] == 0, a.counters()
         peer2 = await bounded(a.connect(b.address))
-        assert peer2 is not peer and {s["dev"] for s in peer2._channel.qp_stats()} == {0}
+        assert peer2 is not peer and {s["device_index"] for s in peer2.connections()} == {0}
         src[:] = np.roll(src, 5)
         await bounded(peer2.write([l.addr], [r.addr], [n]), 120)
         assert np.array_equal(dst, src)
@@ -827,14 +829,14 @@ async def test_connect_leaves_out_a_port_down_device_and_a_failed_probe_is_repai
         monkeypatch.setattr(a._rdma, "_probe_qp", probe)
         dst, src, r, l, peer = await connected(a, b, 1 << 20, 17)
         assert failed == [1]
-        await until(lambda: all(s["state"] == 1 for s in peer._channel.qp_stats()), "the QP repaired", 60)
+        await until(lambda: all(s["up"] for s in peer.connections()), "the QP repaired", 60)
         await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
         assert np.array_equal(dst, src)
         # an async QP error (IBV_EVENT_QP_FATAL) on one QP: that QP is repaired
-        st = peer._channel.qp_stats()[2]
-        a._rdma._qp_failed(st["dev"], st["qpn"], "test: local work queue catastrophic error")
-        await until(lambda: all(s["state"] == 1 for s in peer._channel.qp_stats())
-                    and peer._channel.qp_stats()[2]["qpn"] != st["qpn"], "the QP repaired after its event", 60)
+        st = peer.connections()[2]
+        a._rdma._qp_failed(st["device_index"], st["qpn"], "test: local work queue catastrophic error")
+        await until(lambda: all(s["up"] for s in peer.connections())
+                    and peer.connections()[2]["qpn"] != st["qpn"], "the QP repaired after its event", 60)
         await peer.close()
         loop = asyncio.get_running_loop()
         down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
@@ -844,7 +846,7 @@ async def test_connect_leaves_out_a_port_down_device_and_a_failed_probe_is_repai
             t0 = loop.time()
             peer = await bounded(a.connect(b.address))
             took = loop.time() - t0
-            assert {(s["dev"], s["rdev"]) for s in peer._channel.qp_stats()} == {(0, 0)}
+            assert {(s["device_index"], s["remote_device"]) for s in peer.connections()} == {(0, 0)}
             assert took < rdma.PROBE_TIMEOUT, took
             src[:] = np.roll(src, 7)
             await bounded(peer.write([l.addr], [r.addr], [1 << 20]))
@@ -881,7 +883,7 @@ async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
         assert b.counters()["mrs"] == 4 * len(b._rdma.devices) and b.counters()["qps"] == 0
         n = 1 << 20
         dst, src, r, l, peer = await connected(a, b, n, 7)
-        nqps = len(peer._channel.qp_stats())
+        nqps = len(peer.connections())
         assert nqps >= 2
         assert a.counters()["mrs"] == base["mrs"] + ndev and a.counters()["qps"] == nqps, a.counters()
         assert b.counters()["qps"] == nqps, b.counters()
@@ -891,7 +893,7 @@ async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
         # both ends in place of the old one)
         assert peer._channel.break_qp(0)
         await bounded(a._rdma._repair(peer.link, peer._channel, 0), 60)
-        assert peer._channel.qp_stats()[0]["state"] == 1
+        assert peer.connections()[0]["up"]
         assert a.counters()["qps"] == nqps and b.counters()["qps"] == nqps, (a.counters(), b.counters())
         src[:] = np.roll(src, 3)
         await bounded(peer.write([l.addr], [r.addr], [n]))

@@ -526,7 +526,8 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
             ep.destroy()
 
     def connections(self, channel: Any) -> list[dict[str, Any]]:
-        """One entry per QP: index, device and remote device (names/index),
+        """One entry per QP: index, device (its name), device_index and
+        remote_device (this engine's and the peer's device numbers),
         state ("up", "probing", "broken", "closed", "gone"), work requests
         and bytes posted, its queue (queued_slices and queued_bytes waiting
         to be posted; inflight_slices and inflight_bytes: work requests
@@ -537,7 +538,7 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
         for i, st in enumerate(channel.qp_stats()):
             breaks, repairs, attempts = counts.get(i, (0, 0, 0))
             dev = self.devices[st["dev"]] if st["dev"] < len(self.devices) else None
-            out.append({"index": i, "device": dev.name if dev is not None else str(st["dev"]),
+            out.append({"index": i, "device": dev.name if dev is not None else str(st["dev"]), "device_index": st["dev"],
                         "remote_device": st["rdev"], "state": QP_STATES.get(st["state"], str(st["state"])),
                         "up": st["state"] == 1, "wrs": st["wrs"], "bytes": st["bytes"], "qpn": st["qpn"],
                         **{k: st[k] for k in QUEUE_FIELDS},
