@@ -74,7 +74,7 @@ LOOP_MARKS = {
     "test_local_fence.py": ("slow",), "test_failover.py": ("slow",), "test_incast.py": ("slow",),
     "test_bench.py": ("e2e",),
 }
-LOOP_LEAVES_OUT = ("interop", "e2e", "slow", "vllm")
+LOOP_LEAVES_OUT = ("interop", "e2e", "slow", "vllm", "xproc")
 
 
 def _whole_loop(config) -> bool:
@@ -86,6 +86,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for mark in LOOP_MARKS.get(os.path.basename(str(item.fspath)), ()):
             item.add_marker(mark)
+        # the same test against a target in a child process: CI runs it,
+        # the local loop runs the in-process variant only
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and any(isinstance(v, str) and v in PROVIDERS and PROVIDERS[v].xproc
+                                        for v in callspec.params.values()):
+            item.add_marker("xproc")
     if _whole_loop(config):
         return
     keep, left = [], []
