@@ -68,7 +68,7 @@ async def test_remote_access_error_then_endpoint_works(caplog):
                 await bounded(peer.write([l.addr], [r.addr], [8192], timeout=20))
         msg = str(ei.value)
         assert b.address in msg and "REM_ACCESS_ERR" in msg, msg
-        assert any(f"rdma device {d.name}," in msg for d in a._rdma.devices), msg
+        assert any(f"rdma device {d['name']}," in msg for d in a.devices()), msg
         assert ei.value.peer == b.address and ei.value.index == 0
         assert bytes(dst[4096:8192]) == bytes(4096), "a refused write must not land"
         # the same endpoint works again once the QP is reconnected
@@ -180,7 +180,7 @@ async def test_many_scattered_batches_in_flight_whoever_posts(monkeypatch, worke
     monkeypatch.setenv("KVFLOW_RDMA_WORKER_POSTS", worker_posts)
     a, b = await rdma_pair()
     try:
-        assert all(d.worker_posts == (worker_posts == "1") for d in a._rdma.devices)
+        assert all(d["worker_posts"] == (worker_posts == "1") for d in a.devices())
         n, block = 1 << 22, 4096
         dst, src, r, l, peer = await connected(a, b, n, 11)
         offs = list(range(0, n, 2 * block))          # every other block: nothing coalesces
@@ -213,7 +213,7 @@ async def test_registration_time_is_reported(caplog):
         with caplog.at_level(logging.INFO, logger="kvflow"):
             region = e.register(buf)
         assert region.rdma_reg_seconds > 0
-        assert len(region.rkeys) == len(e._rdma.devices)
+        assert len(region.rkeys) == len(e.devices())
         assert any("rdma registration of 64 MiB" in r.getMessage() for r in caplog.records)
 
 
@@ -272,10 +272,10 @@ async def test_a_device_whose_link_dies_costs_throughput_not_data():
                 src[:] = rng.integers(0, 255, n, dtype=np.uint8)
                 await bounded(peer.write([l.addr], [r.addr], [n]), 120)
                 assert np.array_equal(dst, src), f"write {i} while {link} is down"
-            assert a._rdma.device_errors[1] > 0
+            assert dev(a, 1)["errors"] > 0
             # the port error event took rxe1 out of service (not only its QPs' retries)
-            assert 1 in a._rdma.device_down_at and 1 in b._rdma.device_down_at
-            print(f"\n{link} down: initiator saw it after {a._rdma.device_down_at[1] - t_down:.3f} s")
+            assert dev(a, 1)["down_since"] is not None and dev(b, 1)["down_since"] is not None
+            print(f"\n{link} down: initiator saw it after {dev(a, 1)['down_since'] - t_down:.3f} s")
             states = {s["device_index"]: set() for s in peer.connections()}
             for s in peer.connections():
                 states[s["device_index"]].add(s["state"])
@@ -367,8 +367,8 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
         assert gone not in rdma.device_names()
         detect = {}
         for name, e in (("initiator", a), ("target", b)):
-            assert 1 in e._rdma.device_gone, (name, e._rdma.device_down)
-            detect[name] = round(e._rdma.device_down_at[1] - t0, 3)
+            assert dev(e, 1)["state"] == "gone", (name, e.devices())
+            detect[name] = round(dev(e, 1)["down_since"] - t0, 3)
         states = [(s["device_index"], s["state"]) for s in peer.connections()]
         assert all(st == "gone" for d, st in states if d == 1), states     # destroyed, never repaired
         assert all(st == "up" for d, st in states if d == 0), states
@@ -378,7 +378,7 @@ async def test_a_device_deleted_mid_transfer_is_closed_and_traffic_moves():
         assert sum(s["bytes"] for s in peer.connections() if s["device_index"] == 0) >= on_dev0 + 3 * n
         assert b.counters()["mrs"] == 4 + 1 and a.counters()["mrs"] == 4 + 1   # rxe0's only
         print(f"\nrdma link delete {gone}: returned in {took:.2f} s; noticed after {detect} s "
-              f"({a._rdma.device_down[1]}); "
+              f"({dev(a, 1)['why']}); "
               f"{during} write(s) of {n >> 20} MiB during, outcomes {outcomes}")
         assert outcomes.get("verified", 0) >= 6 and set(outcomes) <= {"verified", "PeerLostError"}, outcomes
         # a write that ran while the device went (not only those before and after) verified
@@ -415,6 +415,12 @@ async def readd(dev: str, netdev: str) -> None:
         rc, out = await rdma_link("add", dev, "type", "rxe", "netdev", netdev)
         assert rc == 0, out
     await until(lambda: _usable(dev), f"{dev} back (port ACTIVE, GID 1 set)", 30)
+
+
+def dev(engine, index: int) -> dict:
+    """Row `index` of engine.devices(): the rdma device's state, why and
+    since when it is out of service, its errors and probe key."""
+    return engine.devices()[index]
 
 
 def dev_bytes(ch, index: int, rdev: int | None = None) -> int:
@@ -478,7 +484,8 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
         t0 = loop.time()
         rc, out = await bounded(rdma_link("delete", gone), 60)
         assert rc == 0, out
-        await until(lambda: 1 in a._rdma.device_gone and 1 in b._rdma.device_gone, "both engines retired it")
+        await until(lambda: dev(a, 1)["state"] == "gone" and dev(b, 1)["state"] == "gone",
+                    "both engines retired it")
         deleted = loop.time() - t0
         for ch in (peer, back_peer):
             assert all(s["state"] == "gone" for s in ch.connections() if s["device_index"] == 1), ch.connections()
@@ -490,7 +497,7 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
         rc, out = await bounded(rdma_link("add", gone, "type", "rxe", "netdev", netdev), 60)
         assert rc == 0, out
         reopened = {}
-        await until(lambda: 1 not in a._rdma.device_gone and 1 not in b._rdma.device_gone,
+        await until(lambda: dev(a, 1)["state"] != "gone" and dev(b, 1)["state"] != "gone",
                     "both engines reopened it", 60)
         reopened["seen"] = round(loop.time() - t_add, 3)
         await until(lambda: all(s["up"] for ch in (peer, back_peer)
@@ -499,7 +506,7 @@ async def test_a_device_deleted_and_added_again_is_back_in_service():
         phase[0] = phases.index("back")
         # the keys the peers were pushed are the ones now registered
         for e, p in ((b, peer), (a, back_peer)):
-            assert p.descriptor.rdma["probe"][1] == e._rdma.probe_keys[1]
+            assert p.descriptor.rdma["probe"][1] == [d["probe_rkey"] for d in e.devices()]
             assert all(d["up"] for d in p.descriptor.rdma["devices"]), p.descriptor.rdma
             assert {x.name: x.rkeys for x in p.regions} == {x.name: x.rkeys for x in e.regions}
             assert all(x.rkeys[1] for x in p.regions)
@@ -565,13 +572,13 @@ async def test_the_initiator_reaches_a_target_device_that_was_reopened():
         await until(lambda: all(s["state"] == "broken" for s in peer.connections() if s["device_index"] == 1),
                     "the initiator's QPs toward the closed device broken", 60)
         await asyncio.sleep(2)                  # their repairs back off meanwhile
-        assert 1 in b._rdma.device_gone and all(s["state"] == "broken" for s in peer.connections()
+        assert dev(b, 1)["state"] == "gone" and all(s["state"] == "broken" for s in peer.connections()
                                                 if s["device_index"] == 1), peer.connections()
         t0 = loop.time()
         b._rdma._reopen(1, "test: back")
         await until(lambda: all(s["up"] for s in peer.connections()), "every QP up again", 60)
         up = loop.time() - t0
-        assert peer.descriptor.rdma["probe"][1] == b._rdma.probe_keys[1]
+        assert peer.descriptor.rdma["probe"][1] == [d["probe_rkey"] for d in b.devices()]
         on1 = dev_bytes(peer, 1)
         for i in range(2, 4):
             assert await verified_write(peer, l, r, src, dst, rng, f"write {i}") == "verified"
@@ -760,7 +767,7 @@ async def test_a_peer_whose_only_device_goes_is_lost_and_a_new_connect_works(mon
     in service."""
     names = rdma.device_names()[:2]
     a, b = await rdma_pair(rdma_devices=names)
-    link = netdev_of(a._rdma.devices[1].name)
+    link = netdev_of(a.devices()[1]["name"])
     loop = asyncio.get_running_loop()
     try:
         monkeypatch.setattr(rdma, "_pairs", lambda *args: [(1, 1)])
@@ -773,7 +780,7 @@ async def test_a_peer_whose_only_device_goes_is_lost_and_a_new_connect_works(mon
         down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
         try:
             await down.wait()
-            await until(lambda: 1 in a._rdma.device_down, "the port error seen")
+            await until(lambda: dev(a, 1)["why"] is not None, "the port error seen")
             writes = [loop.create_task(peer.write([l.addr], [r.addr], [n], timeout=120)) for _ in range(4)]
             await asyncio.sleep(1)
             assert not any(w.done() for w in writes), writes      # parked: no QP is up
@@ -842,7 +849,7 @@ async def test_connect_leaves_out_a_port_down_device_and_a_failed_probe_is_repai
         down = await asyncio.create_subprocess_exec("ip", "link", "set", link, "down")
         try:
             await down.wait()
-            await until(lambda: 1 in a._rdma.device_down and 1 in b._rdma.device_down, "port errors seen")
+            await until(lambda: dev(a, 1)["why"] is not None and dev(b, 1)["why"] is not None, "port errors seen")
             t0 = loop.time()
             peer = await bounded(a.connect(b.address))
             took = loop.time() - t0
@@ -877,10 +884,10 @@ async def test_mr_and_qp_counters_balance_through_transfer_repair_and_close():
     a, b = await rdma_pair()
     closed = False
     try:
-        ndev = len(a._rdma.devices)
+        ndev = len(a.devices())
         base = a.counters()
         assert base["mrs"] == 4 * ndev and base["qps"] == 0, base
-        assert b.counters()["mrs"] == 4 * len(b._rdma.devices) and b.counters()["qps"] == 0
+        assert b.counters()["mrs"] == 4 * len(b.devices()) and b.counters()["qps"] == 0
         n = 1 << 20
         dst, src, r, l, peer = await connected(a, b, n, 7)
         nqps = len(peer.connections())

@@ -18,6 +18,10 @@ async def test_a_pair_moves_bytes_and_closes_balanced(provider):
     skip_unavailable(provider)
     async with engine_pair(provider, size=1 << 20, seed=3) as p:
         assert p.peer.transport == provider
+        # engine.devices(): rdma's verbs devices, in service; none for the others
+        rows = p.a.devices()
+        assert all(r["provider"] == "rdma" and r["state"] == "up" and r["why"] is None for r in rows), rows
+        assert bool(rows) == (provider == "rdma")
         await bounded(p.peer.write([p.local.addr], [p.remote.addr], [p.size]))
         assert np.array_equal(p.dst, p.src)
         half = p.size // 2

@@ -812,6 +812,13 @@ class Engine:
         and not finished, or finished and not reaped yet)."""
         return len(self._batches) if self._batches is not None else 0
 
+    def devices(self) -> list[dict[str, Any]]:
+        """The devices the providers opened, one row each with its
+        provider's name (rdma: index, name, state "up"/"down"/"gone", why,
+        down_since, errors, probe_rkey, worker_posts, software); [] for an
+        engine with none."""
+        return [{"provider": p.name, **row} for p in self._providers.values() for row in p.device_rows()]
+
     def counters(self) -> dict[str, int]:
         """Live native resources (sockets, threads, slices, batches in flight)."""
         return self._core.counters() if self._core is not None else {}

@@ -202,6 +202,11 @@ class Provider:
         """Per-connection statistics of a channel (tcp: one per data connection)."""
         return []
 
+    def device_rows(self) -> list[dict[str, Any]]:
+        """One row per device this provider opened (rdma: per verbs
+        device; Engine.devices()); [] for providers with none."""
+        return []
+
     def ibgda_endpoints(self, channel: Any) -> list[Any]:
         """The channel's endpoints a GPU can drive itself (rdma with
         Engine(rdma_ibgda=True): kvflow.providers.rdma.ibgda); [] elsewhere."""

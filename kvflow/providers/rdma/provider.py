@@ -285,6 +285,19 @@ class RdmaProvider(QpRepair, DeviceHealth, Provider):
                 "probe": [int(self._probe.__array_interface__["data"][0]), self.probe_keys[1],
                           self._probe.tobytes()[:16]]}
 
+    def device_rows(self) -> list[dict[str, Any]]:
+        """Per device, in index order: index, name, state ("up"; "down": a
+        port error, its QPs wait for it; "gone": removed or fatally failed,
+        closed), why it is out of service and since when (loop time), the
+        errors counted on it (QP breaks, device events), the rkey of the
+        probe region on it, and whether its worker posts batches itself."""
+        return [{"index": d.index, "name": d.name,
+                 "state": "gone" if d.index in self.device_gone else "down" if d.index in self.device_down else "up",
+                 "why": self.device_down.get(d.index), "down_since": self.device_down_at.get(d.index),
+                 "errors": self.device_errors[d.index], "probe_rkey": self.probe_keys[1][d.index],
+                 "worker_posts": bool(d.worker_posts), "software": d.software}
+                for d in self.devices]
+
     def device_names(self) -> list[str]:
         return [d.name for d in self.devices]
 
