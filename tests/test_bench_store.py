@@ -92,3 +92,53 @@ def test_table_output_ends_with_the_metrics_summary():
 def test_bad_options_are_refused_with_a_message(args, message):
     p = bench(*args, check=False)
     assert p.returncode == 2 and message in p.stderr
+
+
+def _compare():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compare
+    return compare
+
+
+def test_compare_store_rows_are_ratios_against_mooncake_and_kvflows_own_transfers():
+    compare = _compare()
+    point = lambda op, size, gbps: {"op": op, "size": size, "batch": 64, "gbps": gbps,
+                                    "seconds_p50": 64 * size / gbps / 1e9, "rounds": 5}
+    runs = [{"system": "kvflow", "points": [point("put", 1 << 20, 4.0), point("get", 1 << 20, 3.0),
+                                            point("raw_write", 1 << 20, 5.0), point("raw_read", 1 << 20, 4.0),
+                                            point("memcpy", 1 << 20, 9.0),
+                                            {"op": "batch_exists", "keys": 128, "p50_us": 60.0, "p99_us": 90.0},
+                                            {"op": "put_from", "keys": 1, "p50_us": 200.0, "p99_us": 300.0}]},
+            {"system": "mooncake", "points": [point("put", 1 << 20, 1.0), point("get", 1 << 20, 1.5),
+                                              {"op": "batch_exists", "keys": 128, "p50_us": 120.0, "p99_us": 200.0}]},
+            {"system": "kvflow", "points": [point("put", 1 << 20, 3.0)]}]        # a slower repeat: the best is kept
+    rows = compare.store_rows_from(runs, "cmd")
+    compare.add_ratios(rows)
+    by = {(r["group"], r["point"], r["engine"]): r for r in rows}
+    put = by[("store", "put 1 MiB x64", "kvflow")]
+    assert put["gbps"] == 4.0 and put["runs"] == [4.0, 3.0]
+    assert put["vs_best_alt"] == 4.0 and put["best_alt"] == "mooncake tcp"
+    assert put["of_ceiling"] == 0.8 and put["ceiling"] == "kvflow-raw"
+    get = by[("store", "get 1 MiB x64", "kvflow")]
+    assert get["vs_best_alt"] == 2.0 and get["of_ceiling"] == 0.75
+    exists = by[("store-exists", "128 keys", "kvflow")]
+    assert exists["vs_best_alt"] == 0.5 and exists["latency_p50_us"] == 60.0
+    assert [r["engine"] for r in rows if r["point"] == "put 1 MiB x64"] == ["kvflow", "mooncake", "kvflow-raw",
+                                                                           "memcpy"]
+    assert "put_from" not in {r["point"] for r in rows}
+    assert "store" in compare.render(rows, markdown=True)
+
+
+def test_compare_runs_the_store_rows_with_store_bench():
+    p = subprocess.run([sys.executable, "tools/compare.py", "--groups", "store,store-exists", "--only",
+                        "kvflow,mooncake,ceilings", "--store-sizes", "64K", "--store-rounds", "1", "--markdown"],
+                       capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("| store")]
+    kvflow_put = next(line for line in lines if "| put 64 KiB x64 | kvflow | tcp |" in line)
+    assert "x kvflow-raw" in kvflow_put                  # of ceiling: kvflow's own tcp write
+    assert any("| 128 keys | kvflow | tcp |" in line for line in lines)
+    mooncake = [line for line in lines if "| mooncake |" in line]
+    assert mooncake and all("not installed" in line or "error" not in line for line in mooncake)
+    if not any("not installed" in line for line in mooncake):
+        assert "x mooncake tcp" in kvflow_put
