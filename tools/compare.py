@@ -337,7 +337,7 @@ def store_rows(args) -> list[dict]:
 # --------------------------------------------------------------------------- output
 LEGEND = ("Ratios: kvflow's metric / the best other engine's and / the group's first "
           "ceiling (a mooncake-compat row: kvflow's Mooncake API / Mooncake's); GB/s and "
-          "entries/s: >1 favours kvflow; lat-* rows compare p50 latency: <1 favours kvflow.")
+          "entries/s: >1 favours kvflow; lat-* and store-exists rows compare p50 latency: <1 favours kvflow.")
 COLS = ("group", "point", "engine", "protocol", "GB/s", "entries/s", "p50 us",
         "p99 us", "kvflow / best alt", "of ceiling")
 
