@@ -103,8 +103,9 @@ class _Worker:
         keys = [f"{KEY_PREFIX}/{self.args.index}/{size}/{batch}/{cmd['round']}/{i}" for i in range(batch)]
         if op == "put":                 # a stamp per round and object: stale bytes cannot verify
             stamp = (np.uint64(cmd["round"]) << np.uint64(32)) | np.arange(batch, dtype=np.uint64)
+            stamp_bytes = stamp.astype("<u8").view(np.uint8).reshape(batch, 8)
             n = min(8, size)
-            self.src[:batch * size].reshape(batch, size)[:, :n] = stamp.astype("<u8").view(np.uint8).reshape(batch, 8)[:, :n]
+            self.src[:batch * size].reshape(batch, size)[:, :n] = stamp_bytes[:, :n]
         elif op == "get":
             self.dst[:batch * size] = 0
         before = c.counters.master_round_trips()
@@ -206,8 +207,7 @@ class _Clients:
                 await p.wait()
 
 
-def _row(op: str, size: int, batch: int, args: argparse.Namespace, rounds: list[list[dict]],
-         extra: dict) -> dict:
+def _row(op: str, size: int, batch: int, rounds: list[list[dict]], extra: dict) -> dict:
     """One (op, size, batch) point from its rounds (each: every client's answer)."""
     clients = len(rounds[0])
     walls = [max(a["t1"] for a in r) - min(a["t0"] for a in r) for r in rounds]
@@ -247,7 +247,7 @@ async def _point(clients: _Clients, args: argparse.Namespace, size: int, batch: 
             if op in args.ops and r >= args.warmup:
                 timed[op].append(answers)
         await clients.each({"op": "remove", "size": size, "batch": batch, "round": r})
-    rows = [_row(op, size, batch, args, timed[op], extra) for op in args.ops]
+    rows = [_row(op, size, batch, timed[op], extra) for op in args.ops]
     for row in rows:
         rate = f"{row['gbps']:.2f} GB/s, " if row["gbps"] is not None else ""
         progress(f"{row['op']} {batch} x {format_size(size)}, {row['clients']} client(s): {rate}"

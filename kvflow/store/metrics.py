@@ -99,8 +99,10 @@ class Histogram:
 
 
 class ClientCounters:
-    """What one StoreClient did. Bumped on the client's loop; read whole
-    by metrics() (any thread: a scrape copies each dict first)."""
+    """What one StoreClient did. Bumped on the client's loop (and by
+    batch_exists_blocking on its caller's thread: two threads bumping one
+    counter at once may lose an increment, never make a wrong value); read
+    whole by metrics() from any thread (a scrape copies each dict first)."""
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
