@@ -8,10 +8,12 @@ import contextlib
 import json
 import os
 import pathlib
+import shutil
 import sys
 
 import numpy as np
 import pytest
+from _metadata_servers import MetadataServer, _unavailable
 
 from kvflow.cli.info import format_store, store_report
 from kvflow.store import Master, MasterUnavailableError, StoreClient
@@ -24,12 +26,14 @@ def _env() -> dict:
 
 
 @contextlib.asynccontextmanager
-async def _master():
+async def _master(*args: str):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0", *args,
         stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        while line and "standby" in line:       # a durable master campaigns first
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert "ready" in line, line
         yield line.split()[-1]
     finally:
@@ -79,6 +83,25 @@ async def test_info_shows_segments_objects_clients_and_leases_of_a_standalone_ma
 async def test_info_on_a_master_that_is_not_there_says_so():
     rc, out, err = await _info("--store", "127.0.0.1:1", "--timeout", "2")
     assert rc == 1 and "127.0.0.1:1" in err and "unreachable" in err and not out
+
+
+async def test_info_finds_the_leader_of_an_etcd_cluster(tmp_path):
+    if shutil.which("etcd") is None:
+        _unavailable("etcd is not installed (Debian: etcd-server)")
+    etcd = MetadataServer("etcd", tmp_path)
+    etcd.start()
+    spec = f"etcd://127.0.0.1:{etcd.port}/info"
+    try:
+        async with _master("--etcd", f"127.0.0.1:{etcd.port}", "--cluster", "info") as address, \
+                StoreClient(spec, segment_size=2 << 20, protocols=("tcp",)) as a:
+            await a.put("durable", b"d" * 2000)
+            rc, out, err = await _info("--store", spec, "--json")
+            assert rc == 0, err
+            report = json.loads(out)
+            assert report["address"] == address and report["objects"] == {"dram": 1}
+            assert [s["client"] for s in report["segments"]] == [a.client_id]
+    finally:
+        etcd.kill()
 
 
 async def test_the_embedded_master_in_process():
