@@ -583,7 +583,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=("auto", "local", "rdma", "tcp"), default="auto",
                    help="with --peer: the provider to insist on (default: auto, as an Engine chooses)")
     p.add_argument("--secret", default=None, metavar="TEXT", help=f"with --peer: shared secret (or ${SECRET_ENV})")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="with --peer: per step (default 5)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="with --peer: per step; with --store: the query (default 5)")
     p.add_argument("--location", default="cpu", metavar="LOC",
                    help="with --peer: memory location whose rails to show (cpu, cpu:N, cuda:N)")
     return p
