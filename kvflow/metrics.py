@@ -25,6 +25,7 @@ Metric names (labels peer, provider, op unless said):
 | kvflow_receive_window_violations_bytes_total | counter | payload that landed without credit |
 
 Every scrape reads the native counters at once; nothing is kept here.
+The KVCache pool's own metrics: kvflow/store/metrics.py (docs/metrics.md).
 """
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ latency_p99_us, entries_per_s):
             kvflow.compat.mooncake: Mooncake's API backed by kvflow)
   nixl      tools/baselines/nixl_bench.py           (NIXL, UCX tcp / cma)
   ceilings  tools/baselines/ceilings.py             (socket, process_vm_writev, memcpy)
+  store     tools/store_bench.py's run_system: kvflow.store and Mooncake Store
+            (mooncake_master + mooncake.store), each a master, a holder and a
+            bench client process over tcp, every get's bytes compared
 See tools/baselines/README.md for what each row measures and how to install.
 
 Groups (rows that are compared with each other):
@@ -27,6 +30,14 @@ Groups (rows that are compared with each other):
   lat-local  kvflow tcp vs Mooncake / NIXL tcp; kvflow local vs NIXL cma/sm.
   scatter    4 KiB entries at non-adjacent addresses, batch 64, several
              batches in flight, same host: kvflow local --scatter vs NIXL.
+  store      the KVCache pool, issue 40's layout: batch_put_from and
+             batch_get_into of --batch objects of --store-sizes (64K,1M,4M)
+             into another process's segment over tcp, median of
+             --store-rounds calls: kvflow.store vs Mooncake Store; ceiling:
+             kvflow's own tcp write/read of the same entries (kvflow-raw),
+             then memcpy.
+  store-exists  batch_exists of 128 keys that exist, p50 of 200 calls
+             (Mooncake: batch_is_exist).
 The "kvflow / best alt" column divides kvflow's metric by the best other
 engine's (ceilings and mooncake-compat excluded: that is kvflow too); on a
 mooncake-compat row it divides by Mooncake's, same calls, same point: >1 is
@@ -51,16 +62,20 @@ BASE = os.path.join(ROOT, "tools", "baselines")
 ENGINES = ("kvflow", "mooncake", "mooncake-compat", "nixl", "nixl-compat", "ceilings")
 # kvflow behind another engine's API: compared with that engine, not an alternative to kvflow
 COMPAT = {"mooncake-compat": "mooncake", "nixl-compat": "nixl"}
-CEILINGS = {"socket", "process_vm_writev", "memcpy"}
+CEILINGS = {"socket", "process_vm_writev", "memcpy", "kvflow-raw"}
 
 # metric per group, and whether higher is better
 METRIC = {"tcp": ("gbps", True), "local": ("gbps", True),
           "lat-tcp": ("latency_p50_us", False), "lat-local": ("latency_p50_us", False),
-          "scatter": ("entries_per_s", True)}
+          "scatter": ("entries_per_s", True), "store": ("gbps", True),
+          "store-exists": ("latency_p50_us", False)}
 TITLE = {"tcp": "write b64 over TCP (GB/s)", "local": "write b64 same host (GB/s)",
          "lat-tcp": "one 4 KiB write, TCP (p50 us)",
          "lat-local": "one 4 KiB write, same host (p50 us)",
-         "scatter": "scattered 4 KiB entries, same host (entries/s)"}
+         "scatter": "scattered 4 KiB entries, same host (entries/s)",
+         "store": "KVCache pool: 64 objects per batch call, TCP (GB/s)",
+         "store-exists": "KVCache pool: batch_exists of 128 keys (p50 us)"}
+STORE_GROUPS = ("store", "store-exists")
 
 
 def parse_size(text: str) -> int:
@@ -229,10 +244,100 @@ def add_ratios(rows: list[dict]) -> None:
                 c["best_alt"] = f"{b['engine']} {b['protocol']}"
 
 
+def _store_bench():
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import store_bench
+    return store_bench
+
+
+def store_rows_from(runs: list[dict], cmd: str) -> list[dict]:
+    """compare rows from store_bench runs (run_system's dicts, any number
+    per system: the best of each row is kept, as measure() keeps the best
+    of --repeat). kvflow's raw tcp write/read and memcpy are the ceilings."""
+    engine = {"kvflow": "kvflow", "mooncake": "mooncake"}
+    picked: dict = {}
+    for run in runs:
+        system = run.get("system")
+        for p in run.get("points", []):
+            if p["op"] == "batch_exists":
+                key = ("store-exists", f"{p['keys']} keys", engine[system], "tcp")
+                row = {"latency_p50_us": p["p50_us"], "latency_p99_us": p["p99_us"]}
+            elif p["op"] in ("put", "get", "raw_write", "raw_read", "memcpy"):
+                op = {"raw_write": "put", "raw_read": "get"}.get(p["op"], p["op"])
+                name = ("kvflow-raw" if p["op"].startswith("raw") else "memcpy" if p["op"] == "memcpy"
+                        else engine[system])
+                proto = "local" if name == "memcpy" else "tcp"
+                for o in (("put", "get") if p["op"] == "memcpy" else (op,)):
+                    r = {"gbps": p["gbps"], "bytes": p["size"] * p["batch"], "seconds": p["seconds_p50"],
+                         "block_size": p["size"], "batch": p["batch"]}
+                    key2 = ("store", f"{o} {fmt_size(p['size'])} x{p['batch']}", name, proto)
+                    _keep_best(picked, key2, r, "gbps", True)
+                continue
+            else:
+                continue
+            _keep_best(picked, key, row, "latency_p50_us", False)
+        if "error" in run:
+            picked.setdefault(("store", "error", engine.get(system, system), "tcp"),
+                              {"status": "error", "error": run["error"][-300:]})
+    rows = []
+    for (group, point, name, proto), r in picked.items():
+        rows.append({"group": group, "point": point, "engine": name, "protocol": proto, "cmd": cmd,
+                     "status": r.pop("status", "ok"), **r})
+    order = {"kvflow": 0, "mooncake": 1, "kvflow-raw": 2, "memcpy": 3}
+    rows.sort(key=lambda r: (STORE_GROUPS.index(r["group"]), _store_point_order(r["point"]),
+                             order.get(r["engine"], 9)))
+    return rows
+
+
+def _keep_best(picked: dict, key: tuple, row: dict, metric: str, higher: bool) -> None:
+    old = picked.get(key)
+    runs = (old or {}).get("runs", []) + [row[metric]]
+    if old is None or (row[metric] > old[metric]) == higher:
+        picked[key] = dict(row)
+    picked[key]["runs"] = runs
+
+
+def _store_point_order(point: str) -> tuple:
+    op, _, rest = point.partition(" ")
+    size = rest.split(" x")[0]
+    return (parse_size(size.replace(" ", "")) if size and size[0].isdigit() else 0, op != "put")
+
+
+def store_rows(args) -> list[dict]:
+    """Runs store_bench's systems (kvflow, then Mooncake Store when it is
+    installed and asked for), --repeat times, alternating; their rows."""
+    sb = _store_bench()
+    sizes = ",".join(str(s) for s in args.store_sizes)
+    sb_args = sb.parser().parse_args(["--sizes", sizes, "--batch", str(args.batch), "--rounds", str(args.store_rounds),
+                                      "--protocol", "tcp", "--exists-keys", "128"])
+    systems = [s for s, fam in (("kvflow", ("kvflow", "ceilings")), ("mooncake", ("mooncake",)))
+               if any(f in args.only for f in fam)]
+    cmd = f"python tools/store_bench.py --sizes {sizes} --batch {args.batch} --rounds {args.store_rounds} --mooncake"
+    runs, missing = [], []
+    for _ in range(args.repeat):
+        for system in systems:
+            if system == "mooncake" and not installed("mooncake"):
+                missing.append(system)
+                continue
+            t0 = time.monotonic()
+            run = sb.run_system(system, sb_args)
+            runs.append(run)
+            print(f"[store {time.monotonic() - t0:5.0f}s] {system}: "
+                  + ("error" if "error" in run else f"{len(run.get('points', []))} points"),
+                  file=sys.stderr, flush=True)
+    rows = store_rows_from(runs, cmd)
+    for system in dict.fromkeys(missing):
+        rows.append({"group": "store", "point": "-", "engine": system, "protocol": "tcp", "cmd": cmd,
+                     "status": "not installed"})
+    family = {"kvflow": "kvflow", "mooncake": "mooncake", "kvflow-raw": "ceilings", "memcpy": "ceilings"}
+    return [r for r in rows if family.get(r["engine"], r["engine"]) in args.only and r["group"] in args.groups]
+
+
 # --------------------------------------------------------------------------- output
 LEGEND = ("Ratios: kvflow's metric / the best other engine's and / the group's first "
           "ceiling (a mooncake-compat row: kvflow's Mooncake API / Mooncake's); GB/s and "
-          "entries/s: >1 favours kvflow; lat-* rows compare p50 latency: <1 favours kvflow.")
+          "entries/s: >1 favours kvflow; lat-* and store-exists rows compare p50 latency: <1 favours kvflow.")
 COLS = ("group", "point", "engine", "protocol", "GB/s", "entries/s", "p50 us",
         "p99 us", "kvflow / best alt", "of ceiling")
 
@@ -353,6 +458,11 @@ def main(argv=None) -> int:
     p.add_argument("--groups", default=",".join(METRIC),
                    type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help="comma list of: " + ", ".join(METRIC))
+    p.add_argument("--store-sizes", default="64K,1M,4M",
+                   type=lambda s: [parse_size(x) for x in s.split(",") if x.strip()],
+                   help="object sizes for the store group (64K,1M,4M)")
+    p.add_argument("--store-rounds", type=int, default=5,
+                   help="timed batch calls per store point, the median kept (5)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each point N times and keep the best (noisy shared cores)")
     p.add_argument("--json", metavar="FILE", help="write all rows (and versions) as JSON")
@@ -382,6 +492,8 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(points)} {time.monotonic() - t0:5.0f}s] {pt['group']:9} "
               f"{pt['point']:14} {pt['engine']:17} {pt['protocol']:8} {metric}={shown}"
               + (f"  ({r['error']})" if r.get("error") else ""), file=sys.stderr, flush=True)
+    if any(g in STORE_GROUPS for g in args.groups):
+        rows += store_rows(args)
     add_ratios(rows)
     print(render(rows, args.markdown))
     print(("\n" if args.markdown else "") + LEGEND)

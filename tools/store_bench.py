@@ -276,7 +276,11 @@ def _free_port() -> int:
         return so.getsockname()[1]
 
 
-def _run_system(system: str, args) -> dict:
+def run_system(system: str, args) -> dict:
+    """One system's master, holder and bench client (processes); the
+    client's points ({"op", "size", "batch", "gbps", ...} and the
+    batch_exists / put_from latencies), or {"error"}. tools/compare.py's
+    store rows come from here too."""
     me = [sys.executable, os.path.abspath(__file__)]
     common = ["--compat"] * bool(args.compat) + [
         "--protocol", args.protocol, "--sizes", args.sizes, "--batch", str(args.batch), "--rounds", str(args.rounds),
@@ -448,7 +452,7 @@ def _compat_table(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n(latency rows: below 1 means kvflow is faster)"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", nargs="?", default="run", choices=("run", "holder", "client"))
     p.add_argument("--system", default="kvflow", choices=("kvflow", "mooncake", "kvflow-mc"))
@@ -470,7 +474,11 @@ def main(argv=None) -> int:
     p.add_argument("--put-calls", type=int, default=200, help="single 4 KiB puts timed, one at a time")
     p.add_argument("--etcd", action="store_true",
                    help="the master in memory vs made durable by an etcd the bench starts")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.role == "holder":
         if args.system == "kvflow":
             asyncio.run(_kvflow_holder(args))
@@ -492,7 +500,7 @@ def main(argv=None) -> int:
     runs = []
     for i in range(args.repeat):
         for system in systems:
-            run = _run_system(system, args)
+            run = run_system(system, args)
             if "error" in run:
                 print(f"{system}: error\n{run['error']}", file=sys.stderr)
             runs.append(run)

@@ -21,6 +21,10 @@ A perf-test CLI in the spirit of Mooncake's ``transfer_engine_bench`` and
 ``incast``
     Several senders writing to one receiver at once, with and without a
     receive window (receiver credits), in one run (kvflow.cli.bench_incast).
+``store``
+    put/get/exists through the KVCache pool (kvflow.store): object sizes,
+    batch sizes, client processes, an embedded or a standalone master
+    (kvflow.cli.bench_store).
 
 Examples::
 
@@ -30,6 +34,7 @@ Examples::
     kvflow-bench initiator --target 10.0.0.1:7777 --listen 10.0.0.2:0 --op read
     kvflow-bench qos --protocol tcp --json
     kvflow-bench incast --senders 3 --windows 0,4M,16M
+    kvflow-bench store --size 64K,1M,4M --batch 64 --clients 2 --json
 
 Sizes accept a plain byte count or a binary suffix: ``4K``, ``64KiB``, ``1M``,
 ``16MiB``, ``1G`` (K, KB and KiB all mean 1024 bytes, as in nixlbench).
@@ -52,7 +57,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import kvflow
 import kvflow.metrics
-from kvflow.cli import bench_incast, bench_qos
+from kvflow.cli import bench_incast, bench_qos, bench_store
 from kvflow.cli.bench_plot import check_plotting, plot_sweep
 from kvflow.cli.bench_layout import (
     argparse_type,
@@ -441,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--target-start-timeout", type=seconds, default=60.0, help=argparse.SUPPRESS)
     bench_qos.add_parser(roles, size, count, seconds)
     bench_incast.add_parser(roles, size, count, seconds)
+    bench_store.add_parser(roles, sizes, counts, size, count, seconds)
     return parser
 
 
@@ -448,6 +454,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.role in ("qos", "incast"):
+        return args
+    if args.role == "store":
+        bench_store.check_args(parser, args)
         return args
     if args.block_sizes is None:
         default = DEFAULT_SWEEP if args.sweep else DEFAULT_BLOCK_SIZE
@@ -467,6 +476,7 @@ _ROLES: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
     "pair": run_pair,
     "qos": bench_qos.run_qos,
     "incast": bench_incast.run_incast,
+    "store": bench_store.run_store,
 }
 
 

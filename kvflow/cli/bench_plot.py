@@ -3,7 +3,7 @@ size, one line per batch size. matplotlib is optional (the `plot` extra)
 and imported only when a plot is asked for."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.cli.bench_layout import BenchError, format_size
@@ -27,19 +27,22 @@ def check_plotting() -> None:
     pyplot()
 
 
-def plot_sweep(results: Sequence[Any], path: str, *, title: str = "kvflow-bench") -> str:
+def plot_sweep(results: Sequence[Any], path: str, *, title: str = "kvflow-bench",
+               series: Callable[[Any], str] | None = None) -> str:
     """Two panels, GB/s and p50/p99 latency (log), against block size (log
-    2), a line per batch size; returns `path`."""
+    2), a line per batch size (or per `series(row)`, a line's label:
+    kvflow-bench store draws one per op and batch); returns `path`."""
     plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
-    batches = sorted({r.layout.batch for r in results})
-    for batch in batches:
-        rows = sorted((r for r in results if r.layout.batch == batch), key=lambda r: r.layout.block_size)
+    label = series or (lambda r: f"batch {r.layout.batch}")
+    names = list(dict.fromkeys(label(r) for r in sorted(results, key=lambda r: r.layout.batch)))
+    for name in names:
+        rows = sorted((r for r in results if label(r) == name), key=lambda r: r.layout.block_size)
         xs = [r.layout.block_size for r in rows]
-        top.plot(xs, [r.gbps for r in rows], marker="o", label=f"batch {batch}")
-        line = bottom.plot(xs, [r.latency_p50_us for r in rows], marker="o", label=f"batch {batch} p50")[0]
+        top.plot(xs, [r.gbps for r in rows], marker="o", label=name)
+        line = bottom.plot(xs, [r.latency_p50_us for r in rows], marker="o", label=f"{name} p50")[0]
         bottom.plot(xs, [r.latency_p99_us for r in rows], marker="x", linestyle="--",
-                    color=line.get_color(), label=f"batch {batch} p99")
+                    color=line.get_color(), label=f"{name} p99")
     sizes = sorted({r.layout.block_size for r in results})
     for ax in (top, bottom):
         ax.set_xscale("log", base=2)

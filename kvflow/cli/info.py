@@ -1,10 +1,17 @@
 """kvflow-info: what this host offers kvflow (built features, NUMA nodes,
-NICs, GPUs, the NIC preference per memory location) and, with --peer,
-whether a kvflow engine is reachable from here and what to fix if not.
+NICs, GPUs, the NIC preference per memory location); with --peer,
+whether a kvflow engine is reachable from here and what to fix if not;
+with --store, the KVCache pool a kvflow.store master keeps (segments,
+capacity and use, objects, clients, leases, evictions).
 
     kvflow-info [--json]
     kvflow-info --peer HOST:PORT [--protocol auto|local|rdma|tcp]
                 [--secret TEXT] [--timeout S] [--location LOC] [--json]
+    kvflow-info --store HOST:PORT|etcd://HOST:PORT/CLUSTER [--timeout S] [--json]
+
+In a process that holds a StoreClient or a Master, `await
+kvflow.cli.info.store_report(client_or_master)` gives the same report
+(an embedded master included) and `format_store()` its text.
 
 The peer check connects with a real Engine (so it sees what a transfer
 would see), then checks each address the peer publishes: the route and
@@ -51,7 +58,8 @@ from kvflow.topology import (
     route_to,
 )
 
-__all__ = ["Check", "Level", "PeerReport", "check_peer", "check_rdma", "local_report", "main", "route_to"]
+__all__ = ["Check", "Level", "PeerReport", "check_peer", "check_rdma", "format_store", "local_report", "main",
+           "route_to", "store_report"]
 
 SECRET_ENV = "KVFLOW_SECRET"
 LINK_LAYERS = {1: "InfiniBand", 2: "Ethernet"}     # enum ibv_link_layer
@@ -486,15 +494,97 @@ def format_peer(report: PeerReport) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------ the pool
+async def store_report(source: Any, *, timeout: float = 5.0) -> dict[str, Any]:
+    """The pool as its master sees it (kvflow.store.metrics.master_view):
+    `source` is a master's "host:port" or "etcd://host:port/cluster" (the
+    leader's), a StoreClient (its master, embedded or not) or a Master.
+    MasterUnavailableError when no master answers."""
+    from kvflow.store import Master, MasterUnavailableError, StoreClient
+    from kvflow.store.follow import finder_for
+    from kvflow.store.rpc import TcpMasterLink
+
+    if isinstance(source, Master):
+        return source.metrics()
+    if isinstance(source, StoreClient):
+        return await source.stats(detail=True, timeout=timeout)
+    finder = finder_for(source)
+    if finder is None:
+        addresses = [source]
+    else:
+        try:
+            addresses = await finder.candidates()
+        finally:
+            await finder.close()
+        if not addresses:
+            raise MasterUnavailableError(f"no master leads {source}")
+    last: Exception | None = None
+    for address in addresses:
+        try:
+            # no registration: the master answers stats to observers, who are no client
+            link = await TcpMasterLink.open(address, timeout=timeout)
+        except MasterUnavailableError as e:
+            last = e
+            continue
+        try:
+            return await link.call("stats", True, timeout=timeout)
+        finally:
+            await link.close()
+    raise last or MasterUnavailableError(f"no master at {source}")
+
+
+def _bytes(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_store(report: dict[str, Any]) -> str:
+    cap, used = report["capacity"], report["used"]
+    pct = f" ({100 * used / cap:.1f}%)" if cap else ""
+    objects = sum(report["objects"].values())
+    lines = [f"kvflow.store master {report.get('address') or 'in this process'}",
+             (f"  capacity {_bytes(cap)}, used {_bytes(used)}{pct}; high/low watermark "
+             f"{report['watermarks'][0]:g}/{report['watermarks'][1]:g}"),
+             (f"  objects {objects} ({', '.join(f'{t} {n}' for t, n in sorted(report['objects'].items()))}), "
+             f"puts in progress {report['puts_in_progress']}"),
+             f"  leases {report['leases']} (ttl {report['lease_ttl']:g} s), lease waits "
+             + ", ".join(f"{k} {v}" for k, v in sorted(report["lease_waits"].items()))
+             + f"; quarantined {_bytes(report['quarantined_bytes'])}",
+             (f"  evictions {sum(report['evictions'].values())} ({_bytes(sum(report['evicted_bytes'].values()))}); "
+             f"calls served {report['calls']}"),
+             "", f"segments ({len(report['segments'])})"]
+    if report["segments"]:
+        lines.append(f"  {'id':>4}  {'tier':<5} {'capacity':>10} {'used':>10} {'use':>6} {'replicas':>8}  "
+                     f"{'client':<16}  engine")
+    for s in report["segments"]:
+        use = f"{100 * s['used'] / s['capacity']:.1f}%" if s["capacity"] else "-"
+        lines.append(f"  {s['id']:>4}  {s['tier']:<5} {_bytes(s['capacity']):>10} {_bytes(s['used']):>10} {use:>6} "
+                     f"{s['replicas']:>8}  {s['client']:<16}  {s['engine']}"
+                     + ("" if s["attached"] else "  (detached: its owner has not come back)"))
+    lines += ["", f"clients ({len(report['clients'])})"]
+    for c in report["clients"]:
+        lines.append(f"  {c['id']:<16}  host {c['host']}  engine {c['engine']}  segments "
+                     f"{','.join(map(str, c['segments'])) or '-'}  silent {c['silent_s']:.1f} s"
+                     + (f"  writing {c['writing']}" if c["writing"] else "")
+                     + ("  (recovered, not registered again)" if c["recovered"] else ""))
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------ entry point
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvflow-info", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--peer", metavar="HOST:PORT", help="check that the kvflow engine there is reachable")
+    p.add_argument("--store", metavar="MASTER",
+                   help="show the KVCache pool whose kvflow.store master is at HOST:PORT "
+                        "(or etcd://HOST:PORT/CLUSTER: its leader)")
     p.add_argument("--protocol", choices=("auto", "local", "rdma", "tcp"), default="auto",
                    help="with --peer: the provider to insist on (default: auto, as an Engine chooses)")
     p.add_argument("--secret", default=None, metavar="TEXT", help=f"with --peer: shared secret (or ${SECRET_ENV})")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="with --peer: per step (default 5)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="with --peer: per step; with --store: the query (default 5)")
     p.add_argument("--location", default="cpu", metavar="LOC",
                    help="with --peer: memory location whose rails to show (cpu, cpu:N, cuda:N)")
     return p
@@ -503,6 +593,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `kvflow-info` and `python -m kvflow.cli.info`."""
     args = _parser().parse_args(argv)
+    if args.store is not None:
+        return _show_store(args)
     try:
         topology = host_topology()
         if args.peer is None:
@@ -518,6 +610,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(json.dumps(peer.to_json(), indent=2) if args.json else format_peer(peer))
     return 0 if peer.reachable else 1
+
+
+def _show_store(args: argparse.Namespace) -> int:
+    from kvflow.store import StoreError
+    try:
+        report = asyncio.run(store_report(args.store, timeout=args.timeout))
+    except InvalidArgumentError as e:
+        print(f"kvflow-info: error: {e}", file=sys.stderr)
+        return 2
+    except StoreError as e:                     # MasterUnavailableError above all
+        print(f"kvflow-info: {args.store}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_store(report))
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ possibly several: it campaigns for the cluster's leadership (printing
 `standby` while another master leads), and once it leads it recovers the
 index from etcd, then serves (`ready`). It exits with status 3 when it
 can no longer make its changes durable (etcd lost, or fenced by a newer
-leader), and with status 1 when etcd cannot be reached at start."""
+leader), and with status 1 when etcd cannot be reached at start.
+
+`--metrics-port PORT` serves the master's Prometheus metrics (segments,
+objects, evictions, lease waits, lookups: kvflow/store/metrics.py) over
+http on the --listen host (needs prometheus-client)."""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +71,8 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     election = None
     await master.start(args.listen, serving=args.etcd is None)
+    if args.metrics_port is not None:
+        _serve_metrics(master, args.listen.rpartition(":")[0], args.metrics_port)
     try:
         if args.etcd is not None:
             election = await _lead(master, args, stop)
@@ -85,6 +91,17 @@ async def _serve(args: argparse.Namespace) -> None:
         if election is not None:
             await election.resign()         # the standby takes over at once
             await election.etcd.close()
+
+
+def _serve_metrics(master: Master, host: str, port: int) -> None:
+    """prometheus_client's http server (a thread of its own) with this
+    master's collector alone in its registry."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from .metrics import register_prometheus
+    registry = CollectorRegistry()
+    register_prometheus(master, registry)
+    start_http_server(port, addr=host, registry=registry)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sync: a put is acknowledged once its record is in etcd; async: at once, "
                         "the record follows within one flush (a crash may forget the last puts)")
     m.add_argument("--etcd-timeout", type=float, default=2.0, help="seconds per etcd request")
+    m.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port (needs prometheus-client)")
     m.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -48,6 +48,7 @@ from .follow import FollowingLink, finder_for
 from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError, ObjectNotFoundError,
                      ReplicaUnavailableError, StoreTimeoutError, error_from_code)
 from .master import Master
+from .metrics import ClientCounters, counted
 from .model import MAX_KEY_BYTES, check_key
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 
@@ -184,6 +185,7 @@ class StoreClient:
         self._beat_thread: HeartbeatThread | None = None
         self.lease_ttl = 5.0
         self.replica_fallbacks = 0      # reads that went on to another replica
+        self.counters = ClientCounters()    # metrics(): calls, hits, bytes, round trips (metrics.py)
         self._put_tokens = itertools.count(1)
         self._query: BlockingQuery | None = None
         self._loop_thread: int | None = None
@@ -339,7 +341,20 @@ class StoreClient:
     async def _call(self, method: str, *args: Any) -> Any:
         if self._link is None or self._closed:
             raise MasterUnavailableError("the client is not started, or closed")
-        return await self._link.call(method, *args, timeout=self.timeout)
+        t0, ok = time.perf_counter(), False
+        try:
+            out = await self._link.call(method, *args, timeout=self.timeout)
+            ok = True
+            return out
+        finally:
+            self.counters.round_trip(method, time.perf_counter() - t0, ok)
+
+    def metrics(self) -> dict:
+        """What this client did: calls, hits and misses, puts, bytes per
+        tier, lease waits, master round trips (count, latency histogram);
+        kvflow/store/metrics.py names them, docs/metrics.md too."""
+        return {"kind": "client", "client_id": self.client_id, **self.counters.snapshot(),
+                "replica_fallbacks": self.replica_fallbacks, "local_buffer_in_use": self.local_buffer_in_use}
 
     # -- memory ----------------------------------------------------------------
     def register_buffer(self, buffer: Any, *, name: str | None = None) -> kvflow.Region:
@@ -409,6 +424,7 @@ class StoreClient:
         return await self.batch_put_from_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)], **kw)
 
     @_with_timeout
+    @counted("put")
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
                                    replica_num: int | None = None, preferred_segment: int | None = None,
                                    pin: bool = False, _again: bool = False) -> list:
@@ -569,6 +585,7 @@ class StoreClient:
         return await self.batch_get_into_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)])
 
     @_with_timeout
+    @counted("get")
     async def batch_get_into_parts(self, keys: Sequence[str], parts: Sequence[Parts]) -> list:
         """The funnel of every get into registered memory."""
         if len(keys) != len(parts):
@@ -689,6 +706,7 @@ class StoreClient:
         return self._one(await self.batch_get([key]))
 
     @_with_timeout
+    @counted("get")
     async def batch_get(self, keys: Sequence[str]) -> list:
         results: list[Any] = [None] * len(keys)
         todo = []
@@ -743,6 +761,7 @@ class StoreClient:
         return self._one(await self.batch_exists([key]))
 
     @_with_timeout
+    @counted("exists")
     async def batch_exists(self, keys: Sequence[str]) -> list:
         """One round trip for any number of keys."""
         return await self._keyed("batch_exists", keys)
@@ -768,11 +787,15 @@ class StoreClient:
             if q is not None:
                 q.close()
             q = self._query = BlockingQuery(address, self.timeout)
+        t0 = time.perf_counter()
         try:
             items = q.call("batch_exists", list(keys))
         except KVFlowError:
+            self.counters.round_trip("batch_exists", time.perf_counter() - t0, False)
             return None
+        self.counters.round_trip("batch_exists", time.perf_counter() - t0, True)
         if isinstance(items, list) and len(items) == len(keys) and all(type(x) is bool for x in items):
+            self.counters.done("exists", (), {}, items)
             return items
         return None
 
@@ -801,6 +824,7 @@ class StoreClient:
         self._one(await self.batch_remove([key], force=force))
 
     @_with_timeout
+    @counted("remove")
     async def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list:
         return await self._keyed("batch_remove", keys, bool(force))
 
@@ -810,8 +834,11 @@ class StoreClient:
         return await self._call("remove_all", bool(force))
 
     @_with_timeout
-    async def stats(self) -> dict:
-        return await self._call("stats")
+    async def stats(self, *, detail: bool = False) -> dict:
+        """The master's counts; with `detail`, its whole view (segments,
+        clients, leases, evictions: Master.metrics(), what kvflow-info
+        --store prints)."""
+        return await (self._call("stats", True) if detail else self._call("stats"))
 
     # -- helpers ---------------------------------------------------------------
     @staticmethod

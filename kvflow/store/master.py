@@ -36,6 +36,7 @@ from typing import Any
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import DurabilityError, ObjectBusyError, error_code
+from .metrics import MasterCounters, master_view
 from .model import MAX_KEY_BYTES, StoreModel
 from .wire import FrameBuffer, encode, item_error, item_ok
 
@@ -89,6 +90,7 @@ class Master:
         self.sessions: set[Session] = set()
         self.address: str | None = None
         self.calls = 0
+        self.counters = MasterCounters()        # calls per method, lookups (metrics.py)
         self._server: asyncio.base_events.Server | None = None
         self._monitor: asyncio.Task | None = None
         self._connections: set[_MasterProtocol] = set()
@@ -277,11 +279,13 @@ class Master:
             return None
         if s.client_id is None:
             if method in ("stats", "batch_exists"):      # observers need no identity
+                self.counters.calls[method] += 1
                 return getattr(self, f"_{method}")(None, now, *args)
             raise KVFlowError(f"{method}: register first (or this client was declared lost)")
         self.model.seen(s.client_id, now)
         if method not in METHODS:
             raise InvalidArgumentError(f"unknown method {method!r}")
+        self.counters.calls[method] += 1
         return getattr(self, f"_{method}")(s.client_id, now, *args)
 
     def _heartbeat(self, cid: str, now: float) -> None:
@@ -359,6 +363,8 @@ class Master:
                 out.append([0, [obj.size, replicas(obj.replicas, segments)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
+        misses = sum(1 for item in out if item[0])
+        self.counters.looked_up("get", len(out) - misses, misses)
         return {"segments": segments, "items": out, "lease": lease}
 
     def _release_lease(self, cid: str, now: float, lease: int) -> None:
@@ -369,7 +375,10 @@ class Master:
         # (an [1, code, message] item only for a bad key) keeps it small
         if all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
             # valid keys all (the common case): no per-key call or try
-            return self.model.exist_many(keys)
+            found = self.model.exist_many(keys)
+            hits = found.count(True)
+            self.counters.looked_up("exists", hits, len(found) - hits)
+            return found
         return _per_item(keys, self.model.exists, wrap=None)
 
     def _batch_size(self, cid: str, now: float, keys: list) -> list:
@@ -381,7 +390,14 @@ class Master:
     def _remove_all(self, cid: str, now: float, force: bool) -> int:
         return self.model.remove_all(now, force=bool(force))
 
-    def _stats(self, cid: str | None, now: float) -> dict:
+    def metrics(self) -> dict:
+        """Segments (capacity, used, replicas, tier), clients, objects,
+        leases, evictions, lease waits, calls and lookups: metrics.py."""
+        return master_view(self)
+
+    def _stats(self, cid: str | None, now: float, detail: bool = False) -> dict:
+        if detail:                  # kvflow-info --store: the whole view
+            return self.metrics()
         m = self.model
         out = {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
                "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}

@@ -146,6 +146,10 @@ class StoreModel:
         self._used = 0
         self._rng = random.Random(seed)
         self.evictions = 0
+        self.evicted_bytes = 0
+        # what a read lease held back (metrics.py): a remove refused, a
+        # leased object eviction skipped, a forced removal's space held
+        self.lease_waits = {"remove": 0, "evict": 0, "quarantine": 0}
         # forced removals of leased objects: the key is gone at once, but the
         # space is freed only when its leases end or are released, so a
         # reader still copying it never sees a new object's bytes
@@ -481,9 +485,11 @@ class StoreModel:
         obj = self._complete(key)
         if obj.leased(now):
             if not force:
+                self.lease_waits["remove"] += 1
                 raise ObjectLeasedError(f"{key!r} is leased to a reader for at most "
                                         f"{obj.lease_end() - now:.3f} s more", key=key)
             self._quarantine.append((obj, obj.replicas))
+            self.lease_waits["quarantine"] += 1
             for r in obj.replicas:            # no longer an object's replica
                 seg = self.segments.get(r.segment)
                 if seg is not None:
@@ -538,9 +544,12 @@ class StoreModel:
             if self.evictable(obj, now):
                 freed += sum(r.length for r in obj.replicas)
                 victims.append(obj)
+            elif obj.leases and not obj.pinned:
+                self.lease_waits["evict"] += 1
         for obj in victims:
             self._delete(obj)
         self.evictions += len(victims)
+        self.evicted_bytes += freed
         return freed
 
     def _evict_one(self, now: float) -> bool:
