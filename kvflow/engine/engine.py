@@ -23,15 +23,12 @@ from kvflow.engine.blocks import Blocks
 from kvflow.engine.metrics import engine_metrics
 from kvflow.engine.context import INLINE_TURN_NS, PeerContext  # noqa: F401 (INLINE_TURN_NS: re-exported)
 from kvflow.engine.peer import Peer
-from kvflow.engine.router import Router
+from kvflow.engine.router import INBOX_REPLIES, STAGING_BYTES, STAGING_SLOT, PathContext, RelayGroup, Router
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
     ProviderUnavailableError, RegionBusyError
 from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
-from kvflow.engine.gpu import INBOX as GPU_INBOX, STAGING_BYTES, STAGING_SLOT, GpuMemory
-from kvflow.engine.inbox import REPLIES as INBOX_REPLIES, Inbox
-from kvflow.engine.relay import INBOX as RELAY_INBOX, Relay, RelayGroup
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
@@ -63,20 +60,6 @@ LOCAL_FENCE_WAIT = 1.0
 
 # This process's running engines by address (for the same-process check).
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
-
-
-def _ipc_handle(span: Any) -> "tuple[bytes, int, bytes] | None":
-    """The CUDA IPC handle of a GPU span's allocation, the span's offset in
-    it and its GPU's UUID, for peers on this host; None where the driver
-    gives none (memory from a stream-ordered pool, say): such peers stage."""
-    from kvflow._cuda import driver as drv
-    from kvflow.errors import CudaError
-    try:
-        base = span.base or span.addr
-        return drv.ipc_handle(base, span.device), span.addr - base, drv.device_uuid(span.device)
-    except (CudaError, ProviderUnavailableError) as e:
-        log.debug("kvflow: no CUDA IPC handle for %#x: %s", span.addr, e)
-        return None
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -195,7 +178,7 @@ class Engine:
     staging_bytes: the host memory (pinned) that transfers of GPU memory
     are staged through, half for this engine's outgoing slices and half
     lent to peers writing into its GPU memory (64 MiB; allocated once, when
-    GPU memory is first moved; kvflow.engine.gpu);
+    GPU memory is first moved; kvflow.paths.staged);
     relay: a kvflow.RelayGroup(name, rank, rail, side="send"): this
     engine's place in its node's PXN relay group; a write to a destination
     on another rail goes through the group's member on that rail, which
@@ -203,7 +186,7 @@ class Engine:
     destination node's member on it, which copies it over inside its node);
     host and GPU memory (RelayGroup(device=N): this member's device lanes,
     into which senders copy their GPU batches; never run on a GPU yet);
-    kvflow.engine.relay, relay_stats();
+    kvflow.paths.relay, relay_stats();
     rdma_ibgda: every rdma channel also gets one IBGDA endpoint per device
     pair, a QP a GPU drives itself (peer.ibgda_endpoints(); mlx5 only,
     never run on one: kvflow.providers.rdma.ibgda).
@@ -307,28 +290,35 @@ class Engine:
         if relay is not None and not isinstance(relay, RelayGroup):
             raise InvalidArgumentError("relay= takes a kvflow.RelayGroup")
         self._relay_group = relay
-        # each batch's path (kvflow.engine.router): it holds the GPU memory
-        # (made when GPU memory is first registered) and the relay member
-        self._router = Router(self._gpu_memory, _same_process)
+        # each batch's path (kvflow.engine.router): it makes and holds the
+        # GPU memory (when GPU memory is first registered) and the relay
+        # member, giving them what they may use of this engine
+        rw = Access.READ | Access.WRITE
+        paths = PathContext(
+            register_host=lambda a, n, nm, access=rw: self._register_host(a, n, nm, access, True, None),
+            deregister=self.deregister, holds_host=self._holds_host,
+            host_spans=lambda: [(r.addr, r.end) for r in self._regions.values() if r.kind == HOST],
+            gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
+            # not register(): the engine is not running until start() returns
+            register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)), connect=self.connect)
+        self._router = Router(paths, _same_process, self._staging_bytes)
         self._peer_ctx: PeerContext | None = None      # what peers may use of this engine (start())
         self._started = False
         self._closed = False
 
     @property
-    def _gpu(self) -> GpuMemory | None:
+    def _gpu(self) -> Any:
+        """The GPU memory (kvflow.paths.staged.GpuMemory), or None: the router's."""
         return self._router.gpu
 
     @_gpu.setter
-    def _gpu(self, gpu: GpuMemory | None) -> None:
+    def _gpu(self, gpu: Any) -> None:
         self._router.gpu = gpu
 
     @property
-    def _relay(self) -> Relay | None:
+    def _relay(self) -> Any:
+        """The relay membership (kvflow.paths.relay.Relay), or None: the router's."""
         return self._router.relay
-
-    @_relay.setter
-    def _relay(self, relay: Relay | None) -> None:
-        self._router.relay = relay
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Engine":
@@ -380,16 +370,7 @@ class Engine:
                 running = {**self._providers, self._rdma.name: self._rdma}
                 self._providers = {n: running[n] for n in PROVIDERS if n in running}
             if self._relay_group is not None:
-                self._relay = Relay(self._relay_group, self.address,
-                                    register_host=lambda a, n, nm, access=Access.READ | Access.WRITE:
-                                        self._register_host(a, n, nm, access, True, None),
-                                    deregister_host=self.deregister, connect=self.connect,
-                                    local_spans=lambda: [(r.addr, r.end) for r in self._regions.values()
-                                                         if r.kind == HOST],
-                                    gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
-                                    # not register(): the engine is not running until start() returns
-                                    register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)))
-                self._relay.publish()
+                self._router.join(self._relay_group, self.address)
             self._server.handlers.update(self._control_handlers())
         except OSError as e:
             await self._teardown()
@@ -429,52 +410,8 @@ class Engine:
                 else:
                     why = f"no {cls.name} on {self.address}: {self._unavailable.get(cls.name, 'not started')}"
                     handlers[kind] = lambda peer, session, msg, error=error, why=why: {"t": error, "message": why}
-        handlers["stage_lease"] = self._on_inbox(lambda inbox, session, msg: inbox.lease(session, msg))
-        handlers["stage_release"] = self._on_inbox(lambda inbox, session, msg: inbox.release(session, msg))
-        handlers["relay_forward"] = self._on_relay_forward
-        handlers["stage_land"] = self._on_gpu("on_land")
-        handlers["stage_fetch"] = self._on_gpu("on_fetch")
+        handlers.update(self._router.control_handlers(self.address))    # staging, the relay
         return handlers
-
-    def _inbox(self, name: Any) -> "Inbox | str":
-        """The inbox a peer's message names ("gpu": staged GPU memory), or
-        why there is none here."""
-        if name == GPU_INBOX:
-            if self._gpu is None or not self._gpu.local:
-                return f"{self.address} has no GPU memory registered"
-            return self._gpu.inbox
-        if name == RELAY_INBOX:
-            if self._relay is None:
-                return f"{self.address} is in no relay group"
-            return self._relay.inbox
-        return f"{self.address} has no inbox {name!r}"
-
-    def _on_relay_forward(self, peer: str, session: Any, msg: dict[str, Any]) -> Any:
-        if self._relay is None:
-            return {"t": "stage_error", "message": f"{self.address} is in no relay group"}
-        return self._relay.on_forward(peer, session, msg)
-
-    def _on_inbox(self, act: Callable[[Inbox, Any, dict[str, Any]], Any]) -> Callable[[str, Any, dict[str, Any]], Any]:
-        """A lease's control message (kvflow.engine.inbox), for the inbox it
-        names; refused where there is none (a release needs no answer)."""
-        async def refuse(why: str) -> dict[str, Any]:
-            return {"t": "stage_error", "message": why}
-
-        def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
-            inbox = self._inbox(msg.get("inbox"))
-            if isinstance(inbox, str):
-                return None if msg.get("t") == "stage_release" else refuse(inbox)
-            return act(inbox, session, msg)
-        return handle
-
-    def _on_gpu(self, name: str) -> Callable[[str, Any, dict[str, Any]], Any]:
-        """A staged GPU transfer's request, answered by this engine's GPU
-        memory (kvflow.engine.gpu), or refused where it has none."""
-        def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
-            if self._gpu is None:
-                return {"t": "stage_error", "message": f"{self.address} has no GPU memory registered"}
-            return getattr(self._gpu, name)(peer, session, msg)
-        return handle
 
     def _device_names(self) -> list[str] | None:
         for p in self._providers.values():
@@ -503,8 +440,7 @@ class Engine:
         self._notifications.put_nowait(None)
 
     async def _teardown(self) -> None:
-        if self._relay is not None:
-            await self._relay.stop()            # first: no member routes through us any more
+        await self._router.stop()               # first: no member routes through us any more
         if self._server is not None:
             await self._server.close()
         if self._tcp is not None:
@@ -527,12 +463,7 @@ class Engine:
             self._batches.fail_all(lambda peer: PeerLostError(f"engine {self.address} closed", peer=peer))
         # The staging and relay memory last: until the core closed, its
         # channels could be receiving into it or sending from it.
-        if self._gpu is not None:
-            gpu, self._gpu = self._gpu, None
-            gpu.close(deregister=False)
-        if self._relay is not None:
-            relay, self._relay = self._relay, None
-            relay.close(deregister=False)
+        self._router.close()
 
     def _remove_token(self, token: bytes) -> None:
         if self._core is not None:
@@ -541,10 +472,7 @@ class Engine:
     def _drop_session(self, session: Any) -> None:
         for p in self._providers.values():
             p.drop_session(session)
-        if self._gpu is not None:
-            self._gpu.inbox.drop_session(session)
-        if self._relay is not None:
-            self._relay.inbox.drop_session(session)
+        self._router.drop_session(session)
 
     def _deliver(self, peer: str, data: bytes) -> None:
         self._notifications.put_nowait((peer, data))
@@ -601,42 +529,20 @@ class Engine:
 
     def _register_gpu(self, span: Any, name: str | None, access: Access) -> Region:
         """GPU memory: kept out of the native core's tables (no CPU path may
-        touch it); transfers that reach it are staged (kvflow.engine.gpu)."""
-        gpu = self._gpu_memory()
+        touch it); transfers that reach it are staged or copied (kvflow.paths)."""
         self._gpu_ids -= 1
-        region = Region(span.addr, span.length, name, access, self._gpu_ids, span.keep,
-                        kind=CUDA, device=span.device, ipc=_ipc_handle(span))
-        if not gpu.local.add(region):
-            raise InvalidArgumentError(f"region {span.addr:#x}+{span.length} overlaps a registered GPU region")
+        region = self._router.add_gpu_region(span, name, access, self._gpu_ids)
         self._regions[region.id] = region
         self._regions_changed()
         return region
 
     _gpu_ids = 0        # GPU regions' ids: negative, apart from the native core's
 
-    def _gpu_memory(self) -> GpuMemory:
-        if self._gpu is None:
-            from kvflow._cuda import driver as drv
-            from kvflow.providers.cuda.copier import CudaCopyEngine
-
-            def pinned(nbytes: int) -> tuple[int, Any]:
-                # in the context of a GPU this engine uses (portable to all)
-                gpu = next(iter(self._gpu.local), None) if self._gpu is not None else None
-                buf = drv.PinnedHost(nbytes, gpu.device if gpu is not None else 0)
-                return buf.addr, buf
-
-            self._gpu = GpuMemory(
-                staging_bytes=self._staging_bytes, slot_bytes=STAGING_SLOT,
-                register_host=lambda a, n, nm: self._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
-                deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned,
-                holds_host=self._holds_host)
-        return self._gpu
-
     def relay_stats(self) -> dict[str, int] | None:
         """Bytes this engine's writes sent through other members of its
         relay group, bytes it forwarded for them, leases it lends now; None
         without a relay group."""
-        return self._relay.stats() if self._relay is not None else None
+        return self._router.relay_stats()
 
     def _holds_host(self, addr: int, n: int) -> bool:
         """Whether [addr, addr+n) lies in one of this engine's host regions."""
@@ -663,8 +569,7 @@ class Engine:
         if self._regions.pop(region.id, None) is None:
             raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
         if region.kind == CUDA:
-            assert self._gpu is not None
-            self._gpu.local.remove(region)
+            self._router.remove_gpu_region(region)
             self._regions_changed()
             return
         inside = self._core.remove_region(region.id, LOCAL_FENCE_WAIT)

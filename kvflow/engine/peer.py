@@ -24,11 +24,11 @@ from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_w
 from kvflow.control.wire import field
 from kvflow.memory import HOST, RemoteRegion
 from kvflow.engine.blocks import Blocks, Prepared
-from kvflow.engine.gpu import remote_table
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.router import NATIVE, Path, Route
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
 from kvflow.providers.base import Provider
+from kvflow.regions import gpu_table
 from kvflow.schedule.qos import Priority, qos_args
 
 if TYPE_CHECKING:
@@ -167,12 +167,12 @@ class Peer:
                                    if r.kind == HOST]):
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
-        gpu_table = remote_table(regions)
+        table = gpu_table(regions)
         if getattr(self, "_gpu_table", None) is not None and \
-                [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in gpu_table]:
+                [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in table]:
             self._ctx.router.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
-        self._gpu_table = gpu_table
-        self._remote_gpu = bool(gpu_table)      # a plain bool: the write path tests it on every call
+        self._gpu_table = table
+        self._remote_gpu = bool(table)      # a plain bool: the write path tests it on every call
         self._regions = regions
 
     def holds_host(self, addr: int, n: int, write: bool) -> bool:
@@ -508,7 +508,7 @@ class Peer:
         qos_aging either). timeout still fails it.
 
         GPU memory on either side (a CUDA region of this engine or of the
-        peer) is staged through host bounce buffers (kvflow.engine.gpu);
+        peer) is staged through host bounce buffers (kvflow.paths.staged);
         priority and deadline order its host legs, not its copies.
 
         after: a CUDA event or stream (torch, cupy, cuda-python) that the
@@ -558,7 +558,7 @@ class Peer:
         if lapse and self._lapsed:
             await self._resumed(timeout)
         if after is not None:
-            from kvflow.providers.cuda.copier import wait_after
+            from kvflow.gpu.copy import wait_after
             loop = asyncio.get_running_loop()
             started = loop.time()
             try:
@@ -583,7 +583,6 @@ class Peer:
             return
         relay = self._ctx.router.relay
         assert relay is not None and route.via is not None
-        member = route.via
 
         async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
             leg = self._route(OP_WRITE, l, r, relay=False)
@@ -592,19 +591,8 @@ class Peer:
             else:
                 await self._staged_op(OP_WRITE, l, r, n, None, leg.reach)
 
-        async def relayed() -> None:
-            try:
-                via = await self._ctx.connect(member)
-            except (PeerUnreachableError, PeerLostError) as e:
-                log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", member, e,
-                            self.address)
-                await direct(la, ra, ln)
-                relay.rerouted_bytes += int(np.sum(np.asarray(ln, dtype=np.uint64)))
-                return
-            await relay.write(self.address, via, la, ra, ln, direct)
-
         try:
-            await asyncio.wait_for(relayed(), timeout)
+            await asyncio.wait_for(relay.write(self.address, route.via, la, ra, ln, direct), timeout)
         except asyncio.TimeoutError:
             raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
                                        peer=self.address) from None
@@ -619,7 +607,7 @@ class Peer:
             await t
 
     async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, reach: str) -> None:
-        """GPU memory on either side (kvflow.engine.gpu): CUDA IPC copies
+        """GPU memory on either side (kvflow.paths.staged): CUDA IPC copies
         where `reach` (the router's) allows them, else staged."""
         gpu = self._ctx.router.staging()
 
