@@ -11,31 +11,31 @@ import os
 import socket
 import weakref
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 from kvflow import _core
-from kvflow.config import env_bool, env_float, env_list, env_str
 from kvflow.control.client import dial
 from kvflow.control.descriptor import Descriptor, regions_to_wire
-from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
+from kvflow.control.server import ControlServer
 from kvflow.control.wire import encode
 from kvflow.engine.blocks import Blocks
 from kvflow.engine.metrics import engine_metrics
 from kvflow.engine.context import INLINE_TURN_NS, PeerContext  # noqa: F401 (INLINE_TURN_NS: re-exported)
 from kvflow.engine.peer import Peer
-from kvflow.engine.router import INBOX_REPLIES, STAGING_BYTES, STAGING_SLOT, PathContext, RelayGroup, Router
+from kvflow.engine.options import EngineOptions, is_address, split_address
+from kvflow.engine.router import INBOX_REPLIES, PathContext, Router
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
     ProviderUnavailableError, RegionBusyError
 from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
-from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
+from kvflow.metadata import EngineRecord, MetadataClient, open_store
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
-from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
-from kvflow.providers.tcp import TcpOptions, TcpProvider
+from kvflow.providers.rdma.provider import RdmaProvider
+from kvflow.providers.tcp import TcpProvider
 from kvflow.schedule.credits import window_bytes
-from kvflow.schedule.qos import AGING, SCHEDULING, aging_ns
-from kvflow.topology import Topology, cached_host_topology, parse_location
+from kvflow.schedule.qos import aging_ns
+from kvflow.topology import Topology, cached_host_topology
 from kvflow.tasks import retrieve
 
 __all__ = ["Engine", "PROVIDERS"]
@@ -62,21 +62,6 @@ LOCAL_FENCE_WAIT = 1.0
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
 
 
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgumentError(f"address {address!r} is not host:port")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _is_address(text: str) -> bool:
-    try:
-        _split_address(text)
-    except InvalidArgumentError:
-        return False
-    return True
-
-
 def _process_core(address: str) -> Any:
     """The native core of this process's running engine at `address`
     (None: none): a same-process local channel enters its region fence."""
@@ -96,171 +81,43 @@ class Engine:
     """kvflow's engine. Use as `async with Engine(...) as engine:`.
 
     listen: "host:port" of the handshake server (port 0 picks one);
-    protocols: provider names to allow ("local", "rdma", "tcp"); None
-    chooses automatically (local where the peer is on this host and permits
-    it, else rdma where both ends have devices that reach each other, else
-    tcp); secret: shared secret, required of every peer when set;
-    tcp_connections: data connections per tcp peer and rail;
-    rails: local IP addresses of this engine's tcp rails (one per NIC;
-    default: env KVFLOW_TCP_RAILS, comma-separated, else one rail on the
-    listen host), or "auto" (also KVFLOW_TCP_RAILS=auto): the IPv4
-    addresses of the netdevs the topology prefers for `location`, the
-    links of the control addresses left out (the listen host and the
-    `advertise` host, literal or resolved; a wildcard listen host leaves
-    nothing out unless `advertise` names the address) (Topology.tcp_rails;
-    one rail on the listen host when there are none); each gets a data
-    listener, all are published with their NICs, and a peer opens
-    tcp_connections to each, its slices spread over all; a peer that has
-    rails too pairs its rails with these by both topologies
-    (kvflow.topology.pair_tcp_rails) and binds each connection to its local
-    rail where that rail reaches the peer's (same subnet, or a route that
-    leaves by the rail's netdev; else the kernel picks the source); a connection
-    that fails (rail down: its peer's kernel answered nothing for about
-    `keepalive` seconds) hands its slices to the others and is rebuilt when its rail
-    answers again; location: where this engine's registered memory
-    lives ("cpu", "cpu:N" for a NUMA node, "cuda:N"; default: env
-    KVFLOW_LOCATION, else "cpu"): the NICs near it are preferred, and
-    published with the host's topology (kvflow.topology: discovered from
-    sysfs, or the JSON file KVFLOW_TOPOLOGY names) so that both ends of an
-    rdma connection pair matching rails; rdma_devices: RDMA
-    device names to use (default: env KVFLOW_RDMA_DEVICES, else all);
-    rdma_gid_index: GID index override (default: env KVFLOW_GID_INDEX, else
-    a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair;
-    rdma_ack_timeout: RC ACK timeout exponent, 1..31 (4.096 us * 2^n; default:
-    env KVFLOW_RDMA_ACK_TIMEOUT, else 14 (67 ms) for hardware NICs and 17
-    (537 ms) for software devices such as rxe and siw, whose ACKs can be
-    late under load; InvalidArgumentError otherwise). On software devices
-    the device's worker thread posts unpolled batches, not the submitting
-    thread (their ibv_post_send does the transfer inside the system call);
-    env KVFLOW_RDMA_WORKER_POSTS=0/1 decides for every device;
-    keepalive: seconds a peer's host may leave its connections unanswered
-    (the kernel's acknowledgements and keepalive probes: no ACK while our
-    bytes or probes wait for one) before the peer is declared lost and its
-    transfers fail with PeerLostError (0 disables; default: env
-    KVFLOW_KEEPALIVE, else 5). A peer that is only slow (stopped, starved,
-    its event loop or GIL held for any time) is never lost for that: its
-    kernel still answers; transfers to it wait, bounded by their own
-    timeouts. A peer whose process exits is lost at once (its sockets close);
-    docs/api.md, "Peer loss and keepalive";
-    metadata: None or "p2p" (peers connect by address only),
-    "redis://[[user]:password@]host:port[/db]" or "etcd://host:port": at
-    start() the engine publishes a record under kvflow/engines/<name> (name:
-    default the engine's address; not of the form host:port) that expires
-    metadata_ttl seconds after its last refresh (every metadata_ttl/3), and
-    connect() resolves names through that server;
-    qos_aging: the starvation bound of the transfer scheduler, seconds: a
-    priority class with queued slices is served at least once per interval
-    whatever runs above it (kvflow.schedule.qos; default 0.02);
-    scheduling: "qos" (priority classes, deadlines, fair share between
-    batches) or "fifo" (batches in arrival order, whole: priorities and
-    deadlines ignored; the baseline the QoS benchmark compares with);
-    tcp_express: one more tcp data connection per peer for HIGH batches:
-    while the others carry lower classes' bytes, a HIGH batch goes whole
-    on it and never queues behind those bytes in the kernel's socket
-    buffers; on idle connections it spreads over all of them (default: env
-    KVFLOW_TCP_EXPRESS, else on; docs/qos.md has the numbers);
-    tcp_send_buffer, tcp_receive_buffer: SO_SNDBUF of the tcp data
-    connections it opens (512 KiB) and SO_RCVBUF of those it accepts
-    (0: the kernel's autotuning, the default there; kvflow.providers.tcp.TcpOptions);
-    receive_window: receiver credits: the most write payload bytes that
-    all initiators together may have in flight toward this engine (None:
-    no cap; at least 256 KiB): they send only against credit it grants,
-    so N senders toward it stop at the window instead of overrunning its
-    link (tcp and rdma; kvflow.schedule.credits, receive_window_stats());
-    tcp_busy_poll: seconds a thread serving a tcp data connection keeps
-    looking for the next frame (yielding the CPU) before it sleeps (50 us;
-    0: at once; env KVFLOW_TCP_BUSY_POLL): small writes back to back find
-    it awake instead of paying a wake-up (TcpOptions);
-    tcp_congestion: the tcp data connections' congestion control: "auto"
-    (default; env KVFLOW_TCP_CONGESTION): a pacing one (BBR) is replaced
-    by cubic on connections within this host, where pacing only costs;
-    "system": the host's; or an algorithm the kernel offers;
-    staging_bytes: the host memory (pinned) that transfers of GPU memory
-    are staged through, half for this engine's outgoing slices and half
-    lent to peers writing into its GPU memory (64 MiB; allocated once, when
-    GPU memory is first moved; kvflow.paths.staged);
-    relay: a kvflow.RelayGroup(name, rank, rail, side="send"): this
-    engine's place in its node's PXN relay group; a write to a destination
-    on another rail goes through the group's member on that rail, which
-    posts it on its own NIC (side="receive": over this engine's rail to the
-    destination node's member on it, which copies it over inside its node);
-    host and GPU memory (RelayGroup(device=N): this member's device lanes,
-    into which senders copy their GPU batches; never run on a GPU yet);
-    kvflow.paths.relay, relay_stats();
-    rdma_ibgda: every rdma channel also gets one IBGDA endpoint per device
-    pair, a QP a GPU drives itself (peer.ibgda_endpoints(); mlx5 only,
-    never run on one: kvflow.providers.rdma.ibgda).
+    options: an EngineOptions (kvflow.engine.options, where every option is
+    told), or its fields as keyword arguments (`Engine(protocols=["tcp"],
+    keepalive=2)`), or both (the keywords on top of `options`). Raises
+    InvalidArgumentError for a value that is wrong, TypeError for a keyword
+    that is no option.
     """
 
-    def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
-                 secret: bytes | str | None = None, tcp_connections: int = 2,
-                 local_workers: int = 2, slice_size: int = 1 << 20,
-                 inline_limit: int = 1 << 20, advertise: str | None = None,
-                 rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
-                 rdma_qps: int = 2, rdma_slice_size: int = 256 << 10, rdma_ack_timeout: int | None = None,
-                 keepalive: float | None = None, metadata: str | None = None,
-                 name: str | None = None, metadata_ttl: float = 10.0,
-                 rails: Sequence[str] | None = None, location: str | None = None,
-                 qos_aging: float = AGING, scheduling: str = "qos", tcp_express: bool | None = None,
-                 tcp_send_buffer: int = TcpOptions.send_buffer,
-                 tcp_receive_buffer: int = TcpOptions.receive_buffer,
-                 receive_window: int | None = None, tcp_busy_poll: float | None = None,
-                 tcp_congestion: str | None = None, staging_bytes: int = STAGING_BYTES,
-                 relay: RelayGroup | None = None, rdma_ibgda: bool = False) -> None:
+    def __init__(self, listen: str = "127.0.0.1:0", *, options: EngineOptions | None = None,
+                 **kwargs: Any) -> None:
+        o = EngineOptions.of(options, kwargs)
+        protocols = o.protocols
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
             if unknown or not protocols:
                 raise InvalidArgumentError(
                     f"unknown protocol(s) {unknown or protocols!r}; available: {', '.join(PROVIDERS)}")
-        if rails is None:
-            rails = env_list("KVFLOW_TCP_RAILS")
-        if tcp_express is None:
-            tcp_express = env_bool("KVFLOW_TCP_EXPRESS")
-            tcp_express = TcpOptions.express if tcp_express is None else tcp_express
-        if tcp_busy_poll is None:
-            tcp_busy_poll = env_float("KVFLOW_TCP_BUSY_POLL")
-            tcp_busy_poll = TcpOptions.busy_poll if tcp_busy_poll is None else tcp_busy_poll
-        if tcp_congestion is None:
-            tcp_congestion = env_str("KVFLOW_TCP_CONGESTION") or TcpOptions.congestion
-        self._tcp_options = TcpOptions(tcp_connections, rails, slice_size, bool(tcp_express),
-                                       tcp_send_buffer, tcp_receive_buffer, tcp_busy_poll, tcp_congestion)
-        if keepalive is None:
-            keepalive = env_float("KVFLOW_KEEPALIVE")
-            keepalive = 5.0 if keepalive is None else keepalive
-        if not (keepalive == 0 or MIN_KEEPALIVE <= keepalive <= MAX_KEEPALIVE):
-            raise InvalidArgumentError(f"keepalive must be 0 (off) or {MIN_KEEPALIVE:g}..{MAX_KEEPALIVE:g} seconds")
-        self.keepalive = float(keepalive)
-        self._store = open_store(metadata)
-        if name is not None:
-            check_name(name)
-            if _is_address(name):
-                raise InvalidArgumentError(f"name {name!r} has the form host:port, which connect() "
-                                           "takes for an address; choose another name")
-        if not 0.2 <= metadata_ttl <= 86400:
-            raise InvalidArgumentError("metadata_ttl must be 0.2..86400 seconds")
-        self.name = name
-        self._metadata_ttl = float(metadata_ttl)
+        o = self.options = o.resolved()
+        self._tcp_options = o.tcp()
+        self._rdma_options = o.rdma()
+        assert o.keepalive is not None
+        self.keepalive = o.keepalive
+        self._store = open_store(o.metadata)
+        self.name = o.name
+        self._metadata_ttl = float(o.metadata_ttl)
         self._metadata: MetadataClient | None = None
         self._listen = listen
         self.protocols = protocols
-        if secret is None:
-            secret = env_str("KVFLOW_SECRET")
-        self._secret = secret.encode() if isinstance(secret, str) else secret
-        self.location = location or env_str("KVFLOW_LOCATION") or "cpu"
-        parse_location(self.location)
+        self._secret = o.secret
+        self.location: str = o.location or "cpu"
         self.topology: Topology | None = None
-        self._local_workers = local_workers
-        self._qos_aging_ns = aging_ns(qos_aging)
-        if scheduling not in SCHEDULING:
-            raise InvalidArgumentError(f"scheduling must be one of {', '.join(SCHEDULING)}, not {scheduling!r}")
-        self.scheduling = scheduling
-        self.receive_window = window_bytes(receive_window)
-        self._inline_limit = inline_limit
-        self._advertise = advertise
-        self._rdma_options = RdmaOptions(list(rdma_devices) if rdma_devices is not None else None,
-                                         rdma_gid_index, rdma_qps, rdma_slice_size, rdma_ack_timeout,
-                                         bool(rdma_ibgda))
+        self._local_workers = o.local_workers
+        self._qos_aging_ns = aging_ns(o.qos_aging)
+        self.scheduling = o.scheduling
+        self.receive_window = window_bytes(o.receive_window)
+        self._inline_limit = o.inline_limit
+        self._advertise = o.advertise
         self._local: LocalProvider | None = None
         self._tcp: TcpProvider | None = None
         self._rdma: RdmaProvider | None = None
@@ -284,12 +141,8 @@ class Engine:
         self._incarnation = int.from_bytes(os.urandom(8), "little") >> 1
         self.address = ""
         self.data_address = ""
-        if staging_bytes < 2 * STAGING_SLOT:
-            raise InvalidArgumentError(f"staging_bytes must be at least {2 * STAGING_SLOT} (two slots)")
-        self._staging_bytes = int(staging_bytes)
-        if relay is not None and not isinstance(relay, RelayGroup):
-            raise InvalidArgumentError("relay= takes a kvflow.RelayGroup")
-        self._relay_group = relay
+        self._staging_bytes = int(o.staging_bytes)
+        self._relay_group = o.relay
         # each batch's path (kvflow.engine.router): it makes and holds the
         # GPU memory (when GPU memory is first registered) and the relay
         # member, giving them what they may use of this engine
@@ -334,7 +187,7 @@ class Engine:
         if self._started:
             return
         self._loop = asyncio.get_running_loop()
-        host, port = _split_address(self._listen)
+        host, port = split_address(self._listen)
         auto = self._tcp_options.auto
         self.topology = cached_host_topology(fresh_addresses=auto)
         self._core = _core.Core(self._local_workers)
@@ -758,7 +611,7 @@ class Engine:
         unpublished name or an unreachable metadata server),
         AuthenticationError, ProtocolError, ProviderUnavailableError."""
         self._check_open()
-        if self._metadata is not None and not _is_address(address):
+        if self._metadata is not None and not is_address(address):
             return await self._connect_by_name(address, timeout)
         peer = self._peers.get(address)
         if peer is not None and peer.alive:
@@ -807,7 +660,7 @@ class Engine:
         return peer
 
     async def _connect(self, address: str) -> Peer:
-        host, port = _split_address(address)
+        host, port = split_address(address)
         reader, writer, desc, token = await dial(address, host, port, secret=self._secret, me=self.address,
                                                  keepalive=self.keepalive)
         peer = None
@@ -829,7 +682,7 @@ class Engine:
         incarnation answered and the peer has its new session and channel;
         False when another incarnation did (nothing of it kept). Raises what
         dial() and _open_channel() raise."""
-        host, port = _split_address(peer.address)
+        host, port = split_address(peer.address)
         reader, writer, desc, token = await dial(peer.address, host, port, secret=self._secret, me=self.address,
                                                  keepalive=self.keepalive)
         if desc.incarnation != peer.descriptor.incarnation or desc.pid != peer.descriptor.pid:
