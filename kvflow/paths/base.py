@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Protocol
 
+from kvflow.errors import KVFlowError
 from kvflow.memory import Access, Region
 
 __all__ = ["PathContext", "PathPeer"]
@@ -66,3 +67,15 @@ class PathContext:
         self.connect = connect
         self.copier = copier
         self.allocate = allocate
+
+    def let_go(self, regions: list[Region], deregister: bool) -> None:
+        """A path's own regions, deregistered (deregister=False: the engine's
+        core closed and they went with it) and forgotten; one already gone
+        is no error (the engine may be closing)."""
+        if deregister:
+            for r in regions:
+                try:
+                    self.deregister(r)
+                except KVFlowError:
+                    pass
+        regions.clear()

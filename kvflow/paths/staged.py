@@ -97,13 +97,7 @@ class GpuMemory:
         engines are drained first, and the engine calls this after its
         native core closed (deregister=False: the regions went with it)
         or, while running, deregisters the regions first."""
-        if deregister:
-            for r in self._host_regions:
-                try:
-                    self._ctx.deregister(r)
-                except KVFlowError:
-                    pass
-        self._host_regions.clear()
+        self._ctx.let_go(self._host_regions, deregister)
         self.ipc.close()
         for c in self._copiers.values():
             c.close()                   # waits for the copies it queued

@@ -109,13 +109,7 @@ class Forwarder:
     def close(self, deregister: bool = True) -> None:
         """Frees the inbox's and the lanes' memory (after the engine's core
         closed: deregister=False)."""
-        if deregister:
-            for r in self._regions:
-                try:
-                    self._ctx.deregister(r)
-                except KVFlowError:
-                    pass
-        self._regions.clear()
+        self._ctx.let_go(self._regions, deregister)
         self.inbox.pool.close()
         if self.lanes is not None:
             lanes, self.lanes = self.lanes, None
