@@ -16,7 +16,7 @@ from kvflow import _core
 from kvflow._core import OP_READ, OP_WRITE
 from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, ProtocolError,
                            TransferTimeoutError)
-from kvflow.status import ECLOSED, EREMOTE, status_error
+from kvflow.status import EREMOTE, status_error
 from kvflow.tasks import retrieve
 from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.client import ControlSession
@@ -24,6 +24,7 @@ from kvflow.control.descriptor import Descriptor, rdma_from_wire, regions_from_w
 from kvflow.control.wire import field
 from kvflow.memory import HOST, RemoteRegion
 from kvflow.engine.blocks import Blocks, Prepared
+from kvflow.engine.link import ClosedChannel, Link
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.router import NATIVE, Path, Route
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
@@ -68,7 +69,7 @@ class Peer:
         self.descriptor = descriptor
         self._table = _core.RemoteTable()
         self._set_regions(descriptor.regions)
-        self._channel: Any = _ClosedChannel(address)
+        self._channel: Any = ClosedChannel(address)
         self._channel_closed = False
         self._provider: Provider | None = None
         self.transport = ""
@@ -76,7 +77,9 @@ class Peer:
         self._closed = False
         self._replies = replies
         self._session = self._new_session(reader, writer)
-        self.link = _Link(self)
+        self.link = Link(address, descriptor=lambda: self.descriptor, table=lambda: self._table,
+                         alive=lambda: not self._closed and not self._session.lost,
+                         session=lambda: self._session, close=self.close)
         self._lost_callbacks: list[Callable[["Peer"], None]] = []
         # Set when the session ended while this side still wanted it: the
         # peer is dialled again in the background (_resume) and, if the same
@@ -260,7 +263,7 @@ class Peer:
         channel goes, the regions are the peer's as of now; the engine opens
         the new channel and start()s it."""
         self._close_channel()
-        self._channel = _ClosedChannel(self.address)
+        self._channel = ClosedChannel(self.address)
         self.descriptor = descriptor
         self._set_regions(descriptor.regions)
         self._session = self._new_session(reader, writer)
@@ -770,7 +773,7 @@ class Peer:
         self._ctx.router.forget_peer(self.address)      # its CUDA IPC mappings
         self._fire_lost()
         self._close_channel()
-        self._channel = _ClosedChannel(self.address)
+        self._channel = ClosedChannel(self.address)
         await self._session.close()
 
     def __repr__(self) -> str:
@@ -785,59 +788,3 @@ def _expanded(la: Any, ra: Any, ln: Any, counts: Any, local_strides: Any,
     if counts is None or local_strides is None or remote_strides is None:
         raise InvalidArgumentError("strided entries need counts, local_strides and remote_strides together")
     return expand_strided(la, ra, ln, counts, local_strides, remote_strides)
-
-
-class _ClosedChannel:
-    """Stands in for the provider channel before connect() finished and after
-    close(): every submission fails with PeerLostError."""
-
-    alive = False
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-
-    def submit(self, op: int, *columns: Any) -> tuple[int, int, int]:
-        return ECLOSED, 0, 0
-
-    def submit_poll(self, op: int, *columns: Any) -> tuple[int, int, int, int]:
-        return ECLOSED, 0, 0, 0
-
-    def close(self) -> None:
-        pass
-
-
-class _Link:
-    """What providers may use of a peer (kvflow.providers.base.PeerLink):
-    never the Peer itself."""
-
-    __slots__ = ("_peer", "address")
-
-    def __init__(self, peer: Peer) -> None:
-        self._peer = peer
-        self.address = peer.address
-
-    @property
-    def descriptor(self) -> Descriptor:
-        return self._peer.descriptor
-
-    @property
-    def table(self) -> Any:
-        return self._peer._table
-
-    @property
-    def alive(self) -> bool:
-        """Not closed, and the control connection is up (the channel may be down)."""
-        return not self._peer._closed and not self._peer._session.lost
-
-    async def request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        return await self._peer._session.request(msg, timeout)
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """A control message that needs no reply."""
-        self._peer._session.send(msg)
-
-    async def close(self) -> None:
-        await self._peer.close()
-
-    def __repr__(self) -> str:
-        return f"<kvflow peer link {self.address}>"
