@@ -177,7 +177,7 @@ def _private_names(layers: tuple[str, ...]) -> set[str]:
 
 @pytest.mark.parametrize("outer", ["connector", "compat", "store"])
 def test_outer_layers_use_public_names(outer):
-    inner = _private_names(("engine", "providers", "control", "schedule"))
+    inner = _private_names(("engine", "paths", "gpu", "providers", "control", "schedule"))
     own = _private_names((outer,))
     bad = []
     for m, tree in MODULES.items():
