@@ -84,7 +84,7 @@ extensions = [
                  "kvflow/_native/tcp_int.h",
                  "kvflow/_native.pxd"],
     ),
-    # relay lanes in shared memory (kvflow.engine.lanes)
+    # relay lanes in shared memory (kvflow.paths.relay.lanes)
     Extension("kvflow._lanes", ["kvflow/_lanes.pyx"], extra_compile_args=cflags, libraries=["rt"]),
     Extension("kvflow._putring", ["kvflow/_putring.pyx"], extra_compile_args=cflags),
 ]

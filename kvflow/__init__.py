@@ -2,7 +2,7 @@
 disaggregated LLM serving."""
 from kvflow.engine.blocks import Blocks, Prepared
 from kvflow.engine.engine import Engine
-from kvflow.engine.relay import RelayGroup
+from kvflow.paths.relay import RelayGroup
 from kvflow.errors import (
     AuthenticationError,
     InvalidArgumentError,

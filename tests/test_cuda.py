@@ -1,6 +1,6 @@
 """kvflow's CUDA module: built with nvcc, importable without a driver, and,
 where a GPU is usable, GPU memory registered and moved over every host
-provider (staged: kvflow.engine.gpu). The GPU tests skip with the reason
+provider (staged: kvflow.paths.staged). The GPU tests skip with the reason
 where CUDA is not usable (these build machines have nvcc and no driver);
 tools/gpu_check.sh runs them on a GPU machine."""
 from __future__ import annotations

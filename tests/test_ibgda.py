@@ -182,10 +182,10 @@ int main(void)
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def test_the_launchers_structs_match_the_device_codes(tmp_path):
-    """What the host launcher uploads (kvflow._cuda.ibgda.QP_DTYPE, the
+    """What the host launcher uploads (kvflow.gpu.ibgda.QP_DTYPE, the
     provider's MR_DTYPE) has the offsets and sizes ibgda.cuh reads, as the
     C compiler lays them out."""
-    from kvflow._cuda.ibgda import QP_DTYPE
+    from kvflow.gpu.ibgda import QP_DTYPE
     from kvflow.providers.rdma.ibgda import MR_DTYPE
     src, exe = tmp_path / "layout.c", tmp_path / "layout"
     src.write_text(_LAYOUT)
@@ -205,7 +205,7 @@ def test_the_launchers_structs_match_the_device_codes(tmp_path):
 
 
 def test_page_spans_cover_every_range_once():
-    from kvflow._cuda.ibgda import PAGE, page_spans
+    from kvflow.gpu.ibgda import PAGE, page_spans
     assert page_spans([]) == []
     assert page_spans([(PAGE + 8, 8)]) == [(PAGE, PAGE)]
     # the send queue and the doorbell record on one page, the CQ two pages on

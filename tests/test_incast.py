@@ -60,7 +60,7 @@ def test_every_byte_verified_and_cross_rail_crosses_the_spine(strategy):
 
 
 def test_send_relay_keeps_the_payload_off_the_spine():
-    """The relay as built (kvflow.engine.relay): each cross-rail flow goes
+    """The relay as built (kvflow.paths.relay): each cross-rail flow goes
     through the prefill node's rank on the destination's rail (cross-memory
     attach inside the node, whose ranks share a pid namespace), so only
     the relay's control messages cross the spine."""

@@ -1,10 +1,14 @@
 """The layering of the package, checked from its source (every import is
 parsed, type-only ones under TYPE_CHECKING included):
 
-- providers/, schedule/, topology/, control/ and metadata/ never import
-  engine/ (a lower layer gets a small object: ProviderContext, PeerLink,
-  BatchSink, never the Engine or the Peer); schedule/ holds policies the
-  providers and the engine use, and imports neither;
+- paths/, gpu/, providers/, schedule/, topology/, control/ and metadata/
+  never import engine/ (a lower layer gets a small object: PathContext,
+  ProviderContext, PeerLink, BatchSink, never the Engine or the Peer);
+  schedule/ holds policies the providers and the engine use, and imports
+  neither;
+- paths/ (the ways a batch travels besides one native channel) sits
+  between engine/ and providers/: nothing below it imports it, and gpu/
+  (GPU helpers with no engine knowledge) imports neither it nor engine/;
 - the library never imports cli/, connector/, compat/, examples or tools;
 - no provider name is compared as a string outside providers/ (decisions
   ask a provider's caps). Exempt: topology/, whose strings name memory
@@ -13,18 +17,23 @@ parsed, type-only ones under TYPE_CHECKING included):
   what a user wrote into protocols;
 - connector/ and compat/ use kvflow's public names: no private attribute
   of the engine's layers is reached from them;
-- _cuda/ (the driver's bindings, kernels and the IBGDA launcher) imports
-  nothing of kvflow but kvflow.errors and itself: the providers and the
-  engine build on it, never the other way;
+- _cuda/ (the driver's bindings and the kernels) imports nothing of
+  kvflow but kvflow.errors and itself: gpu/, paths/, the providers and the
+  engine build on it, never the other way (its IBGDA launcher, which once
+  imported providers/rdma/ibgda.py, is gpu/ibgda.py);
 - store/ (the KVCache pool) is built on kvflow's public API: it imports
   only `kvflow` itself (its exported names), kvflow.errors, kvflow.metadata
   and its own modules, and reaches no private attribute of the engine's
   layers; nothing in the library imports store/ but the outer layers;
 - inside engine/: the Peer keeps no reference to the Engine (it gets a
-  PeerContext), and only engine/router.py decides a batch's path (a
+  PeerContext), only engine/router.py decides a batch's path (a
   relay's route(), GPU memory's touches(), a provider's caps.same_host,
   caps.remote or caps.memory, a Route built, a provider compared by
-  identity).
+  identity), and only engine/router.py imports paths/ (the engine composes
+  through it); a module that only re-exports a moved name for its old
+  import path (nothing but imports and __all__) may import it too.
+
+The README's size (12 KB) is held by tests/test_readme.py.
 """
 from __future__ import annotations
 
@@ -38,7 +47,8 @@ import kvflow
 PKG = pathlib.Path(kvflow.__file__).parent
 ROOT = PKG.parent
 PROVIDER_NAMES = {"local", "tcp", "rdma", "cuda", "relay"}
-LOWER = ("providers", "schedule", "topology", "control", "metadata")
+LOWER = ("paths", "gpu", "providers", "schedule", "topology", "control", "metadata")
+BELOW_PATHS = ("gpu", "providers", "schedule", "topology", "control", "metadata", "_cuda")
 OUTER = ("cli", "connector", "compat")
 
 
@@ -95,6 +105,13 @@ def test_lower_layers_never_import_the_engine(layer):
     bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) == layer
                  for i in _imports(m, tree) if _inside(i, "engine"))
     assert not bad, f"{layer}/ imports engine/: {bad}"
+
+
+@pytest.mark.parametrize("layer", BELOW_PATHS)
+def test_layers_below_paths_never_import_it(layer):
+    bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) == layer
+                 for i in _imports(m, tree) if _inside(i, "paths"))
+    assert not bad, f"{layer}/ imports paths/ (an arrow running up): {bad}"
 
 
 def test_cuda_imports_only_errors():
@@ -160,7 +177,7 @@ def _private_names(layers: tuple[str, ...]) -> set[str]:
 
 @pytest.mark.parametrize("outer", ["connector", "compat", "store"])
 def test_outer_layers_use_public_names(outer):
-    inner = _private_names(("engine", "providers", "control", "schedule"))
+    inner = _private_names(("engine", "paths", "gpu", "providers", "control", "schedule"))
     own = _private_names((outer,))
     bad = []
     for m, tree in MODULES.items():
@@ -229,6 +246,38 @@ def test_the_peer_keeps_no_reference_to_the_engine(module):
             bad.append(f"line {node.lineno}: 'Engine' (an annotation)")
     assert not bad, f"{module} reaches the Engine (give the Peer what it needs in PeerContext):\n" + \
         "\n".join(bad)
+
+
+# engine/'s one door into paths/: the router, which makes the paths with the
+# engine's PathContext (engine.py composes through it). A module left at an
+# old import path to re-export a moved name holds no code that could use one.
+PATHS_DOOR = ("kvflow.engine.router",)
+
+
+def _only_reexports(tree: ast.Module) -> bool:
+    """Nothing but a docstring, imports and `__all__`."""
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
+            continue
+        return False
+    return True
+
+
+def test_inside_the_engine_only_the_router_imports_paths():
+    assert all(d in MODULES for d in PATHS_DOOR), "the walk found no engine/router.py"
+    bad = sorted((m, i) for m, tree in MODULES.items() if _layer(m) == "engine" and m not in PATHS_DOOR
+                 and not _only_reexports(tree) for i in _imports(m, tree) if _inside(i, "paths"))
+    assert not bad, f"engine/ imports paths/ outside engine/router.py (go through the router): {bad}"
+
+
+def test_the_reexport_check_sees_code():
+    # a walk that took every module for a re-export would pass the rule above
+    assert _only_reexports(MODULES["kvflow.engine.relay"])
+    assert not _only_reexports(MODULES["kvflow.engine.peer"])
 
 
 # What decides a batch's path: a relay's route(), GPU memory's touches(),

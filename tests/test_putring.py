@@ -1,5 +1,5 @@
 """GPU-initiated puts, proxy mode (issue 21), on the host: the put ring
-(kvflow._putring) and the proxy (kvflow.engine.proxy) with real engines
+(kvflow._putring) and the proxy (kvflow.gpu.proxy) with real engines
 and real peers. The producers are host threads, and the device side's own
 code (kvflow/_cuda/putring.cuh, kvf_put and kvf_put_wait) compiled for the
 host with gcc: the same protocol a kernel runs, checked against the
@@ -21,7 +21,7 @@ import pytest
 import kvflow
 from kvflow._putring import (E_CANCELED, E_INVALID, E_NO_PEER, E_REMOTE, E_UNREGISTERED, OP_GET, OP_PUT,
                              PutRing, PutRingError, ring_bytes)
-from kvflow.engine.proxy import PutProxy
+from kvflow.gpu.proxy import PutProxy
 
 from _batches import bounded
 

@@ -1,4 +1,4 @@
-"""The PXN relay, send side (kvflow.engine.relay), in host memory: two
+"""The PXN relay, send side (kvflow.paths.relay), in host memory: two
 "nodes" of two rails each, every engine a real kvflow engine; a write to
 a destination on another rail goes through the sender's group member on
 that rail, which posts it; every byte lands where it was written to, the
@@ -58,7 +58,7 @@ async def test_cross_rail_writes_go_through_the_member_on_that_rail(make_engine,
     moved = 64 * 65536 + (4 << 20)
     assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
     assert eng[(0, 1)].relay_stats()["forwarded_bytes"] == moved
-    # through the shared-memory lane (kvflow.engine.lanes), not by messages
+    # through the shared-memory lane (kvflow.paths.relay.lanes), not by messages
     assert eng[(0, 0)].relay_stats()["lanes_used"] == 1
     assert eng[(0, 1)].relay_stats()["lane_forwarded_bytes"] == moved
     # from another thread (the Mooncake API's path) too: write_blocking is relayed, not sent directly
@@ -151,7 +151,7 @@ async def test_a_member_that_stops_draining_is_written_around(make_engine, tmp_p
     await bounded(peer.write([s.addr], [peer.region("kv").addr], [4096]))     # the lane is claimed
     pool[:] = 0
     relay = eng[(0, 1)]._relay
-    await relay._lanes.close()                                                # it stops draining
+    await relay.forwarder.lanes.close()                                       # it stops draining
     await bounded(peer.write([s.addr], [peer.region("kv").addr], [8 << 20]))
     assert sha(pool) == sha(src)
     assert eng[(0, 0)].relay_stats()["rerouted_bytes"] == 8 << 20
@@ -303,7 +303,7 @@ async def test_a_slow_member_back_pressures_its_sender_through_the_lane_credits(
     import signal
     import time
     from kvflow._lanes import Lanes
-    from kvflow.engine.lanes import LANE_SLOTS
+    from kvflow.paths.relay.lanes import LANE_SLOTS
 
     member = member_process
     sender, src, s, pool, peer, dst = await _through_member(make_engine, tmp_path, 11)

@@ -1,5 +1,5 @@
 """The staging pipeline that carries GPU memory over the host providers
-(kvflow.providers.cuda.staging, kvflow.engine.gpu), driven with host
+(kvflow.paths.slots, kvflow.paths.staged), driven with host
 memory: the pipeline is written once against a copy engine, and
 HostCopyEngine is one (memmove on a worker thread) as CudaCopyEngine is
 another. Real engines, real tcp and local providers, the real control
@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.engine.gpu import GpuMemory
+from kvflow.gpu.copy import HostCopyEngine
 from kvflow.memory import Access, Region
-from kvflow.providers.cuda.copier import HostCopyEngine
-from kvflow.providers.cuda.staging import BouncePool, pack, run_staged
+from kvflow.paths.base import PathContext
+from kvflow.paths.slots import BouncePool, pack, run_staged
+from kvflow.paths.staged import GpuMemory
 
 from _batches import bounded
 
@@ -36,11 +37,12 @@ def host_gpu(engine: kvflow.Engine, staging_bytes: int = 4 * SLOT) -> GpuMemory:
     """Gives `engine` GPU memory whose copies are host copies and whose
     staging memory is plain host memory: the staged paths, driven with
     host memory."""
-    engine._gpu = GpuMemory(
-        staging_bytes=staging_bytes, slot_bytes=SLOT,
-        register_host=lambda a, n, nm: engine._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
-        deregister_host=engine.deregister, copier=lambda device: HostCopyEngine(), allocate=_numpy_memory,
-        holds_host=engine._holds_host)
+    ctx = PathContext(
+        register_host=lambda a, n, nm, access=Access.READ | Access.WRITE:
+            engine._register_host(a, n, nm, access, True, None),
+        deregister=engine.deregister, holds_host=engine._holds_host,
+        copier=lambda device: HostCopyEngine(), allocate=_numpy_memory)
+    engine._gpu = GpuMemory(ctx, staging_bytes=staging_bytes, slot_bytes=SLOT)
     return engine._gpu
 
 

@@ -45,7 +45,7 @@ async def run(rows: int = 4096, dim_in: int = 64, dim_out: int = 256, rows_per_b
     import torch
     import kvflow
     from kvflow._cuda import driver as drv, kernels
-    from kvflow.engine.proxy import PutProxy, PutRing, ring_bytes
+    from kvflow.gpu.proxy import PutProxy, PutRing, ring_bytes
 
     async with kvflow.Engine("127.0.0.1:0", protocols=("tcp",)) as a, \
             kvflow.Engine("127.0.0.1:0", protocols=("tcp",)) as b:
@@ -111,7 +111,7 @@ async def run_host(protocol: str, n: int = 2000, size: int = 4096) -> dict[str, 
     """The proxy's cost per put without a GPU (see the module's text)."""
     import time
     import kvflow
-    from kvflow.engine.proxy import OP_PUT, PutProxy, PutRing
+    from kvflow.gpu.proxy import OP_PUT, PutProxy, PutRing
 
     def quantiles(xs: list[float]) -> tuple[float, float]:
         return round(float(np.median(xs)) * 1e6, 1), round(float(np.quantile(xs, 0.99)) * 1e6, 1)

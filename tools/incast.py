@@ -31,7 +31,7 @@ Strategies: `naive` (every flow starts at once), `staggered` (round k:
 prefill rank p writes to decode rank (p + k) mod R; a rank starts its next
 round when its flow of this one completed: the seed's first idea),
 `send_relay` (the flows of naive, with the ranks in relay groups, one per
-node: kvflow.engine.relay sends each cross-rail flow through the prefill
+node: kvflow.paths.relay sends each cross-rail flow through the prefill
 node's rank on the destination's rail), `recv_relay` (the same groups with
 side="receive": each cross-rail flow goes over its sender's own rail to
 the decode node's rank on that rail, which copies it to the destination

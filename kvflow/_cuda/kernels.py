@@ -84,6 +84,6 @@ def ibgda_write(stream: drv.Stream, qp: int, mrs: int, nmrs: int, laddr: int, ra
     write posted by the device on the mlx5 QP whose struct kvf_ibgda_qp is
     at device address `qp`, its lkey found in the `nmrs` sorted regions at
     `mrs`, the CQ polled; out (2 int64, device-writable) gets the CQE's
-    opcode (or -1: no region) and its WQE counter. kvflow._cuda.ibgda.DeviceQp
+    opcode (or -1: no region) and its WQE counter. kvflow.gpu.ibgda.DeviceQp
     prepares all of it."""
     _launch(stream, "kvf_ibgda_write", [qp, mrs, nmrs, laddr, raddr, rkey, length, out], grid=1, block=1)

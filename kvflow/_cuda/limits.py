@@ -1,5 +1,5 @@
 """What one GPU-initiated (IBGDA) RDMA write may carry: checked where the
-kernel's launcher takes it (`_cuda/ibgda.py`) and where the rdma provider
+kernel's launcher takes it (`kvflow/gpu/ibgda.py`) and where the rdma provider
 posts it (`providers/rdma/ibgda.py`). Here, below both, because `_cuda/`
 imports nothing of kvflow but `kvflow.errors` (tests/test_layers.py)."""
 from __future__ import annotations

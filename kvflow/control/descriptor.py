@@ -32,7 +32,7 @@ class Descriptor:
     topology: Topology | None = None       # its NICs and their order per memory location
     location: str | None = None            # where its registered memory lives ("cpu:0", "cuda:1")
     rail_nics: list[str] | None = None     # the NIC of each data endpoint ("" unknown); None: no rails
-    relay: dict[str, Any] | None = None    # its relay group, rank and rail (kvflow.engine.relay)
+    relay: dict[str, Any] | None = None    # its relay group, rank and rail (kvflow.paths.relay)
     # each provider's own part, by provider name: checked by the decoder its
     # package registered (register_part), carried under that name on the wire
     providers: dict[str, Any] = dataclass_field(default_factory=dict)

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvflow._core import take_pairs
 from kvflow.errors import InvalidArgumentError, LengthMismatchError, RemoteAccessError, UnregisteredMemoryError
+from kvflow.regions import first_outside, locate  # noqa: F401 (first_outside: re-exported, compat/nixl imports it here)
 from kvflow.schedule.qos import Priority
 
 if TYPE_CHECKING:
@@ -44,27 +45,6 @@ def _column(values: Any, what: str) -> np.ndarray:
     if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
         raise InvalidArgumentError(f"{what}: negative value {int(arr.min())}")
     return np.ascontiguousarray(arr, dtype=np.uint64)
-
-
-def locate(spans: Iterable[tuple[int, int]], addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """For each block [addrs[i], addrs[i]+lens[i]), the ordinal of the span
-    ((start, end) pairs that do not overlap, in sorted order) it lies inside,
-    or -1 (int64)."""
-    spans = sorted(spans)
-    if not spans or not len(addrs):
-        return np.full(len(addrs), -1, dtype=np.int64)
-    starts = np.array([s for s, _ in spans], dtype=np.uint64)
-    ends = np.array([e for _, e in spans], dtype=np.uint64)
-    i = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
-    end = addrs + lens
-    ok = (i >= 0) & (end >= addrs) & (end <= ends[np.maximum(i, 0)])   # end >= addrs: no wrap-around
-    return np.where(ok, i, -1)
-
-
-def first_outside(spans: Iterable[tuple[int, int]], addrs: np.ndarray, lens: np.ndarray) -> int:
-    """Index of the first block not inside one of `spans`, or -1 when all are."""
-    bad = np.flatnonzero(locate(spans, addrs, lens) < 0)
-    return int(bad[0]) if len(bad) else -1
 
 
 class Blocks:

@@ -11,34 +11,31 @@ import os
 import socket
 import weakref
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 from kvflow import _core
-from kvflow.config import env_bool, env_float, env_list, env_str
 from kvflow.control.client import dial
 from kvflow.control.descriptor import Descriptor, regions_to_wire
-from kvflow.control.server import MAX_KEEPALIVE, MIN_KEEPALIVE, ControlServer
+from kvflow.control.server import ControlServer
 from kvflow.control.wire import encode
 from kvflow.engine.blocks import Blocks
 from kvflow.engine.metrics import engine_metrics
 from kvflow.engine.context import INLINE_TURN_NS, PeerContext  # noqa: F401 (INLINE_TURN_NS: re-exported)
 from kvflow.engine.peer import Peer
-from kvflow.engine.router import Router
+from kvflow.engine.options import EngineOptions, is_address, split_address
+from kvflow.engine.router import INBOX_REPLIES, PathContext, Router
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
     ProviderUnavailableError, RegionBusyError
 from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
-from kvflow.metadata import EngineRecord, MetadataClient, check_name, open_store
-from kvflow.engine.gpu import INBOX as GPU_INBOX, STAGING_BYTES, STAGING_SLOT, GpuMemory
-from kvflow.engine.inbox import REPLIES as INBOX_REPLIES, Inbox
-from kvflow.engine.relay import INBOX as RELAY_INBOX, Relay, RelayGroup
+from kvflow.metadata import EngineRecord, MetadataClient, open_store
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
-from kvflow.providers.rdma.provider import RdmaOptions, RdmaProvider
-from kvflow.providers.tcp import TcpOptions, TcpProvider
+from kvflow.providers.rdma.provider import RdmaProvider
+from kvflow.providers.tcp import TcpProvider
 from kvflow.schedule.credits import window_bytes
-from kvflow.schedule.qos import AGING, SCHEDULING, aging_ns
-from kvflow.topology import Topology, cached_host_topology, parse_location
+from kvflow.schedule.qos import aging_ns
+from kvflow.topology import Topology, cached_host_topology
 from kvflow.tasks import retrieve
 
 __all__ = ["Engine", "PROVIDERS"]
@@ -65,35 +62,6 @@ LOCAL_FENCE_WAIT = 1.0
 _live_engines: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
 
 
-def _ipc_handle(span: Any) -> "tuple[bytes, int, bytes] | None":
-    """The CUDA IPC handle of a GPU span's allocation, the span's offset in
-    it and its GPU's UUID, for peers on this host; None where the driver
-    gives none (memory from a stream-ordered pool, say): such peers stage."""
-    from kvflow._cuda import driver as drv
-    from kvflow.errors import CudaError
-    try:
-        base = span.base or span.addr
-        return drv.ipc_handle(base, span.device), span.addr - base, drv.device_uuid(span.device)
-    except (CudaError, ProviderUnavailableError) as e:
-        log.debug("kvflow: no CUDA IPC handle for %#x: %s", span.addr, e)
-        return None
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgumentError(f"address {address!r} is not host:port")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _is_address(text: str) -> bool:
-    try:
-        _split_address(text)
-    except InvalidArgumentError:
-        return False
-    return True
-
-
 def _process_core(address: str) -> Any:
     """The native core of this process's running engine at `address`
     (None: none): a same-process local channel enters its region fence."""
@@ -113,171 +81,43 @@ class Engine:
     """kvflow's engine. Use as `async with Engine(...) as engine:`.
 
     listen: "host:port" of the handshake server (port 0 picks one);
-    protocols: provider names to allow ("local", "rdma", "tcp"); None
-    chooses automatically (local where the peer is on this host and permits
-    it, else rdma where both ends have devices that reach each other, else
-    tcp); secret: shared secret, required of every peer when set;
-    tcp_connections: data connections per tcp peer and rail;
-    rails: local IP addresses of this engine's tcp rails (one per NIC;
-    default: env KVFLOW_TCP_RAILS, comma-separated, else one rail on the
-    listen host), or "auto" (also KVFLOW_TCP_RAILS=auto): the IPv4
-    addresses of the netdevs the topology prefers for `location`, the
-    links of the control addresses left out (the listen host and the
-    `advertise` host, literal or resolved; a wildcard listen host leaves
-    nothing out unless `advertise` names the address) (Topology.tcp_rails;
-    one rail on the listen host when there are none); each gets a data
-    listener, all are published with their NICs, and a peer opens
-    tcp_connections to each, its slices spread over all; a peer that has
-    rails too pairs its rails with these by both topologies
-    (kvflow.topology.pair_tcp_rails) and binds each connection to its local
-    rail where that rail reaches the peer's (same subnet, or a route that
-    leaves by the rail's netdev; else the kernel picks the source); a connection
-    that fails (rail down: its peer's kernel answered nothing for about
-    `keepalive` seconds) hands its slices to the others and is rebuilt when its rail
-    answers again; location: where this engine's registered memory
-    lives ("cpu", "cpu:N" for a NUMA node, "cuda:N"; default: env
-    KVFLOW_LOCATION, else "cpu"): the NICs near it are preferred, and
-    published with the host's topology (kvflow.topology: discovered from
-    sysfs, or the JSON file KVFLOW_TOPOLOGY names) so that both ends of an
-    rdma connection pair matching rails; rdma_devices: RDMA
-    device names to use (default: env KVFLOW_RDMA_DEVICES, else all);
-    rdma_gid_index: GID index override (default: env KVFLOW_GID_INDEX, else
-    a RoCE v2 IPv4-mapped GID); rdma_qps: QPs per device pair;
-    rdma_ack_timeout: RC ACK timeout exponent, 1..31 (4.096 us * 2^n; default:
-    env KVFLOW_RDMA_ACK_TIMEOUT, else 14 (67 ms) for hardware NICs and 17
-    (537 ms) for software devices such as rxe and siw, whose ACKs can be
-    late under load; InvalidArgumentError otherwise). On software devices
-    the device's worker thread posts unpolled batches, not the submitting
-    thread (their ibv_post_send does the transfer inside the system call);
-    env KVFLOW_RDMA_WORKER_POSTS=0/1 decides for every device;
-    keepalive: seconds a peer's host may leave its connections unanswered
-    (the kernel's acknowledgements and keepalive probes: no ACK while our
-    bytes or probes wait for one) before the peer is declared lost and its
-    transfers fail with PeerLostError (0 disables; default: env
-    KVFLOW_KEEPALIVE, else 5). A peer that is only slow (stopped, starved,
-    its event loop or GIL held for any time) is never lost for that: its
-    kernel still answers; transfers to it wait, bounded by their own
-    timeouts. A peer whose process exits is lost at once (its sockets close);
-    docs/api.md, "Peer loss and keepalive";
-    metadata: None or "p2p" (peers connect by address only),
-    "redis://[[user]:password@]host:port[/db]" or "etcd://host:port": at
-    start() the engine publishes a record under kvflow/engines/<name> (name:
-    default the engine's address; not of the form host:port) that expires
-    metadata_ttl seconds after its last refresh (every metadata_ttl/3), and
-    connect() resolves names through that server;
-    qos_aging: the starvation bound of the transfer scheduler, seconds: a
-    priority class with queued slices is served at least once per interval
-    whatever runs above it (kvflow.schedule.qos; default 0.02);
-    scheduling: "qos" (priority classes, deadlines, fair share between
-    batches) or "fifo" (batches in arrival order, whole: priorities and
-    deadlines ignored; the baseline the QoS benchmark compares with);
-    tcp_express: one more tcp data connection per peer for HIGH batches:
-    while the others carry lower classes' bytes, a HIGH batch goes whole
-    on it and never queues behind those bytes in the kernel's socket
-    buffers; on idle connections it spreads over all of them (default: env
-    KVFLOW_TCP_EXPRESS, else on; docs/qos.md has the numbers);
-    tcp_send_buffer, tcp_receive_buffer: SO_SNDBUF of the tcp data
-    connections it opens (512 KiB) and SO_RCVBUF of those it accepts
-    (0: the kernel's autotuning, the default there; kvflow.providers.tcp.TcpOptions);
-    receive_window: receiver credits: the most write payload bytes that
-    all initiators together may have in flight toward this engine (None:
-    no cap; at least 256 KiB): they send only against credit it grants,
-    so N senders toward it stop at the window instead of overrunning its
-    link (tcp and rdma; kvflow.schedule.credits, receive_window_stats());
-    tcp_busy_poll: seconds a thread serving a tcp data connection keeps
-    looking for the next frame (yielding the CPU) before it sleeps (50 us;
-    0: at once; env KVFLOW_TCP_BUSY_POLL): small writes back to back find
-    it awake instead of paying a wake-up (TcpOptions);
-    tcp_congestion: the tcp data connections' congestion control: "auto"
-    (default; env KVFLOW_TCP_CONGESTION): a pacing one (BBR) is replaced
-    by cubic on connections within this host, where pacing only costs;
-    "system": the host's; or an algorithm the kernel offers;
-    staging_bytes: the host memory (pinned) that transfers of GPU memory
-    are staged through, half for this engine's outgoing slices and half
-    lent to peers writing into its GPU memory (64 MiB; allocated once, when
-    GPU memory is first moved; kvflow.engine.gpu);
-    relay: a kvflow.RelayGroup(name, rank, rail, side="send"): this
-    engine's place in its node's PXN relay group; a write to a destination
-    on another rail goes through the group's member on that rail, which
-    posts it on its own NIC (side="receive": over this engine's rail to the
-    destination node's member on it, which copies it over inside its node);
-    host and GPU memory (RelayGroup(device=N): this member's device lanes,
-    into which senders copy their GPU batches; never run on a GPU yet);
-    kvflow.engine.relay, relay_stats();
-    rdma_ibgda: every rdma channel also gets one IBGDA endpoint per device
-    pair, a QP a GPU drives itself (peer.ibgda_endpoints(); mlx5 only,
-    never run on one: kvflow.providers.rdma.ibgda).
+    options: an EngineOptions (kvflow.engine.options, where every option is
+    told), or its fields as keyword arguments (`Engine(protocols=["tcp"],
+    keepalive=2)`), or both (the keywords on top of `options`). Raises
+    InvalidArgumentError for a value that is wrong, TypeError for a keyword
+    that is no option.
     """
 
-    def __init__(self, listen: str = "127.0.0.1:0", *, protocols: Sequence[str] | None = None,
-                 secret: bytes | str | None = None, tcp_connections: int = 2,
-                 local_workers: int = 2, slice_size: int = 1 << 20,
-                 inline_limit: int = 1 << 20, advertise: str | None = None,
-                 rdma_devices: Sequence[str] | None = None, rdma_gid_index: int | None = None,
-                 rdma_qps: int = 2, rdma_slice_size: int = 256 << 10, rdma_ack_timeout: int | None = None,
-                 keepalive: float | None = None, metadata: str | None = None,
-                 name: str | None = None, metadata_ttl: float = 10.0,
-                 rails: Sequence[str] | None = None, location: str | None = None,
-                 qos_aging: float = AGING, scheduling: str = "qos", tcp_express: bool | None = None,
-                 tcp_send_buffer: int = TcpOptions.send_buffer,
-                 tcp_receive_buffer: int = TcpOptions.receive_buffer,
-                 receive_window: int | None = None, tcp_busy_poll: float | None = None,
-                 tcp_congestion: str | None = None, staging_bytes: int = STAGING_BYTES,
-                 relay: RelayGroup | None = None, rdma_ibgda: bool = False) -> None:
+    def __init__(self, listen: str = "127.0.0.1:0", *, options: EngineOptions | None = None,
+                 **kwargs: Any) -> None:
+        o = EngineOptions.of(options, kwargs)
+        protocols = o.protocols
         if protocols is not None:
             protocols = tuple(protocols)
             unknown = [p for p in protocols if p not in PROVIDERS]
             if unknown or not protocols:
                 raise InvalidArgumentError(
                     f"unknown protocol(s) {unknown or protocols!r}; available: {', '.join(PROVIDERS)}")
-        if rails is None:
-            rails = env_list("KVFLOW_TCP_RAILS")
-        if tcp_express is None:
-            tcp_express = env_bool("KVFLOW_TCP_EXPRESS")
-            tcp_express = TcpOptions.express if tcp_express is None else tcp_express
-        if tcp_busy_poll is None:
-            tcp_busy_poll = env_float("KVFLOW_TCP_BUSY_POLL")
-            tcp_busy_poll = TcpOptions.busy_poll if tcp_busy_poll is None else tcp_busy_poll
-        if tcp_congestion is None:
-            tcp_congestion = env_str("KVFLOW_TCP_CONGESTION") or TcpOptions.congestion
-        self._tcp_options = TcpOptions(tcp_connections, rails, slice_size, bool(tcp_express),
-                                       tcp_send_buffer, tcp_receive_buffer, tcp_busy_poll, tcp_congestion)
-        if keepalive is None:
-            keepalive = env_float("KVFLOW_KEEPALIVE")
-            keepalive = 5.0 if keepalive is None else keepalive
-        if not (keepalive == 0 or MIN_KEEPALIVE <= keepalive <= MAX_KEEPALIVE):
-            raise InvalidArgumentError(f"keepalive must be 0 (off) or {MIN_KEEPALIVE:g}..{MAX_KEEPALIVE:g} seconds")
-        self.keepalive = float(keepalive)
-        self._store = open_store(metadata)
-        if name is not None:
-            check_name(name)
-            if _is_address(name):
-                raise InvalidArgumentError(f"name {name!r} has the form host:port, which connect() "
-                                           "takes for an address; choose another name")
-        if not 0.2 <= metadata_ttl <= 86400:
-            raise InvalidArgumentError("metadata_ttl must be 0.2..86400 seconds")
-        self.name = name
-        self._metadata_ttl = float(metadata_ttl)
+        o = self.options = o.resolved()
+        self._tcp_options = o.tcp()
+        self._rdma_options = o.rdma()
+        assert o.keepalive is not None
+        self.keepalive = o.keepalive
+        self._store = open_store(o.metadata)
+        self.name = o.name
+        self._metadata_ttl = float(o.metadata_ttl)
         self._metadata: MetadataClient | None = None
         self._listen = listen
         self.protocols = protocols
-        if secret is None:
-            secret = env_str("KVFLOW_SECRET")
-        self._secret = secret.encode() if isinstance(secret, str) else secret
-        self.location = location or env_str("KVFLOW_LOCATION") or "cpu"
-        parse_location(self.location)
+        self._secret = o.secret
+        self.location: str = o.location or "cpu"
         self.topology: Topology | None = None
-        self._local_workers = local_workers
-        self._qos_aging_ns = aging_ns(qos_aging)
-        if scheduling not in SCHEDULING:
-            raise InvalidArgumentError(f"scheduling must be one of {', '.join(SCHEDULING)}, not {scheduling!r}")
-        self.scheduling = scheduling
-        self.receive_window = window_bytes(receive_window)
-        self._inline_limit = inline_limit
-        self._advertise = advertise
-        self._rdma_options = RdmaOptions(list(rdma_devices) if rdma_devices is not None else None,
-                                         rdma_gid_index, rdma_qps, rdma_slice_size, rdma_ack_timeout,
-                                         bool(rdma_ibgda))
+        self._local_workers = o.local_workers
+        self._qos_aging_ns = aging_ns(o.qos_aging)
+        self.scheduling = o.scheduling
+        self.receive_window = window_bytes(o.receive_window)
+        self._inline_limit = o.inline_limit
+        self._advertise = o.advertise
         self._local: LocalProvider | None = None
         self._tcp: TcpProvider | None = None
         self._rdma: RdmaProvider | None = None
@@ -301,34 +141,37 @@ class Engine:
         self._incarnation = int.from_bytes(os.urandom(8), "little") >> 1
         self.address = ""
         self.data_address = ""
-        if staging_bytes < 2 * STAGING_SLOT:
-            raise InvalidArgumentError(f"staging_bytes must be at least {2 * STAGING_SLOT} (two slots)")
-        self._staging_bytes = int(staging_bytes)
-        if relay is not None and not isinstance(relay, RelayGroup):
-            raise InvalidArgumentError("relay= takes a kvflow.RelayGroup")
-        self._relay_group = relay
-        # each batch's path (kvflow.engine.router): it holds the GPU memory
-        # (made when GPU memory is first registered) and the relay member
-        self._router = Router(self._gpu_memory, _same_process)
+        self._staging_bytes = int(o.staging_bytes)
+        self._relay_group = o.relay
+        # each batch's path (kvflow.engine.router): it makes and holds the
+        # GPU memory (when GPU memory is first registered) and the relay
+        # member, giving them what they may use of this engine
+        rw = Access.READ | Access.WRITE
+        paths = PathContext(
+            register_host=lambda a, n, nm, access=rw: self._register_host(a, n, nm, access, True, None),
+            deregister=self.deregister, holds_host=self._holds_host,
+            host_spans=lambda: [(r.addr, r.end) for r in self._regions.values() if r.kind == HOST],
+            gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
+            # not register(): the engine is not running until start() returns
+            register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)), connect=self.connect)
+        self._router = Router(paths, _same_process, self._staging_bytes)
         self._peer_ctx: PeerContext | None = None      # what peers may use of this engine (start())
         self._started = False
         self._closed = False
 
     @property
-    def _gpu(self) -> GpuMemory | None:
+    def _gpu(self) -> Any:
+        """The GPU memory (kvflow.paths.staged.GpuMemory), or None: the router's."""
         return self._router.gpu
 
     @_gpu.setter
-    def _gpu(self, gpu: GpuMemory | None) -> None:
+    def _gpu(self, gpu: Any) -> None:
         self._router.gpu = gpu
 
     @property
-    def _relay(self) -> Relay | None:
+    def _relay(self) -> Any:
+        """The relay membership (kvflow.paths.relay.Relay), or None: the router's."""
         return self._router.relay
-
-    @_relay.setter
-    def _relay(self, relay: Relay | None) -> None:
-        self._router.relay = relay
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Engine":
@@ -344,7 +187,7 @@ class Engine:
         if self._started:
             return
         self._loop = asyncio.get_running_loop()
-        host, port = _split_address(self._listen)
+        host, port = split_address(self._listen)
         auto = self._tcp_options.auto
         self.topology = cached_host_topology(fresh_addresses=auto)
         self._core = _core.Core(self._local_workers)
@@ -380,16 +223,7 @@ class Engine:
                 running = {**self._providers, self._rdma.name: self._rdma}
                 self._providers = {n: running[n] for n in PROVIDERS if n in running}
             if self._relay_group is not None:
-                self._relay = Relay(self._relay_group, self.address,
-                                    register_host=lambda a, n, nm, access=Access.READ | Access.WRITE:
-                                        self._register_host(a, n, nm, access, True, None),
-                                    deregister_host=self.deregister, connect=self.connect,
-                                    local_spans=lambda: [(r.addr, r.end) for r in self._regions.values()
-                                                         if r.kind == HOST],
-                                    gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
-                                    # not register(): the engine is not running until start() returns
-                                    register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)))
-                self._relay.publish()
+                self._router.join(self._relay_group, self.address)
             self._server.handlers.update(self._control_handlers())
         except OSError as e:
             await self._teardown()
@@ -429,52 +263,8 @@ class Engine:
                 else:
                     why = f"no {cls.name} on {self.address}: {self._unavailable.get(cls.name, 'not started')}"
                     handlers[kind] = lambda peer, session, msg, error=error, why=why: {"t": error, "message": why}
-        handlers["stage_lease"] = self._on_inbox(lambda inbox, session, msg: inbox.lease(session, msg))
-        handlers["stage_release"] = self._on_inbox(lambda inbox, session, msg: inbox.release(session, msg))
-        handlers["relay_forward"] = self._on_relay_forward
-        handlers["stage_land"] = self._on_gpu("on_land")
-        handlers["stage_fetch"] = self._on_gpu("on_fetch")
+        handlers.update(self._router.control_handlers(self.address))    # staging, the relay
         return handlers
-
-    def _inbox(self, name: Any) -> "Inbox | str":
-        """The inbox a peer's message names ("gpu": staged GPU memory), or
-        why there is none here."""
-        if name == GPU_INBOX:
-            if self._gpu is None or not self._gpu.local:
-                return f"{self.address} has no GPU memory registered"
-            return self._gpu.inbox
-        if name == RELAY_INBOX:
-            if self._relay is None:
-                return f"{self.address} is in no relay group"
-            return self._relay.inbox
-        return f"{self.address} has no inbox {name!r}"
-
-    def _on_relay_forward(self, peer: str, session: Any, msg: dict[str, Any]) -> Any:
-        if self._relay is None:
-            return {"t": "stage_error", "message": f"{self.address} is in no relay group"}
-        return self._relay.on_forward(peer, session, msg)
-
-    def _on_inbox(self, act: Callable[[Inbox, Any, dict[str, Any]], Any]) -> Callable[[str, Any, dict[str, Any]], Any]:
-        """A lease's control message (kvflow.engine.inbox), for the inbox it
-        names; refused where there is none (a release needs no answer)."""
-        async def refuse(why: str) -> dict[str, Any]:
-            return {"t": "stage_error", "message": why}
-
-        def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
-            inbox = self._inbox(msg.get("inbox"))
-            if isinstance(inbox, str):
-                return None if msg.get("t") == "stage_release" else refuse(inbox)
-            return act(inbox, session, msg)
-        return handle
-
-    def _on_gpu(self, name: str) -> Callable[[str, Any, dict[str, Any]], Any]:
-        """A staged GPU transfer's request, answered by this engine's GPU
-        memory (kvflow.engine.gpu), or refused where it has none."""
-        def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
-            if self._gpu is None:
-                return {"t": "stage_error", "message": f"{self.address} has no GPU memory registered"}
-            return getattr(self._gpu, name)(peer, session, msg)
-        return handle
 
     def _device_names(self) -> list[str] | None:
         for p in self._providers.values():
@@ -503,8 +293,7 @@ class Engine:
         self._notifications.put_nowait(None)
 
     async def _teardown(self) -> None:
-        if self._relay is not None:
-            await self._relay.stop()            # first: no member routes through us any more
+        await self._router.stop()               # first: no member routes through us any more
         if self._server is not None:
             await self._server.close()
         if self._tcp is not None:
@@ -527,12 +316,7 @@ class Engine:
             self._batches.fail_all(lambda peer: PeerLostError(f"engine {self.address} closed", peer=peer))
         # The staging and relay memory last: until the core closed, its
         # channels could be receiving into it or sending from it.
-        if self._gpu is not None:
-            gpu, self._gpu = self._gpu, None
-            gpu.close(deregister=False)
-        if self._relay is not None:
-            relay, self._relay = self._relay, None
-            relay.close(deregister=False)
+        self._router.close()
 
     def _remove_token(self, token: bytes) -> None:
         if self._core is not None:
@@ -541,10 +325,7 @@ class Engine:
     def _drop_session(self, session: Any) -> None:
         for p in self._providers.values():
             p.drop_session(session)
-        if self._gpu is not None:
-            self._gpu.inbox.drop_session(session)
-        if self._relay is not None:
-            self._relay.inbox.drop_session(session)
+        self._router.drop_session(session)
 
     def _deliver(self, peer: str, data: bytes) -> None:
         self._notifications.put_nowait((peer, data))
@@ -601,42 +382,20 @@ class Engine:
 
     def _register_gpu(self, span: Any, name: str | None, access: Access) -> Region:
         """GPU memory: kept out of the native core's tables (no CPU path may
-        touch it); transfers that reach it are staged (kvflow.engine.gpu)."""
-        gpu = self._gpu_memory()
+        touch it); transfers that reach it are staged or copied (kvflow.paths)."""
         self._gpu_ids -= 1
-        region = Region(span.addr, span.length, name, access, self._gpu_ids, span.keep,
-                        kind=CUDA, device=span.device, ipc=_ipc_handle(span))
-        if not gpu.local.add(region):
-            raise InvalidArgumentError(f"region {span.addr:#x}+{span.length} overlaps a registered GPU region")
+        region = self._router.add_gpu_region(span, name, access, self._gpu_ids)
         self._regions[region.id] = region
         self._regions_changed()
         return region
 
     _gpu_ids = 0        # GPU regions' ids: negative, apart from the native core's
 
-    def _gpu_memory(self) -> GpuMemory:
-        if self._gpu is None:
-            from kvflow._cuda import driver as drv
-            from kvflow.providers.cuda.copier import CudaCopyEngine
-
-            def pinned(nbytes: int) -> tuple[int, Any]:
-                # in the context of a GPU this engine uses (portable to all)
-                gpu = next(iter(self._gpu.local), None) if self._gpu is not None else None
-                buf = drv.PinnedHost(nbytes, gpu.device if gpu is not None else 0)
-                return buf.addr, buf
-
-            self._gpu = GpuMemory(
-                staging_bytes=self._staging_bytes, slot_bytes=STAGING_SLOT,
-                register_host=lambda a, n, nm: self._register_host(a, n, nm, Access.READ | Access.WRITE, True, None),
-                deregister_host=self.deregister, copier=CudaCopyEngine, allocate=pinned,
-                holds_host=self._holds_host)
-        return self._gpu
-
     def relay_stats(self) -> dict[str, int] | None:
         """Bytes this engine's writes sent through other members of its
         relay group, bytes it forwarded for them, leases it lends now; None
         without a relay group."""
-        return self._relay.stats() if self._relay is not None else None
+        return self._router.relay_stats()
 
     def _holds_host(self, addr: int, n: int) -> bool:
         """Whether [addr, addr+n) lies in one of this engine's host regions."""
@@ -663,8 +422,7 @@ class Engine:
         if self._regions.pop(region.id, None) is None:
             raise InvalidArgumentError(f"region {region.addr:#x}+{region.length} is not registered")
         if region.kind == CUDA:
-            assert self._gpu is not None
-            self._gpu.local.remove(region)
+            self._router.remove_gpu_region(region)
             self._regions_changed()
             return
         inside = self._core.remove_region(region.id, LOCAL_FENCE_WAIT)
@@ -864,7 +622,7 @@ class Engine:
         unpublished name or an unreachable metadata server),
         AuthenticationError, ProtocolError, ProviderUnavailableError."""
         self._check_open()
-        if self._metadata is not None and not _is_address(address):
+        if self._metadata is not None and not is_address(address):
             return await self._connect_by_name(address, timeout)
         peer = self._peers.get(address)
         if peer is not None and peer.alive:
@@ -913,7 +671,7 @@ class Engine:
         return peer
 
     async def _connect(self, address: str) -> Peer:
-        host, port = _split_address(address)
+        host, port = split_address(address)
         reader, writer, desc, token = await dial(address, host, port, secret=self._secret, me=self.address,
                                                  keepalive=self.keepalive)
         peer = None
@@ -935,7 +693,7 @@ class Engine:
         incarnation answered and the peer has its new session and channel;
         False when another incarnation did (nothing of it kept). Raises what
         dial() and _open_channel() raise."""
-        host, port = _split_address(peer.address)
+        host, port = split_address(peer.address)
         reader, writer, desc, token = await dial(peer.address, host, port, secret=self._secret, me=self.address,
                                                  keepalive=self.keepalive)
         if desc.incarnation != peer.descriptor.incarnation or desc.pid != peer.descriptor.pid:

@@ -16,7 +16,7 @@ from kvflow import _core
 from kvflow._core import OP_READ, OP_WRITE
 from kvflow.errors import (InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, ProtocolError,
                            TransferTimeoutError)
-from kvflow.status import ECLOSED, EREMOTE, status_error
+from kvflow.status import EREMOTE, status_error
 from kvflow.tasks import retrieve
 from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.client import ControlSession
@@ -24,11 +24,12 @@ from kvflow.control.descriptor import Descriptor, parts_from_wire, regions_from_
 from kvflow.control.wire import field
 from kvflow.memory import HOST, RemoteRegion
 from kvflow.engine.blocks import Blocks, Prepared
-from kvflow.engine.gpu import remote_table
+from kvflow.engine.link import ClosedChannel, Link
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.router import NATIVE, Path, Route
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
 from kvflow.providers.base import Provider
+from kvflow.regions import gpu_table
 from kvflow.schedule.qos import Priority, qos_args
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class Peer:
         self.descriptor = descriptor
         self._table = _core.RemoteTable()
         self._set_regions(descriptor.regions)
-        self._channel: Any = _ClosedChannel(address)
+        self._channel: Any = ClosedChannel(address)
         self._channel_closed = False
         self._provider: Provider | None = None
         self.transport = ""
@@ -76,7 +77,9 @@ class Peer:
         self._closed = False
         self._replies = replies
         self._session = self._new_session(reader, writer)
-        self.link = _Link(self)
+        self.link = Link(address, descriptor=lambda: self.descriptor, table=lambda: self._table,
+                         alive=lambda: not self._closed and not self._session.lost,
+                         session=lambda: self._session, close=self.close)
         self._lost_callbacks: list[Callable[["Peer"], None]] = []
         # Set when the session ended while this side still wanted it: the
         # peer is dialled again in the background (_resume) and, if the same
@@ -167,12 +170,12 @@ class Peer:
                                    if r.kind == HOST]):
             raise ProtocolError(f"peer {self.address} described overlapping or empty regions",
                                 peer=self.address)
-        gpu_table = remote_table(regions)
+        table = gpu_table(regions)
         if getattr(self, "_gpu_table", None) is not None and \
-                [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in gpu_table]:
+                [(r.addr, r.ipc) for r in self._gpu_table] != [(r.addr, r.ipc) for r in table]:
             self._ctx.router.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
-        self._gpu_table = gpu_table
-        self._remote_gpu = bool(gpu_table)      # a plain bool: the write path tests it on every call
+        self._gpu_table = table
+        self._remote_gpu = bool(table)      # a plain bool: the write path tests it on every call
         self._regions = regions
 
     def holds_host(self, addr: int, n: int, write: bool) -> bool:
@@ -260,7 +263,7 @@ class Peer:
         channel goes, the regions are the peer's as of now; the engine opens
         the new channel and start()s it."""
         self._close_channel()
-        self._channel = _ClosedChannel(self.address)
+        self._channel = ClosedChannel(self.address)
         self.descriptor = descriptor
         self._set_regions(descriptor.regions)
         self._session = self._new_session(reader, writer)
@@ -508,7 +511,7 @@ class Peer:
         qos_aging either). timeout still fails it.
 
         GPU memory on either side (a CUDA region of this engine or of the
-        peer) is staged through host bounce buffers (kvflow.engine.gpu);
+        peer) is staged through host bounce buffers (kvflow.paths.staged);
         priority and deadline order its host legs, not its copies.
 
         after: a CUDA event or stream (torch, cupy, cuda-python) that the
@@ -558,7 +561,7 @@ class Peer:
         if lapse and self._lapsed:
             await self._resumed(timeout)
         if after is not None:
-            from kvflow.providers.cuda.copier import wait_after
+            from kvflow.gpu.copy import wait_after
             loop = asyncio.get_running_loop()
             started = loop.time()
             try:
@@ -583,7 +586,6 @@ class Peer:
             return
         relay = self._ctx.router.relay
         assert relay is not None and route.via is not None
-        member = route.via
 
         async def direct(l: Any, r: Any, n: Any) -> None:      # around a member that was lost
             leg = self._route(OP_WRITE, l, r, relay=False)
@@ -592,19 +594,8 @@ class Peer:
             else:
                 await self._staged_op(OP_WRITE, l, r, n, None, leg.reach)
 
-        async def relayed() -> None:
-            try:
-                via = await self._ctx.connect(member)
-            except (PeerUnreachableError, PeerLostError) as e:
-                log.warning("kvflow relay: member %s unreachable (%s); writing to %s directly", member, e,
-                            self.address)
-                await direct(la, ra, ln)
-                relay.rerouted_bytes += int(np.sum(np.asarray(ln, dtype=np.uint64)))
-                return
-            await relay.write(self.address, via, la, ra, ln, direct)
-
         try:
-            await asyncio.wait_for(relayed(), timeout)
+            await asyncio.wait_for(relay.write(self.address, route.via, la, ra, ln, direct), timeout)
         except asyncio.TimeoutError:
             raise TransferTimeoutError(f"relayed write to {self.address} timed out after {timeout} s",
                                        peer=self.address) from None
@@ -619,7 +610,7 @@ class Peer:
             await t
 
     async def _staged_op(self, op: int, la: Any, ra: Any, ln: Any, timeout: float | None, reach: str) -> None:
-        """GPU memory on either side (kvflow.engine.gpu): CUDA IPC copies
+        """GPU memory on either side (kvflow.paths.staged): CUDA IPC copies
         where `reach` (the router's) allows them, else staged."""
         gpu = self._ctx.router.staging()
 
@@ -782,7 +773,7 @@ class Peer:
         self._ctx.router.forget_peer(self.address)      # its CUDA IPC mappings
         self._fire_lost()
         self._close_channel()
-        self._channel = _ClosedChannel(self.address)
+        self._channel = ClosedChannel(self.address)
         await self._session.close()
 
     def __repr__(self) -> str:
@@ -797,59 +788,3 @@ def _expanded(la: Any, ra: Any, ln: Any, counts: Any, local_strides: Any,
     if counts is None or local_strides is None or remote_strides is None:
         raise InvalidArgumentError("strided entries need counts, local_strides and remote_strides together")
     return expand_strided(la, ra, ln, counts, local_strides, remote_strides)
-
-
-class _ClosedChannel:
-    """Stands in for the provider channel before connect() finished and after
-    close(): every submission fails with PeerLostError."""
-
-    alive = False
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-
-    def submit(self, op: int, *columns: Any) -> tuple[int, int, int]:
-        return ECLOSED, 0, 0
-
-    def submit_poll(self, op: int, *columns: Any) -> tuple[int, int, int, int]:
-        return ECLOSED, 0, 0, 0
-
-    def close(self) -> None:
-        pass
-
-
-class _Link:
-    """What providers may use of a peer (kvflow.providers.base.PeerLink):
-    never the Peer itself."""
-
-    __slots__ = ("_peer", "address")
-
-    def __init__(self, peer: Peer) -> None:
-        self._peer = peer
-        self.address = peer.address
-
-    @property
-    def descriptor(self) -> Descriptor:
-        return self._peer.descriptor
-
-    @property
-    def table(self) -> Any:
-        return self._peer._table
-
-    @property
-    def alive(self) -> bool:
-        """Not closed, and the control connection is up (the channel may be down)."""
-        return not self._peer._closed and not self._peer._session.lost
-
-    async def request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        return await self._peer._session.request(msg, timeout)
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """A control message that needs no reply."""
-        self._peer._session.send(msg)
-
-    async def close(self) -> None:
-        await self._peer.close()
-
-    def __repr__(self) -> str:
-        return f"<kvflow peer link {self.address}>"

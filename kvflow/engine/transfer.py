@@ -227,7 +227,7 @@ def _silence(fut: asyncio.Future[None]) -> None:
 
 class TaskTransfer:
     """A transfer that runs as a task on the loop rather than as one native
-    batch: staged GPU memory (kvflow.engine.gpu), or a batch that waits for
+    batch: staged GPU memory (kvflow.paths.staged), or a batch that waits for
     a CUDA event first (`after=`). The same face as Transfer: await it,
     cancel() it (what is still queued is dropped, what is on the wire is
     waited for), done(), add_done_callback(), nbytes."""

@@ -476,7 +476,7 @@ async def test_a_kernel_puts_its_layer_through_the_proxy(gpu_mem, make_engine):
     them as writes from GPU memory to a tcp peer; every row lands equal to
     the host's product and every status is 0."""
     from kvflow._cuda import kernels
-    from kvflow.engine.proxy import PutProxy, PutRing, ring_bytes
+    from kvflow.gpu.proxy import PutProxy, PutRing, ring_bytes
     drv = _drv()
     rows, din, dout, rpb = 256, 16, 64, 16
     a = await make_engine(protocols=["tcp"])

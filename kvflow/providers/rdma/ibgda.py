@@ -2,7 +2,7 @@
 `Engine(rdma_ibgda=True)` every rdma channel gets, beside its RC QPs, one
 more RC QP per (local device, peer device) pair that no worker posts on: a
 GPU drives it (kvflow/_cuda/ibgda.cuh builds the WQEs and rings the
-doorbell; kvflow/_cuda/ibgda.py maps the queue into the device and
+doorbell; kvflow/gpu/ibgda.py maps the queue into the device and
 launches it). Its QP information travels in the same rdma_connect
 handshake as the channel's (an "ibgda" list beside "qps"); the peer makes a
 plain target QP for each, outside its receive window (the device's writes

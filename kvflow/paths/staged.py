@@ -1,6 +1,6 @@
 """An engine's GPU memory: its CUDA regions, and transfers to and from
-them over the host providers through the staging pipeline
-(kvflow.providers.cuda.staging).
+them over the host providers through the staging pipeline (slots.py),
+or in one direct copy where the peer's memory is addressable here (ipc.py).
 
 CUDA regions never enter the native core's region tables, so no CPU path
 (memcpy, sendmsg, recv, a verbs MR) is ever handed a device address. A
@@ -17,138 +17,79 @@ batch that touches one goes here instead:
   answer. The peer checks every destination against its own CUDA regions
   (WRITE access) and the slot against the lease, so nothing lands outside
   registered memory.
-
 - read from a peer's GPU memory: the peer fills leased inbox slots from
   its GPU memory (`stage_fetch`, READ access checked) and they are read
   over the host path.
- Staging memory is bounded per engine (Engine(staging_bytes=)),
+
+Staging memory is bounded per engine (Engine(staging_bytes=)),
 half for outgoing slots and half for the inbox, allocated once when first
 used.
 """
 from __future__ import annotations
 
-import asyncio
-import bisect
-import logging
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvflow.control.wire import field
-from kvflow.errors import (InvalidArgumentError, KVFlowError, ProtocolError,
-                           RemoteAccessError, UnregisteredMemoryError)
-from kvflow.memory import CUDA, Access, Region, RemoteRegion
-from kvflow.providers.cuda.copier import CopyEngine
-from kvflow.engine.inbox import Inbox, Lease
-from kvflow.providers.cuda.staging import BouncePool, Packed, Slot, pack, run_staged
+from kvflow.errors import InvalidArgumentError, KVFlowError, RemoteAccessError, UnregisteredMemoryError
+from kvflow.memory import Access
+from kvflow.paths.base import PathContext, PathPeer
+from kvflow.paths.ipc import IpcMaps, copy_direct
+from kvflow.paths.lease import Inbox, Lease
+from kvflow.paths.slots import BouncePool, Packed, Slot, pack, run_staged, slot_pieces
+from kvflow.regions import RegionTable
+from kvflow.tasks import gather_or_cancel
 
 __all__ = ["GpuMemory", "INBOX", "STAGING_BYTES", "STAGING_SLOT"]
-
-log = logging.getLogger("kvflow")
 
 STAGING_BYTES = 64 << 20        # Engine(staging_bytes=): per engine, outgoing + inbox
 STAGING_SLOT = 4 << 20          # one slot: a slice of the pipeline
 INBOX = "gpu"                   # the inbox's name in lease messages
 
 
-class _Table:
-    """Regions by start address: the one that holds [addr, addr+n), in
-    O(log n); any_in() answers for a whole batch's addresses at once (its
-    columns are kept as arrays, rebuilt when the table changes, not per
-    batch)."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._regions: list[Any] = []
-        self._columns()
-
-    def _columns(self) -> None:
-        self._starts_np = np.asarray(self._starts, dtype=np.uint64)
-        self._ends_np = np.asarray([r.end for r in self._regions], dtype=np.uint64)
-
-    def set(self, regions: Sequence[Any]) -> None:
-        ordered = sorted(regions, key=lambda r: r.addr)
-        self._starts = [r.addr for r in ordered]
-        self._regions = ordered
-        self._columns()
-
-    def add(self, region: Any) -> bool:
-        i = bisect.bisect_left(self._starts, region.addr)
-        if i > 0 and self._regions[i - 1].end > region.addr:
-            return False
-        if i < len(self._regions) and self._regions[i].addr < region.end:
-            return False
-        self._starts.insert(i, region.addr)
-        self._regions.insert(i, region)
-        self._columns()
-        return True
-
-    def remove(self, region: Any) -> None:
-        i = bisect.bisect_left(self._starts, region.addr)
-        if i < len(self._regions) and self._regions[i] is region:
-            del self._starts[i], self._regions[i]
-            self._columns()
-
-    def find(self, addr: int, n: int) -> Any:
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i >= 0 and addr + n <= self._regions[i].end:
-            return self._regions[i]
-        return None
-
-    def any_in(self, addrs: np.ndarray) -> bool:
-        """Whether any address lies inside a region (vectorised)."""
-        if not self._regions:
-            return False
-        i = np.searchsorted(self._starts_np, addrs, side="right").astype(np.int64) - 1
-        return bool(np.any((i >= 0) & (addrs < self._ends_np[np.maximum(i, 0)])))
-
-    def __bool__(self) -> bool:
-        return bool(self._regions)
-
-    def __iter__(self):
-        return iter(self._regions)
-
-
 class GpuMemory:
-    """One engine's CUDA regions and staged transfers. `register_host(addr,
-    length)` / `deregister_host(region)` register the staging memory with
-    the engine as host regions; `copier(device)` makes a copy engine;
-    `allocate(nbytes) -> (addr, keepalive)` the staging memory (pinned);
-    `holds_host(addr, n)` says whether a range is in one of the engine's
-    host regions."""
+    """One engine's CUDA regions (`local`) and staged transfers; what it
+    uses of its engine comes through `ctx` (kvflow.paths.base.PathContext):
+    the staging memory is registered with the engine as host regions, copy
+    engines and staging memory are CUDA's unless the context gives others."""
 
-    def __init__(self, *, staging_bytes: int, slot_bytes: int,
-                 register_host: Callable[[int, int, str], Region], deregister_host: Callable[[Region], None],
-                 copier: Callable[[int], CopyEngine], allocate: Callable[[int], tuple[int, Any]],
-                 holds_host: Callable[[int, int], bool]) -> None:
+    def __init__(self, ctx: PathContext, *, staging_bytes: int, slot_bytes: int) -> None:
         half = max(slot_bytes, staging_bytes // 2)
         count = max(1, half // slot_bytes)
         self.slot_bytes = slot_bytes
-        self._register_host = register_host
-        self._holds_host = holds_host
-        self._deregister_host = deregister_host
-        self._make_copier = copier
-        self._copiers: dict[int, CopyEngine] = {}
-        self._host_regions: list[Region] = []
-        self.local = _Table()
-        self.outgoing = BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.out"))
-        self.inbox = Inbox(INBOX, BouncePool(slot_bytes, count, self._allocator(allocate, "kvflow.staging.in")))
-        # (peer, region addr) -> (region's base here, our ordinal of its GPU), and
-        # -> (the mapping cuIpcOpenMemHandle made, that ordinal)
-        self._ipc_open: dict[tuple[str, int], tuple[int, int]] = {}
-        self._ipc_bases: dict[tuple[str, int], tuple[int, int]] = {}
+        self._ctx = ctx
+        self._copiers: dict[int, Any] = {}
+        self._host_regions: list[Any] = []
+        self.local = RegionTable()
+        self.outgoing = BouncePool(slot_bytes, count, self._allocator("kvflow.staging.out"))
+        self.inbox = Inbox(INBOX, BouncePool(slot_bytes, count, self._allocator("kvflow.staging.in")))
+        self.ipc = IpcMaps()
 
-    def _allocator(self, allocate: Callable[[int], tuple[int, Any]], name: str) -> Callable[[int], tuple[int, Any]]:
+    def _allocator(self, name: str) -> Callable[[int], tuple[int, Any]]:
         def make(nbytes: int) -> tuple[int, Any]:
-            addr, keep = allocate(nbytes)
-            self._host_regions.append(self._register_host(addr, nbytes, name))
+            addr, keep = (self._ctx.allocate or self._pinned)(nbytes)
+            self._host_regions.append(self._ctx.register_host(addr, nbytes, name))
             return addr, keep
         return make
 
-    def copier(self, device: int) -> CopyEngine:
+    def _pinned(self, nbytes: int) -> tuple[int, Any]:
+        """Pinned host memory, in the context of a GPU this engine uses
+        (portable to all)."""
+        from kvflow._cuda import driver as drv
+        gpu = next(iter(self.local), None)
+        buf = drv.PinnedHost(nbytes, gpu.device if gpu is not None else 0)
+        return buf.addr, buf
+
+    def copier(self, device: int) -> Any:
+        """The copy engine of GPU `device` (kvflow.gpu.copy), made on first use."""
         c = self._copiers.get(device)
         if c is None:
-            c = self._copiers[device] = self._make_copier(device)
+            if self._ctx.copier is not None:
+                c = self._ctx.copier(device)
+            else:
+                from kvflow.gpu.copy import CudaCopyEngine
+                c = CudaCopyEngine(device)
+            self._copiers[device] = c
         return c
 
     def close(self, deregister: bool = True) -> None:
@@ -156,15 +97,8 @@ class GpuMemory:
         engines are drained first, and the engine calls this after its
         native core closed (deregister=False: the regions went with it)
         or, while running, deregisters the regions first."""
-        if deregister:
-            for r in self._host_regions:
-                try:
-                    self._deregister_host(r)
-                except KVFlowError:
-                    pass
-        self._host_regions.clear()
-        for address in {k[0] for k in self._ipc_bases}:
-            self.forget_peer(address)
+        self._ctx.let_go(self._host_regions, deregister)
+        self.ipc.close()
         for c in self._copiers.values():
             c.close()                   # waits for the copies it queued
         self._copiers.clear()
@@ -175,7 +109,7 @@ class GpuMemory:
                 close()
 
     # ------------------------------------------------------------ routing
-    def touches(self, la: Any, ra: Any, remote: "_Table") -> bool:
+    def touches(self, la: Any, ra: Any, remote: RegionTable) -> bool:
         """Whether a batch reads or writes GPU memory on either side."""
         if not self.local and not remote:
             return False
@@ -194,7 +128,7 @@ class GpuMemory:
                 "a staged batch's local entries must all be in one GPU's memory or all in host memory", peer=peer)
         return devices.pop()
 
-    def _plan(self, peer: Any, la: Any, ra: Any, ln: Any, remote: "_Table",
+    def _plan(self, peer: PathPeer, la: Any, ra: Any, ln: Any, remote: RegionTable,
               need: Access) -> tuple[list[Packed], bool, int | None]:
         """A staged batch, checked: its slots, whether it reaches the
         peer's GPU memory (then every remote entry must lie in one of its
@@ -222,8 +156,8 @@ class GpuMemory:
         return packed, remote_gpu, device
 
     # ------------------------------------------------------------ initiator
-    async def write(self, peer: Any, la: Any, ra: Any, ln: Any, host_write: Callable[..., Any],
-                    remote: "_Table", reach: str = "remote") -> None:
+    async def write(self, peer: PathPeer, la: Any, ra: Any, ln: Any, host_write: Callable[..., Any],
+                    remote: RegionTable, reach: str = "remote") -> None:
         """A write that reads local GPU memory or lands in the peer's (or
         both). `reach`: "process" (the peer is in this process: one direct
         copy), "host" (on this host: a direct copy into its GPU memory
@@ -256,8 +190,8 @@ class GpuMemory:
             if landing is not None:
                 landing.release()
 
-    async def read(self, peer: Any, la: Any, ra: Any, ln: Any, host_read: Callable[..., Any],
-                   remote: "_Table", reach: str = "remote") -> None:
+    async def read(self, peer: PathPeer, la: Any, ra: Any, ln: Any, host_read: Callable[..., Any],
+                   remote: RegionTable, reach: str = "remote") -> None:
         """A read into local GPU memory, or from the peer's (or both): a
         direct copy where `reach` allows it (as write()), else staged; from
         a peer's GPU memory the peer fills slots of its inbox (stage_fetch)
@@ -289,92 +223,14 @@ class GpuMemory:
                 fetching.release()
 
     # ------------------------------------------------------------ direct: same process, CUDA IPC
-    async def _direct(self, peer: Any, la: Any, ra: Any, ln: Any, remote: "_Table", reach: str,
+    async def _direct(self, peer: PathPeer, la: Any, ra: Any, ln: Any, remote: RegionTable, reach: str,
                       write: bool) -> bool:
-        """One copy of the whole batch where the peer's memory is addressable
-        here: in this process, all of it; on this host, its GPU regions
-        through CUDA IPC (opened once per region). False: not possible,
-        stage it."""
-        if reach not in ("process", "host"):
-            return False
-        la = np.asarray(la, dtype=np.uint64).tolist()
-        ra = np.asarray(ra, dtype=np.uint64).tolist()
-        ln = np.asarray(ln, dtype=np.uint64).tolist()
-        if not (len(la) == len(ra) == len(ln)) or not ln or 0 in ln:
-            raise InvalidArgumentError("a batch needs entries of equal count and non-zero lengths",
-                                       peer=peer.address)
-        devices: set[int] = set()       # this process's ordinals of the GPUs the copy touches
-        pieces: list[tuple[int, int, int]] = []
-        for i, (l, r, n) in enumerate(zip(la, ra, ln)):
-            mine = self.local.find(l, n)
-            theirs = remote.find(r, n)
-            if reach == "host" and (theirs is None or not theirs.ipc):
-                return False                    # the peer's host memory, or no IPC handle: staged
-            if theirs is not None and not (theirs.access & (Access.WRITE if write else Access.READ)):
-                raise RemoteAccessError(f"entry {i}: {r:#x}+{n} is in a GPU region of the peer without "
-                                        f"{'WRITE' if write else 'READ'} access", peer=peer.address, index=i)
-            if reach == "process":
-                if theirs is None and not peer.holds_host(r, n, write):
-                    raise RemoteAccessError(f"entry {i}: {r:#x}+{n} is not inside one of the peer's regions "
-                                            f"with {'WRITE' if write else 'READ'} access", peer=peer.address,
-                                            index=i)
-                there = r
-            else:
-                opened = self._mapped(peer, theirs)
-                if opened is None:
-                    return False                # no such GPU here, or the driver refused: staged
-                there, device = opened
-                there += r - theirs.addr
-                devices.add(device)
-            if mine is None and not self._holds_host(l, n):
-                raise UnregisteredMemoryError(f"entry {i}: {l:#x}+{n} is not inside one registered region", peer=peer.address,
-                            index=i)
-            if mine is not None:
-                devices.add(mine.device)
-            if reach == "process" and theirs is not None:
-                devices.add(theirs.device)     # the same process: the same ordinals
-            pieces.append((there, l, n) if write else (l, there, n))
-        if not devices:
-            return False
-        await self.copier(min(devices)).copy(pieces)
-        return True
-
-    def _mapped(self, peer: Any, region: RemoteRegion) -> tuple[int, int] | None:
-        """(the base, in this process, of a peer's GPU region; this process's
-        ordinal of its GPU), opened through CUDA IPC on first use and closed
-        with the peer; None where that GPU is not visible here (found by its
-        UUID: ordinals differ between processes) or the driver refuses."""
-        key = (peer.address, region.addr)
-        found = self._ipc_open.get(key)
-        if found is not None:
-            return found
-        from kvflow._cuda import driver as drv
-        from kvflow.errors import CudaError
-        assert region.ipc is not None
-        handle, offset, uuid = region.ipc
-        try:
-            device = drv.device_of_uuid(uuid)
-            if device is None:
-                log.info("kvflow: %s's GPU %s is not visible here: staged", peer.address, uuid.hex())
-                return None
-            opened = drv.ipc_open(handle, device)
-        except CudaError as e:
-            log.info("kvflow: cannot open %s's CUDA IPC handle (%s): staged", peer.address, e)
-            return None
-        self._ipc_bases[key] = (opened, device)
-        found = self._ipc_open[key] = (opened + offset, device)
-        return found
+        return await copy_direct(peer, la, ra, ln, local=self.local, remote=remote, reach=reach, write=write,
+                                 maps=self.ipc, holds_host=self._ctx.holds_host, copier=self.copier)
 
     def forget_peer(self, address: str) -> None:
         """Closes the IPC mappings of a peer that is gone or re-registered."""
-        for key in [k for k in self._ipc_bases if k[0] == address]:
-            opened, device = self._ipc_bases.pop(key)
-            self._ipc_open.pop(key, None)
-            try:
-                from kvflow._cuda import driver as drv
-                drv.ipc_close(opened, device)
-            except KVFlowError as e:
-                log.warning("kvflow: closing a CUDA IPC mapping of %s: %s", address, e)
+        self.ipc.forget_peer(address)
 
     # ------------------------------------------------------------ target
     async def on_land(self, peer: str, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
@@ -395,17 +251,14 @@ class GpuMemory:
         slot = self.inbox.slot(session, msg)
         if isinstance(slot, str):
             return {"t": "stage_error", "message": slot}
-        entries = field(msg, "entries", list)
+        checked = slot_pieces(msg["t"], msg.get("entries"), slot.size)
+        if isinstance(checked, str):
+            return {"t": "stage_error", "message": checked}
         pieces = []
         device = None
-        for e in entries:
-            if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) for v in e)):
-                raise ProtocolError(f"{msg['t']}: an entry is [offset, GPU address, nbytes]")
-            off, dst, n = e
-            if n <= 0 or off < 0 or off + n > slot.size:
-                return {"t": "stage_error", "message": f"{msg['t']}: {off}+{n} is outside the slot"}
+        need = Access.READ if fetch else Access.WRITE
+        for off, dst, n in checked:
             region = self.local.find(dst, n)
-            need = Access.READ if fetch else Access.WRITE
             if region is None or not (region.access & need):
                 return {"t": "stage_error", "message": f"{msg['t']}: {dst:#x}+{n} is not inside a GPU region "
                                                        f"peers may {'read' if fetch else 'write'}"}
@@ -424,7 +277,7 @@ class _Landing:
     memory: a lease of the peer's "gpu" inbox slots, each written over the
     host path and landed, or fetched and read."""
 
-    def __init__(self, peer: Any, host_write: Callable[..., Any] | None,
+    def __init__(self, peer: PathPeer, host_write: Callable[..., Any] | None,
                  host_read: Callable[..., Any] | None = None) -> None:
         self._lease = Lease(peer, INBOX)
         self._host_write = host_write
@@ -481,22 +334,3 @@ class _Landing:
 
     def release(self) -> None:
         self._lease.release()
-
-
-async def gather_or_cancel(coros: Sequence[Any]) -> None:
-    """Runs the coroutines at once; the first error cancels the rest (and
-    waits for them) and is raised."""
-    tasks = [asyncio.get_running_loop().create_task(c) for c in coros]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-def remote_table(regions: Sequence[RemoteRegion]) -> _Table:
-    t = _Table()
-    t.set([r for r in regions if r.kind == CUDA])
-    return t

@@ -1,5 +1,6 @@
-"""The staging pipeline: GPU memory over providers that move host memory
-only, through a bounded set of host bounce buffers.
+"""Slots: bounded pools of host bounce buffers, the staging pipeline that
+moves GPU memory through them over providers that move host memory only,
+and the one check of a request's pieces against a slot.
 
 A batch's entries are packed into slots of the bounce pool (small entries
 share a slot, a large one is cut across several). For each slot in turn:
@@ -16,6 +17,11 @@ cancels the drains still running and raises the first error.
 
 The pool is allocated once (pinned memory where CUDA is used) and never
 per slice; `stats` counts what it did, for tests and kvflow-info.
+
+A peer that asks this engine to act on one of its slots (land it in GPU
+memory, fill it from there, forward it to a third engine: staged.py,
+relay/) names pieces as [offset in the slot, address, nbytes]:
+slot_pieces() checks them, the one place that does.
 """
 from __future__ import annotations
 
@@ -26,9 +32,9 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from kvflow.errors import InvalidArgumentError
+from kvflow.errors import InvalidArgumentError, ProtocolError
 
-__all__ = ["BouncePool", "Packed", "Slot", "StagingStats", "pack", "run_staged"]
+__all__ = ["BouncePool", "Packed", "Slot", "StagingStats", "pack", "run_staged", "slot_pieces"]
 
 
 @dataclass
@@ -229,3 +235,22 @@ async def run_staged(pool: BouncePool, packed: Sequence[Packed],
     for r in done:
         if isinstance(r, BaseException):
             raise r
+
+
+def slot_pieces(what: str, entries: Any, size: int) -> list[tuple[int, int, int]] | str:
+    """The pieces a request on a slot of `size` bytes names, each
+    [offset in the slot, address, nbytes], as (offset, address, nbytes)
+    tuples; or why one lies outside the slot (a non-positive length, a
+    negative offset, past its end). Raises ProtocolError for anything that
+    is not a list of three-int lists. `what` names the request in both."""
+    if not isinstance(entries, list):
+        raise ProtocolError(f"{what}: entries is a list of [offset, address, nbytes]")
+    out = []
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) for v in e)):
+            raise ProtocolError(f"{what}: an entry is [offset, address, nbytes]")
+        off, addr, n = e
+        if n <= 0 or off < 0 or off + n > size:
+            return f"{what}: {off}+{n} is outside the slot"
+        out.append((off, addr, n))
+    return out

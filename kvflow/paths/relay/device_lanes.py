@@ -1,5 +1,5 @@
 """A relay member's device lanes (issue 21): the data of its lane slots
-(kvflow.engine.lanes) in GPU memory, so that a sender whose batch lies in
+(lanes.py) in GPU memory, so that a sender whose batch lies in
 its GPU's memory copies each slot's worth there with the copy engine
 (over NVLink, through CUDA IPC) instead of bouncing it through host memory,
 and the member forwards it from there.

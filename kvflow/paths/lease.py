@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvflow.control.wire import field
 from kvflow.errors import KVFlowError, PeerLostError, ProtocolError, RemoteAccessError, TransferTimeoutError
-from kvflow.providers.cuda.staging import BouncePool, Slot
+from kvflow.paths.base import PathPeer
+from kvflow.paths.slots import BouncePool, Slot
 
-__all__ = ["Inbox", "LEASE_SLOTS", "Lease", "REPLIES", "REQUEST_TIMEOUT"]
+__all__ = ["Inbox", "LEASE_SLOTS", "Lease", "REPLIES", "REQUEST_TIMEOUT", "inbox_handlers"]
 
 LEASE_SLOTS = 4                 # slots one transfer asks for
 REQUEST_TIMEOUT = 60.0          # a lease or a request the owner does not answer: the transfer fails
@@ -96,11 +97,33 @@ class Inbox:
             self._drop(lease)
 
 
-class Lease:
-    """A lease of `inbox` slots of `peer` (a Peer: its link sends the
-    requests), taken on first use."""
+Handler = Callable[[str, Any, dict[str, Any]], Any]
 
-    def __init__(self, peer: Any, inbox: str) -> None:
+
+def inbox_handlers(find: Callable[[Any], "Inbox | str"]) -> dict[str, Handler]:
+    """The control handlers of leases (stage_lease, stage_release), for the
+    inbox a message names: `find(name)` gives it, or why there is none
+    here (then a lease is refused; a release needs no answer)."""
+    async def refuse(why: str) -> dict[str, Any]:
+        return {"t": "stage_error", "message": why}
+
+    def on(act: Callable[[Inbox, Any, dict[str, Any]], Any]) -> Handler:
+        def handle(peer: str, session: Any, msg: dict[str, Any]) -> Any:
+            inbox = find(msg.get("inbox"))
+            if isinstance(inbox, str):
+                return None if msg.get("t") == "stage_release" else refuse(inbox)
+            return act(inbox, session, msg)
+        return handle
+
+    return {"stage_lease": on(lambda inbox, session, msg: inbox.lease(session, msg)),
+            "stage_release": on(lambda inbox, session, msg: inbox.release(session, msg))}
+
+
+class Lease:
+    """A lease of `inbox` slots of `peer` (its link sends the requests),
+    taken on first use."""
+
+    def __init__(self, peer: PathPeer, inbox: str) -> None:
         self.peer = peer
         self.inbox = inbox
         self.id: int | None = None

@@ -12,7 +12,7 @@ lane, in ticket order, and turns each into one write to the destination
 (role C is the engine's provider, which posts it), then finishes the
 ticket with its status. The sender's write completes when every ticket it
 used is collected. No control message per slot, no copy through a socket:
-what the inbox path (kvflow.engine.inbox) did with a lease and a
+what the inbox path (kvflow.paths.lease) did with a lease and a
 relay_forward request per slot.
 
 The member sleeps on the segment's bell (a futex word every fill rings)
@@ -28,7 +28,7 @@ reserved ticket is published empty, a filled one collected, so the lane
 never stalls; bytes already rung may still land (as with any write whose
 slices reached the wire).
 
-A member with device lanes (kvflow.engine.device_lanes) also takes slots
+A member with device lanes (device_lanes.py) also takes slots
 whose data a sender's GPU copied into its GPU memory; the request says
 which ("m": 1).
 """
@@ -44,9 +44,10 @@ import msgpack
 import numpy as np
 
 from kvflow._lanes import LaneError, Lanes
-from kvflow.engine.device_lanes import DeviceLaneArea, DeviceLaneFiller, close_control, map_control
+from kvflow.paths.relay.device_lanes import DeviceLaneArea, DeviceLaneFiller, close_control, map_control
 from kvflow.errors import CudaError, KVFlowError, PeerLostError, ProtocolError, RemoteAccessError
 from kvflow.memory import Access
+from kvflow.paths.slots import slot_pieces
 
 __all__ = ["LANES", "LANE_SLOTS", "LaneClient", "LaneServer"]
 
@@ -156,7 +157,6 @@ class LaneServer:
                 to, pieces = msg["to"], msg["e"]
                 if not isinstance(to, str) or not isinstance(pieces, list) or not pieces:
                     raise ValueError
-                la, ra, ln = [], [], []
                 if msg.get("m"):                        # its data is in our device lanes
                     if self.device is None:
                         seg.finish(lane, ticket, REFUSED, f"relay via {self._relay_address}: no device lanes")
@@ -164,14 +164,13 @@ class LaneServer:
                     base = self.device.slot_addr(seg, lane, ticket)
                 else:
                     base = seg.slot_addr(lane, ticket)
-                for off, remote, n in pieces:
-                    if not (isinstance(off, int) and isinstance(remote, int) and isinstance(n, int)) or \
-                            n <= 0 or off < 0 or off + n > seg.slot_bytes:
-                        raise ValueError
-                    la.append(base + off)
-                    ra.append(remote)
-                    ln.append(n)
-            except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+                checked = slot_pieces("a lane request", pieces, seg.slot_bytes)
+                if isinstance(checked, str):
+                    raise ValueError(checked)
+                la = [base + off for off, _, _ in checked]
+                ra = [remote for _, remote, _ in checked]
+                ln = [n for _, _, n in checked]
+            except (ValueError, TypeError, KeyError, ProtocolError, msgpack.UnpackException):
                 seg.finish(lane, ticket, REFUSED, f"relay via {self._relay_address}: a malformed lane request")
                 return
             destination = await self._connect(to)
