@@ -37,6 +37,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import DurabilityError, ObjectBusyError, error_code
 from .model import MAX_KEY_BYTES, StoreModel
+from .ssd_master import SSD_METHODS, SsdCalls
 from .wire import FrameBuffer, encode, item_error, item_ok
 
 __all__ = ["Master", "Session", "METHODS"]
@@ -44,7 +45,7 @@ __all__ = ["Master", "Session", "METHODS"]
 # what a client may call (each is Master._<name>(client id, now, *args))
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
                      "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
-                     "batch_remove", "remove_all", "stats"})
+                     "batch_remove", "remove_all", "stats"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
 
@@ -69,7 +70,7 @@ class Session:
         self.master._session_closed(self)
 
 
-class Master:
+class Master(SsdCalls):
     """The pool's master. Options: `lease_ttl` (s a get protects an object),
     `client_grace` (s of silence before a connected client is lost),
     `heartbeat_interval` (what clients are told), `high_watermark` and
@@ -356,7 +357,10 @@ class Master:
         for key in keys:                # _per_item's loop, inline
             try:
                 obj = get_replicas(key, now, lease)
-                out.append([0, [obj.size, replicas(obj.replicas, segments)]])
+                if obj.ssd:     # [size, DRAM replicas, SSD copies' holders]
+                    out.append([0, [obj.size, replicas(obj.replicas, segments), self._ssd_holders(obj)]])
+                else:
+                    out.append([0, [obj.size, replicas(obj.replicas, segments)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return {"segments": segments, "items": out, "lease": lease}
@@ -384,7 +388,8 @@ class Master:
     def _stats(self, cid: str | None, now: float) -> dict:
         m = self.model
         out = {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
-               "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}
+               "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls,
+               "ssd_objects": sum(len(c.ssd_keys) for c in m.clients.values()), "ssd_missed": m.ssd_missed}
         if self.journal is not None:
             out["etcd_txns"] = self.journal.txns
             out["etcd_keys"] = self.journal.keys_written
