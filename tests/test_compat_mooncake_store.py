@@ -316,7 +316,7 @@ def test_setup_failures_are_codes():
     assert s.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
                     "global_segment_size": "50%"}) == -600
     assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", "127.0.0.1:1",
-                   enable_ssd_offload=True) == -1012
+                   enable_ssd_offload=True, ssd_offload_path=__file__) == -600     # a file, not a directory
     assert s.health_check() == 1 and s.close() == 0
 
 
@@ -388,3 +388,32 @@ def test_master_address_list_follows_the_live_master(kvflow_master):
         assert s.put("listed", b"x") == 0 and s.get("listed") == b"x"
     finally:
         s.close()
+
+
+# -- the SSD tier through Mooncake's API ----------------------------------------------
+
+def test_ssd_offload_through_mooncake_api(kvflow_master, tmp_path, monkeypatch):
+    """enable_ssd_offload with ssd_offload_path (and, without it,
+    $MOONCAKE_OFFLOAD_FILE_STORAGE_PATH, as Mooncake's FileStorage reads):
+    puts past the segment go to SSD (eager, as Mooncake's PutEnd queues
+    them), every value comes back; -200 only while the copies are written."""
+    values = {f"ssd_{i}": os.urandom(1 << 20) for i in range(40)}
+    for how in ("arg", "env"):
+        d = tmp_path / how
+        s = MooncakeDistributedStore()
+        if how == "env":
+            monkeypatch.setenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", str(d))
+        assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 8 << 20, "tcp", "", kvflow_master.address, None,
+                       True, str(d) if how == "arg" else "") == 0
+        try:
+            for k, v in values.items():
+                deadline = time.monotonic() + 30
+                while (rc := s.put(f"{how}/{k}", v)) == -200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                assert rc == 0
+            for k, v in values.items():
+                assert s.get(f"{how}/{k}") == v
+            assert len(list(d.glob("*/*.kvo"))) >= 24
+        finally:
+            assert s.remove_all() >= 0 and s.close() == 0

@@ -87,6 +87,9 @@ def test_tier_files_roundtrip_adoption_and_torn_files(tmp_path):
     (pb.parent / ".tmp-deadbeef").write_bytes(b"x" * 100)
     os.makedirs(tmp_path / "zz", exist_ok=True)
     (tmp_path / "zz" / ("0" * 32 + ".kvo")).write_bytes((tmp_path / file_name("d")).read_bytes())
+    with pytest.raises(InvalidArgumentError, match="in use"):
+        SsdTier(str(tmp_path), 1 << 30)            # one tier per directory
+    t.close()
     t2 = SsdTier(str(tmp_path), 1 << 30)
     assert sorted(k for k, _ in t2.scan()) == ["a", "d"]
     assert t2.discarded == 4 and len(_files(tmp_path)) == 2

@@ -846,6 +846,31 @@ class StoreClient:
         """This client's SSD tier (None without ssd_path)."""
         return self._ssd
 
+    @property
+    def root_fs_dir(self) -> str:
+        """The master's --root-fs-dir ("" none): where it suggests SSD tiers go."""
+        return str(self._hello.get("root_fs_dir") or "")
+
+    async def attach_ssd(self, path: str, capacity: int, *, offload: str = "evict", verify: bool = False,
+                         promote: bool = True) -> SsdAgent:
+        """Adds an SSD tier to a started client (the ssd_* options of the
+        constructor, later: for a client that learns its directory from the
+        master). InvalidArgumentError when it has one, or for bad options."""
+        if self._ssd is not None:
+            raise InvalidArgumentError("this client has an SSD tier already")
+        if self._link is None or self._closed:
+            raise InvalidArgumentError("attach_ssd: start the client first")
+        agent = SsdAgent(self, path, capacity, mode=offload, verify=verify, promote=promote)
+        await agent.open()
+        try:
+            await agent.attach(self._link, self.timeout)
+        except BaseException:
+            await agent.close()
+            raise
+        self._ssd, self.ssd_promote = agent, bool(promote)
+        agent.start()
+        return agent
+
     async def ssd_flush(self) -> int:
         """Copies to SSD now what the tier would copy next (see ssd_offload);
         returns how many copies were written. InvalidArgumentError without

@@ -97,6 +97,7 @@ class Master(SsdCalls):
         self.journal = None             # durable.Journal, when etcd keeps the index
         self.sync_commit = True
         self.failed: asyncio.Future | None = None   # set (with the error) when durability is lost
+        self.root_fs_dir = ""           # where clients that ask keep SSD tiers (--root-fs-dir)
 
     def __repr__(self) -> str:
         return (f"<Master {self.address or 'embedded'} clients={len(self.model.clients)} "
@@ -265,7 +266,7 @@ class Master(SsdCalls):
             c.beat_token = secrets.token_hex(16)
             s.client_id = client_id
             return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
-                    "grace": self.client_grace, "beat_token": c.beat_token}
+                    "grace": self.client_grace, "beat_token": c.beat_token, "root_fs_dir": self.root_fs_dir}
         if method == "beat":
             # a client's heartbeat thread, on a connection of its own: alive
             # even while its event loop is blocked (its kvflow engine's native

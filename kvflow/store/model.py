@@ -565,6 +565,8 @@ class StoreModel:
         for obj in waiting:
             if freed >= nbytes:
                 break
+            if self._ssd_strict(obj):
+                continue        # "eager": never lost for want of its copy; the put waits (NoSpaceError)
             freed += sum(r.length for r in obj.replicas)
             victims.append(obj)
             self.ssd_missed += 1
@@ -694,6 +696,19 @@ class StoreModel:
             seg = self.segments.get(r.segment)
             if seg is not None and seg.client in self._ssd_clients and (not obj.ssd or seg.client not in obj.ssd) \
                     and (not obj.ssd_declined or seg.client not in obj.ssd_declined):
+                return True
+        return False
+
+    def _ssd_strict(self, obj: Object) -> bool:
+        """Whether a holder that wants a copy of obj runs "eager" (every
+        object copied, none lost: a put that needs its space fails with
+        NoSpaceError until the copy is on disk, Mooncake's -200 that its
+        callers retry)."""
+        for r in obj.replicas:
+            seg = self.segments.get(r.segment)
+            c = self.clients.get(seg.client) if seg is not None else None
+            if c is not None and c.ssd_mode == "eager" and (not obj.ssd or c.id not in obj.ssd) \
+                    and (not obj.ssd_declined or c.id not in obj.ssd_declined):
                 return True
         return False
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import mmap
 import os
@@ -212,6 +213,14 @@ class SsdTier:
         if direct and not can:
             raise InvalidArgumentError(f"direct I/O asked for in {directory!r}: {why}")
         self.direct = can if direct is None else bool(direct)
+        # one tier per directory: two clients adopting the same files would
+        # each evict and delete the other's (the lock goes with the process)
+        self._lock_fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise InvalidArgumentError(f"ssd_path {directory!r} is in use by another client") from None
         self.direct_reason = why
         self.index: OrderedDict[str, Entry] = OrderedDict()
         self.used = 0
@@ -220,6 +229,12 @@ class SsdTier:
     def __repr__(self) -> str:
         return (f"<SsdTier {self.directory} {len(self.index)} objects {self.used}/{self.capacity} "
                 f"{'direct' if self.direct else 'buffered'}>")
+
+    def close(self) -> None:
+        """Releases the directory (idempotent)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def path(self, key: str) -> str:
         return os.path.join(self.directory, file_name(key))
@@ -310,6 +325,8 @@ class SsdTier:
         found = []
         for sub in sorted(os.listdir(self.directory)):
             d = os.path.join(self.directory, sub)
+            if sub == ".lock":
+                continue
             if sub.startswith(".probe-"):
                 _unlink(d)
                 continue

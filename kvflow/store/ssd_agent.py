@@ -227,6 +227,8 @@ class SsdAgent:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self.tier is not None:
+            self.tier.close()
 
     async def flush(self) -> int:
         """Runs the cleaner until the master has nothing more for it; returns
