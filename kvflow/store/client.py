@@ -46,7 +46,7 @@ from .allocator import Allocator
 from .datapath import Mover, Moves
 from .follow import FollowingLink, finder_for
 from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError, ObjectNotFoundError,
-                     ReplicaUnavailableError, StoreTimeoutError, error_from_code)
+                     ReplicaUnavailableError, SsdBusyError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .model import MAX_KEY_BYTES, check_key
 from .ssd_agent import SsdAgent, SsdCopies, promote, read_copies
@@ -435,7 +435,7 @@ class StoreClient:
     @_with_timeout
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
                                    replica_num: int | None = None, preferred_segment: int | None = None,
-                                   pin: bool = False, _again: bool = False) -> list:
+                                   pin: bool = False, _again: bool = False, _wait: bool = True) -> list:
         """The funnel of every put. One master round trip to allocate, one
         kvflow batch per holder, one round trip to commit. A put whose
         commit reached a new leader that never saw its allocation (the old
@@ -491,6 +491,8 @@ class StoreClient:
             else:
                 writing.append((i, r))
         if not writing:
+            if _wait and any(isinstance(r, SsdBusyError) for r in results):
+                await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
             return results
         try:
             moves = Moves()
@@ -532,7 +534,30 @@ class StoreClient:
                                                    pin=pin, _again=True)
             for i, r in zip(again, redo):
                 results[i] = r
+        if _wait:
+            await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
         return results
+
+    async def _wait_for_ssd(self, keys: Sequence[str], parts: Sequence[Parts], results: list, rn: int,
+                            preferred: int | None, pin: bool) -> None:
+        """Puts that met SsdBusyError (the pool is full of objects an eager
+        SSD tier is still copying) are put again, backing off, until they
+        fit or the client's timeout has passed: the disk's pace is the
+        pool's, instead of objects lost."""
+        busy = [i for i, r in enumerate(results) if isinstance(r, SsdBusyError)]
+        deadline = time.monotonic() + self.timeout
+        delay = 0.002
+        while busy and time.monotonic() + delay < deadline:
+            if self._ssd is not None:
+                self._ssd.wake()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            redo = await self.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
+                                                   replica_num=rn, preferred_segment=preferred, pin=pin,
+                                                   _wait=False)
+            for i, r in zip(busy, redo):
+                results[i] = r
+            busy = [i for i in busy if isinstance(results[i], SsdBusyError)]
 
     async def _revoke(self, keys: list[str], token: int) -> None:
         try:

@@ -33,7 +33,7 @@ from kvflow.errors import InvalidArgumentError
 
 from .allocator import ALIGN, Allocator
 from .errors import (InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
-                     ObjectNotFoundError, SegmentError, StoreError)
+                     ObjectNotFoundError, SegmentError, SsdBusyError, StoreError)
 from .placement import place
 
 __all__ = ["State", "Client", "Segment", "Replica", "Object", "StoreModel", "check_key", "MAX_KEY_BYTES"]
@@ -169,6 +169,7 @@ class StoreModel:
         self.ssd_drops: dict[str, list[str]] = {}
         self.ssd_missed = 0         # evicted with no SSD copy though their holder has a tier
         self._ssd_clients: set[str] = set()
+        self._ssd_held = False      # an eviction skipped an object an eager tier is copying
         # (segments, all attached, largest capacity), rebuilt after any
         # change to the segments (mount, restore, re-attach, drop): a put
         # reads it per key instead of walking every segment three times
@@ -362,6 +363,7 @@ class StoreModel:
                                key=key)
         cap = self._capacity
         need = size * min(replica_num, len(self.segments))
+        self._ssd_held = False
         if cap and self._used + need > self.high_watermark * cap:
             # space of forced removals whose readers are done comes back first
             self.release_quarantine(now)
@@ -384,6 +386,10 @@ class StoreModel:
             chosen = self._place(size, replica_num, preferred)
         if not chosen:
             largest = max((s.alloc.largest_free for s in self.segments.values()), default=0)
+            if self._ssd_held:
+                self._ssd_held = False
+                raise SsdBusyError(f"no space for {size} bytes until SSD tiers copy the objects they hold "
+                                   f"(eager mode): retry", key=key)
             raise NoSpaceError(f"no segment can hold {size} bytes (largest free extent {largest}, "
                                f"{len(self.segments)} segments)", key=key)
         replicas = []
@@ -566,7 +572,8 @@ class StoreModel:
             if freed >= nbytes:
                 break
             if self._ssd_strict(obj):
-                continue        # "eager": never lost for want of its copy; the put waits (NoSpaceError)
+                self._ssd_held = True
+                continue        # "eager": never lost for want of its copy; the put waits (SsdBusyError)
             freed += sum(r.length for r in obj.replicas)
             victims.append(obj)
             self.ssd_missed += 1
