@@ -9,7 +9,9 @@ O_DIRECT preadv into an aligned buffer), then a `batch_get_into` of
 with ssd_offload="eager" into a segment that holds a few of them, the rest
 evicted from DRAM; promotion off, so every round reads the SSD), into an
 aligned registered buffer, and the same objects read one get_into per call
-(one read in flight, as dd). Prints each one's GB/s (median over rounds),
+(one read in flight, as dd), and the tier's own files read whole with
+O_DIRECT one by one (every file of the tier, so a little more than the
+objects read: the device on those very blocks). Prints each one's GB/s (median over rounds),
 the ratio store / dd, the filesystem (`df -T`) and whether the tier used
 O_DIRECT; `--json` for one JSON line.
 """
@@ -73,7 +75,23 @@ def py_direct_read(path: str, size: int) -> float:
         os.close(fd)
 
 
-async def store_rounds(d: str, size: int, count: int, rounds: int) -> tuple[list[float], list[float], bool, int]:
+def files_direct_read(d: str, size: int) -> float:
+    """GB/s of reading the tier's own files, whole, one after another
+    (O_DIRECT preadv into one aligned buffer): the device on those blocks."""
+    paths = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if f.endswith(".kvo")]
+    buf = mmap.mmap(-1, size + 2 * BLOCK)
+    total = 0
+    t = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        try:
+            total += os.preadv(fd, [buf], 0)
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - t) / 1e9
+
+
+async def store_rounds(d: str, size: int, count: int, rounds: int) -> tuple[list[float], list[float], list[float], bool, int]:
     seg = max(4 * size, 64 << 20)
     async with StoreClient(segment_size=seg, local_buffer_size=0, ssd_path=d, ssd_offload="eager",
                            ssd_capacity=(count + 8) * (size + 2 * BLOCK), ssd_promote=False) as c:
@@ -89,7 +107,7 @@ async def store_rounds(d: str, size: int, count: int, rounds: int) -> tuple[list
         reg = c.register_buffer(dst)
         base = reg.addr + (-reg.addr) % BLOCK
         addrs = [base + i * size for i in range(len(cold))]
-        out, one = [], []
+        out, one, files = [], [], []
         for _ in range(rounds):
             t = time.perf_counter()
             res = await c.batch_get_into(cold, addrs, [size] * len(cold))
@@ -100,10 +118,11 @@ async def store_rounds(d: str, size: int, count: int, rounds: int) -> tuple[list
             for k, a in zip(cold, addrs):
                 assert await c.get_into(k, a, size) == size
             one.append(len(cold) * size / (time.perf_counter() - t) / 1e9)
+            files.append(files_direct_read(d, size))
         off = base - reg.addr
         for i in range(len(cold)):          # every byte of the last round
             assert bytes(dst[off + i * size:off + (i + 1) * size]) == src.tobytes(), cold[i]
-        return out, one, c.ssd.tier.direct, len(cold)
+        return out, one, files, c.ssd.tier.direct, len(cold)
 
 
 def main() -> None:
@@ -119,7 +138,7 @@ def main() -> None:
         tier = os.path.join(work, "tier")
         asyncio.run(store_rounds(tier, a.size, 2, 1))        # warm: imports, engine, threads
         shutil.rmtree(tier)
-        store, one, direct, n = asyncio.run(store_rounds(tier, a.size, a.count, a.rounds))
+        store, one, files, direct, n = asyncio.run(store_rounds(tier, a.size, a.count, a.rounds))
         path = os.path.join(work, "seq")
         make_file(path, a.size, n)
         dd = [dd_read(path, a.size) for _ in range(a.rounds)]
@@ -128,6 +147,7 @@ def main() -> None:
                "dd_GBps": round(statistics.median(dd), 3), "python_odirect_GBps": round(statistics.median(py), 3),
                "store_ssd_get_GBps": round(statistics.median(store), 3),
                "store_ssd_get_one_GBps": round(statistics.median(one), 3),
+               "tier_files_odirect_GBps": round(statistics.median(files), 3),
                "store_rounds": [round(x, 3) for x in store], "dd_rounds": [round(x, 3) for x in dd]}
         row["ratio_store_dd"] = round(row["store_ssd_get_GBps"] / row["dd_GBps"], 3)
         row["ratio_one_dd"] = round(row["store_ssd_get_one_GBps"] / row["dd_GBps"], 3)
@@ -140,6 +160,7 @@ def main() -> None:
             print(f"  python O_DIRECT preadv:       {row['python_odirect_GBps']:.3f} GB/s")
             print(f"  store batch_get_into (SSD):   {row['store_ssd_get_GBps']:.3f} GB/s  {row['store_rounds']}")
             print(f"  store get_into, one per call: {row['store_ssd_get_one_GBps']:.3f} GB/s")
+            print(f"  the tier's files, O_DIRECT:   {row['tier_files_odirect_GBps']:.3f} GB/s (all its files, one by one)")
             print(f"  store / dd: batch {row['ratio_store_dd']:.2f}, one per call {row['ratio_one_dd']:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
