@@ -263,14 +263,28 @@ async def test_bad_input_typed_errors(tmp_path):
     async with StoreClient(segment_size=SEG) as plain:
         with pytest.raises(InvalidArgumentError):
             await plain.ssd_flush()
-    # an SSD copy on another host: a typed error (not readable remotely yet), never wrong bytes
-    async with _client(tmp_path / "d", ssd_offload="eager", ssd_promote=False) as c, \
-            StoreClient(segment_size=0, host="elsewhere") as far:
+
+
+async def test_reader_on_another_host_gets_the_holder_to_load_its_copy(tmp_path):
+    """A copy only on another host's SSD: its holder reads the file into a
+    DRAM replica in its own segment, the reader reads that over kvflow (tcp)."""
+    async with _client(tmp_path, ssd_offload="eager", ssd_promote=False, protocols=("tcp",)) as c, \
+            StoreClient(c._embedded, segment_size=0, host="elsewhere", protocols=("tcp",)) as far:
+        vals = await _fill(c, 16)
+        cold = [k for k in vals if not _in_dram(c, k)]
+        assert len(cold) >= 8
+        got = await far.batch_get(cold[:4])
+        assert got == [vals[k] for k in cold[:4]]
+        assert all(_in_dram(c, k) for k in cold[:4])        # loaded, by the holder, into its segment
+        assert all(c._embedded.model.segments[r.segment].client == c.client_id
+                   for k in cold[:4] for r in c._embedded.model.objects[k].replicas)
+    async with _client(tmp_path / "gone", ssd_offload="eager", ssd_promote=False) as c, \
+            StoreClient(c._embedded, segment_size=0, host="elsewhere", timeout=1.0) as far:
         vals = await _fill(c, 16)
         cold = next(k for k in vals if not _in_dram(c, k))
-        with pytest.raises(ReplicaUnavailableError, match="another host"):
+        await c.ssd.close()                          # a holder whose tier stopped serving
+        with pytest.raises(ReplicaUnavailableError, match="did not load"):
             await far.get(cold)
-        assert await c.get(cold) == vals[cold]
 
 
 # -- processes ------------------------------------------------------------------

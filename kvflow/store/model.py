@@ -167,6 +167,7 @@ class StoreModel:
         # client the keys whose SSD copy it should delete (a removal, remove_all)
         self._ssd_only: set[str] = set()
         self.ssd_drops: dict[str, list[str]] = {}
+        self.ssd_loads: dict[str, dict[str, None]] = {}     # per holder: keys readers on other hosts want
         self.ssd_missed = 0         # evicted with no SSD copy though their holder has a tier
         self._ssd_clients: set[str] = set()
         self._ssd_held = False      # an eviction skipped an object an eager tier is copying
@@ -311,6 +312,7 @@ class StoreModel:
             dropped += self.ssd_drop(client_id, key, c)
         self._ssd_clients.discard(client_id)
         self.ssd_drops.pop(client_id, None)
+        self.ssd_loads.pop(client_id, None)
         for sid in list(c.segments):
             dropped += self._drop_segment(self.segments[sid])
         return dropped
@@ -794,7 +796,18 @@ class StoreModel:
     def take_ssd_drops(self, client_id: str) -> list[str]:
         return self.ssd_drops.pop(client_id, [])
 
-    def promote_start(self, client_id: str, key: str, now: float) -> list[Replica] | None:
+    def ssd_request(self, key: str) -> bool:
+        """A reader on another host wants an SSD-only object: its first
+        holder is asked (at its next ssd_sync) to load it into DRAM."""
+        obj = self._complete(key)
+        if obj.replicas or obj.promoting or not obj.ssd:
+            return False
+        cid = next(iter(obj.ssd))
+        self.ssd_loads.setdefault(cid, {})[key] = None
+        return True
+
+    def promote_start(self, client_id: str, key: str, now: float,
+                      preferred: int | None = None) -> list[Replica] | None:
         """DRAM space for an SSD-only object read by `client_id` (one
         replica, placed as a put's; evicting as a put would). None when there
         is nothing to do (it has DRAM replicas, or a promotion runs)."""
@@ -806,7 +819,7 @@ class StoreModel:
         cap = self._capacity
         if cap and self._used + need > self.high_watermark * cap:
             self._evict(self._used + need - int(self.low_watermark * cap), now)
-        chosen = self._place(obj.size, 1, None)
+        chosen = self._place(obj.size, 1, preferred)
         if not chosen:
             return None                         # no room: it stays on SSD
         seg = chosen[0]

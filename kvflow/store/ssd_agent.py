@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -82,15 +83,13 @@ async def read_copies(client: Any, keys: Any, items: list, parts: Any, results: 
     """Reads SSD-only objects (i, size, SsdCopies) into parts[i]; results[i]
     becomes the size or the error. Returns the indices read."""
     agent: SsdAgent | None = client._ssd
-    calls, idx, errs = [], [], {}
+    calls, idx, errs, remote = [], [], {}, []
     for i, size, copies in items:
         key = keys[i]
         own = next((h for h in copies if h[0] == client.client_id), None)
         local = own or next((h for h in copies if h[2] == client.host and h[3]), None)
         if local is None:
-            results[i] = ReplicaUnavailableError(
-                f"{key!r} is only on the SSD of {', '.join(h[2] for h in copies) or 'a lost client'}: "
-                f"reading another host's SSD is not built yet", key=key)
+            remote.append((i, size))
             continue
         ps = [(int(a), int(s)) for a, s in parts[i]]
         if own is not None and agent is not None:
@@ -109,7 +108,49 @@ async def read_copies(client: Any, keys: Any, items: list, parts: Any, results: 
         else:
             results[i] = ReplicaUnavailableError(f"the SSD copy of {keys[i]!r} on {errs[i][2]} could not be "
                                                  f"read: {r}", key=keys[i])
+    if remote:
+        await _read_remote(client, keys, remote, parts, results)
     return done
+
+
+async def _read_remote(client: Any, keys: Any, items: list, parts: Any, results: list) -> None:
+    """Objects only on other hosts' SSDs: their holders are asked to load
+    them into DRAM replicas in their own segments (the file read straight
+    into the segment), then read as any DRAM replica, over kvflow. The
+    holder acts at its cleaner's next poll; the reader polls the master
+    until the replica is there, within half its timeout."""
+    want = [keys[i] for i, _ in items]
+    asked = await client._call("batch_ssd_request", want)
+    pending = {keys[i]: (i, size) for (i, size), ok in zip(items, asked) if ok}
+    for (i, _), ok in zip(items, asked):
+        if not ok:
+            results[i] = ReplicaUnavailableError(f"{keys[i]!r} is only on an SSD that cannot serve it", key=keys[i])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + client.timeout / 2
+    delay = 0.005
+    while pending and loop.time() < deadline:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+        t0 = time.monotonic()
+        reply = await client._call("batch_get_replicas", list(pending))
+        try:
+            found, segs = reply["items"], reply["segments"]
+            holders = client._holders(segs)
+            ready = []
+            for key, item in zip(list(pending), found):
+                if item[0] == 0 and item[1][1]:
+                    i, size = pending.pop(key)
+                    ready.append((i, size, client._nearest(item[1][1], holders)))
+                elif item[0] != 0:
+                    i, _ = pending.pop(key)
+                    results[i] = ReplicaUnavailableError(f"{key!r}: {item[2]}", key=key)
+            if ready:
+                await client._read(keys, ready, parts, results, t0)
+        finally:
+            client._release(reply)
+    for key, (i, _) in pending.items():
+        results[i] = ReplicaUnavailableError(f"{key!r} is only on another host's SSD, whose holder did not "
+                                             f"load it within {client.timeout / 2} s", key=key)
 
 
 def _file_name(key: str) -> str:
@@ -267,6 +308,8 @@ class SsdAgent:
                 for k in reply["drop"]:
                     self.tier.forget(k)
                 await self._remove_files(reply["drop"])
+            if reply.get("load"):
+                await self._load(reply["load"])
             todo = reply["offload"]
             if not todo:
                 return 0
@@ -301,6 +344,16 @@ class SsdAgent:
             finally:
                 if reply["lease"] and c._link is not None:
                     c._link.notify("release_lease", reply["lease"])
+
+    async def _load(self, keys: list[str]) -> None:
+        """Readers on other hosts want these: each file read straight into a
+        DRAM replica the master places in this client's segment."""
+        c = self.client
+        rows = [r for r in await c._call("batch_ssd_load_start", [k for k in keys if k in self.tier.index])]
+        if not rows:
+            return
+        res = await _in_threads([lambda k=k, a=a, n=n: self.tier.read_into(k, n, [(a, n)]) for k, a, n in rows])
+        await c._call("batch_promote_end", [[k, r is None] for (k, _, _), r in zip(rows, res)])
 
     async def _evicted(self, keys: list[str]) -> None:
         """The tier's own LRU let these go: the master told first (no reader

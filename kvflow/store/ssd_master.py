@@ -13,7 +13,7 @@ from .wire import item_error
 __all__ = ["SSD_METHODS", "SsdCalls"]
 
 SSD_METHODS = ("ssd_attach", "batch_ssd_add", "batch_ssd_drop", "ssd_sync", "batch_promote_start",
-               "batch_promote_end")
+               "batch_promote_end", "batch_ssd_request", "batch_ssd_load_start")
 
 # "evict" mode: a tier copies the objects among the oldest whose DRAM bytes
 # exceed this far below the low watermark, so a copy is usually on disk
@@ -56,7 +56,8 @@ class SsdCalls:
         "lease")."""
         m = self.model
         c = m.clients[cid]
-        out: dict = {"drop": m.take_ssd_drops(cid), "offload": [], "lease": 0}
+        loads = m.ssd_loads.pop(cid, None)
+        out: dict = {"drop": m.take_ssd_drops(cid), "offload": [], "lease": 0, "load": list(loads or ())}
         if not c.ssd_mode or limit <= 0:
             return out
         mark = max(0.0, m.low_watermark - OFFLOAD_MARGIN)
@@ -81,6 +82,35 @@ class SsdCalls:
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return {"segments": segments, "items": out}
+
+    def _batch_ssd_request(self, cid: str, now: float, keys: list) -> list:
+        out = []
+        for key in keys:
+            try:
+                out.append(self.model.ssd_request(key))
+            except KVFlowError:
+                out.append(False)
+        return out
+
+    def _batch_ssd_load_start(self, cid: str, now: float, keys: list) -> list:
+        """A holder loading its SSD copies for readers elsewhere: a DRAM
+        replica in its own segment (None where none fits or it has one):
+        [[key, address in its segment, size], ...]."""
+        m = self.model
+        segs = m.clients[cid].segments
+        out = []
+        for key in keys:
+            try:
+                obj = m.objects.get(key)
+                own = next(iter(segs), None)
+                reps = m.promote_start(cid, key, now, preferred=own) if obj is not None and own else None
+            except KVFlowError:
+                reps = None
+            if reps and reps[0].segment in segs:
+                out.append([key, m.segments[reps[0].segment].base + reps[0].offset, obj.size])
+            elif reps:
+                m.promote_end(cid, key, False)      # not in its segment: it cannot read its file there
+        return out
 
     def _batch_promote_end(self, cid: str, now: float, items: list) -> list:
         return [self.model.promote_end(cid, key, bool(ok)) for key, ok in items]
