@@ -287,6 +287,23 @@ async def test_reader_on_another_host_gets_the_holder_to_load_its_copy(tmp_path)
             await far.get(cold)
 
 
+async def test_a_disk_that_refuses_writes_does_not_stall_an_eager_pool(tmp_path, monkeypatch):
+    import errno
+
+    from kvflow.store import ssd as ssd_mod
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    async with _client(tmp_path, ssd_offload="eager", timeout=5.0) as c:
+        monkeypatch.setattr(ssd_mod.SsdTier, "write", full)
+        vals = await _fill(c, 20)                    # every copy refused: declined, then evicted as usual
+        assert c.ssd.written == 0 and _files(tmp_path) == []
+        assert await c.get("k19") == vals["k19"]
+        with pytest.raises(ObjectNotFoundError):
+            await c.get("k0")
+
+
 # -- processes ------------------------------------------------------------------
 def _env() -> dict:
     env = dict(os.environ)

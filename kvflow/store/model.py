@@ -69,6 +69,7 @@ class Client:
     ssd_dir: str = ""           # its SSD tier's directory ("" none; ssd_tier.py)
     ssd_mode: str = ""          # "evict" or "eager"
     ssd_keys: set[str] = field(default_factory=set)    # objects it holds an SSD copy of
+    ssd_pending: dict[str, None] = field(default_factory=dict)  # "eager": landed in its segment, not copied yet
 
 
 @dataclass(eq=False)
@@ -436,6 +437,8 @@ class StoreModel:
         self._lru[key] = None
         if self.dirty_objects is not None:
             self.dirty_objects.add(key)
+        if self._ssd_clients:
+            self._ssd_note(obj)
         return len(keep)
 
     def put_revoke(self, client_id: str, key: str, token: int | None = None) -> None:
@@ -698,6 +701,23 @@ class StoreModel:
         c = self._client(client_id)
         c.ssd_dir, c.ssd_mode = str(directory), mode
         self._ssd_clients.add(client_id)
+        if mode == "eager":             # what its segment holds already
+            for sid in c.segments:
+                for key in self.segments[sid].keys:
+                    obj = self.objects.get(key)
+                    if obj is not None and obj.state is State.COMPLETE:
+                        c.ssd_pending[key] = None
+
+    def _ssd_note(self, obj: Object) -> None:
+        """An object landed in segments (put_end, promote_end): eager tiers
+        among their holders will copy it (ssd_candidates reads this queue
+        instead of walking the whole LRU order)."""
+        for r in obj.replicas:
+            seg = self.segments.get(r.segment)
+            if seg is not None and seg.client in self._ssd_clients:
+                c = self.clients[seg.client]
+                if c.ssd_mode == "eager":
+                    c.ssd_pending[obj.key] = None
 
     def _ssd_wanted(self, obj: Object) -> bool:
         """Whether a holder of one of obj's DRAM replicas has a tier and no copy yet."""
@@ -772,8 +792,22 @@ class StoreModel:
         c = self._client(client_id)
         if not c.segments:
             return 0, []
-        budget = self._used - int(mark * self._capacity) if not eager else self._used
         out: list[Object] = []
+        if eager:
+            # the queue of what landed in its segments, oldest first; keys
+            # gone, copied, declined or moved off its segments just leave it
+            while c.ssd_pending and len(out) < limit:
+                key = next(iter(c.ssd_pending))
+                del c.ssd_pending[key]
+                obj = self.objects.get(key)
+                if obj is None or obj.state is not State.COMPLETE or (obj.ssd and client_id in obj.ssd) \
+                        or (obj.ssd_declined and client_id in obj.ssd_declined):
+                    continue
+                if any(r.segment in c.segments for r in obj.replicas):
+                    out.append(obj)
+            budget = 0
+        else:
+            budget = self._used - int(mark * self._capacity)
         seen = 0
         for key in self._lru:
             if seen >= budget or len(out) >= limit:
@@ -844,6 +878,7 @@ class StoreModel:
         obj.replicas = reps
         self._ssd_only.discard(key)
         self._lru[key] = None
+        self._ssd_note(obj)
         if self.dirty_objects is not None:
             self.dirty_objects.add(key)
         return True

@@ -327,6 +327,12 @@ class SsdAgent:
                     if gone:
                         await self._evicted(gone)
                     (r,) = await _in_threads([lambda k=key, a=addr, n=size: self.tier.write(k, a, n)])
+                    if isinstance(r, OSError):
+                        # the disk refused it (full, read-only, failing): declined,
+                        # so an eager pool does not wait on a copy that cannot be made
+                        log.warning("ssd tier %s: %r not copied: %s", self.path, key[:64], r)
+                        skipped.append(key)
+                        continue
                     if isinstance(r, BaseException):
                         raise r
                     self.tier.add(key, size)
