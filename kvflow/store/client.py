@@ -482,16 +482,18 @@ class StoreClient:
             raise
         started, segs = _replica_rows(reply)
         writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
+        ssd_busy = False
         for i, item in zip(todo, started):
             r = _result(item, keys[i])
             if isinstance(r, KVFlowError):
                 results[i] = r
+                ssd_busy = ssd_busy or type(r) is SsdBusyError
             elif r is None:
                 results[i] = 0                      # exists already: immutable, nothing to write
             else:
                 writing.append((i, r))
         if not writing:
-            if _wait and any(isinstance(r, SsdBusyError) for r in results):
+            if _wait and ssd_busy:
                 await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
             return results
         try:
@@ -534,7 +536,7 @@ class StoreClient:
                                                    pin=pin, _again=True)
             for i, r in zip(again, redo):
                 results[i] = r
-        if _wait:
+        if _wait and ssd_busy:
             await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
         return results
 
