@@ -50,6 +50,9 @@ UPSTREAM = {
         ("mooncake-wheel/tests/test_replicated_distributed_object_store.py",
          "da47ceedfeaccd89816da81330ce11712a734d54cf76725f5c1fb34e9c72e236", 5),
 }
+# run as scripts/run_tests.sh runs it (a master with --root_fs_dir), kvflow only: below
+UPSTREAM_SSD = ("mooncake-wheel/tests/test_ssd_offload_in_evict.py",
+                "c6e3cb341c87f9c2434c8a4571e9c09fe4374581590707f15b8534f5b63ccb17", 3)
 MOONCAKE_SRC = os.environ.get("KVFLOW_MOONCAKE_SRC", "/work/.mirror/kvcache-ai+Mooncake/repo")
 
 
@@ -60,7 +63,7 @@ def _wheel_missing() -> str | None:
 
 
 def _upstream_file(name: str, into: Path) -> Path:
-    path, digest, _ = UPSTREAM[name]
+    path, digest, _ = UPSTREAM.get(name, UPSTREAM_SSD)
     run = subprocess.run(["git", f"--git-dir={MOONCAKE_SRC}", "show", f"{MOONCAKE_COMMIT}:{path}"],
                          capture_output=True)
     if run.returncode != 0:
@@ -316,7 +319,7 @@ def test_setup_failures_are_codes():
     assert s.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
                     "global_segment_size": "50%"}) == -600
     assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", "127.0.0.1:1",
-                   enable_ssd_offload=True) == -1012
+                   enable_ssd_offload=True, ssd_offload_path=__file__) == -600     # a file, not a directory
     assert s.health_check() == 1 and s.close() == 0
 
 
@@ -388,3 +391,68 @@ def test_master_address_list_follows_the_live_master(kvflow_master):
         assert s.put("listed", b"x") == 0 and s.get("listed") == b"x"
     finally:
         s.close()
+
+
+# -- the SSD tier through Mooncake's API ----------------------------------------------
+
+def test_ssd_offload_through_mooncake_api(kvflow_master, tmp_path, monkeypatch):
+    """enable_ssd_offload with ssd_offload_path (and, without it,
+    $MOONCAKE_OFFLOAD_FILE_STORAGE_PATH, as Mooncake's FileStorage reads):
+    puts past the segment go to SSD (eager, as Mooncake's PutEnd queues
+    them), every value comes back; -200 only while the copies are written."""
+    values = {f"ssd_{i}": os.urandom(1 << 20) for i in range(40)}
+    for how in ("arg", "env"):
+        d = tmp_path / how
+        s = MooncakeDistributedStore()
+        if how == "env":
+            monkeypatch.setenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", str(d))
+        assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 8 << 20, "tcp", "", kvflow_master.address, None,
+                       True, str(d) if how == "arg" else "") == 0
+        try:
+            for k, v in values.items():
+                deadline = time.monotonic() + 30
+                while (rc := s.put(f"{how}/{k}", v)) == -200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                assert rc == 0
+            for k, v in values.items():
+                assert s.get(f"{how}/{k}") == v
+            assert len(list(d.glob("*/*.kvo"))) >= 24
+        finally:
+            assert s.remove_all() >= 0 and s.close() == 0
+
+
+def test_upstream_ssd_offload_in_evict(tmp_path):
+    """Mooncake's test_ssd_offload_in_evict.py, unchanged, as Mooncake's
+    scripts/run_tests.sh runs it: the master with --root_fs_dir (kvflow's
+    takes the flag), MC_METADATA_SERVER an HTTP URL, a 500 ms lease. 1000
+    objects of 1 MiB through a 512 MiB segment, then every one read back
+    (get, batch_get_into; and four threads putting and getting the same
+    1000 keys). The file asserts nothing about what the gets return (it
+    prints statistics), so this reads them: every get succeeded, with the
+    right bytes, and so did every put."""
+    test = _upstream_file("test_ssd_offload_in_evict.py", tmp_path)
+    root = tmp_path / "root_fs"
+    p = subprocess.Popen([sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0",
+                          "--lease-ttl", str(LEASE_MS / 1000), "--root_fs_dir", str(root)], stdout=subprocess.PIPE,
+                         text=True, env=_env("kvflow"), stdin=subprocess.DEVNULL)
+    m = _Master(p, "")
+    try:
+        line = p.stdout.readline()
+        assert "ready" in line, line
+        env = _env("kvflow", MASTER_SERVER=line.split()[-1], DEFAULT_KV_LEASE_TTL=str(LEASE_MS),
+                   MC_METADATA_SERVER="http://127.0.0.1:8080/metadata", PROTOCOL="tcp")
+        run = subprocess.run([sys.executable, "-m", "unittest", "-v", test.stem], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL, check=False)
+    finally:
+        m.stop()
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-5000:]
+    assert re.search(rf"^Ran {UPSTREAM_SSD[2]} tests in", out, re.MULTILINE) and re.search(r"^OK$", out, re.MULTILINE), out[-5000:]
+    stats = re.findall(r"^=== (.+) STATISTICS ===\nOperations: (\d+) \(Success: (\d+), Failure: (\d+)\)", out, re.MULTILINE)
+    assert len(stats) == 6, out[-5000:]
+    for name, ops, ok, failed in stats:
+        assert int(failed) == 0 and int(ok) == int(ops) > 0, (name, ops, ok, failed)
+    assert list(root.glob("default/*/*/*.kvo")) or list(root.glob("default/*")), "no SSD tier was opened"
+    print("kvflow: test_ssd_offload_in_evict.py: 3 of 3 passed; " +
+          "; ".join(f"{n}: {ok}/{ops}" for n, ops, ok, _ in stats))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -65,6 +66,8 @@ async def _serve(args: argparse.Namespace) -> None:
     master = Master(lease_ttl=args.lease_ttl, client_grace=args.client_grace,
                     heartbeat_interval=args.heartbeat_interval,
                     high_watermark=args.high_watermark, low_watermark=args.low_watermark)
+    if args.root_fs_dir:        # told to every client at register (the Mooncake API's take it)
+        master.root_fs_dir = os.path.join(os.path.abspath(args.root_fs_dir), args.cluster)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -127,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--etcd-timeout", type=float, default=2.0, help="seconds per etcd request")
     m.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (needs prometheus-client)")
+    m.add_argument("--root-fs-dir", "--root_fs_dir", default="",
+                   help="a directory under which clients that ask for it (the Mooncake API's clients, "
+                        "as Mooncake's) keep their SSD tiers: <dir>/<cluster>/<host>-<n>")
     m.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -46,10 +46,11 @@ from .allocator import Allocator
 from .datapath import Mover, Moves
 from .follow import FollowingLink, finder_for
 from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError, ObjectNotFoundError,
-                     ReplicaUnavailableError, StoreTimeoutError, error_from_code)
+                     ReplicaUnavailableError, SsdBusyError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .metrics import ClientCounters, counted
 from .model import MAX_KEY_BYTES, check_key
+from .ssd_agent import SsdAgent, SsdCopies, promote, read_copies
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 
 __all__ = ["StoreClient", "Replica"]
@@ -144,13 +145,21 @@ class StoreClient:
     one that starts it (it stops when the last client of this process
     closes). `prefer_local`: a put's first replica goes to this client's own
     segment when it fits (a memmove, and the nearest replica for this
-    process's gets), the others elsewhere as usual."""
+    process's gets), the others elsewhere as usual.
+    `ssd_path`: a directory for this client's SSD tier (ssd_agent.py;
+    None: no tier), `ssd_capacity` bytes of files in it (default 4 x
+    segment_size), `ssd_offload` "evict" (copy the objects of its segment
+    nearest eviction) or "eager" (copy every object of its segment),
+    `ssd_verify` (checksum every SSD read, not only at adoption),
+    `ssd_promote` (a get served from SSD puts the object back in DRAM)."""
 
     def __init__(self, master: "str | Sequence[str] | Master | None" = None, *, engine: kvflow.Engine | None = None,
                  segment_size: int = 64 << 20, local_buffer_size: int = 16 << 20,
                  listen: str = "127.0.0.1:0", protocols: Sequence[str] | None = None,
                  host: str | None = None, timeout: float = 10.0, replica_num: int = 1,
-                 master_listen: str | None = None, prefer_local: bool = False) -> None:
+                 master_listen: str | None = None, prefer_local: bool = False,
+                 ssd_path: str | None = None, ssd_capacity: int | None = None, ssd_offload: str = "evict",
+                 ssd_verify: bool = False, ssd_promote: bool = True) -> None:
         for name, v in (("segment_size", segment_size), ("local_buffer_size", local_buffer_size)):
             if not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, not {v!r}")
@@ -191,6 +200,13 @@ class StoreClient:
         self._loop_thread: int | None = None
         self._started = False
         self._closed = False
+        self._ssd: SsdAgent | None = None
+        if ssd_path is not None:
+            if ssd_capacity is None:
+                ssd_capacity = 4 * segment_size or 1 << 30
+            self._ssd = SsdAgent(self, ssd_path, ssd_capacity, mode=ssd_offload, verify=bool(ssd_verify),
+                                 promote=bool(ssd_promote))
+        self.ssd_promote = bool(ssd_promote)
 
     def __repr__(self) -> str:
         where = self.master_spec if isinstance(self.master_spec, (str, list, tuple)) else "embedded"
@@ -239,6 +255,8 @@ class StoreClient:
                 self._segment.fill(0)
                 name = f"kvflow-store/{self.client_id}/0"
                 self._segment_region = self.engine.register(self._segment, name=name)
+            if self._ssd is not None:
+                await self._ssd.open()          # adopts its files; reported in _attach
             if self._finder is not None:
                 self._link = await FollowingLink(self._finder, self._attach).open(self.timeout)
             else:
@@ -251,6 +269,8 @@ class StoreClient:
                 await self._attach(self._link)
             hello = self._hello
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(float(hello["heartbeat"])))
+            if self._ssd is not None:
+                self._ssd.start()
             if isinstance(self._link, (TcpMasterLink, FollowingLink)):
                 self._beat_thread = HeartbeatThread(self._link.address, self.client_id, hello["beat_token"],
                                                     float(hello["heartbeat"]))
@@ -270,6 +290,8 @@ class StoreClient:
         if self._segment_region is not None:
             self.segment_id = await link.call("mount", f"kvflow-store/{self.client_id}/0",
                                               self._segment_region.addr, self.segment_size, timeout=self.timeout)
+        if self._ssd is not None:
+            await self._ssd.attach(link, self.timeout)
         self._hello = hello
         self.lease_ttl = float(hello["lease_ttl"])
         if self._beat_thread is not None and isinstance(link, TcpMasterLink):
@@ -293,6 +315,8 @@ class StoreClient:
         if self._closed:
             return
         self._closed = True
+        if self._ssd is not None:
+            await self._ssd.close()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
@@ -427,7 +451,7 @@ class StoreClient:
     @counted("put")
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
                                    replica_num: int | None = None, preferred_segment: int | None = None,
-                                   pin: bool = False, _again: bool = False) -> list:
+                                   pin: bool = False, _again: bool = False, _wait: bool = True) -> list:
         """The funnel of every put. One master round trip to allocate, one
         kvflow batch per holder, one round trip to commit. A put whose
         commit reached a new leader that never saw its allocation (the old
@@ -474,15 +498,19 @@ class StoreClient:
             raise
         started, segs = _replica_rows(reply)
         writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
+        ssd_busy = False
         for i, item in zip(todo, started):
             r = _result(item, keys[i])
             if isinstance(r, KVFlowError):
                 results[i] = r
+                ssd_busy = ssd_busy or type(r) is SsdBusyError
             elif r is None:
                 results[i] = 0                      # exists already: immutable, nothing to write
             else:
                 writing.append((i, r))
         if not writing:
+            if _wait and ssd_busy:
+                await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
             return results
         try:
             moves = Moves()
@@ -516,13 +544,38 @@ class StoreClient:
                     and not _again:
                 again.append(i)
             results[i] = r
+        if self._ssd is not None and self._ssd.mode == "eager":
+            self._ssd.wake()
         if again:
             redo = await self.batch_put_from_parts([keys[i] for i in again], [parts[i] for i in again],
                                                    replica_num=rn, preferred_segment=preferred_segment,
                                                    pin=pin, _again=True)
             for i, r in zip(again, redo):
                 results[i] = r
+        if _wait and ssd_busy:
+            await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
         return results
+
+    async def _wait_for_ssd(self, keys: Sequence[str], parts: Sequence[Parts], results: list, rn: int,
+                            preferred: int | None, pin: bool) -> None:
+        """Puts that met SsdBusyError (the pool is full of objects an eager
+        SSD tier is still copying) are put again, backing off, until they
+        fit or the client's timeout has passed: the disk's pace is the
+        pool's, instead of objects lost."""
+        busy = [i for i, r in enumerate(results) if isinstance(r, SsdBusyError)]
+        deadline = time.monotonic() + self.timeout
+        delay = 0.002
+        while busy and time.monotonic() + delay < deadline:
+            if self._ssd is not None:
+                self._ssd.wake()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            redo = await self.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
+                                                   replica_num=rn, preferred_segment=preferred, pin=pin,
+                                                   _wait=False)
+            for i, r in zip(busy, redo):
+                results[i] = r
+            busy = [i for i in busy if isinstance(results[i], SsdBusyError)]
 
     async def _revoke(self, keys: list[str], token: int) -> None:
         try:
@@ -620,13 +673,13 @@ class StoreClient:
                 if isinstance(r, KVFlowError):
                     results[i] = r
                     continue
-                size, reps = r
+                size, reps = r[0], r[1]
                 room = sum(int(s) for _, s in parts[i])
                 if room < size:
                     results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}",
                                                      key=keys[i])
                     continue
-                reading.append((i, size, self._nearest(reps, holders)))
+                reading.append((i, size, self._nearest(reps, holders) if reps or len(r) < 3 else SsdCopies(r[2])))
             await self._read(keys, reading, parts, results, t0)
         finally:
             self._release(reply)
@@ -656,6 +709,12 @@ class StoreClient:
 
     async def _read(self, keys: Sequence[str], reading: list, parts: Sequence[Parts], results: list,
                     t0: float) -> None:
+        if any(type(e[2]) is SsdCopies for e in reading):
+            ssd = [e for e in reading if type(e[2]) is SsdCopies]
+            read = await read_copies(self, keys, ssd, parts, results)
+            if self.ssd_promote:
+                await promote(self, keys, read, parts)
+            reading = [e for e in reading if type(e[2]) is not SsdCopies]
         attempt = {i: 0 for i, _, _ in reading}
         last: dict[int, list[str]] = {}
         pending = reading
@@ -735,7 +794,7 @@ class StoreClient:
             if isinstance(r, KVFlowError):
                 results[i] = r
             else:
-                sized.append((i, r[0], self._nearest(r[1], holders)))
+                sized.append((i, r[0], self._nearest(r[1], holders) if r[1] or len(r) < 3 else SsdCopies(r[2])))
         sizes = [s for _, s, _ in sized]
         sub: list[Any] = [None] * len(sized)
         for chunk in self._chunks(sizes, sub):
@@ -832,6 +891,44 @@ class StoreClient:
     async def remove_all(self, *, force: bool = False) -> int:
         """Removes every complete object not under a lease; returns how many."""
         return await self._call("remove_all", bool(force))
+
+    @property
+    def ssd(self) -> SsdAgent | None:
+        """This client's SSD tier (None without ssd_path)."""
+        return self._ssd
+
+    @property
+    def root_fs_dir(self) -> str:
+        """The master's --root-fs-dir ("" none): where it suggests SSD tiers go."""
+        return str(self._hello.get("root_fs_dir") or "")
+
+    async def attach_ssd(self, path: str, capacity: int, *, offload: str = "evict", verify: bool = False,
+                         promote: bool = True) -> SsdAgent:
+        """Adds an SSD tier to a started client (the ssd_* options of the
+        constructor, later: for a client that learns its directory from the
+        master). InvalidArgumentError when it has one, or for bad options."""
+        if self._ssd is not None:
+            raise InvalidArgumentError("this client has an SSD tier already")
+        if self._link is None or self._closed:
+            raise InvalidArgumentError("attach_ssd: start the client first")
+        agent = SsdAgent(self, path, capacity, mode=offload, verify=verify, promote=promote)
+        await agent.open()
+        try:
+            await agent.attach(self._link, self.timeout)
+        except BaseException:
+            await agent.close()
+            raise
+        self._ssd, self.ssd_promote = agent, bool(promote)
+        agent.start()
+        return agent
+
+    async def ssd_flush(self) -> int:
+        """Copies to SSD now what the tier would copy next (see ssd_offload);
+        returns how many copies were written. InvalidArgumentError without
+        an SSD tier."""
+        if self._ssd is None:
+            raise InvalidArgumentError("this client has no SSD tier (ssd_path)")
+        return await self._ssd.flush()
 
     @_with_timeout
     async def stats(self, *, detail: bool = False) -> dict:

@@ -7,7 +7,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError
 
 __all__ = [
     "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
-    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError",
+    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError",
     "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
     "SegmentError", "DurabilityError", "CODES", "error_code", "error_from_code",
 ]
@@ -55,6 +55,12 @@ class NoSpaceError(StoreError):
     segment)."""
 
 
+class SsdBusyError(NoSpaceError):
+    """No space until an "eager" SSD tier has copied objects it must not
+    lose: StoreClient retries the put within its timeout (the Mooncake API
+    returns -200 after that, as Mooncake does when the pool is full)."""
+
+
 class ReplicaUnavailableError(StoreError):
     """Every replica's holder was lost or unreachable during the get."""
 
@@ -95,6 +101,7 @@ CODES: dict[str, type[KVFlowError]] = {
     "busy": ObjectBusyError,
     "leased": ObjectLeasedError,
     "no_space": NoSpaceError,
+    "ssd_busy": SsdBusyError,
     "replica_unavailable": ReplicaUnavailableError,
     "lease_expired": LeaseExpiredError,
     "master_unavailable": MasterUnavailableError,

@@ -38,6 +38,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 from .errors import DurabilityError, ObjectBusyError, error_code
 from .metrics import MasterCounters, master_view
 from .model import MAX_KEY_BYTES, StoreModel
+from .ssd_master import SSD_METHODS, SsdCalls
 from .wire import FrameBuffer, encode, item_error, item_ok
 
 __all__ = ["Master", "Session", "METHODS"]
@@ -45,7 +46,7 @@ __all__ = ["Master", "Session", "METHODS"]
 # what a client may call (each is Master._<name>(client id, now, *args))
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
                      "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
-                     "batch_remove", "remove_all", "stats"})
+                     "batch_remove", "remove_all", "stats"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
 
@@ -70,7 +71,7 @@ class Session:
         self.master._session_closed(self)
 
 
-class Master:
+class Master(SsdCalls):
     """The pool's master. Options: `lease_ttl` (s a get protects an object),
     `client_grace` (s of silence before a connected client is lost),
     `heartbeat_interval` (what clients are told), `high_watermark` and
@@ -98,6 +99,7 @@ class Master:
         self.journal = None             # durable.Journal, when etcd keeps the index
         self.sync_commit = True
         self.failed: asyncio.Future | None = None   # set (with the error) when durability is lost
+        self.root_fs_dir = ""           # where clients that ask keep SSD tiers (--root-fs-dir)
 
     def __repr__(self) -> str:
         return (f"<Master {self.address or 'embedded'} clients={len(self.model.clients)} "
@@ -266,7 +268,7 @@ class Master:
             c.beat_token = secrets.token_hex(16)
             s.client_id = client_id
             return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
-                    "grace": self.client_grace, "beat_token": c.beat_token}
+                    "grace": self.client_grace, "beat_token": c.beat_token, "root_fs_dir": self.root_fs_dir}
         if method == "beat":
             # a client's heartbeat thread, on a connection of its own: alive
             # even while its event loop is blocked (its kvflow engine's native
@@ -360,7 +362,10 @@ class Master:
         for key in keys:                # _per_item's loop, inline
             try:
                 obj = get_replicas(key, now, lease)
-                out.append([0, [obj.size, replicas(obj.replicas, segments)]])
+                if obj.ssd:     # [size, DRAM replicas, SSD copies' holders]
+                    out.append([0, [obj.size, replicas(obj.replicas, segments), self._ssd_holders(obj)]])
+                else:
+                    out.append([0, [obj.size, replicas(obj.replicas, segments)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         misses = sum(1 for item in out if item[0])
@@ -400,7 +405,8 @@ class Master:
             return self.metrics()
         m = self.model
         out = {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
-               "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls}
+               "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls,
+               "ssd_objects": sum(len(c.ssd_keys) for c in m.clients.values()), "ssd_missed": m.ssd_missed}
         if self.journal is not None:
             out["etcd_txns"] = self.journal.txns
             out["etcd_keys"] = self.journal.keys_written

@@ -33,7 +33,7 @@ from kvflow.errors import InvalidArgumentError
 
 from .allocator import ALIGN, Allocator
 from .errors import (InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
-                     ObjectNotFoundError, SegmentError, StoreError)
+                     ObjectNotFoundError, SegmentError, SsdBusyError, StoreError)
 from .placement import place
 
 __all__ = ["State", "Client", "Segment", "Replica", "Object", "StoreModel", "check_key", "MAX_KEY_BYTES"]
@@ -66,6 +66,10 @@ class Client:
     writing: set[str] = field(default_factory=set)     # keys it has put_start'ed, not ended
     beat_token: str = ""        # proves a heartbeat from the client's own thread is its
     recovered: bool = False     # restored from etcd: no session yet (its owner may register again)
+    ssd_dir: str = ""           # its SSD tier's directory ("" none; ssd_tier.py)
+    ssd_mode: str = ""          # "evict" or "eager"
+    ssd_keys: set[str] = field(default_factory=set)    # objects it holds an SSD copy of
+    ssd_pending: dict[str, None] = field(default_factory=dict)  # "eager": landed in its segment, not copied yet
 
 
 @dataclass(eq=False)
@@ -102,6 +106,9 @@ class Object:
     writer: str
     pinned: bool = False
     token: int = 0              # the writer's put call, so a revoke undoes only its own call's puts
+    ssd: set[str] | None = None     # clients holding an SSD copy (ssd_agent.py); None: none
+    promoting: list[Replica] | None = None  # DRAM space allocated by a promotion in progress
+    ssd_declined: set[str] | None = None    # clients whose tier let its copy go (not offered again)
     # read leases on it: lease id -> until (one id per get call; a reader
     # that finished releases its id, the others run out by time)
     leases: dict[int, float] = field(default_factory=dict)
@@ -160,6 +167,15 @@ class StoreModel:
         # what changed since the master last wrote to etcd (None: not tracked)
         self.dirty_objects: set[str] | None = None
         self.dirty_segments: set[int] | None = None
+        # SSD tier (ssd_agent.py): COMPLETE objects whose only copies are on
+        # SSD (not in the LRU order, which holds DRAM replicas), and per
+        # client the keys whose SSD copy it should delete (a removal, remove_all)
+        self._ssd_only: set[str] = set()
+        self.ssd_drops: dict[str, list[str]] = {}
+        self.ssd_loads: dict[str, dict[str, None]] = {}     # per holder: keys readers on other hosts want
+        self.ssd_missed = 0         # evicted with no SSD copy though their holder has a tier
+        self._ssd_clients: set[str] = set()
+        self._ssd_held = False      # an eviction skipped an object an eager tier is copying
         # (segments, all attached, largest capacity), rebuilt after any
         # change to the segments (mount, restore, re-attach, drop): a put
         # reads it per key instead of walking every segment three times
@@ -297,6 +313,11 @@ class StoreModel:
             if obj is not None and obj.state is State.ALLOCATED and obj.writer == client_id:
                 self._delete(obj)
         dropped = 0
+        for key in list(c.ssd_keys):          # its SSD copies are unreachable now
+            dropped += self.ssd_drop(client_id, key, c)
+        self._ssd_clients.discard(client_id)
+        self.ssd_drops.pop(client_id, None)
+        self.ssd_loads.pop(client_id, None)
         for sid in list(c.segments):
             dropped += self._drop_segment(self.segments[sid])
         return dropped
@@ -349,6 +370,7 @@ class StoreModel:
                                key=key)
         cap = self._capacity
         need = size * min(replica_num, len(self.segments))
+        self._ssd_held = False
         if cap and self._used + need > self.high_watermark * cap:
             # space of forced removals whose readers are done comes back first
             self.release_quarantine(now)
@@ -371,6 +393,10 @@ class StoreModel:
             chosen = self._place(size, replica_num, preferred)
         if not chosen:
             largest = max((s.alloc.largest_free for s in self.segments.values()), default=0)
+            if self._ssd_held:
+                self._ssd_held = False
+                raise SsdBusyError(f"no space for {size} bytes until SSD tiers copy the objects they hold "
+                                   f"(eager mode): retry", key=key)
             raise NoSpaceError(f"no segment can hold {size} bytes (largest free extent {largest}, "
                                f"{len(self.segments)} segments)", key=key)
         replicas = []
@@ -415,6 +441,8 @@ class StoreModel:
         self._lru[key] = None
         if self.dirty_objects is not None:
             self.dirty_objects.add(key)
+        if self._ssd_clients:
+            self._ssd_note(obj)
         return len(keep)
 
     def put_revoke(self, client_id: str, key: str, token: int | None = None) -> None:
@@ -473,6 +501,9 @@ class StoreModel:
         """exists() of each of `keys`, which the caller checked are valid
         keys. The LRU order holds exactly the COMPLETE objects' keys."""
         lru = self._lru
+        if self._ssd_only:
+            ssd = self._ssd_only
+            return [k in lru or k in ssd for k in keys]
         return [k in lru for k in keys]
 
     def size(self, key: str) -> int:
@@ -502,7 +533,7 @@ class StoreModel:
         `force`, leased ones' space freed when their leases end); puts in
         progress are left to their writers. Returns how many were removed."""
         gone = 0
-        for key in list(self._lru):
+        for key in [*self._lru, *self._ssd_only]:
             obj = self.objects[key]
             if force or not obj.leased(now):
                 self.remove(key, now, force=force)
@@ -537,17 +568,33 @@ class StoreModel:
         or nothing evictable is left; returns the bytes freed."""
         freed = 0
         victims = []
+        waiting = []        # SSD copies wanted but not written yet: evicted last (the cleaner may catch up)
         for key in self._lru:                 # oldest first; no copy of the whole order
             if freed >= nbytes:
                 break
             obj = self.objects[key]
             if self.evictable(obj, now):
+                if self._ssd_clients and self._ssd_wanted(obj):
+                    waiting.append(obj)
+                    continue
                 freed += sum(r.length for r in obj.replicas)
                 victims.append(obj)
             elif obj.leases and not obj.pinned:
                 self.lease_waits["evict"] += 1
+        for obj in waiting:
+            if freed >= nbytes:
+                break
+            if self._ssd_strict(obj):
+                self._ssd_held = True
+                continue        # "eager": never lost for want of its copy; the put waits (SsdBusyError)
+            freed += sum(r.length for r in obj.replicas)
+            victims.append(obj)
+            self.ssd_missed += 1
         for obj in victims:
-            self._delete(obj)
+            if obj.ssd:
+                self._drop_dram(obj)          # still readable: from its SSD copies
+            else:
+                self._delete(obj)
         self.evictions += len(victims)
         self.evicted_bytes += freed
         return freed
@@ -612,6 +659,8 @@ class StoreModel:
             self.dirty_objects.add(obj.key)
         for r in obj.replicas:
             self._free(obj.key, r)
+        if obj.ssd is not None or obj.promoting:
+            self._ssd_forget(obj)
         self.objects.pop(obj.key, None)
         self._lru.pop(obj.key, None)
         w = self.clients.get(obj.writer)
@@ -625,7 +674,10 @@ class StoreModel:
             if obj is None:
                 continue
             obj.replicas = [r for r in obj.replicas if r.segment != seg.id]
-            if not obj.replicas:
+            if not obj.replicas and obj.ssd and obj.state is State.COMPLETE:
+                self._lru.pop(key, None)      # its SSD copies remain
+                self._ssd_only.add(key)
+            elif not obj.replicas:
                 self._delete(obj)
                 dropped += 1
             elif obj.state is State.COMPLETE and self.dirty_objects is not None:
@@ -640,3 +692,227 @@ class StoreModel:
         if c is not None:
             c.segments.discard(seg.id)
         return dropped
+
+    # -- the SSD tier (ssd_agent.py runs its client side) -----------------------
+    # An object's copies are its DRAM replicas and, in obj.ssd, the clients
+    # holding a copy on their SSD. A client's tier copies the objects of its
+    # own segment ("eager": all of them; "evict": those nearest eviction,
+    # ssd_candidates) and reports each copy once it is on disk (ssd_add); an
+    # eviction then frees only the DRAM replicas of an object with an SSD
+    # copy, which stays readable (ssd-only) until a get promotes it back to
+    # DRAM (promote_start/promote_end). The master cannot wait for a disk
+    # inside an eviction, so the copy is made ahead of it: an object whose
+    # copy is still wanted is evicted after every other candidate, and only
+    # then lost (counted in ssd_missed).
+    def ssd_attach(self, client_id: str, directory: str, mode: str) -> None:
+        if mode not in ("evict", "eager"):
+            raise InvalidArgumentError(f"ssd mode must be 'evict' or 'eager', not {mode!r}")
+        c = self._client(client_id)
+        c.ssd_dir, c.ssd_mode = str(directory), mode
+        self._ssd_clients.add(client_id)
+        if mode == "eager":             # what its segment holds already
+            for sid in c.segments:
+                for key in self.segments[sid].keys:
+                    obj = self.objects.get(key)
+                    if obj is not None and obj.state is State.COMPLETE:
+                        c.ssd_pending[key] = None
+
+    def _ssd_note(self, obj: Object) -> None:
+        """An object landed in segments (put_end, promote_end): eager tiers
+        among their holders will copy it (ssd_candidates reads this queue
+        instead of walking the whole LRU order)."""
+        for r in obj.replicas:
+            seg = self.segments.get(r.segment)
+            if seg is not None and seg.client in self._ssd_clients:
+                c = self.clients[seg.client]
+                if c.ssd_mode == "eager":
+                    c.ssd_pending[obj.key] = None
+
+    def _ssd_wanted(self, obj: Object) -> bool:
+        """Whether a holder of one of obj's DRAM replicas has a tier and no copy yet."""
+        for r in obj.replicas:
+            seg = self.segments.get(r.segment)
+            if seg is not None and seg.client in self._ssd_clients and (not obj.ssd or seg.client not in obj.ssd) \
+                    and (not obj.ssd_declined or seg.client not in obj.ssd_declined):
+                return True
+        return False
+
+    def _ssd_strict(self, obj: Object) -> bool:
+        """Whether a holder that wants a copy of obj runs "eager" (every
+        object copied, none lost: a put that needs its space fails with
+        NoSpaceError until the copy is on disk, Mooncake's -200 that its
+        callers retry)."""
+        for r in obj.replicas:
+            seg = self.segments.get(r.segment)
+            c = self.clients.get(seg.client) if seg is not None else None
+            if c is not None and c.ssd_mode == "eager" and (not obj.ssd or c.id not in obj.ssd) \
+                    and (not obj.ssd_declined or c.id not in obj.ssd_declined):
+                return True
+        return False
+
+    def ssd_add(self, client_id: str, key: str, size: int, *, adopt: bool = False) -> bool:
+        """The client holds a complete, synced SSD copy of `key`. With `adopt`
+        (a restarted client's files), an object the pool does not know is
+        created from it (COMPLETE, SSD-only). False: not recorded (the key is
+        gone, or exists with another size): the client deletes its file."""
+        c = self._client(client_id)
+        check_key(key)
+        obj = self.objects.get(key)
+        if obj is None:
+            if not adopt or not isinstance(size, int) or size <= 0:
+                return False
+            obj = self.objects[key] = Object(key, size, [], State.COMPLETE, client_id)
+            self._ssd_only.add(key)
+        elif obj.state is not State.COMPLETE or obj.size != size:
+            return False
+        if obj.ssd is None:
+            obj.ssd = set()
+        obj.ssd.add(client_id)
+        c.ssd_keys.add(key)
+        return True
+
+    def ssd_drop(self, client_id: str, key: str, c: Client | None = None, *, declined: bool = False) -> int:
+        """The client's copy of `key` is gone (its tier evicted it, or the
+        client is lost). `declined`: its tier let it go (full), so it is not
+        offered to that tier again. Returns 1 when the object went with it."""
+        c = c or self.clients.get(client_id)
+        if c is not None:
+            c.ssd_keys.discard(key)
+        obj = self.objects.get(key)
+        if declined and obj is not None:
+            if obj.ssd_declined is None:
+                obj.ssd_declined = set()
+            obj.ssd_declined.add(client_id)
+        if obj is None or not obj.ssd or client_id not in obj.ssd:
+            return 0
+        obj.ssd.discard(client_id)
+        if not obj.ssd and not obj.replicas:
+            self._delete(obj)
+            return 1
+        return 0
+
+    def ssd_candidates(self, client_id: str, now: float, limit: int, *, eager: bool,
+                       mark: float) -> tuple[int, list[Object]]:
+        """Objects in the client's segments it should copy to its SSD, oldest
+        first, at most `limit`, under a new read lease (returned; released by
+        the client once written, so none is evicted or removed mid-copy).
+        "evict" mode: only among the oldest objects whose DRAM bytes exceed
+        `mark` x capacity (those the next evictions take); "eager": any."""
+        c = self._client(client_id)
+        if not c.segments:
+            return 0, []
+        out: list[Object] = []
+        if eager:
+            # the queue of what landed in its segments, oldest first; keys
+            # gone, copied, declined or moved off its segments just leave it
+            while c.ssd_pending and len(out) < limit:
+                key = next(iter(c.ssd_pending))
+                del c.ssd_pending[key]
+                obj = self.objects.get(key)
+                if obj is None or obj.state is not State.COMPLETE or (obj.ssd and client_id in obj.ssd) \
+                        or (obj.ssd_declined and client_id in obj.ssd_declined):
+                    continue
+                if any(r.segment in c.segments for r in obj.replicas):
+                    out.append(obj)
+            budget = 0
+        else:
+            budget = self._used - int(mark * self._capacity)
+        seen = 0
+        for key in self._lru:
+            if seen >= budget or len(out) >= limit:
+                break
+            obj = self.objects[key]
+            seen += sum(r.length for r in obj.replicas)
+            if (obj.ssd and client_id in obj.ssd) or (obj.ssd_declined and client_id in obj.ssd_declined):
+                continue
+            if any(r.segment in c.segments for r in obj.replicas):
+                out.append(obj)
+        if not out:
+            return 0, []
+        lease = self.new_lease(now)
+        until, objs = self._leases[lease]
+        for obj in out:
+            obj.leases[lease] = until
+            objs.append(obj)
+        return lease, out
+
+    def take_ssd_drops(self, client_id: str) -> list[str]:
+        return self.ssd_drops.pop(client_id, [])
+
+    def ssd_request(self, key: str) -> bool:
+        """A reader on another host wants an SSD-only object: its first
+        holder is asked (at its next ssd_sync) to load it into DRAM."""
+        obj = self._complete(key)
+        if obj.replicas or obj.promoting or not obj.ssd:
+            return False
+        cid = next(iter(obj.ssd))
+        self.ssd_loads.setdefault(cid, {})[key] = None
+        return True
+
+    def promote_start(self, client_id: str, key: str, now: float,
+                      preferred: int | None = None) -> list[Replica] | None:
+        """DRAM space for an SSD-only object read by `client_id` (one
+        replica, placed as a put's; evicting as a put would). None when there
+        is nothing to do (it has DRAM replicas, or a promotion runs)."""
+        self._client(client_id)
+        obj = self._complete(key)
+        if obj.replicas or obj.promoting:
+            return None
+        need = obj.size
+        cap = self._capacity
+        if cap and self._used + need > self.high_watermark * cap:
+            self._evict(self._used + need - int(self.low_watermark * cap), now)
+        chosen = self._place(obj.size, 1, preferred)
+        if not chosen:
+            return None                         # no room: it stays on SSD
+        seg = chosen[0]
+        off = seg.alloc.allocate(obj.size)
+        assert off is not None
+        length = seg.alloc.allocated_length(off)
+        self._used += length
+        seg.keys.add(key)
+        obj.promoting = [Replica(seg.id, off, length)]
+        return obj.promoting
+
+    def promote_end(self, client_id: str, key: str, ok: bool) -> bool:
+        """The promoter wrote the DRAM replica (ok) or gave up: attached, or freed."""
+        obj = self.objects.get(key) if isinstance(key, str) else None
+        if obj is None or not obj.promoting:
+            return False
+        reps, obj.promoting = obj.promoting, None
+        if not ok or obj.replicas:
+            for r in reps:
+                self._free(key, r)
+            return False
+        obj.replicas = reps
+        self._ssd_only.discard(key)
+        self._lru[key] = None
+        self._ssd_note(obj)
+        if self.dirty_objects is not None:
+            self.dirty_objects.add(key)
+        return True
+
+    def _drop_dram(self, obj: Object) -> None:
+        """Eviction of an object with an SSD copy: its DRAM space only."""
+        for r in obj.replicas:
+            self._free(obj.key, r)
+        obj.replicas = []
+        self._lru.pop(obj.key, None)
+        self._ssd_only.add(obj.key)
+        if self.dirty_objects is not None:
+            self.dirty_objects.add(obj.key)
+
+    def _ssd_forget(self, obj: Object) -> None:
+        """The object is gone: its holders delete their SSD copies (told at
+        their next ssd_sync), a promotion's space is freed."""
+        self._ssd_only.discard(obj.key)
+        for cid in obj.ssd or ():
+            c = self.clients.get(cid)
+            if c is not None and obj.key in c.ssd_keys:
+                c.ssd_keys.discard(obj.key)
+                self.ssd_drops.setdefault(cid, []).append(obj.key)
+        obj.ssd = None
+        if obj.promoting:
+            for r in obj.promoting:
+                self._free(obj.key, r)
+            obj.promoting = None

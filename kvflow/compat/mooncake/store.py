@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import os
 import random
 import re
 import weakref
@@ -175,6 +176,46 @@ def _shutdown(thread: EngineThread, client: StoreClient, buffers: dict, own_thre
         thread.close()
 
 
+def _ssd_options(path: str) -> dict:
+    """StoreClient's SSD options from Mooncake's: the directory is
+    `ssd_offload_path`, else $MOONCAKE_OFFLOAD_FILE_STORAGE_PATH, else
+    Mooncake's default /data/file_storage; the capacity
+    $MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES, else 90% of the free space
+    there now (Mooncake's default limit is 2 TB whatever the disk holds).
+    Offload is "eager", as Mooncake's enable_ssd_offload (every put is
+    queued for the SSD at put end); $KVFLOW_SSD_OFFLOAD=evict copies only
+    the objects nearest eviction (Mooncake's master-side offload_on_evict)."""
+    path = str(path or os.environ.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH") or "/data/file_storage")
+    limit = os.environ.get("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES")
+    if limit is not None:
+        cap = _size(limit)
+        if not cap:
+            raise InvalidArgumentError(f"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES={limit!r} is not a size")
+    else:
+        try:
+            os.makedirs(path, exist_ok=True)
+            st = os.statvfs(path)
+        except OSError as e:
+            raise InvalidArgumentError(f"ssd_offload_path {path!r}: {os.strerror(e.errno)}") from None
+        cap = max(int(st.f_bavail * st.f_frsize * 0.9), 1 << 20)
+    mode = os.environ.get("KVFLOW_SSD_OFFLOAD", "eager")
+    return {"ssd_path": path, "ssd_capacity": cap, "ssd_offload": mode}
+
+
+async def _attach_root_fs(client: StoreClient, host: str) -> None:
+    root = client.root_fs_dir
+    opts = _ssd_options(root)
+    last: Exception | None = None
+    for n in range(64):
+        try:
+            await client.attach_ssd(os.path.join(root, f"{host}-{n}"), opts["ssd_capacity"],
+                                    offload=opts["ssd_offload"])
+            return
+        except InvalidArgumentError as e:      # held by another client: the next one
+            last = e
+    raise InvalidArgumentError(f"no free SSD directory under {root}: {last}")
+
+
 def _size(value: Any) -> int | None:
     """Mooncake's try_string_to_byte_size for config-dict values: bytes, or
     "1.5 GB" / "16MB" / "64 K" (binary units), "infinite"; None if not one."""
@@ -258,9 +299,12 @@ class MooncakeDistributedStore:
         _uint(local_buffer_size, "local_buffer_size")
         if self._client is not None:
             return 0            # Mooncake: a second setup of a set-up store is a no-op success
+        ssd: dict = {}
         if enable_ssd_offload:
-            return self._fail(InvalidArgumentError("enable_ssd_offload: kvflow.store has no SSD tier yet"),
-                              STORE_NOT_SUPPORTED)
+            try:
+                ssd = _ssd_options(ssd_offload_path)
+            except InvalidArgumentError as e:
+                return self._fail(e, STORE_INVALID_PARAMS)
         if tenant_id not in ("", "default"):
             return self._fail(InvalidArgumentError(f"tenant_id {tenant_id!r}: kvflow.store has no tenants"),
                               STORE_NOT_SUPPORTED)
@@ -285,8 +329,14 @@ class MooncakeDistributedStore:
         master: str | list[str] = master_server_addr
         if "," in master_server_addr and "://" not in master_server_addr:
             master = [a.strip() for a in master_server_addr.split(",") if a.strip()]
-        client = StoreClient(master, engine=thread.engine, segment_size=global_segment_size,
-                             local_buffer_size=local_buffer_size)
+        try:
+            client = StoreClient(master, engine=thread.engine, segment_size=global_segment_size,
+                                 local_buffer_size=local_buffer_size, **ssd)
+        except KVFlowError as e:
+            if self._own_thread:
+                thread.close()
+            self._thread, self._hostname = None, ""
+            return self._fail(e, STORE_INVALID_PARAMS)
         try:
             thread.call(client.start())
         except Exception as e:  # noqa: BLE001 - a code, never a raise
@@ -295,6 +345,14 @@ class MooncakeDistributedStore:
             self._thread, self._hostname = None, ""
             e = e if isinstance(e, KVFlowError) else MasterUnavailableError(f"{type(e).__name__}: {e}")
             return self._fail(e, error_code(e))
+        if not ssd and client.root_fs_dir:
+            # the master was started with --root_fs_dir: Mooncake's clients
+            # then start their file storage there, and so do these (each in a
+            # directory of its own under it, the first one no other process holds)
+            try:
+                thread.call(_attach_root_fs(client, host))
+            except KVFlowError as e:
+                log.warning("kvflow.compat.mooncake: no SSD tier under %s: %s", client.root_fs_dir, e)
         self._client = client
         # Mooncake frees its client in the destructor (SGLang never calls
         # close()): so does this, when collected or at interpreter exit
@@ -358,6 +416,7 @@ class MooncakeDistributedStore:
                           sizes["local_buffer_size"], str(c.get("protocol", "tcp")), str(c.get("rdma_devices", "")),
                           str(c.get("master_server_addr", "127.0.0.1:50051")),
                           enable_ssd_offload=flag(c.get("enable_ssd_offload", False)),
+                          ssd_offload_path=str(c.get("ssd_offload_path", "")),
                           tenant_id=str(c.get("tenant_id", "default")),
                           enable_client_http_server=flag(c.get("enable_client_http_server", False)))
 
