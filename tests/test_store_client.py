@@ -168,6 +168,18 @@ async def test_full_pool_puts_evict_and_succeed():
             with pytest.raises(NoSpaceError):
                 await p.put("one-more", value)
             assert all(await p.batch_exists([f"pin/{i}" for i in range(10)]))
+        # soft pins: kept while unpinned objects can go, taken when nothing else can
+        async with _pool(1, ("tcp",), segment_size=1 << 20) as (m3, (p,)):
+            await p.put("soft/0", value, soft_pin=True)
+            await p.put("soft/1", value, soft_pin=600.0)
+            for i in range(20):
+                await p.put(f"plain/{i}", value)
+            assert all(await p.batch_exists(["soft/0", "soft/1"]))
+            for i in range(10):
+                await p.put(f"hard/{i}", value, pin=True)
+            assert m3.model.soft_evictions >= 1
+            with pytest.raises(InvalidArgumentError):
+                await p.put("soft/bad", value, soft_pin=-1)
 
 
 async def test_ten_thousand_put_remove_cycles_with_failing_writers_leak_nothing():

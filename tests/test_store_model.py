@@ -299,6 +299,53 @@ def test_eviction_is_lru_and_skips_leased_and_pinned():
     assert m2.put_start("c0", "x", 64, 1, now=6) is not None   # leases expired: evicts
 
 
+def test_soft_pins_go_last_and_run_out():
+    """A soft-pinned object is evicted only when nothing unpinned is left,
+    and only until its time runs out; a hard pin never; bad soft pins are
+    typed errors."""
+    m = _model(segments=1, size=64 * 10, high_watermark=0.9, low_watermark=0.5, soft_pin_ttl=100.0)
+    for i in range(9):
+        pin = ["soft", None] if i < 3 else ["soft", 5.0] if i == 3 else (i == 4)
+        m.put_start("c0", f"k{i}", 64, 1, now=0, pin=pin)
+        m.put_end("c0", f"k{i}")
+    m.put_start("c0", "a", 64, 1, now=1)            # 10 of 10 slots: evict down to 5
+    m.put_end("c0", "a")
+    # the unpinned k5..k8 went first, then the least recent soft pin (k0)
+    assert [m.exists(f"k{i}") for i in range(9)] == [False, True, True, True, True, False, False, False, False]
+    assert m.soft_evictions == 1 and m.exists("a")
+    for i in range(5):
+        m.put_start("c0", f"b{i}", 64, 1, now=10)    # k3's soft pin ran out at 5: plain LRU now
+        m.put_end("c0", f"b{i}")
+    # the fifth put evicts 5: k3 (its pin over), a, b0, b1, b2; never k1, k2 (soft), k4 (hard)
+    assert [m.exists(k) for k in ("k1", "k2", "k3", "k4", "a", "b0", "b1", "b2", "b3", "b4")] == \
+        [True, True, False, True, False, False, False, False, True, True]
+    assert m.soft_evictions == 1
+    for bad in (["soft", 0], ["soft", -1.0], ["soft", "x"], ["hard", 1.0], {"soft": 1}, 2):
+        with pytest.raises(InvalidArgumentError):
+            m.put_start("c0", "bad", 64, 1, now=10, pin=bad)
+    assert not m.exists("bad")
+
+
+def test_a_chained_prefixs_tail_is_evicted_before_its_head():
+    """The keys of one batch are a prompt's pages, head first: after the
+    batch the head is the most recently used, so eviction takes the tail
+    first and what stays is always a prefix."""
+    from kvflow.store.master import Master
+
+    master = Master(lease_ttl=5.0, high_watermark=0.9, low_watermark=0.5, clock=lambda: 0.0)
+    model = master.model
+    model.register_client("c0", "h", "e", 0)
+    model.mount("c0", "seg", 1 << 20, 64 * 20)
+    chain = [f"p{i}" for i in range(12)]
+    master._batch_put_start("c0", 0.0, [[k, 64, 1, None, False] for k in chain])
+    master._batch_put_end("c0", 0.0, [[k, []] for k in chain])
+    master._batch_get_replicas("c0", 0.0, chain[:8])        # a hit on the first 8 pages
+    model.expire_leases(100.0)
+    model.put_start("c0", "other", 64 * 7, 1, now=100.0)       # evicts down to half
+    kept = [model.exists(k) for k in chain]
+    assert kept == sorted(kept, reverse=True) and not all(kept) and kept[0], kept   # a prefix stays
+
+
 def test_full_pool_puts_evict_and_succeed():
     m = _model(segments=2, size=64 * 1000)
     for i in range(10000):

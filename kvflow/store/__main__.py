@@ -65,7 +65,8 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
 async def _serve(args: argparse.Namespace) -> None:
     master = Master(lease_ttl=args.lease_ttl, client_grace=args.client_grace,
                     heartbeat_interval=args.heartbeat_interval,
-                    high_watermark=args.high_watermark, low_watermark=args.low_watermark)
+                    high_watermark=args.high_watermark, low_watermark=args.low_watermark,
+                    soft_pin_ttl=args.soft_pin_ttl)
     if args.root_fs_dir:        # told to every client at register (the Mooncake API's take it)
         master.root_fs_dir = os.path.join(os.path.abspath(args.root_fs_dir), args.cluster)
     stop = asyncio.Event()
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--heartbeat-interval", type=float, default=1.0,
                    help="seconds between a client's heartbeats (what clients are told)")
     m.add_argument("--high-watermark", type=float, default=0.95)
+    m.add_argument("--soft-pin-ttl", type=float, default=1800.0,
+                   help="seconds a soft pin lasts when the put names none (Mooncake's default: 30 min)")
     m.add_argument("--low-watermark", type=float, default=0.85)
     m.add_argument("--etcd", help="HOST:PORT of etcd: a durable master, leader of --cluster")
     m.add_argument("--cluster", default="default", help="the cluster's name in etcd")

@@ -451,9 +451,14 @@ class StoreClient:
     @counted("put")
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
                                    replica_num: int | None = None, preferred_segment: int | None = None,
-                                   pin: bool = False, _again: bool = False, _wait: bool = True) -> list:
+                                   pin: bool = False, soft_pin: float | bool | None = None,
+                                   _again: bool = False, _wait: bool = True) -> list:
         """The funnel of every put. One master round trip to allocate, one
-        kvflow batch per holder, one round trip to commit. A put whose
+        kvflow batch per holder, one round trip to commit. `pin`: never
+        evicted (only removed); `soft_pin`: evicted only when nothing
+        unpinned can go, for that many seconds (True: the master's
+        soft_pin_ttl). The keys of one call are a chained prefix, head
+        first: the master evicts its tail before its head. A put whose
         commit reached a new leader that never saw its allocation (the old
         one died in between: follow.py) is put again, once."""
         if len(keys) != len(parts):
@@ -463,6 +468,12 @@ class StoreClient:
             preferred_segment = self.segment_id
         if not isinstance(rn, int) or isinstance(rn, bool) or rn < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {rn!r}")
+        wire_pin: bool | list = bool(pin)
+        if soft_pin is not None and soft_pin is not False and not pin:
+            if soft_pin is not True and (isinstance(soft_pin, bool) or not isinstance(soft_pin, (int, float))
+                                         or not soft_pin > 0):
+                raise InvalidArgumentError(f"soft_pin must be True or seconds > 0, not {soft_pin!r}")
+            wire_pin = ["soft", None if soft_pin is True else float(soft_pin)]
         results: list[Any] = [None] * len(keys)
         todo: list[int] = []
         sizes: list[int] = []
@@ -489,7 +500,7 @@ class StoreClient:
         relinks = getattr(self._link, "reconnects", 0)
         token = next(self._put_tokens)
         try:
-            reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, bool(pin)]
+            reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, wire_pin]
                                                          for j, i in enumerate(todo)], token)
         except (asyncio.CancelledError, MasterUnavailableError):
             # the request may have reached the master and allocated: undo this
@@ -510,7 +521,7 @@ class StoreClient:
                 writing.append((i, r))
         if not writing:
             if _wait and ssd_busy:
-                await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
+                await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
             return results
         try:
             moves = Moves()
@@ -549,15 +560,15 @@ class StoreClient:
         if again:
             redo = await self.batch_put_from_parts([keys[i] for i in again], [parts[i] for i in again],
                                                    replica_num=rn, preferred_segment=preferred_segment,
-                                                   pin=pin, _again=True)
+                                                   pin=pin, soft_pin=soft_pin, _again=True)
             for i, r in zip(again, redo):
                 results[i] = r
         if _wait and ssd_busy:
-            await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin)
+            await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
         return results
 
     async def _wait_for_ssd(self, keys: Sequence[str], parts: Sequence[Parts], results: list, rn: int,
-                            preferred: int | None, pin: bool) -> None:
+                            preferred: int | None, pin: bool, soft_pin: float | bool | None) -> None:
         """Puts that met SsdBusyError (the pool is full of objects an eager
         SSD tier is still copying) are put again, backing off, until they
         fit or the client's timeout has passed: the disk's pace is the
@@ -572,7 +583,7 @@ class StoreClient:
             delay = min(delay * 2, 0.05)
             redo = await self.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
                                                    replica_num=rn, preferred_segment=preferred, pin=pin,
-                                                   _wait=False)
+                                                   soft_pin=soft_pin, _wait=False)
             for i, r in zip(busy, redo):
                 results[i] = r
             busy = [i for i in busy if isinstance(results[i], SsdBusyError)]

@@ -75,16 +75,17 @@ class Master(SsdCalls):
     """The pool's master. Options: `lease_ttl` (s a get protects an object),
     `client_grace` (s of silence before a connected client is lost),
     `heartbeat_interval` (what clients are told), `high_watermark` and
-    `low_watermark` (eviction), `clock` (monotonic seconds; tests)."""
+    `low_watermark` (eviction), `soft_pin_ttl` (s a soft pin lasts unless
+    the put says), `clock` (monotonic seconds; tests)."""
 
     def __init__(self, *, lease_ttl: float = 5.0, client_grace: float = 60.0,
                  heartbeat_interval: float = 1.0, high_watermark: float = 0.95,
                  low_watermark: float = 0.85, clock: Callable[[], float] = time.monotonic,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, soft_pin_ttl: float = 1800.0) -> None:
         if client_grace <= 0 or heartbeat_interval <= 0 or heartbeat_interval >= client_grace:
             raise InvalidArgumentError("need 0 < heartbeat_interval < client_grace")
         self.model = StoreModel(lease_ttl=lease_ttl, high_watermark=high_watermark,
-                                low_watermark=low_watermark, seed=seed)
+                                low_watermark=low_watermark, seed=seed, soft_pin_ttl=soft_pin_ttl)
         self.client_grace = client_grace
         self.heartbeat_interval = heartbeat_interval
         self.clock = clock
@@ -347,6 +348,8 @@ class Master(SsdCalls):
                 out.append([0, put_end(cid, it[0], it[1])])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
+        if len(items) > 1:
+            self.model.order_chain([it[0] for it in items if type(it) is list and it])
         return out
 
     def _batch_put_revoke(self, cid: str, now: float, keys: list, token: int | None = None) -> list:
@@ -368,6 +371,8 @@ class Master(SsdCalls):
                     out.append([0, [obj.size, replicas(obj.replicas, segments)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
+        if len(keys) > 1:
+            self.model.order_chain(keys)
         misses = sum(1 for item in out if item[0])
         self.counters.looked_up("get", len(out) - misses, misses)
         return {"segments": segments, "items": out, "lease": lease}

@@ -28,6 +28,7 @@ import enum
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.errors import InvalidArgumentError
 
@@ -105,6 +106,7 @@ class Object:
     state: State
     writer: str
     pinned: bool = False
+    soft_until: float = 0.0     # soft pin: evicted only when nothing else can go, until this time
     token: int = 0              # the writer's put call, so a revoke undoes only its own call's puts
     ssd: set[str] | None = None     # clients holding an SSD copy (ssd_agent.py); None: none
     promoting: list[Replica] | None = None  # DRAM space allocated by a promotion in progress
@@ -126,6 +128,18 @@ class Object:
         return max(self.leases.values(), default=0.0)
 
 
+def _soft_pin_seconds(pin: Any, default: float) -> float:
+    """["soft", seconds or None] -> seconds (InvalidArgumentError otherwise)."""
+    if not (isinstance(pin, (list, tuple)) and len(pin) == 2 and pin[0] == "soft"):
+        raise InvalidArgumentError(f"pin must be a bool or [\"soft\", seconds], not {pin!r}")
+    ttl = pin[1]
+    if ttl is None:
+        return default
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+        raise InvalidArgumentError(f"a soft pin's seconds must be > 0, not {ttl!r}")
+    return float(ttl)
+
+
 class StoreModel:
     """The pool's metadata. `high_watermark`/`low_watermark`: fractions of
     the pool's capacity; a put that would take the pool above the high one
@@ -134,12 +148,15 @@ class StoreModel:
     and removal."""
 
     def __init__(self, *, lease_ttl: float = 5.0, high_watermark: float = 0.95,
-                 low_watermark: float = 0.85, seed: int | None = None) -> None:
+                 low_watermark: float = 0.85, seed: int | None = None, soft_pin_ttl: float = 1800.0) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise InvalidArgumentError("watermarks must satisfy 0 < low <= high <= 1")
         if lease_ttl <= 0:
             raise InvalidArgumentError("lease_ttl must be > 0")
+        if not soft_pin_ttl > 0:
+            raise InvalidArgumentError("soft_pin_ttl must be > 0")
         self.lease_ttl = lease_ttl
+        self.soft_pin_ttl = soft_pin_ttl        # a soft pin's default life (Mooncake's: 30 min)
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.clients: dict[str, Client] = {}
@@ -153,6 +170,7 @@ class StoreModel:
         self._used = 0
         self._rng = random.Random(seed)
         self.evictions = 0
+        self.soft_evictions = 0     # soft-pinned objects evicted because nothing else could go
         self.evicted_bytes = 0
         # what a read lease held back (metrics.py): a remove refused, a
         # leased object eviction skipped, a forced removal's space held
@@ -331,10 +349,13 @@ class StoreModel:
 
     # -- puts: allocate, then commit -------------------------------------------
     def put_start(self, client_id: str, key: str, size: int, replica_num: int, now: float, *,
-                  preferred: int | None = None, pin: bool = False, token: int = 0) -> list[Replica] | None:
+                  preferred: int | None = None, pin: bool | list = False,
+                  token: int = 0) -> list[Replica] | None:
         """Allocates up to `replica_num` replicas of `size` bytes on distinct
         segments (distinct clients first) and records the object as
-        ALLOCATED: invisible until put_end. Returns the replicas, or None
+        ALLOCATED: invisible until put_end. `pin`: True, never evicted (a
+        hard pin); ["soft", seconds or None], a soft pin: evicted only when
+        nothing unpinned can go, for that long (None: soft_pin_ttl). Returns the replicas, or None
         when a COMPLETE object with this key exists (objects are immutable:
         the put is a no-op success). A put_start repeated with the same
         nonzero `token` (a retried request) returns the replicas it allocated
@@ -407,8 +428,12 @@ class StoreModel:
             self._used += length
             replicas.append(Replica(seg.id, off, length))
             seg.keys.add(key)
-        self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin),
-                                   token=token)
+        if type(pin) is bool or not pin:
+            self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin),
+                                       token=token)
+        else:
+            self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, token=token,
+                                       soft_until=now + _soft_pin_seconds(pin, self.soft_pin_ttl))
         c.writing.add(key)
         return replicas
 
@@ -569,11 +594,15 @@ class StoreModel:
         freed = 0
         victims = []
         waiting = []        # SSD copies wanted but not written yet: evicted last (the cleaner may catch up)
+        soft = []           # soft-pinned: only when nothing else is left
         for key in self._lru:                 # oldest first; no copy of the whole order
             if freed >= nbytes:
                 break
             obj = self.objects[key]
             if self.evictable(obj, now):
+                if obj.soft_until > now:
+                    soft.append(obj)
+                    continue
                 if self._ssd_clients and self._ssd_wanted(obj):
                     waiting.append(obj)
                     continue
@@ -590,6 +619,12 @@ class StoreModel:
             freed += sum(r.length for r in obj.replicas)
             victims.append(obj)
             self.ssd_missed += 1
+        for obj in soft:
+            if freed >= nbytes:
+                break
+            freed += sum(r.length for r in obj.replicas)
+            victims.append(obj)
+            self.soft_evictions += 1
         for obj in victims:
             if obj.ssd:
                 self._drop_dram(obj)          # still readable: from its SSD copies
@@ -643,6 +678,17 @@ class StoreModel:
         if obj is None or obj.state is not State.ALLOCATED or obj.writer != client_id:
             raise ObjectNotFoundError(f"no put of {key!r} in progress by {client_id}", key=key)
         return obj
+
+    def order_chain(self, keys: list) -> None:
+        """A batch's keys are a chained prefix, head first (the servers put
+        and get a prompt's pages in order): make the head the most recently
+        used and the tail the least, so that eviction takes a prefix's tail
+        before its head (a head alone still serves a shorter prefix; a tail
+        without its head serves nothing)."""
+        lru = self._lru
+        for key in reversed(keys):
+            if type(key) is str and key in lru:
+                lru.move_to_end(key)
 
     def _touch(self, key: str) -> None:
         if key in self._lru:

@@ -107,8 +107,10 @@ class ObjectDataType(enum.IntEnum):
 class ReplicateConfig:
     """Mooncake's per-put options. kvflow uses replica_num, preferred_segment
     (this store's own get_hostname(); other names are ignored, as Mooncake
-    ignores an unknown one) and with_hard_pin (kvflow's pin: never evicted);
-    the rest is accepted and kept (soft pins are not built in kvflow.store)."""
+    ignores an unknown one), with_hard_pin (kvflow's pin: never evicted) and
+    soft_pin_action ENABLE with soft_pin_ttl_ms (a soft pin: evicted only
+    when nothing unpinned can go, for that long; None: the master's
+    default); the rest is accepted and kept."""
 
     def __init__(self) -> None:
         self.replica_num = 1
@@ -589,6 +591,9 @@ class MooncakeDistributedStore:
         if config is not None:
             kw["replica_num"] = config.replica_num
             kw["pin"] = bool(config.with_hard_pin)
+            if config.soft_pin_action == SoftPinAction.ENABLE and not config.with_hard_pin:
+                ttl = config.soft_pin_ttl_ms
+                kw["soft_pin"] = True if ttl is None else max(ttl, 1) / 1000
             if config.preferred_segment and config.preferred_segment == self._hostname:
                 kw["preferred_segment"] = self._client.segment_id
         try:
