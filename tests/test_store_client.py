@@ -153,6 +153,40 @@ async def test_replica_holder_lost_mid_stream_reads_the_other_replica():
         await master.close()
 
 
+async def test_lost_replicas_are_made_again():
+    """replica_num=2 over three holders; one leaves: every object it held
+    a replica of gets a second replica again, copied by the holder of the
+    other one onto the holder that had none, and reads the same bytes from
+    either replica; objects that never lost one are left alone."""
+    master = Master(seed=5, heartbeat_interval=0.1, client_grace=5.0)
+    await master.start()
+    holders = [await StoreClient(master, segment_size=8 << 20, protocols=("tcp",)).start() for _ in range(3)]
+    c = await StoreClient(master, segment_size=0, protocols=("tcp",)).start()
+    a, b, d = holders
+    try:
+        values = {f"r/{i}": _data(30_000 + i, i).tobytes() for i in range(30)}
+        assert await c.batch_put(list(values), list(values.values()), replica_num=2) == [2] * 30
+        on_b = [k for k in values if b.client_id in {r.client for r in await c.get_replicas(k)}]
+        assert 0 < len(on_b) < 30
+        await b.close()                        # b's segment and its replicas are gone
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            rows = {k: [r.client for r in await c.get_replicas(k)] for k in values}
+            if all(len(v) == 2 for v in rows.values()):
+                break
+            assert asyncio.get_running_loop().time() < deadline, rows
+            await asyncio.sleep(0.1)
+        assert all(set(v) == {a.client_id, d.client_id} for v in rows.values()), rows
+        assert a.replicas_made + d.replicas_made == len(on_b) == master.model.repaired
+        for k, v in values.items():             # each replica holds the object's bytes
+            assert await a.get(k) == v and await d.get(k) == v and await c.get(k) == v
+        assert not master.model._repairs and not master.model._short
+    finally:
+        for x in (c, d, a):
+            await x.close()
+        await master.close()
+
+
 async def test_full_pool_puts_evict_and_succeed():
     async with _pool(2, ("tcp",), segment_size=1 << 20) as (master, (a, b)):
         value = _data(100_000, 1).tobytes()

@@ -346,6 +346,48 @@ def test_a_chained_prefixs_tail_is_evicted_before_its_head():
     assert kept == sorted(kept, reverse=True) and not all(kept) and kept[0], kept   # a prefix stays
 
 
+def test_lost_replicas_are_made_again_and_nothing_leaks():
+    """An object short of the replicas its put asked for is handed to a
+    holder of its other replica with a new allocation on a client holding
+    none; the copy joins only at repair_end; a copy whose object was removed
+    and put again, whose copier was lost, or that failed, gives its space
+    back."""
+    m = StoreModel(seed=1)
+    for c in ("c0", "c1", "c2"):
+        m.register_client(c, "h", f"e-{c}", 0)
+        m.mount(c, f"s-{c}", 1 << 20 if c == "c0" else 2 << 20 if c == "c1" else 3 << 20, 64 * 100)
+    for i in range(6):
+        m.put_start("c0", f"k{i}", 64, 2, now=0, preferred=1)     # segment 1 (c0) and one other
+        m.put_end("c0", f"k{i}")
+    lost = [f"k{i}" for i in range(6) if any(m.segments[r.segment].client == "c1"
+                                                for r in m.objects[f"k{i}"].replicas)]
+    assert lost
+    m.client_lost("c1")
+    assert m.repairable("c0") == len(lost) and m.repairable("c2") == 0
+    jobs, lease = m.repair_start("c0", 1.0, 64)
+    assert sorted(j[0] for j in jobs) == sorted(lost)
+    assert all(m.segments[new.segment].client == "c2" for _, _, _, new in jobs)
+    assert m.repairable("c0") == 0                              # handed out once
+    key0, key1 = jobs[0][0], jobs[-1][0]
+    # the first job's object is removed and put again meanwhile: its copy never joins the new one
+    m.remove(key0, now=1.0, force=True)
+    m.put_start("c0", key0, 64, 1, now=1.0)
+    m.put_end("c0", key0)
+    assert m.repair_end("c0", key0, True) == 0 and len(m.objects[key0].replicas) == 1
+    if key1 != key0:
+        assert m.repair_end("c0", key1, False) == 0              # a failed copy: tried again later
+        assert m.repairable("c0") == 1
+    for key, _, _, _ in jobs[1:-1]:
+        assert m.repair_end("c0", key, True) == 1
+    m.release_lease(lease, 1.0)
+    jobs2, lease2 = m.repair_start("c0", 2.0, 64)
+    assert [j[0] for j in jobs2] == ([key1] if key1 != key0 else [])
+    m.client_lost("c0")                                          # the copier is lost mid-copy
+    assert not m._repairs and m.used == sum(s.alloc.used for s in m.segments.values())
+    with pytest.raises(ObjectNotFoundError):
+        m.repair_end("c0", key1, True)
+
+
 def test_full_pool_puts_evict_and_succeed():
     m = _model(segments=2, size=64 * 1000)
     for i in range(10000):

@@ -29,6 +29,7 @@ import asyncio
 import bisect
 import functools
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -54,6 +55,8 @@ from .ssd_agent import SsdAgent, SsdCopies, promote, read_copies
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 
 __all__ = ["StoreClient", "Replica"]
+
+log = logging.getLogger(__name__)
 
 Parts = Sequence[tuple[int, int]]
 
@@ -190,6 +193,8 @@ class StoreClient:
         self._staging_freed: asyncio.Condition | None = None
         self._mover: Mover | None = None
         self._heartbeat: asyncio.Task | None = None
+        self._repair: asyncio.Task | None = None      # copying new replicas of objects that lost one
+        self.replicas_made = 0          # replicas this client copied for objects that lost one
         self._hello: dict = {}
         self._beat_thread: HeartbeatThread | None = None
         self.lease_ttl = 5.0
@@ -320,6 +325,9 @@ class StoreClient:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._repair is not None:
+            self._repair.cancel()
+            await asyncio.gather(self._repair, return_exceptions=True)
         if self._beat_thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
         if self._link is not None:
@@ -354,13 +362,47 @@ class StoreClient:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self._call("heartbeat")
+                short = await self._call("heartbeat")
+                if short and self._repair is None and self._mover is not None:
+                    # objects that lost a replica with one here: copy them
+                    self._repair = asyncio.get_running_loop().create_task(self._make_replicas())
             except MasterUnavailableError:
                 if self._link is None or self._link.closed:
                     return        # the link is gone; calls will say so
                 # a heartbeat that timed out (a stopped or slow master): keep beating
             except KVFlowError:
                 pass
+
+    async def _make_replicas(self) -> None:
+        """Lost replicas made again: the master hands out objects short of
+        the replicas their put asked for (a holder was lost) that this
+        client holds one of, with a new allocation on a client that holds
+        none; this client writes its own replica there over kvflow and
+        reports each copy (the new replica is visible only then)."""
+        try:
+            while not self._closed:
+                reply = await self._call("batch_repair_start", 64)
+                items, segs, lease = reply["items"], reply["segments"], reply["lease"]
+                if not items:
+                    return
+                moves = Moves()
+                for key, size, src, (sid, dst) in items:
+                    moves.add(src, segs[sid][1], dst, size)
+                failed: dict = {}
+                try:
+                    failed = await self._mover.run("write", moves, timeout=self.timeout)
+                finally:
+                    ends = [[key, segs[sid][1] not in failed] for key, _, _, (sid, _) in items]
+                    done = await asyncio.shield(self._call("batch_repair_end", ends, lease))
+                self.replicas_made += sum(1 for d in done if d == [0, 1])
+                if failed:
+                    log.warning("kvflow.store: copying lost replicas: %s",
+                                "; ".join(f"{h}: {e}" for h, e in failed.items()))
+                    return          # tried again at a later heartbeat
+        except KVFlowError as e:
+            log.warning("kvflow.store: copying lost replicas stopped: %s", e)
+        finally:
+            self._repair = None
 
     async def _call(self, method: str, *args: Any) -> Any:
         if self._link is None or self._closed:

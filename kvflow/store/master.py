@@ -46,7 +46,8 @@ __all__ = ["Master", "Session", "METHODS"]
 # what a client may call (each is Master._<name>(client id, now, *args))
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
                      "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
-                     "batch_remove", "remove_all", "stats"}) | frozenset(SSD_METHODS)
+                     "batch_remove", "remove_all", "stats",
+                     "batch_repair_start", "batch_repair_end"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
 
@@ -291,8 +292,39 @@ class Master(SsdCalls):
         self.counters.calls[method] += 1
         return getattr(self, f"_{method}")(s.client_id, now, *args)
 
-    def _heartbeat(self, cid: str, now: float) -> None:
-        return None
+    def _heartbeat(self, cid: str, now: float) -> int | None:
+        # how many objects short of replicas this client could copy (it then
+        # asks for them: batch_repair_start); None when there are none
+        return self.model.repairable(cid) or None
+
+    def _batch_repair_start(self, cid: str, now: float, limit: int) -> dict:
+        """Objects short of replicas to copy from the client's own segment
+        into new replicas on other clients: [key, size, source address,
+        [segment, address]] each, the segments' holders, and the lease
+        keeping the sources (released by batch_repair_end)."""
+        if type(limit) is not int or limit < 1:
+            raise InvalidArgumentError(f"limit must be an int >= 1, not {limit!r}")
+        jobs, lease = self.model.repair_start(cid, now, min(limit, 256))
+        segments: dict = {}
+        items = []
+        for key, size, src, new in jobs:
+            seg = self.model.segments[src.segment]
+            items.append([key, size, seg.base + src.offset, self._replicas([new], segments)[0]])
+        if not items:
+            self.model.release_lease(lease, now)
+        return {"segments": segments, "items": items, "lease": lease}
+
+    def _batch_repair_end(self, cid: str, now: float, items: list, lease: int) -> list:
+        """[[key, ok], ...] of a batch_repair_start: each new replica joins
+        its object or is freed; the sources' lease ends."""
+        def end(it: Any) -> int:
+            if not (type(it) is list and len(it) == 2 and type(it[1]) is bool):
+                raise InvalidArgumentError(f"a repair's end is [key, ok], not {it!r}")
+            return self.model.repair_end(cid, it[0], it[1])
+        out = _per_item(items if type(items) is list else [], end)
+        if type(lease) is int:
+            self.model.release_lease(lease, now)
+        return out
 
     def _mount(self, cid: str, now: float, name: str, base: int, size: int) -> int:
         return self.model.mount(cid, name, base, size)

@@ -65,6 +65,7 @@ class Client:
     last_seen: float
     segments: set[int] = field(default_factory=set)
     writing: set[str] = field(default_factory=set)     # keys it has put_start'ed, not ended
+    repairing: set[str] = field(default_factory=set)   # keys it is copying a new replica of
     beat_token: str = ""        # proves a heartbeat from the client's own thread is its
     recovered: bool = False     # restored from etcd: no session yet (its owner may register again)
     ssd_dir: str = ""           # its SSD tier's directory ("" none; ssd_tier.py)
@@ -107,6 +108,7 @@ class Object:
     writer: str
     pinned: bool = False
     soft_until: float = 0.0     # soft pin: evicted only when nothing else can go, until this time
+    want: int = 1               # the replicas its put asked for: lost ones are made again (repair_start)
     token: int = 0              # the writer's put call, so a revoke undoes only its own call's puts
     ssd: set[str] | None = None     # clients holding an SSD copy (ssd_agent.py); None: none
     promoting: list[Replica] | None = None  # DRAM space allocated by a promotion in progress
@@ -170,6 +172,13 @@ class StoreModel:
         self._used = 0
         self._rng = random.Random(seed)
         self.evictions = 0
+        # COMPLETE objects with fewer replicas than their put asked for (a
+        # holder was lost), and the new replicas being copied: key ->
+        # (copying client, the allocation, the lease on its sources, the
+        # object copied: a new object of the same key never gets its bytes)
+        self._short: set[str] = set()
+        self._repairs: dict[str, tuple[str, Replica, int, Object]] = {}
+        self.repaired = 0
         self.soft_evictions = 0     # soft-pinned objects evicted because nothing else could go
         self.evicted_bytes = 0
         # what a read lease held back (metrics.py): a remove refused, a
@@ -330,6 +339,8 @@ class StoreModel:
             obj = self.objects.get(key)
             if obj is not None and obj.state is State.ALLOCATED and obj.writer == client_id:
                 self._delete(obj)
+        for key in list(c.repairing):         # its copies in progress will never end
+            self._end_repair(key, False)
         dropped = 0
         for key in list(c.ssd_keys):          # its SSD copies are unreachable now
             dropped += self.ssd_drop(client_id, key, c)
@@ -430,10 +441,11 @@ class StoreModel:
             seg.keys.add(key)
         if type(pin) is bool or not pin:
             self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, pinned=bool(pin),
-                                       token=token)
+                                       token=token, want=replica_num)
         else:
             self.objects[key] = Object(key, size, replicas, State.ALLOCATED, client_id, token=token,
-                                       soft_until=now + _soft_pin_seconds(pin, self.soft_pin_ttl))
+                                       soft_until=now + _soft_pin_seconds(pin, self.soft_pin_ttl),
+                                       want=replica_num)
         c.writing.add(key)
         return replicas
 
@@ -679,6 +691,91 @@ class StoreModel:
             raise ObjectNotFoundError(f"no put of {key!r} in progress by {client_id}", key=key)
         return obj
 
+    # -- lost replicas made again ---------------------------------------------
+    def repairable(self, client_id: str) -> int:
+        """How many objects short of replicas the client holds a replica of
+        (told in its heartbeat's reply: it then asks for the work)."""
+        c = self.clients.get(client_id)
+        if c is None or not self._short:
+            return 0
+        n = 0
+        for key in self._short:
+            obj = self.objects.get(key)
+            if obj is not None and key not in self._repairs and any(r.segment in c.segments for r in obj.replicas):
+                n += 1
+        return n
+
+    def repair_start(self, client_id: str, now: float, limit: int) -> tuple[list, int]:
+        """Up to `limit` objects short of replicas that this client holds a
+        replica of: for each, a new replica allocated on a client that holds
+        none (never by evicting) and the client's own replica to copy from.
+        The objects are leased (lease returned) so that the source cannot be
+        evicted or removed under the copy; the new replica is invisible until
+        repair_end. Returns ([(key, size, source, new), ...], lease)."""
+        c = self._client(client_id)
+        lease = self.new_lease(now)
+        jobs = []
+        for key in list(self._short):
+            if len(jobs) >= limit:
+                break
+            obj = self.objects.get(key)
+            if obj is None or obj.state is not State.COMPLETE or len(obj.replicas) >= obj.want:
+                self._short.discard(key)
+                continue
+            if key in self._repairs:
+                continue
+            src = next((r for r in obj.replicas if r.segment in c.segments), None)
+            if src is None:
+                continue
+            holders = {self.segments[r.segment].client for r in obj.replicas}
+            segs = [s for s in (self._seg_view or self._segments_view())[0]
+                    if s.attached and s.client not in holders and s.client in self.clients]
+            chosen = place(segs, obj.size, 1, rng=self._rng)
+            if not chosen:
+                continue                    # no room on another client now: tried again later
+            seg = chosen[0]
+            off = seg.alloc.allocate(obj.size)
+            assert off is not None
+            length = seg.alloc.allocated_length(off)
+            self._used += length
+            new = Replica(seg.id, off, length)
+            self.get_replicas(key, now, lease)
+            self._repairs[key] = (client_id, new, lease, obj)
+            c.repairing.add(key)
+            jobs.append((key, obj.size, src, new))
+        return jobs, lease
+
+    def repair_end(self, client_id: str, key: str, ok: bool) -> int:
+        """The copy of a new replica of `key` finished (`ok`) or failed: the
+        replica joins the object, or its space is freed. Returns 1 if it
+        joined."""
+        ent = self._repairs.get(key) if isinstance(key, str) else None
+        if ent is None or ent[0] != client_id:
+            raise ObjectNotFoundError(f"no copy of {key!r} in progress by this client", key=key)
+        return self._end_repair(key, bool(ok))
+
+    def _end_repair(self, key: str, ok: bool) -> int:
+        cid, new, _, copied = self._repairs.pop(key)
+        c = self.clients.get(cid)
+        if c is not None:
+            c.repairing.discard(key)
+        seg = self.segments.get(new.segment)
+        if seg is None:
+            return 0                        # its segment was dropped: its space went with it
+        obj = self.objects.get(key)
+        if ok and obj is copied and obj.state is State.COMPLETE and len(obj.replicas) < obj.want \
+                and all(r.segment != seg.id for r in obj.replicas):
+            obj.replicas.append(new)
+            seg.keys.add(key)
+            self.repaired += 1
+            if len(obj.replicas) >= obj.want:
+                self._short.discard(key)
+            if self.dirty_objects is not None:
+                self.dirty_objects.add(key)
+            return 1
+        self._used -= seg.alloc.release(new.offset)
+        return 0
+
     def order_chain(self, keys: list) -> None:
         """A batch's keys are a chained prefix, head first (the servers put
         and get a prompt's pages in order): make the head the most recently
@@ -709,6 +806,7 @@ class StoreModel:
             self._ssd_forget(obj)
         self.objects.pop(obj.key, None)
         self._lru.pop(obj.key, None)
+        self._short.discard(obj.key)
         w = self.clients.get(obj.writer)
         if w is not None:
             w.writing.discard(obj.key)
@@ -726,8 +824,11 @@ class StoreModel:
             elif not obj.replicas:
                 self._delete(obj)
                 dropped += 1
-            elif obj.state is State.COMPLETE and self.dirty_objects is not None:
-                self.dirty_objects.add(key)
+            elif obj.state is State.COMPLETE:
+                if len(obj.replicas) < obj.want:
+                    self._short.add(key)      # made again by a holder of another replica
+                if self.dirty_objects is not None:
+                    self.dirty_objects.add(key)
         del self.segments[seg.id]
         self._seg_view = None
         if self.dirty_segments is not None:
