@@ -37,7 +37,7 @@ from .estimators import KV_BYTES_PER_TOKEN_70B, PAPER_NIC_BPS
 from .index import BlockCache
 from .trace import TRACE_BLOCK_TOKENS
 
-__all__ = ["PoolConfig", "PoolModel", "PoolStats", "PoolView", "StorePoolIndex", "PAPER_SSD_BPS"]
+__all__ = ["PAPER_SSD_BPS", "HeldPrefix", "PoolConfig", "PoolModel", "PoolStats", "PoolView", "StorePoolIndex"]
 
 #: SSD read bandwidth per node: ours, four NVMe drives at about 5 GB/s
 #: each (the paper gives none).

@@ -26,7 +26,7 @@ from .sim import ClusterConfig, SimResult, Simulation
 from .trace import TraceRequest, load_trace
 from .types import RejectionMode
 
-__all__ = ["main", "replay_one", "parse_pool"]
+__all__ = ["main", "parse_pool", "replay_one"]
 
 
 def parse_pool(s: str) -> PoolConfig:
