@@ -5,6 +5,7 @@ kvflow.store (one batch_exists round trip per request)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -246,3 +247,31 @@ async def test_store_pool_index_against_a_real_store_client():
     finally:
         await client.close()
         await master.close()
+
+
+# -- the capacity tooling -----------------------------------------------------------
+
+def test_capacity_bound_by_hand():
+    from kvflow.conductor.capacity import capacity_bound
+    model = PrefillModel()
+    # four requests over 10 s: the second shares the first's two blocks
+    trace = [TraceRequest(0, 0.0, 1024, 8, (1, 2)), TraceRequest(1, 1.0, 1536, 8, (1, 2, 3)),
+             TraceRequest(2, 2.0, 512, 8, (9,)), TraceRequest(3, 10.0, 2048, 8, (5, 6, 7, 8))]
+    costs = sorted([model.time(1024), model.time(1536, 1024), model.time(512), model.time(2048)])
+    rate, work = capacity_bound(trace, prefill=2, target=0.75, slo_ttft_s=0.01)
+    assert work == pytest.approx(sum(costs[:3]))
+    assert rate == pytest.approx(4 * 2 / (work - 2 * 0.01))
+
+
+def test_capacity_cli_with_a_pool(capsys):
+    import json
+
+    from kvflow.conductor import capacity
+    conv = os.path.join(os.path.dirname(__file__), "data", "traces", "conversation_trace.jsonl.gz")
+    assert capacity.main(["--trace", conv, "--limit", "80", "--policy", "kvcache,round_robin", "--pool", "400,1600",
+                          "--tbt", "100", "--jobs", "1", "--rejection", "baseline", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "pool 2384 DRAM + 9536 SSD blocks" in out and "bound (any router" in out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["pool"] == [2384, 9536] and {c["tbt_s"] for c in last["capacity"]} == {0.1}
+    assert all(c["rate_rps"] <= last["bound_rps"] for c in last["capacity"])

@@ -28,14 +28,16 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from .estimators import PrefillModel
 from .metrics import TBT_THRESHOLDS_S, attainment
 from .policies import POLICIES
 from .pool import PoolConfig
 from .replay import _policies, parse_pool, replay_one
 from .trace import TraceRequest, load_trace
+from .trace import TRACE_BLOCK_TOKENS
 from .types import RejectionMode
 
-__all__ = ["Capacity", "find_capacity", "overload_study", "main"]
+__all__ = ["Capacity", "capacity_bound", "find_capacity", "main", "overload_study"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,35 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
                 b = m
         out.append(Capacity(policy, thr, a, len(trace) * a / span, runs(thr)))
     return out
+
+
+def capacity_bound(trace: list[TraceRequest], *, prefill: int, target: float = 0.9, slo_ttft_s: float = 30.0,
+                   model: PrefillModel | None = None) -> tuple[float, float]:
+    """An upper bound on any router's capacity, with any cache or pool and
+    any admission: (requests/s, seconds of prefill). A request served
+    within the SLOs was prefilled, at best with every block of every
+    earlier request cached (one unlimited cache shared by all: what
+    `prefill_ideal_s` gives each prefilled request, here over the whole
+    trace, so never more). Serving `target` of the requests takes at least
+    the cheapest `target` of those prefills, and `prefill` instances have
+    span / speedup + `slo_ttft_s` seconds each for them."""
+    model = model or PrefillModel()
+    seen: set[int] = set()
+    costs = []
+    for r in trace:
+        n = 0
+        for k in r.keys:
+            if k not in seen:
+                break
+            n += 1
+        costs.append(model.time(r.tokens, min(r.tokens, n * TRACE_BLOCK_TOKENS)))
+        seen.update(r.keys)
+    costs.sort()
+    work = sum(costs[:math.ceil(target * len(costs))])
+    # the speedup s at which prefill x (span / s + slo_ttft_s) = work; its
+    # rate is n x s / span
+    spare = work - prefill * slo_ttft_s
+    return (len(trace) * prefill / spare if spare > 0 else math.inf), work
 
 
 def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_ttft_s: float = 30.0,
@@ -207,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"kvcache: {ours:.2f} rps, every other policy 0")
             if "least_loaded" in others and others["least_loaded"]:
                 print(f"kvcache / least_loaded: {ours / others['least_loaded']:.2f}x")
+    bound, work = capacity_bound(load_trace(args.trace, args.limit), prefill=args.prefill, target=args.target,
+                                 slo_ttft_s=args.slo_ttft)
+    print(f"bound (any router, cache, pool or admission): {bound:.2f} rps; the cheapest {args.target:.0%} of the"
+          f" prefills, each with every earlier request's blocks cached, take {work:.0f} s")
     if args.json:
-        print(json.dumps({"rejection": args.rejection, "pool": None if args.pool is None else
+        print(json.dumps({"rejection": args.rejection, "bound_rps": bound, "pool": None if args.pool is None else
                           [args.pool.dram_blocks, args.pool.ssd_blocks], "capacity": rows}))
     return 0
 
