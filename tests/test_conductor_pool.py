@@ -42,6 +42,11 @@ def test_pool_tiers_lru_demotion_and_drop():
     assert sorted(pool.dram.keys()) == [7, 8] and sorted(pool.ssd.keys()) == [1, 2]
     assert 3 not in pool and pool.match([1, 2, 3]) == 2
     assert (pool.stats.written_blocks, pool.stats.demoted, pool.stats.dropped) == (5, 3, 1)
+    # 1 and 2 stay on SSD (touched: 1, the head, the hottest); 9 pushes 8
+    # down, which pushes 2 out
+    assert pool.put([1, 2, 9]) == 0 + 1
+    assert sorted(pool.dram.keys()) == [7, 9] and sorted(pool.ssd.keys()) == [1, 8]
+    assert not set(pool.dram.keys()) & set(pool.ssd.keys())     # one tier per block
 
 
 def test_pool_without_ssd_drops_what_dram_evicts():

@@ -156,10 +156,10 @@ class PoolModel:
         held already are only touched (the store's dedup: `batch_exists`
         before a put). Returns how many were new."""
         fresh = [k for k in keys if k not in self]
-        for k in keys:
-            if k in self.ssd and k not in self.dram:
-                self.ssd.touch((k,))
-        self._into_dram(keys)
+        # a block is in one tier: those on SSD stay there (touched), the
+        # rest go to (or are touched in) DRAM
+        self.ssd.touch([k for k in keys if k in self.ssd])
+        self._into_dram([k for k in keys if k not in self.ssd])
         self.stats.written_blocks += len(fresh)
         return len(fresh)
 
