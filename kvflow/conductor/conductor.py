@@ -69,7 +69,7 @@ class ConductorStats:
     routed: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     blocks: int = 0                 # prompt blocks of routed requests
-    reused_blocks: int = 0          # of which cached locally or moved in
+    reused_blocks: int = 0          # of which cached locally, moved in or fetched from the pool
     moved_blocks: int = 0
     moved_bytes: int = 0
     pool_blocks: int = 0            # fetched from the global pool

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from .estimators import KV_BYTES_PER_TOKEN_70B, PAPER_NIC_BPS
 from .index import BlockCache
@@ -84,11 +84,12 @@ class PoolConfig:
             raise ValueError("bandwidths must be positive")
 
     @classmethod
-    def from_gb(cls, dram_gb: float, ssd_gb: float, **kw: object) -> PoolConfig:
+    def from_gb(cls, dram_gb: float, ssd_gb: float, *,
+                block_bytes: int = TRACE_BLOCK_TOKENS * KV_BYTES_PER_TOKEN_70B, **kw: Any) -> PoolConfig:
         """A pool of `dram_gb` and `ssd_gb` gigabytes (10**9) over the whole
         cluster, in blocks of `block_bytes`."""
-        bb = int(kw.get("block_bytes", cls.block_bytes))   # type: ignore[call-overload]
-        return cls(int(dram_gb * 1e9 // bb), int(ssd_gb * 1e9 // bb), **kw)   # type: ignore[arg-type]
+        return cls(int(dram_gb * 1e9 // block_bytes), int(ssd_gb * 1e9 // block_bytes),
+                   block_bytes=block_bytes, **kw)
 
     def fetch_s(self, dram: int, ssd: int) -> float:
         """Seconds to read `dram` + `ssd` blocks spread over the segments,

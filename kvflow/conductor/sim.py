@@ -258,12 +258,11 @@ class Simulation:
         self.cluster = cluster
         self.speedup = speedup
         c = cluster
+        self.pool = PoolModel(c.pool) if c.pool is not None else None
         self.conductor = Conductor(policy=policy, rejection=rejection, slo_ttft_s=slo_ttft_s,
                                    slo_tbt_s=slo_tbt_s, prefill_model=c.prefill_model,
                                    decode_model=c.decode_model, kv_bytes_per_token=c.kv_bytes_per_token,
-                                   link=c.link, pool=None, pool_config=c.pool)
-        self.pool = PoolModel(c.pool) if c.pool is not None else None
-        self.conductor.pool = self.pool
+                                   link=c.link, pool=self.pool, pool_config=c.pool)
         self.prefill = {f"p{i}": _PrefillServer(f"p{i}") for i in range(c.prefill)}
         self.decode = {f"d{i}": _DecodeServer(f"d{i}", c.decode_model, c.decode_model.kv_capacity_tokens)
                        for i in range(c.decode)}
