@@ -4,7 +4,7 @@ SLOs, TTFT <= 30 s and TBT <= each of the thresholds I, II and III, found by
 replaying the trace faster and faster (`--speedup`) and bisecting.
 
     python -m kvflow.conductor.capacity --trace FILE [--policy all] [--prefill 8 --decode 8]
-        [--rejection none|baseline|early|predictive] [--json]
+        [--rejection none|baseline|early|predictive] [--pool DRAM_GB,SSD_GB] [--tbt MS,...] [--json]
 
 By default replays run without rejection (every request is served, late or
 not), so one replay gives the attainment at every TBT threshold: the
@@ -12,6 +12,10 @@ routing rules alone are compared. With `--rejection` every policy's choices
 go through the same admission (Algorithm 1's SLO check: a request whose
 estimated TTFT, or whose decode instance's TBT, misses its SLO is refused),
 one replay per threshold; a refused request counts as one that missed.
+With `--pool` every policy is given the same global KVCache pool (the
+prefill engines fetch from it what it holds beyond their own prefix;
+kvcache chooses by estimated TTFT between that, its local prefix, a move
+from another instance and recomputing). `--tbt` limits the thresholds.
 Policies run in parallel, one process each, up to the CPU count.
 """
 from __future__ import annotations
@@ -24,13 +28,16 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from .estimators import PrefillModel
 from .metrics import TBT_THRESHOLDS_S, attainment
 from .policies import POLICIES
-from .replay import _policies, replay_one
+from .pool import PoolConfig
+from .replay import _policies, parse_pool, replay_one
 from .trace import TraceRequest, load_trace
+from .trace import TRACE_BLOCK_TOKENS
 from .types import RejectionMode
 
-__all__ = ["Capacity", "find_capacity", "overload_study", "main"]
+__all__ = ["Capacity", "capacity_bound", "find_capacity", "main", "overload_study"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,8 @@ class Capacity:
 def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decode: int,
                   slo_ttft_s: float = 30.0, thresholds: tuple[float, ...] = TBT_THRESHOLDS_S,
                   target: float = 0.9, precision: float = 0.02, lo: float = 0.25, hi: float = 64.0,
-                  threshold: float | None = None, rejection: str = "none") -> list[Capacity]:
+                  threshold: float | None = None, rejection: str = "none",
+                  pool: PoolConfig | None = None) -> list[Capacity]:
     """The capacity of `policy` at each TBT threshold: the largest speedup
     whose replay meets both SLOs for `target` of the requests, within a
     factor `1 + precision`. Attainment is taken to fall as the speedup
@@ -60,7 +68,7 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
             slo_tbt = min(thresholds) if rejection == "none" else thr
             _, res = replay_one(trace, policy, prefill=prefill, decode=decode, speedup=sp,
                                 slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt, threshold=threshold,
-                                rejection=rejection)
+                                rejection=rejection, pool=pool)
             for t in (thresholds if rejection == "none" else (thr,)):
                 memo[(sp, t)] = attainment(res.outcomes, slo_ttft_s, t)
         return memo[(sp, thr)]
@@ -98,6 +106,35 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
     return out
 
 
+def capacity_bound(trace: list[TraceRequest], *, prefill: int, target: float = 0.9, slo_ttft_s: float = 30.0,
+                   model: PrefillModel | None = None) -> tuple[float, float]:
+    """An upper bound on any router's capacity, with any cache or pool and
+    any admission: (requests/s, seconds of prefill). A request served
+    within the SLOs was prefilled, at best with every block of every
+    earlier request cached (one unlimited cache shared by all: what
+    `prefill_ideal_s` gives each prefilled request, here over the whole
+    trace, so never more). Serving `target` of the requests takes at least
+    the cheapest `target` of those prefills, and `prefill` instances have
+    span / speedup + `slo_ttft_s` seconds each for them."""
+    model = model or PrefillModel()
+    seen: set[int] = set()
+    costs = []
+    for r in trace:
+        n = 0
+        for k in r.keys:
+            if k not in seen:
+                break
+            n += 1
+        costs.append(model.time(r.tokens, min(r.tokens, n * TRACE_BLOCK_TOKENS)))
+        seen.update(r.keys)
+    costs.sort()
+    work = sum(costs[:math.ceil(target * len(costs))])
+    # the speedup s at which prefill x (span / s + slo_ttft_s) = work; its
+    # rate is n x s / span
+    spare = work - prefill * slo_ttft_s
+    return (len(trace) * prefill / spare if spare > 0 else math.inf), work
+
+
 def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_ttft_s: float = 30.0,
                    slo_tbt_s: float = 0.1, factor: float = 2.0, policy: str = "kvcache") -> dict[str, object]:
     """The paper's overload experiment: find where `least_loaded` first
@@ -118,10 +155,21 @@ def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_
 
 
 def _one(args: tuple) -> list[Capacity]:
-    path, limit, policy, prefill, decode, slo_ttft, target, threshold, rejection, precision = args
+    path, limit, policy, prefill, decode, slo_ttft, target, threshold, rejection, precision, pool, tbt = args
     trace = load_trace(path, limit)
     return find_capacity(trace, policy, prefill=prefill, decode=decode, slo_ttft_s=slo_ttft,
-                         target=target, threshold=threshold, rejection=rejection, precision=precision)
+                         target=target, threshold=threshold, rejection=rejection, precision=precision,
+                         pool=pool, thresholds=tbt)
+
+
+def _thresholds(s: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) / 1e3 for x in s.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of milliseconds: {s!r}") from None
+    if not vals or any(not v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"need positive milliseconds: {s!r}")
+    return vals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rejection", choices=[m.value for m in RejectionMode], default="none",
                     help="the admission every policy's choices go through (default none: routing alone)")
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--pool", type=parse_pool, default=None, metavar="DRAM_GB,SSD_GB",
+                    help="give every policy the same global KVCache pool of that much DRAM and SSD")
+    ap.add_argument("--tbt", type=_thresholds, default=TBT_THRESHOLDS_S, metavar="MS,...",
+                    help="TBT thresholds in ms (default 100,200,300: I, II, III)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--overload", action="store_true",
                     help="instead: replay kvcache at twice least_loaded's capacity under each rejection variant")
@@ -160,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.precision < 1:
         ap.error("--precision must be in (0, 1)")
     jobs = [(args.trace, args.limit, p, args.prefill, args.decode, args.slo_ttft, args.target, args.threshold,
-             args.rejection, args.precision) for p in args.policy]
+             args.rejection, args.precision, args.pool, args.tbt) for p in args.policy]
     with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
         results = list(pool.map(_one, jobs))
-    caps = {c.policy: c for r in results for c in r if c.tbt_s == TBT_THRESHOLDS_S[0]}
+    caps = {c.policy: c for r in results for c in r if c.tbt_s == args.tbt[0]}
+    pool = "no pool" if args.pool is None else \
+        f"pool {args.pool.dram_blocks} DRAM + {args.pool.ssd_blocks} SSD blocks"
     print(f"capacity on {args.trace}: {args.prefill} prefill + {args.decode} decode, >= {args.target:.0%}"
-          f" of requests within TTFT {args.slo_ttft:g} s and TBT I/II/III, rejection {args.rejection}"
-          f" (requests/s; x speedup)")
+          f" of requests within TTFT {args.slo_ttft:g} s and TBT {'/'.join(f'{t * 1e3:g}' for t in args.tbt)} ms,"
+          f" rejection {args.rejection}, {pool} (requests/s; x speedup)")
     rows = []
     for r in results:
         line = f"{r[0].policy:>20}"
@@ -184,8 +238,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"kvcache: {ours:.2f} rps, every other policy 0")
             if "least_loaded" in others and others["least_loaded"]:
                 print(f"kvcache / least_loaded: {ours / others['least_loaded']:.2f}x")
+    bound, work = capacity_bound(load_trace(args.trace, args.limit), prefill=args.prefill, target=args.target,
+                                 slo_ttft_s=args.slo_ttft)
+    print(f"bound (any router, cache, pool or admission): {bound:.2f} rps; the cheapest {args.target:.0%} of the"
+          f" prefills, each with every earlier request's blocks cached, take {work:.0f} s")
     if args.json:
-        print(json.dumps({"rejection": args.rejection, "capacity": rows}))
+        print(json.dumps({"rejection": args.rejection, "bound_rps": bound, "pool": None if args.pool is None else
+                          [args.pool.dram_blocks, args.pool.ssd_blocks], "capacity": rows}))
     return 0
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from .estimators import KV_BYTES_PER_TOKEN_70B, DecodeModel, LinkModel, PrefillModel, TransferModel
 from .index import PrefixIndex, add_counts, drop_counts
 from .policies import Candidate, KVCacheCentric, PrefillPolicy, RoutingView
+from .pool import HeldPrefix, PoolConfig, PoolView, StorePoolIndex
 from .types import Decision, InstanceSpec, Rejected, RejectionMode, RejectReason, Request, Role
 
 __all__ = ["Conductor", "ConductorStats"]
@@ -38,6 +39,7 @@ class _Prefill:
     queued_tokens: int = 0
     queued_new_tokens: int = 0
     pending: dict[int, int] = field(default_factory=dict)   # blocks its queued requests will cache
+    pool_free_at: float = 0.0          # when its link is done with the pool fetches routed to it
 
 
 @dataclass
@@ -59,6 +61,7 @@ class _Flight:
     prefill_end: float
     new_tokens: int
     moving: bool
+    pooling: bool = False               # its pool fetch has not landed
 
 
 @dataclass
@@ -66,9 +69,11 @@ class ConductorStats:
     routed: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     blocks: int = 0                 # prompt blocks of routed requests
-    reused_blocks: int = 0          # of which cached locally or moved in
+    reused_blocks: int = 0          # of which cached locally, moved in or fetched from the pool
     moved_blocks: int = 0
     moved_bytes: int = 0
+    pool_blocks: int = 0            # fetched from the global pool
+    pool_bytes: int = 0
 
 
 class Conductor:
@@ -79,7 +84,10 @@ class Conductor:
     admits against; `kv_bytes_per_token`: KV size, for transfer estimates;
     `link`: the transfer model between two prefill instances (or `links`,
     a function of (source, destination) giving one, e.g. a
-    `PeerTransferModel` over a kvflow peer's `estimate`)."""
+    `PeerTransferModel` over a kvflow peer's `estimate`);
+    `pool`: the global KVCache pool as a source of prefixes (a `PoolView`:
+    the replay's `PoolModel`; live, `route_with_pool` asks a
+    `StorePoolIndex`), with `pool_config` for its read bandwidths."""
 
     def __init__(self, *, policy: PrefillPolicy | None = None,
                  rejection: RejectionMode = RejectionMode.NONE,
@@ -88,7 +96,8 @@ class Conductor:
                  kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_70B,
                  link: TransferModel | None = None,
                  links: Callable[[str, str], TransferModel] | None = None,
-                 expected_output_tokens: int = 256, predict_margin: float = 1.0) -> None:
+                 expected_output_tokens: int = 256, predict_margin: float = 1.0,
+                 pool: PoolView | None = None, pool_config: PoolConfig | None = None) -> None:
         if not isinstance(rejection, RejectionMode):
             raise TypeError(f"rejection must be a RejectionMode, got {rejection!r}")
         if slo_ttft_s <= 0 or slo_tbt_s <= 0:
@@ -104,6 +113,8 @@ class Conductor:
         self._link = link or LinkModel()
         self._links = links
         self.index = PrefixIndex()
+        self.pool = pool
+        self.pool_config = pool_config or PoolConfig(dram_blocks=None)
         self._prefill: dict[str, _Prefill] = {}
         self._decode: dict[str, _Decode] = {}
         self._flights: dict[str, _Flight] = {}
@@ -146,16 +157,27 @@ class Conductor:
 
     # -- routing -------------------------------------------------------------
 
-    def route(self, request: Request, now: float) -> Decision | Rejected:
+    async def route_with_pool(self, request: Request, now: float, pool: StorePoolIndex) -> Decision | Rejected:
+        """`route`, with the global pool's prefix of the request asked of a
+        live store first (one `batch_exists` round trip through `pool`).
+        Raises what the store's client raises."""
+        held = await pool.prefix_blocks(request.keys)
+        return self.route(request, now, pool=HeldPrefix(request.keys, held))
+
+    def route(self, request: Request, now: float, *, pool: PoolView | None = None) -> Decision | Rejected:
         """Choose prefill and decode instances for `request` arriving at
         `now` (seconds, any clock the `on_*` calls share), or reject it.
-        ValueError if a request with this id is in flight."""
+        `pool`: what the global pool holds (default: the conductor's own
+        `pool`, if any). ValueError if a request with this id is in
+        flight."""
         if request.id in self._flights:
             raise ValueError(f"request {request.id!r} is already routed")
         if not self._prefill or not self._decode:
             return self._reject(request, RejectReason.NO_INSTANCE, "no prefill or no decode instance")
         keys = request.keys
         matches = self.index.matches(keys, self._prefill)
+        pool = pool if pool is not None else self.pool
+        pool_held = pool.match(keys) if pool is not None else 0
         best_src, best = None, 0
         for name, m in matches.items():
             if m > best:
@@ -192,7 +214,9 @@ class Conductor:
                            lambda src, dst, n: self._transfer_s(request, src, dst, matches[dst], n, now,
                                                                 fetch_wait(src, matches[dst] + n)),
                            lambda src: self._raw_transfer_s(src, d.spec.name, kv_bytes),
-                           self.slo_ttft_s, self.slo_tbt_s, pend_src, pend if pend_src else 0)
+                           self.slo_ttft_s, self.slo_tbt_s, pend_src, pend if pend_src else 0,
+                           pool_held, (lambda dst, lo, hi: self._pool_s(request, pool, dst, lo, hi, now))
+                           if pool is not None else None)
         choice = self.policy.choose(view)
         p = self._prefill[choice.instance]
         cached = matches[choice.instance]
@@ -210,10 +234,17 @@ class Conductor:
             move = min(move, have - cached)
             if move <= 0:
                 source, move = None, 0
+        # The global pool: what the policy asked for (None: the engine's
+        # default, whatever it holds beyond the instance's own prefix).
+        upto = pool_held if choice.pool_upto is None else min(choice.pool_upto, pool_held)
+        pool_lo = cached
+        pool_hi = upto if source is None and upto > cached else cached
         wait = fetch_wait(source, cached + move)
         queue_s = max(0.0, p.free_at - now)
         transfer_s = self._transfer_s(request, source, p.spec.name, cached, move, now, wait) if source else 0.0
-        prefix_tokens = request.cached_tokens(cached + move)
+        pool_s = self._pool_s(request, pool, p.spec.name, pool_lo, pool_hi, now) if pool_hi > pool_lo else 0.0
+        transfer_s = max(transfer_s, pool_s)
+        prefix_tokens = request.cached_tokens(cached + move + pool_hi - pool_lo)
         prefill_s = self.prefill_model.time(request.tokens, prefix_tokens)
         start = now + max(queue_s, transfer_s)
         ttft = start + prefill_s - now
@@ -236,7 +267,7 @@ class Conductor:
         # Commit: the queue, the pins, the link, the decode reservation.
         decision = Decision(request.id, p.spec.name, d.spec.name, source,
                             tuple(keys[cached:cached + move]), cached, queue_s, transfer_s, prefill_s,
-                            ttft, tbt, wait)
+                            ttft, tbt, wait, tuple(keys[pool_lo:pool_hi]), pool_s)
         end = start + prefill_s
         p.queue[request.id] = [end, prefill_s]
         p.free_at = max(p.free_at, end)
@@ -255,19 +286,26 @@ class Conductor:
             # booked later is taken to wait behind it)
             src.egress_free_at = max(src.egress_free_at, now + wait) + self._raw_transfer_s(
                 source, p.spec.name, self._moved_bytes(request, cached, move))
+        pool_bytes = self._moved_bytes(request, pool_lo, pool_hi - pool_lo)
+        if pool_hi > pool_lo:
+            # the fetch is one queue on the instance's link, in time
+            p.pool_free_at = max(p.pool_free_at, now) + self._link.time(pool_bytes)
         # The KV streams to decode from the prefill's start, layer by layer,
         # behind the streams routed there before it.
         p.stream_free_at = d.rx_free_at = max(p.stream_free_at, d.rx_free_at, start) + \
             self._raw_transfer_s(p.spec.name, d.spec.name, kv_bytes)
         d.reserved[request.id] = (ctx, end)
         d.reserved_ctx += ctx
-        self._flights[request.id] = _Flight(request, decision, end, new_tokens, source is not None)
+        self._flights[request.id] = _Flight(request, decision, end, new_tokens, source is not None,
+                                            pool_hi > pool_lo)
         st = self.stats
         st.routed += 1
         st.blocks += len(keys)
-        st.reused_blocks += cached + move
+        st.reused_blocks += cached + move + pool_hi - pool_lo
         st.moved_blocks += move
         st.moved_bytes += self._moved_bytes(request, cached, move)
+        st.pool_blocks += pool_hi - pool_lo
+        st.pool_bytes += pool_bytes
         return decision
 
     # -- what the servers report --------------------------------------------
@@ -300,6 +338,20 @@ class Conductor:
             self.index.unpin(dec.prefix_source, dec.blocks_to_move)
         return evicted
 
+    def on_pool_fetch_done(self, request_id: str, now: float) -> list[int]:
+        """The blocks `route` told the prefill instance to fetch from the
+        global pool have landed there: cached (pinned until the prefill
+        ends). Returns blocks its cache evicted to make room."""
+        f = self._flights.get(request_id)
+        if f is None or not f.pooling:
+            return []
+        f.pooling = False
+        dec = f.decision
+        if dec.prefill not in self._prefill:
+            return []
+        self.index.pin(dec.prefill, dec.pool_blocks)
+        return self.index.insert(dec.prefill, dec.pool_blocks)
+
     def on_prefill_done(self, request_id: str, now: float) -> list[int]:
         """The prefill of `request_id` ended at `now`: its blocks are cached
         on the prefill instance (returns what that evicted) and its KV is on
@@ -309,6 +361,8 @@ class Conductor:
             return []
         if f.moving:   # a transfer that was not reported: count it as landed
             self.on_transfer_done(request_id, now)
+        if f.pooling:
+            self.on_pool_fetch_done(request_id, now)
         dec = f.decision
         p = self._prefill.get(dec.prefill)
         if p is None or request_id not in p.queue:
@@ -401,6 +455,8 @@ class Conductor:
             self.index.unpin(dec.prefill, f.request.keys[:dec.cached_blocks])
             if not f.moving and dec.blocks_to_move:
                 self.index.unpin(dec.prefill, dec.blocks_to_move)
+            if not f.pooling and dec.pool_blocks:
+                self.index.unpin(dec.prefill, dec.pool_blocks)
         if f.moving and dec.prefix_source in self._prefill:
             self.index.unpin(dec.prefix_source, dec.blocks_to_move)
         d = self._decode.get(dec.decode)
@@ -554,6 +610,18 @@ class Conductor:
         # pause it briefly; not counted)
         busy = max(0.0, self._prefill[src].egress_free_at - now, wait)
         return busy + self._raw_transfer_s(src, dst, self._moved_bytes(request, cached, move))
+
+    def _pool_s(self, request: Request, pool: PoolView, dst: str, lo: int, hi: int, now: float) -> float:
+        """Seconds until the request's blocks lo..hi, read from the global
+        pool (DRAM and SSD at their bandwidths, spread over its segments),
+        land on `dst`: behind the pool fetches booked toward it, and no
+        faster than its link."""
+        if hi <= lo:
+            return 0.0
+        dram, ssd = pool.split(request.keys[lo:hi])
+        nbytes = self._moved_bytes(request, lo, hi - lo)
+        busy = max(0.0, self._prefill[dst].pool_free_at - now)
+        return busy + max(self.pool_config.fetch_s(dram, ssd), self._link.time(nbytes))
 
     def _computed_in(self, p: _Prefill, keys: Sequence[int], blocks: int, now: float) -> float | None:
         """Seconds until `p` holds keys[:blocks], of which the cached part

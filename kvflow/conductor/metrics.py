@@ -73,11 +73,17 @@ def summarize(result: SimResult, *, policy: str, slo_ttft_s: float, slo_tbt_s: f
         "hit_ratio": reused / blocks if blocks else 0.0,
         "moved_bytes": result.moved_bytes,
         "moved_requests": sum(1 for o in outs if o.moved_blocks),
+        "pool_hit_ratio": sum(o.pool_blocks for o in routed) / blocks if blocks else 0.0,
         "wasted_prefill_s": result.wasted_prefill_s,
         "prefill_busy_s": result.prefill_busy_s,
         "prefill_ideal_s": result.prefill_ideal_s,
         "span_s": result.span_s,
     }
+    if result.pool is not None:
+        ps = result.pool
+        summary.update(pool_written_blocks=ps.written_blocks, pool_read_dram_blocks=ps.read_dram_blocks,
+                       pool_read_ssd_blocks=ps.read_ssd_blocks, pool_demoted=ps.demoted,
+                       pool_dropped=ps.dropped, pool_replicas_made=ps.replicas_made)
     for thr in TBT_THRESHOLDS_S:
         summary[f"attainment_tbt_{int(thr * 1000)}ms"] = attainment(outs, slo_ttft_s, thr)
     return summary

@@ -66,13 +66,25 @@ class RoutingView:
     #: transfer_s from it counts the wait for them
     pending_source: str | None = None
     pending_blocks: int = 0
+    #: the request's prefix the global KVCache pool holds (blocks), and the
+    #: seconds until the pool's blocks from one index to another land on an
+    #: instance (counting the fetches already booked toward it)
+    pool_blocks: int = 0
+    pool_s: Callable[[str, int, int], float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillChoice:
+    """`pool_upto`: fetch the request's blocks from the global pool up to
+    this many (a prefix length), 0 for none; None leaves it to the prefill
+    engine, which fetches whatever the pool holds beyond its own prefix
+    (SGLang HiCache's prefetch from its storage tier): what every router
+    that does not know of the pool gets."""
+
     instance: str
     prefix_source: str | None = None
     move_blocks: int = 0
+    pool_upto: int | None = None
 
 
 class PrefillPolicy(Protocol):
@@ -141,16 +153,25 @@ class KVCacheCentric:
         model = view.prefill_model
         best_src, best = view.best_source, view.best_blocks
         full = model.time(req.tokens, req.cached_tokens(best)) if best_src is not None else 0.0
+        pool, pool_s = view.pool_blocks, view.pool_s
+        pooled = model.time(req.tokens, req.cached_tokens(pool)) if pool_s is not None and pool else 0.0
         choice, key = None, (True, float("inf"))
         for c in view.candidates:
             prefill = model.time(req.tokens, req.cached_tokens(c.ready_blocks))
             t = c.queue_s + prefill
-            pick = PrefillChoice(c.name)
+            pick = PrefillChoice(c.name, pool_upto=0)
+            if pool_s is not None and pool > c.ready_blocks:
+                # the global pool holds more than this instance will: fetch
+                # the rest from it (over the pool's segments and this
+                # instance's NIC) while the request queues
+                t_pool = max(c.queue_s, pool_s(c.name, c.ready_blocks, pool)) + pooled
+                if t_pool < t:
+                    t, prefill, pick = t_pool, pooled, PrefillChoice(c.name, pool_upto=pool)
             if best_src is not None and best > c.ready_blocks and best > self.threshold * c.ready_blocks:
                 move = best - c.cached_blocks
                 t_move = max(c.queue_s, view.transfer_s(best_src, c.name, move)) + full
                 if t_move < t:
-                    t, prefill, pick = t_move, full, PrefillChoice(c.name, best_src, move)
+                    t, prefill, pick = t_move, full, PrefillChoice(c.name, best_src, move, 0)
             pend_src, pend = view.pending_source, view.pending_blocks
             if pend_src is not None and pend_src != c.name and pend > c.ready_blocks and \
                     pend > self.threshold * c.ready_blocks:
@@ -161,7 +182,7 @@ class KVCacheCentric:
                 done = model.time(req.tokens, req.cached_tokens(pend))
                 t_pend = max(c.queue_s, view.transfer_s(pend_src, c.name, move)) + done
                 if t_pend < t:
-                    t, prefill, pick = t_pend, done, PrefillChoice(c.name, pend_src, move)
+                    t, prefill, pick = t_pend, done, PrefillChoice(c.name, pend_src, move, 0)
             k = (t > view.slo_ttft_s or self._late(view, c, t - prefill, t), t)
             if k < key:
                 choice, key = pick, k

@@ -2,7 +2,7 @@
 
     python -m kvflow.conductor.replay --trace FILE --policy kvcache --prefill 8 --decode 8 \\
         [--speedup X] [--slo-ttft S] [--slo-tbt S] [--rejection none|baseline|early|predictive] \\
-        [--seed K] [--json] [--plot DIR]
+        [--seed K] [--pool DRAM_GB,SSD_GB] [--json] [--plot DIR]
 
 `--policy` and `--speedup` take comma-separated lists (every pair is
 replayed; "all" is every policy). With `--json` the last line of output is
@@ -21,22 +21,37 @@ from collections.abc import Sequence
 
 from .metrics import summarize
 from .policies import POLICIES, make_policy
+from .pool import PoolConfig
 from .sim import ClusterConfig, SimResult, Simulation
 from .trace import TraceRequest, load_trace
 from .types import RejectionMode
 
-__all__ = ["main", "replay_one"]
+__all__ = ["main", "parse_pool", "replay_one"]
+
+
+def parse_pool(s: str) -> PoolConfig:
+    """`--pool DRAM_GB,SSD_GB`: a global KVCache pool of that many
+    gigabytes of DRAM and of SSD over the whole cluster (SSD may be 0)."""
+    try:
+        dram, ssd = (float(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pool wants DRAM_GB,SSD_GB, got {s!r}") from None
+    if dram < 0 or ssd < 0:
+        raise argparse.ArgumentTypeError(f"--pool sizes must be >= 0, got {s!r}")
+    return PoolConfig.from_gb(dram, ssd)
 
 
 def replay_one(trace: Sequence[TraceRequest], policy: str, *, prefill: int, decode: int,
                speedup: float = 1.0, slo_ttft_s: float = 30.0, slo_tbt_s: float = 0.1,
                rejection: str = "none", seed: int = 0, cache_blocks: int | None = -1,
-               threshold: float | None = None, progress: bool = False) -> tuple[dict[str, object], SimResult]:
-    """Replay once; returns (summary, raw result)."""
+               threshold: float | None = None, progress: bool = False,
+               pool: PoolConfig | None = None) -> tuple[dict[str, object], SimResult]:
+    """Replay once (with the global KVCache pool `pool`, if given);
+    returns (summary, raw result)."""
     options = {} if threshold is None or policy != "kvcache" else {"kvcache_balancing_threshold": threshold}
     pol = make_policy(policy, seed=seed, **options)
-    cfg = ClusterConfig(prefill=prefill, decode=decode) if cache_blocks == -1 else \
-        ClusterConfig(prefill=prefill, decode=decode, cache_blocks=cache_blocks)
+    cfg = ClusterConfig(prefill=prefill, decode=decode, pool=pool) if cache_blocks == -1 else \
+        ClusterConfig(prefill=prefill, decode=decode, cache_blocks=cache_blocks, pool=pool)
     sim = Simulation(trace, pol, cfg, speedup=speedup, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
                      rejection=RejectionMode(rejection))
     bar = _Progress(f"{policy} x{speedup:g}") if progress else None
@@ -122,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-blocks", type=int, default=-1,
                     help="prefix cache per prefill instance, in blocks (default: 3M tokens; 0: none)")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--pool", type=parse_pool, default=None, metavar="DRAM_GB,SSD_GB",
+                    help="a global KVCache pool of that much DRAM and SSD over the cluster")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     ap.add_argument("--plot", metavar="DIR", help="write PNG plots there")
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             summary, res = replay_one(trace, pol, prefill=args.prefill, decode=args.decode, speedup=sp,
                                       slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
                                       rejection=args.rejection, seed=args.seed, cache_blocks=args.cache_blocks,
-                                      threshold=args.threshold, progress=True)
+                                      threshold=args.threshold, progress=True, pool=args.pool)
             rows.append(summary)
             results[(pol, sp)] = res
     print(f"trace {args.trace}: {len(trace)} requests, {args.prefill} prefill + {args.decode} decode,"

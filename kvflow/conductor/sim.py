@@ -17,6 +17,12 @@ is measured against:
   `DecodeModel.step_time(batch, context)`, a request joins when its KV has
   landed and its memory (prompt + output) fits the KV pool, and leaves when
   its last token is out;
+- with a global KVCache pool (`ClusterConfig.pool`, `pool.PoolModel`),
+  every prefill's blocks are put into it once computed (visible after
+  their bytes crossed the prefill node's link), and a prefill instance
+  fetches from it the blocks `route` names (`Decision.pool_blocks`): read
+  from the pool's segments (DRAM or SSD) and received on its NIC in the
+  move class, before its prefill starts;
 - TTFT is arrival to the end of the prefill (the first token); TBT is the
   paper's: the mean of a request's longest 10% token intervals, the first
   interval counting the wait for the decode instance.
@@ -40,12 +46,13 @@ from .estimators import (
     KV_BYTES_PER_TOKEN_70B, PAPER_DRAM_TOKENS, PAPER_LAYERS, DecodeModel, LinkModel, PrefillModel,
 )
 from .policies import PrefillPolicy
+from .pool import PoolConfig, PoolModel, PoolStats
 from .trace import TRACE_BLOCK_TOKENS, TraceRequest
 from .types import Decision, InstanceSpec, Rejected, RejectionMode, Request, Role
 
 __all__ = ["ClusterConfig", "RequestOutcome", "Simulation", "SimResult"]
 
-_ARRIVE, _MOVED, _PREFILLED, _AT_DECODE, _DECODE_TICK = range(5)
+_ARRIVE, _MOVED, _PREFILLED, _AT_DECODE, _DECODE_TICK, _POOLED, _POOL_PUT = range(7)
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class ClusterConfig:
     prefill_model: PrefillModel = field(default_factory=PrefillModel)
     decode_model: DecodeModel = field(default_factory=DecodeModel)
     link: LinkModel = field(default_factory=LinkModel)
+    pool: PoolConfig | None = None          # a global KVCache pool (None: none)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -82,6 +90,7 @@ class RequestOutcome:
     blocks: int = 0
     reused_blocks: int = 0
     moved_blocks: int = 0
+    pool_blocks: int = 0          # fetched from the global pool
 
     @property
     def completed(self) -> bool:
@@ -100,6 +109,7 @@ class SimResult:
     #: before (by arrival): no router can use the cache better for the
     #: requests it admitted
     prefill_ideal_s: float = 0.0
+    pool: PoolStats | None = None
 
 
 class _PrefillServer:
@@ -248,10 +258,11 @@ class Simulation:
         self.cluster = cluster
         self.speedup = speedup
         c = cluster
+        self.pool = PoolModel(c.pool) if c.pool is not None else None
         self.conductor = Conductor(policy=policy, rejection=rejection, slo_ttft_s=slo_ttft_s,
                                    slo_tbt_s=slo_tbt_s, prefill_model=c.prefill_model,
                                    decode_model=c.decode_model, kv_bytes_per_token=c.kv_bytes_per_token,
-                                   link=c.link)
+                                   link=c.link, pool=self.pool, pool_config=c.pool)
         self.prefill = {f"p{i}": _PrefillServer(f"p{i}") for i in range(c.prefill)}
         self.decode = {f"d{i}": _DecodeServer(f"d{i}", c.decode_model, c.decode_model.kv_capacity_tokens)
                        for i in range(c.decode)}
@@ -301,6 +312,11 @@ class Simulation:
                 self._prefilled(t, key)
             elif kind == _AT_DECODE:
                 self._at_decode(t, key)
+            elif kind == _POOLED:
+                self._pooled(t, key)
+            elif kind == _POOL_PUT:
+                assert self.pool is not None
+                self.pool.put(self._requests[key].keys)
             else:
                 name, version = key.rsplit("#", 1)
                 d = self.decode[name]
@@ -308,7 +324,7 @@ class Simulation:
                     self._decode_tick(t, d)
         span = self._outcomes[-1].arrival_s if self._outcomes else 0.0
         return SimResult(self._outcomes, span, self.conductor.stats.moved_bytes, self._wasted, self._busy,
-                         self._ideal_prefill_s())
+                         self._ideal_prefill_s(), self.pool.stats if self.pool is not None else None)
 
     def _ideal_prefill_s(self) -> float:
         """`SimResult.prefill_ideal_s`: each prefilled request (served or
@@ -346,7 +362,11 @@ class Simulation:
         self._decisions[rid] = dec
         out.prefill, out.decode = dec.prefill, dec.decode
         out.moved_blocks = len(dec.blocks_to_move)
-        if dec.prefix_source is not None:
+        out.pool_blocks = len(dec.pool_blocks)
+        if dec.pool_blocks:
+            self._moving.add(rid)
+            self._start_pool_fetch(now, rid)
+        elif dec.prefix_source is not None:
             self._moving.add(rid)
             if self._has_moving(dec) == len(dec.blocks_to_move):
                 self._start_move(now, rid)
@@ -377,6 +397,26 @@ class Simulation:
         src.moves_out[rid] = [start, ready]
         self._landing[rid] = n
         self._push(ready, _MOVED, rid)
+
+    def _start_pool_fetch(self, now: float, rid: str) -> None:
+        """The fetch of `rid`'s blocks from the pool starts now: read from
+        the pool's segments as they free, received on the prefill node's
+        NIC in the move class (behind the moves it receives)."""
+        assert self.pool is not None
+        dec, req, c = self._decisions[rid], self._requests[rid], self.cluster
+        read = self.pool.fetch(now, dec.pool_blocks)
+        lo = dec.cached_blocks
+        tokens = req.cached_tokens(lo + len(dec.pool_blocks)) - req.cached_tokens(lo)
+        dst = self.nic[dec.prefill]
+        rx_end = max(now, dst.mv_rx_free_at) + tokens * c.kv_bytes_per_token / c.link.bandwidth_Bps
+        landed = max(read, rx_end)
+        dst.mv_rx_free_at = landed
+        self._push(landed + c.link.latency_s, _POOLED, rid)
+
+    def _pooled(self, now: float, rid: str) -> None:
+        self.conductor.on_pool_fetch_done(rid, now)
+        self._moving.discard(rid)
+        self._try_start(self.prefill[self._decisions[rid].prefill], now)
 
     def _pause_moves(self, nic: _Nic, t0: float, t1: float) -> None:
         """A stream holds `nic`'s sending side over [t0, t1): the moves it
@@ -453,6 +493,12 @@ class Simulation:
 
     def _prefilled(self, now: float, rid: str) -> None:
         self.conductor.on_prefill_done(rid, now)
+        if self.pool is not None:
+            # its blocks go into the pool (the new ones' bytes over its
+            # link, beside the stream: not queued on it), visible after
+            c, req = self.cluster, self._requests[rid]
+            fresh = sum(1 for k in req.keys if k not in self.pool)
+            self._push(now + c.link.time(fresh * c.block_tokens * c.kv_bytes_per_token), _POOL_PUT, rid)
         p = self.prefill[self._decisions[rid].prefill]
         p.busy = False
         # the next prefill here first: its KV stream to decode is booked on

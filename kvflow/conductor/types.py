@@ -114,7 +114,11 @@ class Decision:
     `decode`. Estimates are the conductor's, in seconds from `route`.
     `est_source_wait_s`: how long until the source holds every block to
     move (0: it holds them now; more: requests queued there are computing
-    some of them, and the fetch starts once they are done)."""
+    some of them, and the fetch starts once they are done).
+    `pool_blocks`: blocks the prefill instance fetches from the global
+    KVCache pool instead (the request's blocks `cached_blocks` ..
+    `cached_blocks + len(pool_blocks)`; never with a move), landing in
+    about `est_pool_s`."""
 
     request_id: str
     prefill: str
@@ -128,11 +132,14 @@ class Decision:
     est_ttft_s: float
     est_tbt_s: float
     est_source_wait_s: float = 0.0
+    pool_blocks: tuple[int, ...] = ()
+    est_pool_s: float = 0.0
 
     @property
     def prefix_blocks(self) -> int:
-        """Blocks the prefill will not compute: cached there, or moved in."""
-        return self.cached_blocks + len(self.blocks_to_move)
+        """Blocks the prefill will not compute: cached there, moved in, or
+        fetched from the pool."""
+        return self.cached_blocks + len(self.blocks_to_move) + len(self.pool_blocks)
 
 
 @dataclass(frozen=True)
