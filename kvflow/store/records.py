@@ -1,0 +1,102 @@
+"""The master's records: clients, their segments, replicas and objects
+(model.py keeps them; repair.py and ssd_model.py work on them too), and
+what makes a key valid."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .allocator import Allocator
+from .errors import InvalidKeyError
+
+__all__ = ["State", "Client", "Segment", "Replica", "Object", "check_key", "MAX_KEY_BYTES"]
+
+MAX_KEY_BYTES = 4096
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"a key must be a str, not {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("a key must not be empty")
+    if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"a key must be at most {MAX_KEY_BYTES} UTF-8 bytes", key=key[:64])
+    return key
+
+
+class State(enum.Enum):
+    ALLOCATED = "allocated"     # space reserved, the writer is writing; invisible
+    COMPLETE = "complete"       # written and committed; readable
+
+
+@dataclass(eq=False)
+class Client:
+    id: str
+    host: str
+    engine: str                 # its kvflow engine's address (peers connect there)
+    last_seen: float
+    segments: set[int] = field(default_factory=set)
+    writing: set[str] = field(default_factory=set)     # keys it has put_start'ed, not ended
+    repairing: set[str] = field(default_factory=set)   # keys it is copying a new replica of
+    beat_token: str = ""        # proves a heartbeat from the client's own thread is its
+    recovered: bool = False     # restored from etcd: no session yet (its owner may register again)
+    ssd_dir: str = ""           # its SSD tier's directory ("" none; ssd_tier.py)
+    ssd_mode: str = ""          # "evict" or "eager"
+    ssd_keys: set[str] = field(default_factory=set)    # objects it holds an SSD copy of
+    ssd_pending: dict[str, None] = field(default_factory=dict)  # "eager": landed in its segment, not copied yet
+
+
+@dataclass(eq=False)
+class Segment:
+    id: int
+    client: str
+    name: str
+    base: int                   # the region's address in the holder's process
+    size: int
+    alloc: Allocator
+    keys: set[str] = field(default_factory=set)       # objects with a replica here
+    attached: bool = True       # False: restored from etcd, its owner has not mounted it again
+
+    def fits(self, size: int) -> bool:
+        return self.alloc.fits(size)
+
+    def fill_after(self, size: int) -> float:
+        return (self.alloc.used + size) / self.alloc.capacity
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    segment: int
+    offset: int
+    length: int                 # the allocation's length (the object's size, rounded up)
+
+
+@dataclass(eq=False)
+class Object:
+    key: str
+    size: int
+    replicas: list[Replica]
+    state: State
+    writer: str
+    pinned: bool = False
+    soft_until: float = 0.0     # soft pin: evicted only when nothing else can go, until this time
+    want: int = 1               # the replicas its put asked for: lost ones are made again (repair_start)
+    token: int = 0              # the writer's put call, so a revoke undoes only its own call's puts
+    ssd: set[str] | None = None     # clients holding an SSD copy (ssd_agent.py); None: none
+    promoting: list[Replica] | None = None  # DRAM space allocated by a promotion in progress
+    ssd_declined: set[str] | None = None    # clients whose tier let its copy go (not offered again)
+    # read leases on it: lease id -> until (one id per get call; a reader
+    # that finished releases its id, the others run out by time)
+    leases: dict[int, float] = field(default_factory=dict)
+
+    def leased(self, now: float) -> bool:
+        if not self.leases:
+            return False
+        for until in self.leases.values():
+            if until > now:
+                return True
+        self.leases.clear()
+        return False
+
+    def lease_end(self) -> float:
+        return max(self.leases.values(), default=0.0)
