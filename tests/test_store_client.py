@@ -187,6 +187,51 @@ async def test_lost_replicas_are_made_again():
         await master.close()
 
 
+async def test_namespaces_keep_tenants_apart_and_quotas_evict_their_own():
+    """Two tenants (say, two models) put the same keys without seeing each
+    other's; a tenant over its quota evicts its own least recently used
+    objects, never the other's, and a quota nothing can satisfy is a typed
+    error; remove_all takes only the caller's namespace."""
+    master = Master(seed=3)
+    await master.start()
+    value = _data(10_000, 7).tobytes()
+    other = _data(10_000, 8).tobytes()
+    holder = await StoreClient(master, segment_size=8 << 20, protocols=("tcp",)).start()
+    a = await StoreClient(master, segment_size=0, protocols=("tcp",), namespace="llama/tp0",
+                          quota=5 * len(value)).start()
+    b = await StoreClient(master, segment_size=0, protocols=("tcp",), namespace="qwen/tp0").start()
+    plain = await StoreClient(master, segment_size=0, protocols=("tcp",)).start()
+    try:
+        await b.put("page/0", other)
+        assert not await a.exists("page/0") and not await plain.exists("page/0")
+        for i in range(5):
+            await a.put(f"page/{i}", value)
+        assert await a.get("page/0") == value and await b.get("page/0") == other
+        await a.get("page/1")                                   # LRU now: 2, 3, 4, 0, 1
+        for i in range(5, 8):                                   # over the quota: a's own LRU goes
+            await a.put(f"page/{i}", value)
+        assert await a.batch_exists([f"page/{i}" for i in range(8)]) == \
+            [True, True, False, False, False, True, True, True]
+        assert master.model.ns_bytes["llama/tp0"] == 5 * len(value)
+        assert await b.get("page/0") == other                   # the other tenant untouched
+        await a.put("pinned", value, pin=True)                   # evicts one more of a's own
+        with pytest.raises(NoSpaceError):                        # QuotaExceededError: nothing evictable left
+            for i in range(6):
+                await a.put(f"pin/{i}", value, pin=True)
+        with pytest.raises(InvalidKeyError):
+            await plain.put("llama/tp0\x1fpage/0", value)
+        with pytest.raises(InvalidArgumentError):
+            StoreClient(master, namespace="bad\x1fns")
+        with pytest.raises(InvalidArgumentError):
+            StoreClient(master, quota=10)                        # a quota needs a namespace
+        assert await a.remove_all(force=True) >= 5
+        assert await b.get("page/0") == other and "llama/tp0" not in master.model.ns_bytes
+    finally:
+        for x in (plain, b, a, holder):
+            await x.close()
+        await master.close()
+
+
 async def test_full_pool_puts_evict_and_succeed():
     async with _pool(2, ("tcp",), segment_size=1 << 20) as (master, (a, b)):
         value = _data(100_000, 1).tobytes()

@@ -388,6 +388,30 @@ def test_lost_replicas_are_made_again_and_nothing_leaks():
         m.repair_end("c0", key1, True)
 
 
+def test_namespace_bytes_follow_every_way_an_object_goes():
+    """A namespace's bytes count each object once from put_start, and come
+    back whether the put is revoked, ends with no replica, the object is
+    removed or evicted, or its only holder is lost."""
+    m = _model(segments=2, size=64 * 100)
+    m.set_quota("t", 64 * 10)
+    k = lambda i: f"t\x1fk{i}"             # noqa: E731
+    for i in range(4):
+        m.put_start("c0", k(i), 64, 1, now=0, preferred=1)
+    assert m.ns_bytes["t"] == 4 * 64
+    m.put_revoke("c0", k(0))
+    assert m.put_end("c0", k(1), failed_segments=[1]) == 0      # its one replica failed
+    m.put_end("c0", k(2))
+    m.put_end("c0", k(3))
+    assert m.ns_bytes["t"] == 2 * 64
+    m.remove(k(2), now=0)
+    assert m.ns_bytes["t"] == 64
+    m.client_lost("c0")                                          # k3's only replica was on c0
+    assert "t" not in m.ns_bytes and not m.objects
+    for bad in (("", 10), ("a\x1fb", 10), ("t", 0), ("t", 1.5), (3, 10)):
+        with pytest.raises(InvalidArgumentError):
+            m.set_quota(*bad)
+
+
 def test_full_pool_puts_evict_and_succeed():
     m = _model(segments=2, size=64 * 1000)
     for i in range(10000):

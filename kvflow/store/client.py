@@ -46,11 +46,12 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryE
 from .allocator import Allocator
 from .datapath import Mover, Moves
 from .follow import FollowingLink, finder_for
-from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError, ObjectNotFoundError,
-                     ReplicaUnavailableError, SsdBusyError, StoreTimeoutError, error_from_code)
+from .errors import (BufferTooSmallError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
+                     ObjectNotFoundError, ReplicaUnavailableError, SsdBusyError, StoreTimeoutError, error_from_code)
 from .master import Master
 from .metrics import ClientCounters, counted
 from .model import MAX_KEY_BYTES, check_key
+from .records import NS_SEP
 from .ssd_agent import SsdAgent, SsdCopies, promote, read_copies
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 
@@ -162,12 +163,23 @@ class StoreClient:
                  host: str | None = None, timeout: float = 10.0, replica_num: int = 1,
                  master_listen: str | None = None, prefer_local: bool = False,
                  ssd_path: str | None = None, ssd_capacity: int | None = None, ssd_offload: str = "evict",
-                 ssd_verify: bool = False, ssd_promote: bool = True) -> None:
+                 ssd_verify: bool = False, ssd_promote: bool = True, namespace: str | None = None,
+                 quota: int | None = None) -> None:
         for name, v in (("segment_size", segment_size), ("local_buffer_size", local_buffer_size)):
             if not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, not {v!r}")
         if not isinstance(replica_num, int) or replica_num < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
+        if namespace is not None and (type(namespace) is not str or not namespace or NS_SEP in namespace
+                                      or len(namespace) > 256):
+            raise InvalidArgumentError(f"namespace must be a non-empty str of at most 256 characters, "
+                                       f"not {namespace!r}")
+        if quota is not None and (namespace is None or type(quota) is not int or quota <= 0):
+            raise InvalidArgumentError("quota: a positive int of bytes, for a client given a namespace")
+        self.namespace = namespace
+        self.quota = quota
+        # what the master sees of this client's keys: "<namespace>\x1f<key>"
+        self._prefix = namespace + NS_SEP if namespace else ""
         self.master_spec = master
         self._finder = finder_for(master)       # typed error now for a bad list
         self.master_listen = master_listen
@@ -297,6 +309,8 @@ class StoreClient:
                                               self._segment_region.addr, self.segment_size, timeout=self.timeout)
         if self._ssd is not None:
             await self._ssd.attach(link, self.timeout)
+        if self.quota is not None:
+            await link.call("set_quota", self.namespace, self.quota, timeout=self.timeout)
         self._hello = hello
         self.lease_ttl = float(hello["lease_ttl"])
         if self._beat_thread is not None and isinstance(link, TcpMasterLink):
@@ -505,6 +519,8 @@ class StoreClient:
         one died in between: follow.py) is put again, once."""
         if len(keys) != len(parts):
             raise InvalidArgumentError("keys and parts must have the same length")
+        if not _again and _wait:
+            keys = self._ns(keys)
         rn = self.replica_num if replica_num is None else replica_num
         if preferred_segment is None and self.prefer_local:
             preferred_segment = self.segment_id
@@ -696,6 +712,7 @@ class StoreClient:
         """The funnel of every get into registered memory."""
         if len(keys) != len(parts):
             raise InvalidArgumentError("keys and parts must have the same length")
+        keys = self._ns(keys)
         results: list[Any] = [None] * len(keys)
         todo = []
         regions = self._regions()
@@ -820,6 +837,7 @@ class StoreClient:
     @_with_timeout
     @counted("get")
     async def batch_get(self, keys: Sequence[str]) -> list:
+        keys = self._ns(keys)
         results: list[Any] = [None] * len(keys)
         todo = []
         for i, key in enumerate(keys):
@@ -889,8 +907,10 @@ class StoreClient:
         link = self._link
         if self._closed or link is None or link.closed or not isinstance(link, (TcpMasterLink, FollowingLink)):
             return None
-        if not all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
+        if not all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 and NS_SEP not in k for k in keys):
             return None
+        if self._prefix:
+            keys = [self._prefix + k for k in keys]
         address = link.address
         if address is None or threading.get_ident() == self._loop_thread:
             return None                 # no leader known; or the loop's own thread: never block it
@@ -923,7 +943,7 @@ class StoreClient:
     @_with_timeout
     async def get_replicas(self, key: str) -> list[Replica]:
         """Where the object's replicas are (and a read lease on it)."""
-        found, segs = _replica_rows(await self._call("batch_get_replicas", [key]))
+        found, segs = _replica_rows(await self._call("batch_get_replicas", self._ns([key])))
         r = _result(found[0], key)
         if isinstance(r, KVFlowError):
             raise r
@@ -942,7 +962,10 @@ class StoreClient:
 
     @_with_timeout
     async def remove_all(self, *, force: bool = False) -> int:
-        """Removes every complete object not under a lease; returns how many."""
+        """Removes every complete object not under a lease (of this client's
+        namespace only, when it has one); returns how many."""
+        if self.namespace:
+            return await self._call("remove_all", bool(force), self.namespace)
         return await self._call("remove_all", bool(force))
 
     @property
@@ -998,9 +1021,21 @@ class StoreClient:
             raise r
         return r
 
+    def _ns(self, keys: Sequence[Any]) -> Sequence[Any]:
+        """The master's names of the caller's keys: "<namespace>\x1f<key>"
+        for a client with a namespace. A key holding that separator is
+        refused (InvalidKeyError): it would name another namespace."""
+        p = self._prefix
+        if any(type(k) is str and NS_SEP in k for k in keys):
+            raise InvalidKeyError(f"a key may not hold {NS_SEP!r} (the namespace separator)")
+        if not p:
+            return keys
+        return [p + k if type(k) is str else k for k in keys]
+
     async def _keyed(self, method: str, keys: Sequence[str], *extra: Any) -> list:
         """A batch call whose only input is keys: bad keys get their error
         here, the rest go to the master in one round trip."""
+        keys = self._ns(keys)
         if all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
             # the common case (the servers' prefix checks): no per-key work
             items = await self._call(method, list(keys), *extra)

@@ -7,7 +7,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError
 
 __all__ = [
     "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
-    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError",
+    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError", "QuotaExceededError",
     "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
     "SegmentError", "DurabilityError", "CODES", "error_code", "error_from_code",
 ]
@@ -61,6 +61,11 @@ class SsdBusyError(NoSpaceError):
     returns -200 after that, as Mooncake does when the pool is full)."""
 
 
+class QuotaExceededError(NoSpaceError):
+    """The put would take its namespace over its quota, and nothing of the
+    namespace's own could be evicted to make room."""
+
+
 class ReplicaUnavailableError(StoreError):
     """Every replica's holder was lost or unreachable during the get."""
 
@@ -102,6 +107,7 @@ CODES: dict[str, type[KVFlowError]] = {
     "leased": ObjectLeasedError,
     "no_space": NoSpaceError,
     "ssd_busy": SsdBusyError,
+    "quota": QuotaExceededError,
     "replica_unavailable": ReplicaUnavailableError,
     "lease_expired": LeaseExpiredError,
     "master_unavailable": MasterUnavailableError,

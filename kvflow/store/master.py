@@ -47,7 +47,7 @@ __all__ = ["Master", "Session", "METHODS"]
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
                      "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
                      "batch_remove", "remove_all", "stats",
-                     "batch_repair_start", "batch_repair_end"}) | frozenset(SSD_METHODS)
+                     "batch_repair_start", "batch_repair_end", "set_quota"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
 
@@ -429,8 +429,13 @@ class Master(SsdCalls):
     def _batch_remove(self, cid: str, now: float, keys: list, force: bool) -> list:
         return _per_item(keys, lambda key: self.model.remove(key, now, force=bool(force)))
 
-    def _remove_all(self, cid: str, now: float, force: bool) -> int:
-        return self.model.remove_all(now, force=bool(force))
+    def _remove_all(self, cid: str, now: float, force: bool, ns: str = "") -> int:
+        if type(ns) is not str:
+            raise InvalidArgumentError(f"a namespace is a str, not {ns!r}")
+        return self.model.remove_all(now, force=bool(force), ns=ns)
+
+    def _set_quota(self, cid: str, now: float, ns: str, nbytes: int | None) -> None:
+        self.model.set_quota(ns, nbytes)
 
     def metrics(self) -> dict:
         """Segments (capacity, used, replicas, tier), clients, objects,

@@ -32,9 +32,9 @@ from kvflow.errors import InvalidArgumentError
 
 from .allocator import ALIGN, Allocator
 from .errors import (NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
-                     SegmentError, SsdBusyError, StoreError)
+                     QuotaExceededError, SegmentError, SsdBusyError, StoreError)
 from .placement import place
-from .records import MAX_KEY_BYTES, Client, Object, Replica, Segment, State, check_key
+from .records import MAX_KEY_BYTES, NS_SEP, Client, Object, Replica, Segment, State, check_key, namespace_of
 from .repair import ReplicaRepair
 from .ssd_model import SsdState
 
@@ -83,6 +83,11 @@ class StoreModel(SsdState, ReplicaRepair):
         self._used = 0
         self._rng = random.Random(seed)
         self.evictions = 0
+        # namespaces (tenants: a model, a TP rank): the bytes of their objects
+        # (each object's size once, whatever its replicas and tiers; puts in
+        # progress included) and their quotas
+        self.ns_bytes: dict[str, int] = {}
+        self.quotas: dict[str, int] = {}
         # COMPLETE objects with fewer replicas than their put asked for (a
         # holder was lost), and the new replicas being copied: key ->
         # (copying client, the allocation, the lease on its sources, the
@@ -227,8 +232,9 @@ class StoreModel(SsdState, ReplicaRepair):
             for r in reps:
                 self._free(key, r)
             return False
-        self.objects[key] = Object(key, size, reps, State.COMPLETE, writer, pinned=pinned, token=token)
+        self.objects[key] = obj = Object(key, size, reps, State.COMPLETE, writer, pinned=pinned, token=token)
         self._lru[key] = None
+        self.charge(obj)
         return True
 
     def unmount(self, segment_id: int) -> int:
@@ -305,6 +311,12 @@ class StoreModel(SsdState, ReplicaRepair):
                 # link retried it): the same replicas, nothing allocated twice
                 return old.replicas
             raise ObjectBusyError(f"a put of {key!r} is in progress", key=key)
+        ns = namespace_of(key) if NS_SEP in key else ""
+        if ns and ns in self.quotas and self.ns_bytes.get(ns, 0) + size > self.quotas[ns]:
+            self._evict_namespace(ns, self.ns_bytes.get(ns, 0) + size - self.quotas[ns], now)
+            if self.ns_bytes.get(ns, 0) + size > self.quotas[ns]:
+                raise QuotaExceededError(f"namespace {ns!r}: {self.ns_bytes.get(ns, 0)} of its {self.quotas[ns]} "
+                                         f"bytes in use, nothing of its own evictable for {size} more", key=key)
         view = self._seg_view or self._segments_view()
         if size > view[2]:
             # larger than every segment: no eviction could help, so none is done
@@ -358,6 +370,8 @@ class StoreModel(SsdState, ReplicaRepair):
                                        soft_until=now + _soft_pin_seconds(pin, self.soft_pin_ttl),
                                        want=replica_num)
         c.writing.add(key)
+        if ns:
+            self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + size
         return replicas
 
     def put_end(self, client_id: str, key: str, failed_segments: list[int] | tuple = ()) -> int:
@@ -384,6 +398,7 @@ class StoreModel(SsdState, ReplicaRepair):
         self.clients[client_id].writing.discard(key)
         if not keep:
             del self.objects[key]
+            self._uncharge(obj)
             return 0
         obj.state = State.COMPLETE
         self._lru[key] = None
@@ -476,12 +491,16 @@ class StoreModel(SsdState, ReplicaRepair):
             obj.replicas = []
         self._delete(obj)
 
-    def remove_all(self, now: float, *, force: bool = False) -> int:
+    def remove_all(self, now: float, *, force: bool = False, ns: str = "") -> int:
         """Removes every COMPLETE object not under a lease (every one with
-        `force`, leased ones' space freed when their leases end); puts in
-        progress are left to their writers. Returns how many were removed."""
+        `force`, leased ones' space freed when their leases end), of
+        namespace `ns` only when given; puts in progress are left to their
+        writers. Returns how many were removed."""
         gone = 0
+        prefix = ns + NS_SEP if ns else ""
         for key in [*self._lru, *self._ssd_only]:
+            if prefix and not key.startswith(prefix):
+                continue
             obj = self.objects[key]
             if force or not obj.leased(now):
                 self.remove(key, now, force=force)
@@ -613,6 +632,55 @@ class StoreModel(SsdState, ReplicaRepair):
             if type(key) is str and key in lru:
                 lru.move_to_end(key)
 
+    # -- namespaces and quotas ------------------------------------------------
+    def set_quota(self, ns: str, nbytes: int | None) -> None:
+        """Namespace `ns` may hold at most `nbytes` of objects (None: no
+        quota). A put over it first evicts the namespace's own least
+        recently used objects (never another tenant's), else fails with
+        QuotaExceededError."""
+        if type(ns) is not str or not ns or NS_SEP in ns or len(ns) > 256:
+            raise InvalidArgumentError(f"a namespace is a non-empty str of at most 256 characters, not {ns!r}")
+        if nbytes is None:
+            self.quotas.pop(ns, None)
+        elif type(nbytes) is not int or nbytes <= 0:
+            raise InvalidArgumentError(f"a quota is a positive int of bytes or None, not {nbytes!r}")
+        else:
+            self.quotas[ns] = nbytes
+
+    def charge(self, obj: Object) -> None:
+        """An object came into being outside put_start (recovery, SSD
+        adoption): its namespace's bytes count it."""
+        ns = namespace_of(obj.key) if NS_SEP in obj.key else ""
+        if ns:
+            self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + obj.size
+
+    def _uncharge(self, obj: Object) -> None:
+        if NS_SEP in obj.key:
+            ns = namespace_of(obj.key)
+            left = self.ns_bytes.get(ns, 0) - obj.size
+            if left > 0:
+                self.ns_bytes[ns] = left
+            else:
+                self.ns_bytes.pop(ns, None)
+
+    def _evict_namespace(self, ns: str, nbytes: int, now: float) -> int:
+        """Removes the namespace's least recently used evictable objects
+        (soft-pinned ones last) until `nbytes` of its bytes are free."""
+        prefix = ns + NS_SEP
+        plain, soft, freed = [], [], 0
+        for key in self._lru:
+            if key.startswith(prefix):
+                obj = self.objects[key]
+                if self.evictable(obj, now):
+                    (soft if obj.soft_until > now else plain).append(obj)
+        for obj in plain + soft:
+            if freed >= nbytes:
+                break
+            freed += obj.size
+            self._delete(obj)
+            self.evictions += 1
+        return freed
+
     def _touch(self, key: str) -> None:
         if key in self._lru:
             self._lru.move_to_end(key)
@@ -630,7 +698,8 @@ class StoreModel(SsdState, ReplicaRepair):
             self._free(obj.key, r)
         if obj.ssd is not None or obj.promoting:
             self._ssd_forget(obj)
-        self.objects.pop(obj.key, None)
+        if self.objects.pop(obj.key, None) is obj:
+            self._uncharge(obj)
         self._lru.pop(obj.key, None)
         self._short.discard(obj.key)
         w = self.clients.get(obj.writer)

@@ -9,9 +9,19 @@ from dataclasses import dataclass, field
 from .allocator import Allocator
 from .errors import InvalidKeyError
 
-__all__ = ["State", "Client", "Segment", "Replica", "Object", "check_key", "MAX_KEY_BYTES"]
+__all__ = ["State", "Client", "Segment", "Replica", "Object", "check_key", "namespace_of", "MAX_KEY_BYTES",
+           "NS_SEP"]
 
 MAX_KEY_BYTES = 4096
+# A namespaced key, as clients with a namespace send it: "<namespace>\x1f<key>"
+# (StoreClient(namespace=...) adds the prefix; users' keys may not hold it)
+NS_SEP = "\x1f"
+
+
+def namespace_of(key: str) -> str:
+    """The namespace of a key as the master sees it ("" for none)."""
+    i = key.find(NS_SEP)
+    return key[:i] if i > 0 else ""
 
 
 def check_key(key: object) -> str:

@@ -80,6 +80,7 @@ class SsdState:
             if not adopt or not isinstance(size, int) or size <= 0:
                 return False
             obj = self.objects[key] = Object(key, size, [], State.COMPLETE, client_id)
+            self.charge(obj)
             self._ssd_only.add(key)
         elif obj.state is not State.COMPLETE or obj.size != size:
             return False
