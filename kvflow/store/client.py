@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import functools
 import itertools
 import logging
 import socket
@@ -44,96 +43,30 @@ import kvflow
 from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryError
 
 from .allocator import Allocator
+from .calls import Replica, item_result, replica_rows, with_timeout
 from .datapath import Mover, Moves
+from .errors import InvalidKeyError, MasterUnavailableError
 from .follow import FollowingLink, finder_for
-from .errors import (BufferTooSmallError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
-                     ObjectNotFoundError, ReplicaUnavailableError, SsdBusyError, StoreTimeoutError, error_from_code)
+from .gets import Gets
 from .master import Master
 from .metrics import ClientCounters, counted
 from .model import MAX_KEY_BYTES, check_key
+from .puts import Puts
 from .records import NS_SEP
-from .ssd_agent import SsdAgent, SsdCopies, promote, read_copies
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
+from .ssd_agent import SsdAgent
 
 __all__ = ["StoreClient", "Replica"]
 
 log = logging.getLogger(__name__)
 
-Parts = Sequence[tuple[int, int]]
 
 # One master per event loop for clients given no master address: the first
 # client starts it, the last one to close stops it.
 _EMBEDDED: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list]" = weakref.WeakKeyDictionary()
 
 
-class Replica(tuple):
-    """(segment id, client id, holder engine address, holder host, address)."""
-    __slots__ = ()
-
-    segment = property(lambda self: self[0])
-    client = property(lambda self: self[1])
-    engine = property(lambda self: self[2])
-    host = property(lambda self: self[3])
-    addr = property(lambda self: self[4])
-
-
-def _with_timeout(fn):
-    """Gives a public call a keyword-only `timeout=` (seconds, None: the
-    client's own per-step timeouts only). The whole call runs under it; on
-    expiry it is cancelled, which undoes what it started (revokes a put's
-    allocations, releases a get's lease, drains its transfers) before
-    StoreTimeoutError is raised."""
-    @functools.wraps(fn)
-    async def call(self, *args: Any, timeout: float | None = None, **kw: Any) -> Any:
-        if timeout is None:
-            return await fn(self, *args, **kw)
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise InvalidArgumentError(f"timeout must be a positive number of seconds, not {timeout!r}")
-        cm = asyncio.timeout(timeout)
-        try:
-            async with cm:
-                return await fn(self, *args, **kw)
-        except TimeoutError:
-            if cm.expired():
-                raise StoreTimeoutError(f"{fn.__name__} did not finish within {timeout} s") from None
-            raise
-    return call
-
-
-def _replica_rows(reply: dict) -> tuple[list, dict]:
-    """A put_start/get_replicas reply: its items, and its segments table
-    (segment id -> [client, engine, host])."""
-    return reply["items"], reply["segments"]
-
-
-def _one_part(key: Any, ps: Any, starts: list[int], ends: list[int]) -> int:
-    """The size of an object given as one (int address, int size) part of
-    registered host memory under a plain valid key; 0 for anything else
-    (then the caller's full checks run and raise the right error)."""
-    if type(key) is not str or not key or len(key) > MAX_KEY_BYTES // 4 or type(ps) is not list \
-            or len(ps) != 1:
-        return 0
-    p = ps[0]
-    if type(p) is not tuple or len(p) != 2:
-        return 0
-    a, n = p
-    if type(a) is not int or type(n) is not int or a <= 0 or n <= 0:
-        return 0
-    i = bisect.bisect_right(starts, a) - 1
-    if i < 0 or a + n > ends[i]:
-        return 0
-    return n
-
-
-def _result(item: Any, key: str) -> Any:
-    if item is True or item is False:          # batch_exists' compact items
-        return item
-    if item[0] == 0:
-        return item[1]
-    return error_from_code(item[1], item[2], key)
-
-
-class StoreClient:
+class StoreClient(Puts, Gets):
     """A member of the pool. `master`: "host:port" of a standalone master,
     "etcd://host:port/cluster" or a list of "host:port" (follow the
     cluster's leader across restarts and failovers: kvflow/store/follow.py),
@@ -480,417 +413,13 @@ class StoreClient:
             raise UnregisteredMemoryError(f"[{addr:#x}, +{size}) is not inside memory registered with "
                                           f"this client's engine (register_buffer; host memory)")
 
-    # -- puts ------------------------------------------------------------------
-    @_with_timeout
-    async def put_from(self, key: str, addr: int, size: int, **kw: Any) -> int:
-        """Puts `size` bytes at `addr` (registered memory) as `key`.
-        Returns the number of replicas stored (0 when the key existed
-        already: a no-op). Raises InvalidKeyError, InvalidArgumentError,
-        UnregisteredMemoryError, ObjectBusyError, ObjectExistsError (the key
-        exists with another size), NoSpaceError, ReplicaUnavailableError
-        (every replica's write failed), MasterUnavailableError."""
-        return self._one(await self.batch_put_from_parts([key], [[(addr, size)]], **kw))
-
-    @_with_timeout
-    async def put_from_parts(self, key: str, parts: Parts, **kw: Any) -> int:
-        """put_from of an object made of several buffers, concatenated in order."""
-        return self._one(await self.batch_put_from_parts([key], [parts], **kw))
-
-    @_with_timeout
-    async def batch_put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
-                             **kw: Any) -> list:
-        if not (len(keys) == len(addrs) == len(sizes)):
-            raise InvalidArgumentError("keys, addrs and sizes must have the same length")
-        return await self.batch_put_from_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)], **kw)
-
-    @_with_timeout
-    @counted("put")
-    async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
-                                   replica_num: int | None = None, preferred_segment: int | None = None,
-                                   pin: bool = False, soft_pin: float | bool | None = None,
-                                   _again: bool = False, _wait: bool = True) -> list:
-        """The funnel of every put. One master round trip to allocate, one
-        kvflow batch per holder, one round trip to commit. `pin`: never
-        evicted (only removed); `soft_pin`: evicted only when nothing
-        unpinned can go, for that many seconds (True: the master's
-        soft_pin_ttl). The keys of one call are a chained prefix, head
-        first: the master evicts its tail before its head. A put whose
-        commit reached a new leader that never saw its allocation (the old
-        one died in between: follow.py) is put again, once."""
-        if len(keys) != len(parts):
-            raise InvalidArgumentError("keys and parts must have the same length")
-        if not _again and _wait:
-            keys = self._ns(keys)
-        rn = self.replica_num if replica_num is None else replica_num
-        if preferred_segment is None and self.prefer_local:
-            preferred_segment = self.segment_id
-        if not isinstance(rn, int) or isinstance(rn, bool) or rn < 1:
-            raise InvalidArgumentError(f"replica_num must be an int >= 1, not {rn!r}")
-        wire_pin: bool | list = bool(pin)
-        if soft_pin is not None and soft_pin is not False and not pin:
-            if soft_pin is not True and (isinstance(soft_pin, bool) or not isinstance(soft_pin, (int, float))
-                                         or not soft_pin > 0):
-                raise InvalidArgumentError(f"soft_pin must be True or seconds > 0, not {soft_pin!r}")
-            wire_pin = ["soft", None if soft_pin is True else float(soft_pin)]
-        results: list[Any] = [None] * len(keys)
-        todo: list[int] = []
-        sizes: list[int] = []
-        regions = self._regions()
-        starts, ends_ = regions
-        for i, (key, ps) in enumerate(zip(keys, parts)):
-            n = _one_part(key, ps, starts, ends_)
-            if n:                                       # the common case, checked inline
-                todo.append(i)
-                sizes.append(n)
-                continue
-            try:
-                check_key(key)
-                if not ps:
-                    raise InvalidArgumentError("an object needs at least one part")
-                for a, s in self._parts(ps):
-                    self._check_local(a, s, regions)
-                todo.append(i)
-                sizes.append(sum(int(s) for _, s in ps))
-            except KVFlowError as e:
-                results[i] = e
-        if not todo:
-            return results
-        relinks = getattr(self._link, "reconnects", 0)
-        token = next(self._put_tokens)
-        try:
-            reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, wire_pin]
-                                                         for j, i in enumerate(todo)], token)
-        except (asyncio.CancelledError, MasterUnavailableError):
-            # the request may have reached the master and allocated: undo this
-            # call's allocations (queued behind the put_start on the same link)
-            await asyncio.shield(self._revoke([keys[i] for i in todo], token))
-            raise
-        started, segs = _replica_rows(reply)
-        writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
-        ssd_busy = False
-        for i, item in zip(todo, started):
-            r = _result(item, keys[i])
-            if isinstance(r, KVFlowError):
-                results[i] = r
-                ssd_busy = ssd_busy or type(r) is SsdBusyError
-            elif r is None:
-                results[i] = 0                      # exists already: immutable, nothing to write
-            else:
-                writing.append((i, r))
-        if not writing:
-            if _wait and ssd_busy:
-                await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
-            return results
-        try:
-            moves = Moves()
-            for i, reps in writing:
-                ps = parts[i]
-                for sid, addr in reps:
-                    holder = segs[sid][1]
-                    if len(ps) == 1:
-                        moves.add(int(ps[0][0]), holder, addr, int(ps[0][1]))
-                        continue
-                    off = 0
-                    for a, s in ps:
-                        moves.add(int(a), holder, addr + off, int(s))
-                        off += int(s)
-            failed = await self._mover.run("write", moves, timeout=self.timeout)
-        except BaseException:
-            # cancelled, or a bug: nothing of the writes is in flight any more
-            # (kvflow drains before raising); give the space back
-            await asyncio.shield(self._revoke([keys[i] for i, _ in writing], token))
-            raise
-        ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
-                for i, reps in writing]
-        ended = await self._call("batch_put_end", ends)
-        again = []
-        for (i, reps), item in zip(writing, ended):
-            r = _result(item, keys[i])
-            if r == 0:
-                errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
-                r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
-            elif isinstance(r, ObjectNotFoundError) and getattr(self._link, "reconnects", 0) != relinks \
-                    and not _again:
-                again.append(i)
-            results[i] = r
-        if self._ssd is not None and self._ssd.mode == "eager":
-            self._ssd.wake()
-        if again:
-            redo = await self.batch_put_from_parts([keys[i] for i in again], [parts[i] for i in again],
-                                                   replica_num=rn, preferred_segment=preferred_segment,
-                                                   pin=pin, soft_pin=soft_pin, _again=True)
-            for i, r in zip(again, redo):
-                results[i] = r
-        if _wait and ssd_busy:
-            await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
-        return results
-
-    async def _wait_for_ssd(self, keys: Sequence[str], parts: Sequence[Parts], results: list, rn: int,
-                            preferred: int | None, pin: bool, soft_pin: float | bool | None) -> None:
-        """Puts that met SsdBusyError (the pool is full of objects an eager
-        SSD tier is still copying) are put again, backing off, until they
-        fit or the client's timeout has passed: the disk's pace is the
-        pool's, instead of objects lost."""
-        busy = [i for i, r in enumerate(results) if isinstance(r, SsdBusyError)]
-        deadline = time.monotonic() + self.timeout
-        delay = 0.002
-        while busy and time.monotonic() + delay < deadline:
-            if self._ssd is not None:
-                self._ssd.wake()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
-            redo = await self.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
-                                                   replica_num=rn, preferred_segment=preferred, pin=pin,
-                                                   soft_pin=soft_pin, _wait=False)
-            for i, r in zip(busy, redo):
-                results[i] = r
-            busy = [i for i in busy if isinstance(results[i], SsdBusyError)]
-
-    async def _revoke(self, keys: list[str], token: int) -> None:
-        try:
-            await self._call("batch_put_revoke", keys, token)
-        except KVFlowError:
-            pass        # the master is gone or lost us: it dropped our puts itself
-
-    @_with_timeout
-    async def put(self, key: str, value: Any, **kw: Any) -> int:
-        """Puts bytes (anything with the buffer protocol) through the local
-        buffer. Returns replicas stored (0: existed). put_from's errors, and
-        InvalidArgumentError for a value larger than the local buffer."""
-        return self._one(await self.batch_put([key], [value], **kw))
-
-    @_with_timeout
-    async def batch_put(self, keys: Sequence[str], values: Sequence[Any], **kw: Any) -> list:
-        if len(keys) != len(values):
-            raise InvalidArgumentError("keys and values must have the same length")
-        views = []
-        for v in values:
-            try:
-                m = memoryview(v).cast("B")
-            except TypeError:
-                raise InvalidArgumentError(f"a value must support the buffer protocol, not "
-                                           f"{type(v).__name__}") from None
-            views.append(m)
-        results: list[Any] = [None] * len(keys)
-        for chunk in self._chunks([len(m) for m in views], results):
-            addrs = await self._stage([len(views[i]) for i in chunk])
-            try:
-                for i, a in zip(chunk, addrs):
-                    n = len(views[i])
-                    np.frombuffer(self._staging_view(a, n), np.uint8)[:] = np.frombuffer(views[i], np.uint8)
-                out = await self.batch_put_from_parts([keys[i] for i in chunk],
-                                                      [[(a, len(views[i]))] for i, a in zip(chunk, addrs)], **kw)
-            finally:
-                await self._unstage(addrs)
-            for i, r in zip(chunk, out):
-                results[i] = r
-        return results
-
-    # -- gets ------------------------------------------------------------------
-    @_with_timeout
-    async def get_into(self, key: str, addr: int, size: int) -> int:
-        """Reads `key` into `size` bytes at `addr` (registered memory).
-        Returns the object's size. Raises ObjectNotFoundError,
-        BufferTooSmallError, UnregisteredMemoryError, InvalidKeyError,
-        ReplicaUnavailableError (no replica's holder could be read),
-        LeaseExpiredError, MasterUnavailableError."""
-        return self._one(await self.batch_get_into_parts([key], [[(addr, size)]]))
-
-    @_with_timeout
-    async def get_into_parts(self, key: str, parts: Parts) -> int:
-        return self._one(await self.batch_get_into_parts([key], [parts]))
-
-    @_with_timeout
-    async def batch_get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> list:
-        if not (len(keys) == len(addrs) == len(sizes)):
-            raise InvalidArgumentError("keys, addrs and sizes must have the same length")
-        return await self.batch_get_into_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)])
-
-    @_with_timeout
-    @counted("get")
-    async def batch_get_into_parts(self, keys: Sequence[str], parts: Sequence[Parts]) -> list:
-        """The funnel of every get into registered memory."""
-        if len(keys) != len(parts):
-            raise InvalidArgumentError("keys and parts must have the same length")
-        keys = self._ns(keys)
-        results: list[Any] = [None] * len(keys)
-        todo = []
-        regions = self._regions()
-        starts, ends = regions
-        for i, (key, ps) in enumerate(zip(keys, parts)):
-            if _one_part(key, ps, starts, ends):       # the common case, checked inline
-                todo.append(i)
-                continue
-            try:
-                check_key(key)
-                if not ps:
-                    raise InvalidArgumentError("an object needs at least one part")
-                for a, s in self._parts(ps):
-                    self._check_local(a, s, regions)
-                todo.append(i)
-            except KVFlowError as e:
-                results[i] = e
-        if not todo:
-            return results
-        t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
-        reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
-        try:
-            found, segs = _replica_rows(reply)
-            holders = self._holders(segs)
-            reading = []
-            for i, item in zip(todo, found):
-                r = _result(item, keys[i])
-                if isinstance(r, KVFlowError):
-                    results[i] = r
-                    continue
-                size, reps = r[0], r[1]
-                room = sum(int(s) for _, s in parts[i])
-                if room < size:
-                    results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}",
-                                                     key=keys[i])
-                    continue
-                reading.append((i, size, self._nearest(reps, holders) if reps or len(r) < 3 else SsdCopies(r[2])))
-            await self._read(keys, reading, parts, results, t0)
-        finally:
-            self._release(reply)
-        return results
-
-    def _release(self, reply: dict) -> None:
-        """Nothing of the call's reads is in flight any more (kvflow drains a
-        failed or cancelled batch before raising): its lease may go, so the
-        objects can be removed and evicted again at once."""
-        lease = reply.get("lease")
-        if lease and self._link is not None:
-            self._link.notify("release_lease", lease)
-
-    def _holders(self, segs: dict) -> dict:
-        """segment id -> (rank, holder engine): 0 this process, 1 this host, 2 elsewhere."""
-        me = self.engine.address
-        return {int(sid): (0 if engine == me else 1 if host == self.host else 2, engine)
-                for sid, (_, engine, host) in segs.items()}
-
-    @staticmethod
-    def _nearest(reps: list, holders: dict) -> list[tuple[str, int]]:
-        """[(holder engine, address), ...], nearest first."""
-        out = [(holders[sid], addr) for sid, addr in reps]
-        if len(out) > 1:
-            out.sort(key=lambda x: x[0][0])
-        return [(h[1], addr) for h, addr in out]
-
-    async def _read(self, keys: Sequence[str], reading: list, parts: Sequence[Parts], results: list,
-                    t0: float) -> None:
-        if any(type(e[2]) is SsdCopies for e in reading):
-            ssd = [e for e in reading if type(e[2]) is SsdCopies]
-            read = await read_copies(self, keys, ssd, parts, results)
-            if self.ssd_promote:
-                await promote(self, keys, read, parts)
-            reading = [e for e in reading if type(e[2]) is not SsdCopies]
-        attempt = {i: 0 for i, _, _ in reading}
-        last: dict[int, list[str]] = {}
-        pending = reading
-        while pending:
-            moves = Moves()
-            for i, size, reps in pending:
-                holder, addr = reps[attempt[i]]
-                ps = parts[i]
-                if len(ps) == 1:
-                    moves.add(int(ps[0][0]), holder, addr, size)
-                    continue
-                off = 0
-                for a, s in ps:
-                    n = min(int(s), size - off)
-                    if n <= 0:
-                        break
-                    moves.add(int(a), holder, addr + off, n)
-                    off += n
-            failed = await self._mover.run("read", moves, timeout=self.timeout)
-            if not failed:
-                for i, size, _ in pending:
-                    results[i] = size
-                break
-            again = []
-            for i, size, reps in pending:
-                h = reps[attempt[i]][0]
-                if h not in failed:
-                    results[i] = size
-                    continue
-                last.setdefault(i, []).append(f"{h}: {failed[h]}")
-                attempt[i] += 1
-                if attempt[i] < len(reps):
-                    self.replica_fallbacks += 1
-                    again.append((i, size, reps))
-                else:
-                    results[i] = ReplicaUnavailableError(
-                        f"no replica of {keys[i]!r} could be read ({'; '.join(last[i])})", key=keys[i])
-            pending = again
-        if time.monotonic() - t0 >= self.lease_ttl:
-            for i, _, _ in reading:
-                if isinstance(results[i], int):
-                    results[i] = LeaseExpiredError(
-                        f"reading {keys[i]!r} outlasted its {self.lease_ttl} s lease", key=keys[i])
-
-    @_with_timeout
-    async def get(self, key: str) -> bytes:
-        """The object's bytes, through the local buffer. get_into's errors."""
-        return self._one(await self.batch_get([key]))
-
-    @_with_timeout
-    @counted("get")
-    async def batch_get(self, keys: Sequence[str]) -> list:
-        keys = self._ns(keys)
-        results: list[Any] = [None] * len(keys)
-        todo = []
-        for i, key in enumerate(keys):
-            try:
-                check_key(key)
-                todo.append(i)
-            except KVFlowError as e:
-                results[i] = e
-        if not todo:
-            return results
-        t0 = time.monotonic()
-        reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
-        try:
-            return await self._get_staged(keys, todo, reply, results, t0)
-        finally:
-            self._release(reply)
-
-    async def _get_staged(self, keys: Sequence[str], todo: list[int], reply: dict, results: list,
-                          t0: float) -> list:
-        found, segs = _replica_rows(reply)
-        holders = self._holders(segs)
-        sized = []
-        for i, item in zip(todo, found):
-            r = _result(item, keys[i])
-            if isinstance(r, KVFlowError):
-                results[i] = r
-            else:
-                sized.append((i, r[0], self._nearest(r[1], holders) if r[1] or len(r) < 3 else SsdCopies(r[2])))
-        sizes = [s for _, s, _ in sized]
-        sub: list[Any] = [None] * len(sized)
-        for chunk in self._chunks(sizes, sub):
-            addrs = await self._stage([sizes[j] for j in chunk])
-            try:
-                parts = {sized[j][0]: [(a, sizes[j])] for j, a in zip(chunk, addrs)}
-                await self._read(keys, [sized[j] for j in chunk], parts, results, t0)
-                for j, a in zip(chunk, addrs):
-                    i = sized[j][0]
-                    if isinstance(results[i], int):
-                        results[i] = bytes(self._staging_view(a, sizes[j]))
-            finally:
-                await self._unstage(addrs)
-        for j, r in enumerate(sub):
-            if r is not None:
-                results[sized[j][0]] = r
-        return results
-
     # -- queries and removal ---------------------------------------------------
-    @_with_timeout
+    @with_timeout
     async def exists(self, key: str) -> bool:
         """Whether a complete object `key` is in the pool."""
         return self._one(await self.batch_exists([key]))
 
-    @_with_timeout
+    @with_timeout
     @counted("exists")
     async def batch_exists(self, keys: Sequence[str]) -> list:
         """One round trip for any number of keys."""
@@ -931,36 +460,36 @@ class StoreClient:
             return items
         return None
 
-    @_with_timeout
+    @with_timeout
     async def size(self, key: str) -> int:
         """The object's size. ObjectNotFoundError."""
         return self._one(await self.batch_size([key]))
 
-    @_with_timeout
+    @with_timeout
     async def batch_size(self, keys: Sequence[str]) -> list:
         return await self._keyed("batch_size", keys)
 
-    @_with_timeout
+    @with_timeout
     async def get_replicas(self, key: str) -> list[Replica]:
         """Where the object's replicas are (and a read lease on it)."""
-        found, segs = _replica_rows(await self._call("batch_get_replicas", self._ns([key])))
-        r = _result(found[0], key)
+        found, segs = replica_rows(await self._call("batch_get_replicas", self._ns([key])))
+        r = item_result(found[0], key)
         if isinstance(r, KVFlowError):
             raise r
         return [Replica((sid, *segs[sid], addr)) for sid, addr in r[1]]
 
-    @_with_timeout
+    @with_timeout
     async def remove(self, key: str, *, force: bool = False) -> None:
         """Removes the object. ObjectNotFoundError; ObjectLeasedError while a
         get holds a lease on it (unless `force`)."""
         self._one(await self.batch_remove([key], force=force))
 
-    @_with_timeout
+    @with_timeout
     @counted("remove")
     async def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list:
         return await self._keyed("batch_remove", keys, bool(force))
 
-    @_with_timeout
+    @with_timeout
     async def remove_all(self, *, force: bool = False) -> int:
         """Removes every complete object not under a lease (of this client's
         namespace only, when it has one); returns how many."""
@@ -1006,7 +535,7 @@ class StoreClient:
             raise InvalidArgumentError("this client has no SSD tier (ssd_path)")
         return await self._ssd.flush()
 
-    @_with_timeout
+    @with_timeout
     async def stats(self, *, detail: bool = False) -> dict:
         """The master's counts; with `detail`, its whole view (segments,
         clients, leases, evictions: Master.metrics(), what kvflow-info
@@ -1041,7 +570,7 @@ class StoreClient:
             items = await self._call(method, list(keys), *extra)
             if method == "batch_exists" and all(type(x) is bool for x in items):
                 return items
-            return [_result(item, k) for k, item in zip(keys, items)]
+            return [item_result(item, k) for k, item in zip(keys, items)]
         results: list[Any] = [None] * len(keys)
         todo = []
         for i, k in enumerate(keys):
@@ -1053,7 +582,7 @@ class StoreClient:
         if todo:
             items = await self._call(method, [keys[i] for i in todo], *extra)
             for i, item in zip(todo, items):
-                results[i] = _result(item, keys[i])
+                results[i] = item_result(item, keys[i])
         return results
 
     def _chunks(self, sizes: list[int], results: list) -> list[list[int]]:

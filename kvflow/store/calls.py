@@ -1,0 +1,85 @@
+"""What a StoreClient's calls share: the Replica row, the timeout every
+public call takes, and the small readers of the master's replies."""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from kvflow.errors import InvalidArgumentError
+
+from .errors import StoreTimeoutError, error_from_code
+from .records import MAX_KEY_BYTES
+
+__all__ = ["Parts", "Replica", "item_result", "one_part", "replica_rows", "with_timeout"]
+
+Parts = Sequence[tuple[int, int]]
+
+
+class Replica(tuple):
+    """(segment id, client id, holder engine address, holder host, address)."""
+    __slots__ = ()
+
+    segment = property(lambda self: self[0])
+    client = property(lambda self: self[1])
+    engine = property(lambda self: self[2])
+    host = property(lambda self: self[3])
+    addr = property(lambda self: self[4])
+
+
+def with_timeout(fn):
+    """Gives a public call a keyword-only `timeout=` (seconds, None: the
+    client's own per-step timeouts only). The whole call runs under it; on
+    expiry it is cancelled, which undoes what it started (revokes a put's
+    allocations, releases a get's lease, drains its transfers) before
+    StoreTimeoutError is raised."""
+    @functools.wraps(fn)
+    async def call(self, *args: Any, timeout: float | None = None, **kw: Any) -> Any:
+        if timeout is None:
+            return await fn(self, *args, **kw)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        cm = asyncio.timeout(timeout)
+        try:
+            async with cm:
+                return await fn(self, *args, **kw)
+        except TimeoutError:
+            if cm.expired():
+                raise StoreTimeoutError(f"{fn.__name__} did not finish within {timeout} s") from None
+            raise
+    return call
+
+
+def replica_rows(reply: dict) -> tuple[list, dict]:
+    """A put_start/get_replicas reply: its items, and its segments table
+    (segment id -> [client, engine, host])."""
+    return reply["items"], reply["segments"]
+
+
+def one_part(key: Any, ps: Any, starts: list[int], ends: list[int]) -> int:
+    """The size of an object given as one (int address, int size) part of
+    registered host memory under a plain valid key; 0 for anything else
+    (then the caller's full checks run and raise the right error)."""
+    if type(key) is not str or not key or len(key) > MAX_KEY_BYTES // 4 or type(ps) is not list \
+            or len(ps) != 1:
+        return 0
+    p = ps[0]
+    if type(p) is not tuple or len(p) != 2:
+        return 0
+    a, n = p
+    if type(a) is not int or type(n) is not int or a <= 0 or n <= 0:
+        return 0
+    i = bisect.bisect_right(starts, a) - 1
+    if i < 0 or a + n > ends[i]:
+        return 0
+    return n
+
+
+def item_result(item: Any, key: str) -> Any:
+    if item is True or item is False:          # batch_exists' compact items
+        return item
+    if item[0] == 0:
+        return item[1]
+    return error_from_code(item[1], item[2], key)

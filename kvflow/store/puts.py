@@ -1,0 +1,229 @@
+"""A StoreClient's puts (a mixin of StoreClient, client.py): the funnel
+of every put (allocate at the master, one kvflow batch per holder, commit),
+the put again of what an eager SSD tier holds back, revokes."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvflow.errors import InvalidArgumentError, KVFlowError
+
+from .calls import Parts, item_result, one_part, replica_rows, with_timeout
+from .datapath import Moves
+from .errors import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, SsdBusyError
+from .metrics import counted
+from .model import check_key
+
+__all__ = ["Puts"]
+
+
+class Puts:
+    # -- puts ------------------------------------------------------------------
+    @with_timeout
+    async def put_from(self, key: str, addr: int, size: int, **kw: Any) -> int:
+        """Puts `size` bytes at `addr` (registered memory) as `key`.
+        Returns the number of replicas stored (0 when the key existed
+        already: a no-op). Raises InvalidKeyError, InvalidArgumentError,
+        UnregisteredMemoryError, ObjectBusyError, ObjectExistsError (the key
+        exists with another size), NoSpaceError, ReplicaUnavailableError
+        (every replica's write failed), MasterUnavailableError."""
+        return self._one(await self.batch_put_from_parts([key], [[(addr, size)]], **kw))
+
+    @with_timeout
+    async def put_from_parts(self, key: str, parts: Parts, **kw: Any) -> int:
+        """put_from of an object made of several buffers, concatenated in order."""
+        return self._one(await self.batch_put_from_parts([key], [parts], **kw))
+
+    @with_timeout
+    async def batch_put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int],
+                             **kw: Any) -> list:
+        if not (len(keys) == len(addrs) == len(sizes)):
+            raise InvalidArgumentError("keys, addrs and sizes must have the same length")
+        return await self.batch_put_from_parts(keys, [[(a, s)] for a, s in zip(addrs, sizes)], **kw)
+
+    @with_timeout
+    @counted("put")
+    async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
+                                   replica_num: int | None = None, preferred_segment: int | None = None,
+                                   pin: bool = False, soft_pin: float | bool | None = None,
+                                   _again: bool = False, _wait: bool = True) -> list:
+        """The funnel of every put. One master round trip to allocate, one
+        kvflow batch per holder, one round trip to commit. `pin`: never
+        evicted (only removed); `soft_pin`: evicted only when nothing
+        unpinned can go, for that many seconds (True: the master's
+        soft_pin_ttl). The keys of one call are a chained prefix, head
+        first: the master evicts its tail before its head. A put whose
+        commit reached a new leader that never saw its allocation (the old
+        one died in between: follow.py) is put again, once."""
+        if len(keys) != len(parts):
+            raise InvalidArgumentError("keys and parts must have the same length")
+        if not _again and _wait:
+            keys = self._ns(keys)
+        rn = self.replica_num if replica_num is None else replica_num
+        if preferred_segment is None and self.prefer_local:
+            preferred_segment = self.segment_id
+        if not isinstance(rn, int) or isinstance(rn, bool) or rn < 1:
+            raise InvalidArgumentError(f"replica_num must be an int >= 1, not {rn!r}")
+        wire_pin: bool | list = bool(pin)
+        if soft_pin is not None and soft_pin is not False and not pin:
+            if soft_pin is not True and (isinstance(soft_pin, bool) or not isinstance(soft_pin, (int, float))
+                                         or not soft_pin > 0):
+                raise InvalidArgumentError(f"soft_pin must be True or seconds > 0, not {soft_pin!r}")
+            wire_pin = ["soft", None if soft_pin is True else float(soft_pin)]
+        results: list[Any] = [None] * len(keys)
+        todo: list[int] = []
+        sizes: list[int] = []
+        regions = self._regions()
+        starts, ends_ = regions
+        for i, (key, ps) in enumerate(zip(keys, parts)):
+            n = one_part(key, ps, starts, ends_)
+            if n:                                       # the common case, checked inline
+                todo.append(i)
+                sizes.append(n)
+                continue
+            try:
+                check_key(key)
+                if not ps:
+                    raise InvalidArgumentError("an object needs at least one part")
+                for a, s in self._parts(ps):
+                    self._check_local(a, s, regions)
+                todo.append(i)
+                sizes.append(sum(int(s) for _, s in ps))
+            except KVFlowError as e:
+                results[i] = e
+        if not todo:
+            return results
+        relinks = getattr(self._link, "reconnects", 0)
+        token = next(self._put_tokens)
+        try:
+            reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, wire_pin]
+                                                         for j, i in enumerate(todo)], token)
+        except (asyncio.CancelledError, MasterUnavailableError):
+            # the request may have reached the master and allocated: undo this
+            # call's allocations (queued behind the put_start on the same link)
+            await asyncio.shield(self._revoke([keys[i] for i in todo], token))
+            raise
+        started, segs = replica_rows(reply)
+        writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
+        ssd_busy = False
+        for i, item in zip(todo, started):
+            r = item_result(item, keys[i])
+            if isinstance(r, KVFlowError):
+                results[i] = r
+                ssd_busy = ssd_busy or type(r) is SsdBusyError
+            elif r is None:
+                results[i] = 0                      # exists already: immutable, nothing to write
+            else:
+                writing.append((i, r))
+        if not writing:
+            if _wait and ssd_busy:
+                await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
+            return results
+        try:
+            moves = Moves()
+            for i, reps in writing:
+                ps = parts[i]
+                for sid, addr in reps:
+                    holder = segs[sid][1]
+                    if len(ps) == 1:
+                        moves.add(int(ps[0][0]), holder, addr, int(ps[0][1]))
+                        continue
+                    off = 0
+                    for a, s in ps:
+                        moves.add(int(a), holder, addr + off, int(s))
+                        off += int(s)
+            failed = await self._mover.run("write", moves, timeout=self.timeout)
+        except BaseException:
+            # cancelled, or a bug: nothing of the writes is in flight any more
+            # (kvflow drains before raising); give the space back
+            await asyncio.shield(self._revoke([keys[i] for i, _ in writing], token))
+            raise
+        ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
+                for i, reps in writing]
+        ended = await self._call("batch_put_end", ends)
+        again = []
+        for (i, reps), item in zip(writing, ended):
+            r = item_result(item, keys[i])
+            if r == 0:
+                errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
+                r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
+            elif isinstance(r, ObjectNotFoundError) and getattr(self._link, "reconnects", 0) != relinks \
+                    and not _again:
+                again.append(i)
+            results[i] = r
+        if self._ssd is not None and self._ssd.mode == "eager":
+            self._ssd.wake()
+        if again:
+            redo = await self.batch_put_from_parts([keys[i] for i in again], [parts[i] for i in again],
+                                                   replica_num=rn, preferred_segment=preferred_segment,
+                                                   pin=pin, soft_pin=soft_pin, _again=True)
+            for i, r in zip(again, redo):
+                results[i] = r
+        if _wait and ssd_busy:
+            await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
+        return results
+
+    async def _wait_for_ssd(self, keys: Sequence[str], parts: Sequence[Parts], results: list, rn: int,
+                            preferred: int | None, pin: bool, soft_pin: float | bool | None) -> None:
+        """Puts that met SsdBusyError (the pool is full of objects an eager
+        SSD tier is still copying) are put again, backing off, until they
+        fit or the client's timeout has passed: the disk's pace is the
+        pool's, instead of objects lost."""
+        busy = [i for i, r in enumerate(results) if isinstance(r, SsdBusyError)]
+        deadline = time.monotonic() + self.timeout
+        delay = 0.002
+        while busy and time.monotonic() + delay < deadline:
+            if self._ssd is not None:
+                self._ssd.wake()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            redo = await self.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
+                                                   replica_num=rn, preferred_segment=preferred, pin=pin,
+                                                   soft_pin=soft_pin, _wait=False)
+            for i, r in zip(busy, redo):
+                results[i] = r
+            busy = [i for i in busy if isinstance(results[i], SsdBusyError)]
+
+    async def _revoke(self, keys: list[str], token: int) -> None:
+        try:
+            await self._call("batch_put_revoke", keys, token)
+        except KVFlowError:
+            pass        # the master is gone or lost us: it dropped our puts itself
+
+    @with_timeout
+    async def put(self, key: str, value: Any, **kw: Any) -> int:
+        """Puts bytes (anything with the buffer protocol) through the local
+        buffer. Returns replicas stored (0: existed). put_from's errors, and
+        InvalidArgumentError for a value larger than the local buffer."""
+        return self._one(await self.batch_put([key], [value], **kw))
+
+    @with_timeout
+    async def batch_put(self, keys: Sequence[str], values: Sequence[Any], **kw: Any) -> list:
+        if len(keys) != len(values):
+            raise InvalidArgumentError("keys and values must have the same length")
+        views = []
+        for v in values:
+            try:
+                m = memoryview(v).cast("B")
+            except TypeError:
+                raise InvalidArgumentError(f"a value must support the buffer protocol, not "
+                                           f"{type(v).__name__}") from None
+            views.append(m)
+        results: list[Any] = [None] * len(keys)
+        for chunk in self._chunks([len(m) for m in views], results):
+            addrs = await self._stage([len(views[i]) for i in chunk])
+            try:
+                for i, a in zip(chunk, addrs):
+                    n = len(views[i])
+                    np.frombuffer(self._staging_view(a, n), np.uint8)[:] = np.frombuffer(views[i], np.uint8)
+                out = await self.batch_put_from_parts([keys[i] for i in chunk],
+                                                      [[(a, len(views[i]))] for i, a in zip(chunk, addrs)], **kw)
+            finally:
+                await self._unstage(addrs)
+            for i, r in zip(chunk, out):
+                results[i] = r
+        return results
