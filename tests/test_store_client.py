@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import random
 import zlib
 
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.store.rpc import BlockingQuery
 from kvflow.errors import InvalidArgumentError, UnregisteredMemoryError
 from kvflow.store import (BufferTooSmallError, InvalidKeyError, MasterUnavailableError, Master, StoreTimeoutError,
                           NoSpaceError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
@@ -675,20 +673,5 @@ async def test_batch_exists_blocking_answers_from_another_thread_and_falls_back(
         a._query.close()
         assert await ask(["absent"]) == [False]
         assert (await a.stats())["clients"] == 1
-        # it went to the master's query port (query.py), off the master's loop
-        port = master._query.port
-        assert a._hello["query_port"] == port and a._query.address.endswith(f":{port}")
-        calls = master.counters.calls["batch_exists"]
-        assert await ask(["here"]) == [False] and master.counters.calls["batch_exists"] == calls
-        # that port answers batch_exists only; garbage closes the connection, the master serves on
-        q = BlockingQuery(f"127.0.0.1:{port}", 5.0)
-        with pytest.raises(InvalidArgumentError):
-            await loop.run_in_executor(None, q.call, "batch_remove", ["here"])
-        assert await loop.run_in_executor(None, q.call, "batch_exists", ["x"]) == [False]
-        q.close()
-        with socket.create_connection(("127.0.0.1", port)) as raw:
-            raw.sendall(b"\xff\xff\xff\xff garbage")
-            assert await loop.run_in_executor(None, raw.recv, 10) == b""
-        assert await ask(["absent"]) == [False]
     async with _pool(1, ("tcp",)) as (master, (b,)):              # an in-process master: the loop's path
         assert await asyncio.get_running_loop().run_in_executor(None, b.batch_exists_blocking, ["k"]) is None

@@ -443,9 +443,6 @@ class StoreClient(Puts, Gets):
         address = link.address
         if address is None or threading.get_ident() == self._loop_thread:
             return None                 # no leader known; or the loop's own thread: never block it
-        port = self._hello.get("query_port")
-        if type(port) is int:           # the master answers batch_exists off its loop there (query.py)
-            address = f"{address.rpartition(':')[0]}:{port}"
         q = self._query
         if q is None or q.address != address:
             if q is not None:

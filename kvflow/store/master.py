@@ -38,7 +38,6 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 from .errors import DurabilityError, ObjectBusyError, error_code
 from .metrics import MasterCounters, master_view
 from .model import MAX_KEY_BYTES, StoreModel
-from .query import QueryServer
 from .ssd_master import SSD_METHODS, SsdCalls
 from .wire import FrameBuffer, encode, item_error, item_ok
 
@@ -96,8 +95,6 @@ class Master(SsdCalls):
         self.calls = 0
         self.counters = MasterCounters()        # calls per method, lookups (metrics.py)
         self._server: asyncio.base_events.Server | None = None
-        self._query: QueryServer | None = None      # batch_exists off the loop (query.py)
-        self._listen_host: str | None = None
         self._monitor: asyncio.Task | None = None
         self._connections: set[_MasterProtocol] = set()
         self._closed = False
@@ -129,14 +126,7 @@ class Master(SsdCalls):
                                                                           start_serving=serving)
             sock = self._server.sockets[0].getsockname()
             self.address = f"{host}:{sock[1]}"
-            self._listen_host = host
-            if serving:
-                self._start_queries()
         return self
-
-    def _start_queries(self) -> None:
-        if self._query is None and self._listen_host is not None and not self._closed:
-            self._query = QueryServer(self._listen_host, lambda keys: self._batch_exists(None, 0.0, keys)).start()
 
     async def serve(self) -> None:
         """Starts accepting clients (after start(serving=False))."""
@@ -144,7 +134,6 @@ class Master(SsdCalls):
             self._monitor = asyncio.get_running_loop().create_task(self._watch_clients())
         if self._server is not None:
             await self._server.start_serving()
-            self._start_queries()
 
     def attach_journal(self, journal, *, sync_commit: bool = True) -> None:
         """From now on the model's changes are made durable by `journal`.
@@ -161,9 +150,6 @@ class Master(SsdCalls):
             self.failed.exception()         # retrieved: the owner may be gone already
         for proto in list(self._connections):
             proto.transport.abort()         # clients go on to the next leader
-        if self._query is not None:
-            self._query.close()             # nor answers exists from what may be stale
-            self._query = None
 
     def _persist(self) -> None:
         if self.journal is not None:
@@ -200,8 +186,6 @@ class Master(SsdCalls):
         self._closed = True
         if self._server is not None:
             self._server.close()
-        if self._query is not None:
-            self._query.close()
         for proto in list(self._connections):
             proto.transport.abort()
         if self._monitor is not None:
@@ -286,8 +270,7 @@ class Master(SsdCalls):
             c.beat_token = secrets.token_hex(16)
             s.client_id = client_id
             return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
-                    "grace": self.client_grace, "beat_token": c.beat_token, "root_fs_dir": self.root_fs_dir,
-                    "query_port": self._query.port if self._query is not None else None}
+                    "grace": self.client_grace, "beat_token": c.beat_token, "root_fs_dir": self.root_fs_dir}
         if method == "beat":
             # a client's heartbeat thread, on a connection of its own: alive
             # even while its event loop is blocked (its kvflow engine's native
