@@ -48,6 +48,7 @@ from .codes import (PROTOCOLS, STORE_INTERNAL_ERROR, STORE_INVALID_PARAMS, STORE
                     STORE_NO_AVAILABLE_HANDLE, STORE_NOT_SUPPORTED, STORE_OBJECT_HAS_LEASE, STORE_OBJECT_NOT_FOUND,
                     STORE_RPC_FAIL, STORE_RPC_TIMEOUT, STORE_SEGMENT_NOT_FOUND, STORE_TRANSFER_FAIL,
                     mooncake_flag)
+from .tensor import TensorCalls
 from .waiting import run_blocking
 
 __all__ = ["BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "ReplicateConfig", "SoftPinAction"]
@@ -265,8 +266,9 @@ def _view(value: Any) -> memoryview:
         raise TypeError(f"a bytes-like object is required, not {type(value).__name__!r}") from None
 
 
-class MooncakeDistributedStore:
-    """Mooncake Store's client (see the module docstring)."""
+class MooncakeDistributedStore(TensorCalls):
+    """Mooncake Store's client (see the module docstring); the tensor calls
+    are tensor.py's."""
 
     def __init__(self) -> None:
         self._thread: EngineThread | None = None
