@@ -942,6 +942,13 @@ class StoreClient:
         return await self._ssd.flush()
 
     @_with_timeout
+    async def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
+        """Removes every complete object whose key `pattern` (a Python
+        regular expression) matches anywhere, not those under a lease unless
+        `force`; returns how many. InvalidArgumentError for a bad pattern."""
+        return await self._call("remove_by_regex", pattern, bool(force))
+
+    @_with_timeout
     async def stats(self, *, detail: bool = False) -> dict:
         """The master's counts; with `detail`, its whole view (segments,
         clients, leases, evictions: Master.metrics(), what kvflow-info
