@@ -60,7 +60,21 @@ UPSTREAM = {
 }
 # What kvflow does not pass yet, and why (an xfail, strict: a pass fails the
 # test until the entry goes).
-KVFLOW_GAPS: dict[str, str] = {}
+KVFLOW_GAPS: dict[str, str] = {
+    "test_copy_move_api.py": "Mooncake's copy/move tasks (create_copy_task, create_move_task, query_task, "
+                             "QueryTaskResponse, TaskStatus, get_replica_desc's descriptors) are not built in "
+                             "kvflow.store: it fails at its import",
+}
+# Cases kvflow skips that Mooncake runs: (how many, why). The run passes;
+# the count is checked so that a new skip is seen.
+KVFLOW_SKIPS: dict[str, tuple[int, str]] = {
+    "test_tensor_api.py": (39, "the unified parallelism API (ParallelAxis, TensorParallelism, ReadTarget, "
+                               "*_with_parallelism*) is not built: the script skips those cases itself"),
+}
+# Not run here: test_dummy_client.py and test_multi_dummy_clients.py need
+# `mooncake_client`, Mooncake's standalone real client that dummy clients
+# (setup_dummy) reach over shared memory at 127.0.0.1:50052; kvflow has no
+# such process (docs/mooncake.md).
 
 
 def _free_port() -> int:
@@ -339,3 +353,6 @@ def test_ci_run(name, impl, tmp_path):
             pytest.xfail(f"{KVFLOW_GAPS[name]} ({_summary(out)})")
         pytest.fail(f"{name} passes on kvflow now: drop it from KVFLOW_GAPS")
     assert rc == 0, out[-6000:]
+    skipped = re.findall(r"^OK \(skipped=(\d+)\)$", out, re.M)
+    if impl == "kvflow" and name in KVFLOW_SKIPS:
+        assert skipped == [str(KVFLOW_SKIPS[name][0])], (_summary(out), KVFLOW_SKIPS[name][1])
