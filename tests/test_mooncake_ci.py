@@ -296,6 +296,40 @@ def test_config_from_env(monkeypatch, tmp_path):
     assert (c.local_hostname, c.master_server_address, c.global_segment_size) == ("h", "m:1", 4 << 30)
 
 
+# -- tensor objects: Mooncake's layout, byte for byte -------------------------------
+
+def test_tensor_metadata_is_mooncakes():
+    """kvflow's TensorMetadata bytes equal the real wheel's
+    (_serialize_tensor), and each side decodes the other's objects."""
+    torch = pytest.importorskip("torch")
+    from kvflow.compat.mooncake import tensor as kt
+    tensors = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.ones(2, 3, dtype=torch.bfloat16),
+               torch.empty(2, 0, 3), torch.randint(0, 9, (2, 2, 2, 2), dtype=torch.int64),
+               torch.tensor([1.5, -2.0], dtype=torch.float16), torch.zeros(5, dtype=torch.bool)]
+    assert kt.METADATA_SIZE == 304
+    for t in tensors:
+        meta, data = kt.tensor_object(t)
+        obj = meta + bytes(data.numpy())
+        assert torch.equal(kt.to_tensor(obj, len(obj), copy=True), t)
+    if _wheel_missing() is not None:
+        pytest.skip("the Mooncake wheel is not installed: kvflow's own round trip only")
+    import importlib
+    real = importlib.import_module("mooncake.store")
+    if not hasattr(real, "_serialize_tensor") or "kvflow" in real.__file__:
+        pytest.skip("the installed mooncake.store has no _serialize_tensor")
+    assert real._tensor_metadata_size() == kt.METADATA_SIZE
+    for t in tensors:
+        meta, data = kt.tensor_object(t)
+        assert real._serialize_tensor(t)[0] == meta, t.dtype
+        theirs = real._deserialize_tensor(meta + bytes(data.numpy()))
+        assert theirs.dtype == t.dtype and torch.equal(theirs, t)
+    # a TP shard's header: SHARD, the full shape as global shape, one TP axis
+    full = torch.arange(24, dtype=torch.int32).reshape(4, 6)
+    meta, _ = kt.tensor_object(kt.shard(full, 1, 2, 1), [(kt.AXIS_TP, 0, 1, 2, 1)], [4, 6])
+    got = kt.decode_metadata(meta + bytes(4 * 3 * 4), len(meta) + 48)
+    assert got["kind"] == kt.SHARD and got["global_shape"] == [4, 6] and got["local_shape"] == [4, 3]
+
+
 # -- Mooncake's CI, unchanged ---------------------------------------------------------
 
 def _upstream_file(name: str, into: Path) -> Path:
