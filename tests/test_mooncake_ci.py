@@ -47,6 +47,14 @@ CI_FLAGS = ["--default_kv_lease_ttl=500", "--eviction_high_watermark_ratio=0.95"
 
 # name -> (path at the commit, sha256, arguments, which CI step's environment)
 UPSTREAM = {
+    # run_tests.sh runs these two against `mooncake_master --enable_http_metadata_server`
+    # (test_compat_mooncake_store.py runs them with P2PHANDSHAKE)
+    "test_distributed_object_store.py": (
+        "mooncake-wheel/tests/test_distributed_object_store.py",
+        "5d3b3ec43915a402889def77d71ff863479ee7ec5889a257af9de8884b1f8e3a", [], "wheel"),
+    "test_replicated_distributed_object_store.py": (
+        "mooncake-wheel/tests/test_replicated_distributed_object_store.py",
+        "da47ceedfeaccd89816da81330ce11712a734d54cf76725f5c1fb34e9c72e236", [], "wheel"),
     "test_put_get_tensor.py": ("mooncake-wheel/tests/test_put_get_tensor.py",
                                "8416867879f65d62467d61d2a55d0f4abc34715bb3b7d50597d22b9f25fb5464", [], "wheel"),
     "test_safetensor_functions.py": ("mooncake-wheel/tests/test_safetensor_functions.py",
