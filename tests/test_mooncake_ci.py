@@ -130,14 +130,14 @@ class CiMaster:
 
     def __init__(self, impl: str, *flags: str) -> None:
         self.impl = impl
-        self.port, self.http_port = _free_port(), _free_port()
+        self.port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         env = _env(impl)
         exe = shutil.which("mooncake_master", path=env["PATH"])
         assert exe is not None
         if impl == "kvflow":
             assert exe.startswith(bin_path()), exe
         argv = [exe, *CI_FLAGS, "--port", str(self.port), f"--http_metadata_server_port={self.http_port}",
-                f"--metrics_port={_free_port()}", *flags]
+                f"--metrics_port={self.metrics_port}", *flags]
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         if impl == "kvflow":
@@ -173,10 +173,14 @@ def test_flags_parsed_into_master_options():
                                 "--root_fs_dir=/tmp/x", "--client_ttl=20", "--metrics_port", "9100"])
     assert opts == MasterOptions(listen="0.0.0.0:50051", lease_ttl=0.5, high_watermark=0.95, low_watermark=0.85,
                                  cluster="ci_test_cluster", etcd=None, client_grace=20.0,
-                                 http_metadata=("0.0.0.0", 8080), root_fs_dir="/tmp/x")
+                                 http_metadata=("0.0.0.0", 8080), root_fs_dir="/tmp/x", metrics_port=9100)
     assert values["metrics_port"] == 9100
     assert store_argv(opts) == ["master", "--listen", "0.0.0.0:50051", "--lease-ttl", "0.5", "--high-watermark",
-                                "0.95", "--low-watermark", "0.85", "--client-grace", "20.0"]
+                                "0.95", "--low-watermark", "0.85", "--client-grace", "20.0", "--cluster",
+                                "ci_test_cluster", "--root-fs-dir", "/tmp/x", "--metrics-port", "9100"]
+    # the metrics port only when given, and not with --enable_metric_reporting=false
+    assert parse_flags([])[0].metrics_port is None
+    assert parse_flags(["--metrics_port=9", "--enable_metric_reporting=false"])[0].metrics_port is None
     # rpc_port over port, rpc_address, durations with units, bare and negated bools
     opts, _ = parse_flags(["--port=1", "--rpc_port=7000", "--rpc_address", "127.0.0.1", "--default_kv_lease_ttl=5s",
                            "--enable_http_metadata_server", "--http_metadata_server_port=9",
@@ -187,7 +191,7 @@ def test_flags_parsed_into_master_options():
     assert (opts.listen, opts.lease_ttl, opts.high_watermark, opts.http_metadata) == ("0.0.0.0:50051", 5.0, 0.9, None)
     # HA: etcd's first endpoint, the cluster id as kvflow's cluster
     opts, _ = parse_flags(["--enable_ha=true", "--etcd_endpoints=10.0.0.1:2379;10.0.0.2:2379", "--cluster_id=c7"])
-    assert store_argv(opts)[-4:] == ["--etcd", "10.0.0.1:2379", "--cluster", "c7"]
+    assert store_argv(opts)[-4:] == ["--cluster", "c7", "--etcd", "10.0.0.1:2379"]
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -239,6 +243,8 @@ def test_launcher_ready_and_http_metadata():
         assert _http("GET", url)[0] == 400
         assert _http("DELETE", url + "?key=k") == (200, b"metadata deleted")
         assert _http("DELETE", url + "?key=k")[0] == 404
+        status, body = _http("GET", f"http://127.0.0.1:{m.metrics_port}/metrics")       # --metrics_port
+        assert status == 200 and b"kvflow" in body, body[:200]
         run = subprocess.run([sys.executable, "-c", (
             "import asyncio, sys; from kvflow.metadata.http_store import HttpStore\n"
             "async def main():\n"

@@ -43,10 +43,10 @@ FLAGS: dict[str, tuple[str, object, str]] = {
     "enable_http_metadata_server": ("bool", False, "serve Mooncake's HTTP metadata protocol as well"),
     "http_metadata_server_port": ("int", 8080, "its port"),
     "http_metadata_server_host": ("str", "0.0.0.0", "its address"),
-    "root_fs_dir": ("str", "", "taken and recorded (MasterOptions.root_fs_dir); kvflow's SSD tier is set "
-                    "per client (setup's enable_ssd_offload / ssd_offload_path), not by the master"),
-    "metrics_port": ("int", 9003, "taken; kvflow's master serves no HTTP metrics on it"),
-    "enable_metric_reporting": ("bool", True, "taken; no effect"),
+    "root_fs_dir": ("str", "", "where the Mooncake API's clients keep SSD tiers, <dir>/<cluster_id>/... "
+                    "(--root-fs-dir)"),
+    "metrics_port": ("int", 9003, "Prometheus metrics on this port (--metrics-port), when given"),
+    "enable_metric_reporting": ("bool", True, "false: no metrics port even when --metrics_port is given"),
     "metrics_host": ("str", "0.0.0.0", "taken; no effect"),
     "rpc_thread_num": ("int", 0, "taken; kvflow's master is one event loop"),
     "max_threads": ("int", 16, "taken; kvflow's master is one event loop"),
@@ -55,8 +55,8 @@ FLAGS: dict[str, tuple[str, object, str]] = {
     "memory_allocator": ("str", "offset", "taken; kvflow has one allocator"),
     "v": ("int", 0, "verbose logging when > 0"),
 }
-IGNORED = frozenset({"metrics_port", "enable_metric_reporting", "metrics_host", "rpc_thread_num", "max_threads",
-                     "rpc_enable_tcp_no_delay", "rpc_conn_timeout_seconds", "memory_allocator"})
+IGNORED = frozenset({"metrics_host", "rpc_thread_num", "max_threads", "rpc_enable_tcp_no_delay",
+                     "rpc_conn_timeout_seconds", "memory_allocator"})
 _TRUE = ("true", "1", "yes", "t", "y")
 _FALSE = ("false", "0", "no", "f", "n")
 
@@ -73,6 +73,7 @@ class MasterOptions:
     client_grace: float | None = None
     http_metadata: tuple[str, int] | None = None     # (host, port) when served
     root_fs_dir: str = ""
+    metrics_port: int | None = None                   # only when --metrics_port is given
     verbose: bool = False
 
 
@@ -110,6 +111,7 @@ def parse_flags(argv: list[str]) -> tuple[MasterOptions, dict[str, object]]:
     value). Raises InvalidArgumentError for an unknown flag, a missing or
     bad value, or a combination kvflow cannot serve."""
     values = {name: default for name, (_, default, _) in FLAGS.items()}
+    given: set[str] = set()
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -119,9 +121,11 @@ def parse_flags(argv: list[str]) -> tuple[MasterOptions, dict[str, object]]:
         name, eq, text = arg.lstrip("-").partition("=")
         if name not in FLAGS and name.startswith("no") and FLAGS.get(name[2:], ("",))[0] == "bool" and not eq:
             values[name[2:]] = False
+            given.add(name[2:])
             continue
         if name not in FLAGS:
             raise _unknown(arg)
+        given.add(name)
         if not eq:
             if FLAGS[name][0] == "bool":          # gflags: a bare bool flag is true, never takes the next word
                 values[name] = True
@@ -131,10 +135,10 @@ def parse_flags(argv: list[str]) -> tuple[MasterOptions, dict[str, object]]:
             text = argv[i]
             i += 1
         values[name] = _value(name, text)
-    return _options(values), values
+    return _options(values, given), values
 
 
-def _options(v: dict[str, object]) -> MasterOptions:
+def _options(v: dict[str, object], given: set[str]) -> MasterOptions:
     port = int(v["rpc_port"]) or int(v["port"])
     high, ratio = float(v["eviction_high_watermark_ratio"]), float(v["eviction_ratio"])
     if not 0 < high <= 1 or not 0 <= ratio <= 1:
@@ -151,7 +155,9 @@ def _options(v: dict[str, object]) -> MasterOptions:
     return MasterOptions(listen=f"{v['rpc_address']}:{port}", lease_ttl=float(v["default_kv_lease_ttl"]) / 1000,
                          high_watermark=high, low_watermark=max(0.0, high - ratio), cluster=str(v["cluster_id"]),
                          etcd=etcd, client_grace=float(v["client_ttl"]) or None, http_metadata=http,
-                         root_fs_dir=str(v["root_fs_dir"]), verbose=int(v["v"]) > 0)
+                         root_fs_dir=str(v["root_fs_dir"]), verbose=int(v["v"]) > 0,
+                         metrics_port=int(v["metrics_port"]) if "metrics_port" in given and v["enable_metric_reporting"]
+                         else None)
 
 
 def store_argv(opts: MasterOptions) -> list[str]:
@@ -160,8 +166,13 @@ def store_argv(opts: MasterOptions) -> list[str]:
             "--high-watermark", repr(opts.high_watermark), "--low-watermark", repr(opts.low_watermark)]
     if opts.client_grace is not None:
         argv += ["--client-grace", repr(opts.client_grace)]
+    argv += ["--cluster", opts.cluster]         # etcd's namespace, and root_fs_dir's subdirectory
     if opts.etcd is not None:
-        argv += ["--etcd", opts.etcd, "--cluster", opts.cluster]
+        argv += ["--etcd", opts.etcd]
+    if opts.root_fs_dir:
+        argv += ["--root-fs-dir", opts.root_fs_dir]
+    if opts.metrics_port is not None:
+        argv += ["--metrics-port", str(opts.metrics_port)]
     if opts.verbose:
         argv.append("-v")
     return argv
@@ -215,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidArgumentError as e:
         print(f"mooncake_master (kvflow): {e}", file=sys.stderr)
         return 2
-    if opts.root_fs_dir:
-        print(f"kvflow mooncake_master: --root_fs_dir={opts.root_fs_dir} taken; kvflow's SSD tier is "
-              "configured per client", flush=True)
     if opts.http_metadata is not None:
         try:
             port, _ = _serve_metadata(*opts.http_metadata)
