@@ -150,46 +150,62 @@ class TensorCalls:
     batch_get_into, put_from, upsert_from, get_size, _fail)."""
 
     # ------------------------------------------------------------- put
-    def _put_tensor(self, key: str, tensor: Any, config: Any, upsert: bool,
-                    axes: list = (), global_shape: list[int] | None = None) -> int:
-        obj = tensor_object(tensor, axes, global_shape)
-        if obj is None:
-            from kvflow.errors import InvalidArgumentError
-            return self._fail(InvalidArgumentError(f"{key!r}: not a storable torch tensor"), STORE_INVALID_PARAMS)
-        meta, data = obj
-        put = self.upsert_parts if upsert else self.put_parts
-        return put(key, meta, data.numpy(), config=config)
+    def _put_objects(self, keys: list[str], objs: list[tuple[bytes, Any] | None], config: Any,
+                     upsert: bool) -> list[int]:
+        """The funnel of every tensor put: the objects that are tensors go
+        in one batch put (an upsert removes the old ones first, as
+        upsert_batch does); per key 0 or a code."""
+        from kvflow.errors import InvalidArgumentError
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+            raise TypeError("keys must be a list of str")
+        codes = [0] * len(keys)
+        good = [i for i, o in enumerate(objs) if o is not None]
+        for i in set(range(len(keys))) - set(good):
+            codes[i] = self._fail(InvalidArgumentError(f"{keys[i]!r}: not a storable torch tensor"),
+                                  STORE_INVALID_PARAMS)
+        if not good:
+            return codes
+        names = [keys[i] for i in good]
+        if upsert and (code := self._replace(names, config)) is not None:
+            got = [code] * len(names)
+        else:
+            # metadata and bytes joined: one contiguous object per key
+            values = [b"".join((objs[i][0], objs[i][1].numpy())) for i in good]
+            got = self._puts(lambda c, kw: c.batch_put(names, values, **kw), len(names), config)
+        for i, r in zip(good, got):
+            codes[i] = r
+        return codes
+
+    def _put_tensors(self, keys: list[str], tensors: list[Any], config: Any, upsert: bool) -> list[int]:
+        if not isinstance(tensors, (list, tuple)) or len(keys) != len(tensors):
+            return self._fail_all(len(keys), "keys and tensors differ in length")
+        return self._put_objects(keys, [tensor_object(t) for t in tensors], config, upsert)
 
     def put_tensor(self, key: str, tensor: Any) -> int:
         """Stores a tensor (Mooncake's layout): 0 or a code."""
-        return self._put_tensor(key, tensor, None, False)
+        return self._put_tensors([key], [tensor], None, False)[0]
 
     def pub_tensor(self, key: str, tensor: Any, config: Any = None) -> int:
-        return self._put_tensor(key, tensor, config, False)
+        return self._put_tensors([key], [tensor], config, False)[0]
 
     def upsert_tensor(self, key: str, tensor: Any) -> int:
-        return self._put_tensor(key, tensor, None, True)
+        return self._put_tensors([key], [tensor], None, True)[0]
 
     def upsert_pub_tensor(self, key: str, tensor: Any, config: Any = None) -> int:
-        return self._put_tensor(key, tensor, config, True)
+        return self._put_tensors([key], [tensor], config, True)[0]
 
     def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
-        return self._batch(keys, tensors_list, lambda k, t: self._put_tensor(k, t, None, False))
+        """Stores each tensor, all in one batch put: per key 0 or a code."""
+        return self._put_tensors(keys, tensors_list, None, False)
 
     def batch_pub_tensor(self, keys: list[str], tensors_list: list[Any], config: Any = None) -> list[int]:
-        return self._batch(keys, tensors_list, lambda k, t: self._put_tensor(k, t, config, False))
+        return self._put_tensors(keys, tensors_list, config, False)
 
     def batch_upsert_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
-        return self._batch(keys, tensors_list, lambda k, t: self._put_tensor(k, t, None, True))
+        return self._put_tensors(keys, tensors_list, None, True)
 
     def batch_upsert_pub_tensor(self, keys: list[str], tensors_list: list[Any], config: Any = None) -> list[int]:
-        return self._batch(keys, tensors_list, lambda k, t: self._put_tensor(k, t, config, True))
-
-    def _batch(self, keys: list[str], values: list[Any], one: Any) -> list[int]:
-        if len(keys) != len(values):
-            from kvflow.errors import InvalidArgumentError
-            return self._fail_all(len(keys), InvalidArgumentError("keys and tensors differ in length"))
-        return [one(k, v) for k, v in zip(keys, values)]
+        return self._put_tensors(keys, tensors_list, config, True)
 
     def _check_from(self, buffer_ptr: int, size: int) -> int:
         if not buffer_ptr or size < METADATA_SIZE or decode_metadata(_at(buffer_ptr, size), size) is None:
@@ -241,21 +257,38 @@ class TensorCalls:
         return [None if n < 0 else to_tensor(_at(p, n), n, copy=False) for p, n in zip(buffer_ptrs, got)]
 
     # ------------------------------------------------------------- tensor parallel
-    def _put_tp(self, key: str, tensor: Any, tp_size: int, split_dim: int, config: Any, upsert: bool) -> int:
+    def _put_tp(self, keys: list[str], tensors: list[Any], tp_size: int, split_dim: int, config: Any,
+                upsert: bool) -> list[int]:
+        """tp_size shards of each tensor under "<key>_tp_<rank>", every
+        shard of every key in one batch put; per key 0 or the first code."""
+        from kvflow.errors import InvalidArgumentError
         torch = _torch()
-        if not isinstance(tensor, torch.Tensor):
-            return self._put_tensor(key, tensor, config, upsert)        # the same code as Mooncake's
-        for rank in range(tp_size):
-            part = shard(tensor, rank, tp_size, split_dim)
-            if part is None:
-                from kvflow.errors import InvalidArgumentError
-                return self._fail(InvalidArgumentError(f"dim {split_dim} of {tuple(tensor.shape)} does not split "
-                                                       f"into {tp_size} equal shards"), STORE_INVALID_PARAMS)
-            rc = self._put_tensor(tp_key(key, rank), part, config, upsert,
-                                  [(AXIS_TP, 0, rank, tp_size, split_dim)], list(tensor.shape))
-            if rc:
-                return rc
-        return 0
+        if not isinstance(tensors, (list, tuple)) or len(keys) != len(tensors):
+            return self._fail_all(len(keys), "keys and tensors differ in length")
+        names: list[str] = []
+        objs: list[Any] = []
+        early: dict[int, int] = {}
+        for i, (key, tensor) in enumerate(zip(keys, tensors)):
+            if not isinstance(tensor, torch.Tensor):
+                early[i] = self._fail(InvalidArgumentError(f"{key!r}: not a torch tensor"), STORE_INVALID_PARAMS)
+                continue
+            parts = [shard(tensor, rank, tp_size, split_dim) for rank in range(tp_size)]
+            if any(p is None for p in parts):
+                early[i] = self._fail(InvalidArgumentError(f"dim {split_dim} of {tuple(tensor.shape)} does not "
+                                                           f"split into {tp_size} equal shards"), STORE_INVALID_PARAMS)
+                continue
+            for rank, part in enumerate(parts):
+                names.append(tp_key(key, rank))
+                objs.append(tensor_object(part, [(AXIS_TP, 0, rank, tp_size, split_dim)], list(tensor.shape)))
+        got = iter(self._put_objects(names, objs, config, upsert) if names else [])
+        out = []
+        for i in range(len(keys)):
+            if i in early:
+                out.append(early[i])
+            else:
+                codes = [next(got) for _ in range(tp_size)]
+                out.append(next((c for c in codes if c), 0))
+        return out
 
     def put_tensor_with_tp(self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1,
                            split_dim: int = 0) -> int:
@@ -263,29 +296,31 @@ class TensorCalls:
         under "<key>_tp_<rank>"; tp_size <= 1: put_tensor. 0 or a code."""
         if tp_size <= 1:
             return self.put_tensor(key, tensor)
-        return self._put_tp(key, tensor, tp_size, split_dim, None, False)
+        return self._put_tp([key], [tensor], tp_size, split_dim, None, False)[0]
 
     def pub_tensor_with_tp(self, key: str, tensor: Any, config: Any = None, tp_rank: int = 0, tp_size: int = 1,
                            split_dim: int = 0) -> int:
         if tp_size <= 1:
             return self.pub_tensor(key, tensor, config)
-        return self._put_tp(key, tensor, tp_size, split_dim, config, False)
+        return self._put_tp([key], [tensor], tp_size, split_dim, config, False)[0]
 
     def upsert_tensor_with_tp(self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1,
                               split_dim: int = 0) -> int:
         if tp_size <= 1:
             return self.upsert_tensor(key, tensor)
-        return self._put_tp(key, tensor, tp_size, split_dim, None, True)
+        return self._put_tp([key], [tensor], tp_size, split_dim, None, True)[0]
 
     def batch_put_tensor_with_tp(self, base_keys: list[str], tensors_list: list[Any], tp_rank: int = 0,
                                  tp_size: int = 1, split_dim: int = 0) -> list[int]:
-        return self._batch(base_keys, tensors_list, lambda k, t: self.put_tensor_with_tp(k, t, tp_rank, tp_size,
-                                                                                         split_dim))
+        if tp_size <= 1:
+            return self.batch_put_tensor(base_keys, tensors_list)
+        return self._put_tp(base_keys, tensors_list, tp_size, split_dim, None, False)
 
     def batch_pub_tensor_with_tp(self, base_keys: list[str], tensors_list: list[Any], config: Any = None,
                                  tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> list[int]:
-        return self._batch(base_keys, tensors_list,
-                           lambda k, t: self.pub_tensor_with_tp(k, t, config, tp_rank, tp_size, split_dim))
+        if tp_size <= 1:
+            return self.batch_pub_tensor(base_keys, tensors_list, config)
+        return self._put_tp(base_keys, tensors_list, tp_size, split_dim, config, False)
 
     def get_tensor_with_tp(self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> Any:
         """This rank's shard ("<key>_tp_<tp_rank>"); tp_size <= 1: get_tensor."""
@@ -311,8 +346,8 @@ class TensorCalls:
             return rc
         if tp_size <= 1:
             return self.put_from(key, buffer_ptr, size)
-        return self._put_tp(key, to_tensor(_at(buffer_ptr, size), size, copy=False), tp_size, split_dim, None,
-                            False)
+        return self._put_tp([key], [to_tensor(_at(buffer_ptr, size), size, copy=False)], tp_size, split_dim, None,
+                            False)[0]
 
     def batch_put_tensor_with_tp_from(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                       tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> list[int]:
