@@ -265,6 +265,25 @@ def test_launcher_ready_and_http_metadata():
     assert m.proc.returncode == 0
 
 
+def test_standalone_http_metadata_server():
+    """The shim's `mooncake_http_metadata_server` (run_tests.sh starts one
+    on 8080): ready line, Mooncake's answers, SIGTERM stops it."""
+    port = _free_port()
+    env = _env("kvflow")
+    exe = shutil.which("mooncake_http_metadata_server", path=env["PATH"])
+    assert exe is not None and exe.startswith(bin_path()), exe
+    p = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                         text=True, stdin=subprocess.DEVNULL)
+    try:
+        assert "ready" in p.stdout.readline()
+        url = f"http://127.0.0.1:{port}/metadata?key=seg"
+        assert _http("PUT", url, b"x") == (200, b"metadata updated")
+        assert _http("GET", url) == (200, b"x")
+    finally:
+        p.terminate()
+        assert p.wait(10) == 0
+
+
 def test_metadata_port_taken():
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
