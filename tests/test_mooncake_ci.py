@@ -395,6 +395,9 @@ def run_upstream(name: str, impl: str, workdir: Path, timeout: float = 900) -> t
         run = subprocess.run([sys.executable, test.name, *UPSTREAM[name][2]], cwd=workdir,
                              env=_ci_env(impl, m, UPSTREAM[name][3]), capture_output=True, text=True,
                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or b""
+        return 124, (out.decode("utf-8", "replace") if isinstance(out, bytes) else out)
     finally:
         m.stop()
     return run.returncode, run.stdout + run.stderr
@@ -419,6 +422,11 @@ def test_ci_run(name, impl, tmp_path):
         if rc != 0:
             pytest.xfail(f"{KVFLOW_GAPS[name]} ({_summary(out)})")
         pytest.fail(f"{name} passes on kvflow now: drop it from KVFLOW_GAPS")
+    if impl == "mooncake" and rc == 124:
+        # the reference only: seen with scripts/test_tensor_api.py on a
+        # loaded 2-core host (the wheel's client logs RPC timeouts to its
+        # master in the benchmark cases)
+        pytest.xfail(f"the real Mooncake did not finish in time here ({_summary(out)})")
     assert rc == 0, out[-6000:]
     skipped = re.findall(r"^OK \(skipped=(\d+)\)$", out, re.M)
     if impl == "kvflow" and name in KVFLOW_SKIPS:
