@@ -266,7 +266,10 @@ def test_where_kvflow_answers_otherwise(store):
     # (Mooncake keeps the lease its full TTL: -706)
     assert store.put("leased", b"x") == 0 and store.get("leased") == b"x"
     assert store.remove("leased") == 0
-    assert store.remove_by_regex("^a") == -1012            # no key listing in kvflow's master yet
+    assert store.put_batch(["rx_a1", "rx_a2", "rx_b1"], [b"1", b"2", b"3"]) == 0
+    assert store.remove_by_regex("^rx_a") == 2             # a master call: one scan of the index
+    assert store.batch_is_exist(["rx_a1", "rx_a2", "rx_b1"]) == [0, 0, 1]
+    assert store.remove_by_regex("([") == -600
     assert store.unregister_buffer(ptr) == 0
 
 

@@ -224,7 +224,11 @@ async def test_namespaces_keep_tenants_apart_and_quotas_evict_their_own():
             StoreClient(master, namespace="bad\x1fns")
         with pytest.raises(InvalidArgumentError):
             StoreClient(master, quota=10)                        # a quota needs a namespace
-        assert await a.remove_all(force=True) >= 5
+        # remove_by_regex: a tenant's pattern meets its own keys, without their prefix
+        await b.put("page/9", other)
+        assert await a.remove_by_regex("^page/[5-6]$") == 2
+        assert await b.batch_exists(["page/0", "page/9"]) == [True, True]
+        assert await a.remove_all(force=True) >= 3
         assert await b.get("page/0") == other and "llama/tp0" not in master.model.ns_bytes
     finally:
         for x in (plain, b, a, holder):

@@ -536,6 +536,17 @@ class StoreClient(Puts, Gets):
         return await self._ssd.flush()
 
     @with_timeout
+    async def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
+        """Removes every complete object whose key `pattern` (a Python
+        regular expression) matches anywhere (of this client's namespace
+        only, matched against its own keys, when it has one), not those
+        under a lease unless `force`; returns how many.
+        InvalidArgumentError for a bad pattern."""
+        if self.namespace:
+            return await self._call("remove_by_regex", pattern, bool(force), self.namespace)
+        return await self._call("remove_by_regex", pattern, bool(force))
+
+    @with_timeout
     async def stats(self, *, detail: bool = False) -> dict:
         """The master's counts; with `detail`, its whole view (segments,
         clients, leases, evictions: Master.metrics(), what kvflow-info

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -35,9 +36,10 @@ from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
-from .errors import DurabilityError, ObjectBusyError, error_code
+from .errors import DurabilityError, ObjectBusyError, ObjectLeasedError, ObjectNotFoundError, error_code
 from .metrics import MasterCounters, master_view
 from .model import MAX_KEY_BYTES, StoreModel
+from .records import NS_SEP
 from .ssd_master import SSD_METHODS, SsdCalls
 from .wire import FrameBuffer, encode, item_error, item_ok
 
@@ -46,7 +48,7 @@ __all__ = ["Master", "Session", "METHODS"]
 # what a client may call (each is Master._<name>(client id, now, *args))
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
                      "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
-                     "batch_remove", "remove_all", "stats",
+                     "batch_remove", "remove_all", "remove_by_regex", "stats",
                      "batch_repair_start", "batch_repair_end", "set_quota"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
@@ -436,6 +438,29 @@ class Master(SsdCalls):
 
     def _set_quota(self, cid: str, now: float, ns: str, nbytes: int | None) -> None:
         self.model.set_quota(ns, nbytes)
+
+    def _remove_by_regex(self, cid: str, now: float, pattern: str, force: bool, ns: str = "") -> int:
+        # Mooncake's RemoveByRegex: every complete object whose key the
+        # pattern matches anywhere (regex_search), leased ones skipped unless
+        # force; puts in progress are left to their writers. One scan of the
+        # index on the master's loop: O(objects), as Mooncake's.
+        if type(pattern) is not str or type(ns) is not str:
+            raise InvalidArgumentError("remove_by_regex: the pattern (and namespace) must be a str")
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise InvalidArgumentError(f"remove_by_regex: bad pattern {pattern!r}: {e}") from None
+        gone = 0
+        # a namespace's client matches its own keys, without their prefix
+        prefix = ns + NS_SEP if ns else ""
+        for key in [k for k in self.model.objects
+                    if (regex.search(k) if not prefix else k.startswith(prefix) and regex.search(k[len(prefix):]))]:
+            try:
+                self.model.remove(key, now, force=bool(force))
+            except (ObjectLeasedError, ObjectNotFoundError):
+                continue            # leased, or not complete yet
+            gone += 1
+        return gone
 
     def metrics(self) -> dict:
         """Segments (capacity, used, replicas, tier), clients, objects,

@@ -48,6 +48,7 @@ from .codes import (PROTOCOLS, STORE_INTERNAL_ERROR, STORE_INVALID_PARAMS, STORE
                     STORE_NO_AVAILABLE_HANDLE, STORE_NOT_SUPPORTED, STORE_OBJECT_HAS_LEASE, STORE_OBJECT_NOT_FOUND,
                     STORE_RPC_FAIL, STORE_RPC_TIMEOUT, STORE_SEGMENT_NOT_FOUND, STORE_TRANSFER_FAIL,
                     mooncake_flag)
+from .tensor import TensorCalls
 from .waiting import run_blocking
 
 __all__ = ["BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "ReplicateConfig", "SoftPinAction"]
@@ -265,8 +266,9 @@ def _view(value: Any) -> memoryview:
         raise TypeError(f"a bytes-like object is required, not {type(value).__name__!r}") from None
 
 
-class MooncakeDistributedStore:
-    """Mooncake Store's client (see the module docstring)."""
+class MooncakeDistributedStore(TensorCalls):
+    """Mooncake Store's client (see the module docstring); the tensor calls
+    are tensor.py's."""
 
     def __init__(self) -> None:
         self._thread: EngineThread | None = None
@@ -765,15 +767,16 @@ class MooncakeDistributedStore:
         return self._single(self._client.remove_all(force=bool(force)) if self._client else None)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        """-1012 (not supported): kvflow's master has no key listing or
-        regex removal yet; -600 for a pattern that does not compile, as
-        Mooncake."""
+        """Removes every object whose key the pattern matches anywhere (not
+        those under a lease unless force): how many, or a code (-600 for a
+        pattern that does not compile, as Mooncake). kvflow's patterns are
+        Python's `re`; Mooncake's are std::regex (ECMAScript): the common
+        forms (^prefix, .*, [a-z], \\d) mean the same."""
         try:
             re.compile(_key(regex_pattern))
         except re.error as e:
             return self._fail(InvalidArgumentError(f"bad regex: {e}"), STORE_INVALID_PARAMS)
-        return self._fail(KVFlowError("remove_by_regex: kvflow.store's master cannot list keys yet"),
-                          STORE_NOT_SUPPORTED)
+        return self._single(self._client.remove_by_regex(regex_pattern, force=bool(force)) if self._client else None)
 
     # ------------------------------------------------------------ internals
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
