@@ -63,6 +63,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("KVFLOW_STORE_MASTER", "the kvflow.store master kvflow's SGLang HiCache backend joins "
              "(host:port, a comma list, or etcd://host:port/cluster) when its extra config names none",
              "none (an embedded master)"),
+    Variable("KVFLOW_SSD_OFFLOAD", "what the Mooncake API's SSD offload (enable_ssd_offload) copies to "
+             "disk: eager (every object put, as Mooncake) or evict (those nearest eviction)", "eager"),
     Variable("KVFLOW_NIXL_PROTOCOLS", "comma-separated kvflow providers kvflow.compat.nixl agents may use "
              "(local, rdma, tcp)", "all (kvflow picks per peer)"),
 )}

@@ -89,9 +89,11 @@ async def test_a_pointer_nobody_mapped_never_reaches_a_transfer(pages):
     """What a raw GPU pointer looks like to a CPU-only process: an address
     with nothing mapped there. It used to register, and the first write
     died with SIGSEGV in the native sender."""
-    gone = pages(16)
-    libc.munmap(gone, 16 * PAGE)
     async with kvflow.Engine(protocols=("local",)) as a, kvflow.Engine(protocols=("local",)) as b:
+        # the hole is made right before the register: made before the
+        # engines started, their own allocations could land in it
+        gone = pages(16)
+        libc.munmap(gone, 16 * PAGE)
         with pytest.raises(kvflow.InvalidArgumentError, match="not mapped"):
             a.register((gone, 16 * PAGE))
         # the engine is still usable

@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from kvflow.config import env_str
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryError
 from kvflow.store import (BufferTooSmallError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
@@ -201,7 +202,9 @@ def _ssd_options(path: str) -> dict:
         except OSError as e:
             raise InvalidArgumentError(f"ssd_offload_path {path!r}: {os.strerror(e.errno)}") from None
         cap = max(int(st.f_bavail * st.f_frsize * 0.9), 1 << 20)
-    mode = os.environ.get("KVFLOW_SSD_OFFLOAD", "eager")
+    mode = env_str("KVFLOW_SSD_OFFLOAD") or "eager"
+    if mode not in ("eager", "evict"):
+        raise InvalidArgumentError(f"KVFLOW_SSD_OFFLOAD={mode!r}: eager or evict")
     return {"ssd_path": path, "ssd_capacity": cap, "ssd_offload": mode}
 
 
