@@ -403,6 +403,10 @@ def run_upstream(name: str, impl: str, workdir: Path, timeout: float = 900) -> t
     return run.returncode, run.stdout + run.stderr
 
 
+# reference runs on the real wheel left out of CI (see test_ci_run)
+SLOW_REFERENCE = frozenset({"test_tensor_api.py"})
+
+
 def _summary(out: str) -> str:
     ran = re.findall(r"^Ran (\d+) tests? in", out, re.M)
     tail = re.findall(r"^(OK.*|FAILED \(.*\))$", out, re.M)
@@ -415,6 +419,11 @@ def test_ci_run(name, impl, tmp_path):
     """The test or script passes as a whole (exit 0), unchanged."""
     if impl == "mooncake" and (why := _wheel_missing()):
         pytest.skip(why)
+    if impl == "mooncake" and name in SLOW_REFERENCE and os.environ.get("KVFLOW_MOONCAKE_REFERENCE") != "all":
+        # a reference run, not kvflow's: on these 2 shared cores it ran past
+        # 20 minutes (the wheel's client timing out on its master in the
+        # benchmark cases); KVFLOW_MOONCAKE_REFERENCE=all runs it
+        pytest.skip(f"the real Mooncake's {name} is a reference that does not finish here in CI's time")
     faulthandler.dump_traceback_later(1200, exit=True)     # longer than the watchdog: whole upstream suites
     rc, out = run_upstream(name, impl, tmp_path)
     print(f"{impl}: {name}: exit {rc}, {_summary(out)}")
