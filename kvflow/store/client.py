@@ -386,6 +386,16 @@ class StoreClient(Puts, Gets):
         regions = [r for r in self.engine.regions if r.kind == "host"]
         return [r.addr for r in regions], [r.end for r in regions]
 
+    def _checked_parts(self, key: Any, ps: Any, regions: tuple[list[int], list[int]]) -> int:
+        """The whole check of one object's key and parts, where the funnels'
+        inline check of the common case passed on: the object's size, or
+        the key's typed error raised."""
+        check_key(key)
+        pairs = self._parts(ps)
+        for a, s in pairs:
+            self._check_local(a, s, regions)
+        return sum(int(s) for _, s in pairs)
+
     @staticmethod
     def _parts(ps: Any) -> list:
         """An object's parts as a list of (address, size) pairs."""

@@ -57,11 +57,7 @@ class Gets:
                 todo.append(i)
                 continue
             try:
-                check_key(key)
-                if not ps:
-                    raise InvalidArgumentError("an object needs at least one part")
-                for a, s in self._parts(ps):
-                    self._check_local(a, s, regions)
+                self._checked_parts(key, ps, regions)
                 todo.append(i)
             except KVFlowError as e:
                 results[i] = e

@@ -16,7 +16,6 @@ from .calls import Parts, item_result, one_part, replica_rows, with_timeout
 from .datapath import Moves
 from .errors import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, SsdBusyError
 from .metrics import counted
-from .model import check_key
 
 __all__ = ["Puts"]
 
@@ -86,13 +85,8 @@ class Puts:
                 sizes.append(n)
                 continue
             try:
-                check_key(key)
-                if not ps:
-                    raise InvalidArgumentError("an object needs at least one part")
-                for a, s in self._parts(ps):
-                    self._check_local(a, s, regions)
+                sizes.append(self._checked_parts(key, ps, regions))
                 todo.append(i)
-                sizes.append(sum(int(s) for _, s in ps))
             except KVFlowError as e:
                 results[i] = e
         if not todo:
