@@ -13,18 +13,35 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+from typing import Any
 
 import numpy as np
 
 import kvflow
 from kvflow.errors import KVFlowError, PeerLostError
 
-__all__ = ["Moves", "Mover"]
+__all__ = ["Moves", "Mover", "finish_before_cancel"]
 
 
 # own-segment copies up to this many bytes run on the loop's thread (about
 # 100 us of memcpy); larger ones on a worker thread
 COPY_INLINE = 1 << 20
+
+
+async def finish_before_cancel(fut: asyncio.Future) -> Any:
+    """Awaits work on worker threads that writes into memory the caller
+    gets back: a cancel of the caller waits for it to finish before it is
+    raised, so nothing lands after the caller gave the space back. Returns
+    its result."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return fut.result()
 
 
 class Moves:
@@ -124,16 +141,7 @@ class Mover:
         if sum(moves.length[j] for j in rows) <= COPY_INLINE:
             copy()
             return
-        fut = asyncio.get_running_loop().run_in_executor(None, copy)
-        cancelled = False
-        while not fut.done():
-            try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
-        fut.result()
+        await finish_before_cancel(asyncio.get_running_loop().run_in_executor(None, copy))
 
     async def _batch(self, op: str, holder: str, cols: tuple, rows: list[int] | None,
                      timeout: float | None) -> None:

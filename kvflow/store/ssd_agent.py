@@ -40,7 +40,7 @@ from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .datapath import Moves
+from .datapath import Moves, finish_before_cancel
 from .errors import ReplicaUnavailableError
 from .ssd import SsdTier, read_object
 
@@ -67,16 +67,8 @@ async def _in_threads(calls: list[Callable[[], Any]]) -> list:
     exception. A cancel waits for every call to finish before it is raised:
     they write into memory the caller gets back."""
     loop = asyncio.get_running_loop()
-    fut = asyncio.gather(*(loop.run_in_executor(None, c) for c in calls), return_exceptions=True)
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return fut.result()
+    return await finish_before_cancel(
+        asyncio.gather(*(loop.run_in_executor(None, c) for c in calls), return_exceptions=True))
 
 
 async def read_copies(client: Any, keys: Any, items: list, parts: Any, results: list) -> list[int]:
