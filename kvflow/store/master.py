@@ -377,13 +377,15 @@ class Master(SsdCalls):
     def _batch_put_end(self, cid: str, now: float, items: list) -> list:
         put_end = self.model.put_end
         out = []
-        for it in items:                # _per_item's loop, inline
+        # last key first: a batch's keys are a prefix, head first, and each
+        # object committed goes to the LRU's recent end, so the head ends
+        # most recent and eviction takes the prefix's tail before its head
+        for it in reversed(items):      # _per_item's loop, inline
             try:
                 out.append([0, put_end(cid, it[0], it[1])])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
-        if len(items) > 1:
-            self.model.order_chain([it[0] for it in items if type(it) is list and it])
+        out.reverse()
         return out
 
     def _batch_put_revoke(self, cid: str, now: float, keys: list, token: int | None = None) -> list:
@@ -396,7 +398,9 @@ class Master(SsdCalls):
         get_replicas = self.model.get_replicas
         out = []
         replicas = self._replicas
-        for key in keys:                # _per_item's loop, inline
+        # last key first, as in _batch_put_end: each hit goes to the LRU's
+        # recent end, and a prefix's head ends the most recent
+        for key in reversed(keys):      # _per_item's loop, inline
             try:
                 obj = get_replicas(key, now, lease)
                 if obj.ssd:     # [size, DRAM replicas, SSD copies' holders]
@@ -405,8 +409,7 @@ class Master(SsdCalls):
                     out.append([0, [obj.size, replicas(obj.replicas, segments)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
-        if len(keys) > 1:
-            self.model.order_chain(keys)
+        out.reverse()
         misses = sum(1 for item in out if item[0])
         self.counters.looked_up("get", len(out) - misses, misses)
         return {"segments": segments, "items": out, "lease": lease}

@@ -621,17 +621,6 @@ class StoreModel(SsdState, ReplicaRepair):
             raise ObjectNotFoundError(f"no put of {key!r} in progress by {client_id}", key=key)
         return obj
 
-    def order_chain(self, keys: list) -> None:
-        """A batch's keys are a chained prefix, head first (the servers put
-        and get a prompt's pages in order): make the head the most recently
-        used and the tail the least, so that eviction takes a prefix's tail
-        before its head (a head alone still serves a shorter prefix; a tail
-        without its head serves nothing)."""
-        lru = self._lru
-        for key in reversed(keys):
-            if type(key) is str and key in lru:
-                lru.move_to_end(key)
-
     # -- namespaces and quotas ------------------------------------------------
     def set_quota(self, ns: str, nbytes: int | None) -> None:
         """Namespace `ns` may hold at most `nbytes` of objects (None: no
