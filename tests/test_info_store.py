@@ -4,53 +4,31 @@ an in-process client's embedded master is shown through the same report."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import pathlib
 import shutil
 import sys
 
 import numpy as np
 import pytest
 from _metadata_servers import MetadataServer, _unavailable
+from _store_master import ROOT, standalone_master, store_env
 
 from kvflow.cli.info import format_store, store_report
 from kvflow.store import Master, MasterUnavailableError, StoreClient
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
-@contextlib.asynccontextmanager
-async def _master(*args: str):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0", *args,
-        stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
-    try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        while line and "standby" in line:       # a durable master campaigns first
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        assert "ready" in line, line
-        yield line.split()[-1]
-    finally:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), 10)
 
 
 async def _info(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvflow.cli.info", *args, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
+        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=store_env())
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     return proc.returncode, out.decode(), err.decode()
 
 
 async def test_info_shows_segments_objects_clients_and_leases_of_a_standalone_master():
-    async with _master() as address, StoreClient(address, segment_size=8 << 20, protocols=("tcp",)) as a, \
+    async with standalone_master() as (address, _), \
+            StoreClient(address, segment_size=8 << 20, protocols=("tcp",)) as a, \
             StoreClient(address, segment_size=4 << 20, protocols=("tcp",)) as b:
         data = np.ones(100_000, np.uint8)
         reg = a.register_buffer(data)
@@ -92,7 +70,7 @@ async def test_info_finds_the_leader_of_an_etcd_cluster(tmp_path):
     etcd.start()
     spec = f"etcd://127.0.0.1:{etcd.port}/info"
     try:
-        async with _master("--etcd", f"127.0.0.1:{etcd.port}", "--cluster", "info") as address, \
+        async with standalone_master("--etcd", f"127.0.0.1:{etcd.port}", "--cluster", "info") as (address, _), \
                 StoreClient(spec, segment_size=2 << 20, protocols=("tcp",)) as a:
             await a.put("durable", b"d" * 2000)
             rc, out, err = await _info("--store", spec, "--json")

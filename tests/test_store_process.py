@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import pathlib
 import signal
 import sys
 import time
@@ -17,39 +16,19 @@ import pytest
 
 from kvflow.store import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, StoreClient
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from _store_master import ROOT, standalone_master, store_env
 
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def _data(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-@contextlib.asynccontextmanager
-async def _master(*args: str):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvflow.store", "master", "--listen", "127.0.0.1:0", *args,
-        stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
-    try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        assert "ready" in line, line
-        yield line.split()[-1], proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        assert await asyncio.wait_for(proc.wait(), 10) in (0, -signal.SIGTERM)
-
-
 async def _member(master: str, key: str, size: int, seed: int, segment_size: int = 32 << 20):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(ROOT / "tests" / "_store_member.py"), master, str(segment_size), key,
         str(size), str(seed), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        cwd=ROOT, env=_env())
+        cwd=ROOT, env=store_env())
     line = await asyncio.wait_for(proc.stdout.readline(), 30)
     info = json.loads(line)
     assert info["ready"] and info["replicas"] == 1
@@ -69,7 +48,7 @@ async def _stop(proc) -> None:
 
 
 async def test_holder_killed_replicas_survive_and_lost_objects_are_typed_errors():
-    async with _master() as (address, master):
+    async with standalone_master() as (address, master):
         h1, i1 = await _member(address, "from-h1", 300_000, 11)
         h2, i2 = await _member(address, "from-h2", 200_000, 12)
         try:
@@ -144,7 +123,7 @@ async def test_holder_killed_replicas_survive_and_lost_objects_are_typed_errors(
 async def test_stopped_holder_is_not_dropped(stopped_s):
     # heartbeats every second; a holder stopped for 3 s (15 s: the issue's
     # case, marked slow) keeps its objects
-    async with _master() as (address, master):
+    async with standalone_master() as (address, master):
         h, info = await _member(address, "held", 50_000, 21)
         try:
             async with StoreClient(address, segment_size=0, protocols=("tcp",)) as c:
@@ -161,7 +140,7 @@ async def test_stopped_holder_is_not_dropped(stopped_s):
 async def test_silent_past_the_grace_is_lost():
     # the other side of the rule: a client silent for longer than the grace
     # (here 1.5 s) is lost, and the objects only it held go with it
-    async with _master("--client-grace", "1.5", "--heartbeat-interval", "0.3") as (address, _):
+    async with standalone_master("--client-grace", "1.5", "--heartbeat-interval", "0.3") as (address, _):
         h, info = await _member(address, "held", 1000, 22)
         try:
             async with StoreClient(address, segment_size=0, protocols=("tcp",)) as c:
@@ -181,7 +160,7 @@ async def test_silent_past_the_grace_is_lost():
 async def test_a_blocked_event_loop_does_not_lose_the_client():
     # the host application blocks the client's loop longer than the grace:
     # the heartbeat thread keeps the client (and its segment) in the pool
-    async with _master("--client-grace", "1.5", "--heartbeat-interval", "0.3") as (address, _):
+    async with standalone_master("--client-grace", "1.5", "--heartbeat-interval", "0.3") as (address, _):
         async with StoreClient(address, segment_size=1 << 20, protocols=("tcp",)) as c:
             await c.put("mine", b"still here", preferred_segment=c.segment_id)
             time.sleep(4.0)                                # blocks this loop: no loop heartbeats
@@ -190,7 +169,7 @@ async def test_a_blocked_event_loop_does_not_lose_the_client():
 
 
 async def test_master_stopped_calls_time_out_and_the_client_recovers():
-    async with _master("--client-grace", "3", "--heartbeat-interval", "0.3") as (address, master):
+    async with standalone_master("--client-grace", "3", "--heartbeat-interval", "0.3") as (address, master):
         async with StoreClient(address, segment_size=1 << 20, protocols=("tcp",), timeout=0.5) as c:
             await c.put("k", b"value")
             proc_pid = master.pid
@@ -215,6 +194,6 @@ async def test_master_stopped_calls_time_out_and_the_client_recovers():
 async def test_master_cli_bad_listen_fails_cleanly():
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvflow.store", "master", "--listen", "not-an-address",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=_env())
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=store_env())
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1 and b"host:port" in err and b"ready" not in out
