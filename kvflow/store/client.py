@@ -50,9 +50,9 @@ from .follow import FollowingLink, finder_for
 from .gets import Gets
 from .master import Master
 from .metrics import ClientCounters, counted
-from .model import MAX_KEY_BYTES, check_key
+from .model import check_key
 from .puts import Puts
-from .records import NS_SEP
+from .records import NS_SEP, plain_keys
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 from .ssd_agent import SsdAgent
 
@@ -446,7 +446,7 @@ class StoreClient(Puts, Gets):
         link = self._link
         if self._closed or link is None or link.closed or not isinstance(link, (TcpMasterLink, FollowingLink)):
             return None
-        if not all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 and NS_SEP not in k for k in keys):
+        if type(keys) not in (list, tuple) or not plain_keys(keys, user=True):
             return None
         if self._prefix:
             keys = [self._prefix + k for k in keys]
@@ -465,7 +465,7 @@ class StoreClient(Puts, Gets):
             self.counters.round_trip("batch_exists", time.perf_counter() - t0, False)
             return None
         self.counters.round_trip("batch_exists", time.perf_counter() - t0, True)
-        if isinstance(items, list) and len(items) == len(keys) and all(type(x) is bool for x in items):
+        if isinstance(items, list) and len(items) == len(keys) and set(map(type, items)) <= {bool}:
             self.counters.done("exists", (), {}, items)
             return items
         return None
@@ -576,6 +576,8 @@ class StoreClient(Puts, Gets):
         for a client with a namespace. A key holding that separator is
         refused (InvalidKeyError): it would name another namespace."""
         p = self._prefix
+        if type(keys) in (list, tuple) and plain_keys(keys, user=True):     # the common case, in C
+            return keys if not p else list(map(p.__add__, keys))
         if any(type(k) is str and NS_SEP in k for k in keys):
             raise InvalidKeyError(f"a key may not hold {NS_SEP!r} (the namespace separator)")
         if not p:
@@ -586,10 +588,10 @@ class StoreClient(Puts, Gets):
         """A batch call whose only input is keys: bad keys get their error
         here, the rest go to the master in one round trip."""
         keys = self._ns(keys)
-        if all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
+        if type(keys) in (list, tuple) and plain_keys(keys):
             # the common case (the servers' prefix checks): no per-key work
             items = await self._call(method, list(keys), *extra)
-            if method == "batch_exists" and all(type(x) is bool for x in items):
+            if method == "batch_exists" and set(map(type, items)) <= {bool}:
                 return items
             return [item_result(item, k) for k, item in zip(keys, items)]
         results: list[Any] = [None] * len(keys)

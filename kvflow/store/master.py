@@ -38,8 +38,8 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import DurabilityError, ObjectBusyError, ObjectLeasedError, ObjectNotFoundError, error_code
 from .metrics import MasterCounters, master_view
-from .model import MAX_KEY_BYTES, StoreModel
-from .records import NS_SEP
+from .model import StoreModel
+from .records import NS_SEP, plain_keys
 from .ssd_master import SSD_METHODS, SsdCalls
 from .wire import FrameBuffer, encode, item_error, item_ok
 
@@ -420,7 +420,7 @@ class Master(SsdCalls):
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key
         # (an [1, code, message] item only for a bad key) keeps it small
-        if all(type(k) is str and 0 < len(k) <= MAX_KEY_BYTES // 4 for k in keys):
+        if type(keys) is list and plain_keys(keys):
             # valid keys all (the common case): no per-key call or try
             found = self.model.exist_many(keys)
             hits = found.count(True)

@@ -467,7 +467,7 @@ class StoreModel(SsdState, ReplicaRepair):
         if self._ssd_only:
             ssd = self._ssd_only
             return [k in lru or k in ssd for k in keys]
-        return [k in lru for k in keys]
+        return list(map(lru.__contains__, keys))     # no Python frame per key
 
     def size(self, key: str) -> int:
         return self._complete(key).size
