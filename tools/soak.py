@@ -47,6 +47,16 @@ late_landing()); they still count as corrupted.
     python3 tools/soak.py --seconds 300 [--seed N] [--json out.json]
         [--faults rail,kill,garbage,dereg] [--big-cancels] [--lanes ns,local,tcp,rdma]
 
+--mode store soaks the KVCache pool (kvflow.store) instead: a standalone
+master (over etcd with --store-etcd), --holders member processes with
+segments, a writer process and this process's client; puts, gets checked
+byte for byte, exists and removes while holders are killed and stopped, the
+writer is killed mid-put and the small pool evicts; at the end the segment
+space must balance and come back to zero (soaklib/store.py says what is
+checked). It needs neither root nor namespaces:
+
+    python3 tools/soak.py --mode store --seconds 120 [--holders 3] [--store-etcd]
+
 Exit status: 0 when every invariant held, 1 otherwise, 2 when network
 namespaces cannot be made (needs root and iproute2). tests/test_soak.py runs
 a shorter soak with a fixed seed.
@@ -78,7 +88,9 @@ from soaklib.base import (  # noqa: E402
 from soaklib.lanes import Lane, NamespaceLane, NamespaceTarget, PairLane  # noqa: E402
 from soaklib.inject import namespace_faults, region_faults  # noqa: E402
 from soaklib.monitor import WarningLog, sample, watch_lag  # noqa: E402
-from soaklib.report import SoakResult, table, to_json  # noqa: E402
+from soaklib.report import SoakResult, plain, table, to_json  # noqa: E402
+from soaklib.store import store_soak, table as store_table  # noqa: E402
+from soaklib.store_procs import Etcd, serve_member  # noqa: E402
 # the names tests/test_soak.py and tests/test_soak_rdma.py read from this module
 from soaklib.base import FD_MARGIN, OPERATIONS, RSS_SLOPE_LIMIT  # noqa: E402,F401
 
@@ -271,8 +283,25 @@ async def soak(seconds: float, seed: int = 1, *, faults_on: tuple[str, ...] = FA
     return res
 
 
+def store_main(a: argparse.Namespace) -> int:
+    """--mode store: the KVCache pool's soak (soaklib/store.py)."""
+    if a.store_etcd and Etcd.unavailable():
+        print(f"soak: {Etcd.unavailable()}", file=sys.stderr)
+        return 2
+    seed = a.seed if a.seed is not None else int(time.time()) % 100000
+    res = asyncio.run(store_soak(a.seconds, seed, holders=a.holders, etcd=a.store_etcd,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True)))
+    print(store_table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({**plain(res), "problems": res.problems()}, f, indent=1, default=str)
+    return 0 if not res.problems() else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("transfer", "store"), default="transfer",
+                    help="transfer: engines and lanes (default); store: the KVCache pool (kvflow.store)")
     ap.add_argument("--seconds", type=float, default=300.0, help="length of the load")
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
     ap.add_argument("--json", help="also write the result here")
@@ -280,7 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-cancels", action="store_true",
                     help="cancel and time out only batches of at most 16 pieces")
     ap.add_argument("--lanes", default=",".join(DEFAULT_LANES), help="comma-separated: " + ", ".join(LANES))
+    ap.add_argument("--holders", type=int, default=3, help="--mode store: holder processes (segments)")
+    ap.add_argument("--store-etcd", action="store_true", help="--mode store: a durable master over etcd")
+    # a store member process (soaklib/store_procs.py starts them)
+    ap.add_argument("--store-member", choices=("holder", "writer"), help=argparse.SUPPRESS)
+    ap.add_argument("--store-master", help=argparse.SUPPRESS)
+    ap.add_argument("--segment-size", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--store-timeout", type=float, default=10.0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.store_member:
+        asyncio.run(serve_member(a.store_master, a.store_member, a.segment_size, a.seed or 0, a.store_timeout))
+        return 0
+    if a.mode == "store":
+        if a.holders < 2:
+            ap.error("--holders: at least 2 (objects with two replicas)")
+        return store_main(a)
     lanes = tuple(x for x in a.lanes.split(",") if x)
     if not lanes or set(lanes) - set(LANES):
         ap.error(f"--lanes: choose from {', '.join(LANES)}")
