@@ -38,6 +38,8 @@ import numpy as np
 from kvflow.errors import KVFlowError
 from kvflow.store import (MasterUnavailableError, ObjectNotFoundError, StoreClient, StoreTimeoutError)
 from kvflow.store.allocator import ALIGN
+from soaklib import base
+from soaklib.base import Hang
 from soaklib.store_procs import (POOL_BYTES, Etcd, MasterProc, Member, content_of, content_pool, key_for)
 
 T = TypeVar("T")
@@ -59,15 +61,9 @@ LIVE, UNCERTAIN, REMOVED, ABSENT, LOST = "live", "uncertain", "removed", "absent
 REMOVING = "removing"       # a remove in flight: another task's get may or may not find it
 
 
-class Hang(Exception):
-    """An await of the soak outlived HANG_S."""
-
-
 async def bounded(aw: Awaitable[T], what: str) -> T:
-    try:
-        return await asyncio.wait_for(aw, HANG_S)
-    except asyncio.TimeoutError:
-        raise Hang(f"{what} took over {HANG_S:g} s") from None
+    """soak's bounded() with this soak's limit: Hang past HANG_S."""
+    return await base.bounded(aw, what, HANG_S)
 
 
 @dataclass
