@@ -397,6 +397,19 @@ class Engine:
         without a relay group."""
         return self._router.relay_stats()
 
+    def staging_stats(self) -> dict[str, dict[str, int] | None]:
+        """The host bounce slots of the staged paths, per pool: "outgoing"
+        (the slots this engine's staged transfers from or into GPU memory
+        fill and drain), "inbox" (the slots it lends peers that write into
+        or read from its GPU memory), "relay_inbox" (the slots a relay
+        member lends the other members); None for a pool this engine has
+        not made (no GPU memory yet, no relay group). Each: slot_bytes,
+        slots, free and in_use (now; they add up to slots), max_in_use,
+        allocations (of its memory: 1 once made), fills and drains (slots
+        the pipeline filled and drained), and for the inboxes leases (held
+        now). Raises nothing; engine.metrics()["staging"] is the same."""
+        return self._router.staging_stats()
+
     def _holds_host(self, addr: int, n: int) -> bool:
         """Whether [addr, addr+n) lies in one of this engine's host regions."""
         return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end for r in self._regions.values())
@@ -586,10 +599,10 @@ class Engine:
         per peer, its provider and per operation batches, bytes, failures
         by kind and latency (mean, p50, p99, the histogram), its tcp
         connections (bytes, slices moved when one failed, rebuilds); what
-        is in flight; the native resources; the receive window's pool.
-        Batches are counted by the native core as they finish, so the
-        numbers cost no Python per batch; `kvflow.metrics` exports them
-        to Prometheus."""
+        is in flight; the native resources; the receive window's pool; the
+        staged paths' host slots (staging_stats()). Batches are counted by
+        the native core as they finish, so the numbers cost no Python per
+        batch; `kvflow.metrics` exports them to Prometheus."""
         return engine_metrics(self)
 
     def receive_window_stats(self) -> dict[str, int] | None:
