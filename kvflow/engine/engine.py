@@ -27,12 +27,13 @@ from kvflow.engine.router import INBOX_REPLIES, PathContext, Router
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
     ProviderUnavailableError, RegionBusyError
-from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
+from kvflow.memory import CUDA, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, open_store
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaProvider
 from kvflow.providers.tcp import TcpProvider
+from kvflow.regions import RegionTable, host_table
 from kvflow.schedule.credits import window_bytes
 from kvflow.schedule.qos import aging_ns
 from kvflow.topology import Topology, cached_host_topology
@@ -129,6 +130,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._server: ControlServer | None = None
         self._regions: dict[int, Region] = {}
+        self._host_table = RegionTable()      # _regions' host ones, by address (_regions_changed)
         # deregistered regions a same-host peer's copy was still inside
         # when deregister() gave up waiting (RegionBusyError): their
         # buffers are kept referenced until a later deregister() finds
@@ -150,7 +152,7 @@ class Engine:
         paths = PathContext(
             register_host=lambda a, n, nm, access=rw: self._register_host(a, n, nm, access, True, None),
             deregister=self.deregister, holds_host=self._holds_host,
-            host_spans=lambda: [(r.addr, r.end) for r in self._regions.values() if r.kind == HOST],
+            host_spans=lambda: [(r.addr, r.end) for r in self._host_table],
             gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
             # not register(): the engine is not running until start() returns
             register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)), connect=self.connect)
@@ -412,7 +414,7 @@ class Engine:
 
     def _holds_host(self, addr: int, n: int) -> bool:
         """Whether [addr, addr+n) lies in one of this engine's host regions."""
-        return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end for r in self._regions.values())
+        return self._host_table.holds(addr, n)
 
     def deregister(self, region: Region) -> None:
         """Removes a region; returns once no peer writes into it or reads
@@ -473,6 +475,9 @@ class Engine:
                 for r in self.regions]
 
     def _regions_changed(self) -> None:
+        # every change of _regions ends here, on the loop thread, before
+        # anything else on it may look a region up
+        self._host_table = host_table(self._regions.values())
         self._generation += 1
         if self._metadata is not None:
             self._metadata.changed()
