@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvflow
+from kvflow._testing import settled
 from kvflow.gpu.copy import HostCopyEngine
 from kvflow.memory import Access, Region
 from kvflow.paths.base import PathContext
@@ -366,12 +367,14 @@ async def test_dropped_session_returns_its_inbox_slots(make_engine):
     assert lease["t"] == "stage_leased"
     lent = staging(b, "inbox")
     assert len(lease["slots"]) == lent["in_use"] == lent["max_in_use"] and lent["leases"] == 1
+    # kvflow._testing's balance check sees the lent slots (engine_pair would report them)
+    assert await settled(b, 0.05) == {"inbox.in_use": len(lease["slots"]), "inbox.leases": 1}
     await bounded(peer.close())
     for _ in range(100):
         if inbox_idle(b):
             break
         await asyncio.sleep(0.02)
-    assert inbox_idle(b)
+    assert inbox_idle(b) and await settled(b, 0) == {}
 
 
 async def test_staging_figures_reach_prometheus(make_engine):
