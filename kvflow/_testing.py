@@ -4,7 +4,8 @@ Shipped with kvflow so that a user's own tests and kvflow's check the same
 thing the same way: `engine_pair(protocol)` opens two started engines on
 loopback restricted to one provider, a registered source on the first, a
 registered destination on the second and a connected peer; when the block
-ends it checks that nothing is left in flight (batches, slices), closes
+ends it checks that nothing is left in flight (batches, slices, staging
+slots in use or leased: engine.staging_stats()), closes
 both engines and checks that every native resource they made is gone
 (sockets, threads, batches, slices, memory registrations, queue pairs),
 raising `UnbalancedError` with what is left. `check_closed(engine)` and
@@ -29,7 +30,7 @@ from kvflow.engine.peer import Peer
 from kvflow.memory import Region, RemoteRegion
 
 __all__ = ["CLOSED_ZERO", "IDLE_ZERO", "Pair", "UnbalancedError", "check_closed", "closed_leaks",
-           "engine_pair", "idle_leaks", "settled"]
+           "engine_pair", "idle_leaks", "settled", "staging_leaks"]
 
 # native resources (Engine.counters()) that are zero once an engine is closed
 CLOSED_ZERO = ("sockets", "threads", "batches", "slices_inflight", "mrs", "qps")
@@ -54,12 +55,21 @@ def idle_leaks(counters: dict[str, int], pending_batches: int = 0) -> dict[str, 
     return off
 
 
+def staging_leaks(staging: dict[str, dict[str, int] | None]) -> dict[str, int]:
+    """The staging slots an idle engine still has in use, and the leases
+    of its inboxes still held, as "pool.in_use" and "pool.leases" (from
+    engine.staging_stats(); {} when every slot is back)."""
+    return {f"{pool}.{key}": figures[key] for pool, figures in staging.items() if figures is not None
+            for key in ("in_use", "leases") if figures.get(key, 0) != 0}
+
+
 async def settled(engine: Engine, wait_s: float = 3.0) -> dict[str, int]:
     """Waits up to `wait_s` for an engine with no work of its own left to
-    drain what is still in flight; returns what is left ({} when idle)."""
+    drain what is still in flight (batches, slices, staging slots and
+    leases); returns what is left ({} when idle)."""
     deadline = time.monotonic() + wait_s
     while True:
-        off = idle_leaks(engine.counters(), engine.pending_batches())
+        off = {**idle_leaks(engine.counters(), engine.pending_batches()), **staging_leaks(engine.staging_stats())}
         if not off or time.monotonic() > deadline:
             return off
         await asyncio.sleep(0.05)

@@ -23,6 +23,9 @@ Metric names (labels peer, provider, op unless said):
 | kvflow_inflight_batches, kvflow_inflight_slices | gauge | what is in flight now, the whole engine (no labels) |
 | kvflow_receive_window_bytes, kvflow_receive_window_held_bytes | gauge | the receive window and what is granted of it |
 | kvflow_receive_window_violations_bytes_total | counter | payload that landed without credit |
+| kvflow_staging_slots, kvflow_staging_slots_in_use | gauge | per staging pool made (label pool): slots, in use now |
+| kvflow_staging_slots_max_in_use | gauge | per staging pool (outgoing, inbox, relay_inbox): the most in use at once |
+| kvflow_staging_leases | gauge | leases of an inbox's slots held now (label pool: inbox, relay_inbox) |
 
 Every scrape reads the native counters at once; nothing is kept here.
 The KVCache pool's own metrics: kvflow/store/metrics.py (docs/metrics.md).
@@ -144,6 +147,27 @@ class EngineCollector:
                                     labels=extra)
             c.add_metric(tag, rw["violations"])
             yield c
+        yield from _staging(m["staging"], extra, tag)
+
+
+def _staging(staging: dict[str, Any], extra: list[str], tag: list[str]) -> Iterator[Any]:
+    """The staging pools' gauges (engine.staging_stats()), one sample per
+    pool the engine has made."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    labels = extra + ["pool"]
+    families = {key: GaugeMetricFamily(name, what, labels=labels) for key, name, what in (
+        ("slots", "kvflow_staging_slots", "host bounce slots in the pool"),
+        ("in_use", "kvflow_staging_slots_in_use", "slots filled or lent now"),
+        ("max_in_use", "kvflow_staging_slots_max_in_use", "the most slots in use at once"),
+        ("leases", "kvflow_staging_leases", "leases of the inbox's slots held now"))}
+    for pool, figures in sorted(staging.items()):
+        if figures is None:
+            continue
+        for key, family in families.items():
+            if key in figures:
+                family.add_metric(tag + [pool], figures[key])
+    yield from families.values()
 
 
 def register_prometheus(engine: Any, registry: Any = None, name: str | None = None) -> EngineCollector:

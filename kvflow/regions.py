@@ -4,7 +4,8 @@ The native core keeps the host regions' tables (kvf_submit checks every
 batch against them); what Python asks itself is answered here, once:
 `RegionTable` (regions by start address: the one holding [addr, addr+n)
 in O(log n), or whether any of a batch's addresses lies in one, vectorised:
-the GPU regions, which never enter the native tables), `locate` and
+the GPU regions, which never enter the native tables; the host regions of
+an engine or of a peer, for what a direct copy may touch), `locate` and
 `first_outside` (blocks against sorted (start, end) spans: prepared block
 lists, a relayed write's host ranges, compat/nixl)."""
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from kvflow.memory import CUDA
+from kvflow.memory import CUDA, HOST
 
-__all__ = ["RegionTable", "first_outside", "gpu_table", "locate"]
+__all__ = ["RegionTable", "first_outside", "gpu_table", "host_table", "locate"]
 
 
 class RegionTable:
@@ -63,6 +64,19 @@ class RegionTable:
             return self._regions[i]
         return None
 
+    def holds(self, addr: int, n: int, need: int = 0) -> bool:
+        """Whether [addr, addr+n) lies inside one region whose access has
+        every bit of `need` (0: any region). The regions do not overlap
+        (add() refuses it), so the one find() names is the only candidate,
+        but for an empty range where two regions touch: it lies in both."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        for j in (i, i - 1) if n == 0 else (i,):
+            if j >= 0:
+                r = self._regions[j]
+                if r.addr <= addr and addr + n <= r.end and int(r.access) & need == need:
+                    return True
+        return False
+
     def any_in(self, addrs: np.ndarray) -> bool:
         """Whether any address lies inside a region (vectorised)."""
         if not self._regions:
@@ -82,6 +96,14 @@ def gpu_table(regions: Sequence[Any]) -> RegionTable:
     descriptor lists them)."""
     t = RegionTable()
     t.set([r for r in regions if r.kind == CUDA])
+    return t
+
+
+def host_table(regions: Iterable[Any]) -> RegionTable:
+    """A table of the host regions among `regions` (an engine's, or a
+    peer's as its descriptor lists them: neither overlaps another)."""
+    t = RegionTable()
+    t.set([r for r in regions if r.kind == HOST])
     return t
 
 

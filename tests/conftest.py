@@ -425,6 +425,20 @@ async def _unbalanced(read_counters, baseline: dict, wait_s: float = 3.0) -> dic
         await asyncio.sleep(0.05)
 
 
+async def _staging_settled(eng, wait_s: float = 3.0) -> dict:
+    """Polls engine.staging_stats() for up to ``wait_s``: the staging slots
+    still in use and inbox leases still held ({} when all are back;
+    kvflow._testing.staging_leaks)."""
+    from kvflow._testing import staging_leaks
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        off = staging_leaks(eng.staging_stats())
+        if not off or time.monotonic() > deadline:
+            return off
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 async def make_target(request):
     """``await make_target(regions=..., secret=..., protocols=...)`` -> Target.
@@ -486,7 +500,8 @@ async def make_engine(request, make_target):
 
     Depends on make_target so that it is torn down first: initiators close
     before the targets check that their resources returned to baseline.
-    Teardown fails when batches or slices are still in flight."""
+    Teardown fails when batches or slices are still in flight, or staging
+    slots in use or leased (engine.staging_stats())."""
     import kvflow
 
     engines = []
@@ -514,6 +529,9 @@ async def make_engine(request, make_target):
                 leak = await _unbalanced(lambda e=eng: {k: int(v) for k, v in e.counters().items()}, {})
                 if leak:
                     problems.append(f"engine {eng.address}: still in flight at teardown: {leak}")
+                staged = await _staging_settled(eng)
+                if staged:
+                    problems.append(f"engine {eng.address}: staging slots or leases held at teardown: {staged}")
         finally:
             await bounded(eng.close())
         leak = closed_leaks(eng.counters())

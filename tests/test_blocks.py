@@ -10,6 +10,8 @@ import pytest
 
 import kvflow
 from kvflow.engine.blocks import first_outside, locate
+from kvflow.memory import CUDA, HOST, Access, RemoteRegion
+from kvflow.regions import host_table
 
 from _batches import bounded
 from _providers import closed_leaks, params, skip_unavailable
@@ -208,3 +210,63 @@ def test_first_outside():
     assert first_outside([], np.array([50], np.uint64), np.array([1], np.uint64)) == 0
     assert first_outside([], np.array([], np.uint64), np.array([], np.uint64)) == -1
     assert locate(spans, a, np.array([100, 50, 100, 11], np.uint64)).tolist() == [0, 0, 1, -1]
+
+
+# ---------------------------------------------------------------- kvflow.regions: the one lookup
+
+
+def _scan(regions, addr: int, n: int, need: int) -> bool:
+    """The linear scans Engine._holds_host (need 0) and Peer.holds_host
+    (need READ or WRITE) were, word for word: the reference."""
+    if not need:
+        return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end for r in regions)
+    return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
+               for r in regions)
+
+
+def test_host_table_holds_what_the_linear_scan_held():
+    """host_table(regions).holds() against the scan it replaced, on random
+    layouts of host and GPU regions (gaps, adjacent regions, every access)
+    and ranges at and across their edges, empty ones included."""
+    rng = np.random.default_rng(41)
+    accesses = [Access(0), Access.READ, Access.WRITE, Access.READ | Access.WRITE]
+    for _ in range(200):
+        regions, addr = [], int(rng.integers(0, 64))
+        for _ in range(int(rng.integers(0, 8))):
+            length = int(rng.integers(1, 64))
+            regions.append(RemoteRegion(addr, length, None, accesses[int(rng.integers(4))],
+                                        kind=HOST if rng.random() < 0.7 else CUDA))
+            addr += length + int(rng.integers(0, 3)) * int(rng.integers(0, 16))     # adjacent a third of the time
+        table = host_table(regions[::-1])           # any order in
+        edges = sorted({e for r in regions for e in (r.addr, r.end)} | {0, addr + 8})
+        for a in edges + [int(x) for x in rng.integers(0, addr + 8, 24)]:
+            for d in (-1, 0, 1):
+                for n in (0, 1, 7, 63):
+                    start = max(0, a + d)
+                    for need in (0, Access.READ, Access.WRITE):
+                        assert table.holds(start, n, need) == _scan(regions, start, n, need), \
+                            (regions, start, n, need)
+    assert not host_table([]).holds(0, 0)
+
+
+async def test_engine_and_peer_host_lookups_follow_register_and_deregister(make_engine):
+    """The engine's table (its paths' holds_host) and a peer's (refreshed
+    from the peer's regions) follow register() and deregister(); a peer's
+    asks for the access a write or a read needs."""
+    a = await make_engine(protocols=["tcp"])
+    b = await make_engine(protocols=["tcp"])
+    rw, ro = np.zeros(8192, np.uint8), np.zeros(4096, np.uint8)
+    r_rw = b.register(rw, name="rw")
+    r_ro = b.register(ro, name="ro", access=Access.READ)
+    assert b._holds_host(r_rw.addr, 8192) and b._holds_host(r_ro.addr + 4095, 1)
+    assert not b._holds_host(r_rw.addr + 1, 8192)          # runs past the end
+    peer = await bounded(a.connect(b.address))
+    assert peer.holds_host(r_rw.addr, 8192, write=True) and peer.holds_host(r_rw.addr, 8192, write=False)
+    assert peer.holds_host(r_ro.addr, 4096, write=False) and not peer.holds_host(r_ro.addr, 4096, write=True)
+    assert not peer.holds_host(r_rw.addr + 4096, 8192, write=False)
+    b.deregister(r_rw)
+    assert not b._holds_host(r_rw.addr, 1) and b._holds_host(r_ro.addr, 4096)
+    await bounded(peer.refresh())
+    assert not peer.holds_host(r_rw.addr, 1, write=False) and peer.holds_host(r_ro.addr, 1, write=False)
+    again = b.register(rw, name="rw")
+    assert b._holds_host(again.addr, 8192)

@@ -56,6 +56,8 @@ async def test_counts_bytes_failures_and_latency(make_engine, protocol):
     assert m["inflight"] == {"batches": 0, "slices": 0}
     assert (w["inflight_batches"], w["inflight_bytes"], r["inflight_batches"], r["inflight_bytes"]) == (0, 0, 0, 0)
     assert m["receive_window"] is None and m["resources"]["batches"] == 0
+    # no GPU memory, no relay group: no staging pool made (tests/test_staging.py reads them made)
+    assert m["staging"] == {"outgoing": None, "inbox": None, "relay_inbox": None}
     # the target counts nothing of it: it initiated nothing
     assert b.metrics()["peers"] == {}
 

@@ -117,6 +117,12 @@ async def test_receive_side_relay_passes_through_the_destination_nodes_member_on
     assert eng[(0, 0)].relay_stats()["relayed_bytes"] == moved
     assert eng[(1, 0)].relay_stats()["relayed_bytes"] == 0
     assert eng[(1, 0)].relay_stats()["leases"] == 0
+    # the member's inbox lent its slots (the receive side's hop) and has every one back
+    staging = eng[(1, 0)].metrics()["staging"]
+    inbox = staging["relay_inbox"]
+    assert inbox["allocations"] == 1 and inbox["max_in_use"] >= 1, inbox
+    assert inbox["in_use"] == inbox["leases"] == 0 and inbox["free"] == inbox["slots"], inbox
+    assert staging["outgoing"] is None and staging["inbox"] is None      # no GPU memory: no GPU staging pools
 
 
 async def test_a_relayed_write_from_unregistered_memory_is_refused_before_the_lane(make_engine, tmp_path):

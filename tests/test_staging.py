@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvflow
+from kvflow._testing import settled
 from kvflow.gpu.copy import HostCopyEngine
 from kvflow.memory import Access, Region
 from kvflow.paths.base import PathContext
@@ -55,6 +56,20 @@ def gpu_region(engine: kvflow.Engine, arr: np.ndarray, name: str, access=Access.
     engine._regions[region.id] = region
     engine._regions_changed()
     return region
+
+
+def staging(engine: kvflow.Engine, pool: str) -> dict:
+    """One staging pool's public figures (engine.metrics()["staging"])."""
+    figures = engine.metrics()["staging"][pool]
+    assert figures is not None, f"{engine.address} has no {pool} pool"
+    assert figures["free"] + figures["in_use"] == figures["slots"], figures
+    return figures
+
+
+def inbox_idle(engine: kvflow.Engine) -> bool:
+    """Every inbox slot back and no lease held."""
+    s = staging(engine, "inbox")
+    return s["free"] == s["slots"] and s["leases"] == 0
 
 
 def sha(a) -> str:
@@ -235,11 +250,12 @@ async def test_write_from_gpu_memory_to_host(make_engine, protocols):
     big = src.nbytes - 300000
     await bounded(peer.write([src.ctypes.data + 300000], [d.addr + (2 << 20)], [big]))
     assert sha(dst[2 << 20: (2 << 20) + big]) == sha(src[300000:])
-    stats = a._gpu.outgoing.stats
+    out = staging(a, "outgoing")
     if protocols == ["tcp"]:
-        assert stats.allocations == 1 and 2 <= stats.max_in_use <= a._gpu.outgoing.count
+        assert out["allocations"] == 1 and 2 <= out["max_in_use"] <= out["slots"]
+        assert out["fills"] == out["drains"] > 0 and out["free"] == out["slots"]
     else:                   # the peer is in this process: one direct copy, nothing staged
-        assert stats.allocations == 0 and stats.fills == 0
+        assert out["allocations"] == 0 and out["fills"] == 0 and out["max_in_use"] == 0
 
 
 async def test_write_into_gpu_memory(make_engine, protocols):
@@ -267,7 +283,7 @@ async def test_write_into_gpu_memory(make_engine, protocols):
     assert sha(pool[1 << 20: (1 << 20) + 16 * 65536]) == sha(gsrc[:16 * 65536])
     # every inbox slot came back once the writes were done
     await asyncio.sleep(0.05)
-    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
+    assert inbox_idle(b)
 
 
 async def test_read_into_gpu_memory(make_engine, protocols):
@@ -303,7 +319,7 @@ async def test_read_from_gpu_memory(make_engine, protocols):
     with pytest.raises(kvflow.RemoteAccessError):
         await bounded(peer.read([h.addr], [peer.region("wo").addr], [4096]))
     await asyncio.sleep(0.05)
-    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
+    assert inbox_idle(b)
 
 
 async def test_staged_bad_input_loses_nothing(make_engine, protocols):
@@ -348,13 +364,38 @@ async def test_dropped_session_returns_its_inbox_slots(make_engine):
     a, b, peer = await _pair(make_engine, ["tcp"])
     gpu_region(b, np.zeros(1 << 16, np.uint8), "kv_pool")
     lease = await bounded(peer.link.request({"t": "stage_lease", "inbox": "gpu", "slots": 4}))
-    assert lease["t"] == "stage_leased" and len(lease["slots"]) == b._gpu.inbox.pool.count - b._gpu.inbox.pool.free
+    assert lease["t"] == "stage_leased"
+    lent = staging(b, "inbox")
+    assert len(lease["slots"]) == lent["in_use"] == lent["max_in_use"] and lent["leases"] == 1
+    # kvflow._testing's balance check sees the lent slots (engine_pair would report them)
+    assert await settled(b, 0.05) == {"inbox.in_use": len(lease["slots"]), "inbox.leases": 1}
     await bounded(peer.close())
-    for _ in range(100):
-        if b._gpu.inbox.pool.free == b._gpu.inbox.pool.count:
-            break
-        await asyncio.sleep(0.02)
-    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
+    assert await settled(b) == {} and inbox_idle(b)         # the session's lease ended with it
+
+
+async def test_staging_figures_reach_prometheus(make_engine):
+    """kvflow.metrics exports the staging pools (label pool): a held lease
+    shows as one lease and its slot in use, gone once released; a pool
+    that lends nothing has no leases, one not made has no samples."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvflow.metrics import register_prometheus
+
+    a, b, peer = await _pair(make_engine, ["tcp"])
+    gpu_region(b, np.zeros(1 << 16, np.uint8), "kv_pool")
+    registry = prometheus_client.CollectorRegistry()
+    register_prometheus(b, registry, name="decode-0")
+    value = registry.get_sample_value
+    inbox, outgoing = {"engine": "decode-0", "pool": "inbox"}, {"engine": "decode-0", "pool": "outgoing"}
+    lease = await bounded(peer.link.request({"t": "stage_lease", "inbox": "gpu", "slots": 1}))
+    assert lease["t"] == "stage_leased"
+    assert value("kvflow_staging_slots", inbox) == staging(b, "inbox")["slots"] >= 1
+    assert value("kvflow_staging_leases", inbox) == 1 and value("kvflow_staging_slots_in_use", inbox) == 1
+    assert value("kvflow_staging_slots_in_use", outgoing) == 0 and value("kvflow_staging_leases", outgoing) is None
+    assert value("kvflow_staging_slots", {"engine": "decode-0", "pool": "relay_inbox"}) is None
+    peer.link.send({"t": "stage_release", "inbox": "gpu", "lease": lease["lease"]})
+    assert await settled(b) == {}
+    assert value("kvflow_staging_leases", inbox) == 0 and value("kvflow_staging_slots_in_use", inbox) == 0
+    assert value("kvflow_staging_slots_max_in_use", inbox) == 1
 
 
 async def test_descriptor_carries_gpu_regions():
@@ -426,13 +467,9 @@ async def test_staged_nowait_strided_blocking_and_posted(make_engine):
         else:
             await bounded(t)
     await asyncio.sleep(0.05)
-    assert a._gpu.outgoing.free == a._gpu.outgoing.count
+    assert staging(a, "outgoing")["in_use"] == 0
     # a lease granted after its write was cancelled is given back, not left lent to nobody
-    for _ in range(100):
-        if b._gpu.inbox.pool.free == b._gpu.inbox.pool.count:
-            break
-        await asyncio.sleep(0.02)
-    assert b._gpu.inbox.pool.free == b._gpu.inbox.pool.count and not b._gpu.inbox.leased
+    assert await settled(b) == {} and inbox_idle(b)
     await bounded(peer.write([s.addr], [base], [4096]))          # still usable
 
 

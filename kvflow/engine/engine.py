@@ -27,12 +27,13 @@ from kvflow.engine.router import INBOX_REPLIES, PathContext, Router
 from kvflow.engine.transfer import DRAIN_GRACE, BatchTable
 from kvflow.errors import InvalidArgumentError, KVFlowError, PeerLostError, PeerUnreachableError, \
     ProviderUnavailableError, RegionBusyError
-from kvflow.memory import CUDA, HOST, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
+from kvflow.memory import CUDA, LOCAL_WRITE, Access, Region, RemoteRegion, buffer_span
 from kvflow.metadata import EngineRecord, MetadataClient, open_store
 from kvflow.providers.base import Provider, ProviderContext
 from kvflow.providers.local import LocalProvider
 from kvflow.providers.rdma.provider import RdmaProvider
 from kvflow.providers.tcp import TcpProvider
+from kvflow.regions import RegionTable, host_table
 from kvflow.schedule.credits import window_bytes
 from kvflow.schedule.qos import aging_ns
 from kvflow.topology import Topology, cached_host_topology
@@ -129,6 +130,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._server: ControlServer | None = None
         self._regions: dict[int, Region] = {}
+        self._host_table = RegionTable()      # _regions' host ones, by address (_regions_changed)
         # deregistered regions a same-host peer's copy was still inside
         # when deregister() gave up waiting (RegionBusyError): their
         # buffers are kept referenced until a later deregister() finds
@@ -150,7 +152,7 @@ class Engine:
         paths = PathContext(
             register_host=lambda a, n, nm, access=rw: self._register_host(a, n, nm, access, True, None),
             deregister=self.deregister, holds_host=self._holds_host,
-            host_spans=lambda: [(r.addr, r.end) for r in self._regions.values() if r.kind == HOST],
+            host_spans=lambda: [(r.addr, r.end) for r in self._host_table],
             gpu_regions=lambda: self._gpu.local if self._gpu is not None else None,
             # not register(): the engine is not running until start() returns
             register_device=lambda a, n, nm: self._register((a, n), nm, Access(0)), connect=self.connect)
@@ -397,9 +399,22 @@ class Engine:
         without a relay group."""
         return self._router.relay_stats()
 
+    def staging_stats(self) -> dict[str, dict[str, int] | None]:
+        """The host bounce slots of the staged paths, per pool: "outgoing"
+        (the slots this engine's staged transfers from or into GPU memory
+        fill and drain), "inbox" (the slots it lends peers that write into
+        or read from its GPU memory), "relay_inbox" (the slots a relay
+        member lends the other members); None for a pool this engine has
+        not made (no GPU memory yet, no relay group). Each: slot_bytes,
+        slots, free and in_use (now; they add up to slots), max_in_use,
+        allocations (of its memory: 1 once made), fills and drains (slots
+        the pipeline filled and drained), and for the inboxes leases (held
+        now). Raises nothing; engine.metrics()["staging"] is the same."""
+        return self._router.staging_stats()
+
     def _holds_host(self, addr: int, n: int) -> bool:
         """Whether [addr, addr+n) lies in one of this engine's host regions."""
-        return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end for r in self._regions.values())
+        return self._host_table.holds(addr, n)
 
     def deregister(self, region: Region) -> None:
         """Removes a region; returns once no peer writes into it or reads
@@ -460,6 +475,9 @@ class Engine:
                 for r in self.regions]
 
     def _regions_changed(self) -> None:
+        # every change of _regions ends here, on the loop thread, before
+        # anything else on it may look a region up
+        self._host_table = host_table(self._regions.values())
         self._generation += 1
         if self._metadata is not None:
             self._metadata.changed()
@@ -586,10 +604,10 @@ class Engine:
         per peer, its provider and per operation batches, bytes, failures
         by kind and latency (mean, p50, p99, the histogram), its tcp
         connections (bytes, slices moved when one failed, rebuilds); what
-        is in flight; the native resources; the receive window's pool.
-        Batches are counted by the native core as they finish, so the
-        numbers cost no Python per batch; `kvflow.metrics` exports them
-        to Prometheus."""
+        is in flight; the native resources; the receive window's pool; the
+        staged paths' host slots (staging_stats()). Batches are counted by
+        the native core as they finish, so the numbers cost no Python per
+        batch; `kvflow.metrics` exports them to Prometheus."""
         return engine_metrics(self)
 
     def receive_window_stats(self) -> dict[str, int] | None:

@@ -4,11 +4,12 @@ Per peer (and the provider carrying it) and per operation: batches,
 bytes, failures by kind, and a latency histogram, counted in the native
 core once per batch as it finishes (kvf_chan_stats: relaxed atomics, no
 Python per batch); tcp connections' bytes, moves and rebuilds; the
-receive window's pool; what is in flight; the native resources.
+receive window's pool; what is in flight; the native resources; the
+staged paths' host slots (outgoing, inbox, relay inbox).
 kvflow.metrics exports the same numbers to Prometheus. Read through the
 engine's and the peers' public read-outs only (engine.peers,
-engine.pending_batches(), engine.counters(), peer.channel_stats(),
-peer.connections())."""
+engine.pending_batches(), engine.counters(), engine.staging_stats(),
+peer.channel_stats(), peer.connections())."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -76,4 +77,5 @@ def engine_metrics(engine: "Engine") -> dict[str, Any]:
             "inflight": {"batches": engine.pending_batches(),
                          "slices": counters.get("slices_inflight", 0)},
             "resources": counters,
-            "receive_window": engine.receive_window_stats()}
+            "receive_window": engine.receive_window_stats(),
+            "staging": engine.staging_stats()}

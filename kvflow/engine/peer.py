@@ -22,14 +22,14 @@ from kvflow.arrays import entry_of, expand_strided
 from kvflow.control.client import ControlSession
 from kvflow.control.descriptor import Descriptor, parts_from_wire, regions_from_wire
 from kvflow.control.wire import field
-from kvflow.memory import HOST, RemoteRegion
+from kvflow.memory import HOST, Access, RemoteRegion
 from kvflow.engine.blocks import Blocks, Prepared
 from kvflow.engine.link import ClosedChannel, Link
 from kvflow.engine.posted import COMPLETED, SPIN_BYTES, PostedTransfer
 from kvflow.engine.router import NATIVE, Path, Route
 from kvflow.engine.transfer import TaskTransfer, Transfer, batch_error
 from kvflow.providers.base import Provider
-from kvflow.regions import gpu_table
+from kvflow.regions import gpu_table, host_table
 from kvflow.schedule.qos import Priority, qos_args
 
 if TYPE_CHECKING:
@@ -176,14 +176,13 @@ class Peer:
             self._ctx.router.forget_peer(self.address)     # its GPU regions changed: mappings may be stale
         self._gpu_table = table
         self._remote_gpu = bool(table)      # a plain bool: the write path tests it on every call
+        self._host_table = host_table(regions)      # (checked above: none overlaps another)
         self._regions = regions
 
     def holds_host(self, addr: int, n: int, write: bool) -> bool:
         """Whether [addr, addr+n) lies in one of the peer's host regions with
         the access a write (or a read) needs."""
-        need = 2 if write else 1
-        return any(r.kind == HOST and r.addr <= addr and addr + n <= r.end and int(r.access) & need
-                   for r in self._regions)
+        return self._host_table.holds(addr, n, Access.WRITE if write else Access.READ)
 
     def _on_regions(self, msg: dict[str, Any]) -> None:
         """A "regions" push: the peer's regions (with their rkeys) and the

@@ -176,6 +176,13 @@ class Router:
     def relay_stats(self) -> dict[str, int] | None:
         return self._relay.stats() if self._relay is not None else None
 
+    def staging_stats(self) -> dict[str, dict[str, int] | None]:
+        """The host slots the paths hold (Engine.staging_stats()): GPU
+        memory's outgoing pool and inbox, the relay member's inbox; None
+        for a path this engine has not made."""
+        gpu = self._gpu.readout() if self._gpu is not None else {"outgoing": None, "inbox": None}
+        return {**gpu, "relay_inbox": self._relay.inbox.readout() if self._relay is not None else None}
+
     def control_handlers(self, address: str) -> dict[str, Callable[[str, Any, dict[str, Any]], Any]]:
         """The paths' control messages: leases of an inbox, a relay member's
         forwards, a staged GPU transfer's landings and fetches; refused

@@ -51,7 +51,13 @@ class Inbox:
 
     @property
     def leased(self) -> int:
+        """Leases held now (each of one to LEASE_SLOTS slots)."""
         return len(self._leases)
+
+    def readout(self) -> dict[str, int]:
+        """The pool's figures (BouncePool.readout(): `in_use` are the slots
+        lent now) and `leases`, the leases held now."""
+        return {**self.pool.readout(), "leases": self.leased}
 
     async def lease(self, session: Any, msg: dict[str, Any]) -> dict[str, Any]:
         """Lends up to msg["slots"] free slots, at least one (waiting for it)."""

@@ -16,7 +16,8 @@ complete only when the last byte is where it is going); on an error it
 cancels the drains still running and raises the first error.
 
 The pool is allocated once (pinned memory where CUDA is used) and never
-per slice; `stats` counts what it did, for tests and kvflow-info.
+per slice; `stats` counts what it did, and readout() is the figures an
+engine publishes (engine.staging_stats(), engine.metrics()["staging"]).
 
 A peer that asks this engine to act on one of its slots (land it in GPU
 memory, fill it from there, forward it to a third engine: staged.py,
@@ -122,6 +123,18 @@ class BouncePool:
             if not fut.done():
                 fut.set_result(None)
                 return
+
+    def readout(self) -> dict[str, int]:
+        """The pool's figures, a plain dict: `slot_bytes`; `slots` (its
+        size); `free` and `in_use` (now: they add up to `slots`, all free
+        before its memory is made); `max_in_use` (the most at once);
+        `allocations` (of its memory: 1 once made, whatever the traffic);
+        `fills` and `drains` (slots the staging pipeline filled and
+        drained: run_staged; 0 for an inbox, whose slots are leased)."""
+        s = self.stats
+        return {"slot_bytes": self.slot_bytes, "slots": self.count, "free": self.free,
+                "in_use": s.slots_in_use, "max_in_use": s.max_in_use, "allocations": s.allocations,
+                "fills": s.fills, "drains": s.drains}
 
     def close(self) -> Any:
         """Drops the pool's memory (returns its keepalive for the caller to

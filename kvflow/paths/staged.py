@@ -108,6 +108,12 @@ class GpuMemory:
             if close is not None:
                 close()
 
+    def readout(self) -> dict[str, dict[str, int]]:
+        """The staging pools' figures: "outgoing" (the slots this engine's
+        staged transfers fill and drain, BouncePool.readout()) and "inbox"
+        (the slots it lends its peers, Inbox.readout())."""
+        return {"outgoing": self.outgoing.readout(), "inbox": self.inbox.readout()}
+
     # ------------------------------------------------------------ routing
     def touches(self, la: Any, ra: Any, remote: RegionTable) -> bool:
         """Whether a batch reads or writes GPU memory on either side."""

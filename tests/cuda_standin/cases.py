@@ -694,6 +694,10 @@ async def test_a_timed_out_gpu_write_leaves_nothing_behind(gpu_mem, make_engine,
     await bounded(peer.write([rs.addr], [there], [n]))
     await asyncio.sleep(0.6)                    # longer than any copy of the first write still running
     assert _sha(dst.host if into == "cuda" else dst) == _sha(src.host)
+    # every staging slot back on both sides, every lease of b's inbox given back
+    from kvflow._testing import staging_leaks
+    assert a.metrics()["staging"]["outgoing"]["allocations"] == 1       # it was staged, through pinned slots
+    assert staging_leaks(a.staging_stats()) == {} and staging_leaks(b.staging_stats()) == {}
 
 
 async def test_after_is_bounded_by_the_timeout(gpu_mem, make_engine):
