@@ -8,7 +8,8 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "fence", "sockio", "tcp_client", "tcp_send", "tcp_server", "credit")]
+NATIVE = [f"kvflow/_native/{name}.c" for name in ("core", "sched", "local", "fence", "sockio", "tcp_client", "tcp_conn",
+                                                   "tcp_send", "tcp_server", "credit")]
 RDMA = [f"kvflow/_native/{name}.c" for name in ("rdma_events", "rdma_post", "rdma_worker", "rdma_chan", "rdma_credit", "rdma_ibgda")]
 debug = os.environ.get("KVFLOW_DEBUG") == "1"
 cflags = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"]
@@ -82,7 +83,8 @@ extensions = [
         extra_link_args=["-pthread"],
         depends=["kvflow/_native/kvf.h", "kvflow/_native/fence.h", "kvflow/_native/provider.h", "kvflow/_native/wire.h", "kvflow/_native/sockio.h",
                  "kvflow/_native/tcp_int.h",
-                 "kvflow/_native.pxd"],
+                 "kvflow/_native.pxd", "kvflow/_core.pxd",
+                 *(f"kvflow/_core_{name}.pxi" for name in ("channel", "local", "pairs", "tcp", "sched"))],
     ),
     # relay lanes in shared memory (kvflow.paths.relay.lanes)
     Extension("kvflow._lanes", ["kvflow/_lanes.pyx"], extra_compile_args=cflags, libraries=["rt"]),
@@ -104,7 +106,8 @@ if have_verbs():
         define_macros=[] if have_mlx5dv() else [("KVF_NO_MLX5DV", "1")],
         depends=["kvflow/_native/kvf.h", "kvflow/_native/provider.h", "kvflow/_native/rdma.h",
                  "kvflow/_native/rdma_ibgda.h",
-                 "kvflow/_native/rdma_int.h", "kvflow/_native.pxd", "kvflow/_verbs.pxd", "kvflow/_core.pxd"],
+                 "kvflow/_native/rdma_int.h", "kvflow/_native.pxd", "kvflow/_verbs.pxd", "kvflow/_core.pxd",
+                 "kvflow/_verbs_qp.pxi", "kvflow/_verbs_channel.pxi"],
     ))
 
 setup(

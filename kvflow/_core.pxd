@@ -1,8 +1,10 @@
-# The native core's Cython classes, shared with kvflow._verbs (the rdma
-# provider's channel is a Channel too).
+# The native core's Cython classes (fields here, code in _core.pyx and the
+# _core_*.pxi it includes), shared with kvflow._verbs (the rdma provider's
+# channel is a Channel too).
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
-from kvflow._native cimport kvf_ctx, kvf_region_table, kvf_completion, kvf_channel
+from kvflow._native cimport (kvf_ctx, kvf_region_table, kvf_completion, kvf_channel, kvf_local_channel,
+                             kvf_tcp_channel, kvf_queue)
 
 
 cdef class Core:
@@ -42,3 +44,24 @@ cdef class Channel:
     cdef void _quiesce(self)
     cdef tuple _submit(self, int op, object local_addrs, object remote_addrs, object lengths, bint poll,
                        int prio, uint64_t deadline_ns)
+
+
+cdef class LocalChannel(Channel):       # _core_local.pxi
+    cdef kvf_local_channel *ch
+    cdef bint closed
+
+
+cdef class TcpChannel(Channel):         # _core_tcp.pxi
+    cdef kvf_tcp_channel *ch
+    cdef readonly int ack_fd
+    cdef int nfds
+    cdef public double poll_ewma_ns    # recent time to a polled completion (a round trip)
+    cdef public uint64_t poll_max_ns   # 0: never poll on the caller's thread
+    cdef uint64_t _poll_budget(self, uint64_t total)
+    cdef _polled(self, uint64_t budget, uint64_t took)
+
+
+cdef class SchedQueue:                  # _core_sched.pxi
+    cdef Core core
+    cdef kvf_queue q
+    cdef bint ready

@@ -1,5 +1,5 @@
 # cython: boundscheck=False, wraparound=False
-"""Relay lanes in shared memory (kvflow.engine.lanes): one segment per relay
+"""Relay lanes in shared memory (kvflow.paths.relay.lanes): one segment per relay
 member, `lanes` lanes of `slots` slots each, filled by the node's other
 ranks (producers, several threads each) and drained by the member (the one
 consumer). Every index and offset is checked here; Python never touches

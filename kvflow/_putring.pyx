@@ -1,6 +1,6 @@
 # cython: boundscheck=False, wraparound=False
 """GPU-initiated puts, proxy mode (issue 21): the ring a kernel appends put
-descriptors to and a CPU proxy (kvflow.engine.proxy) takes them from, in
+descriptors to and a CPU proxy (kvflow.gpu.proxy) takes them from, in
 memory both reach: host memory mapped into the device (cuMemHostAlloc with
 DEVICEMAP) for a kernel, any host memory for host producers. The device
 side is kvflow/_cuda/putring.cuh; it must agree with the layout here

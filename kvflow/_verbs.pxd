@@ -3,6 +3,7 @@
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t
 
 from kvflow._native cimport kvf_ctx, kvf_region_table
+from kvflow._core cimport Channel
 
 cdef extern from "infiniband/verbs.h" nogil:
     cdef struct ibv_device:
@@ -271,3 +272,64 @@ cdef extern from "_native/rdma_ibgda.h" nogil:
     int kvf_ibgda_host_write(kvf_ibgda_ep *ep, uint64_t laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey,
                              uint32_t len, uint64_t timeout_ns)
     void kvf_ibgda_ep_free(kvf_ibgda_ep *ep)
+
+
+# The wrapper classes' fields (their code: _verbs.pyx and the _verbs_*.pxi it includes).
+
+
+cdef class Device:                      # _verbs.pyx
+    cdef ibv_context *ctx
+    cdef ibv_pd *pd
+    cdef kvf_rdma_dev *dev
+    cdef kvf_ctx *kc               # the engine's counters (MRs, QPs); NULL once closed
+    cdef ibv_gid sgid
+    cdef readonly str name
+    cdef readonly int index, port, gid_index, lid, mtu, link_layer
+    cdef readonly int max_qp_wr, max_rd_atom, max_init_rd_atom, cq_size
+    cdef readonly int ack_timeout  # RC local ACK timeout exponent: 4.096 us * 2^ack_timeout
+    cdef readonly bint worker_posts  # the worker posts unpolled batches (kvf_rdma_dev_new)
+    cdef readonly bytes gid
+    cdef readonly str netdev
+    cdef readonly str dev_path     # the uverbs node in sysfs: removed first when the device goes
+    cdef object node_id            # _node_id(dev_path) at open; None: not visible here
+    cdef public int qps_used
+    # QPs made here and not (yet) handed to a channel: close() destroys
+    # them before the PD and context they live in (a Qp object may outlive
+    # its device, e.g. across an await of the connect that made it)
+    cdef object qps
+
+
+cdef class Qp:                          # _verbs_qp.pxi
+    cdef ibv_qp *qp
+    cdef kvf_rdma_target *tgt      # a target QP's place in the receive window (NULL: none)
+    cdef int reserved              # CQ entries its device counts for it (a target QP with credits)
+    cdef readonly Device dev
+    cdef readonly uint32_t psn
+    cdef readonly int depth
+    cdef object __weakref__        # its device's WeakSet of QPs not handed over
+    cdef ibv_qp *take(self) except NULL
+    cdef _leave_window(self)
+
+
+cdef class IbgdaQp:                     # _verbs_qp.pxi
+    cdef kvf_ibgda_ep *ep
+    cdef readonly Device dev
+    cdef readonly uint32_t psn
+    cdef readonly bint connected
+    cdef object __weakref__
+    cdef _check(self)
+
+
+cdef class Events:                      # _verbs_channel.pxi
+    cdef kvf_rdma_events *q
+
+
+cdef class RdmaChannel(Channel):        # _verbs_channel.pxi
+    cdef kvf_rdma_chan *ch
+    cdef readonly uint64_t token
+    cdef list devs                 # Device per QP index (keeps them alive)
+    cdef list depths
+    cdef public double poll_ewma_ns    # recent time to a polled completion
+    cdef public uint64_t poll_max_ns   # 0: never poll on the caller's thread
+    cdef uint64_t _poll_budget(self, uint64_t total)
+    cdef _polled(self, uint64_t budget, uint64_t took)

@@ -30,7 +30,7 @@ def test_no_environment_read_outside_config():
                 line = path.read_text().splitlines()[node.lineno - 1]
                 if "KVFLOW_" in line:
                     bad.append(f"{path.relative_to(PKG)}:{node.lineno}: {line.strip()}")
-    for path in [*PKG.rglob("*.pyx"), *(PKG / "_native").glob("*.[ch]")]:
+    for path in [*PKG.rglob("*.pyx"), *PKG.rglob("*.pxi"), *(PKG / "_native").glob("*.[ch]")]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"(getenv|environ)\W.*KVFLOW_", line):
                 bad.append(f"{path.relative_to(PKG)}:{n}: {line.strip()}")

@@ -7,7 +7,7 @@
 // DEVICEMAP); `ring` is its device address. One producer per channel: a
 // block's thread 0, say, with the block's own channel; no atomics between
 // producers (a system-scope atomic on host memory over PCIe is not
-// guaranteed). The CPU proxy (kvflow.engine.proxy.PutProxy) takes each
+// guaranteed). The CPU proxy (kvflow.gpu.proxy.PutProxy) takes each
 // descriptor, posts it through the engine's providers, and finishes it.
 //
 //   unsigned long long t = kvf_put(ring, channel, KVF_PUT, peer, local, remote, length, tag);

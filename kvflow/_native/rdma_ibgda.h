@@ -28,7 +28,7 @@
 typedef struct kvf_ibgda_ep kvf_ibgda_ep;
 
 /* What a GPU needs to drive the QP, as host addresses (the launcher maps
- * them into the device: kvflow/_cuda/ibgda.py). */
+ * them into the device: kvflow/gpu/ibgda.py). */
 typedef struct {
     uint64_t sq_buf;       /* wqe_cnt basic blocks of 64 bytes */
     uint64_t dbrec;        /* the QP's doorbell records: [0] receive, [1] send (32 bits each) */

@@ -1,7 +1,9 @@
 /* The tcp provider's initiator internals, shared by its files:
  *
- *   tcp_client.c  channels: placement, the sender and receiver threads, acks,
- *                 failover, the provider ops
+ *   tcp_client.c  channels: placement, acks, the provider ops, rebuilding
+ *                 and closing connections
+ *   tcp_conn.c    one connection: claiming from its queue, the sender and
+ *                 receiver threads, the inline send, failover
  *   tcp_send.c    framing slices and moving them into a socket (sendmsg
  *                 from registered memory; vmsplice + splice for large
  *                 payloads; the non-blocking form for the inline path)
@@ -110,6 +112,17 @@ struct kvf_tcp_channel {
     size_t ack_len;
     pthread_mutex_t ack_mu;   /* one reader of ack_fd at a time (the loop, or a thread polling its batches) */
 };
+
+/* Waiting for credit: the next write slice costs more than it holds. */
+static inline int tcp_credit_blocked(const tcp_conn *c) { return c->cr.need && c->cr.credit < c->cr.need; }
+
+/* tcp_conn.c */
+int tcp_any_alive(kvf_tcp_channel *ch);
+void tcp_conn_fail(tcp_conn *c, int status);
+int tcp_take_tag(tcp_conn *c, uint32_t tag, kvf_slice *out, int keep, int epoch);
+void tcp_send_inline_unlock(tcp_conn *c);
+void *tcp_tx(void *arg);
+void *tcp_rx(void *arg);
 
 /* tcp_send.c */
 int tcp_frame_slices(const kvf_hdr *ctl, int nctl, const kvf_slice *s, size_t k, kvf_hdr *h, struct iovec *iov);

@@ -3,7 +3,7 @@ NIC), kept alive by the kernel's timers, and rebuilt when they fail.
 
 RailPlan says which local rail each group of data connections to a peer
 leaves by (both ends' topologies pair the rails). A failed data connection
-hands its slices to the live ones natively (kvflow/_native/tcp_client.c);
+hands its slices to the live ones natively (kvflow/_native/tcp_conn.c);
 RailWatcher fails a connection whose peer's kernel stopped answering (a
 rail that is gone: TcpChannel.check_reach, from the kernel's own view of
 the connection, so a peer that is only slow is never failed) and brings a
