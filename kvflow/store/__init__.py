@@ -15,13 +15,15 @@ from .client import Replica, StoreClient
 from .errors import (BufferTooSmallError, DurabilityError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
                      NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
                      ObjectNotFoundError, ReplicaUnavailableError, SegmentError, StoreError,
-                     StoreTimeoutError)
+                     StoreTimeoutError, TaskNotFoundError)
 from .master import Master
 from .model import State, StoreModel
+from .tasks import TaskStatus, TaskType
 
 __all__ = [
     "Allocator", "BufferTooSmallError", "DurabilityError", "InvalidKeyError", "LeaseExpiredError", "Master",
     "MasterUnavailableError", "NoSpaceError", "ObjectBusyError", "ObjectExistsError",
     "ObjectLeasedError", "ObjectNotFoundError", "Replica", "ReplicaUnavailableError",
-    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError",
+    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError", "TaskNotFoundError",
+    "TaskStatus", "TaskType",
 ]
