@@ -165,7 +165,17 @@ class ReplicaTasks:
         client = self.segments[source].client
         task = self.tasks[tid] = Task(tid, kind, obj.key, client, source, targets, obj, _ms())
         self._task_queue.setdefault(client, []).append(tid)
+        if not self._skip_held(task):
+            self._task_done(task)           # every target holds a replica already: nothing to copy
         return task.id
+
+    def _skip_held(self, task: Task) -> int:
+        """Drops the leading targets that hold a replica already (nothing
+        to copy there); returns how many targets are left."""
+        held = {r.segment for r in task.obj.replicas}
+        while task.targets and task.targets[0] in held:
+            task.copied.append(task.targets.pop(0))
+        return len(task.targets)
 
     def query_task(self, task_id: object) -> Task:
         """The task. TaskNotFoundError for an id never given out, or one
@@ -215,28 +225,25 @@ class ReplicaTasks:
         if src is None:
             self._finish(task, TaskStatus.FAILED, "the source replica is gone")
             return None
-        while task.targets:
-            seg = self.segments.get(task.targets[0])
-            if seg is None or not seg.attached:
-                self._finish(task, TaskStatus.FAILED, f"target segment {task.targets[0]} was unmounted")
-                return None
-            if any(r.segment == seg.id for r in obj.replicas):
-                task.copied.append(task.targets.pop(0))     # holds one already: nothing to copy
-                continue
-            off = seg.alloc.allocate(obj.size)
-            if off is None:
-                self._finish(task, TaskStatus.FAILED, f"no room for {obj.size} bytes on segment {seg.name!r}")
-                return None
-            length = seg.alloc.allocated_length(off)
-            self._used += length
-            new = Replica(seg.id, off, length)
-            self.get_replicas(task.key, now, lease)     # the source stays under the copy
-            self._repairs[task.key] = (task.client, new, lease, obj, task)
-            self.clients[task.client].repairing.add(task.key)
-            task.status, task.updated_ms = TaskStatus.PROCESSING, _ms()
-            return (task.key, obj.size, src, new)
-        self._task_done(task)
-        return None
+        if not self._skip_held(task):
+            self._task_done(task)
+            return None
+        seg = self.segments.get(task.targets[0])
+        if seg is None or not seg.attached:
+            self._finish(task, TaskStatus.FAILED, f"target segment {task.targets[0]} was unmounted")
+            return None
+        off = seg.alloc.allocate(obj.size)
+        if off is None:
+            self._finish(task, TaskStatus.FAILED, f"no room for {obj.size} bytes on segment {seg.name!r}")
+            return None
+        length = seg.alloc.allocated_length(off)
+        self._used += length
+        new = Replica(seg.id, off, length)
+        self.get_replicas(task.key, now, lease)     # the source stays under the copy
+        self._repairs[task.key] = (task.client, new, lease, obj, task)
+        self.clients[task.client].repairing.add(task.key)
+        task.status, task.updated_ms = TaskStatus.PROCESSING, _ms()
+        return (task.key, obj.size, src, new)
 
     def _task_done(self, task: Task) -> None:
         if task.type is TaskType.REPLICA_MOVE:
@@ -253,7 +260,7 @@ class ReplicaTasks:
         else:
             task.copied.append(task.targets.pop(0))
             task.updated_ms = _ms()
-            if not task.targets:
+            if not self._skip_held(task):
                 self._task_done(task)
 
     def _drop_replica(self, obj: Object, segment: int) -> None:
