@@ -18,12 +18,13 @@ from .errors import (BufferTooSmallError, DurabilityError, InvalidKeyError, Leas
                      StoreTimeoutError, TaskNotFoundError)
 from .master import Master
 from .model import State, StoreModel
+from .task_calls import ReplicaDesc, TaskInfo
 from .tasks import TaskStatus, TaskType
 
 __all__ = [
     "Allocator", "BufferTooSmallError", "DurabilityError", "InvalidKeyError", "LeaseExpiredError", "Master",
     "MasterUnavailableError", "NoSpaceError", "ObjectBusyError", "ObjectExistsError",
-    "ObjectLeasedError", "ObjectNotFoundError", "Replica", "ReplicaUnavailableError",
-    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError", "TaskNotFoundError",
-    "TaskStatus", "TaskType",
+    "ObjectLeasedError", "ObjectNotFoundError", "Replica", "ReplicaDesc", "ReplicaUnavailableError",
+    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError", "TaskInfo",
+    "TaskNotFoundError", "TaskStatus", "TaskType",
 ]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvflow.errors import InvalidArgumentError
 
 from .errors import ObjectNotFoundError, TaskNotFoundError
-from .records import Object, Replica, Segment, State, check_key
+from .records import Object, Replica, Segment, State
 
 __all__ = ["ReplicaTasks", "Task", "TaskStatus", "TaskType", "MAX_FINISHED_TASKS"]
 
@@ -125,10 +125,7 @@ class ReplicaTasks:
         return seg
 
     def _task_object(self, key: object) -> Object:
-        check_key(key)
-        obj = self.objects.get(key)
-        if obj is None or obj.state is not State.COMPLETE:
-            raise ObjectNotFoundError(f"no object {key!r}", key=key)
+        obj = self._complete(key)
         if not obj.replicas:
             raise ObjectNotFoundError(f"{key!r} has no replica in memory to copy (only SSD copies)", key=key)
         return obj
