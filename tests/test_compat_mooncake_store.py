@@ -32,8 +32,8 @@ import pytest
 
 import kvflow
 from kvflow.compat.mooncake import shim_path
-from kvflow.compat.mooncake.store import (BufferHandle, MooncakeDistributedStore, ReplicateConfig,
-                                          SoftPinAction)
+from kvflow.compat.mooncake.store import (BufferHandle, MooncakeDistributedStore, ReplicaStatus, ReplicateConfig,
+                                          SoftPinAction, TaskStatus, TaskType)
 
 HERE = Path(__file__).parent
 ROOT = str(Path(kvflow.__file__).resolve().parents[1])
@@ -459,3 +459,60 @@ def test_upstream_ssd_offload_in_evict(tmp_path):
     assert list(root.glob("default/*/*/*.kvo")) or list(root.glob("default/*")), "no SSD tier was opened"
     print("kvflow: test_ssd_offload_in_evict.py: 3 of 3 passed; " +
           "; ".join(f"{n}: {ok}/{ops}" for n, ops, ok, _ in stats))
+
+
+def test_copy_and_move_tasks_with_mooncakes_conventions(store, kvflow_master):
+    """create_copy_task / create_move_task / query_task / get_replica_desc:
+    Mooncake's tuples, codes and types (its scripts/test_copy_move_api.py
+    runs unchanged in test_mooncake_ci.py); segments are named by their
+    stores' get_hostname()."""
+    other = MooncakeDistributedStore()
+    assert other.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", kvflow_master.address) == 0
+    try:
+        here, there = store.get_hostname(), other.get_hostname()
+        cfg = ReplicateConfig()
+        cfg.preferred_segment = there
+        payload = os.urandom(300_000)
+        assert store.put("cmv", payload, cfg) == 0
+        endpoints = lambda: sorted(d.get_memory_descriptor().buffer_descriptor.transport_endpoint  # noqa: E731
+                                   for d in store.get_replica_desc("cmv"))
+        assert endpoints() == [there]
+        task_id, err = store.create_copy_task("cmv", [here])
+        assert err == 0 and isinstance(task_id, tuple) and len(task_id) == 2
+        deadline = time.monotonic() + 30
+        while (resp := store.query_task(task_id))[0].status not in (TaskStatus.SUCCESS, TaskStatus.FAILED):
+            assert resp[1] == 0 and time.monotonic() < deadline
+            time.sleep(0.05)
+        resp, err = store.query_task(task_id)
+        assert (err, resp.status, resp.type, resp.id, resp.message) == (0, TaskStatus.SUCCESS,
+                                                                         TaskType.REPLICA_COPY, task_id, "")
+        assert endpoints() == sorted([here, there])
+        desc = store.get_replica_desc("cmv")[0]
+        assert desc.is_memory_replica() and desc.status == ReplicaStatus.COMPLETE
+        assert desc.get_memory_descriptor().buffer_descriptor.size == len(payload)
+        task_id, err = other.create_move_task("cmv", here, there)        # there holds one: here's goes
+        assert err == 0
+        while (resp := other.query_task(task_id)[0]).status not in (TaskStatus.SUCCESS, TaskStatus.FAILED):
+            time.sleep(0.05)
+        assert resp.status == TaskStatus.SUCCESS and endpoints() == [there]
+        assert store.get("cmv") == payload
+        assert list(store.batch_get_replica_desc(["cmv", "none"])) == ["cmv"]
+
+        assert store.create_copy_task("none", [there]) == ((0, 0), -704)
+        assert store.create_move_task("none", here, there) == ((0, 0), -704)
+        assert store.create_copy_task("cmv", ["unknown"]) == ((0, 0), -600)
+        assert store.create_copy_task("cmv", []) == ((0, 0), -600)
+        assert store.create_move_task("cmv", there, there) == ((0, 0), -600)
+        assert store.create_move_task("cmv", here, there) == ((0, 0), -600)     # here holds none now
+        assert store.query_task((5, 5)) == (None, -1400)
+        assert store.get_replica_desc("none") == []
+        for bad in (lambda: store.create_copy_task("cmv", there), lambda: store.create_move_task("cmv", 1, there),
+                    lambda: store.query_task("id"), lambda: store.query_task((-1, 0))):
+            with pytest.raises(TypeError):
+                bad()
+        assert store.remove("cmv") == 0
+    finally:
+        assert other.close() == 0
+    closed = MooncakeDistributedStore()
+    assert closed.create_copy_task("k", ["x"]) == ((0, 0), -1) and closed.query_task((1, 1)) == (None, -1)
+    assert closed.get_replica_desc("k") == []

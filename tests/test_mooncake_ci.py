@@ -68,11 +68,7 @@ UPSTREAM = {
 }
 # What kvflow does not pass yet, and why (an xfail, strict: a pass fails the
 # test until the entry goes).
-KVFLOW_GAPS: dict[str, str] = {
-    "test_copy_move_api.py": "Mooncake's copy/move tasks (create_copy_task, create_move_task, query_task, "
-                             "QueryTaskResponse, TaskStatus, get_replica_desc's descriptors) are not built in "
-                             "kvflow.store: it fails at its import",
-}
+KVFLOW_GAPS: dict[str, str] = {}
 # Cases kvflow skips that Mooncake runs: (how many, why). The run passes;
 # the count is checked so that a new skip is seen.
 KVFLOW_SKIPS: dict[str, tuple[int, str]] = {

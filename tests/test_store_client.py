@@ -16,7 +16,7 @@ import kvflow
 from kvflow.errors import InvalidArgumentError, UnregisteredMemoryError
 from kvflow.store import (BufferTooSmallError, InvalidKeyError, MasterUnavailableError, Master, StoreTimeoutError,
                           NoSpaceError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
-                          ReplicaUnavailableError, StoreClient)
+                          ReplicaUnavailableError, StoreClient, TaskNotFoundError, TaskStatus)
 
 PROTOCOLS = [pytest.param(("tcp",), id="tcp"), pytest.param(None, id="auto")]
 
@@ -679,3 +679,62 @@ async def test_batch_exists_blocking_answers_from_another_thread_and_falls_back(
         assert (await a.stats())["clients"] == 1
     async with _pool(1, ("tcp",)) as (master, (b,)):              # an in-process master: the loop's path
         assert await asyncio.get_running_loop().run_in_executor(None, b.batch_exists_blocking, ["k"]) is None
+
+
+def _replica_bytes(holder: StoreClient, addr: int, size: int) -> bytes:
+    """What the holder's segment memory holds at a replica's address."""
+    off = addr - holder._segment_region.addr
+    assert 0 <= off and off + size <= holder.segment_size
+    return holder._segment[off:off + size].tobytes()
+
+
+async def test_copy_and_move_tasks_copy_the_bytes_over_kvflow_and_leak_nothing():
+    """A copy task makes replicas on the named segments, copied by the
+    holder of the source over kvflow: each new replica's memory holds the
+    object's bytes. A move leaves the replica on the target only. Bad input
+    is refused with typed errors over the wire, and the space adds up."""
+    master = Master(seed=7, heartbeat_interval=0.1, client_grace=5.0)
+    await master.start("127.0.0.1:0")
+    holders = {name: await StoreClient(master.address, segment_size=4 << 20, protocols=("tcp",),
+                                       segment_name=name).start() for name in ("a", "b", "c")}
+    c = await StoreClient(master.address, segment_size=0, protocols=("tcp",)).start()
+    try:
+        values = {f"cm/{i}": _data(200_000 + i, i).tobytes() for i in range(6)}
+        for k, v in values.items():
+            await c.put(k, v, preferred_segment="a")
+        copies = [await c.create_copy_task(k, ["b", "c"]) for k in list(values)[:3]]
+        moves = [await c.create_move_task(k, "a", "c") for k in list(values)[3:]]
+        for tid in copies + moves:
+            info = await c.wait_task(tid, timeout=20)
+            assert info.status is TaskStatus.SUCCESS and info.client == holders["a"].client_id, info
+        for i, (k, v) in enumerate(values.items()):
+            descs = await c.replica_desc(k)
+            assert sorted(d.segment for d in descs) == (["a", "b", "c"] if i < 3 else ["c"]), descs
+            for d in descs:
+                assert d.size == len(v) and _replica_bytes(holders[d.segment], d.addr, d.size) == v
+            assert await c.get(k) == v
+        assert holders["a"].replicas_made == 3 * 2 + 3
+
+        with pytest.raises(ObjectNotFoundError):
+            await c.create_copy_task("missing", ["b"])
+        with pytest.raises(ObjectNotFoundError):
+            await c.create_move_task("missing", "a", "b")
+        for bad in [lambda: c.create_copy_task("cm/0", ["nowhere"]), lambda: c.create_copy_task("cm/0", []),
+                    lambda: c.create_move_task("cm/0", "a", "a"), lambda: c.create_move_task("cm/3", "a", "b"),
+                    lambda: c.create_move_task("cm/0", "a", "nowhere"), lambda: c.query_task("x")]:
+            with pytest.raises(InvalidArgumentError):
+                await bad()
+        with pytest.raises(TaskNotFoundError):
+            await c.query_task((1, 1))
+        with pytest.raises(InvalidKeyError):
+            await c.create_copy_task("", ["b"])
+        await c.get("cm/0")                  # the client is still usable
+        assert len(master.model.tasks) == 6 and not master.model._repairs
+        _assert_no_leak(master, objects=6)
+        # the space in use is the live replicas' (a move's source freed), nothing more
+        reps = [r for o in master.model.objects.values() for r in o.replicas]
+        assert len(reps) == 3 * 3 + 3 and master.model.used == sum(r.length for r in reps)
+    finally:
+        for x in (c, *holders.values()):
+            await x.close()
+        await master.close()

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
-from kvflow.store import Allocator, StoreModel
+from kvflow.store import Allocator, StoreModel, TaskNotFoundError, TaskStatus, TaskType
 from kvflow.store.allocator import ALIGN
 from kvflow.store.errors import (CODES, InvalidKeyError, NoSpaceError, ObjectBusyError, ObjectExistsError,
                                  ObjectLeasedError, ObjectNotFoundError, error_code, error_from_code)
@@ -551,3 +551,104 @@ def test_restore_rebuilds_the_index_and_waits_for_owners():
     r2.restore_segment(s1, "c1", "h", "e1", "seg", 4096, 1 << 20, now=100)
     r2.restore_object("k0", *records["k0"])
     assert r2.expire_clients(now=100 + 61, grace=60) == ["c1"] and not r2.objects
+
+
+# -- copy and move tasks (tasks.py) ---------------------------------------------
+
+
+def _task_pool() -> StoreModel:
+    m = StoreModel(seed=3)
+    for i, c in enumerate(("c0", "c1", "c2")):
+        m.register_client(c, "h", f"e-{c}", 0)
+        m.mount(c, f"s-{c}", (i + 1) << 20, 64 * 100)
+    return m
+
+
+def _accounted(m: StoreModel) -> None:
+    for s in m.segments.values():
+        s.alloc.check()
+    assert m.used == sum(s.alloc.used for s in m.segments.values())
+
+
+def test_copy_and_move_tasks_run_through_the_holders_copies_and_account_their_space():
+    """A copy task is handed to the holder of the source replica one target
+    at a time (a target holding a replica already is skipped); each copy
+    joins at its end. A move's source replica leaves at the end, its space
+    back once the copy's lease is released."""
+    m = _task_pool()
+    m.put_start("c1", "k", 64, 1, now=0, preferred="s-c0")            # segments by name
+    m.put_end("c1", "k")
+    assert [m.segments[r.segment].name for r in m.objects["k"].replicas] == ["s-c0"]
+    tid = m.create_copy_task("k", ["s-c1", "s-c2", "s-c0"])
+    assert m.query_task(tid).status is TaskStatus.PENDING and m.query_task(list(tid)).client == "c0"
+    assert m.repairable("c0") == 1 and m.repairable("c1") == 0
+    for target in ("s-c1", "s-c2"):
+        jobs, lease = m.repair_start("c0", 1.0, 64)
+        assert [(j[0], m.segments[j[3].segment].name) for j in jobs] == [("k", target)]
+        assert m.query_task(tid).status is TaskStatus.PROCESSING
+        assert m.repair_end("c0", "k", True) == 1
+        m.release_lease(lease, 1.0)
+    task = m.query_task(tid)
+    assert task.status is TaskStatus.SUCCESS and task.message == "" and task.type is TaskType.REPLICA_COPY
+    assert sorted(m.segments[r.segment].name for r in m.objects["k"].replicas) == ["s-c0", "s-c1", "s-c2"]
+    assert m.repairable("c0") == 0 and m.repaired == 0               # a task is not a repair
+    _accounted(m)
+    assert m.used == 3 * 64
+
+    m.put_start("c1", "mv", 64, 1, now=1, preferred="s-c2")
+    m.put_end("c1", "mv")
+    tid = m.create_move_task("mv", "s-c2", "s-c1")
+    jobs, lease = m.repair_start("c2", 2.0, 64)
+    assert m.repair_end("c2", "mv", True) == 1
+    assert [m.segments[r.segment].name for r in m.objects["mv"].replicas] == ["s-c1"]
+    assert m.query_task(tid).status is TaskStatus.SUCCESS
+    assert m.used == 5 * 64                  # the source's space waits for the copy's lease
+    m.release_lease(lease, 2.0)
+    _accounted(m)
+    assert m.used == 4 * 64 and "mv" not in m.segments[3].keys
+
+
+def test_copy_and_move_tasks_refuse_bad_input_and_fail_with_a_reason():
+    m = _task_pool()
+    m.put_start("c1", "k", 64, 1, now=0, preferred="s-c0")
+    m.put_end("c1", "k")
+    for call, err in [(lambda: m.create_copy_task("nope", ["s-c1"]), ObjectNotFoundError),
+                      (lambda: m.create_move_task("nope", "s-c0", "s-c1"), ObjectNotFoundError),
+                      (lambda: m.create_copy_task("", ["s-c1"]), InvalidKeyError),
+                      (lambda: m.create_copy_task("k", []), InvalidArgumentError),
+                      (lambda: m.create_copy_task("k", ["s-c1", "unknown"]), InvalidArgumentError),
+                      (lambda: m.create_move_task("k", "s-c0", "s-c0"), InvalidArgumentError),
+                      (lambda: m.create_move_task("k", "unknown", "s-c1"), InvalidArgumentError),
+                      (lambda: m.create_move_task("k", "s-c1", "s-c2"), InvalidArgumentError),   # holds none
+                      (lambda: m.create_move_task("k", "s-c0", "unknown"), InvalidArgumentError),
+                      (lambda: m.query_task((1, 2)), TaskNotFoundError),
+                      (lambda: m.query_task("x"), TaskNotFoundError)]:
+        with pytest.raises(err):
+            call()
+    assert not m.tasks and not m._task_queue
+
+    # a failed copy frees its allocation; the task says why
+    tid = m.create_copy_task("k", ["s-c1"])
+    jobs, lease = m.repair_start("c0", 1.0, 64)
+    assert m.repair_end("c0", "k", False) == 0
+    m.release_lease(lease, 1.0)
+    assert m.query_task(tid).status is TaskStatus.FAILED and "failed" in m.query_task(tid).message
+    # the object goes before the copy is handed out
+    tid = m.create_copy_task("k", ["s-c2"])
+    m.remove("k", now=2.0)
+    assert m.repair_start("c0", 2.0, 64)[0] == []
+    assert m.query_task(tid).status is TaskStatus.FAILED
+    # no room on the target: FAILED, nothing evicted
+    m.put_start("c1", "big", 64 * 60, 1, now=3, preferred="s-c0")
+    m.put_end("c1", "big")
+    m.put_start("c0", "fill", 64 * 60, 1, now=3, preferred="s-c1")
+    m.put_end("c0", "fill")
+    tid = m.create_copy_task("big", ["s-c1"])
+    assert m.repair_start("c0", 3.0, 64)[0] == [] and "no room" in m.query_task(tid).message
+    assert m.exists("fill")
+    # the copier is lost: its tasks fail, its copy in progress ends
+    pending = m.create_move_task("big", "s-c0", "s-c2")
+    assert m.repairable("c0") == 1
+    m.client_lost("c0")
+    assert m.query_task(pending).status is TaskStatus.FAILED and not m._repairs and not m._task_queue
+    _accounted(m)

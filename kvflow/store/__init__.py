@@ -15,13 +15,16 @@ from .client import Replica, StoreClient
 from .errors import (BufferTooSmallError, DurabilityError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
                      NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError,
                      ObjectNotFoundError, ReplicaUnavailableError, SegmentError, StoreError,
-                     StoreTimeoutError)
+                     StoreTimeoutError, TaskNotFoundError)
 from .master import Master
 from .model import State, StoreModel
+from .task_calls import ReplicaDesc, TaskInfo
+from .tasks import TaskStatus, TaskType
 
 __all__ = [
     "Allocator", "BufferTooSmallError", "DurabilityError", "InvalidKeyError", "LeaseExpiredError", "Master",
     "MasterUnavailableError", "NoSpaceError", "ObjectBusyError", "ObjectExistsError",
-    "ObjectLeasedError", "ObjectNotFoundError", "Replica", "ReplicaUnavailableError",
-    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError",
+    "ObjectLeasedError", "ObjectNotFoundError", "Replica", "ReplicaDesc", "ReplicaUnavailableError",
+    "SegmentError", "State", "StoreClient", "StoreError", "StoreModel", "StoreTimeoutError", "TaskInfo",
+    "TaskNotFoundError", "TaskStatus", "TaskType",
 ]

@@ -55,6 +55,7 @@ from .puts import Puts
 from .records import NS_SEP, plain_keys
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
 from .ssd_agent import SsdAgent
+from .task_calls import TaskCalls
 
 __all__ = ["StoreClient", "Replica"]
 
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 _EMBEDDED: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list]" = weakref.WeakKeyDictionary()
 
 
-class StoreClient(Puts, Gets):
+class StoreClient(Puts, Gets, TaskCalls):
     """A member of the pool. `master`: "host:port" of a standalone master,
     "etcd://host:port/cluster" or a list of "host:port" (follow the
     cluster's leader across restarts and failovers: kvflow/store/follow.py),
@@ -88,7 +89,10 @@ class StoreClient(Puts, Gets):
     segment_size), `ssd_offload` "evict" (copy the objects of its segment
     nearest eviction) or "eager" (copy every object of its segment),
     `ssd_verify` (checksum every SSD read, not only at adoption),
-    `ssd_promote` (a get served from SSD puts the object back in DRAM)."""
+    `ssd_promote` (a get served from SSD puts the object back in DRAM).
+    `segment_name`: the name the segment is mounted under (default
+    "kvflow-store/<client id>/0"): copy and move tasks and preferred
+    segments name segments by it (the Mooncake API mounts its hostname)."""
 
     def __init__(self, master: "str | Sequence[str] | Master | None" = None, *, engine: kvflow.Engine | None = None,
                  segment_size: int = 64 << 20, local_buffer_size: int = 16 << 20,
@@ -97,7 +101,7 @@ class StoreClient(Puts, Gets):
                  master_listen: str | None = None, prefer_local: bool = False,
                  ssd_path: str | None = None, ssd_capacity: int | None = None, ssd_offload: str = "evict",
                  ssd_verify: bool = False, ssd_promote: bool = True, namespace: str | None = None,
-                 quota: int | None = None) -> None:
+                 quota: int | None = None, segment_name: str | None = None) -> None:
         for name, v in (("segment_size", segment_size), ("local_buffer_size", local_buffer_size)):
             if not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, not {v!r}")
@@ -118,6 +122,10 @@ class StoreClient(Puts, Gets):
         self.master_listen = master_listen
         self.prefer_local = bool(prefer_local)
         self.client_id = uuid.uuid4().hex[:16]
+        if segment_name is not None and (type(segment_name) is not str or not segment_name
+                                         or len(segment_name) > 1024):
+            raise InvalidArgumentError(f"segment_name must be a non-empty str, not {segment_name!r}")
+        self.segment_name = segment_name or f"kvflow-store/{self.client_id}/0"
         self.host = host or socket.gethostname()
         self.segment_size = segment_size
         self.local_buffer_size = local_buffer_size
@@ -238,7 +246,7 @@ class StoreClient(Puts, Gets):
         hello = await link.call("register", self.client_id, self.host, self.engine.address,
                                 timeout=self.timeout)
         if self._segment_region is not None:
-            self.segment_id = await link.call("mount", f"kvflow-store/{self.client_id}/0",
+            self.segment_id = await link.call("mount", self.segment_name,
                                               self._segment_region.addr, self.segment_size, timeout=self.timeout)
         if self._ssd is not None:
             await self._ssd.attach(link, self.timeout)

@@ -9,7 +9,7 @@ __all__ = [
     "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
     "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError", "QuotaExceededError",
     "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
-    "SegmentError", "DurabilityError", "CODES", "error_code", "error_from_code",
+    "SegmentError", "DurabilityError", "TaskNotFoundError", "CODES", "error_code", "error_from_code",
 ]
 
 
@@ -90,6 +90,11 @@ class SegmentError(StoreError):
     """A segment cannot be mounted or unmounted (unknown, duplicate, bad size)."""
 
 
+class TaskNotFoundError(StoreError):
+    """query_task: no copy or move task with this id (never created, or
+    finished long ago and forgotten)."""
+
+
 class DurabilityError(StoreError):
     """The master's etcd cannot be reached, did not answer in time, or
     refused a write, or this master is no longer the cluster's leader (its
@@ -114,6 +119,7 @@ CODES: dict[str, type[KVFlowError]] = {
     "timeout": StoreTimeoutError,
     "segment": SegmentError,
     "durability": DurabilityError,
+    "task_not_found": TaskNotFoundError,
     "store": StoreError,
     "internal": KVFlowError,
 }

@@ -49,7 +49,8 @@ __all__ = ["Master", "Session", "METHODS"]
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
                      "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
                      "batch_remove", "remove_all", "remove_by_regex", "stats",
-                     "batch_repair_start", "batch_repair_end", "set_quota"}) | frozenset(SSD_METHODS)
+                     "batch_repair_start", "batch_repair_end", "set_quota", "create_copy_task",
+                     "create_move_task", "query_task", "replica_desc"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
 
@@ -327,6 +328,25 @@ class Master(SsdCalls):
         if type(lease) is int:
             self.model.release_lease(lease, now)
         return out
+
+    # -- copy and move tasks (tasks.py) -----------------------------------------
+    def _create_copy_task(self, cid: str, now: float, key: str, targets: list) -> list:
+        return list(self.model.create_copy_task(key, targets))
+
+    def _create_move_task(self, cid: str, now: float, key: str, source: str, target: str) -> list:
+        return list(self.model.create_move_task(key, source, target))
+
+    def _query_task(self, cid: str, now: float, task_id: list) -> list:
+        return self.model.query_task(task_id).row()
+
+    def _replica_desc(self, cid: str, now: float, key: str) -> list:
+        """Where the object's replicas are, by segment: [[segment name,
+        address, size], ...] in memory, then [[client, size]] per SSD copy.
+        No lease: a description, not a read."""
+        obj = self.model.describe(key)
+        segs = self.model.segments
+        mem = [[segs[r.segment].name, segs[r.segment].base + r.offset, obj.size] for r in obj.replicas]
+        return [mem, [[c, obj.size] for c in sorted(obj.ssd or ())]]
 
     def _mount(self, cid: str, now: float, name: str, base: int, size: int) -> int:
         return self.model.mount(cid, name, base, size)

@@ -37,6 +37,7 @@ from .placement import place
 from .records import MAX_KEY_BYTES, NS_SEP, Client, Object, Replica, Segment, State, check_key, namespace_of
 from .repair import ReplicaRepair
 from .ssd_model import SsdState
+from .tasks import ReplicaTasks
 
 __all__ = ["State", "Client", "Segment", "Replica", "Object", "StoreModel", "check_key", "MAX_KEY_BYTES"]
 
@@ -53,7 +54,7 @@ def _soft_pin_seconds(pin: Any, default: float) -> float:
     return float(ttl)
 
 
-class StoreModel(SsdState, ReplicaRepair):
+class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
     """The pool's metadata. `high_watermark`/`low_watermark`: fractions of
     the pool's capacity; a put that would take the pool above the high one
     first evicts least-recently-used objects down to the low one.
@@ -93,7 +94,9 @@ class StoreModel(SsdState, ReplicaRepair):
         # (copying client, the allocation, the lease on its sources, the
         # object copied: a new object of the same key never gets its bytes)
         self._short: set[str] = set()
-        self._repairs: dict[str, tuple[str, Replica, int, Object]] = {}
+        # (and the copy or move task it is part of, None for a repair: tasks.py)
+        self._repairs: dict[str, tuple[str, Replica, int, Object, Any]] = {}
+        self._init_tasks()
         self.repaired = 0
         self.soft_evictions = 0     # soft-pinned objects evicted because nothing else could go
         self.evicted_bytes = 0
@@ -258,6 +261,7 @@ class StoreModel(SsdState, ReplicaRepair):
                 self._delete(obj)
         for key in list(c.repairing):         # its copies in progress will never end
             self._end_repair(key, False)
+        self._tasks_client_lost(client_id)
         dropped = 0
         for key in list(c.ssd_keys):          # its SSD copies are unreachable now
             dropped += self.ssd_drop(client_id, key, c)
@@ -277,7 +281,7 @@ class StoreModel(SsdState, ReplicaRepair):
 
     # -- puts: allocate, then commit -------------------------------------------
     def put_start(self, client_id: str, key: str, size: int, replica_num: int, now: float, *,
-                  preferred: int | None = None, pin: bool | list = False,
+                  preferred: int | str | list | None = None, pin: bool | list = False,
                   token: int = 0) -> list[Replica] | None:
         """Allocates up to `replica_num` replicas of `size` bytes on distinct
         segments (distinct clients first) and records the object as
@@ -299,6 +303,8 @@ class StoreModel(SsdState, ReplicaRepair):
         if type(replica_num) is not int or replica_num < 1:
             if not isinstance(replica_num, int) or replica_num < 1:
                 raise InvalidArgumentError(f"replica_num must be an int >= 1, not {replica_num!r}")
+        if preferred is not None and type(preferred) is not int:
+            preferred = self.preferred_ids(preferred)       # segments by name (Mooncake's preferred_segments)
         old = self.objects.get(key)
         if old is not None:
             if old.state is State.COMPLETE:
@@ -580,7 +586,7 @@ class StoreModel(SsdState, ReplicaRepair):
         return self._evict(1, now) > 0
 
     # -- helpers ---------------------------------------------------------------
-    def _place(self, size: int, replica_num: int, preferred: int | None) -> list[Segment]:
+    def _place(self, size: int, replica_num: int, preferred: int | list[int] | None) -> list[Segment]:
         """place() over the attached segments; segments restored from etcd
         whose owners have not mounted them again are used only for what
         the attached ones cannot hold (right after a failover, before the

@@ -27,10 +27,12 @@ class Placeable(Protocol):
 
 
 def place(segments: Sequence[Placeable], size: int, replica_num: int, *,
-          preferred: int | None = None, rng: random.Random | None = None) -> list[Placeable]:
+          preferred: int | Sequence[int] | None = None, rng: random.Random | None = None) -> list[Placeable]:
     """Up to `replica_num` distinct segments that can each hold `size`
-    bytes; fewer (possibly none) when fewer fit. Replicas land on distinct
-    clients while there are clients left, then on distinct segments."""
+    bytes; fewer (possibly none) when fewer fit. The `preferred` segment
+    ids (one, or several in order) that fit come first; the other replicas
+    land on distinct clients while there are clients left, then on
+    distinct segments."""
     rng = rng or random
     fitting = [s for s in segments if s.fits(size)]
     if replica_num == 1 and preferred is None and len(fitting) <= 2:
@@ -42,10 +44,11 @@ def place(segments: Sequence[Placeable], size: int, replica_num: int, *,
         return [a if fa < fb else b if fb < fa else rng.choice((a, b))]
     chosen: list[Placeable] = []
     if preferred is not None:
-        for s in fitting:
-            if s.id == preferred:
-                chosen.append(s)
-                break
+        for pid in [preferred] if isinstance(preferred, int) else preferred:
+            for s in fitting:
+                if s.id == pid and s not in chosen and len(chosen) < replica_num:
+                    chosen.append(s)
+                    break
     while len(chosen) < replica_num:
         used_segments = {s.id for s in chosen}
         used_clients = {s.client for s in chosen}

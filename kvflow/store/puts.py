@@ -47,14 +47,17 @@ class Puts:
     @with_timeout
     @counted("put")
     async def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Parts], *,
-                                   replica_num: int | None = None, preferred_segment: int | None = None,
+                                   replica_num: int | None = None,
+                                   preferred_segment: int | str | Sequence[str] | None = None,
                                    pin: bool = False, soft_pin: float | bool | None = None,
                                    _again: bool = False, _wait: bool = True) -> list:
         """The funnel of every put. One master round trip to allocate, one
         kvflow batch per holder, one round trip to commit. `pin`: never
         evicted (only removed); `soft_pin`: evicted only when nothing
         unpinned can go, for that many seconds (True: the master's
-        soft_pin_ttl). The keys of one call are a chained prefix, head
+        soft_pin_ttl). `preferred_segment`: a segment id, or segment names
+        (a str, or a list in order: StoreClient's segment_name) where the
+        replicas go first when they fit; names not mounted are ignored. The keys of one call are a chained prefix, head
         first: the master evicts its tail before its head. A put whose
         commit reached a new leader that never saw its allocation (the old
         one died in between: follow.py) is put again, once."""

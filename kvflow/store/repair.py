@@ -3,7 +3,9 @@ model.py, which holds the state: `_short`, `_repairs`). An object whose put
 asked for more replicas than it has left after a holder was lost is handed
 to a client holding one of the others, with a new allocation on a client
 holding none; the client (client.py, _make_replicas) copies its own replica
-there over kvflow and reports it; the replica joins the object only then."""
+there over kvflow and reports it; the replica joins the object only then.
+Copy and move tasks (tasks.py) travel the same way: a task's copies are
+handed out here with the repairs, and end here."""
 from __future__ import annotations
 
 from .errors import ObjectNotFoundError
@@ -19,9 +21,11 @@ class ReplicaRepair:
         """How many objects short of replicas the client holds a replica of
         (told in its heartbeat's reply: it then asks for the work)."""
         c = self.clients.get(client_id)
-        if c is None or not self._short:
+        if c is None:
             return 0
-        n = 0
+        n = self._tasks_waiting(client_id)
+        if not self._short:
+            return n
         for key in self._short:
             obj = self.objects.get(key)
             if obj is not None and key not in self._repairs and any(r.segment in c.segments for r in obj.replicas):
@@ -34,10 +38,11 @@ class ReplicaRepair:
         none (never by evicting) and the client's own replica to copy from.
         The objects are leased (lease returned) so that the source cannot be
         evicted or removed under the copy; the new replica is invisible until
-        repair_end. Returns ([(key, size, source, new), ...], lease)."""
+        repair_end. Copy and move tasks of this client's come after the
+        repairs (tasks.py). Returns ([(key, size, source, new), ...], lease)."""
         c = self._client(client_id)
         lease = self.new_lease(now)
-        jobs = []
+        jobs: list = []
         for key in list(self._short):
             if len(jobs) >= limit:
                 break
@@ -63,9 +68,11 @@ class ReplicaRepair:
             self._used += length
             new = Replica(seg.id, off, length)
             self.get_replicas(key, now, lease)
-            self._repairs[key] = (client_id, new, lease, obj)
+            self._repairs[key] = (client_id, new, lease, obj, None)
             c.repairing.add(key)
             jobs.append((key, obj.size, src, new))
+        if len(jobs) < limit and client_id in self._task_queue:
+            jobs += self._task_jobs(client_id, now, lease, limit - len(jobs))
         return jobs, lease
 
     def repair_end(self, client_id: str, key: str, ok: bool) -> int:
@@ -78,19 +85,28 @@ class ReplicaRepair:
         return self._end_repair(key, bool(ok))
 
     def _end_repair(self, key: str, ok: bool) -> int:
-        cid, new, _, copied = self._repairs.pop(key)
+        cid, new, _, copied, task = self._repairs.pop(key)
         c = self.clients.get(cid)
         if c is not None:
             c.repairing.discard(key)
+        joined = self._join(key, new, copied, ok, task is None)
+        if task is not None:
+            self._task_copied(task, ok, bool(joined))
+        return joined
+
+    def _join(self, key: str, new: Replica, copied, ok: bool, repair: bool) -> int:
+        """The new replica joins the object (a repair's only while the object
+        is still short of replicas: a task's adds one whatever it has), or
+        its space is freed."""
         seg = self.segments.get(new.segment)
         if seg is None:
             return 0                        # its segment was dropped: its space went with it
         obj = self.objects.get(key)
-        if ok and obj is copied and obj.state is State.COMPLETE and len(obj.replicas) < obj.want \
+        if ok and obj is copied and obj.state is State.COMPLETE and (len(obj.replicas) < obj.want or not repair) \
                 and all(r.segment != seg.id for r in obj.replicas):
             obj.replicas.append(new)
             seg.keys.add(key)
-            self.repaired += 1
+            self.repaired += repair
             if len(obj.replicas) >= obj.want:
                 self._short.discard(key)
             if self.dirty_objects is not None:

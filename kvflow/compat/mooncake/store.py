@@ -31,34 +31,33 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
-import os
-import random
 import re
 import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kvflow.config import env_str
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryError
 from kvflow.store import (BufferTooSmallError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
                           NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
-                          ReplicaUnavailableError, SegmentError, StoreClient, StoreTimeoutError)
+                          ReplicaUnavailableError, SegmentError, StoreClient, StoreTimeoutError, TaskNotFoundError)
 
 from .codes import (PROTOCOLS, STORE_INTERNAL_ERROR, STORE_INVALID_PARAMS, STORE_LEASE_EXPIRED,
                     STORE_NO_AVAILABLE_HANDLE, STORE_NOT_SUPPORTED, STORE_OBJECT_HAS_LEASE, STORE_OBJECT_NOT_FOUND,
-                    STORE_RPC_FAIL, STORE_RPC_TIMEOUT, STORE_SEGMENT_NOT_FOUND, STORE_TRANSFER_FAIL,
-                    mooncake_flag)
+                    STORE_RPC_FAIL, STORE_RPC_TIMEOUT, STORE_SEGMENT_NOT_FOUND, STORE_TASK_NOT_FOUND,
+                    STORE_TRANSFER_FAIL, mooncake_flag)
+from .replica_tasks import (Descriptor, DiskDescriptor, MemoryDescriptor, QueryTaskResponse, ReplicaDescriptor,
+                            ReplicaStatus, ReplicaTaskCalls, TaskStatus, TaskType)
+from .store_setup import PORT_RANGE, attach_root_fs, engine_thread, shutdown, size_value, ssd_options
 from .tensor import TensorCalls
 from .waiting import run_blocking
 
-__all__ = ["BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "ReplicateConfig", "SoftPinAction"]
+__all__ = ["BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor", "MooncakeDistributedStore",
+           "ObjectDataType", "PORT_RANGE", "QueryTaskResponse", "ReplicaDescriptor", "ReplicaStatus",
+           "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType"]
 
 log = logging.getLogger("kvflow.compat.mooncake")
 
-# Mooncake picks the store's transfer-engine port in this range when
-# local_hostname has none (its test checks the range).
-PORT_RANGE = (12300, 14300)
 DEFAULT_SIZE = 16 << 20
 
 # kvflow error -> Mooncake ErrorCode; the first class in the exception's
@@ -71,6 +70,7 @@ _CODES: dict[type, int] = {
     ReplicaUnavailableError: STORE_TRANSFER_FAIL,
     MasterUnavailableError: STORE_RPC_FAIL,
     StoreTimeoutError: STORE_RPC_TIMEOUT,
+    TaskNotFoundError: STORE_TASK_NOT_FOUND,
     SegmentError: STORE_SEGMENT_NOT_FOUND,
     BufferTooSmallError: STORE_INVALID_PARAMS,
     InvalidKeyError: STORE_INVALID_PARAMS,
@@ -107,8 +107,9 @@ class ObjectDataType(enum.IntEnum):
 
 
 class ReplicateConfig:
-    """Mooncake's per-put options. kvflow uses replica_num, preferred_segment
-    (this store's own get_hostname(); other names are ignored, as Mooncake
+    """Mooncake's per-put options. kvflow uses replica_num,
+    preferred_segments or else preferred_segment (segments by name: a
+    store's get_hostname(); a name not mounted is ignored, as Mooncake
     ignores an unknown one), with_hard_pin (kvflow's pin: never evicted) and
     soft_pin_action ENABLE with soft_pin_ttl_ms (a soft pin: evicted only
     when nothing unpinned can go, for that long; None: the master's
@@ -165,79 +166,6 @@ class BufferHandle(bytearray):
         return len(self)
 
 
-def _shutdown(thread: EngineThread, client: StoreClient, buffers: dict, own_thread: bool) -> None:
-    """close()'s work, also run by the store's finalizer: the client leaves
-    the pool on its loop, then the engine thread stops (or, when the engine
-    was a TransferEngine's, the buffers registered here are deregistered)."""
-    try:
-        thread.call(client.close(), timeout=30)
-        if not own_thread:
-            for region in buffers.values():
-                thread.call_sync(thread.engine.deregister, region)
-    except Exception as e:  # noqa: BLE001 - closing goes on
-        log.debug("kvflow.compat.mooncake: close: %s", e)
-    if own_thread:
-        thread.close()
-
-
-def _ssd_options(path: str) -> dict:
-    """StoreClient's SSD options from Mooncake's: the directory is
-    `ssd_offload_path`, else $MOONCAKE_OFFLOAD_FILE_STORAGE_PATH, else
-    Mooncake's default /data/file_storage; the capacity
-    $MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES, else 90% of the free space
-    there now (Mooncake's default limit is 2 TB whatever the disk holds).
-    Offload is "eager", as Mooncake's enable_ssd_offload (every put is
-    queued for the SSD at put end); $KVFLOW_SSD_OFFLOAD=evict copies only
-    the objects nearest eviction (Mooncake's master-side offload_on_evict)."""
-    path = str(path or os.environ.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH") or "/data/file_storage")
-    limit = os.environ.get("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES")
-    if limit is not None:
-        cap = _size(limit)
-        if not cap:
-            raise InvalidArgumentError(f"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES={limit!r} is not a size")
-    else:
-        try:
-            os.makedirs(path, exist_ok=True)
-            st = os.statvfs(path)
-        except OSError as e:
-            raise InvalidArgumentError(f"ssd_offload_path {path!r}: {os.strerror(e.errno)}") from None
-        cap = max(int(st.f_bavail * st.f_frsize * 0.9), 1 << 20)
-    mode = env_str("KVFLOW_SSD_OFFLOAD") or "eager"
-    if mode not in ("eager", "evict"):
-        raise InvalidArgumentError(f"KVFLOW_SSD_OFFLOAD={mode!r}: eager or evict")
-    return {"ssd_path": path, "ssd_capacity": cap, "ssd_offload": mode}
-
-
-async def _attach_root_fs(client: StoreClient, host: str) -> None:
-    root = client.root_fs_dir
-    opts = _ssd_options(root)
-    last: Exception | None = None
-    for n in range(64):
-        try:
-            await client.attach_ssd(os.path.join(root, f"{host}-{n}"), opts["ssd_capacity"],
-                                    offload=opts["ssd_offload"])
-            return
-        except InvalidArgumentError as e:      # held by another client: the next one
-            last = e
-    raise InvalidArgumentError(f"no free SSD directory under {root}: {last}")
-
-
-def _size(value: Any) -> int | None:
-    """Mooncake's try_string_to_byte_size for config-dict values: bytes, or
-    "1.5 GB" / "16MB" / "64 K" (binary units), "infinite"; None if not one."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if value >= 0 else None
-    s = str(value).strip()
-    if s == "infinite":
-        return (1 << 64) - 1
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)", s)
-    if not m:
-        return None
-    mult = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-            "G": 1 << 30, "GB": 1 << 30, "T": 1 << 40, "TB": 1 << 40}.get(m.group(2).upper())
-    return None if mult is None else int(float(m.group(1)) * mult)
-
-
 def _keys(keys: Any, what: str = "keys") -> list[str]:
     if not isinstance(keys, (list, tuple)) or (set(map(type, keys)) - {str}      # in C: the hot case
                                                and not all(isinstance(k, str) for k in keys)):
@@ -270,9 +198,12 @@ def _view(value: Any) -> memoryview:
         raise TypeError(f"a bytes-like object is required, not {type(value).__name__!r}") from None
 
 
-class MooncakeDistributedStore(TensorCalls):
+class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
     """Mooncake Store's client (see the module docstring); the tensor calls
-    are tensor.py's."""
+    are tensor.py's, the copy/move tasks and replica descriptors
+    replica_tasks.py's, joining and leaving the pool store_setup.py's."""
+
+    _code = staticmethod(error_code)
 
     def __init__(self) -> None:
         self._thread: EngineThread | None = None
@@ -310,7 +241,7 @@ class MooncakeDistributedStore(TensorCalls):
         ssd: dict = {}
         if enable_ssd_offload:
             try:
-                ssd = _ssd_options(ssd_offload_path)
+                ssd = ssd_options(ssd_offload_path)
             except InvalidArgumentError as e:
                 return self._fail(e, STORE_INVALID_PARAMS)
         if tenant_id not in ("", "default"):
@@ -329,7 +260,8 @@ class MooncakeDistributedStore(TensorCalls):
         host, _, port = str(local_hostname or "localhost").rpartition(":") if ":" in str(local_hostname) \
             else (str(local_hostname or "localhost"), "", "")
         try:
-            thread = self._engine_thread(engine, host, port, protocol, rdma_devices)
+            thread, self._own_thread, self._hostname = engine_thread(engine, host, port, protocol, rdma_devices)
+            self._thread = thread
         except KVFlowError as e:
             return self._fail(e, STORE_INVALID_PARAMS)
         # "host:port"; kvflow's durable master: "etcd://host:port/cluster" or
@@ -339,7 +271,7 @@ class MooncakeDistributedStore(TensorCalls):
             master = [a.strip() for a in master_server_addr.split(",") if a.strip()]
         try:
             client = StoreClient(master, engine=thread.engine, segment_size=global_segment_size,
-                                 local_buffer_size=local_buffer_size, **ssd)
+                                 local_buffer_size=local_buffer_size, segment_name=self._hostname, **ssd)
         except KVFlowError as e:
             if self._own_thread:
                 thread.close()
@@ -358,55 +290,14 @@ class MooncakeDistributedStore(TensorCalls):
             # then start their file storage there, and so do these (each in a
             # directory of its own under it, the first one no other process holds)
             try:
-                thread.call(_attach_root_fs(client, host))
+                thread.call(attach_root_fs(client, host))
             except KVFlowError as e:
                 log.warning("kvflow.compat.mooncake: no SSD tier under %s: %s", client.root_fs_dir, e)
         self._client = client
         # Mooncake frees its client in the destructor (SGLang never calls
         # close()): so does this, when collected or at interpreter exit
-        self._finalizer = weakref.finalize(self, _shutdown, thread, client, self._buffers, self._own_thread)
+        self._finalizer = weakref.finalize(self, shutdown, thread, client, self._buffers, self._own_thread)
         return 0
-
-    def _engine_thread(self, engine: Any, host: str, port: str, protocol: str, devices: str) -> EngineThread:
-        if engine is not None:
-            # a kvflow.compat.mooncake.TransferEngine that is initialized: its
-            # engine and loop carry the store too (Mooncake's shared engine)
-            thread = getattr(engine, "_thread", None)
-            if not isinstance(thread, EngineThread) or thread.engine is None:
-                raise InvalidArgumentError("engine must be an initialized kvflow.compat.mooncake.TransferEngine")
-            self._thread, self._own_thread = thread, False
-            self._hostname = f"{host}:{thread.engine.address.rpartition(':')[2]}"
-            return thread
-        options: dict[str, Any] = {"protocols": PROTOCOLS[protocol]}
-        if protocol == "rdma" and devices:
-            options["rdma_devices"] = [d.strip() for d in devices.split(",") if d.strip()]
-        # SystemRandom: the host application may have seeded `random` (vLLM
-        # seeds it with --seed), and two processes must not draw the same ports
-        ports = [int(port)] if port.isdigit() else random.SystemRandom().sample(range(*PORT_RANGE), 8)
-        last: Exception | None = None
-        for p in ports:
-            thread = EngineThread(thread_name="kvflow-mooncake-store", listen=f"{host}:{p}", **options)
-            try:
-                thread.start()
-            except (KVFlowError, OSError) as e:       # the port is taken: try another
-                last = e                # (a thread whose engine failed to start has ended itself)
-                continue
-            if protocol == "rdma" and thread.call_sync(lambda: thread.engine.descriptor().rdma) is None:
-                # no RDMA device could be opened: tcp, as Mooncake falls back
-                # (SGLang's MOONCAKE_PROTOCOL defaults to "rdma")
-                log.warning("kvflow.compat.mooncake: protocol 'rdma': no RDMA device could be opened; "
-                            "falling back to tcp")
-                thread.close()
-                thread = EngineThread(thread_name="kvflow-mooncake-store", listen=f"{host}:{p}",
-                                      protocols=PROTOCOLS["tcp"])
-                try:
-                    thread.start()
-                except (KVFlowError, OSError) as e:
-                    raise InvalidArgumentError(f"no tcp engine could listen on {host}:{p} ({e})") from None
-            self._thread, self._own_thread = thread, True
-            self._hostname = f"{host}:{p}"
-            return thread
-        raise InvalidArgumentError(f"no engine could listen on {host} ({last})")
 
     def _setup_dict(self, config: dict) -> int:
         c = {str(k): v for k, v in config.items()}
@@ -415,7 +306,7 @@ class MooncakeDistributedStore(TensorCalls):
                               STORE_INVALID_PARAMS)
         sizes = {}
         for name in ("global_segment_size", "local_buffer_size"):
-            n = _size(c.get(name, DEFAULT_SIZE))
+            n = size_value(c.get(name, DEFAULT_SIZE))
             if n is None:
                 return self._fail(InvalidArgumentError(f"{name}: {c[name]!r} is not a size"), STORE_INVALID_PARAMS)
             sizes[name] = n
@@ -600,8 +491,12 @@ class MooncakeDistributedStore(TensorCalls):
             if config.soft_pin_action == SoftPinAction.ENABLE and not config.with_hard_pin:
                 ttl = config.soft_pin_ttl_ms
                 kw["soft_pin"] = True if ttl is None else max(ttl, 1) / 1000
-            if config.preferred_segment and config.preferred_segment == self._hostname:
-                kw["preferred_segment"] = self._client.segment_id
+            # segments by name (each store mounts its hostname): the master
+            # resolves them, and ignores a name not mounted, as Mooncake does
+            if config.preferred_segments:
+                kw["preferred_segment"] = [str(n) for n in config.preferred_segments]
+            elif config.preferred_segment:
+                kw["preferred_segment"] = str(config.preferred_segment)
         try:
             results = self._call(run(self._client, kw))
         except KVFlowError as e:
