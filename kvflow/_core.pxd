@@ -43,7 +43,7 @@ cdef class Channel:
     cdef void _leave(self)
     cdef void _quiesce(self)
     cdef tuple _submit(self, int op, object local_addrs, object remote_addrs, object lengths, bint poll,
-                       int prio, uint64_t deadline_ns)
+                       int prio, uint64_t deadline_ns, bint detached)
 
 
 cdef class LocalChannel(Channel):       # _core_local.pxi

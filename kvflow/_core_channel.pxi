@@ -134,7 +134,7 @@ cdef class Channel:
         """Submits without polling: for callers that do not await the batch
         at once (write_nowait), whose completions must come through the
         eventfd like any other."""
-        return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns)[:3]
+        return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns, False)[:3]
 
     def submit_detached(self, int op, local_addrs, remote_addrs, lengths, int prio=KVF_PRIO_NORMAL,
                         uint64_t deadline_ns=0):
@@ -145,11 +145,9 @@ cdef class Channel:
         side (none waits for another's inline send)."""
         if not self._enter():
             return KVF_ECLOSED, 0, 0
-        kvf_set_detached(1)
         try:
-            return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns)[:3]
+            return self._submit(op, local_addrs, remote_addrs, lengths, False, prio, deadline_ns, True)[:3]
         finally:
-            kvf_set_detached(0)
             self._leave()
 
     def submit_poll(self, int op, local_addrs, remote_addrs, lengths, bint poll=True,
@@ -161,10 +159,10 @@ cdef class Channel:
         the batch's (0 or the error of its first failed slice) and aux that
         slice's entry. Only the event loop's thread may poll: completions
         found while polling are pushed as that thread's (no eventfd)."""
-        return self._submit(op, local_addrs, remote_addrs, lengths, poll, prio, deadline_ns)
+        return self._submit(op, local_addrs, remote_addrs, lengths, poll, prio, deadline_ns, False)
 
     cdef tuple _submit(self, int op, object local_addrs, object remote_addrs, object lengths, bint poll,
-                       int prio, uint64_t deadline_ns):
+                       int prio, uint64_t deadline_ns, bint detached):
         cdef uint64_t small[3][SMALL]
         cdef const uint64_t *la
         cdef const uint64_t *ra
@@ -177,6 +175,7 @@ cdef class Channel:
         cdef kvf_qos qos
         qos.prio = prio
         qos.deadline_ns = deadline_ns
+        qos.detached = detached
         k1 = column(local_addrs, small[0], &la, &n1, "local_addrs")
         k2 = column(remote_addrs, small[1], &ra, &n2, "remote_addrs")
         k3 = column(lengths, small[2], &ln, &n3, "lengths")

@@ -31,6 +31,7 @@ cdef class SchedQueue:
         cdef kvf_ctx *c = self.core._ctx()
         qos.prio = prio
         qos.deadline_ns = deadline_ns
+        qos.detached = 0
         if kvf_batch_alloc(c, nslices, &bid) != KVF_OK:
             raise MemoryError("out of batch slots")
         kvf_batch_set_qos(c, bid, &qos)

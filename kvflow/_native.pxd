@@ -88,6 +88,7 @@ cdef extern from "_native/kvf.h" nogil:
     ctypedef struct kvf_qos:
         int32_t prio
         uint64_t deadline_ns
+        int32_t detached
 
     ctypedef struct kvf_queue:
         size_t count
@@ -139,7 +140,6 @@ cdef extern from "_native/kvf.h" nogil:
                              kvf_pop_budget *budget)
     size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap)
     int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry)
-    void kvf_set_detached(int on)
     int kvf_batch_finished(kvf_ctx *c, uint64_t id)
     int kvf_batch_wait(kvf_ctx *c, uint64_t id, uint64_t spin_ns, uint64_t timeout_ns, int *status,
                        uint64_t *entry)

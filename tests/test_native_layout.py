@@ -8,7 +8,13 @@
   .pxi included by no module is dead, and one included by two would build
   its classes and state into two images;
 - every C file under kvflow/_native/ is in setup.py's source lists, so a
-  file split off is compiled and not silently left out of the build.
+  file split off is compiled and not silently left out of the build;
+- a C file compiled into more than one extension (core.c, sched.c and
+  credit.c go into _core and _verbs) holds no thread-local and no
+  file-scope variable: each image would have its own copy, and one
+  extension setting what the other reads is the hazard issue 41 found
+  (the polling thread's mark, then the detached flag). State lives in the
+  one kvf_ctx that _core creates, or travels with the submission.
 """
 import re
 from pathlib import Path
@@ -56,3 +62,26 @@ def test_every_native_c_file_is_built():
     setup = SETUP.read_text()
     missing = [p.name for p in sorted((PKG / "_native").glob("*.c")) if f'"{p.stem}"' not in setup]
     assert not missing, f"C files setup.py does not compile: {missing}"
+
+
+def _shared_c_files() -> list[str]:
+    """The C files that setup.py compiles into both _core (its NATIVE list)
+    and _verbs (named one by one in that extension's sources)."""
+    setup = SETUP.read_text()
+    native = re.search(r"^NATIVE = .*?for name in \((.*?)\)\]", setup, re.S | re.M)
+    core = set(re.findall(r'"(\w+)"', native.group(1))) if native else set()
+    verbs_part = setup[setup.find('"kvflow._verbs"'):]
+    verbs = set(re.findall(r'"kvflow/_native/(\w+)\.c"', verbs_part))
+    return sorted(core & verbs)
+
+
+def test_c_built_into_two_extensions_keeps_no_state_of_its_own():
+    shared = _shared_c_files()
+    assert {"core", "sched", "credit"} <= set(shared), f"the scan of setup.py is broken: {shared}"
+    state = re.compile(r"^(?:static\s+)?(?:__thread|_Thread_local|thread_local)\b|"
+                       r"^static\s+(?!inline\b)(?!const\b)[\w\s\*]+?\b\w+\s*(?:\[[^\]]*\])?\s*(?:=[^;(]*)?;",
+                       re.M)
+    found = [f"{name}.c: {m.group(0).strip()}" for name in shared
+             for m in state.finditer((PKG / "_native" / f"{name}.c").read_text())]
+    assert not found, ("C compiled into two extensions exists twice, and so would its state; "
+                       "keep it in kvf_ctx or pass it with the call:\n" + "\n".join(found))

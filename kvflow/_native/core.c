@@ -179,10 +179,6 @@ void kvf_ctx_free_common(kvf_ctx *c) {
     }
 }
 
-static __thread int tls_detached;
-
-void kvf_set_detached(int on) { tls_detached = on; }
-
 void kvf_thread_name(const char *name) { pthread_setname_np(pthread_self(), name); }
 
 static inline uint32_t id_slot(uint64_t id) { return (uint32_t)id; }
@@ -209,7 +205,7 @@ int kvf_batch_alloc(kvf_ctx *c, uint64_t nslices, uint64_t *id_out) {
     atomic_store_explicit(&b->cancelled, 0, memory_order_relaxed);
     atomic_store_explicit(&b->err_entry, 0, memory_order_relaxed);
     b->stats = NULL;                 /* kvf_submit names it; a provider's own batches are not counted */
-    b->detached = tls_detached;
+    b->detached = 0;                 /* kvf_batch_set_qos: the submission says */
     b->prio = KVF_PRIO_NORMAL;
     b->deadline_ns = 0;
     /* The release in the queue's mutex publishes these stores to workers. */
@@ -544,6 +540,7 @@ void kvf_batch_set_qos(kvf_ctx *c, uint64_t id, const kvf_qos *qos) {
     kvf_batch *b = &c->batches[id_slot(id)];
     b->prio = qos && qos->prio >= 0 && qos->prio < KVF_NPRIO ? qos->prio : KVF_PRIO_NORMAL;
     b->deadline_ns = qos && qos->deadline_ns ? kvf_now_ns() + qos->deadline_ns : 0;
+    b->detached = qos ? qos->detached : 0;
 }
 
 int kvf_submit(kvf_channel *ch, int op, const uint64_t *la, const uint64_t *ra, const uint64_t *len,

@@ -85,9 +85,17 @@ enum { KVF_PRIO_HIGH = 0, KVF_PRIO_NORMAL = 1, KVF_PRIO_LOW = 2, KVF_NPRIO = 3 }
 /* Default starvation bound: a class with queued slices is served at least this often. */
 #define KVF_SCHED_AGE_NS (20u * 1000u * 1000u)
 
+/* A submission's options, set on its batch before its slices are queued
+ * (kvf_batch_set_qos). */
 typedef struct {
     int32_t prio;            /* KVF_PRIO_* */
     uint64_t deadline_ns;    /* urgency, ns from submission; 0: none */
+    /* 1: a detached batch, for a thread that submits and then blocks in
+     * kvf_batch_wait (the event loop takes no part): never pushed to the
+     * completion ring. A field of the submission rather than a thread-local
+     * flag: core.c is compiled into _core and _verbs, and a thread-local
+     * there would exist twice (STYLE rule 16). */
+    int32_t detached;
 } kvf_qos;
 
 /* ------------------------------------------------------------ batch pool */
@@ -218,11 +226,6 @@ size_t kvf_drain(kvf_ctx *c, kvf_completion *out, size_t cap);
  * other completion that the polling left in the ring. 0: not there yet
  * (it comes through the eventfd like any other). */
 int kvf_take(kvf_ctx *c, uint64_t id, int *status, uint64_t *entry);
-/* Detached batches, for a thread that submits and then blocks until its
- * batch finished (the event loop takes no part: no thread hop there and
- * back). With the flag set, batches this thread allocates are detached:
- * never pushed to the completion ring, finished by kvf_batch_wait. */
-void kvf_set_detached(int on);
 /* Names the calling (engine-owned) thread, as top -H, perf and gdb show it. */
 void kvf_thread_name(const char *name);
 /* Waits (spinning for spin_ns, then sleeping) until detached batch `id`
