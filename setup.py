@@ -87,8 +87,10 @@ extensions = [
                  *(f"kvflow/_core_{name}.pxi" for name in ("channel", "local", "pairs", "tcp", "sched"))],
     ),
     # relay lanes in shared memory (kvflow.paths.relay.lanes)
-    Extension("kvflow._lanes", ["kvflow/_lanes.pyx"], extra_compile_args=cflags, libraries=["rt"]),
-    Extension("kvflow._putring", ["kvflow/_putring.pyx"], extra_compile_args=cflags),
+    Extension("kvflow._lanes", ["kvflow/_lanes.pyx"], include_dirs=["kvflow"], extra_compile_args=cflags,
+              libraries=["rt"], depends=["kvflow/_native/atomics.h"]),
+    Extension("kvflow._putring", ["kvflow/_putring.pyx"], include_dirs=["kvflow"], extra_compile_args=cflags,
+              depends=["kvflow/_native/atomics.h"]),
 ]
 if have_verbs():
     extensions.append(Extension(

@@ -60,45 +60,25 @@ cdef extern from "<sys/mman.h>" nogil:
     int shm_open(const char *name, int oflag, int mode)
     int shm_unlink(const char *name)
 
+cdef extern from "_native/atomics.h" nogil:
+    unsigned long long kvf_ld_acq(unsigned long long *p)
+    void kvf_st_rel(unsigned long long *p, unsigned long long v)
+    unsigned long long kvf_fetch_add(unsigned long long *p, unsigned long long v)
+    int kvf_cas(unsigned long long *p, unsigned long long expect, unsigned long long v)
+    void kvf_ring(unsigned int *bell)
+    unsigned int kvf_bell(unsigned int *bell)
+    void kvf_fence_rel()
+    void kvf_wait_bell(unsigned int *bell, unsigned int seen, long timeout_ns)
+
 cdef extern from *:
     """
-    static inline unsigned long long kvf_ld_acq(unsigned long long *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-    static inline void kvf_st_rel(unsigned long long *p, unsigned long long v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-    static inline unsigned long long kvf_fetch_add(unsigned long long *p, unsigned long long v) {
-        return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
-    }
-    static inline int kvf_cas(unsigned long long *p, unsigned long long expect, unsigned long long v) {
-        return __atomic_compare_exchange_n(p, &expect, v, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    }
-    #include <linux/futex.h>
-    #include <sys/syscall.h>
-    #include <time.h>
-    #include <unistd.h>
-    /* the bell: a 32-bit futex word in the shared header (not FUTEX_PRIVATE: several processes) */
-    static inline void kvf_ring(unsigned int *bell) {
-        __atomic_fetch_add(bell, 1, __ATOMIC_RELEASE);
-        syscall(SYS_futex, bell, FUTEX_WAKE, 1, NULL, NULL, 0);
-    }
-    /* the same, as a CUDA host function (CUhostFn: void (*)(void *)): a
+    #include "_native/atomics.h"
+    /* kvf_ring as a CUDA host function (CUhostFn: void (*)(void *)): a
        stream rings the bell after the doorbell it wrote (cuLaunchHostFunc) */
     static void kvf_ring_host(void *bell) { kvf_ring((unsigned int *)bell); }
     static unsigned long long kvf_ring_host_addr(void) { return (unsigned long long)(size_t)&kvf_ring_host; }
-    static inline void kvf_fence_rel(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
-    static inline unsigned int kvf_bell(unsigned int *bell) { return __atomic_load_n(bell, __ATOMIC_ACQUIRE); }
-    static inline void kvf_wait_bell(unsigned int *bell, unsigned int seen, long timeout_ns) {
-        struct timespec ts = { timeout_ns / 1000000000L, timeout_ns % 1000000000L };
-        syscall(SYS_futex, bell, FUTEX_WAIT, seen, &ts, NULL, 0);   /* returns at once if it moved */
-    }
     """
-    unsigned long long kvf_ld_acq(unsigned long long *p) nogil
-    void kvf_st_rel(unsigned long long *p, unsigned long long v) nogil
-    unsigned long long kvf_fetch_add(unsigned long long *p, unsigned long long v) nogil
-    int kvf_cas(unsigned long long *p, unsigned long long expect, unsigned long long v) nogil
-    void kvf_ring(unsigned int *bell) nogil
-    unsigned int kvf_bell(unsigned int *bell) nogil
     unsigned long long kvf_ring_host_addr() nogil
-    void kvf_fence_rel() nogil
-    void kvf_wait_bell(unsigned int *bell, unsigned int seen, long timeout_ns) nogil
 
 DEF MAGIC = 0x6b76666c6f776c6e    # "kvflowln"
 DEF VERSION = 1

@@ -52,12 +52,14 @@ from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAI
 cdef extern from "<sys/mman.h>" nogil:
     int MAP_ANONYMOUS
 
+cdef extern from "_native/atomics.h" nogil:
+    unsigned long long kvf_ld_acq(unsigned long long *p)
+    void kvf_st_rel(unsigned long long *p, unsigned long long v)
+
 cdef extern from *:
     """
     #include <time.h>
     #include <sched.h>
-    static inline unsigned long long kvr_ld_acq(unsigned long long *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-    static inline void kvr_st_rel(unsigned long long *p, unsigned long long v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
     static inline double kvr_now(void) {
         struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec + ts.tv_nsec * 1e-9;
     }
@@ -70,8 +72,6 @@ cdef extern from *:
     }
     static inline int kvr_fine_slack(void) { return prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); }
     """
-    unsigned long long kvr_ld_acq(unsigned long long *p) nogil
-    void kvr_st_rel(unsigned long long *p, unsigned long long v) nogil
     double kvr_now() nogil
     void kvr_pause(unsigned int round) nogil
     int kvr_fine_slack() nogil
@@ -175,7 +175,7 @@ cdef class PutRing:
             self._w(3)[0] = slots
             self._w(4)[0] = self.size
             self._w(5)[0] = 0
-            kvr_st_rel(self._w(0), C_MAGIC)
+            kvf_st_rel(self._w(0), C_MAGIC)
 
     def close(self):
         """Unmaps a ring this object mapped; forgets one it was given."""
@@ -232,14 +232,14 @@ cdef class PutRing:
         cdef unsigned int round = 0
         cdef bint ok = True
         with nogil:
-            while t >= self.slots and kvr_ld_acq(completed) < t - self.slots + 1:
-                if kvr_ld_acq(closed) or kvr_now() > until:
+            while t >= self.slots and kvf_ld_acq(completed) < t - self.slots + 1:
+                if kvf_ld_acq(closed) or kvr_now() > until:
                     ok = False
                     break
                 kvr_pause(round)
                 round += 1
         if not ok:
-            if kvr_ld_acq(closed):
+            if kvf_ld_acq(closed):
                 raise PutRingError("the proxy stopped")
             raise PutRingError(f"channel {channel}: no free slot after {timeout:g} s (the proxy is not taking)")
         s[1] = (<uint64_t>peer << 32) | op
@@ -247,7 +247,7 @@ cdef class PutRing:
         s[3] = remote
         s[4] = length
         s[5] = tag
-        kvr_st_rel(s, t + 1)                        # the doorbell, after the fields
+        kvf_st_rel(s, t + 1)                        # the doorbell, after the fields
         headp[0] = t + 1
         return t
 
@@ -264,8 +264,8 @@ cdef class PutRing:
         if ticket >= self._ctl(channel, 0)[0]:
             raise PutRingError(f"channel {channel}: ticket {ticket} was never posted")
         with nogil:
-            while kvr_ld_acq(completed) <= ticket:
-                if kvr_ld_acq(closed):
+            while kvf_ld_acq(completed) <= ticket:
+                if kvf_ld_acq(closed):
                     outcome = 1
                     break
                 if kvr_now() > until:
@@ -277,7 +277,7 @@ cdef class PutRing:
             return E_CANCELED
         if outcome == 2:
             raise PutRingError(f"channel {channel}: ticket {ticket} not finished after {timeout:g} s")
-        if kvr_ld_acq(&s[7]) != ticket + 1:
+        if kvf_ld_acq(&s[7]) != ticket + 1:
             raise PutRingError(f"channel {channel}: ticket {ticket}'s slot was reused, its status is gone "
                                f"(wait for a ticket before posting {self.slots} more)")
         return <int64_t>s[6]
@@ -290,11 +290,11 @@ cdef class PutRing:
         cdef uint64_t t = taken[0]
         cdef unsigned long long *s = self._slot(channel, t, 0)
         cdef uint64_t opeer
-        if kvr_ld_acq(s) != t + 1:
+        if kvf_ld_acq(s) != t + 1:
             return None
         opeer = s[1]
         d = (t, <uint32_t>(opeer & 0xffffffff), <uint32_t>(opeer >> 32), s[2], s[3], s[4], s[5])
-        kvr_st_rel(taken, t + 1)
+        kvf_st_rel(taken, t + 1)
         return d
 
     def take_all(self):
@@ -329,11 +329,11 @@ cdef class PutRing:
             while True:
                 for c in range(self.channels):
                     ch = self.base + C_HEADER + <uint64_t>c * (C_CTL + <uint64_t>self.slots * C_SLOT)
-                    t = kvr_ld_acq(<unsigned long long *>(ch + 64))
-                    if kvr_ld_acq(<unsigned long long *>(ch + C_CTL + (t % self.slots) * C_SLOT)) == t + 1:
+                    t = kvf_ld_acq(<unsigned long long *>(ch + 64))
+                    if kvf_ld_acq(<unsigned long long *>(ch + C_CTL + (t % self.slots) * C_SLOT)) == t + 1:
                         found = True
                         break
-                if found or kvr_ld_acq(closed) or kvr_now() > until:
+                if found or kvf_ld_acq(closed) or kvr_now() > until:
                     break
                 if not spin:
                     kvr_pause(round)
@@ -349,40 +349,40 @@ cdef class PutRing:
         cdef uint64_t c
         if ticket >= self._ctl(channel, 8)[0]:
             raise PutRingError(f"channel {channel}: ticket {ticket} was not taken")
-        if kvr_ld_acq(&s[7]) == ticket + 1:
+        if kvf_ld_acq(&s[7]) == ticket + 1:
             raise PutRingError(f"channel {channel}: ticket {ticket} already finished")
         s[6] = <uint64_t>status
         if status != 0 and self._ctl(channel, 10)[0] == 0:
             self._ctl(channel, 11)[0] = <uint64_t>status
-            kvr_st_rel(self._ctl(channel, 10), ticket + 1)
-        kvr_st_rel(&s[7], ticket + 1)
+            kvf_st_rel(self._ctl(channel, 10), ticket + 1)
+        kvf_st_rel(&s[7], ticket + 1)
         c = completed[0]
-        while c < self._ctl(channel, 8)[0] and kvr_ld_acq(self._slot(channel, c, 7)) == c + 1:
+        while c < self._ctl(channel, 8)[0] and kvf_ld_acq(self._slot(channel, c, 7)) == c + 1:
             c += 1
-        kvr_st_rel(completed, c)
+        kvf_st_rel(completed, c)
 
     def shut(self):
         """The proxy stopped: producers waiting give up (E_CANCELED)."""
-        kvr_st_rel(self._w(5), 1)
+        kvf_st_rel(self._w(5), 1)
 
     def reopen(self):
-        kvr_st_rel(self._w(5), 0)
+        kvf_st_rel(self._w(5), 0)
 
     @property
     def closed(self):
-        return bool(kvr_ld_acq(self._w(5))) if self.base != NULL else True
+        return bool(kvf_ld_acq(self._w(5))) if self.base != NULL else True
 
     def failure(self, uint32_t channel):
         """The channel's first failure, (ticket, status), or None."""
-        cdef uint64_t f = kvr_ld_acq(self._ctl(channel, 10))
+        cdef uint64_t f = kvf_ld_acq(self._ctl(channel, 10))
         if f == 0:
             return None
         return f - 1, <int64_t>self._ctl(channel, 11)[0]
 
     def state(self, uint32_t channel):
         """The channel's counters: head, taken, completed."""
-        return {"head": kvr_ld_acq(self._ctl(channel, 0)), "taken": kvr_ld_acq(self._ctl(channel, 8)),
-                "completed": kvr_ld_acq(self._ctl(channel, 9))}
+        return {"head": kvf_ld_acq(self._ctl(channel, 0)), "taken": kvf_ld_acq(self._ctl(channel, 8)),
+                "completed": kvf_ld_acq(self._ctl(channel, 9))}
 
     def offsets(self):
         """Where the layout puts things (checked against putring.cuh)."""

@@ -85,3 +85,13 @@ def test_c_built_into_two_extensions_keeps_no_state_of_its_own():
              for m in state.finditer((PKG / "_native" / f"{name}.c").read_text())]
     assert not found, ("C compiled into two extensions exists twice, and so would its state; "
                        "keep it in kvf_ctx or pass it with the call:\n" + "\n".join(found))
+
+
+def test_inline_atomics_live_in_one_header():
+    """The shared-memory rings' atomics and futex calls come from
+    _native/atomics.h (STYLE rule 16): no .pyx or .pxi spells its own."""
+    inline = [f"{p.relative_to(PKG)}: {line.strip()}" for p in native_sources() if p.suffix in (".pyx", ".pxi")
+              for line in p.read_text().splitlines()
+              if re.search(r"__atomic_\w+\(|SYS_futex", line)]
+    assert not inline, "inline atomics outside kvflow/_native/atomics.h:\n" + "\n".join(inline)
+    assert "kvf_ld_acq" in (PKG / "_native" / "atomics.h").read_text()
