@@ -1,7 +1,8 @@
-"""The CUDA driver stand-in (tests/cuda_standin/cuda_standin.c): built here
-with cc into a directory as libcuda.so.1, which cuda-bindings then loads
-(cuda.pathfinder dlopens "libcuda.so.1": LD_LIBRARY_PATH finds it) in the
-processes given env(). A test double, never a GPU result (docs/gpu.md).
+"""The CUDA driver stand-in (tests/cuda_standin/*.c; cuda_standin.h says what
+each part holds): built here with cc into a directory as one libcuda.so.1,
+which cuda-bindings then loads (cuda.pathfinder dlopens "libcuda.so.1":
+LD_LIBRARY_PATH finds it) in the processes given env(). A test double, never
+a GPU result (docs/gpu.md).
 
 The stand-in is never loaded into the main pytest process: the rest of the
 suite checks what kvflow does where CUDA is not usable, and kvflow caches
@@ -17,7 +18,10 @@ import subprocess
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
-SOURCE = os.path.join(TESTS_DIR, "cuda_standin", "cuda_standin.c")
+STANDIN_DIR = os.path.join(TESTS_DIR, "cuda_standin")
+# its parts, compiled together (cuda_standin.h: the shared types and state)
+SOURCES = [os.path.join(STANDIN_DIR, f) for f in ("state.c", "devices.c", "memory.c", "streams.c", "kernels.c",
+                                                   "hooks.c", "procaddr.c")]
 CASES = os.path.join(TESTS_DIR, "cuda_standin", "cases.py")
 HEADERS = os.path.join(ROOT, "kvflow", "_cuda")       # putring.cuh: the put ring's device side, for kvf_layer_put
 
@@ -45,7 +49,7 @@ def build(dest: str) -> str:
                            "the CUDA toolkit's headers)")
     out = subprocess.run([cc, "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror", "-shared",
                           "-fPIC", "-pthread", "-Wl,-soname,libcuda.so.1", f"-I{inc}", f"-I{HEADERS}",
-                          "-o", os.path.join(dest, "libcuda.so.1"), SOURCE], capture_output=True, text=True)
+                          "-o", os.path.join(dest, "libcuda.so.1"), *SOURCES], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"building the CUDA stand-in failed:\n{out.stderr}")
     return dest

@@ -71,7 +71,8 @@ LOOP_MARKS = {
     "test_pd_e2e.py": ("e2e",), "test_pd_routed.py": ("e2e",), "test_store_process.py": ("e2e",),
     "test_store_durable.py": ("e2e",), "test_netns.py": ("e2e",), "test_metadata.py": ("e2e",),
     "test_liveness.py": ("slow",), "test_soak.py": ("slow",), "test_soak_rdma.py": ("slow",),
-    "test_rdma_vm.py": ("slow",), "test_fuzz.py": ("slow",), "test_cuda_standin.py": ("slow",),
+    "test_rdma_vm.py": ("slow",), "test_fuzz_decoders.py": ("slow",), "test_fuzz_control.py": ("slow",),
+    "test_fuzz_data.py": ("slow",), "test_cuda_standin.py": ("slow",),
     "test_local_fence.py": ("slow",), "test_failover.py": ("slow",), "test_incast.py": ("slow",),
     "test_bench.py": ("e2e",),
 }

@@ -1,6 +1,6 @@
 """kvflow's GPU paths under the CUDA driver stand-in (marked cuda_standin).
 
-The stand-in (tests/cuda_standin/cuda_standin.c) is built here with cc
+The stand-in (tests/cuda_standin/*.c, one library) is built here with cc
 against the CUDA toolkit's cuda.h, and tests/cuda_standin/cases.py runs
 once, in a pytest of its own whose processes load it as libcuda.so.1
 (this process never does: the rest of the suite checks kvflow where CUDA is

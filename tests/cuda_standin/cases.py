@@ -1,4 +1,4 @@
-"""kvflow's GPU paths under the CUDA driver stand-in (cuda_standin.c): run
+"""kvflow's GPU paths under the CUDA driver stand-in (cuda_standin.h): run
 by tests/test_cuda_standin.py in a pytest of its own whose processes load
 the stand-in as libcuda.so.1. A test double, never a GPU result: the
 driver calls, their contexts and streams, the IPC mappings and every byte
