@@ -23,6 +23,7 @@ import struct
 from typing import Any
 
 from .codes import STORE_INVALID_PARAMS
+from .parallelism import ParallelismCalls
 
 log = logging.getLogger("kvflow.compat.mooncake")
 
@@ -58,12 +59,17 @@ def _shape(dims: list[int]) -> list[int]:
 
 
 def encode_metadata(dtype: int, global_shape: list[int], local_shape: list[int], data_bytes: int,
-                    axes: list[tuple[int, int, int, int, int]] = ()) -> bytes:
-    """TensorMetadata's bytes; an axis is (kind, axis_index, rank, count, split_dim)."""
+                    axes: list[tuple[int, ...]] = ()) -> bytes:
+    """TensorMetadata's bytes; an axis is (kind, axis_index, rank, count,
+    split_dim[, reserved0, reserved1]): Mooncake keeps an EP axis's
+    expert_id or a PP axis's stage_id in reserved0 and the local extent of
+    split_dim in reserved1, which is what a 5-field axis gets."""
+    full = [tuple(a) if len(a) == 7 else (*a, 0, local_shape[a[4]] if 0 <= a[4] < len(local_shape) else 0)
+            for a in axes]
     out = _HEADER.pack(MAGIC, VERSION, METADATA_SIZE, dtype, len(global_shape), SHARD if axes else FULL, 0,
                        METADATA_SIZE, data_bytes)
     out += _SHAPES.pack(*_shape(global_shape), *_shape(local_shape), len(axes), 0)
-    out += b"".join(_AXIS.pack(*a, 0, 0) for a in axes) + bytes(_AXIS.size * (MAX_AXES - len(axes)))
+    out += b"".join(_AXIS.pack(*a) for a in full) + bytes(_AXIS.size * (MAX_AXES - len(axes)))
     return out
 
 
@@ -86,8 +92,9 @@ def decode_metadata(data: memoryview | bytes, total: int) -> dict | None:
         numel *= d
     if nbytes != numel * _SIZES[dtype]:
         return None
+    axes = [_AXIS.unpack_from(data, _HEADER.size + _SHAPES.size + i * _AXIS.size) for i in range(axis_count)]
     return {"dtype": dtype, "global_shape": global_shape, "local_shape": local_shape, "offset": offset,
-            "bytes": nbytes, "kind": kind}
+            "bytes": nbytes, "kind": kind, "axes": axes}
 
 
 def tensor_object(tensor: Any, axes: list[tuple[int, int, int, int, int]] = (),
@@ -144,7 +151,7 @@ def tp_key(key: str, rank: int) -> str:
     return f"{key}_tp_{rank}"
 
 
-class TensorCalls:
+class TensorCalls(ParallelismCalls):
     """The tensor calls, mixed into MooncakeDistributedStore (which gives
     put_parts, upsert_parts, get_buffer, batch_get_buffer, get_into,
     batch_get_into, put_from, upsert_from, get_size, _fail)."""
