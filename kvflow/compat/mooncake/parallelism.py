@@ -476,20 +476,32 @@ class ParallelismCalls:
                                        config: Any = None, writer_partition: Any = None) -> int:
         return self._write_parallel(key, tensor, parallelism, config, writer_partition, True)
 
+    def _batch_tensors(self, keys: list[str], tensors: list[Any], parallelisms: Any, config: Any, writers: Any,
+                       upsert: bool) -> list[int]:
+        return self._write_batch(
+            keys, len(tensors), parallelisms, writers, "batch_put_tensor_with_parallelism",
+            lambda: self._put_tensors(keys, tensors, config, upsert),
+            lambda i, p, w: self._write_parallel(keys[i], tensors[i], p, config, w, upsert))
+
+    def _batch_from(self, keys: list[str], ptrs: list[int], sizes: list[int], parallelisms: Any, config: Any,
+                    writers: Any, upsert: bool) -> list[int]:
+        if len(ptrs) != len(sizes):
+            return self._fail_all(len(keys), "buffer_ptrs and sizes differ in length")
+        def each(i: int, p: Any, w: Any) -> int:
+            return self._write_parallel_from(keys[i], ptrs[i], sizes[i], p, config, w, upsert)
+        return self._write_batch(keys, len(ptrs), parallelisms, writers, "batch_put_tensor_with_parallelism_from",
+                                 lambda: [each(i, None, None) for i in range(len(keys))], each)
+
     def batch_put_tensor_with_parallelism(self, keys: list[str], tensors_list: list[Any], parallelisms: Any = None,
                                           config: Any = None, writer_partitions: Any = None) -> list[int]:
-        return self._write_batch(
-            keys, len(tensors_list), parallelisms, writer_partitions, "batch_put_tensor_with_parallelism",
-            lambda: self._put_tensors(keys, tensors_list, config, False),
-            lambda i, p, w: self._write_parallel(keys[i], tensors_list[i], p, config, w, False))
+        """put_tensor_with_parallelism of each key (one batch put when
+        neither request list is given): per key 0 or a code."""
+        return self._batch_tensors(keys, tensors_list, parallelisms, config, writer_partitions, False)
 
     def batch_upsert_tensor_with_parallelism(self, keys: list[str], tensors_list: list[Any],
                                              parallelisms: Any = None, config: Any = None,
                                              writer_partitions: Any = None) -> list[int]:
-        return self._write_batch(
-            keys, len(tensors_list), parallelisms, writer_partitions, "batch_upsert_tensor_with_parallelism",
-            lambda: self._put_tensors(keys, tensors_list, config, True),
-            lambda i, p, w: self._write_parallel(keys[i], tensors_list[i], p, config, w, True))
+        return self._batch_tensors(keys, tensors_list, parallelisms, config, writer_partitions, True)
 
     def put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int,
                                          parallelism: TensorParallelism | None = None, config: Any = None,
@@ -506,24 +518,12 @@ class ParallelismCalls:
     def batch_put_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                                parallelisms: Any = None, config: Any = None,
                                                writer_partitions: Any = None) -> list[int]:
-        if len(buffer_ptrs) != len(sizes):
-            return self._fail_all(len(keys), "buffer_ptrs and sizes differ in length")
-        return self._write_batch(
-            keys, len(buffer_ptrs), parallelisms, writer_partitions, "batch_put_tensor_with_parallelism_from",
-            lambda: [self._write_parallel_from(k, p, s, None, config, None, False)
-                     for k, p, s in zip(keys, buffer_ptrs, sizes)],
-            lambda i, p, w: self._write_parallel_from(keys[i], buffer_ptrs[i], sizes[i], p, config, w, False))
+        return self._batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, False)
 
     def batch_upsert_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                                   parallelisms: Any = None, config: Any = None,
                                                   writer_partitions: Any = None) -> list[int]:
-        if len(buffer_ptrs) != len(sizes):
-            return self._fail_all(len(keys), "buffer_ptrs and sizes differ in length")
-        return self._write_batch(
-            keys, len(buffer_ptrs), parallelisms, writer_partitions, "batch_upsert_tensor_with_parallelism_from",
-            lambda: [self._write_parallel_from(k, p, s, None, config, None, True)
-                     for k, p, s in zip(keys, buffer_ptrs, sizes)],
-            lambda i, p, w: self._write_parallel_from(keys[i], buffer_ptrs[i], sizes[i], p, config, w, True))
+        return self._batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, True)
 
     # ------------------------------------------------------------- reads
     def _sources(self, names: list[str]) -> list[tuple[dict, Any]] | None:
