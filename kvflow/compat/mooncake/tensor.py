@@ -12,6 +12,9 @@ Mooncake and the other way, field for field. A TP shard is stored under
 "<key>_tp_<rank>" with layout SHARD, the full tensor's shape as global
 shape and one TP axis (rank, count, split dim), as Mooncake stores it.
 
+The unified parallelism calls (*_with_parallelism*) are parallelism.py's,
+mixed in here (TensorCalls derives from ParallelismCalls).
+
 torch is imported on the first tensor call, never at import. A tensor on a
 GPU is copied to the host before it is stored (Mooncake reads device memory
 in place); what comes back is a CPU tensor, as Mooncake's."""
