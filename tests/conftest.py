@@ -62,6 +62,7 @@ TEST_WATCHDOG_S = float(os.environ.get("KVFLOW_TEST_WATCHDOG_S", str(150 * TIME_
 # naming test files runs them (CI runs everything).
 LOOP_MARKS = {
     "test_compat_mooncake.py": ("interop",), "test_compat_mooncake_store.py": ("interop",),
+    "test_compat_mooncake_tensor.py": ("interop",),
     "test_compat_nixl.py": ("interop",), "test_upstream_mooncake.py": ("interop",),
     "test_upstream_nixl.py": ("interop",), "test_sglang_backend.py": ("interop",),
     "test_sglang_hicache.py": ("interop",), "test_vllm_connector.py": ("interop",),

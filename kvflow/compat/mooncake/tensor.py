@@ -12,6 +12,9 @@ Mooncake and the other way, field for field. A TP shard is stored under
 "<key>_tp_<rank>" with layout SHARD, the full tensor's shape as global
 shape and one TP axis (rank, count, split dim), as Mooncake stores it.
 
+The unified parallelism calls (*_with_parallelism*) are parallelism.py's,
+mixed in here (TensorCalls derives from ParallelismCalls).
+
 torch is imported on the first tensor call, never at import. A tensor on a
 GPU is copied to the host before it is stored (Mooncake reads device memory
 in place); what comes back is a CPU tensor, as Mooncake's."""
@@ -23,6 +26,7 @@ import struct
 from typing import Any
 
 from .codes import STORE_INVALID_PARAMS
+from .parallelism import ParallelismCalls
 
 log = logging.getLogger("kvflow.compat.mooncake")
 
@@ -58,12 +62,17 @@ def _shape(dims: list[int]) -> list[int]:
 
 
 def encode_metadata(dtype: int, global_shape: list[int], local_shape: list[int], data_bytes: int,
-                    axes: list[tuple[int, int, int, int, int]] = ()) -> bytes:
-    """TensorMetadata's bytes; an axis is (kind, axis_index, rank, count, split_dim)."""
+                    axes: list[tuple[int, ...]] = ()) -> bytes:
+    """TensorMetadata's bytes; an axis is (kind, axis_index, rank, count,
+    split_dim[, reserved0, reserved1]): Mooncake keeps an EP axis's
+    expert_id or a PP axis's stage_id in reserved0 and the local extent of
+    split_dim in reserved1, which is what a 5-field axis gets."""
+    full = [tuple(a) if len(a) == 7 else (*a, 0, local_shape[a[4]] if 0 <= a[4] < len(local_shape) else 0)
+            for a in axes]
     out = _HEADER.pack(MAGIC, VERSION, METADATA_SIZE, dtype, len(global_shape), SHARD if axes else FULL, 0,
                        METADATA_SIZE, data_bytes)
     out += _SHAPES.pack(*_shape(global_shape), *_shape(local_shape), len(axes), 0)
-    out += b"".join(_AXIS.pack(*a, 0, 0) for a in axes) + bytes(_AXIS.size * (MAX_AXES - len(axes)))
+    out += b"".join(_AXIS.pack(*a) for a in full) + bytes(_AXIS.size * (MAX_AXES - len(axes)))
     return out
 
 
@@ -86,8 +95,9 @@ def decode_metadata(data: memoryview | bytes, total: int) -> dict | None:
         numel *= d
     if nbytes != numel * _SIZES[dtype]:
         return None
+    axes = [_AXIS.unpack_from(data, _HEADER.size + _SHAPES.size + i * _AXIS.size) for i in range(axis_count)]
     return {"dtype": dtype, "global_shape": global_shape, "local_shape": local_shape, "offset": offset,
-            "bytes": nbytes, "kind": kind}
+            "bytes": nbytes, "kind": kind, "axes": axes}
 
 
 def tensor_object(tensor: Any, axes: list[tuple[int, int, int, int, int]] = (),
@@ -144,7 +154,7 @@ def tp_key(key: str, rank: int) -> str:
     return f"{key}_tp_{rank}"
 
 
-class TensorCalls:
+class TensorCalls(ParallelismCalls):
     """The tensor calls, mixed into MooncakeDistributedStore (which gives
     put_parts, upsert_parts, get_buffer, batch_get_buffer, get_into,
     batch_get_into, put_from, upsert_from, get_size, _fail)."""
