@@ -21,7 +21,8 @@ import pytest
 from _metadata_servers import MetadataServer, _unavailable, free_port
 from kvflow.errors import KVFlowError
 from kvflow.store import DurabilityError, MasterUnavailableError, ObjectNotFoundError, StoreClient
-from kvflow.store.etcd import EtcdClient
+from kvflow.store.errors import QuotaExceededError
+from kvflow.store.etcd import EtcdClient, b64
 from kvflow.store.rpc import TcpMasterLink
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -390,3 +391,163 @@ async def test_an_address_list_follows_a_master_restarted_in_memory():
     finally:
         m.kill()
         await m.wait()
+
+
+# -- what a put asked for survives a failover: its want count, its pins, its namespace's quota
+
+
+async def _entries(etcd: str, cluster: str) -> dict[str, list]:
+    """Each recorded object's entry (durable.py's layout), by key."""
+    e = EtcdClient(etcd)
+    try:
+        kvs = await e.range_prefix(f"kvflow/store/{cluster}/r/".encode())
+    finally:
+        await e.close()
+    return {entry[0]: entry for kv in kvs for entry in msgpack.unpackb(kv["value"], raw=False)}
+
+
+async def _write_old_records(etcd: str, cluster: str, keys: set[str]) -> int:
+    """Rewrites the records holding `keys` as the code before want and
+    soft pins wrote them: 6 fields an entry. Returns the records rewritten."""
+    e = EtcdClient(etcd)
+    n = 0
+    try:
+        for kv in await e.range_prefix(f"kvflow/store/{cluster}/r/".encode()):
+            entries = msgpack.unpackb(kv["value"], raw=False)
+            if any(entry[0] in keys for entry in entries):
+                old = [entry[:6] if entry[0] in keys else entry for entry in entries]
+                await e.txn([], [{"request_put": {"key": b64(kv["key"]),
+                                                  "value": b64(msgpack.packb(old, use_bin_type=True))}}])
+                n += 1
+    finally:
+        await e.close()
+    return n
+
+
+async def _whole(etcd: str, keys: list[str], lost_segment: int) -> bool:
+    got = await _entries(etcd, "t")
+    return all(k in got and len(got[k][2]) == 2 and all(r[0] != lost_segment for r in got[k][2]) for k in keys)
+
+
+async def test_want_count_survives_a_restart_and_lost_replicas_are_made_again(etcd):
+    # two replicas asked for; the master restarts (SIGKILL); then a holder
+    # is lost: the new leader knows the objects wanted two (from the records,
+    # and for records in the old 6-field format, from the replicas they
+    # name) and the surviving holders copy them again
+    spec = f"etcd://{etcd}/t"
+    async with _masters() as start:
+        m1 = await start(etcd, "--client-grace", "3")
+        await m1.ready()
+        members = [await _member(spec, f"from-h{i}", 4096, 50 + i) for i in range(3)]
+        try:
+            async with StoreClient(spec, segment_size=0, protocols=("tcp",), local_buffer_size=64 << 20) as c:
+                values = {f"w/{i}": _data(40_000 + 7 * i, 300 + i) for i in range(32)}
+                keys = list(values)
+                assert await c.batch_put(keys, list(values.values()), replica_num=2) == [2] * 32
+                got = await _entries(etcd, "t")
+                assert all(got[k][6] == 2 and got[k][7] == 0 for k in keys)
+                m1.kill()
+                await m1.proc.wait()
+                # half the records as the code before this one wrote them: still recovered
+                old = set(keys[:16])
+                assert await _write_old_records(etcd, "t", old) >= 1
+                got = await _entries(etcd, "t")
+                assert all(len(got[k]) == 6 for k in old)
+                m2 = await start(etcd, "--client-grace", "3")
+                await m2.ready()
+                assert await c.batch_get(keys) == list(values.values())
+                await _until(lambda: _stat_is(c, "clients", 4))      # every holder re-attached
+                # a holder lost after the failover: its replicas are made again elsewhere
+                h, info = members[1]
+                lost = [k for k, e in (await _entries(etcd, "t")).items()
+                        if k in values and any(r[0] == info["segment"] for r in e[2])]
+                assert lost and set(lost) & old and set(lost) - old
+                h.kill()
+                await h.wait()
+                await _until(lambda: _whole(etcd, keys, info["segment"]), timeout=20)
+                assert await c.batch_get(keys) == list(values.values())
+                got = await _entries(etcd, "t")
+                assert all(got[k][6] == 2 for k in keys)   # old records rewritten with the count
+        finally:
+            for h, _ in members:
+                await _stop_member(h)
+
+
+async def _stat_is(c: StoreClient, name: str, value) -> bool:
+    return (await c.stats())[name] == value
+
+
+async def _pressure(c: StoreClient, tag: str, n: int, size: int) -> None:
+    """`n` unpinned puts of `size` bytes, 8 a call: more than the pool holds."""
+    for i in range(0, n, 8):
+        keys = [f"fill/{tag}/{j}" for j in range(i, min(n, i + 8))]
+        await c.batch_put(keys, [b"f" * size] * len(keys))
+
+
+async def test_pins_and_a_soft_pins_deadline_survive_a_restart(etcd):
+    # a hard pin, a long soft pin and a short one; the master restarts
+    # (SIGKILL); the new leader, under pressure, evicts everything unpinned
+    # but keeps the pinned, and the short soft pin ends at its put's
+    # deadline (not restarted by the recovery): then it goes too
+    spec = f"etcd://{etcd}/t"
+    size, short = 256 << 10, 15.0
+    async with _masters() as start:
+        m1 = await start(etcd)
+        await m1.ready()
+        async with StoreClient(spec, segment_size=8 << 20, protocols=("tcp",), local_buffer_size=16 << 20) as c:
+            t_put = time.time()
+            assert await c.put("soft-short", _data(size, 1), soft_pin=short) == 1
+            assert await c.put("hard", _data(size, 2), pin=True) == 1
+            assert await c.put("soft-long", _data(size, 3), soft_pin=600) == 1
+            await c.batch_put([f"plain/{i}" for i in range(4)], [_data(size, 10 + i) for i in range(4)])
+            got = await _entries(etcd, "t")
+            assert got["hard"][3] is True and got["hard"][7] == 0
+            assert abs(got["soft-short"][7] - (t_put + short)) < 2       # a wall-clock deadline
+            assert abs(got["soft-long"][7] - (t_put + 600)) < 2
+            m1.kill()
+            await m1.proc.wait()
+            m2 = await start(etcd)
+            await m2.ready()
+            t_ready = time.time()
+            await _until(lambda: _stat_is(c, "segments", 1))
+            await _until(lambda: c.put("after", b"x"))     # the segment is mounted again
+            await _pressure(c, "a", 64, size)                      # twice the pool
+            assert not any(await c.batch_exists([f"plain/{i}" for i in range(4)]))
+            assert time.time() < t_put + short, "the failover outlasted the short pin: test too slow"
+            assert await c.batch_get(["hard", "soft-long", "soft-short"]) == [_data(size, i) for i in (2, 3, 1)]
+            # past the put's deadline (sooner than the recovery's plus the ttl): the short pin is over
+            await asyncio.sleep(t_put + short + 0.5 - time.time())
+            assert time.time() < t_ready + short
+            await _pressure(c, "b", 64, size)
+            assert await c.batch_exists(["hard", "soft-long", "soft-short"]) == [True, True, False]
+            assert await c.get("hard") == _data(size, 2)
+
+
+async def test_a_quota_survives_a_restart(etcd):
+    # the tenant that set the quota is gone before the master restarts
+    # (SIGKILL): the new leader holds its namespace to the quota all the same
+    spec = f"etcd://{etcd}/t"
+    async with _masters() as start:
+        m1 = await start(etcd)
+        await m1.ready()
+        async with StoreClient(spec, segment_size=16 << 20, protocols=("tcp",), local_buffer_size=8 << 20) as c:
+            async with StoreClient(spec, segment_size=0, protocols=("tcp",), namespace="tenant",
+                                   quota=1 << 20) as q:
+                assert await q.batch_put([f"t/{i}" for i in range(3)], [b"q" * (256 << 10)] * 3) == [1] * 3
+            m1.kill()
+            await m1.proc.wait()
+            m2 = await start(etcd)
+            await m2.ready()
+            await _until(lambda: _stat_is(c, "segments", 1))
+            async with StoreClient(spec, segment_size=0, protocols=("tcp",), namespace="tenant",
+                                   local_buffer_size=8 << 20) as q2:        # says no quota of its own
+                assert all(await q2.batch_exists([f"t/{i}" for i in range(3)]))
+                with pytest.raises(QuotaExceededError):
+                    await q2.put("big", b"b" * (2 << 20))
+                # within the quota, its own oldest objects make room: at most 4 of 256 KiB
+                for i in range(8):
+                    assert await q2.put(f"more/{i}", b"m" * (256 << 10)) == 1
+                held = await q2.batch_exists([f"t/{i}" for i in range(3)] + [f"more/{i}" for i in range(8)])
+                assert sum(held) == 4 and all(held[-4:])
+            # another namespace is not held to it
+            assert await c.put("free", b"f" * (2 << 20)) == 1

@@ -50,13 +50,14 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
             return None
         campaign.result()
     t0 = time.monotonic()
-    journal = Journal(etcd, layout, master.model, fence_revision=election.revision)
+    journal = Journal(etcd, layout, master.model, fence_revision=election.revision, clock=master.clock)
     counts = await journal.recover(master.clock())
     master.attach_journal(journal, sync_commit=args.commit == "sync")
     journal.stage()
     journal.flush_recovered()       # records recovery found stale go now
-    log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped) in %.3f s",
-                args.cluster, counts["segments"], counts["objects"], counts["dropped"], time.monotonic() - t0)
+    log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped), %d quotas in %.3f s",
+                args.cluster, counts["segments"], counts["objects"], counts["dropped"], counts["quotas"],
+                time.monotonic() - t0)
     election.lost.add_done_callback(
         lambda f: master.durability_lost(f.exception()) if f.exception() else None)
     return election

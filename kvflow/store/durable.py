@@ -9,7 +9,17 @@ Layout, under `kvflow/store/<cluster>/`:
     s/<id>          a mounted segment: [client, host, engine, name, base, size]
     r/<id>          a record of COMPLETE objects, those one flush committed
                     together (a batch put): [[key, size, [[segment, offset,
-                    length], ...], pinned, writer, token], ...]
+                    length], ...], pinned, writer, token, want, soft_until],
+                    ...]: `want` the replicas its put asked for (repair.py
+                    makes lost ones again), `soft_until` its soft pin's end
+                    in wall-clock seconds (time.time(); 0: none). An entry
+                    may have more fields than a reader knows (later ones are
+                    ignored) or fewer: records written before want and
+                    soft_until (6 fields) recover with want = the replicas
+                    they name and no soft pin
+    quotas          {namespace: bytes}, every quota (set_quota); rewritten
+                    whole at each change, which is rare (a client's attach
+                    says its quota again, a no-op when unchanged)
 
 A record per flush, not a key per object: etcd's cost grows with the keys
 a txn touches (about 25 us per key through its JSON gateway here: a
@@ -17,7 +27,13 @@ a txn touches (about 25 us per key through its JSON gateway here: a
 objects is one key written. When objects of a record go (removed,
 evicted, their segment dropped) the record is rewritten with the rest, or
 deleted with its last one; objects of one batch tend to go together (one
-LRU age). The state in etcd is always the index itself, not a log:
+LRU age). A put's pins and want count ride in its object's entry: they
+never change after the put, so they cost no write of their own. A soft
+pin's end is recorded as a wall-clock deadline, not a TTL: a TTL would
+restart at every rewrite and recovery. A new leader on another host
+reads it with its own clock, so the pin ends off by the hosts' clock
+skew (NTP keeps that to milliseconds; soft pins last minutes), and a
+deadline already past at recovery is no pin. The state in etcd is always the index itself, not a log:
 recovery is one paged range, no replay, nothing to compact. Puts in
 progress, read leases and the LRU order are not recorded: a put in
 progress at a crash is simply absent, so its space is free again when the
@@ -51,6 +67,8 @@ import asyncio
 import collections
 import logging
 import re
+import time
+from typing import Callable
 
 import msgpack
 
@@ -83,6 +101,7 @@ class Layout:
         self.root = f"kvflow/store/{cluster}/".encode()
         self.leader = self.root + b"leader"
         self.meta = self.root + b"meta"
+        self.quotas = self.root + b"quotas"
 
     def record(self, rid: int) -> bytes:
         return self.root + b"r/%d" % rid
@@ -99,8 +118,9 @@ class Journal:
     """Writes a model's changes to etcd (see the module's doc)."""
 
     def __init__(self, etcd: EtcdClient, layout: Layout, model: StoreModel, *, fence_revision: int,
-                 max_ops: int = 128) -> None:
+                 max_ops: int = 128, clock: Callable[[], float] = time.monotonic) -> None:
         self.etcd = etcd
+        self.clock = clock          # the model's clock (its `now`): soft pins' ends are on it
         self.layout = layout
         self.model = model
         self.fence_revision = fence_revision
@@ -117,6 +137,7 @@ class Journal:
         self._records: set[int] = set()             # records to write (or delete) at the next flush
         self._segments: set[int] = set()
         self._meta = False
+        self._quotas = False
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self._flusher: asyncio.Task | None = None
         self.on_failure = lambda e: None
@@ -128,9 +149,11 @@ class Journal:
     def stage(self) -> bool:
         """Takes the model's dirty sets; True when something new is to be written."""
         m = self.model
-        if not (m.dirty_objects or m.dirty_segments):
+        if not (m.dirty_objects or m.dirty_segments or m.dirty_quotas):
             return False
         self.seq += 1
+        if m.dirty_quotas:
+            self._quotas, m.dirty_quotas = True, False
         objects, record_of = m.objects, self._record_of
         new: list[str] = []
         for key in m.dirty_objects:
@@ -198,7 +221,7 @@ class Journal:
 
     async def _flush(self) -> None:
         try:
-            while self._records or self._segments or self._meta:
+            while self._records or self._segments or self._meta or self._quotas:
                 target = self.seq
                 await asyncio.gather(*(self._txn(c) for c in self._chunks(self._ops())))
                 self.committed = target
@@ -222,6 +245,7 @@ class Journal:
         state now) and each one's size."""
         m, lay = self.model, self.layout
         ops = []
+        wall = time.time() - self.clock() if self._records else 0.0    # the model's clock -> wall clock
         for rid in self._records:
             k = b64(lay.record(rid))
             rec = []
@@ -229,7 +253,8 @@ class Journal:
                 obj = m.objects.get(key)
                 if obj is not None and obj.state is State.COMPLETE:
                     rec.append([key, obj.size, [[r.segment, r.offset, r.length] for r in obj.replicas],
-                                obj.pinned, obj.writer, obj.token])
+                                obj.pinned, obj.writer, obj.token, obj.want,
+                                obj.soft_until + wall if obj.soft_until else 0])
             if rec:
                 v = b64(_pack(rec))
                 ops.append(({"request_put": {"key": k, "value": v}}, len(v)))
@@ -248,7 +273,9 @@ class Journal:
         if self._meta:
             ops.append(({"request_put": {"key": b64(lay.meta),
                                          "value": b64(_pack({"next_segment": m.next_segment}))}}, 0))
-        self._records, self._segments, self._meta = set(), set(), False
+        if self._quotas:
+            ops.append(({"request_put": {"key": b64(lay.quotas), "value": b64(_pack(dict(m.quotas)))}}, 0))
+        self._records, self._segments, self._meta, self._quotas = set(), set(), False, False
         return ops
 
     def _chunks(self, ops: list[tuple[dict, int]]) -> list[list[dict]]:
@@ -288,7 +315,7 @@ class Journal:
         first flush. Returns counts."""
         lay, model = self.layout, self.model
         kvs = await self.etcd.range_prefix(lay.root)
-        segs, records, meta = [], [], {}
+        segs, records, meta, quotas = [], [], {}, {}
         n = len(lay.root) + 2
         for kv in kvs:
             k = kv["key"]
@@ -298,6 +325,8 @@ class Journal:
                 v = msgpack.unpackb(kv["value"], raw=False)
                 if k == lay.meta:
                     meta = v
+                elif k == lay.quotas:
+                    quotas = v
                 elif k.startswith(lay.root + b"s/"):
                     segs.append((int(k[n:]), v))
                 elif k.startswith(lay.root + b"r/"):
@@ -307,11 +336,17 @@ class Journal:
         for sid, (client, host, engine, name, base, size) in segs:
             model.restore_segment(sid, client, host, engine, name, base, size, now)
         kept = dropped = 0
+        wall = time.time()
         for _, rid, entries in sorted(records, key=lambda r: r[0]):
             self._next_record = max(self._next_record, rid + 1)
             members = self._members[rid] = set()
-            for key, size, replicas, pinned, writer, token in entries:
-                if model.restore_object(key, size, replicas, pinned=pinned, writer=writer, token=token):
+            for entry in entries:
+                key, size, replicas, pinned, writer, token = entry[:6]
+                want = entry[6] if len(entry) > 6 else None          # None: a record from before want
+                deadline = entry[7] if len(entry) > 7 else 0
+                soft_until = now + deadline - wall if deadline and deadline > wall else 0.0
+                if model.restore_object(key, size, replicas, pinned=pinned, writer=writer, token=token,
+                                        want=want, soft_until=soft_until):
                     members.add(key)
                     self._record_of[key] = rid
                     kept += 1
@@ -321,4 +356,12 @@ class Journal:
                 self._records.add(rid)              # rewritten (or deleted) at the first flush
         if isinstance(meta, dict):
             model.skip_segment_ids(int(meta.get("next_segment", 1)))
-        return {"segments": len(segs), "objects": kept, "dropped": dropped}
+        restored = 0
+        for ns, nbytes in (quotas.items() if isinstance(quotas, dict) else ()):
+            try:
+                model.set_quota(ns, nbytes)
+                restored += 1
+            except InvalidArgumentError as e:
+                log.warning("skipping malformed quota %r: %s", ns, e)
+        model.dirty_quotas = False                  # what etcd holds already
+        return {"segments": len(segs), "objects": kept, "dropped": dropped, "quotas": restored}

@@ -14,7 +14,9 @@ Invariants the tests hold:
 
 Durability (a master given etcd): with `track()` on, every call that
 changes what must survive a restart (a COMPLETE object's replicas, a
-segment) names the key or segment in `dirty_objects`/`dirty_segments`;
+segment, a quota) names the key or segment in `dirty_objects`/`dirty_segments`
+(or sets `dirty_quotas`); an object's record holds its pins and want count,
+which never change after its put;
 the master writes their current state (or their absence) to etcd after
 the call. Puts in progress, leases and the LRU order are never recorded.
 `restore_segment`/`restore_object` rebuild the index from those records:
@@ -113,6 +115,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         # what changed since the master last wrote to etcd (None: not tracked)
         self.dirty_objects: set[str] | None = None
         self.dirty_segments: set[int] | None = None
+        self.dirty_quotas: bool | None = None
         # SSD tier (ssd_agent.py): COMPLETE objects whose only copies are on
         # SSD (not in the LRU order, which holds DRAM replicas), and per
         # client the keys whose SSD copy it should delete (a removal, remove_all)
@@ -130,6 +133,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
     def track(self) -> None:
         """Starts recording changes for durability (see the module's doc)."""
         self.dirty_objects, self.dirty_segments = set(), set()
+        self.dirty_quotas = False
 
     @property
     def next_segment(self) -> int:
@@ -210,11 +214,15 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         return seg
 
     def restore_object(self, key: str, size: int, replicas: list, *, pinned: bool = False,
-                       writer: str = "", token: int = 0) -> bool:
+                       writer: str = "", token: int = 0, want: int | None = None,
+                       soft_until: float = 0.0) -> bool:
         """A COMPLETE object recorded in etcd ([[segment, offset, length], ...]).
         Replicas on segments that are not restored, or whose extent another
         record holds, are left out (and the record rewritten); False when
-        none is left (the record is deleted)."""
+        none is left (the record is deleted). `want`: the replicas its put
+        asked for (None, a record that did not say: as many as it names);
+        short of them, the object is made whole again by repair.
+        `soft_until`: its soft pin's end, on this model's clock."""
         check_key(key)
         reps = []
         for sid, off, length in replicas:
@@ -235,9 +243,13 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
             for r in reps:
                 self._free(key, r)
             return False
-        self.objects[key] = obj = Object(key, size, reps, State.COMPLETE, writer, pinned=pinned, token=token)
+        want = len(replicas) if want is None else max(1, int(want))
+        self.objects[key] = obj = Object(key, size, reps, State.COMPLETE, writer, pinned=bool(pinned), token=token,
+                                         want=want, soft_until=float(soft_until))
         self._lru[key] = None
         self.charge(obj)
+        if len(reps) < want:
+            self._short.add(key)            # a replica went before (or at) the failover
         return True
 
     def unmount(self, segment_id: int) -> int:
@@ -635,12 +647,16 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         QuotaExceededError."""
         if type(ns) is not str or not ns or NS_SEP in ns or len(ns) > 256:
             raise InvalidArgumentError(f"a namespace is a non-empty str of at most 256 characters, not {ns!r}")
+        if nbytes is not None and (type(nbytes) is not int or nbytes <= 0):
+            raise InvalidArgumentError(f"a quota is a positive int of bytes or None, not {nbytes!r}")
+        if self.quotas.get(ns) == nbytes:
+            return                  # a client re-attaching says it again: nothing to write
         if nbytes is None:
             self.quotas.pop(ns, None)
-        elif type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgumentError(f"a quota is a positive int of bytes or None, not {nbytes!r}")
         else:
             self.quotas[ns] = nbytes
+        if self.dirty_quotas is not None:
+            self.dirty_quotas = True
 
     def charge(self, obj: Object) -> None:
         """An object came into being outside put_start (recovery, SSD
