@@ -652,3 +652,38 @@ def test_copy_and_move_tasks_refuse_bad_input_and_fail_with_a_reason():
     m.client_lost("c0")
     assert m.query_task(pending).status is TaskStatus.FAILED and not m._repairs and not m._task_queue
     _accounted(m)
+
+
+def test_restore_keeps_what_a_put_asked_for():
+    # the want count (short of it: made again), pins, a soft pin's end; an
+    # object recorded SSD-only gets them back when a tier adopts it again
+    m = StoreModel(seed=1)
+    m.track()
+    for c, base in (("c1", 4096), ("c2", 1 << 30)):
+        m.restore_segment(base, c, "h", f"e-{c}", "seg", base, 1 << 20, now=100)
+    assert m.restore_object("two", 1000, [[4096, 0, 4096]], want=2, pinned=True, soft_until=0)
+    assert m.restore_object("soft", 1000, [[4096, 4096, 4096]], soft_until=130.0)
+    assert m.restore_object("old", 1000, [[4096, 8192, 4096], [1 << 30, 0, 4096]])   # a 6-field record
+    two, soft, old = m.objects["two"], m.objects["soft"], m.objects["old"]
+    assert (two.want, two.pinned, soft.want, soft.soft_until, old.want) == (2, True, 1, 130.0, 2)
+    m.register_client("c1", "h", "e-c1", 101)
+    m.mount("c1", "seg", 4096, 1 << 20)
+    m.register_client("c2", "h", "e-c2", 101)
+    m.mount("c2", "seg", 1 << 30, 1 << 20)
+    assert m.repairable("c1") == 1                        # "two" lacks a replica
+    jobs, lease = m.repair_start("c1", 101, 8)
+    assert [j[0] for j in jobs] == ["two"] and m.repair_end("c1", "two", True) == 1
+    assert len(two.replicas) == 2 and "two" in m.dirty_objects
+    # recorded with no DRAM replica (SSD-only): adopted with what it asked for
+    assert not m.restore_object("ssd", 5000, [], pinned=True, want=3, writer="c9", token=4)
+    assert not m.restore_object("late", 5000, [], soft_until=500.0)
+    m.ssd_attach("c1", "/tmp/x", "evict")
+    assert m.ssd_add("c1", "ssd", 5000, adopt=True)
+    got = m.objects["ssd"]
+    assert (got.pinned, got.want, got.writer, got.token, got.replicas) == (True, 3, "c9", 4, [])
+    # not adopted within two graces: forgotten (its holder is back without it, or lost)
+    assert m.expire_clients(now=101, grace=60) == []
+    m.seen("c1", 300)
+    m.seen("c2", 300)
+    assert m.expire_clients(now=300, grace=60) == [] and not m._adoptable
+    assert m.ssd_add("c1", "late", 5000, adopt=True) and m.objects["late"].soft_until == 0.0

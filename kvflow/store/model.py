@@ -125,6 +125,11 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         self.ssd_missed = 0         # evicted with no SSD copy though their holder has a tier
         self._ssd_clients: set[str] = set()
         self._ssd_held = False      # an eviction skipped an object an eager tier is copying
+        # SSD-only objects recovered from etcd, waiting for a tier to adopt
+        # them: key -> (size, (pinned, writer, token, want, soft_until));
+        # forgotten two client graces after the monitor first sees them
+        self._adoptable: dict[str, tuple[int, tuple[bool, str, int, int, float]]] = {}
+        self._adopt_since: float | None = None
         # (segments, all attached, largest capacity), rebuilt after any
         # change to the segments (mount, restore, re-attach, drop): a put
         # reads it per key instead of walking every segment three times
@@ -224,6 +229,13 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         short of them, the object is made whole again by repair.
         `soft_until`: its soft pin's end, on this model's clock."""
         check_key(key)
+        if not replicas and key not in self.objects:
+            # SSD-only when recorded (SSD copies are not in etcd): its
+            # holders' tiers report it again at their attach (ssd_add with
+            # adopt), and it comes back with what its put asked for
+            self._adoptable[key] = (size, (bool(pinned), writer, token, 1 if want is None else max(1, int(want)),
+                                           float(soft_until)))
+            return False
         reps = []
         for sid, off, length in replicas:
             self._next_segment = max(self._next_segment, int(sid) + 1)   # ids are never reused
@@ -289,6 +301,12 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         dead = [c.id for c in self.clients.values() if now - c.last_seen > grace]
         for cid in dead:
             self.client_lost(cid)
+        if self._adoptable:
+            if self._adopt_since is None:
+                self._adopt_since = now
+            elif now - self._adopt_since > 2 * grace:     # their holders are back, or lost
+                self._adoptable.clear()
+                self._adopt_since = None
         return dead
 
     # -- puts: allocate, then commit -------------------------------------------

@@ -80,6 +80,9 @@ class SsdState:
             if not adopt or not isinstance(size, int) or size <= 0:
                 return False
             obj = self.objects[key] = Object(key, size, [], State.COMPLETE, client_id)
+            meta = self._adoptable.pop(key, None) if self._adoptable else None
+            if meta is not None and meta[0] == size:    # recovered from etcd: what its put asked for
+                obj.pinned, obj.writer, obj.token, obj.want, obj.soft_until = meta[1]
             self.charge(obj)
             self._ssd_only.add(key)
         elif obj.state is not State.COMPLETE or obj.size != size:
