@@ -28,13 +28,16 @@ objects is one key written. When objects of a record go (removed,
 evicted, their segment dropped) the record is rewritten with the rest, or
 deleted with its last one; objects of one batch tend to go together (one
 LRU age). A put's pins and want count ride in its object's entry: they
-never change after the put, so they cost no write of their own. A soft
-pin's end is recorded as a wall-clock deadline, not a TTL: a TTL would
-restart at every rewrite and recovery. A new leader on another host
-reads it with its own clock, so the pin ends off by the hosts' clock
-skew (NTP keeps that to milliseconds; soft pins last minutes), and a
-deadline already past at recovery is no pin. The state in etcd is always the index itself, not a log:
-recovery is one paged range, no replay, nothing to compact. Puts in
+never change after the put, so they cost no write of their own (a
+64-object record grows by 2-10 bytes an entry). A soft pin's end is
+recorded as a wall-clock deadline, not a TTL: a TTL would restart at
+every rewrite and recovery. A new leader on another host reads it with
+its own clock, so the pin ends off by the hosts' clock skew (NTP keeps
+that to milliseconds; soft pins last minutes), and a deadline already
+past at recovery is no pin. Readers before want and soft_until cannot
+read 8-field entries: upgrade standbys with (or before) the leader. The
+state in etcd is always the index itself, not a log: recovery is one
+paged range, no replay, nothing to compact. Puts in
 progress, read leases and the LRU order are not recorded: a put in
 progress at a crash is simply absent, so its space is free again when the
 segments are rebuilt from the recorded extents.
