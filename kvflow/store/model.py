@@ -386,10 +386,11 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         number of replicas kept (0: the object is gone, as after a revoke).
         A put_end repeated after it succeeded (a retried request, possibly
         at a new master that recovered the object) returns the same count."""
-        done = self.objects.get(key) if isinstance(key, str) else None
-        if done is not None and done.state is State.COMPLETE and done.writer == client_id:
-            return len(done.replicas)
-        obj = self._pending(client_id, key)
+        obj = self.objects.get(key) if isinstance(key, str) else None
+        if obj is None or obj.state is not State.ALLOCATED or obj.writer != client_id:
+            if obj is not None and obj.state is State.COMPLETE and obj.writer == client_id:
+                return len(obj.replicas)
+            obj = self._pending(client_id, key)     # raises the key's error
         if type(failed_segments) in (list, tuple) and not failed_segments:
             keep = obj.replicas             # every replica written (the common case)
         else:
@@ -438,13 +439,17 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         """The COMPLETE object (size, replicas), under read lease `lease`
         (a new one of its own if None) until now + lease_ttl.
         ObjectNotFoundError otherwise."""
-        obj = self._complete(key)
+        # a stored key was valid at its put: check_key only for a miss
+        obj = self.objects.get(key) if type(key) is str else None
+        if obj is None or obj.state is not State.COMPLETE:
+            obj = self._complete(key)       # raises the key's error
         if lease is None or lease not in self._leases:
             lease = self.new_lease(now)
         until, objs = self._leases[lease]
         obj.leases[lease] = until
         objs.append(obj)
-        self._touch(key)
+        if key in (lru := self._lru):       # _touch, inline
+            lru.move_to_end(key)
         return obj
 
     def release_lease(self, lease: int, now: float) -> None:
