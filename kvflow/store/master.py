@@ -362,13 +362,9 @@ class Master(SsdCalls):
         """[[segment id, address], ...]; each segment's holder goes into
         `segments` once per reply (segment id -> [client, engine, host]), not
         once per replica: a 64-key reply is a third of the bytes. `bases`:
-        segment id -> base address, kept by the caller across one reply's
-        keys (one dict lookup per replica instead of three)."""
-        if bases is not None and len(replicas) == 1:      # one replica (the common case)
-            r = replicas[0]
-            base = bases.get(r.segment)
-            if base is not None:
-                return [[r.segment, base + r.offset]]
+        segment id -> base address, filled here and kept by the batch calls
+        across one reply's keys: they build a one-replica object's row
+        inline from it, and call this only for the rest."""
         model = self.model
         out = []
         for r in replicas:
@@ -400,7 +396,10 @@ class Master(SsdCalls):
                 if reps is None:
                     out.append([0, None])
                     continue
-                out.append([0, replicas(reps, segments, bases)])
+                if len(reps) == 1 and (base := bases.get((r := reps[0]).segment)) is not None:
+                    out.append([0, [[r.segment, base + r.offset]]])     # _replicas' common case, inline
+                else:
+                    out.append([0, replicas(reps, segments, bases)])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return {"segments": segments, "items": out}
@@ -437,8 +436,10 @@ class Master(SsdCalls):
                 obj = get_replicas(key, now, lease)
                 if obj.ssd:     # [size, DRAM replicas, SSD copies' holders]
                     out.append([0, [obj.size, replicas(obj.replicas, segments, bases), self._ssd_holders(obj)]])
+                elif len(reps := obj.replicas) == 1 and (base := bases.get((r := reps[0]).segment)) is not None:
+                    out.append([0, [obj.size, [[r.segment, base + r.offset]]]])     # _replicas' common case
                 else:
-                    out.append([0, [obj.size, replicas(obj.replicas, segments, bases)]])
+                    out.append([0, [obj.size, replicas(reps, segments, bases)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         out.reverse()

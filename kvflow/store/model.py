@@ -294,7 +294,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         the first time. ObjectBusyError when another put of the
         key is in progress; NoSpaceError when nothing fits even after
         eviction."""
-        c = self._client(client_id)
+        c = self.clients.get(client_id) or self._client(client_id)
         if type(key) is not str or not key or len(key) > MAX_KEY_BYTES // 4:
             check_key(key)
         if type(size) is not int or size <= 0:
@@ -341,7 +341,10 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         if attached and replica_num == 1 and preferred is None and len(segs) <= 2:
             # place()'s common case inline: one replica, at most two segments
             need = (size + ALIGN - 1) // ALIGN * ALIGN
-            fitting = [s for s in segs if need <= s.alloc.largest_free]
+            if len(segs) == 1:          # one segment: no list comprehension's frame
+                fitting = [segs[0]] if need <= segs[0].alloc.largest_free else []
+            else:
+                fitting = [s for s in segs if need <= s.alloc.largest_free]
             if len(fitting) == 2:
                 chosen = place(fitting, size, 1, rng=self._rng)
             else:
