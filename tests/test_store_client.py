@@ -374,6 +374,64 @@ async def test_bad_input_gets_typed_errors_and_the_client_stays_usable():
         assert len(master.model.objects) == 2
 
 
+async def test_batches_mixing_plain_and_odd_objects_give_each_its_own_result():
+    # the funnels check and move a batch of plain objects as columns; one
+    # odd object anywhere sends the batch down the per-key path, which must
+    # give every object its own result, as before
+    async with _pool(2, ("tcp",), local_buffer_size=1 << 20) as (master, (a, b)):
+        size = 4096
+        src, dst = _data(8 * size, 5), np.zeros(8 * size, np.uint8)
+        ra, rb = a.register_buffer(src), b.register_buffer(dst)
+        unregistered = np.zeros(size, np.uint8)
+        assert await a.batch_put_from(["p/0", "p/1"], [ra.addr, ra.addr + size], [size, size]) == [1, 1]
+        out = await a.batch_put_from(
+            ["p/0", "p/2", "p/3", "p/4", "", "p/5"],
+            [ra.addr, ra.addr + 2 * size, unregistered.ctypes.data, ra.addr + 7 * size + 1, ra.addr,
+             np.uint64(ra.addr + 5 * size)],
+            [size, size, size, size, size, size])
+        assert out[0] == 0 and out[1] == 1 and out[5] == 1, out       # existed; stored; a numpy address
+        assert isinstance(out[2], UnregisteredMemoryError) and isinstance(out[3], UnregisteredMemoryError)
+        assert isinstance(out[4], InvalidKeyError)
+        assert not await a.exists("p/3") and not await a.exists("p/4")
+        # two parts for one object, one part for the others: per key, the same bytes
+        assert await a.batch_put_from_parts(["q/0", "q/1"], [[(ra.addr, 100), (ra.addr + 200, 50)],
+                                                            [(ra.addr + size, size)]]) == [1, 1]
+        got = await b.batch_get_into(["p/0", "p/1", "p/2", "missing", "p/5", "q/1"],
+                                     [rb.addr + i * size for i in range(6)], [size, size, size, size, 8, size])
+        assert got[:3] == [size] * 3 and got[5] == size, got
+        assert isinstance(got[3], ObjectNotFoundError) and isinstance(got[4], BufferTooSmallError)
+        for i, j in ((0, 0), (1, 1), (2, 2), (5, 1)):
+            assert np.array_equal(dst[i * size:(i + 1) * size], src[j * size:(j + 1) * size])
+        assert await b.batch_get_into(["p/0", "p/2"], [rb.addr, rb.addr + size], [size, size]) == [size, size]
+        got = await b.batch_get_into_parts(["q/0"], [[(rb.addr, 120), (rb.addr + 6 * size, 100)]])
+        assert got == [150]
+        assert np.array_equal(dst[:120], src[:100].tolist() + src[200:220].tolist())
+        assert np.array_equal(dst[6 * size:6 * size + 30], src[220:250])
+        assert a.metrics()["puts"]["stored"] == 6
+        await a.batch_remove(["p/0", "p/1", "p/2", "p/5", "q/0", "q/1"], force=True)
+        _assert_no_leak(master)
+
+
+def test_batch_columns_helpers():
+    from kvflow.store.calls import all_ok, single_parts
+    from kvflow.store.datapath import holders_of
+    starts, ends = [1000, 5000], [2000, 6000]
+    assert single_parts(["a", "b"], [[(1000, 10)], [(5990, 10)]], starts, ends) == ([1000, 5990], [10, 10])
+    for keys, parts in ((["a", "b"], [[(1000, 10)], [(5991, 10)]]),      # past a region's end
+                        (["a"], [[(999, 1)]]), (["a"], [[(2000, 1)]]),    # before / between regions
+                        (["a"], [[(1000, 1), (1001, 1)]]), (["a"], [[]]), (["a"], [[(1000, 0)]]),
+                        (["a"], [[(True, 1)]]), (["a"], [[(1000.0, 1)]]), (["a"], [[[1000, 1]]]),
+                        ([""], [[(1000, 1)]]), ([7], [[(1000, 1)]]), (["a", "b"], [[(1000, 1)]]), ([], [])):
+        assert single_parts(keys, parts, starts, ends) is None, (keys, parts)
+    assert all_ok([[0, [1]], [0, 5]]) == [[1], 5]
+    assert all_ok([[0, [1]], [0, None]]) is None                 # existed already: the per-key path
+    assert all_ok([[0, 1], [1, "not_found", "no"]]) is None
+    assert all_ok([]) is None
+    segs = {3: ["c", "h:1", "host"]}
+    assert holders_of([3, 3], segs) == ["h:1", "h:1"]
+    assert holders_of([3, 4], {**segs, 4: ["d", "h:2", "host"]}) == ["h:1", "h:2"]
+
+
 async def test_no_master_is_a_typed_error():
     with pytest.raises(MasterUnavailableError):
         await StoreClient("127.0.0.1:1", segment_size=0, protocols=("tcp",)).start()

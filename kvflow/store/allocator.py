@@ -71,14 +71,29 @@ class Allocator:
         extent is large enough."""
         if not isinstance(size, int) or size <= 0:
             raise InvalidArgumentError(f"allocation size must be a positive int, not {size!r}")
-        need = _round_up(size)
-        i = bisect.bisect_left(self._by_size, (need, -1))
-        if i == len(self._by_size):
+        need = (size + ALIGN - 1) // ALIGN * ALIGN
+        by_size = self._by_size
+        i = bisect.bisect_left(by_size, (need, -1))
+        if i == len(by_size):
             return None
-        length, start = self._by_size.pop(i)
-        self._remove_offset(start)
-        if length > need:                       # the tail stays free
-            self._add_extent(start + need, length - need)
+        length, start = by_size[i]
+        if length > need:
+            # the tail stays free, in the extent's place in both views: it
+            # starts before the next extent (extents never touch), and when
+            # no smaller extent sorts after it the size view keeps its order
+            # too (a put carving a fresh segment: no list moves at all)
+            tail, rest = start + need, length - need
+            self._by_offset[bisect.bisect_left(self._by_offset, start)] = tail
+            del self._size[start]
+            self._size[tail] = rest
+            if i == 0 or by_size[i - 1] < (rest, tail):
+                by_size[i] = (rest, tail)
+            else:
+                del by_size[i]
+                bisect.insort(by_size, (rest, tail))
+        else:
+            del by_size[i]
+            self._remove_offset(start)
         self._used[start] = need
         self.used += need
         return start

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 import kvflow
 from kvflow.errors import KVFlowError, PeerLostError
 
-__all__ = ["Moves", "Mover", "finish_before_cancel"]
+__all__ = ["Moves", "Mover", "finish_before_cancel", "holders_of"]
 
 
 # own-segment copies up to this many bytes run on the loop's thread (about
@@ -56,6 +57,13 @@ class Moves:
         self.remote: list[int] = []
         self.length: list[int] = []
 
+    @classmethod
+    def of(cls, local: list[int], holder: list[str], remote: list[int], length: list[int]) -> "Moves":
+        """The entries given as whole columns (a batch's common case)."""
+        m = cls()
+        m.local, m.holder, m.remote, m.length = local, holder, remote, length
+        return m
+
     def add(self, local: int, holder: str, remote: int, length: int) -> None:
         self.local.append(local)
         self.holder.append(holder)
@@ -64,6 +72,16 @@ class Moves:
 
     def __len__(self) -> int:
         return len(self.local)
+
+
+def holders_of(sids: Sequence[int], segs: dict) -> list[str]:
+    """The holder engine of each of `sids` (segment ids of a master's reply,
+    whose segments table maps id -> [client, engine, host])."""
+    if len(segs) == 1:              # one holder (the common case): one lookup
+        ((sid, (_, engine, _)),) = segs.items()
+        if set(sids) == {sid}:
+            return [engine] * len(sids)
+    return [segs[sid][1] for sid in sids]
 
 
 class Mover:
@@ -76,12 +94,16 @@ class Mover:
         local); returns the holders whose batch failed, with their error."""
         own = self.engine.address
         groups: dict[str, list[int]] = {}
-        for j, h in enumerate(moves.holder):
-            g = groups.get(h)
-            if g is None:
-                groups[h] = [j]
-            else:
-                g.append(j)
+        distinct = set(moves.holder)
+        if len(distinct) == 1:          # one holder (the common case): every row
+            groups[distinct.pop()] = range(len(moves))
+        else:
+            for j, h in enumerate(moves.holder):
+                g = groups.get(h)
+                if g is None:
+                    groups[h] = [j]
+                else:
+                    g.append(j)
         mine = groups.pop(own, None)
         if mine and not groups:
             await self._copy_own(op, moves, mine)

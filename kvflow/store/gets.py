@@ -4,14 +4,16 @@ the nearest complete replica read, another one if its holder is gone, SSD
 copies), gets of bytes through the local buffer."""
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .calls import Parts, item_result, one_part, replica_rows, with_timeout
-from .datapath import Moves
+from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout
+from .datapath import Moves, holders_of
 from .errors import BufferTooSmallError, LeaseExpiredError, ReplicaUnavailableError
 from .metrics import counted
 from .model import check_key
@@ -49,24 +51,37 @@ class Gets:
             raise InvalidArgumentError("keys and parts must have the same length")
         keys = self._ns(keys)
         results: list[Any] = [None] * len(keys)
-        todo = []
         regions = self._regions()
         starts, ends = regions
-        for i, (key, ps) in enumerate(zip(keys, parts)):
-            if one_part(key, ps, starts, ends):       # the common case, checked inline
-                todo.append(i)
-                continue
-            try:
-                self._checked_parts(key, ps, regions)
-                todo.append(i)
-            except KVFlowError as e:
-                results[i] = e
-        if not todo:
-            return results
+        # every object one part of registered memory under a plain key (the
+        # common case): the batch's columns checked at once
+        cols = single_parts(keys, parts, starts, ends)
+        if cols is not None:
+            todo: Sequence[int] = range(len(keys))
+            asked = list(keys)
+        else:
+            todo = []
+            for i, (key, ps) in enumerate(zip(keys, parts)):
+                if one_part(key, ps, starts, ends):       # one object of the common case
+                    todo.append(i)
+                    continue
+                try:
+                    self._checked_parts(key, ps, regions)
+                    todo.append(i)
+                except KVFlowError as e:
+                    results[i] = e
+            if not todo:
+                return results
+            asked = [keys[i] for i in todo]
         t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
-        reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
+        reply = await self._call("batch_get_replicas", asked)
         try:
             found, segs = replica_rows(reply)
+            if cols is not None:
+                reading = self._all_found(found, segs, cols)
+                if reading is not None:     # every object found in DRAM, one replica, fitting its buffer
+                    await self._read(keys, reading[0], parts, results, t0, first=reading[1])
+                    return results
             holders = self._holders(segs)
             reading = []
             for i, item in zip(todo, found):
@@ -94,6 +109,23 @@ class Gets:
         if lease and self._link is not None:
             self._link.notify("release_lease", lease)
 
+    @staticmethod
+    def _all_found(found: list, segs: dict, cols: tuple[list, list]) -> tuple[list, Moves] | None:
+        """The reads of a get whose objects were all found with one DRAM
+        replica each, no larger than their one-part buffers (the common
+        case), built as columns: (reading, the first attempt's moves); None
+        otherwise (the per-key path then sorts each object out)."""
+        values = all_ok(found)
+        if values is None or set(map(len, values)) != {2}:     # a third column: SSD copies
+            return None
+        sizes, reps = list(map(itemgetter(0), values)), list(map(itemgetter(1), values))
+        if set(map(len, reps)) != {1} or not all(map(operator.le, sizes, cols[1])):
+            return None
+        sids, remotes = zip(*map(itemgetter(0), reps))
+        holders = holders_of(sids, segs)
+        reading = list(zip(range(len(sizes)), sizes, ([h] for h in zip(holders, remotes))))
+        return reading, Moves.of(cols[0], holders, list(remotes), sizes)
+
     def _holders(self, segs: dict) -> dict:
         """segment id -> (rank, holder engine): 0 this process, 1 this host, 2 elsewhere."""
         me = self.engine.address
@@ -109,31 +141,38 @@ class Gets:
         return [(h[1], addr) for h, addr in out]
 
     async def _read(self, keys: Sequence[str], reading: list, parts: Sequence[Parts], results: list,
-                    t0: float) -> None:
-        if any(type(e[2]) is SsdCopies for e in reading):
+                    t0: float, first: Moves | None = None) -> None:
+        """Reads each of `reading` ((index, size, [(holder, address), ...]
+        nearest first, or SsdCopies)) into its parts, going on to the next
+        replica where a holder failed. `first`: the moves of the first
+        attempt, built already (then no entry is SsdCopies)."""
+        if first is None and any(type(e[2]) is SsdCopies for e in reading):
             ssd = [e for e in reading if type(e[2]) is SsdCopies]
             read = await read_copies(self, keys, ssd, parts, results)
             if self.ssd_promote:
                 await promote(self, keys, read, parts)
             reading = [e for e in reading if type(e[2]) is not SsdCopies]
-        attempt = {i: 0 for i, _, _ in reading}
+        attempt: dict[int, int] = {}        # index -> the replica being tried, when not the first
         last: dict[int, list[str]] = {}
         pending = reading
         while pending:
-            moves = Moves()
-            for i, size, reps in pending:
-                holder, addr = reps[attempt[i]]
-                ps = parts[i]
-                if len(ps) == 1:
-                    moves.add(int(ps[0][0]), holder, addr, size)
-                    continue
-                off = 0
-                for a, s in ps:
-                    n = min(int(s), size - off)
-                    if n <= 0:
-                        break
-                    moves.add(int(a), holder, addr + off, n)
-                    off += n
+            if first is not None:
+                moves, first = first, None
+            else:
+                moves = Moves()
+                for i, size, reps in pending:
+                    holder, addr = reps[attempt.get(i, 0)]
+                    ps = parts[i]
+                    if len(ps) == 1:
+                        moves.add(int(ps[0][0]), holder, addr, size)
+                        continue
+                    off = 0
+                    for a, s in ps:
+                        n = min(int(s), size - off)
+                        if n <= 0:
+                            break
+                        moves.add(int(a), holder, addr + off, n)
+                        off += n
             failed = await self._mover.run("read", moves, timeout=self.timeout)
             if not failed:
                 for i, size, _ in pending:
@@ -141,13 +180,14 @@ class Gets:
                 break
             again = []
             for i, size, reps in pending:
-                h = reps[attempt[i]][0]
+                tried = attempt.get(i, 0)
+                h = reps[tried][0]
                 if h not in failed:
                     results[i] = size
                     continue
                 last.setdefault(i, []).append(f"{h}: {failed[h]}")
-                attempt[i] += 1
-                if attempt[i] < len(reps):
+                attempt[i] = tried = tried + 1
+                if tried < len(reps):
                     self.replica_fallbacks += 1
                     again.append((i, size, reps))
                 else:

@@ -32,6 +32,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
@@ -357,10 +358,13 @@ class Master(SsdCalls):
             raise InvalidArgumentError(f"segment {segment} is not this client's")
         return self.model.unmount(segment)
 
-    def _replicas(self, replicas: list, segments: dict) -> list:
+    def _replicas(self, replicas: list, segments: dict, bases: dict | None = None) -> list:
         """[[segment id, address], ...]; each segment's holder goes into
         `segments` once per reply (segment id -> [client, engine, host]), not
-        once per replica: a 64-key reply is a third of the bytes."""
+        once per replica: a 64-key reply is a third of the bytes. `bases`:
+        segment id -> base address, filled here and kept by the batch calls
+        across one reply's keys: they build a one-replica object's row
+        inline from it, and call this only for the rest."""
         model = self.model
         out = []
         for r in replicas:
@@ -369,11 +373,14 @@ class Master(SsdCalls):
             if sid not in segments:
                 c = model.clients[seg.client]
                 segments[sid] = [c.id, c.engine, c.host]
+            if bases is not None:
+                bases[sid] = seg.base
             out.append([sid, seg.base + r.offset])
         return out
 
     def _batch_put_start(self, cid: str, now: float, items: list, token: int = 0) -> dict:
         segments: dict = {}
+        bases: dict = {}
         seen: set = set()
         put_start = self.model.put_start
         replicas = self._replicas
@@ -389,7 +396,10 @@ class Master(SsdCalls):
                 if reps is None:
                     out.append([0, None])
                     continue
-                out.append([0, replicas(reps, segments)])
+                if len(reps) == 1 and (base := bases.get((r := reps[0]).segment)) is not None:
+                    out.append([0, [[r.segment, base + r.offset]]])     # _replicas' common case, inline
+                else:
+                    out.append([0, replicas(reps, segments, bases)])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return {"segments": segments, "items": out}
@@ -418,19 +428,22 @@ class Master(SsdCalls):
         get_replicas = self.model.get_replicas
         out = []
         replicas = self._replicas
+        bases: dict = {}
         # last key first, as in _batch_put_end: each hit goes to the LRU's
         # recent end, and a prefix's head ends the most recent
         for key in reversed(keys):      # _per_item's loop, inline
             try:
                 obj = get_replicas(key, now, lease)
                 if obj.ssd:     # [size, DRAM replicas, SSD copies' holders]
-                    out.append([0, [obj.size, replicas(obj.replicas, segments), self._ssd_holders(obj)]])
+                    out.append([0, [obj.size, replicas(obj.replicas, segments, bases), self._ssd_holders(obj)]])
+                elif len(reps := obj.replicas) == 1 and (base := bases.get((r := reps[0]).segment)) is not None:
+                    out.append([0, [obj.size, [[r.segment, base + r.offset]]]])     # _replicas' common case
                 else:
-                    out.append([0, [obj.size, replicas(obj.replicas, segments)]])
+                    out.append([0, [obj.size, replicas(reps, segments, bases)]])
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         out.reverse()
-        misses = sum(1 for item in out if item[0])
+        misses = sum(map(itemgetter(0), out))      # an item's first field: 0 found, 1 its error
         self.counters.looked_up("get", len(out) - misses, misses)
         return {"segments": segments, "items": out, "lease": lease}
 

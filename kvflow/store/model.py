@@ -324,7 +324,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         the first time. ObjectBusyError when another put of the
         key is in progress; NoSpaceError when nothing fits even after
         eviction."""
-        c = self._client(client_id)
+        c = self.clients.get(client_id) or self._client(client_id)
         if type(key) is not str or not key or len(key) > MAX_KEY_BYTES // 4:
             check_key(key)
         if type(size) is not int or size <= 0:
@@ -371,7 +371,10 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         if attached and replica_num == 1 and preferred is None and len(segs) <= 2:
             # place()'s common case inline: one replica, at most two segments
             need = (size + ALIGN - 1) // ALIGN * ALIGN
-            fitting = [s for s in segs if need <= s.alloc.largest_free]
+            if len(segs) == 1:          # one segment: no list comprehension's frame
+                fitting = [segs[0]] if need <= segs[0].alloc.largest_free else []
+            else:
+                fitting = [s for s in segs if need <= s.alloc.largest_free]
             if len(fitting) == 2:
                 chosen = place(fitting, size, 1, rng=self._rng)
             else:
@@ -416,10 +419,11 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         number of replicas kept (0: the object is gone, as after a revoke).
         A put_end repeated after it succeeded (a retried request, possibly
         at a new master that recovered the object) returns the same count."""
-        done = self.objects.get(key) if isinstance(key, str) else None
-        if done is not None and done.state is State.COMPLETE and done.writer == client_id:
-            return len(done.replicas)
-        obj = self._pending(client_id, key)
+        obj = self.objects.get(key) if isinstance(key, str) else None
+        if obj is None or obj.state is not State.ALLOCATED or obj.writer != client_id:
+            if obj is not None and obj.state is State.COMPLETE and obj.writer == client_id:
+                return len(obj.replicas)
+            obj = self._pending(client_id, key)     # raises the key's error
         if type(failed_segments) in (list, tuple) and not failed_segments:
             keep = obj.replicas             # every replica written (the common case)
         else:
@@ -468,13 +472,17 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         """The COMPLETE object (size, replicas), under read lease `lease`
         (a new one of its own if None) until now + lease_ttl.
         ObjectNotFoundError otherwise."""
-        obj = self._complete(key)
+        # a stored key was valid at its put: check_key only for a miss
+        obj = self.objects.get(key) if type(key) is str else None
+        if obj is None or obj.state is not State.COMPLETE:
+            obj = self._complete(key)       # raises the key's error
         if lease is None or lease not in self._leases:
             lease = self.new_lease(now)
         until, objs = self._leases[lease]
         obj.leases[lease] = until
         objs.append(obj)
-        self._touch(key)
+        if key in (lru := self._lru):       # _touch, inline
+            lru.move_to_end(key)
         return obj
 
     def release_lease(self, lease: int, now: float) -> None:

@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .calls import Parts, item_result, one_part, replica_rows, with_timeout
-from .datapath import Moves
+from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout
+from .datapath import Moves, holders_of
 from .errors import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, SsdBusyError
 from .metrics import counted
 
@@ -77,71 +78,98 @@ class Puts:
                 raise InvalidArgumentError(f"soft_pin must be True or seconds > 0, not {soft_pin!r}")
             wire_pin = ["soft", None if soft_pin is True else float(soft_pin)]
         results: list[Any] = [None] * len(keys)
-        todo: list[int] = []
-        sizes: list[int] = []
         regions = self._regions()
         starts, ends_ = regions
-        for i, (key, ps) in enumerate(zip(keys, parts)):
-            n = one_part(key, ps, starts, ends_)
-            if n:                                       # the common case, checked inline
-                todo.append(i)
-                sizes.append(n)
-                continue
-            try:
-                sizes.append(self._checked_parts(key, ps, regions))
-                todo.append(i)
-            except KVFlowError as e:
-                results[i] = e
-        if not todo:
-            return results
+        # every object one part of registered memory under a plain key (the
+        # common case): the batch's columns checked at once
+        cols = single_parts(keys, parts, starts, ends_)
+        if cols is not None:
+            todo: Sequence[int] = range(len(keys))
+            sizes = cols[1]
+            request = [[k, n, rn, preferred_segment, wire_pin] for k, n in zip(keys, sizes)]
+        else:
+            todo, sizes = [], []
+            for i, (key, ps) in enumerate(zip(keys, parts)):
+                n = one_part(key, ps, starts, ends_)
+                if n:                                       # one object of the common case
+                    todo.append(i)
+                    sizes.append(n)
+                    continue
+                try:
+                    sizes.append(self._checked_parts(key, ps, regions))
+                    todo.append(i)
+                except KVFlowError as e:
+                    results[i] = e
+            if not todo:
+                return results
+            request = [[keys[i], sizes[j], rn, preferred_segment, wire_pin] for j, i in enumerate(todo)]
         relinks = getattr(self._link, "reconnects", 0)
         token = next(self._put_tokens)
         try:
-            reply = await self._call("batch_put_start", [[keys[i], sizes[j], rn, preferred_segment, wire_pin]
-                                                         for j, i in enumerate(todo)], token)
+            reply = await self._call("batch_put_start", request, token)
         except (asyncio.CancelledError, MasterUnavailableError):
             # the request may have reached the master and allocated: undo this
             # call's allocations (queued behind the put_start on the same link)
             await asyncio.shield(self._revoke([keys[i] for i in todo], token))
             raise
         started, segs = replica_rows(reply)
-        writing: list[tuple[int, list]] = []          # (index, [[segment, address], ...])
         ssd_busy = False
-        for i, item in zip(todo, started):
-            r = item_result(item, keys[i])
-            if isinstance(r, KVFlowError):
-                results[i] = r
-                ssd_busy = ssd_busy or type(r) is SsdBusyError
-            elif r is None:
-                results[i] = 0                      # exists already: immutable, nothing to write
-            else:
-                writing.append((i, r))
+        placed = all_ok(started)
+        if placed is not None:                      # every object allocated (the common case)
+            writing: list[tuple[int, list]] = list(zip(todo, placed))   # (index, [[segment, address], ...])
+        else:
+            writing = []
+            for i, item in zip(todo, started):
+                r = item_result(item, keys[i])
+                if isinstance(r, KVFlowError):
+                    results[i] = r
+                    ssd_busy = ssd_busy or type(r) is SsdBusyError
+                elif r is None:
+                    results[i] = 0                      # exists already: immutable, nothing to write
+                else:
+                    writing.append((i, r))
         if not writing:
             if _wait and ssd_busy:
                 await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
             return results
         try:
-            moves = Moves()
-            for i, reps in writing:
-                ps = parts[i]
-                for sid, addr in reps:
-                    holder = segs[sid][1]
-                    if len(ps) == 1:
-                        moves.add(int(ps[0][0]), holder, addr, int(ps[0][1]))
-                        continue
-                    off = 0
-                    for a, s in ps:
-                        moves.add(int(a), holder, addr + off, int(s))
-                        off += int(s)
+            if placed is not None and cols is not None and set(map(len, placed)) == {1}:
+                # one replica each of one-part objects: the columns at once
+                sids, remotes = zip(*map(itemgetter(0), placed))
+                moves = Moves.of(cols[0], holders_of(sids, segs), list(remotes), sizes)
+            else:
+                moves = Moves()
+                for i, reps in writing:
+                    ps = parts[i]
+                    for sid, addr in reps:
+                        holder = segs[sid][1]
+                        if len(ps) == 1:
+                            moves.add(int(ps[0][0]), holder, addr, int(ps[0][1]))
+                            continue
+                        off = 0
+                        for a, s in ps:
+                            moves.add(int(a), holder, addr + off, int(s))
+                            off += int(s)
             failed = await self._mover.run("write", moves, timeout=self.timeout)
         except BaseException:
             # cancelled, or a bug: nothing of the writes is in flight any more
             # (kvflow drains before raising); give the space back
             await asyncio.shield(self._revoke([keys[i] for i, _ in writing], token))
             raise
-        ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else []]
-                for i, reps in writing]
+        if failed:
+            ends = [[keys[i], [sid for sid, _ in reps if segs[sid][1] in failed]] for i, reps in writing]
+        else:
+            none: list = []
+            ends = [[keys[i], none] for i, _ in writing]
         ended = await self._call("batch_put_end", ends)
+        kept = all_ok(ended)
+        if kept is not None and 0 not in kept:       # every object committed (the common case)
+            if len(kept) == len(results):
+                results = kept
+            else:
+                for (i, _), r in zip(writing, kept):
+                    results[i] = r
+            ended = ()
         again = []
         for (i, reps), item in zip(writing, ended):
             r = item_result(item, keys[i])
