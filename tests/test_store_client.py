@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.errors import InvalidArgumentError, UnregisteredMemoryError
+from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryError
 from kvflow.store import (BufferTooSmallError, InvalidKeyError, MasterUnavailableError, Master, StoreTimeoutError,
                           NoSpaceError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
                           ReplicaUnavailableError, StoreClient, TaskNotFoundError, TaskStatus)
@@ -561,6 +561,32 @@ async def test_put_cancelled_while_its_allocation_is_on_the_wire_leaks_nothing()
             _assert_no_leak(master, objects=1 + done)
             assert await a.remove_all(force=True) == 1 + done
             _assert_no_leak(master)
+    finally:
+        await master.close()
+
+
+async def test_a_fault_of_the_master_is_a_typed_error_and_the_link_stays(monkeypatch, caplog):
+    # a bug in one of the master's handlers answers that call with
+    # "internal" (a KVFlowError); the client's link and session stay, so its
+    # next calls, and the bytes it put, are still there
+    master = Master(seed=7)
+    await master.start("127.0.0.1:0")
+    try:
+        async with StoreClient(master.address, segment_size=1 << 20, protocols=("tcp",)) as a:
+            await a.put("before", b"kept")
+            original = master._batch_size
+
+            def broken(*args):
+                raise RuntimeError("planted")
+            monkeypatch.setattr(master, "_batch_size", broken)
+            with pytest.raises(KVFlowError, match="the master failed.*RuntimeError: planted") as e:
+                await a.size("before")
+            assert type(e.value) is KVFlowError
+            assert "planted" in caplog.text
+            monkeypatch.setattr(master, "_batch_size", original)
+            assert await a.size("before") == 4                # the same link, the same session
+            assert await a.get("before") == b"kept"
+            assert (await a.stats())["clients"] == 1
     finally:
         await master.close()
 

@@ -564,6 +564,8 @@ class _MasterProtocol(asyncio.Protocol):
                     self.master.dispatch(self.session, method, args)
                 except (KVFlowError, TypeError, ValueError) as e:
                     log.debug("notice %s from %s failed: %s", method, self.session.peer, e)
+                except Exception:
+                    log.exception("notice %s from %s: the master failed", method, self.session.peer)
                 continue
             try:
                 reply = [rid, 0, self.master.dispatch(self.session, method, args)]
@@ -571,6 +573,15 @@ class _MasterProtocol(asyncio.Protocol):
                 reply = [rid, 1, [error_code(e), str(e), getattr(e, "key", None)]]
             except (TypeError, ValueError) as e:       # wrong arity or types from the wire
                 reply = [rid, 1, ["invalid_argument", f"{method}: {e}", None]]
+            except Exception as e:
+                # A fault of the master's own (a bug): the call gets a typed
+                # error ("internal": KVFlowError) and the client keeps its
+                # link, its other calls' replies and its session. Letting it
+                # escape data_received would make asyncio close the
+                # connection, and the client would see MasterUnavailableError
+                # for calls that did nothing wrong.
+                log.exception("%s from %s: the master failed", method, self.session.peer)
+                reply = [rid, 1, ["internal", f"{method}: the master failed ({type(e).__name__}: {e})", None]]
             if journal is not None and (fut := self.master.durable(method, before)) is not None:
                 fut.add_done_callback(lambda f, reply=reply: self._durable_reply(reply, f))
                 continue
