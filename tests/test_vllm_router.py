@@ -179,7 +179,12 @@ async def test_conductor_routes_vllm_pd_servers_by_their_caches_through_a_stop(t
             # 4. Overload: 429 for what cannot meet the TTFT SLO, before any server works on it.
             inproc = PDRouter([Instance(n, Role.PREFILL, srv.url, events[n]) for n, srv in (("p0", p0), ("p1", p1))],
                               [Instance("d0", Role.DECODE, dec.url)], block_tokens=B,
-                              slo_tbt_s=60.0)   # the TTFT gate is what this checks
+                              slo_tbt_s=60.0,   # the TTFT gate is what this checks
+                              # tokenized here: tokenizing at a server that is busy
+                              # with the burst's first prefills delays each later
+                              # request's routing until those are done, so the burst
+                              # no longer meets a queue (seen in CI: all 8 served)
+                              tokenizer=model)
             iurl = await inproc.start()
             await inproc.calibrate()
             one = inproc.conductor.prefill_model.time(900)
