@@ -61,19 +61,27 @@ class ReplicaRepair:
             chosen = place(segs, obj.size, 1, rng=self._rng)
             if not chosen:
                 continue                    # no room on another client now: tried again later
-            seg = chosen[0]
-            off = seg.alloc.allocate(obj.size)
-            assert off is not None
-            length = seg.alloc.allocated_length(off)
-            self._used += length
-            new = Replica(seg.id, off, length)
-            self.get_replicas(key, now, lease)
-            self._repairs[key] = (client_id, new, lease, obj, None)
-            c.repairing.add(key)
+            new = self._start_copy(client_id, obj, chosen[0], now, lease, None)
+            assert new is not None          # place() chose a segment with room
             jobs.append((key, obj.size, src, new))
         if len(jobs) < limit and client_id in self._task_queue:
             jobs += self._task_jobs(client_id, now, lease, limit - len(jobs))
         return jobs, lease
+
+    def _start_copy(self, client_id: str, obj, seg, now: float, lease: int, task) -> Replica | None:
+        """A new replica of `obj` allocated on `seg` for `client_id` to copy
+        into (a repair's, or `task`'s), invisible until repair_end; the
+        object is under `lease` meanwhile, so its source replica stays. None
+        when `seg` has no room."""
+        off = seg.alloc.allocate(obj.size)
+        if off is None:
+            return None
+        new = Replica(seg.id, off, seg.alloc.allocated_length(off))
+        self._used += new.length
+        self.get_replicas(obj.key, now, lease)
+        self._repairs[obj.key] = (client_id, new, lease, obj, task)
+        self.clients[client_id].repairing.add(obj.key)
+        return new
 
     def repair_end(self, client_id: str, key: str, ok: bool) -> int:
         """The copy of a new replica of `key` finished (`ok`) or failed: the

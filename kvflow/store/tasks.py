@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvflow.errors import InvalidArgumentError
 
 from .errors import ObjectNotFoundError, TaskNotFoundError
-from .records import Object, Replica, Segment, State
+from .records import Object, Segment, State
 
 __all__ = ["ReplicaTasks", "Task", "TaskStatus", "TaskType", "MAX_FINISHED_TASKS"]
 
@@ -229,16 +229,10 @@ class ReplicaTasks:
         if seg is None or not seg.attached:
             self._finish(task, TaskStatus.FAILED, f"target segment {task.targets[0]} was unmounted")
             return None
-        off = seg.alloc.allocate(obj.size)
-        if off is None:
+        new = self._start_copy(task.client, obj, seg, now, lease, task)     # repair.py's
+        if new is None:
             self._finish(task, TaskStatus.FAILED, f"no room for {obj.size} bytes on segment {seg.name!r}")
             return None
-        length = seg.alloc.allocated_length(off)
-        self._used += length
-        new = Replica(seg.id, off, length)
-        self.get_replicas(task.key, now, lease)     # the source stays under the copy
-        self._repairs[task.key] = (task.client, new, lease, obj, task)
-        self.clients[task.client].repairing.add(task.key)
         task.status, task.updated_ms = TaskStatus.PROCESSING, _ms()
         return (task.key, obj.size, src, new)
 
