@@ -227,10 +227,16 @@ def with_tp(axes: list[Axis], **kw: int) -> list[Axis]:
     return [a.replace(**kw) if a.kind == "tp" else a for a in axes]
 
 
+def tp_key(key: str, rank: int) -> str:
+    """Where a TP rank's shard lives: the `*_with_tp` calls' key, and a
+    single TP axis' (tensor.py uses it too)."""
+    return f"{key}_tp_{rank}"
+
+
 def shard_key(key: str, axes: list[Axis]) -> str:
     """Mooncake's get_parallelism_key_name."""
     if len(axes) == 1 and axes[0].kind == "tp":
-        return f"{key}_tp_{axes[0].rank}"
+        return tp_key(key, axes[0].rank)
     out = key
     for a in canonical(axes):
         out += f"__{a.kind}_{a.rank}of{a.size}"

@@ -26,7 +26,7 @@ import struct
 from typing import Any
 
 from .codes import STORE_INVALID_PARAMS
-from .parallelism import ParallelismCalls
+from .parallelism import ParallelismCalls, tp_key
 
 log = logging.getLogger("kvflow.compat.mooncake")
 
@@ -148,10 +148,6 @@ def shard(tensor: Any, rank: int, count: int, split_dim: int) -> Any:
     if n % count:
         return None
     return tensor.narrow(split_dim, rank * (n // count), n // count)
-
-
-def tp_key(key: str, rank: int) -> str:
-    return f"{key}_tp_{rank}"
 
 
 class TensorCalls(ParallelismCalls):
