@@ -36,6 +36,17 @@ answer relayed as it comes. What it adds is the choice:
   estimated TTFT misses ``--slo-ttft``, or whose decode instance is over
   ``--slo-tbt`` now, is answered 429 before any server works on it.
 
+- **The global KVCache pool** (``--store ADDR``, through
+  ``python -m kvflow.cli.router``: the conductor imports nothing of the
+  store): before routing a request the router asks a running kvflow.store
+  (one ``batch_exists``, `router_pool`) how long a prefix of it the pool
+  holds, under the keys the servers put their pages by (``--store-keys``:
+  vLLM's MooncakeStoreConnector, SGLang HiCache or kvflow's own, see
+  `pool_keys`), and the conductor weighs fetching it from the pool against
+  recomputing it and against an instance that caches it. A store that does
+  not answer turns the pool off with a `PoolUnavailableWarning`; the router
+  serves on, and reconnects.
+
 Not done: prefix moves between prefill instances (Algorithm 1's hot-spot
 replication). vLLM cannot load a prefix from another instance's cache on
 request, so the router gives the conductor no link between prefill
@@ -54,7 +65,7 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,9 +75,11 @@ from .estimators import DecodeModel, LinkModel, PrefillModel
 from .kv_events import KVEventFeed
 from .online import OnlineFit
 from .policies import make_policy
+from .pool_keys import SCHEMES, make_scheme
+from .router_pool import PoolUnavailableWarning, RouterPool
 from .types import Decision, InstanceSpec, RejectionMode, Rejected, Request, Role
 
-__all__ = ["Instance", "PDRouter", "prefill_body", "parse_instance", "main"]
+__all__ = ["Instance", "PDRouter", "PoolUnavailableWarning", "prefill_body", "parse_instance", "main"]
 
 log = logging.getLogger("kvflow.conductor.router")
 
@@ -136,7 +149,7 @@ class PDRouter:
                  slo_ttft_s: float = 30.0, slo_tbt_s: float = 1.0, cache_blocks: int | None = None,
                  kv_bytes_per_token: int = 2048, prefill_model: PrefillModel | None = None,
                  decode_model: DecodeModel | None = None, request_timeout_s: float = 600.0,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, pool: RouterPool | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode instance")
         names = [i.name for i in (*prefill, *decode)]
@@ -151,7 +164,11 @@ class PDRouter:
         self.conductor = Conductor(policy=make_policy(policy), rejection=rejection, slo_ttft_s=slo_ttft_s,
                                    slo_tbt_s=slo_tbt_s, prefill_model=self.fit.prefill,
                                    decode_model=self.fit.decode, kv_bytes_per_token=kv_bytes_per_token,
-                                   links=self._link)
+                                   links=self._link,
+                                   # the pool: its reads, and the instance's link they land over
+                                   link=LinkModel(pool.read_Bps, pool.latency_s) if pool else None,
+                                   pool_config=pool.pool_config(block_tokens * kv_bytes_per_token) if pool else None)
+        self.pool = pool
         for i in prefill:
             # With events the instance reports its evictions: no LRU of ours.
             self.conductor.register(InstanceSpec(i.name, Role.PREFILL,
@@ -204,9 +221,13 @@ class PDRouter:
         await site.start()
         bound = site._server.sockets[0].getsockname()
         self.url = f"http://{bound[0]}:{bound[1]}"
+        if self.pool is not None:
+            await self.pool.start()     # warns and serves on if the store is down
         return self.url
 
     async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
         for inst in self.prefill.values():
             if inst.feed is not None:
                 await inst.feed.close()
@@ -271,7 +292,8 @@ class PDRouter:
             "tokenize_s": self.tokenize_s,
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "conductor": {"routed": c.stats.routed, "blocks": c.stats.blocks, "reused_blocks": c.stats.reused_blocks,
-                          "rejected": dict(c.stats.rejected)},
+                          "pool_blocks": c.stats.pool_blocks, "rejected": dict(c.stats.rejected)},
+            "pool": self.pool.describe() if self.pool is not None else None,
             "instances": {i.name: {"role": i.role.value, "routed": i.routed, "failed": i.failed,
                                    "in_flight": i.in_flight,
                                    "index_blocks": len(c.index.cache(i.name)) if i.name in c.index else None,
@@ -309,12 +331,16 @@ class PDRouter:
         req = Request(rid, max(1, len(tokens)), tuple(block_keys(tokens, self.block_tokens)),
                       output_tokens=0, block_tokens=self.block_tokens)
         c = self.conductor
-        dec = c.route(req, loop.time())
+        # the pool's prefix of it (None: no pool, or it did not answer)
+        held = await self.pool.held(req, tokens) if self.pool is not None else None
+        dec = c.route(req, loop.time(), pool=held)
         if isinstance(dec, Rejected):
             self.rejected += 1
             return _error(dec.http_status, f"{dec.reason.value}: {dec.detail}",
                           "rate_limit_exceeded" if dec.http_status == 429 else "service_unavailable")
         assert isinstance(dec, Decision)
+        if self.pool is not None:
+            self.pool.routed(dec)
         p, d = self.prefill[dec.prefill], self.decode[dec.decode]
         p.routed += 1
         headers = {"X-Request-Id": rid}
@@ -503,17 +529,58 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-model", help="step_s,per_request_s,per_context_token_s to start from")
     ap.add_argument("--tokenizer", help="the model's tokenizer (folder or name): tokenize here, not at a server")
     ap.add_argument("--calibrate", action="store_true", help="time a few prefills of each instance first")
+    st = ap.add_argument_group("the global KVCache pool (python -m kvflow.cli.router)")
+    st.add_argument("--store", metavar="ADDR", help="a kvflow.store master: host:port, host:port,host:port "
+                                                     "or etcd://host:port/cluster")
+    st.add_argument("--store-keys", default="vllm", choices=SCHEMES,
+                    help="how the servers name pages: vLLM's MooncakeStoreConnector, SGLang HiCache, kvflow's")
+    st.add_argument("--store-model", help="vllm keys: the servers' model (path or name; default: what the "
+                                          "first prefill instance's /v1/models says)")
+    st.add_argument("--store-key-prefix", default="", help="vLLM's cache_prefix, SGLang's key_prefix, "
+                                                           "kvflow's namespace (default kv/)")
+    st.add_argument("--store-rank", default="0", help="the TP rank whose pages are looked up (SGLang MLA: mla)")
+    st.add_argument("--store-hash-seed", help="vllm keys: the servers' PYTHONHASHSEED, if they set one")
+    st.add_argument("--store-timeout", type=float, default=0.5, help="seconds a lookup may take")
+    st.add_argument("--store-read-bandwidth", type=float, default=2e9,
+                    help="bytes/s one pool node reads at (the fetch estimate)")
+    st.add_argument("--store-segments", type=int, default=1, help="pool nodes a fetch spreads over")
     return ap
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    router = PDRouter([parse_instance(t, Role.PREFILL) for t in args.prefill],
-                      [parse_instance(t, Role.DECODE) for t in args.decode],
+#: makes a started store client of the pool's address (kvflow/cli/router.py's)
+StoreConnect = Callable[[str], Callable[[], Awaitable[Any]]]
+
+
+async def _pool(args: argparse.Namespace, connect_store: StoreConnect, prefill: Sequence[Instance]) -> RouterPool:
+    model = args.store_model
+    if args.store_keys == "vllm" and not model:
+        import aiohttp
+
+        url = prefill[0].url + "/v1/models"
+        try:
+            async with aiohttp.ClientSession() as s, s.get(url) as r:
+                model = (await r.json())["data"][0]["id"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise SystemExit(f"--store-keys vllm: give --store-model (asking {url}: {exc!r})") from None
+    try:
+        scheme = make_scheme(args.store_keys, model=model, key_prefix=args.store_key_prefix,
+                             rank=args.store_rank, hash_seed=args.store_hash_seed)
+    except ValueError as exc:
+        raise SystemExit(f"--store-keys: {exc}") from None
+    return RouterPool(connect_store(args.store), scheme, address=args.store, timeout_s=args.store_timeout,
+                      read_Bps=args.store_read_bandwidth, segments=args.store_segments)
+
+
+async def _serve(args: argparse.Namespace, connect_store: StoreConnect | None = None) -> None:
+    prefill = [parse_instance(t, Role.PREFILL) for t in args.prefill]
+    pool = await _pool(args, connect_store, prefill) if args.store and connect_store else None
+    router = PDRouter(prefill, [parse_instance(t, Role.DECODE) for t in args.decode],
                       block_tokens=args.block_tokens, policy=args.policy, rejection=RejectionMode(args.reject),
                       slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, cache_blocks=args.cache_blocks,
                       kv_bytes_per_token=args.kv_bytes_per_token,
                       prefill_model=_parse_model(args.prefill_model, PrefillModel),
-                      decode_model=_parse_model(args.decode_model, DecodeModel), tokenizer=args.tokenizer)
+                      decode_model=_parse_model(args.decode_model, DecodeModel), tokenizer=args.tokenizer,
+                      pool=pool)
     url = await router.start(args.host, args.port)
     try:
         if args.calibrate:
@@ -528,8 +595,13 @@ async def _serve(args: argparse.Namespace) -> None:
         await router.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, connect_store: StoreConnect | None = None) -> int:
+    """The router's command line. `connect_store`: how to reach the store
+    of ``--store`` (kvflow/cli/router.py gives it; the conductor imports
+    nothing of the store)."""
     args = build_parser().parse_args(argv)
+    if args.store and connect_store is None:
+        raise SystemExit("--store: run python -m kvflow.cli.router (the same flags), which connects the store")
     try:
         for t in args.prefill:
             parse_instance(t, Role.PREFILL)
@@ -538,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(_serve(args))
+    asyncio.run(_serve(args, connect_store))
     return 0
 
 
