@@ -95,7 +95,7 @@ class VllmMooncakeKeys:
         out = []
         for page in _pages(tokens, block_tokens):
             # ints, as vLLM's token lists hold: a numpy integer pickles otherwise
-            parent = _vllm_sha256((parent, tuple(int(t) for t in page), None))
+            parent = _vllm_sha256((parent, tuple(map(int, page)), None))
             out.append(prefix + parent.hex())
         return out
 
@@ -112,14 +112,16 @@ class SGLangHiCacheKeys:
         prior = b""
         out = []
         for page in _pages(tokens, block_tokens):
-            ids = [int(t) for t in page]
-            if any(t < 0 for t in ids):
-                raise ValueError("token ids must be >= 0")
-            if any(t > 0xFFFFFFFF for t in ids):
-                # SGLang's wide pages: a tag byte, then u64 ids
-                payload = b"\xff" + struct.pack(f"<{len(ids)}Q", *ids)
-            else:
-                payload = struct.pack(f"<{len(ids)}I", *ids)
+            try:
+                payload = struct.pack(f"<{len(page)}I", *page)
+            except struct.error:
+                # SGLang's wide pages (an id past 32 bits): a tag byte, then u64 ids
+                try:
+                    payload = b"\xff" + struct.pack(f"<{len(page)}q", *page)
+                except struct.error as exc:
+                    raise ValueError(f"token ids must be integers in 0..2**63-1 ({exc})") from None
+                if any(t < 0 for t in page):
+                    raise ValueError("token ids must be >= 0")
             prior = hashlib.sha256(prior + payload).digest()
             out.append(f"{self.key_prefix}{prior.hex()}_{self.tail}")
         return out

@@ -363,8 +363,9 @@ class PDRouter:
             self.cached_tokens += cached
         self.prompt_tokens += len(tokens)
         if alone:
-            self._learn_prefill(len(tokens), cached if cached is not None else req.cached_tokens(dec.cached_blocks),
-                                t1 - t0)
+            # what the instance did not compute: its own prefix, and what it fetched from the pool
+            known = req.cached_tokens(dec.cached_blocks + len(dec.pool_blocks))
+            self._learn_prefill(len(tokens), cached if cached is not None else known, t1 - t0)
         c.on_prefill_done(rid, t1)
         late = c.admit_decode(rid, t1)
         if late is not None:
