@@ -10,8 +10,9 @@ prompts it got: where the router sent them).
   but is busy loses to an idle one that fetches it (the same request
   without the pool's prefix goes to the busy one).
 - A store that cannot be reached: the router serves on without the pool
-  (a PoolUnavailableWarning), turns it on once the master answers, and
-  off again (a warning) when the master goes away, serving throughout.
+  (a PoolUnavailableWarning), turns it on once the master answers, off
+  (a warning) when the master hangs (SIGSTOP: the lookup's timeout) and
+  on again when it resumes, off when it goes away, serving throughout.
 - The command line (`python -m kvflow.cli.router`) routes with the pool.
 - The keys match the servers': SGLang's own page hashes (its
   get_hash_str), vLLM's own block hashes and PoolKey (its venv).
@@ -23,9 +24,11 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -228,6 +231,13 @@ async def test_pool_prefix_is_fetched_not_recomputed_and_moves_the_choice():
         assert pool.state == "closed"
 
 
+async def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -255,23 +265,32 @@ async def test_router_serves_without_the_pool_when_the_store_is_unreachable():
                 # the master comes up where --store said: the router reconnects
                 async with standalone_master("--listen", address) as (addr, master):
                     assert addr == address
-                    for _ in range(100):
-                        if pool.state == "connected":
-                            break
-                        await asyncio.sleep(0.1)
-                    assert pool.state == "connected"
+                    await _until(lambda: pool.state == "connected")
                     assert await _post(s, url, _prompt(2000, 4)) == 200
                     assert (await _stats(s, url))["pool"]["lookups"] == 1
+                    # the master hung: the lookup gives up at the pool's timeout
+                    # (0.5 s), one warning, served anyway
+                    master.send_signal(signal.SIGSTOP)
+                    try:
+                        t0 = time.monotonic()
+                        with pytest.warns(PoolUnavailableWarning, match="TimeoutError"):
+                            assert await _post(s, url, _prompt(3000, 4)) == 200
+                        assert time.monotonic() - t0 < 5
+                    finally:
+                        master.send_signal(signal.SIGCONT)
+                    await _until(lambda: pool.state == "connected")
+                    assert await _post(s, url, _prompt(4000, 4)) == 200
+                    # the master gone: the next lookup fails, one warning, served anyway
                     master.terminate()
                     await master.wait()
-                    # the master gone: the next lookup fails, one warning, served anyway
-                    with pytest.warns(PoolUnavailableWarning, match="unreachable"):
-                        assert await _post(s, url, _prompt(3000, 4)) == 200
-                    assert await _post(s, url, _prompt(4000, 4)) == 200
+                    with pytest.warns(PoolUnavailableWarning, match="MasterUnavailableError"):
+                        assert await _post(s, url, _prompt(5000, 4)) == 200
+                    assert await _post(s, url, _prompt(6000, 4)) == 200
                 st = await _stats(s, url)
-                assert st["pool"]["state"] == "unreachable" and st["pool"]["errors"] == 1
-                assert st["pool"]["outages"] == 2 and st["pool"]["connects"] == 1
-                assert st["served"] == 4 and st["failed"] == 0
+                assert st["pool"]["state"] == "unreachable" and st["pool"]["errors"] == 2
+                assert st["pool"]["lookups"] == 2 and st["pool"]["skipped"] == 2
+                assert st["pool"]["outages"] == 3 and st["pool"]["connects"] == 2
+                assert st["served"] == 6 and st["failed"] == 0
         finally:
             await router.close()
 

@@ -127,7 +127,7 @@ class RouterPool:
         try:
             client = await asyncio.wait_for(self._connect(), self.connect_timeout_s)
         except LOOKUP_ERRORS as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.last_error = _why(exc, self.connect_timeout_s)
             return False
         if self._closed:
             await _close_quietly(client)
@@ -178,7 +178,7 @@ class RouterPool:
                 # one warning per outage: the next requests route without
                 # the pool until the reconnect task brings it back
                 self.client = None
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = _why(exc, self.timeout_s)
                 self._outage(self.last_error)
                 task = loop.create_task(_close_quietly(client))
                 self._closing.add(task)
@@ -200,6 +200,12 @@ class RouterPool:
     def describe(self) -> dict:
         return {"state": self.state, "address": self.address, "keys": self.scheme.name,
                 "last_error": self.last_error, **asdict(self.counters)}
+
+
+def _why(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, asyncio.TimeoutError) and not str(exc):
+        return f"TimeoutError: no answer in {timeout_s:g} s"
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _close_quietly(client: Any) -> None:
