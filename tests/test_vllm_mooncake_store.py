@@ -9,7 +9,13 @@ its connector saves the prompt's KV blocks into the pool (a segment in A's
 process); B then serves the same prompt and its connector finds the blocks
 in the pool (vLLM's lookup through batch_is_exist) and loads them
 (batch_get_into_multi_buffers) instead of computing them: B's metrics count
-external prefix-cache hits, and B's greedy completion is A's."""
+external prefix-cache hits, and B's greedy completion is A's.
+
+The conductor's router finds what A's connector saved under the keys it
+computes itself (kvflow/conductor/pool_keys.py's vLLM scheme, the model's
+name as the router takes it from /v1/models): every full block of the
+prompt, with the router's own pool lookup (RouterPool over a StoreClient,
+as ``python -m kvflow.cli.router --store`` makes it)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +29,11 @@ import time
 import pytest
 
 import _vllm
+from kvflow.cli.router import store_connect
 from kvflow.compat.mooncake import shim_path
+from kvflow.conductor.pool_keys import make_scheme
+from kvflow.conductor.router_pool import RouterPool
+from kvflow.conductor.types import Request
 
 pytestmark = [pytest.mark.vllm]
 
@@ -41,6 +51,21 @@ async def _complete(session, server: _vllm.VllmServer, model: str, text: str) ->
     async with session.post(server.url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         return (await r.json())["choices"][0]["text"]
+
+
+async def _router_lookup(session, server: _vllm.VllmServer, address: str, text: str) -> tuple[int, int]:
+    """(blocks of the prompt the router finds in the pool, full blocks of it)."""
+    async with session.get(server.url + "/v1/models") as r:
+        served = (await r.json())["data"][0]["id"]
+    async with session.post(server.url + "/tokenize", json={"model": served, "prompt": text}) as r:
+        ids = (await r.json())["tokens"]
+    pool = RouterPool(store_connect(address), make_scheme("vllm", model=served), address=address)
+    assert await pool.start()
+    try:
+        held = await pool.held(Request.from_tokens("q", ids, block_tokens=_vllm.BLOCK_SIZE), ids)
+    finally:
+        await pool.close()
+    return held.blocks, len(ids) // _vllm.BLOCK_SIZE
 
 
 def test_vllm_mooncake_store_connector_on_kvflow(tmp_path):
@@ -67,19 +92,23 @@ def test_vllm_mooncake_store_connector_on_kvflow(tmp_path):
                 await s.wait_ready(session, deadline)
             a = await _complete(session, servers[0], model, text)
             await asyncio.sleep(3)          # A's connector saves asynchronously
+            held = await _router_lookup(session, servers[0], address, text)
             before = await servers[1].metrics(session)
             b = await _complete(session, servers[1], model, text)
             after = await servers[1].metrics(session)
-            return {"a": a, "b": b, "before": before, "after": after}
+            return {"a": a, "b": b, "before": before, "after": after, "held": held}
 
     try:
         out = asyncio.run(run())
         hits = {k: out["after"].get(k, 0) - out["before"].get(k, 0) for k in out["after"]
                 if "external_prefix_cache" in k or "connector" in k}
         print("B's connector counters during its request:", hits)
+        print("the router's lookup (held blocks, full blocks of the prompt):", out["held"])
         assert all(any(_vllm.uses_kvflow(pid) for pid in s.pids()) for s in servers)
         assert out["a"] == out["b"], out
         assert hits.get("vllm:external_prefix_cache_hits_total", 0) > 0, (hits, servers[1].tail())
+        held, full = out["held"]
+        assert held == full > 0, out["held"]
     finally:
         for s in servers:
             s.stop()
