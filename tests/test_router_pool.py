@@ -174,7 +174,7 @@ def _prompt(first: int, blocks: int, tail: int = 5) -> list[int]:
 # e2e: a master and a holder in processes of their own
 @pytest.mark.e2e
 async def test_pool_prefix_is_fetched_not_recomputed_and_moves_the_choice():
-    scheme = make_scheme("vllm", model=MODEL)
+    scheme = make_scheme("sglang", key_prefix="m/")
     async with standalone_master() as (address, _), holder(address) as h, servers() as ss:
         p0, p1, _d0 = ss
         pool = RouterPool(store_connect(address), scheme, address=address)
@@ -190,7 +190,7 @@ async def test_pool_prefix_is_fetched_not_recomputed_and_moves_the_choice():
                 assert (st["lookups"], st["held_blocks"], st["fetch_requests"]) == (1, 0, 0)
 
                 # 2. a prompt whose 128 pages a server put into the pool (under
-                # vLLM's keys): fetched, not recomputed
+                # SGLang HiCache's keys): fetched, not recomputed
                 y = _prompt(20000, 128)
                 await h.put(scheme.object_keys(y, B))
                 assert await _post(s, url, y) == 200
@@ -297,14 +297,15 @@ async def test_router_serves_without_the_pool_when_the_store_is_unreachable():
 
 @pytest.mark.e2e
 async def test_router_command_line_routes_with_the_pool():
-    scheme = make_scheme("sglang", key_prefix="m/")
+    # vLLM's keys, the model's name taken from the first prefill instance's /v1/models
+    scheme = make_scheme("vllm", model=MODEL)
     port = _free_port()
     async with standalone_master() as (address, _), holder(address) as h, servers() as ss:
         y = _prompt(5000, 8)
         await h.put(scheme.object_keys(y, B))
         cmd = [sys.executable, "-m", "kvflow.cli.router", "--port", str(port), "--block-tokens", str(B),
                "--prefill", f"p0={ss[0].url}", "--prefill", f"p1={ss[1].url}", "--decode", f"d0={ss[2].url}",
-               "--store", address, "--store-keys", "sglang", "--store-key-prefix", "m/",
+               "--store", address,
                "--prefill-model", "0.02,0.002,0"]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=store_env())
         try:
@@ -314,7 +315,7 @@ async def test_router_command_line_routes_with_the_pool():
             async with aiohttp.ClientSession() as s:
                 assert await _post(s, url, y) == 200
                 st = await _stats(s, url)
-            assert st["pool"]["state"] == "connected" and st["pool"]["keys"] == "sglang"
+            assert st["pool"]["state"] == "connected" and st["pool"]["keys"] == "vllm"
             assert (st["pool"]["held_blocks"], st["pool"]["fetch_blocks"]) == (8, 8)
         finally:
             proc.terminate()
