@@ -19,6 +19,7 @@ as ``python -m kvflow.cli.router --store`` makes it)."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
 import random
@@ -72,6 +73,9 @@ def test_vllm_mooncake_store_connector_on_kvflow(tmp_path):
     _vllm.require_vllm()
     import aiohttp
 
+    # Two vLLM CPU servers' start-up alone takes 100-170 s on a loaded 2-core
+    # host: past conftest's 150 s watchdog, which would end the whole run.
+    faulthandler.dump_traceback_later(900, exit=True)
     model = _vllm.make_model(str(tmp_path / "model"))
     master, address = _master()
     cfg = tmp_path / "mooncake.json"
@@ -114,3 +118,4 @@ def test_vllm_mooncake_store_connector_on_kvflow(tmp_path):
             s.stop()
         master.terminate()
         master.wait(10)
+        faulthandler.cancel_dump_traceback_later()
