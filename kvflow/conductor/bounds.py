@@ -38,8 +38,8 @@ from collections.abc import Callable, Sequence
 from .estimators import PrefillModel
 from .trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["capacity_bound", "gated_ideal_attainment", "gated_ideal_rps", "least_costs", "pool_bound_rps",
-           "search_speedup"]
+__all__ = ["capacity_bound", "gated_ideal_attainment", "gated_ideal_rps", "least_costs", "largest_speedup",
+           "pool_bound_rps"]
 
 
 def capacity_bound(trace: Sequence[TraceRequest], *, prefill: int, target: float = 0.9, slo_ttft_s: float = 30.0,
@@ -120,23 +120,36 @@ def _span(trace: Sequence[TraceRequest]) -> float:
     return trace[-1].arrival_s - trace[0].arrival_s
 
 
-def search_speedup(ok: Callable[[float], bool], *, lo: float = 0.25, hi: float = 64.0,
-                   precision: float = 0.005) -> float:
-    """The largest speedup in [lo, hi] for which `ok` holds, to within a
-    factor 1 + precision, taking `ok` to hold below some speedup and not
-    above it (0.0 if not even at `lo`)."""
-    if not ok(lo):
-        return 0.0
-    if ok(hi):
-        return hi
-    a, b = lo, hi
+def largest_speedup(ok: Callable[[float], bool], *, lo: float = 0.25, hi: float = 64.0,
+                    precision: float = 0.02) -> tuple[float, float]:
+    """Bracket the largest speedup for which `ok` holds, taking it to hold
+    below some speedup and not above: from 1, doubling up to `hi` or
+    halving down to `lo`, then bisecting in log space until the bracket is
+    within a factor 1 + precision. Returns (a, b): `ok` holds at a (0.0:
+    not even at `lo`) and not at b (inf: it still held at the last
+    doubling under `hi`). The capacity search and the yardsticks all use
+    it, so a capacity and the yardstick it is read against are found alike."""
+    a = 1.0
+    if ok(a):
+        b = a * 2
+        while b <= hi and ok(b):
+            a, b = b, b * 2
+        if b > hi:
+            return a, math.inf
+    else:
+        b = a
+        a = a / 2
+        while a >= lo and not ok(a):
+            b, a = a, a / 2
+        if a < lo:
+            return 0.0, b
     while b / a > 1 + precision:
         m = math.sqrt(a * b)
         if ok(m):
             a = m
         else:
             b = m
-    return a
+    return a, b
 
 
 def pool_bound_rps(trace: Sequence[TraceRequest], *, prefill: int, target: float = 0.9,
@@ -144,8 +157,8 @@ def pool_bound_rps(trace: Sequence[TraceRequest], *, prefill: int, target: float
     """An upper bound on any router's capacity, in requests/s, given a
     pool of any size (see the module's docstring). The served count it allows only falls as the
     speedup grows (least costs grow, the span shrinks), so the largest
-    speedup allowing `target` of the requests is found by bisection, and
-    rounded up: the bound errs high, never low."""
+    speedup allowing `target` of the requests is bracketed by bisection,
+    and the bracket's upper end taken: the bound errs high, never low."""
     if len(trace) < 2:
         raise ValueError("a bound needs at least two requests (a span)")
     need = math.ceil(target * len(trace))
@@ -155,11 +168,11 @@ def pool_bound_rps(trace: Sequence[TraceRequest], *, prefill: int, target: float
         costs = least_costs(trace, s, slo_ttft_s=slo_ttft_s, model=model)
         return _served_within(costs, prefill * (span / s + slo_ttft_s)) >= need
 
-    precision = 0.002
-    s = search_speedup(ok, lo=1e-3, hi=1e4, precision=precision)
+    # the bracket's upper end: where the bound no longer allows the target
+    _, s = largest_speedup(ok, lo=1e-3, hi=1e4, precision=0.002)
     # `capacity_bound` is this bound with every block there from the start
-    # (no arrival times): never lower, but exact where rounding up is not
-    return min(len(trace) * s * (1 + precision) / span,
+    # (no arrival times): never lower, but exact where a bracket is not
+    return min(len(trace) * s / span,
                capacity_bound(trace, prefill=prefill, target=target, slo_ttft_s=slo_ttft_s, model=model)[0])
 
 
@@ -190,11 +203,11 @@ def gated_ideal_attainment(trace: Sequence[TraceRequest], speedup: float, *, pre
 
 def gated_ideal_rps(trace: Sequence[TraceRequest], *, prefill: int, target: float = 0.9,
                     slo_ttft_s: float = 30.0, model: PrefillModel | None = None,
-                    precision: float = 0.005) -> float:
+                    precision: float = 0.02) -> float:
     """The idealised gated router's capacity, in requests/s, found as the
-    policies' is (bisection on the speedup)."""
+    policies' is (`largest_speedup`, with `capacity`'s precision)."""
     if len(trace) < 2:
         raise ValueError("a capacity needs at least two requests (a span)")
-    s = search_speedup(lambda sp: gated_ideal_attainment(trace, sp, prefill=prefill, slo_ttft_s=slo_ttft_s,
-                                                         model=model) >= target, precision=precision)
+    s, _ = largest_speedup(lambda sp: gated_ideal_attainment(trace, sp, prefill=prefill, slo_ttft_s=slo_ttft_s,
+                                                             model=model) >= target, precision=precision)
     return len(trace) * s / _span(trace)

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from .metrics import TBT_THRESHOLDS_S, attainment
-from .bounds import capacity_bound, gated_ideal_rps, pool_bound_rps
+from .bounds import capacity_bound, gated_ideal_rps, largest_speedup, pool_bound_rps
 from .policies import POLICIES
 from .pool import PoolConfig
 from .replay import _policies, parse_pool, replay_one
@@ -80,30 +79,8 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
 
     out = []
     for thr in thresholds:
-        ok = lambda sp: attain(sp, thr) >= target   # noqa: E731
-        a = 1.0
-        if ok(a):
-            b = a * 2
-            while b <= hi and ok(b):
-                a, b = b, b * 2
-            if b > hi:
-                out.append(Capacity(policy, thr, a, len(trace) * a / span, runs(thr)))
-                continue
-        else:
-            b = a
-            a = a / 2
-            while a >= lo and not ok(a):
-                b, a = a, a / 2
-            if a < lo:
-                out.append(Capacity(policy, thr, 0.0, 0.0, runs(thr)))
-                continue
-        while b / a > 1 + precision:
-            m = math.sqrt(a * b)
-            if ok(m):
-                a = m
-            else:
-                b = m
-        out.append(Capacity(policy, thr, a, len(trace) * a / span, runs(thr)))
+        a, _ = largest_speedup(lambda sp: attain(sp, thr) >= target, lo=lo, hi=hi, precision=precision)
+        out.append(Capacity(policy, thr, a, len(trace) * a / span if a else 0.0, runs(thr)))
     return out
 
 
@@ -135,7 +112,7 @@ def _yardsticks(trace: list[TraceRequest], args: argparse.Namespace) -> dict[str
                                             slo_ttft_s=args.slo_ttft)}
     if args.rejection != "none":
         out["gated_ideal_rps"] = gated_ideal_rps(trace, prefill=args.prefill, target=args.target,
-                                                 slo_ttft_s=args.slo_ttft)
+                                                 slo_ttft_s=args.slo_ttft, precision=args.precision)
     return out
 
 
