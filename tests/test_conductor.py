@@ -213,8 +213,34 @@ def test_conductor_books_streams_on_both_links():
     # miss. Behind the big prefill it streams on a free link, within both SLOs.
     small = c.route(Request("small", 512, (2,)), 0.0)
     assert tx > 0.1 and small.prefill == big.prefill and small.est_ttft_s < 30
-    assert d.rx_free_at == pytest.approx(big.est_ttft_s + c._raw_transfer_s(big.prefill, "d0", 512 * c.kv_bytes_per_token))
+    assert d.rx_free_at == pytest.approx(big.est_ttft_s +
+                                         c._raw_transfer_s(big.prefill, "d0", 512 * c.kv_bytes_per_token))
 
+
+
+def test_a_stream_routed_later_may_start_in_a_gap_before_one_routed_earlier():
+    """A decode instance's link is booked as intervals: a request routed
+    after another but starting sooner (a shorter queue) streams before it,
+    in the gap, and is not taken to wait behind it (a high-water mark
+    would send it to a longer queue, or call it late)."""
+    c = _small_conductor()
+    d = c._decode["d0"]
+    d.rx_booked[:] = [(10.0, 11.0), (12.0, 12.5)]
+    assert d.rx_slot(0.0, 1.0, 0.0) == 0.0            # before both
+    assert d.rx_slot(9.5, 1.2, 0.0) == 12.5           # overlaps the first, then the gap is too short
+    assert d.rx_slot(9.5, 1.0, 0.0) == 11.0           # the gap fits it exactly
+    assert d.rx_slot(11.2, 0.5, 0.0) == 11.2
+    assert d.rx_slot(0.0, 1.0, 11.5) == 0.0 and d.rx_booked == [(12.0, 12.5)]   # the past is dropped
+    # routed: a stream booked for 19 s from now (a request queued behind
+    # p0's 20 s). A high-water mark at 19.5 s would make the idle p1's
+    # stream wait for it, a TBT miss, and send the request behind p0's
+    # queue (its stream starts after 19.5 s there); the gap is free now.
+    d.rx_booked[:] = [(19.0, 19.5)]
+    d.rx_free_at = 19.5
+    c._prefill["p0"].free_at = 20.0
+    r = c.route(Request("r", 512, (1,)), 0.0)
+    assert r.prefill == "p1" and r.est_ttft_s < 1.0
+    assert d.rx_booked[0][0] == pytest.approx(0.0) and d.rx_booked[1] == (19.0, 19.5)
 
 def test_sglang_policy_rules():
     pol = SGLangCacheAware()

@@ -16,25 +16,25 @@ With `--pool` every policy is given the same global KVCache pool (the
 prefill engines fetch from it what it holds beyond their own prefix;
 kvcache chooses by estimated TTFT between that, its local prefix, a move
 from another instance and recomputing). `--tbt` limits the thresholds.
-Policies run in parallel, one process each, up to the CPU count.
+Policies run in parallel, one process each, up to the CPU count. Beside
+the capacities it prints the yardsticks of `bounds.py`: bounds no router
+can pass (with any pool) and, behind a gate, the gated ideal (an estimate).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from .estimators import PrefillModel
 from .metrics import TBT_THRESHOLDS_S, attainment
+from .bounds import capacity_bound, gated_ideal_rps, largest_speedup, pool_bound_rps
 from .policies import POLICIES
 from .pool import PoolConfig
 from .replay import _policies, parse_pool, replay_one
 from .trace import TraceRequest, load_trace
-from .trace import TRACE_BLOCK_TOKENS
 from .types import RejectionMode
 
 __all__ = ["Capacity", "capacity_bound", "find_capacity", "main", "overload_study"]
@@ -79,60 +79,9 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
 
     out = []
     for thr in thresholds:
-        ok = lambda sp: attain(sp, thr) >= target   # noqa: E731
-        a = 1.0
-        if ok(a):
-            b = a * 2
-            while b <= hi and ok(b):
-                a, b = b, b * 2
-            if b > hi:
-                out.append(Capacity(policy, thr, a, len(trace) * a / span, runs(thr)))
-                continue
-        else:
-            b = a
-            a = a / 2
-            while a >= lo and not ok(a):
-                b, a = a, a / 2
-            if a < lo:
-                out.append(Capacity(policy, thr, 0.0, 0.0, runs(thr)))
-                continue
-        while b / a > 1 + precision:
-            m = math.sqrt(a * b)
-            if ok(m):
-                a = m
-            else:
-                b = m
-        out.append(Capacity(policy, thr, a, len(trace) * a / span, runs(thr)))
+        a, _ = largest_speedup(lambda sp: attain(sp, thr) >= target, lo=lo, hi=hi, precision=precision)
+        out.append(Capacity(policy, thr, a, len(trace) * a / span if a else 0.0, runs(thr)))
     return out
-
-
-def capacity_bound(trace: list[TraceRequest], *, prefill: int, target: float = 0.9, slo_ttft_s: float = 30.0,
-                   model: PrefillModel | None = None) -> tuple[float, float]:
-    """An upper bound on any router's capacity, with any cache or pool and
-    any admission: (requests/s, seconds of prefill). A request served
-    within the SLOs was prefilled, at best with every block of every
-    earlier request cached (one unlimited cache shared by all: what
-    `prefill_ideal_s` gives each prefilled request, here over the whole
-    trace, so never more). Serving `target` of the requests takes at least
-    the cheapest `target` of those prefills, and `prefill` instances have
-    span / speedup + `slo_ttft_s` seconds each for them."""
-    model = model or PrefillModel()
-    seen: set[int] = set()
-    costs = []
-    for r in trace:
-        n = 0
-        for k in r.keys:
-            if k not in seen:
-                break
-            n += 1
-        costs.append(model.time(r.tokens, min(r.tokens, n * TRACE_BLOCK_TOKENS)))
-        seen.update(r.keys)
-    costs.sort()
-    work = sum(costs[:math.ceil(target * len(costs))])
-    # the speedup s at which prefill x (span / s + slo_ttft_s) = work; its
-    # rate is n x s / span
-    spare = work - prefill * slo_ttft_s
-    return (len(trace) * prefill / spare if spare > 0 else math.inf), work
 
 
 def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_ttft_s: float = 30.0,
@@ -152,6 +101,37 @@ def overload_study(trace: list[TraceRequest], *, prefill: int, decode: int, slo_
                                         "wasted_prefill_s", "goodput_rps", "slo_attainment", "completed")}
     return {"least_loaded_capacity_speedup": cap.speedup, "speedup": speedup, "rate_rps": len(trace) * speedup /
             (trace[-1].arrival_s - trace[0].arrival_s), "variants": rows}
+
+
+def _yardsticks(trace: list[TraceRequest], args: argparse.Namespace) -> dict[str, float]:
+    """The bounds (`bounds.py`) for this trace and cluster; the gated
+    ideal only behind a gate (it models the TTFT gate's refusals)."""
+    bound, work = capacity_bound(trace, prefill=args.prefill, target=args.target, slo_ttft_s=args.slo_ttft)
+    out = {"bound_rps": bound, "bound_work_s": work,
+           "pool_bound_rps": pool_bound_rps(trace, prefill=args.prefill, target=args.target,
+                                            slo_ttft_s=args.slo_ttft)}
+    if args.rejection != "none":
+        out["gated_ideal_rps"] = gated_ideal_rps(trace, prefill=args.prefill, target=args.target,
+                                                 slo_ttft_s=args.slo_ttft, precision=args.precision)
+    return out
+
+
+def _print_yardsticks(y: dict[str, float], args: argparse.Namespace, best_other: float) -> None:
+    print(f"bound (any router, cache, pool or admission): {y['bound_rps']:.2f} rps; the cheapest {args.target:.0%}"
+          f" of the prefills, each with every earlier request's blocks cached, take {y['bound_work_s']:.0f} s")
+    print(f"bound given the pool (a block reused only once a prefill that holds it is over): "
+          f"{y['pool_bound_rps']:.2f} rps")
+    gated = y.get("gated_ideal_rps")
+    if gated is not None:
+        print(f"gated ideal (an estimate, not a bound: the same TTFT gate, one FIFO queue for all instances,"
+              f" served blocks cached everywhere at once): {gated:.2f} rps")
+    if best_other > 0:
+        want = 1.2 * best_other
+        verdict = "above the bound: no router can reach it" if want > y["pool_bound_rps"] else \
+            "under the bound"
+        if gated is not None:
+            verdict += "; above the gated ideal" if want > gated else "; under the gated ideal"
+        print(f"1.2x the best other: {want:.2f} rps, {verdict}")
 
 
 def _one(args: tuple) -> list[Capacity]:
@@ -229,22 +209,26 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"policy": c.policy, "tbt_s": c.tbt_s, "speedup": c.speedup, "rate_rps": c.rate_rps,
                          "runs": c.runs})
         print(line)
+    trace = load_trace(args.trace, args.limit)
+    yardsticks = _yardsticks(trace, args)
+    best_other = 0.0
     if "kvcache" in caps:
         ours = caps["kvcache"].rate_rps
         others = {p: c.rate_rps for p, c in caps.items() if p != "kvcache"}
         if others:
             best = max(others, key=others.get)
+            best_other = others[best]
             print(f"kvcache / best other ({best}): {ours / others[best]:.2f}x" if others[best] else
                   f"kvcache: {ours:.2f} rps, every other policy 0")
             if "least_loaded" in others and others["least_loaded"]:
                 print(f"kvcache / least_loaded: {ours / others['least_loaded']:.2f}x")
-    bound, work = capacity_bound(load_trace(args.trace, args.limit), prefill=args.prefill, target=args.target,
-                                 slo_ttft_s=args.slo_ttft)
-    print(f"bound (any router, cache, pool or admission): {bound:.2f} rps; the cheapest {args.target:.0%} of the"
-          f" prefills, each with every earlier request's blocks cached, take {work:.0f} s")
+    _print_yardsticks(yardsticks, args, best_other)
     if args.json:
-        print(json.dumps({"rejection": args.rejection, "bound_rps": bound, "pool": None if args.pool is None else
-                          [args.pool.dram_blocks, args.pool.ssd_blocks], "capacity": rows}))
+        print(json.dumps({"rejection": args.rejection, "bound_rps": yardsticks["bound_rps"],
+                          "pool_bound_rps": yardsticks["pool_bound_rps"],
+                          "gated_ideal_rps": yardsticks.get("gated_ideal_rps"),
+                          "pool": None if args.pool is None else [args.pool.dram_blocks, args.pool.ssd_blocks],
+                          "capacity": rows}))
     return 0
 
 

@@ -14,6 +14,7 @@ Not thread-safe: one router task (or the simulator's loop) owns it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,6 +52,27 @@ class _Decode:
     running_ctx: int = 0
     reserved_ctx: int = 0
     rx_free_at: float = 0.0            # when its link is done with the KV streams routed to it
+    #: the streams routed to it, (start, end) by start, none overlapping: a
+    #: stream routed now may start before one routed earlier (a shorter
+    #: queue), in the gap before it, as the link serves them in time order
+    rx_booked: list[tuple[float, float]] = field(default_factory=list)
+
+    def rx_slot(self, t: float, dur: float, now: float) -> float:
+        """The earliest start at or after `t` of a stream of `dur` seconds
+        that overlaps none booked (forgetting those over by `now`)."""
+        b = self.rx_booked
+        done = 0
+        while done < len(b) and b[done][1] <= now:
+            done += 1
+        if done:
+            del b[:done]
+        for start, end in b:
+            if end <= t:
+                continue
+            if start >= t + dur:
+                break
+            t = end
+        return t
 
 
 @dataclass
@@ -190,7 +212,8 @@ class Conductor:
         cands = [Candidate(name, matches[name], max(0.0, p.free_at - now), len(p.queue),
                            p.queued_tokens, p.queued_new_tokens, len(self.index.cache(name)),
                            self._ready_blocks(p, keys, matches[name]),
-                           max(0.0, p.stream_free_at - now, d.rx_free_at - now))
+                           d.rx_slot(max(now + max(0.0, p.free_at - now), p.stream_free_at),
+                                     self._raw_transfer_s(name, d.spec.name, kv_bytes), now) - now)
                  for name, p in self._prefill.items()]
         ready = {c.name: c.ready_blocks for c in cands}
         # The instance that will hold the longest prefix once the requests
@@ -292,8 +315,11 @@ class Conductor:
             p.pool_free_at = max(p.pool_free_at, now) + self._link.time(pool_bytes)
         # The KV streams to decode from the prefill's start, layer by layer,
         # behind the streams routed there before it.
-        p.stream_free_at = d.rx_free_at = max(p.stream_free_at, d.rx_free_at, start) + \
-            self._raw_transfer_s(p.spec.name, d.spec.name, kv_bytes)
+        tx = self._raw_transfer_s(p.spec.name, d.spec.name, kv_bytes)
+        s0 = d.rx_slot(max(p.stream_free_at, start), tx, now)
+        bisect.insort(d.rx_booked, (s0, s0 + tx))
+        p.stream_free_at = s0 + tx
+        d.rx_free_at = max(d.rx_free_at, s0 + tx)
         d.reserved[request.id] = (ctx, end)
         d.reserved_ctx += ctx
         self._flights[request.id] = _Flight(request, decision, end, new_tokens, source is not None,
