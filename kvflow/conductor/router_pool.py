@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvflow.errors import KVFlowError
+from kvflow import KVFlowError
 
 from .pool import HeldPrefix, PoolConfig, StorePoolIndex
 from .pool_keys import KeyScheme
