@@ -109,3 +109,15 @@ async def test_a_put_on_the_loop_waiting_for_local_buffer_room_is_woken_by_a_thr
         t0 = time.monotonic()
         await asyncio.to_thread(a._unstage_now, held)
         assert await asyncio.wait_for(put, 5) == 1 and time.monotonic() - t0 < 2
+
+
+def test_single_columns_checks_each_range_or_the_batchs_span_at_once():
+    from kvflow.store.calls import single_columns
+    starts, ends = [1000, 5000], [2000, 6000]
+    assert single_columns(["a", "b"], [1000, 1990], [10, 10], starts, ends) == ([1000, 1990], [10, 10])
+    assert single_columns(("a", "b"), (1000, 5000), (10, 10), starts, ends) == ([1000, 5000], [10, 10])  # two regions
+    for addrs, sizes in (([1000, 1995], [10, 10]), ([1000, 2500], [10, 10]), ([999], [1]), ([1000], [0]),
+                         ([1000], [True]), ([1000.0], [1]), ([1000, 1001], [1])):
+        assert single_columns(["a", "b"][:len(addrs)], addrs, sizes, starts, ends) is None, (addrs, sizes)
+    assert single_columns(["a\x1fb"], [1000], [1], starts, ends) == ([1000], [1])   # a master's (prefixed) name
+    assert single_columns([""], [1000], [1], starts, ends) is None

@@ -113,10 +113,16 @@ def single_columns(keys: Any, addrs: Any, sizes: Any, starts: list[int], ends: l
         return None
     if not plain_keys(keys):
         return None
-    # each range inside the region that starts at or before it (regions never
-    # overlap); bisect_right 0 (before every region) reads the 0 in front
+    # the whole span of the batch inside one region (the common case: one
+    # registered buffer): every range is; no search per range
+    ends_at = list(map(operator.add, addrs, sizes))
+    i = bisect.bisect_right(starts, min(addrs)) - 1
+    if i >= 0 and max(ends_at) <= ends[i]:
+        return addrs, sizes
+    # else each range inside the region that starts at or before it (regions
+    # never overlap); bisect_right 0 (before every region) reads the 0 in front
     limits = map([0, *ends].__getitem__, map(bisect.bisect_right, repeat(starts), addrs))
-    if not all(map(operator.le, map(operator.add, addrs, sizes), limits)):
+    if not all(map(operator.le, ends_at, limits)):
         return None
     return addrs, sizes
 
