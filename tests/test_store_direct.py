@@ -70,7 +70,7 @@ async def test_join_needs_the_clients_token_and_its_connection_loses_no_one():
 async def test_a_broken_connection_falls_back_and_leaves_nothing_allocated():
     async with _pool(2, ("tcp",), master_tcp=True) as (master, (a, b)):
         assert await asyncio.to_thread(direct.put_bytes, a, ["first"], [memoryview(b"1")]) == [1]
-        a._joined._sock.close()             # the connection breaks under the next call
+        a._joined._idle[0]._sock.close()    # the connection breaks under the next call
         assert await asyncio.to_thread(direct.put_bytes, a, ["second"], [memoryview(b"2")]) is None
         assert not any(o.state.name == "ALLOCATED" for o in master.model.objects.values())
         assert await a.put("second", b"2") == 1          # the key is free: the loop's funnel puts it
@@ -121,3 +121,20 @@ def test_single_columns_checks_each_range_or_the_batchs_span_at_once():
         assert single_columns(["a", "b"][:len(addrs)], addrs, sizes, starts, ends) is None, (addrs, sizes)
     assert single_columns(["a\x1fb"], [1000], [1], starts, ends) == ([1000], [1])   # a master's (prefixed) name
     assert single_columns([""], [1000], [1], starts, ends) is None
+
+
+async def test_callers_on_several_threads_each_get_a_connection():
+    async with _pool(2, ("tcp",), master_tcp=True, local_buffer_size=8 << 20) as (master, (a, b)):
+        def worker(t: int) -> None:
+            for i in range(20):
+                assert direct.put_bytes(a, [f"t{t}/{i}"], [memoryview(bytes([t]) * 1000)]) == [1]
+                assert direct.get_bytes(b, [f"t{t}/{i}"]) == [bytes([t]) * 1000]
+        await asyncio.gather(*(asyncio.to_thread(worker, t) for t in range(4)))
+        assert 1 <= len(a._joined._idle) <= 4
+        assert sum(s.joined for s in master.sessions) == len(a._joined._idle) + len(b._joined._idle)
+        await a.close()
+        assert a._joined is None and not any(s.joined and s.client_id == a.client_id for s in master.sessions
+                                             if not s.closed)
+        # what a's segment held went with it; what b's holds stays, nothing else
+        assert all(r.segment == b.segment_id for o in master.model.objects.values() for r in o.replicas)
+        _assert_no_leak(master, objects=len(master.model.objects))

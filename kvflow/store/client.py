@@ -155,7 +155,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         self.counters = ClientCounters()    # metrics(): calls, hits, bytes, round trips (metrics.py)
         self._put_tokens = itertools.count(1)
         self._query: BlockingQuery | None = None
-        self._joined: Any = None        # direct.JoinedQuery: puts and gets from a caller's thread
+        self._joined: Any = None        # direct.JoinedPool: puts and gets from a caller's thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._staging_lock = threading.Lock()   # the local buffer's allocator: the loop's and callers' threads
         self._staging_waiting = 0       # calls on the loop waiting for room in the local buffer

@@ -1,7 +1,7 @@
 """A StoreClient's puts and gets run on the caller's own thread, for a
 synchronous API (the Mooncake one): the master's round trips on a blocking
-socket of the caller's (`JoinedQuery`: a second connection of the same
-client, joined with its registration's token) and the bytes moved with
+socket of the caller's (`JoinedQuery`: another connection of the same
+client, joined with its registration's token; one per concurrent call) and the bytes moved with
 Peer.write_blocking/read_blocking, which submit and wait on the calling
 thread. No hop to the client's event loop and back, which is most of a
 small call's cost for such a caller (two eventfd hand-offs and the loop's
@@ -40,7 +40,7 @@ from .records import plain_keys
 from .rpc import BlockingQuery, TcpMasterLink
 from .wire import encode
 
-__all__ = ["JoinedQuery", "put_from", "get_into", "put_bytes", "get_bytes"]
+__all__ = ["JoinedPool", "JoinedQuery", "put_from", "get_into", "put_bytes", "get_bytes"]
 
 
 class JoinedQuery(BlockingQuery):
@@ -86,10 +86,57 @@ class JoinedQuery(BlockingQuery):
         return True
 
 
-def _query(client: Any) -> JoinedQuery | None:
-    """The client's joined connection, for a caller that may use it: not
-    the loop's own thread, a started client on a tcp master whose leader
-    is known."""
+class JoinedPool:
+    """A client's joined connections, one per call at a time: callers on
+    several threads do not wait for each other's round trips (a durable
+    master's put_end waits for etcd). A connection goes back idle after
+    each call; closing the pool closes them all, the busy ones when their
+    call ends."""
+
+    def __init__(self, address: str, timeout: float, client_id: str, token: str) -> None:
+        self.address, self.token = address, token
+        self._args = (address, timeout, client_id, token)
+        self._idle: list[JoinedQuery] = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def _take(self) -> JoinedQuery:
+        with self._lock:
+            return self._idle.pop() if self._idle else JoinedQuery(*self._args)
+
+    def _give(self, q: JoinedQuery) -> None:
+        with self._lock:
+            if not self.closed:
+                self._idle.append(q)
+                return
+        q.close()
+
+    def call(self, method: str, *args: Any) -> Any:
+        q = self._take()
+        try:
+            return q.call(method, *args)
+        finally:
+            self._give(q)
+
+    def notify(self, method: str, *args: Any) -> bool:
+        q = self._take()
+        try:
+            return q.notify(method, *args)
+        finally:
+            self._give(q)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+        for q in idle:
+            q.close()
+
+
+def _query(client: Any) -> JoinedPool | None:
+    """The client's joined connections, for a caller that may use them:
+    not the loop's own thread, a started client on a tcp master whose
+    leader is known."""
     link = client._link
     if client._closed or link is None or link.closed or not isinstance(link, (TcpMasterLink, FollowingLink)):
         return None
@@ -98,14 +145,14 @@ def _query(client: Any) -> JoinedQuery | None:
     if address is None or not token or threading.get_ident() == client._loop_thread:
         return None
     q = client._joined
-    if q is None or q.address != address or q.token != token:
+    if q is None or q.closed or q.address != address or q.token != token:
         if q is not None:
             q.close()
-        q = client._joined = JoinedQuery(address, client.timeout, client.client_id, token)
+        q = client._joined = JoinedPool(address, client.timeout, client.client_id, token)
     return q
 
 
-def _timed(client: Any, q: JoinedQuery, method: str, *args: Any) -> Any:
+def _timed(client: Any, q: JoinedPool, method: str, *args: Any) -> Any:
     t0 = time.perf_counter()
     ok = False
     try:
@@ -266,7 +313,7 @@ def get_into(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     return results
 
 
-def _read(client: Any, q: JoinedQuery, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
+def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
           staged: Any = None) -> list | None:
     """The get: replicas and a lease, the reads, the lease released.
     `staged`: called with the objects' sizes once known, gives the
