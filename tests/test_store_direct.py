@@ -13,7 +13,7 @@ import pytest
 
 from kvflow.store import BufferTooSmallError, MasterUnavailableError, ObjectNotFoundError, direct
 
-from test_store_client import _assert_no_leak, _data, _pool
+from test_store_client import _assert_no_leak, _data, _polled_while_written, _pool
 
 
 async def test_puts_and_gets_on_a_callers_thread_match_the_loops():
@@ -85,19 +85,7 @@ async def test_a_reader_never_sees_an_object_put_from_a_thread_before_its_commit
         for round_ in range(3):
             key = f"half/{round_}"
             put = asyncio.ensure_future(asyncio.to_thread(direct.put_bytes, a, [key], [memoryview(v)]))
-            seen = {"missing": 0, "whole": 0}
-            while not put.done():
-                try:
-                    got = await b.get(key)
-                except ObjectNotFoundError:
-                    seen["missing"] += 1
-                else:
-                    assert got == v                  # visible means complete
-                    seen["whole"] += 1
-                await asyncio.sleep(0)
-            assert await put == [1]
-            assert seen["missing"] > 0
-            assert await b.get(key) == v
+            assert await _polled_while_written(put, b, key, v) == [1]
 
 
 async def test_a_put_on_the_loop_waiting_for_local_buffer_room_is_woken_by_a_thread():
