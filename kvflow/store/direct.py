@@ -19,6 +19,7 @@ the caller then runs the loop's funnel, which gives every case its error.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import threading
 import time
@@ -166,7 +167,17 @@ def _timed(client: Any, q: JoinedPool, method: str, *args: Any) -> Any:
 def _on_loop(client: Any, coro: Coroutine[Any, Any, Any]) -> Any:
     """Runs `coro` on the client's loop and waits for it (what the direct
     path hands back: a revoke, a put_end its own connection lost)."""
-    return asyncio.run_coroutine_threadsafe(coro, client._loop).result()
+    try:
+        fut = asyncio.run_coroutine_threadsafe(coro, client._loop)
+    except RuntimeError:                # the loop is closed: the client is gone
+        coro.close()
+        raise MasterUnavailableError("the client's loop is closed") from None
+    try:
+        # bounded: a loop stopped before it ran `coro` never answers
+        return fut.result(client.timeout + 5.0)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise MasterUnavailableError(f"the client's loop did not answer within {client.timeout + 5.0} s") from None
 
 
 def _columns(client: Any, keys: Any, addrs: Any, sizes: Any) -> tuple[list, list, list] | None:
@@ -380,7 +391,10 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
     finally:
         lease = reply.get("lease")
         if lease and not q.notify("release_lease", lease):
-            client._loop.call_soon_threadsafe(client._link.notify, "release_lease", lease)
+            try:
+                client._loop.call_soon_threadsafe(client._link.notify, "release_lease", lease)
+            except RuntimeError:
+                pass            # the client's loop is closed: the lease runs out by itself
         if staged is not None:
             staged(None)
 
