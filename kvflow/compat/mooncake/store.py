@@ -19,9 +19,14 @@ How it maps: setup() starts one kvflow Engine on an EngineThread (its own
 event loop on a daemon thread) and a kvflow.store.StoreClient on that loop,
 connected to the kvflow master at `master_server_addr` (`python -m
 kvflow.store master`); global_segment_size is the client's segment,
-local_buffer_size its staging buffer for put()/get() of bytes. Every call
-is one coroutine handed to that loop while the calling thread blocks, as
-Mooncake's C++ calls block; any number of threads may call at once.
+local_buffer_size its staging buffer for put()/get() of bytes. The common
+puts and gets (put, put_batch, batch_put_from, get, get_batch,
+batch_get_into, batch_is_exist) run on the calling thread
+(kvflow/store/direct.py: the master on blocking connections of the
+client's, the bytes with blocking kvflow transfers); every other call, and
+those where that path does not apply, is one coroutine handed to that
+loop while the calling thread blocks, as Mooncake's C++ calls block. Any
+number of threads may call at once.
 
 Every difference from Mooncake Store is in docs/store.md ("Mooncake
 Store's API").
