@@ -181,6 +181,8 @@ def _keys(keys: Any, what: str = "keys") -> list[str]:
 
 def _uints(values: Any, what: str) -> list[int]:
     # the binding's size_t / uintptr_t columns: non-negative ints, else TypeError
+    if type(values) in (list, tuple) and values and set(map(type, values)) == {int} and min(values) >= 0:
+        return list(values)             # the hot case, in C: no Python frame per value
     if not isinstance(values, (list, tuple)) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise TypeError(f"{what} must be a list of non-negative ints")
