@@ -60,6 +60,10 @@ async def test_join_needs_the_clients_token_and_its_connection_loses_no_one():
         bad = direct.JoinedQuery(master.address, 5.0, a.client_id, "not-the-token")
         with pytest.raises(MasterUnavailableError):
             await asyncio.to_thread(bad.join)
+        pool = direct.JoinedPool(master.address, 5.0, a.client_id, "not-the-token")
+        with pytest.raises(direct.NotJoinedError):
+            await asyncio.to_thread(pool.call, "stats")
+        assert pool.refused                 # not asked again: the loop's funnel serves such a client
         assert await asyncio.to_thread(direct.put_bytes, a, ["kept"], [memoryview(b"v")]) == [1]
         a._joined.close()                   # the joined connection goes: the client and its objects stay
         await asyncio.sleep(0.05)

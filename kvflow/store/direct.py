@@ -41,7 +41,17 @@ from .records import plain_keys
 from .rpc import BlockingQuery, TcpMasterLink
 from .wire import encode
 
-__all__ = ["JoinedPool", "JoinedQuery", "put_from", "get_into", "put_bytes", "get_bytes"]
+__all__ = ["JoinedPool", "JoinedQuery", "NotJoinedError", "put_from", "get_into", "put_bytes", "get_bytes"]
+
+
+class NotJoinedError(MasterUnavailableError):
+    """A joined connection could not be made: nothing of the call reached
+    the master. `refused`: the master answered (it knows no such client or
+    no join), so the pool stops trying until the client registers again."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class JoinedQuery(BlockingQuery):
@@ -63,14 +73,17 @@ class JoinedQuery(BlockingQuery):
             return super().call(method, *args)
 
     def join(self) -> None:
-        """Connects and joins (MasterUnavailableError when either fails:
-        nothing was asked of the master yet)."""
+        """Connects and joins (NotJoinedError when either fails: nothing
+        was asked of the master yet)."""
         self._joined = False
         try:
             super().call("join", self._client_id, self.token)
-        except KVFlowError as e:
+        except MasterUnavailableError as e:
             self.close()
-            raise MasterUnavailableError(f"master {self.address}: join: {e}") from None
+            raise NotJoinedError(f"master {self.address}: join: {e}") from None
+        except KVFlowError as e:        # the master answered no: a lost client, or one that knows no join
+            self.close()
+            raise NotJoinedError(f"master {self.address}: join: {e}", refused=True) from None
         self._joined = True
 
     def notify(self, method: str, *args: Any) -> bool:
@@ -100,6 +113,7 @@ class JoinedPool:
         self._idle: list[JoinedQuery] = []
         self._lock = threading.Lock()
         self.closed = False
+        self.refused = False        # the master refused a join: not asked again (until a new registration)
 
     def _take(self) -> JoinedQuery:
         with self._lock:
@@ -116,6 +130,9 @@ class JoinedPool:
         q = self._take()
         try:
             return q.call(method, *args)
+        except NotJoinedError as e:
+            self.refused = self.refused or e.refused
+            raise
         finally:
             self._give(q)
 
@@ -150,7 +167,7 @@ def _query(client: Any) -> JoinedPool | None:
         if q is not None:
             q.close()
         q = client._joined = JoinedPool(address, client.timeout, client.client_id, token)
-    return q
+    return None if q.refused else q
 
 
 def _timed(client: Any, q: JoinedPool, method: str, *args: Any) -> Any:
@@ -233,6 +250,8 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     token = next(client._put_tokens)
     try:
         reply = _timed(client, q, "batch_put_start", request, token)
+    except NotJoinedError:
+        return None             # nothing was sent
     except MasterUnavailableError:
         # it may have reached the master and allocated: undone on the loop's link
         _on_loop(client, client._revoke(list(names), token))
