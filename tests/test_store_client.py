@@ -477,19 +477,25 @@ async def test_a_reader_never_sees_a_half_written_object():
         for round_ in range(3):
             key = f"half/{round_}"
             put = asyncio.create_task(a.put(key, v, preferred_segment=b.segment_id))
-            seen = {"missing": 0, "whole": 0}
-            while not put.done():
-                try:
-                    got = await b.get(key)
-                except ObjectNotFoundError:
-                    seen["missing"] += 1
-                else:
-                    assert got == v                  # visible means complete
-                    seen["whole"] += 1
-                await asyncio.sleep(0)
-            assert await put == 1
-            assert seen["missing"] > 0               # it was polled while being written
-            assert await b.get(key) == v
+            assert await _polled_while_written(put, b, key, v) == 1
+
+
+async def _polled_while_written(put: asyncio.Future, reader: StoreClient, key: str, v: bytes):
+    """Gets `key` on `reader` until `put` is done: missing or whole, never
+    part; returns the put's result."""
+    seen = {"missing": 0, "whole": 0}
+    while not put.done():
+        try:
+            got = await reader.get(key)
+        except ObjectNotFoundError:
+            seen["missing"] += 1
+        else:
+            assert got == v                  # visible means complete
+            seen["whole"] += 1
+        await asyncio.sleep(0)
+    assert seen["missing"] > 0               # it was polled while being written
+    assert await reader.get(key) == v
+    return await put
 
 
 async def test_concurrent_puts_of_one_key_one_wins():

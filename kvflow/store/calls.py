@@ -15,7 +15,8 @@ from kvflow.errors import InvalidArgumentError
 from .errors import StoreTimeoutError, error_from_code
 from .records import MAX_KEY_BYTES, plain_keys
 
-__all__ = ["Parts", "Replica", "all_ok", "item_result", "one_part", "replica_rows", "single_parts", "with_timeout"]
+__all__ = ["Parts", "Replica", "all_ok", "item_result", "one_part", "replica_rows", "single_columns", "single_parts",
+           "with_timeout"]
 
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
@@ -96,15 +97,32 @@ def single_parts(keys: Any, parts: Any, starts: list[int], ends: list[int]) -> t
     firsts = list(map(_first, parts))
     if set(map(type, firsts)) != {tuple} or set(map(len, firsts)) != {2}:
         return None
-    addrs, sizes = list(map(_first, firsts)), list(map(_second, firsts))
+    return single_columns(keys, list(map(_first, firsts)), list(map(_second, firsts)), starts, ends)
+
+
+def single_columns(keys: Any, addrs: Any, sizes: Any, starts: list[int], ends: list[int]) -> tuple[list, list] | None:
+    """single_parts of a batch given as columns (keys, addresses, sizes):
+    (addresses, sizes) as lists when every object is one range of
+    registered host memory under a plain valid key, else None."""
+    if type(keys) not in (list, tuple) or type(addrs) not in (list, tuple) or type(sizes) not in (list, tuple):
+        return None
+    addrs, sizes = list(addrs) if type(addrs) is tuple else addrs, list(sizes) if type(sizes) is tuple else sizes
+    if not addrs or len(addrs) != len(sizes) or len(keys) != len(addrs):
+        return None
     if set(map(type, addrs)) != {int} or set(map(type, sizes)) != {int} or min(addrs) <= 0 or min(sizes) <= 0:
         return None
     if not plain_keys(keys):
         return None
-    # each range inside the region that starts at or before it (regions never
-    # overlap); bisect_right 0 (before every region) reads the 0 in front
+    # the whole span of the batch inside one region (the common case: one
+    # registered buffer): every range is; no search per range
+    ends_at = list(map(operator.add, addrs, sizes))
+    i = bisect.bisect_right(starts, min(addrs)) - 1
+    if i >= 0 and max(ends_at) <= ends[i]:
+        return addrs, sizes
+    # else each range inside the region that starts at or before it (regions
+    # never overlap); bisect_right 0 (before every region) reads the 0 in front
     limits = map([0, *ends].__getitem__, map(bisect.bisect_right, repeat(starts), addrs))
-    if not all(map(operator.le, map(operator.add, addrs, sizes), limits)):
+    if not all(map(operator.le, ends_at, limits)):
         return None
     return addrs, sizes
 

@@ -155,6 +155,10 @@ class StoreClient(Puts, Gets, TaskCalls):
         self.counters = ClientCounters()    # metrics(): calls, hits, bytes, round trips (metrics.py)
         self._put_tokens = itertools.count(1)
         self._query: BlockingQuery | None = None
+        self._joined: Any = None        # direct.JoinedPool: puts and gets from a caller's thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._staging_lock = threading.Lock()   # the local buffer's allocator: the loop's and callers' threads
+        self._staging_waiting = 0       # calls on the loop waiting for room in the local buffer
         self._loop_thread: int | None = None
         self._started = False
         self._closed = False
@@ -194,6 +198,7 @@ class StoreClient(Puts, Gets, TaskCalls):
             return self
         self._started = True
         self._loop_thread = threading.get_ident()
+        self._loop = asyncio.get_running_loop()
         try:
             if self.engine is None:
                 self.engine = kvflow.Engine(self._listen, protocols=self._protocols)
@@ -287,9 +292,10 @@ class StoreClient(Puts, Gets, TaskCalls):
             await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
         if self._link is not None:
             await self._link.close()
-        if (q := self._query) is not None:
-            self._query = None
-            q.close()
+        for q in (self._query, self._joined):
+            if q is not None:
+                q.close()
+        self._query = self._joined = None
         if self._finder is not None:
             await self._finder.close()
         if self._embedded is not None:
@@ -642,27 +648,52 @@ class StoreClient(Puts, Gets, TaskCalls):
     async def _stage(self, sizes: list[int]) -> list[int]:
         """Addresses in the local buffer for `sizes` (all or none: waits
         while other calls hold the space)."""
-        base = self._staging_region.addr
         async with self._staging_freed:
-            while True:
-                got = []
-                for n in sizes:
-                    off = self._staging_alloc.allocate(max(n, 1))
-                    if off is None:
-                        break
-                    got.append(off)
-                if len(got) == len(sizes):
-                    return [base + off for off in got]
-                for off in got:
-                    self._staging_alloc.release(off)
-                await self._staging_freed.wait()
+            # counted as waiting before it looks: a caller's thread that frees
+            # room after the look wakes it (the wake-up runs on this loop,
+            # so only once this call waits)
+            self._staging_waiting += 1
+            try:
+                while True:
+                    got = self._stage_now(sizes)
+                    if got is not None:
+                        return got
+                    await self._staging_freed.wait()
+            finally:
+                self._staging_waiting -= 1
 
     async def _unstage(self, addrs: list[int]) -> None:
-        base = self._staging_region.addr
         async with self._staging_freed:
+            self._release_staged(addrs)
+            self._staging_freed.notify_all()
+
+    def _stage_now(self, sizes: list[int]) -> list[int] | None:
+        """Addresses in the local buffer for `sizes`, or None when they do
+        not all fit now (no wait); from any thread."""
+        alloc, base = self._staging_alloc, self._staging_region.addr
+        with self._staging_lock:
+            got = []
+            for n in sizes:
+                off = alloc.allocate(max(n, 1))
+                if off is None:
+                    for o in got:
+                        alloc.release(o)
+                    return None
+                got.append(off)
+        return [base + off for off in got]
+
+    def _release_staged(self, addrs: list[int]) -> None:
+        base = self._staging_region.addr
+        with self._staging_lock:
             for a in addrs:
                 self._staging_alloc.release(a - base)
-            self._staging_freed.notify_all()
+
+    def _unstage_now(self, addrs: list[int]) -> None:
+        """_unstage from a caller's thread (direct.py): calls on the loop
+        waiting for room are woken there."""
+        self._release_staged(addrs)
+        if self._staging_waiting and self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._unstage([]), self._loop)
 
     def _staging_view(self, addr: int, n: int) -> memoryview:
         off = addr - self._staging_region.addr

@@ -63,6 +63,7 @@ class Session:
         self.master = master
         self.peer = peer
         self.client_id: str | None = None
+        self.joined = False         # another connection of a client (join): its closing loses no one
         self.closed = False
 
     def __repr__(self) -> str:
@@ -219,7 +220,10 @@ class Master(SsdCalls):
 
     def _session_closed(self, s: Session) -> None:
         self.sessions.discard(s)
-        if s.client_id is not None and not self._closed:
+        if s.client_id is not None and not s.joined and not self._closed:
+            for other in self.sessions:
+                if other.client_id == s.client_id:
+                    other.client_id = None          # its joined connections act for no one now
             dropped = self.model.client_lost(s.client_id)
             log.info("client %s gone (%s): %d objects dropped", s.client_id, s.peer, dropped)
             self._persist()
@@ -284,6 +288,17 @@ class Master(SsdCalls):
             c = self.model.clients.get(client_id)
             if c is not None and token and c.beat_token == token:
                 c.last_seen = now
+            return None
+        if method == "join":
+            # a second connection of a registered client, for its calls from
+            # a caller's thread (the store's blocking path: puts and gets
+            # without a hop to the client's loop), proven by the token its
+            # registration got; the connection's closing loses no one
+            client_id, token = args
+            c = self.model.clients.get(client_id)
+            if s.client_id is not None or c is None or not token or c.beat_token != token:
+                raise InvalidArgumentError("join: no such client, or not its token")
+            s.client_id, s.joined = client_id, True
             return None
         if s.client_id is None:
             if method in ("stats", "batch_exists"):      # observers need no identity

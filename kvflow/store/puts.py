@@ -18,7 +18,18 @@ from .datapath import Moves, holders_of
 from .errors import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, SsdBusyError
 from .metrics import counted
 
-__all__ = ["Puts"]
+__all__ = ["Puts", "wire_pin"]
+
+
+def wire_pin(pin: bool, soft_pin: float | bool | None) -> bool | list:
+    """A put's pin as put_start takes it: a bool (a hard pin), or ["soft",
+    seconds or None] (None: the master's soft_pin_ttl)."""
+    if soft_pin is None or soft_pin is False or pin:
+        return bool(pin)
+    if soft_pin is not True and (isinstance(soft_pin, bool) or not isinstance(soft_pin, (int, float))
+                                 or not soft_pin > 0):
+        raise InvalidArgumentError(f"soft_pin must be True or seconds > 0, not {soft_pin!r}")
+    return ["soft", None if soft_pin is True else float(soft_pin)]
 
 
 class Puts:
@@ -71,12 +82,7 @@ class Puts:
             preferred_segment = self.segment_id
         if not isinstance(rn, int) or isinstance(rn, bool) or rn < 1:
             raise InvalidArgumentError(f"replica_num must be an int >= 1, not {rn!r}")
-        wire_pin: bool | list = bool(pin)
-        if soft_pin is not None and soft_pin is not False and not pin:
-            if soft_pin is not True and (isinstance(soft_pin, bool) or not isinstance(soft_pin, (int, float))
-                                         or not soft_pin > 0):
-                raise InvalidArgumentError(f"soft_pin must be True or seconds > 0, not {soft_pin!r}")
-            wire_pin = ["soft", None if soft_pin is True else float(soft_pin)]
+        pinned = wire_pin(pin, soft_pin)
         results: list[Any] = [None] * len(keys)
         regions = self._regions()
         starts, ends_ = regions
@@ -86,7 +92,7 @@ class Puts:
         if cols is not None:
             todo: Sequence[int] = range(len(keys))
             sizes = cols[1]
-            request = [[k, n, rn, preferred_segment, wire_pin] for k, n in zip(keys, sizes)]
+            request = [[k, n, rn, preferred_segment, pinned] for k, n in zip(keys, sizes)]
         else:
             todo, sizes = [], []
             for i, (key, ps) in enumerate(zip(keys, parts)):
@@ -102,7 +108,7 @@ class Puts:
                     results[i] = e
             if not todo:
                 return results
-            request = [[keys[i], sizes[j], rn, preferred_segment, wire_pin] for j, i in enumerate(todo)]
+            request = [[keys[i], sizes[j], rn, preferred_segment, pinned] for j, i in enumerate(todo)]
         relinks = getattr(self._link, "reconnects", 0)
         token = next(self._put_tokens)
         try:

@@ -19,9 +19,14 @@ How it maps: setup() starts one kvflow Engine on an EngineThread (its own
 event loop on a daemon thread) and a kvflow.store.StoreClient on that loop,
 connected to the kvflow master at `master_server_addr` (`python -m
 kvflow.store master`); global_segment_size is the client's segment,
-local_buffer_size its staging buffer for put()/get() of bytes. Every call
-is one coroutine handed to that loop while the calling thread blocks, as
-Mooncake's C++ calls block; any number of threads may call at once.
+local_buffer_size its staging buffer for put()/get() of bytes. The common
+puts and gets (put, put_batch, batch_put_from, get, get_batch,
+batch_get_into, batch_is_exist) run on the calling thread
+(kvflow/store/direct.py: the master on blocking connections of the
+client's, the bytes with blocking kvflow transfers); every other call, and
+those where that path does not apply, is one coroutine handed to that
+loop while the calling thread blocks, as Mooncake's C++ calls block. Any
+number of threads may call at once.
 
 Every difference from Mooncake Store is in docs/store.md ("Mooncake
 Store's API").
@@ -38,6 +43,7 @@ from typing import Any
 
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryError
+from kvflow.store import direct
 from kvflow.store import (BufferTooSmallError, InvalidKeyError, LeaseExpiredError, MasterUnavailableError,
                           NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
                           ReplicaUnavailableError, SegmentError, StoreClient, StoreTimeoutError, TaskNotFoundError)
@@ -175,6 +181,8 @@ def _keys(keys: Any, what: str = "keys") -> list[str]:
 
 def _uints(values: Any, what: str) -> list[int]:
     # the binding's size_t / uintptr_t columns: non-negative ints, else TypeError
+    if type(values) in (list, tuple) and values and set(map(type, values)) == {int} and min(values) >= 0:
+        return list(values)             # the hot case, in C: no Python frame per value
     if not isinstance(values, (list, tuple)) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise TypeError(f"{what} must be a list of non-negative ints")
@@ -403,7 +411,8 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
         keys, views = _keys(keys), [_view(v) for v in values]
         if len(keys) != len(views):
             return self._fail(InvalidArgumentError("keys and values differ in length"), STORE_INVALID_PARAMS)
-        codes = self._puts(lambda c, kw: c.batch_put(keys, views, **kw), len(keys), config)
+        codes = self._puts(lambda c, kw: c.batch_put(keys, views, **kw), len(keys), config,
+                           lambda c, kw: direct.put_bytes(c, keys, views, **kw))
         return next((r for r in codes if r), 0)
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
@@ -415,7 +424,8 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
         keys, ptrs, sizes = _keys(keys), _uints(buffer_ptrs, "buffer_ptrs"), _uints(sizes, "sizes")
         if not len(keys) == len(ptrs) == len(sizes):
             return self._fail_all(len(keys), "keys, buffer_ptrs and sizes differ in length")
-        return self._puts(lambda c, kw: c.batch_put_from(keys, ptrs, sizes, **kw), len(keys), config)
+        return self._puts(lambda c, kw: c.batch_put_from(keys, ptrs, sizes, **kw), len(keys), config,
+                          lambda c, kw: direct.put_from(c, keys, ptrs, sizes, **kw))
 
     def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]], config: ReplicateConfig | None = None) -> list[int]:
@@ -476,9 +486,13 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
         return None
 
     def _puts(self, run: Callable[[StoreClient, dict], Coroutine[Any, Any, list]], n: int,
-              config: ReplicateConfig | None) -> list[int]:
-        """The funnel of every put: per key 0 or a code."""
-        if self._client is None:
+              config: ReplicateConfig | None, on_caller: Callable[[StoreClient, dict], list | None] | None = None
+              ) -> list[int]:
+        """The funnel of every put: per key 0 or a code. `on_caller`: the
+        put on the calling thread (kvflow/store/direct.py), where it serves
+        the call (None: it does not, and `run` goes to the store's loop)."""
+        client = self._client
+        if client is None:
             return self._fail_all(n, self._not_ready(), STORE_INTERNAL_ERROR)
         if n == 0:
             return []
@@ -498,7 +512,9 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
             elif config.preferred_segment:
                 kw["preferred_segment"] = str(config.preferred_segment)
         try:
-            results = self._call(run(self._client, kw))
+            results = self._direct(on_caller, client, kw) if on_caller is not None else None
+            if results is None:
+                results = self._call(run(client, kw))
         except KVFlowError as e:
             return self._fail_all(n, e, error_code(e))
         out = []
@@ -532,7 +548,9 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
         if not keys:
             return []
         try:
-            results = self._call(self._client.batch_get(keys))
+            results = self._direct(direct.get_bytes, self._client, keys)
+            if results is None:
+                results = self._call(self._client.batch_get(keys))
         except KVFlowError as e:
             return [e] * len(keys)
         for r in results:
@@ -549,7 +567,7 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
         keys, ptrs, sizes = _keys(keys), _uints(buffer_ptrs, "buffer_ptrs"), _uints(sizes, "sizes")
         if not len(keys) == len(ptrs) == len(sizes):
             return self._fail_all(len(keys), "keys, buffer_ptrs and sizes differ in length")
-        return self._reads(keys, [[(a, s)] for a, s in zip(ptrs, sizes)])
+        return self._reads(keys, [[(a, s)] for a, s in zip(ptrs, sizes)], (ptrs, sizes))
 
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]], prefer_alloc_in_same_node: bool = False) -> list[int]:
@@ -559,14 +577,21 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
             return self._fail_all(len(keys), "keys, all_buffer_ptrs and all_sizes differ in length")
         return self._reads(list(keys), parts)
 
-    def _reads(self, keys: list[str], parts: list[list[tuple[int, int]]]) -> list[int]:
-        """The funnel of every get into registered memory."""
+    def _reads(self, keys: list[str], parts: list[list[tuple[int, int]]],
+               columns: tuple[list[int], list[int]] | None = None) -> list[int]:
+        """The funnel of every get into registered memory; `columns`: the
+        (addresses, sizes) of one-buffer objects, read on the calling thread
+        where kvflow/store/direct.py serves the call."""
         if self._client is None:
             return self._fail_all(len(keys), self._not_ready(), STORE_INTERNAL_ERROR)
         if not keys:
             return []
         try:
-            results = self._call(self._client.batch_get_into_parts(keys, parts))
+            results = None
+            if columns is not None:
+                results = self._direct(direct.get_into, self._client, keys, *columns)
+            if results is None:
+                results = self._call(self._client.batch_get_into_parts(keys, parts))
         except KVFlowError as e:
             return self._fail_all(len(keys), e, error_code(e))
         return [self._fail(r, error_code(r)) if isinstance(r, BaseException) else r for r in results]
@@ -690,6 +715,17 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
             raise
         except TimeoutError:
             raise StoreTimeoutError("the call did not finish in time") from None
+        except Exception as e:  # noqa: BLE001 - every failure becomes a code
+            raise KVFlowError(f"{type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def _direct(fn: Callable[..., list | None], *args: Any) -> list | None:
+        """A call on the calling thread (kvflow/store/direct.py): its results,
+        or None where that path does not serve it; raises only KVFlowError."""
+        try:
+            return fn(*args)
+        except KVFlowError:
+            raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a code
             raise KVFlowError(f"{type(e).__name__}: {e}") from None
 
