@@ -21,6 +21,8 @@ import numpy as np
 import kvflow
 from kvflow.errors import KVFlowError, PeerLostError
 
+from .fence import CONNECT_TIMEOUT
+
 __all__ = ["Moves", "Mover", "finish_before_cancel", "holders_of"]
 
 
@@ -85,7 +87,7 @@ def holders_of(sids: Sequence[int], segs: dict) -> list[str]:
 
 
 class Mover:
-    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = 5.0) -> None:
+    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.engine = engine
         self.connect_timeout = connect_timeout
 

@@ -18,9 +18,11 @@ wakes late, everyone's clock restarts.
 Durability (`attach_journal`, a master given etcd): after each call the
 model's changes go to the journal (durable.py), and the reply of a call
 that changed durable state waits until etcd has every change staged so
-far (a put_end only with `sync_commit`); a put_start's reply also waits
-for every deletion staged before it (durable.py says why); other replies
-leave at once.
+far (a put_end only with `sync_commit`); a put_start's reply (and a
+repair_start's, which hands out space to copy into) also waits for every
+deletion staged before it (durable.py says why); other replies leave at
+once. A register's reply waits too when its client's write window is the
+longest yet (recorded for the failover fence: fence.py).
 A journal that fails (etcd gone, this master fenced) stops the master:
 `failed` is set and every waiting reply gets the DurabilityError.
 """
@@ -169,8 +171,8 @@ class Master(SsdCalls):
             return None
         if j.seq != before and (self.sync_commit or method != "batch_put_end"):
             target = j.seq                  # this call's own changes (and all before them)
-        elif method == "batch_put_start":
-            target = j.free_seq             # space freed before it may be handed out again
+        elif method in ("batch_put_start", "batch_repair_start"):
+            target = j.free_seq             # space freed before it may be handed out again (a copy's too)
         else:
             return None
         return None if j.committed >= target else j.wait(target)
@@ -237,6 +239,7 @@ class Master(SsdCalls):
             last = now
             self.model.expire_leases(now)
             self.model.release_quarantine(now)
+            self.model.release_fence(now)
             for cid in self.model.expire_clients(now, self.client_grace):
                 log.warning("client %s silent for more than %.1f s: lost", cid, self.client_grace)
                 for s in list(self.sessions):
@@ -269,8 +272,9 @@ class Master(SsdCalls):
         if method == "register":
             if s.client_id is not None:
                 raise InvalidArgumentError(f"this connection is client {s.client_id} already")
-            client_id, host, engine = args
+            client_id, host, engine, *window = args     # window: its write window (fence.py; older clients: none)
             c = self.model.register_client(client_id, host, engine, now)
+            self.model.note_write_window(window[0] if window else None)
             c.beat_token = secrets.token_hex(16)
             s.client_id = client_id
             return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
@@ -509,7 +513,8 @@ class Master(SsdCalls):
         m = self.model
         out = {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
                "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls,
-               "ssd_objects": sum(len(c.ssd_keys) for c in m.clients.values()), "ssd_missed": m.ssd_missed}
+               "ssd_objects": sum(len(c.ssd_keys) for c in m.clients.values()), "ssd_missed": m.ssd_missed,
+               "fenced": m.fenced}
         if self.journal is not None:
             out["etcd_txns"] = self.journal.txns
             out["etcd_keys"] = self.journal.keys_written
