@@ -85,6 +85,7 @@ from kvflow.errors import InvalidArgumentError
 
 from .errors import DurabilityError
 from .etcd import EtcdClient, b64
+from .fence import DEFAULT_WRITE_WINDOW
 from .model import State, StoreModel
 
 __all__ = ["Layout", "Journal"]
@@ -404,10 +405,13 @@ class Journal:
             model.skip_segment_ids(int(meta.get("next_segment", 1)))
             window = meta.get("write_window", 0.0)
         # what the clients' writes allowed by the dead master may still
-        # land in: fenced for the longest write window recorded (fence.py)
-        model.note_write_window(window or None)
+        # land in: fenced for the longest write window recorded (fence.py),
+        # the default client's when none is (a cluster from before the fence)
+        if window:
+            model.note_write_window(window)
         self._window = model.write_window
-        fenced = model.fence_free(now, model.write_window)
+        fence_s = model.write_window or DEFAULT_WRITE_WINDOW
+        fenced = model.fence_free(now, fence_s)
         restored = 0
         for ns, nbytes in (quotas.items() if isinstance(quotas, dict) else ()):
             try:
@@ -417,4 +421,4 @@ class Journal:
                 log.warning("skipping malformed quota %r: %s", ns, e)
         model.dirty_quotas = False                  # what etcd holds already
         return {"segments": len(segs), "objects": kept, "dropped": dropped, "quotas": restored, "tasks": len(tasks),
-                "fenced": fenced, "fence_s": model.write_window if fenced else 0.0}
+                "fenced": fenced, "fence_s": fence_s if fenced else 0.0}

@@ -206,10 +206,12 @@ class Puts:
         fenced = any(isinstance(results[i], SpaceFencedError) for i in busy)
         deadline = time.monotonic() + (self.write_window if fenced else self.timeout)
         delay = 0.002
-        while busy and time.monotonic() + delay < deadline:
+        # the last try is at the deadline itself: a fence as long as this
+        # client's window has ended by then
+        while busy and (left := deadline - time.monotonic()) > 0:
             if self._ssd is not None:
                 self._ssd.wake()
-            await asyncio.sleep(delay)
+            await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, 0.2 if fenced else 0.05)
             redo = await self.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
                                                    replica_num=rn, preferred_segment=preferred, pin=pin,

@@ -280,9 +280,11 @@ class ReplicaTasks:
             self._task_done(task)
             return None
         seg = self.segments.get(task.targets[0])
-        if seg is None or not seg.attached:
+        if seg is None:
             self._finish(task, TaskStatus.FAILED, f"target segment {task.targets[0]} was unmounted")
             return None
+        if not seg.attached:
+            return None                     # recovered, its holder not back yet (lost after the grace)
         new = self._start_copy(task.client, obj, seg, now, lease, task)     # repair.py's
         if new is None and seg.alloc.fenced:
             return None                     # space fenced after a failover: tried again at its end (fence.py)
