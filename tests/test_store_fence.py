@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.store import Allocator, StoreClient, StoreModel, TaskStatus
+from kvflow.store import Allocator, DurabilityError, MasterUnavailableError, StoreClient, StoreModel, TaskStatus
 from kvflow.store.allocator import ALIGN
 from kvflow.store.errors import SpaceFencedError
 from kvflow.store.fence import DEFAULT_WRITE_WINDOW, write_window
@@ -252,3 +252,29 @@ async def test_tasks_in_flight_survive_a_master_restart(etcd):  # noqa: F811
 async def _only_b(c: StoreClient) -> bool:
     return await _segments_of(c, "obj") == {"seg-b"}
 
+
+
+async def test_a_leader_stopped_past_its_lease_hands_out_no_space(etcd):  # noqa: F811
+    # The new leader's fence covers writes the old one allowed before its
+    # lease ran out. One stopped past its lease (SIGSTOP) and woken must not
+    # allow more: its put_start waits for a keep-alive, which finds the
+    # lease gone (the old code replied from memory, and its client wrote).
+    spec = f"etcd://{etcd}/s"
+    async with _masters() as start:
+        m1 = await start(etcd, cluster="s")
+        a1 = await m1.ready()
+        m2 = await start(etcd, cluster="s")
+        assert "standby" in await m2.line()
+        async with StoreClient(a1, segment_size=4 * MiB, protocols=("tcp",), timeout=2.0):
+            w = await TcpMasterLink.open(a1)
+            await w.call("register", "w", "h", "127.0.0.1:1", write_window(2.0))
+            assert (await w.call("batch_put_start", [["before", 4096, 1, None, False]], 1))["items"][0][0] == 0
+            os.kill(m1.proc.pid, signal.SIGSTOP)
+            await m2.ready()
+            os.kill(m1.proc.pid, signal.SIGCONT)
+            with pytest.raises((DurabilityError, MasterUnavailableError)):
+                await w.call("batch_put_start", [["after", 4096, 1, None, False]], 2)
+            assert await asyncio.wait_for(m1.proc.wait(), 15) == 3
+            async with StoreClient(spec, segment_size=0, protocols=("tcp",), timeout=2.0) as c:
+                assert not await c.exists("after") and not await c.exists("before")
+            await w.close()

@@ -53,6 +53,7 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
     journal = Journal(etcd, layout, master.model, fence_revision=election.revision, clock=master.clock)
     counts = await journal.recover(master.clock())
     master.attach_journal(journal, sync_commit=args.commit == "sync")
+    master.leadership = election        # space is handed out only while its lease runs
     journal.stage()
     journal.flush_recovered()       # records recovery found stale go now
     log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped), %d quotas, %d tasks in "

@@ -20,9 +20,11 @@ model's changes go to the journal (durable.py), and the reply of a call
 that changed durable state waits until etcd has every change staged so
 far (a put_end only with `sync_commit`); a put_start's reply (and a
 repair_start's, which hands out space to copy into) also waits for every
-deletion staged before it (durable.py says why); other replies leave at
-once. A register's reply waits too when its client's write window is the
-longest yet (recorded for the failover fence: fence.py).
+deletion staged before it (durable.py says why), and, past the time its
+election lease certainly runs, for a keep-alive that shows it still leads
+(election.py says why); other replies leave at once. A register's reply
+waits too when its client's write window is the longest yet (recorded
+for the failover fence: fence.py).
 A journal that fails (etcd gone, this master fenced) stops the master:
 `failed` is set and every waiting reply gets the DurabilityError.
 """
@@ -56,6 +58,9 @@ METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_
                      "create_move_task", "query_task", "replica_desc"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
+
+# the calls whose replies let a client write into space (put_start; repair_start for copies)
+_HANDS_OUT = frozenset({"batch_put_start", "batch_repair_start"})
 
 
 class Session:
@@ -105,6 +110,7 @@ class Master(SsdCalls):
         self._connections: set[_MasterProtocol] = set()
         self._closed = False
         self.journal = None             # durable.Journal, when etcd keeps the index
+        self.leadership = None          # election.Election, when this master leads a cluster
         self.sync_commit = True
         self.failed: asyncio.Future | None = None   # set (with the error) when durability is lost
         self.root_fs_dir = ""           # where clients that ask keep SSD tiers (--root-fs-dir)
@@ -169,13 +175,21 @@ class Master(SsdCalls):
         j = self.journal
         if j is None:
             return None
+        hands_out = method in _HANDS_OUT
         if j.seq != before and (self.sync_commit or method != "batch_put_end"):
             target = j.seq                  # this call's own changes (and all before them)
-        elif method in ("batch_put_start", "batch_repair_start"):
+        elif hands_out:
             target = j.free_seq             # space freed before it may be handed out again (a copy's too)
         else:
             return None
-        return None if j.committed >= target else j.wait(target)
+        fut = None if j.committed >= target else j.wait(target)
+        lead = self.leadership
+        if hands_out and lead is not None and self.clock() >= lead.held_until:
+            # the lease may have run out (this process was stopped): space is
+            # handed out only once a keep-alive shows it still leads (election.py)
+            renewal = lead.renewed()
+            fut = renewal if fut is None else asyncio.gather(fut, renewal)
+        return fut
 
     async def call(self, s: Session, method: str, args: list) -> Any:
         """dispatch(), then wait for durability where the reply must."""
