@@ -278,3 +278,53 @@ async def test_a_leader_stopped_past_its_lease_hands_out_no_space(etcd):  # noqa
             async with StoreClient(spec, segment_size=0, protocols=("tcp",), timeout=2.0) as c:
                 assert not await c.exists("after") and not await c.exists("before")
             await w.close()
+
+
+def test_the_fence_lifts_once_every_recorded_client_says_its_writes_are_over():
+    old = StoreModel(seed=1)
+    for c in ("h", "w"):
+        old.register_client(c, "host", f"e-{c}", 0.0)
+    old.mount("h", "seg-h", 1 << 30, 4 * MiB)
+    new = _recovered(old, 1.0)
+    new.track()
+    new.restore_client("w", 7.0, "host", "e-w", 1.0)       # a writer with no segment, recorded
+    assert new.fence_free(1.0, 7.0, {"h", "w"}) == 4 * MiB
+    new.register_client("h", "host", "e-h", 1.5)
+    new.note_client("h", 7.0, True)
+    assert new.fenced == 4 * MiB                           # w may still be writing
+    new.register_client("w", "host", "e-w", 1.6)
+    new.note_client("w", 7.0, False)                       # it is: the fence stays
+    assert new.fenced == 4 * MiB
+    new.client_lost("w")                                   # its process is gone, and its writes with it
+    assert new.fenced == 0 and new.put_start("h", "k", MiB, 1, 1.7, token=1)
+    assert new.dirty_clients == {"h", "w"}                 # h's record written, w's deleted
+
+
+async def test_the_fence_lifts_when_every_client_is_back(etcd):  # noqa: F811
+    # every client alive: the fence ends when the last one re-attaches with
+    # no write in progress, well before the window (15 s here)
+    spec = f"etcd://{etcd}/l"
+    async with _masters() as start:
+        m1 = await start(etcd, cluster="l")
+        await m1.ready()
+        h1, i1 = await _member(spec, "from-h1", 4096, 61, "seg-h1", timeout=10.0)
+        try:
+            async with StoreClient(spec, segment_size=0, protocols=("tcp",), local_buffer_size=4 * MiB) as c:
+                assert c.write_window == 15.0
+                await c.put("before", b"b" * 1000)
+                m1.kill()
+                await m1.proc.wait()
+                m2 = await start(etcd, cluster="l")
+                await m2.ready()
+                t0 = time.monotonic()
+                await _until(lambda: _stat_is(c, "fenced", 0), timeout=10)
+                lifted = time.monotonic() - t0
+                assert await c.put("after", b"a" * 1000) == 1
+                assert await c.get("before") == b"b" * 1000 and await c.get("after") == b"a" * 1000
+                print(f"fence lifted {lifted:.2f} s after the new leader was ready (window 15 s)")
+        finally:
+            await _stop_member(h1)
+
+
+async def _stat_is(c: StoreClient, name: str, value) -> bool:
+    return (await c.stats())[name] == value

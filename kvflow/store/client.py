@@ -250,10 +250,13 @@ class StoreClient(Puts, Gets, TaskCalls):
         start, and again on each new leader (the same client id and segment
         name: a master that recovered them from etcd gives back the same
         segment id and the objects in it)."""
-        # its write window: how long its writes may land after a put_start's
-        # reply (a new leader fences recovered free space that long: fence.py)
+        # its write window (how long its writes may land after a put_start's
+        # reply: a new leader fences recovered free space that long), and
+        # whether none is in progress: it waits for that first, so that a new
+        # leader may lift its fence once every client has said so (fence.py)
+        drained = await self._mover.idle(self.write_window) if self._mover is not None else True
         hello = await link.call("register", self.client_id, self.host, self.engine.address,
-                                self.write_window, timeout=self.timeout)
+                                self.write_window, drained, timeout=self.timeout)
         if self._segment_region is not None:
             self.segment_id = await link.call("mount", self.segment_name,
                                               self._segment_region.addr, self.segment_size, timeout=self.timeout)

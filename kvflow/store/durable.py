@@ -20,6 +20,10 @@ Layout, under `kvflow/store/<cluster>/`:
                     ignored) or fewer: records written before want and
                     soft_until (6 fields) recover with want = the replicas
                     they name and no soft pin
+    c/<id>          a registered client: [write window, host, engine],
+                    written before its register's reply, deleted when it is
+                    lost: who may have writes in flight at a failover
+                    (fence.py)
     t/<hi>.<lo>     a copy or move task (tasks.py's Task.record()): written
                     when it is created, as a target's copy joins, and when
                     it finishes; deleted when it is no longer queryable
@@ -119,6 +123,9 @@ class Layout:
     def seg(self, sid: int) -> bytes:
         return self.root + b"s/%d" % sid
 
+    def client(self, cid: str) -> bytes:
+        return self.root + b"c/" + cid.encode()
+
     def task(self, tid: tuple[int, int]) -> bytes:
         return self.root + b"t/%d.%d" % tid
 
@@ -150,6 +157,7 @@ class Journal:
         self._records: set[int] = set()             # records to write (or delete) at the next flush
         self._segments: set[int] = set()
         self._tasks: set[tuple[int, int]] = set()  # copy and move tasks to write (or delete)
+        self._clients: set[str] = set()             # client records to write (or delete)
         self._meta = False
         self._window = 0.0          # the write window in etcd's meta (fence.py)
         self._quotas = False
@@ -168,16 +176,16 @@ class Journal:
             self._window = m.write_window
             self._meta = True
             self.seq += 1
-            if not (m.dirty_objects or m.dirty_segments or m.dirty_quotas or m.dirty_tasks):
-                self._start_flush()
-                return True
-        elif not (m.dirty_objects or m.dirty_segments or m.dirty_quotas or m.dirty_tasks):
+        elif not (m.dirty_objects or m.dirty_segments or m.dirty_quotas or m.dirty_tasks or m.dirty_clients):
             return False
         else:
             self.seq += 1
         if m.dirty_tasks:
             self._tasks |= m.dirty_tasks
             m.dirty_tasks = set()
+        if m.dirty_clients:
+            self._clients |= m.dirty_clients
+            m.dirty_clients = set()
         if m.dirty_quotas:
             self._quotas, m.dirty_quotas = True, False
         objects, record_of = m.objects, self._record_of
@@ -250,7 +258,7 @@ class Journal:
 
     async def _flush(self) -> None:
         try:
-            while self._records or self._segments or self._meta or self._quotas or self._tasks:
+            while self._records or self._segments or self._meta or self._quotas or self._tasks or self._clients:
                 target = self.seq
                 await asyncio.gather(*(self._txn(c) for c in self._chunks(self._ops())))
                 self.committed = target
@@ -307,13 +315,21 @@ class Journal:
             else:
                 v = b64(_pack(task.record()))
                 ops.append(({"request_put": {"key": k, "value": v}}, len(v)))
+        for cid in self._clients:
+            c = m.clients.get(cid)
+            k = b64(lay.client(cid))
+            if c is None:
+                ops.append(({"request_delete_range": {"key": k}}, 0))
+            elif not c.recovered:
+                ops.append(({"request_put": {"key": k, "value": b64(_pack([c.window, c.host, c.engine]))}}, 0))
         if self._meta:
             ops.append(({"request_put": {"key": b64(lay.meta),
                                          "value": b64(_pack({"next_segment": m.next_segment,
                                                              "write_window": self._window}))}}, 0))
         if self._quotas:
             ops.append(({"request_put": {"key": b64(lay.quotas), "value": b64(_pack(dict(m.quotas)))}}, 0))
-        self._records, self._segments, self._meta, self._quotas, self._tasks = set(), set(), False, False, set()
+        self._records, self._segments, self._meta, self._quotas = set(), set(), False, False
+        self._tasks, self._clients = set(), set()
         return ops
 
     def _chunks(self, ops: list[tuple[dict, int]]) -> list[list[dict]]:
@@ -353,7 +369,7 @@ class Journal:
         first flush. Returns counts."""
         lay, model = self.layout, self.model
         kvs = await self.etcd.range_prefix(lay.root)
-        segs, records, tasks, meta, quotas = [], [], [], {}, {}
+        segs, records, tasks, clients, meta, quotas = [], [], [], [], {}, {}
         n = len(lay.root) + 2
         for kv in kvs:
             k = kv["key"]
@@ -369,6 +385,8 @@ class Journal:
                     segs.append((int(k[n:]), v))
                 elif k.startswith(lay.root + b"r/"):
                     records.append((kv["mod_revision"], int(k[n:]), v))
+                elif k.startswith(lay.root + b"c/"):
+                    clients.append((k[n:].decode(), v))
                 elif k.startswith(lay.root + b"t/"):
                     hi, lo = k[n:].split(b".")
                     tasks.append((v[8], int(lo), (int(hi), int(lo)), v))     # created ms, then sequence
@@ -376,6 +394,8 @@ class Journal:
                 log.warning("skipping malformed record %r: %s", k[:80], e)
         for sid, (client, host, engine, name, base, size) in segs:
             model.restore_segment(sid, client, host, engine, name, base, size, now)
+        for cid, (window, host, engine) in clients:
+            model.restore_client(cid, window, host, engine, now)
         kept = dropped = 0
         wall = time.time()
         for _, rid, entries in sorted(records, key=lambda r: r[0]):
@@ -411,7 +431,9 @@ class Journal:
             model.note_write_window(window)
         self._window = model.write_window
         fence_s = model.write_window or DEFAULT_WRITE_WINDOW
-        fenced = model.fence_free(now, fence_s)
+        # lifted sooner once every recorded client says its writes are over
+        # (none recorded: a cluster from before the records; the window alone)
+        fenced = model.fence_free(now, fence_s, {cid for cid, _ in clients})
         restored = 0
         for ns, nbytes in (quotas.items() if isinstance(quotas, dict) else ()):
             try:

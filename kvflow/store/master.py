@@ -59,8 +59,8 @@ METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_
 
 log = logging.getLogger("kvflow.store.master")
 
-# the calls whose replies let a client write into space (put_start; repair_start for copies)
-_HANDS_OUT = frozenset({"batch_put_start", "batch_repair_start"})
+# the calls whose replies let a client write into space (a put's; a copy's; an SSD promotion's)
+_HANDS_OUT = frozenset({"batch_put_start", "batch_repair_start", "batch_promote_start"})
 
 
 class Session:
@@ -286,9 +286,11 @@ class Master(SsdCalls):
         if method == "register":
             if s.client_id is not None:
                 raise InvalidArgumentError(f"this connection is client {s.client_id} already")
-            client_id, host, engine, *window = args     # window: its write window (fence.py; older clients: none)
+            # then (fence.py; older clients say neither): its write window,
+            # and whether none of its writes is in progress
+            client_id, host, engine, *fence = args
             c = self.model.register_client(client_id, host, engine, now)
-            self.model.note_write_window(window[0] if window else None)
+            self.model.note_client(client_id, fence[0] if fence else None, len(fence) > 1 and fence[1] is True)
             c.beat_token = secrets.token_hex(16)
             s.client_id = client_id
             return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,

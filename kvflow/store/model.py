@@ -139,7 +139,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
 
     def track(self) -> None:
         """Starts recording changes for durability (see the module's doc)."""
-        self.dirty_objects, self.dirty_segments, self.dirty_tasks = set(), set(), set()
+        self.dirty_objects, self.dirty_segments, self.dirty_tasks, self.dirty_clients = set(), set(), set(), set()
         self.dirty_quotas = False
 
     @property
@@ -281,6 +281,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
         c = self.clients.pop(client_id, None)
         if c is None:
             return 0
+        self._client_gone(client_id)        # its record leaves etcd; the fence waits no more for it
         for key in list(c.writing):
             obj = self.objects.get(key)
             if obj is not None and obj.state is State.ALLOCATED and obj.writer == client_id:
