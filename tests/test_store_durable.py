@@ -494,7 +494,10 @@ async def test_pins_and_a_soft_pins_deadline_survive_a_restart(etcd):
     async with _masters() as start:
         m1 = await start(etcd)
         await m1.ready()
-        async with StoreClient(spec, segment_size=8 << 20, protocols=("tcp",), local_buffer_size=16 << 20) as c:
+        # timeout 2 s: the new leader fences its recovered free space for the
+        # clients' write window (7 s then, fence.py), well inside the short pin
+        async with StoreClient(spec, segment_size=8 << 20, protocols=("tcp",), local_buffer_size=16 << 20,
+                               timeout=2.0) as c:
             t_put = time.time()
             assert await c.put("soft-short", _data(size, 1), soft_pin=short) == 1
             assert await c.put("hard", _data(size, 2), pin=True) == 1

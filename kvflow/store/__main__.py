@@ -53,11 +53,13 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
     journal = Journal(etcd, layout, master.model, fence_revision=election.revision, clock=master.clock)
     counts = await journal.recover(master.clock())
     master.attach_journal(journal, sync_commit=args.commit == "sync")
+    master.leadership = election        # space is handed out only while its lease runs
     journal.stage()
     journal.flush_recovered()       # records recovery found stale go now
-    log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped), %d quotas in %.3f s",
-                args.cluster, counts["segments"], counts["objects"], counts["dropped"], counts["quotas"],
-                time.monotonic() - t0)
+    log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped), %d quotas, %d tasks in "
+                "%.3f s; %d free bytes fenced for %.1f s", args.cluster, counts["segments"], counts["objects"],
+                counts["dropped"], counts["quotas"], counts["tasks"], time.monotonic() - t0, counts["fenced"],
+                counts["fence_s"])
     election.lost.add_done_callback(
         lambda f: master.durability_lost(f.exception()) if f.exception() else None)
     return election

@@ -8,6 +8,11 @@ insert) and by (size, offset) (best fit is the first extent at least as
 large as the request: one bisect). `bisect.insort` moves memory in C, which
 for the few thousand extents a fragmented segment holds costs less than a
 balanced tree in Python.
+
+A fence (`fence()`, `unfence()`) takes every free extent out of use for a
+while: after a failover, space no recorded object holds may still receive
+a dead master's puts' late writes (fence.py says how long); fenced space
+is neither free nor used.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ class Allocator:
         self._by_size: list[tuple[int, int]] = [(self.capacity, 0)]
         self._used: dict[int, int] = {}                    # allocated start -> rounded length
         self.used = 0
+        self._fenced: dict[int, int] = {}                  # fenced start -> length (fence())
+        self.fenced = 0
 
     def __repr__(self) -> str:
         return (f"<Allocator capacity={self.capacity} used={self.used} "
@@ -45,7 +52,7 @@ class Allocator:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.used
+        return self.capacity - self.used - self.fenced
 
     @property
     def largest_free(self) -> int:
@@ -143,12 +150,36 @@ class Allocator:
         self._add_extent(start, length)
         return need
 
+    def fence(self) -> int:
+        """Takes every free extent out of use until unfence() (allocate and
+        largest_free no longer see it); returns the bytes fenced."""
+        n = 0
+        for start in list(self._by_offset):
+            length = self._size[start]
+            self._drop_extent(start)
+            self._fenced[start] = length
+            n += length
+        self.fenced += n
+        return n
+
+    def unfence(self) -> int:
+        """Gives the fenced extents back to the free list (coalesced with
+        their free neighbours); returns the bytes."""
+        n = self.fenced
+        for start, length in self._fenced.items():
+            self._used[start] = length
+            self.used += length
+            self.release(start)
+        self._fenced, self.fenced = {}, 0
+        return n
+
     def check(self) -> None:
         """Asserts the invariants (tests): extents sorted, disjoint, never
-        adjacent (coalesced), not overlapping allocations, and free + used
-        == capacity."""
+        adjacent (coalesced), not overlapping allocations or fenced space,
+        and free + used + fenced == capacity."""
         spans = sorted([(s, self._size[s], "free") for s in self._by_offset]
-                       + [(s, n, "used") for s, n in self._used.items()])
+                       + [(s, n, "used") for s, n in self._used.items()]
+                       + [(s, n, "fenced") for s, n in self._fenced.items()])
         pos = 0
         prev_kind = None
         for start, length, kind in spans:
@@ -158,6 +189,7 @@ class Allocator:
         assert pos == self.capacity, f"spans end at {pos}, capacity {self.capacity}"
         assert sorted(self._by_size) == self._by_size
         assert len(self._by_size) == len(self._by_offset) == len(self._size)
+        assert self.fenced == sum(self._fenced.values()) and self.used == sum(self._used.values())
 
     # -- the two views ---------------------------------------------------------
     def _add_extent(self, start: int, length: int) -> None:

@@ -46,6 +46,7 @@ from .allocator import Allocator
 from .calls import Replica, item_result, replica_rows, with_timeout
 from .datapath import Mover, Moves
 from .errors import InvalidKeyError, MasterUnavailableError
+from .fence import CLIENT_TIMEOUT, CONNECT_TIMEOUT, write_window
 from .follow import FollowingLink, finder_for
 from .gets import Gets
 from .master import Master
@@ -97,7 +98,7 @@ class StoreClient(Puts, Gets, TaskCalls):
     def __init__(self, master: "str | Sequence[str] | Master | None" = None, *, engine: kvflow.Engine | None = None,
                  segment_size: int = 64 << 20, local_buffer_size: int = 16 << 20,
                  listen: str = "127.0.0.1:0", protocols: Sequence[str] | None = None,
-                 host: str | None = None, timeout: float = 10.0, replica_num: int = 1,
+                 host: str | None = None, timeout: float = CLIENT_TIMEOUT, replica_num: int = 1,
                  master_listen: str | None = None, prefer_local: bool = False,
                  ssd_path: str | None = None, ssd_capacity: int | None = None, ssd_offload: str = "evict",
                  ssd_verify: bool = False, ssd_promote: bool = True, namespace: str | None = None,
@@ -186,6 +187,12 @@ class StoreClient(Puts, Gets, TaskCalls):
         return m.address if m is not None else None
 
     @property
+    def write_window(self) -> float:
+        """Seconds its writes may still land after a put_start's reply: the
+        connect to a holder, then the transfer's timeout (fence.py)."""
+        return write_window(self.timeout, self._mover.connect_timeout if self._mover else CONNECT_TIMEOUT)
+
+    @property
     def local_buffer_in_use(self) -> int:
         """Bytes of the local buffer held by put()/get() calls in progress."""
         return self._staging_alloc.used if self._staging_alloc else 0
@@ -248,8 +255,13 @@ class StoreClient(Puts, Gets, TaskCalls):
         start, and again on each new leader (the same client id and segment
         name: a master that recovered them from etcd gives back the same
         segment id and the objects in it)."""
+        # its write window (how long its writes may land after a put_start's
+        # reply: a new leader fences recovered free space that long), and
+        # whether none is in progress: it waits for that first, so that a new
+        # leader may lift its fence once every client has said so (fence.py)
+        drained = await self._mover.idle(self.write_window) if self._mover is not None else True
         hello = await link.call("register", self.client_id, self.host, self.engine.address,
-                                timeout=self.timeout)
+                                self.write_window, drained, timeout=self.timeout)
         if self._segment_region is not None:
             self.segment_id = await link.call("mount", self.segment_name,
                                               self._segment_region.addr, self.segment_size, timeout=self.timeout)

@@ -21,6 +21,8 @@ import numpy as np
 import kvflow
 from kvflow.errors import KVFlowError, PeerLostError
 
+from .fence import CONNECT_TIMEOUT
+
 __all__ = ["Moves", "Mover", "finish_before_cancel", "holders_of"]
 
 
@@ -85,13 +87,43 @@ def holders_of(sids: Sequence[int], segs: dict) -> list[str]:
 
 
 class Mover:
-    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = 5.0) -> None:
+    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.engine = engine
         self.connect_timeout = connect_timeout
+        self.writing = 0                # write batches in progress (idle() waits for none)
+        self._idle: asyncio.Event | None = None
+
+    async def idle(self, timeout: float) -> bool:
+        """Waits until no write is in progress (True), at most `timeout` s
+        (False). A client re-attaching to a new leader says its writes
+        allowed by the old one are over (fence.py)."""
+        if not self.writing:
+            return True
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def run(self, op: str, moves: Moves, *, timeout: float | None) -> dict[str, KVFlowError]:
         """Moves every entry (op "write": local -> remote, "read": remote ->
         local); returns the holders whose batch failed, with their error."""
+        if op != "write":
+            return await self._run(op, moves, timeout)
+        # counted from here, which a put reaches from its put_start's reply
+        # with no await between: idle() sees every write a master allowed
+        self.writing += 1
+        try:
+            return await self._run(op, moves, timeout)
+        finally:
+            self.writing -= 1
+            if not self.writing and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    async def _run(self, op: str, moves: Moves, timeout: float | None) -> dict[str, KVFlowError]:
         own = self.engine.address
         groups: dict[str, list[int]] = {}
         distinct = set(moves.holder)

@@ -4,8 +4,11 @@ records, a group-committing journal of changes, and recovery.
 Layout, under `kvflow/store/<cluster>/`:
 
     leader          the leader's address, on its election lease (election.py)
-    meta            {"next_segment": n}: segment ids are never reused, so a
-                    stale record can never point into a newer segment
+    meta            {"next_segment": n, "write_window": s}: segment ids are
+                    never reused, so a stale record can never point into a
+                    newer segment; write_window: the longest a client's
+                    write may outlast its put_start's reply, the failover
+                    fence's length (fence.py)
     s/<id>          a mounted segment: [client, host, engine, name, base, size]
     r/<id>          a record of COMPLETE objects, those one flush committed
                     together (a batch put): [[key, size, [[segment, offset,
@@ -17,6 +20,13 @@ Layout, under `kvflow/store/<cluster>/`:
                     ignored) or fewer: records written before want and
                     soft_until (6 fields) recover with want = the replicas
                     they name and no soft pin
+    c/<id>          a registered client: [write window, host, engine],
+                    written before its register's reply, deleted when it is
+                    lost: who may have writes in flight at a failover
+                    (fence.py)
+    t/<hi>.<lo>     a copy or move task (tasks.py's Task.record()): written
+                    when it is created, as a target's copy joins, and when
+                    it finishes; deleted when it is no longer queryable
     quotas          {namespace: bytes}, every quota (set_quota); rewritten
                     whole at each change, which is rare (a client's attach
                     says its quota again, a no-op when unchanged)
@@ -79,6 +89,7 @@ from kvflow.errors import InvalidArgumentError
 
 from .errors import DurabilityError
 from .etcd import EtcdClient, b64
+from .fence import DEFAULT_WRITE_WINDOW
 from .model import State, StoreModel
 
 __all__ = ["Layout", "Journal"]
@@ -112,6 +123,12 @@ class Layout:
     def seg(self, sid: int) -> bytes:
         return self.root + b"s/%d" % sid
 
+    def client(self, cid: str) -> bytes:
+        return self.root + b"c/" + cid.encode()
+
+    def task(self, tid: tuple[int, int]) -> bytes:
+        return self.root + b"t/%d.%d" % tid
+
 
 def _pack(v: object) -> bytes:
     return msgpack.packb(v, use_bin_type=True)
@@ -139,7 +156,10 @@ class Journal:
         self._next_record = 1
         self._records: set[int] = set()             # records to write (or delete) at the next flush
         self._segments: set[int] = set()
+        self._tasks: set[tuple[int, int]] = set()  # copy and move tasks to write (or delete)
+        self._clients: set[str] = set()             # client records to write (or delete)
         self._meta = False
+        self._window = 0.0          # the write window in etcd's meta (fence.py)
         self._quotas = False
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self._flusher: asyncio.Task | None = None
@@ -152,9 +172,20 @@ class Journal:
     def stage(self) -> bool:
         """Takes the model's dirty sets; True when something new is to be written."""
         m = self.model
-        if not (m.dirty_objects or m.dirty_segments or m.dirty_quotas):
+        if m.write_window > self._window:
+            self._window = m.write_window
+            self._meta = True
+            self.seq += 1
+        elif not (m.dirty_objects or m.dirty_segments or m.dirty_quotas or m.dirty_tasks or m.dirty_clients):
             return False
-        self.seq += 1
+        else:
+            self.seq += 1
+        if m.dirty_tasks:
+            self._tasks |= m.dirty_tasks
+            m.dirty_tasks = set()
+        if m.dirty_clients:
+            self._clients |= m.dirty_clients
+            m.dirty_clients = set()
         if m.dirty_quotas:
             self._quotas, m.dirty_quotas = True, False
         objects, record_of = m.objects, self._record_of
@@ -179,9 +210,12 @@ class Journal:
             self._meta = True
             self.free_seq = self.seq
         m.dirty_objects, m.dirty_segments = set(), set()
+        self._start_flush()
+        return True
+
+    def _start_flush(self) -> None:
         if self._flusher is None and self.failed is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
-        return True
 
     def flush_recovered(self) -> None:
         """Writes what recovery found stale (records to rewrite or delete)."""
@@ -224,7 +258,7 @@ class Journal:
 
     async def _flush(self) -> None:
         try:
-            while self._records or self._segments or self._meta or self._quotas:
+            while self._records or self._segments or self._meta or self._quotas or self._tasks or self._clients:
                 target = self.seq
                 await asyncio.gather(*(self._txn(c) for c in self._chunks(self._ops())))
                 self.committed = target
@@ -273,12 +307,29 @@ class Journal:
                 c = m.clients.get(seg.client)
                 rec = [seg.client, c.host if c else "", c.engine if c else "", seg.name, seg.base, seg.size]
                 ops.append(({"request_put": {"key": k, "value": b64(_pack(rec))}}, 0))
+        for tid in self._tasks:
+            task = m.tasks.get(tid)
+            k = b64(lay.task(tid))
+            if task is None:
+                ops.append(({"request_delete_range": {"key": k}}, 0))
+            else:
+                v = b64(_pack(task.record()))
+                ops.append(({"request_put": {"key": k, "value": v}}, len(v)))
+        for cid in self._clients:
+            c = m.clients.get(cid)
+            k = b64(lay.client(cid))
+            if c is None:
+                ops.append(({"request_delete_range": {"key": k}}, 0))
+            elif not c.recovered:
+                ops.append(({"request_put": {"key": k, "value": b64(_pack([c.window, c.host, c.engine]))}}, 0))
         if self._meta:
             ops.append(({"request_put": {"key": b64(lay.meta),
-                                         "value": b64(_pack({"next_segment": m.next_segment}))}}, 0))
+                                         "value": b64(_pack({"next_segment": m.next_segment,
+                                                             "write_window": self._window}))}}, 0))
         if self._quotas:
             ops.append(({"request_put": {"key": b64(lay.quotas), "value": b64(_pack(dict(m.quotas)))}}, 0))
         self._records, self._segments, self._meta, self._quotas = set(), set(), False, False
+        self._tasks, self._clients = set(), set()
         return ops
 
     def _chunks(self, ops: list[tuple[dict, int]]) -> list[list[dict]]:
@@ -318,7 +369,7 @@ class Journal:
         first flush. Returns counts."""
         lay, model = self.layout, self.model
         kvs = await self.etcd.range_prefix(lay.root)
-        segs, records, meta, quotas = [], [], {}, {}
+        segs, records, tasks, clients, meta, quotas = [], [], [], [], {}, {}
         n = len(lay.root) + 2
         for kv in kvs:
             k = kv["key"]
@@ -334,10 +385,17 @@ class Journal:
                     segs.append((int(k[n:]), v))
                 elif k.startswith(lay.root + b"r/"):
                     records.append((kv["mod_revision"], int(k[n:]), v))
-            except (ValueError, TypeError, msgpack.UnpackException) as e:
+                elif k.startswith(lay.root + b"c/"):
+                    clients.append((k[n:].decode(), v))
+                elif k.startswith(lay.root + b"t/"):
+                    hi, lo = k[n:].split(b".")
+                    tasks.append((v[8], int(lo), (int(hi), int(lo)), v))     # created ms, then sequence
+            except (ValueError, TypeError, IndexError, msgpack.UnpackException) as e:
                 log.warning("skipping malformed record %r: %s", k[:80], e)
         for sid, (client, host, engine, name, base, size) in segs:
             model.restore_segment(sid, client, host, engine, name, base, size, now)
+        for cid, (window, host, engine) in clients:
+            model.restore_client(cid, window, host, engine, now)
         kept = dropped = 0
         wall = time.time()
         for _, rid, entries in sorted(records, key=lambda r: r[0]):
@@ -357,8 +415,25 @@ class Journal:
                     dropped += 1
             if len(members) != len(entries):
                 self._records.add(rid)              # rewritten (or deleted) at the first flush
+        for *_, tid, rec in sorted(tasks, key=lambda t: t[:2]):
+            try:
+                model.restore_task(tid, rec)
+            except (ValueError, TypeError) as e:
+                log.warning("skipping malformed task %r: %s", tid, e)
+        window = 0.0
         if isinstance(meta, dict):
             model.skip_segment_ids(int(meta.get("next_segment", 1)))
+            window = meta.get("write_window", 0.0)
+        # what the clients' writes allowed by the dead master may still
+        # land in: fenced for the longest write window recorded (fence.py),
+        # the default client's when none is (a cluster from before the fence)
+        if window:
+            model.note_write_window(window)
+        self._window = model.write_window
+        fence_s = model.write_window or DEFAULT_WRITE_WINDOW
+        # lifted sooner once every recorded client says its writes are over
+        # (none recorded: a cluster from before the records; the window alone)
+        fenced = model.fence_free(now, fence_s, {cid for cid, _ in clients})
         restored = 0
         for ns, nbytes in (quotas.items() if isinstance(quotas, dict) else ()):
             try:
@@ -367,4 +442,5 @@ class Journal:
             except InvalidArgumentError as e:
                 log.warning("skipping malformed quota %r: %s", ns, e)
         model.dirty_quotas = False                  # what etcd holds already
-        return {"segments": len(segs), "objects": kept, "dropped": dropped, "quotas": restored}
+        return {"segments": len(segs), "objects": kept, "dropped": dropped, "quotas": restored, "tasks": len(tasks),
+                "fenced": fenced, "fence_s": fence_s if fenced else 0.0}

@@ -12,6 +12,15 @@ The create revision of the leader key is the fence: every durable write
 of the leader is a txn conditional on the key still having that create
 revision (durable.py), so a leader that lost its lease without noticing
 (stopped, cut off) can no longer write anything its successor would read.
+The lease also bounds when this leader may hand out space (master.py):
+a put_start's reply lets a client write, and a new leader's fence of its
+recovered free space (fence.py) covers only writes allowed before the old
+lease ran out. So `held_until` is when the lease certainly still ran, the
+send time of the last keep-alive etcd answered plus the TTL it reported
+(etcd can expire the lease no sooner), and a reply that hands out space
+after it waits for the next keep-alive (`renewed()`): a leader stopped past
+its lease and woken (SIGSTOP, a partition) hands out nothing; its
+keep-alive finds the lease gone and it stops.
 Why not etcd's own election API (v3election): its Campaign call blocks for
 as long as the candidate is not elected, which a bounded request over the
 JSON gateway cannot express; the txn is the same mechanism underneath.
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from .errors import DurabilityError
 from .etcd import EtcdClient, LeaseNotFound, b64
@@ -51,6 +61,8 @@ class Election:
         self.revision = 0
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
         self._keeper: asyncio.Task | None = None
+        self.held_until = 0.0           # time.monotonic() until which the lease certainly runs
+        self._renewals: list[asyncio.Future] = []
 
     def __repr__(self) -> str:
         return f"<Election {self.key.decode()} {'leader' if self.revision else 'candidate'} {self.value}>"
@@ -58,7 +70,9 @@ class Election:
     async def attempt(self) -> bool:
         """One try to lead (True: this candidate leads now, `revision` set)."""
         if self._keeper is None:
+            sent = time.monotonic()
             self.lease = await self.etcd.grant(self.ttl)
+            self.held_until = sent + self.ttl
             self._keeper = asyncio.get_running_loop().create_task(self._keep())
         if self.lost.done():
             raise self.lost.exception()
@@ -83,6 +97,7 @@ class Election:
         last = asyncio.get_running_loop().time()
         while True:
             await asyncio.sleep(self.ttl / 3)
+            sent = time.monotonic()
             try:
                 left = await self.etcd.keepalive(self.lease)
             except LeaseNotFound:
@@ -99,8 +114,27 @@ class Election:
                     self.lost.set_exception(why or DurabilityError(
                         f"etcd {self.etcd.address}: the lease of {self.key.decode()} expired"))
                     self.lost.exception()           # retrieved: a candidate may never look
+                for fut in self._renewals:
+                    if not fut.done():
+                        fut.set_exception(self.lost.exception())
+                self._renewals.clear()
                 return
             last = asyncio.get_running_loop().time()
+            self.held_until = sent + min(left, self.ttl)
+            for fut in self._renewals:
+                if not fut.done():
+                    fut.set_result(None)
+            self._renewals.clear()
+
+    def renewed(self) -> asyncio.Future:
+        """A future done at the next keep-alive etcd answers (its exception:
+        the lease is lost)."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.lost.done():
+            fut.set_exception(self.lost.exception())
+        else:
+            self._renewals.append(fut)
+        return fut
 
     async def resign(self) -> None:
         """Stops keeping the lease and revokes it (its key goes at once)."""

@@ -7,7 +7,8 @@ from kvflow.errors import InvalidArgumentError, KVFlowError
 
 __all__ = [
     "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
-    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError", "QuotaExceededError",
+    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError", "SpaceFencedError",
+    "QuotaExceededError",
     "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
     "SegmentError", "DurabilityError", "TaskNotFoundError", "CODES", "error_code", "error_from_code",
 ]
@@ -61,6 +62,12 @@ class SsdBusyError(NoSpaceError):
     returns -200 after that, as Mooncake does when the pool is full)."""
 
 
+class SpaceFencedError(NoSpaceError):
+    """Only space fenced after a failover could hold the object (fence.py):
+    free again within the fence's window; StoreClient retries the put for
+    its own write window."""
+
+
 class QuotaExceededError(NoSpaceError):
     """The put would take its namespace over its quota, and nothing of the
     namespace's own could be evicted to make room."""
@@ -112,6 +119,7 @@ CODES: dict[str, type[KVFlowError]] = {
     "leased": ObjectLeasedError,
     "no_space": NoSpaceError,
     "ssd_busy": SsdBusyError,
+    "space_fenced": SpaceFencedError,
     "quota": QuotaExceededError,
     "replica_unavailable": ReplicaUnavailableError,
     "lease_expired": LeaseExpiredError,

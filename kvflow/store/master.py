@@ -18,9 +18,13 @@ wakes late, everyone's clock restarts.
 Durability (`attach_journal`, a master given etcd): after each call the
 model's changes go to the journal (durable.py), and the reply of a call
 that changed durable state waits until etcd has every change staged so
-far (a put_end only with `sync_commit`); a put_start's reply also waits
-for every deletion staged before it (durable.py says why); other replies
-leave at once.
+far (a put_end only with `sync_commit`); a put_start's reply (and a
+repair_start's, which hands out space to copy into) also waits for every
+deletion staged before it (durable.py says why), and, past the time its
+election lease certainly runs, for a keep-alive that shows it still leads
+(election.py says why); other replies leave at once. A register's reply
+waits too when its client's write window is the longest yet (recorded
+for the failover fence: fence.py).
 A journal that fails (etcd gone, this master fenced) stops the master:
 `failed` is set and every waiting reply gets the DurabilityError.
 """
@@ -54,6 +58,9 @@ METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_
                      "create_move_task", "query_task", "replica_desc"}) | frozenset(SSD_METHODS)
 
 log = logging.getLogger("kvflow.store.master")
+
+# the calls whose replies let a client write into space (a put's; a copy's; an SSD promotion's)
+_HANDS_OUT = frozenset({"batch_put_start", "batch_repair_start", "batch_promote_start"})
 
 
 class Session:
@@ -104,6 +111,7 @@ class Master(SsdCalls):
         self._connections: set[_MasterProtocol] = set()
         self._closed = False
         self.journal = None             # durable.Journal, when etcd keeps the index
+        self.leadership = None          # election.Election, when this master leads a cluster
         self.sync_commit = True
         self.failed: asyncio.Future | None = None   # set (with the error) when durability is lost
         self.root_fs_dir = ""           # where clients that ask keep SSD tiers (--root-fs-dir)
@@ -168,13 +176,21 @@ class Master(SsdCalls):
         j = self.journal
         if j is None:
             return None
+        hands_out = method in _HANDS_OUT
         if j.seq != before and (self.sync_commit or method != "batch_put_end"):
             target = j.seq                  # this call's own changes (and all before them)
-        elif method == "batch_put_start":
-            target = j.free_seq             # space freed before it may be handed out again
+        elif hands_out:
+            target = j.free_seq             # space freed before it may be handed out again (a copy's too)
         else:
             return None
-        return None if j.committed >= target else j.wait(target)
+        fut = None if j.committed >= target else j.wait(target)
+        lead = self.leadership
+        if hands_out and lead is not None and self.clock() >= lead.held_until:
+            # the lease may have run out (this process was stopped): space is
+            # handed out only once a keep-alive shows it still leads (election.py)
+            renewal = lead.renewed()
+            fut = renewal if fut is None else asyncio.gather(fut, renewal)
+        return fut
 
     async def call(self, s: Session, method: str, args: list) -> Any:
         """dispatch(), then wait for durability where the reply must."""
@@ -241,6 +257,7 @@ class Master(SsdCalls):
             last = now
             self.model.expire_leases(now)
             self.model.release_quarantine(now)
+            self.model.release_fence(now)
             for cid in self.model.expire_clients(now, self.client_grace):
                 log.warning("client %s silent for more than %.1f s: lost", cid, self.client_grace)
                 for s in list(self.sessions):
@@ -273,8 +290,11 @@ class Master(SsdCalls):
         if method == "register":
             if s.client_id is not None:
                 raise InvalidArgumentError(f"this connection is client {s.client_id} already")
-            client_id, host, engine = args
+            # then (fence.py; older clients say neither): its write window,
+            # and whether none of its writes is in progress
+            client_id, host, engine, *fence = args
             c = self.model.register_client(client_id, host, engine, now)
+            self.model.note_client(client_id, fence[0] if fence else None, len(fence) > 1 and fence[1] is True)
             c.beat_token = secrets.token_hex(16)
             s.client_id = client_id
             return {"lease_ttl": self.model.lease_ttl, "heartbeat": self.heartbeat_interval,
@@ -524,7 +544,8 @@ class Master(SsdCalls):
         m = self.model
         out = {"clients": len(m.clients), "segments": len(m.segments), "objects": len(m.objects),
                "capacity": m.capacity, "used": m.used, "evictions": m.evictions, "calls": self.calls,
-               "ssd_objects": sum(len(c.ssd_keys) for c in m.clients.values()), "ssd_missed": m.ssd_missed}
+               "ssd_objects": sum(len(c.ssd_keys) for c in m.clients.values()), "ssd_missed": m.ssd_missed,
+               "fenced": m.fenced}
         if self.journal is not None:
             out["etcd_txns"] = self.journal.txns
             out["etcd_keys"] = self.journal.keys_written

@@ -35,6 +35,7 @@ from kvflow.errors import InvalidArgumentError
 from .allocator import ALIGN, Allocator
 from .errors import (NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
                      QuotaExceededError, SegmentError, SsdBusyError, StoreError)
+from .fence import WriteFence
 from .placement import place
 from .records import MAX_KEY_BYTES, NS_SEP, Client, Object, Replica, Segment, State, check_key, namespace_of
 from .repair import ReplicaRepair
@@ -56,7 +57,7 @@ def _soft_pin_seconds(pin: Any, default: float) -> float:
     return float(ttl)
 
 
-class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
+class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
     """The pool's metadata. `high_watermark`/`low_watermark`: fractions of
     the pool's capacity; a put that would take the pool above the high one
     first evicts least-recently-used objects down to the low one.
@@ -99,6 +100,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         # (and the copy or move task it is part of, None for a repair: tasks.py)
         self._repairs: dict[str, tuple[str, Replica, int, Object, Any]] = {}
         self._init_tasks()
+        self._init_fence()          # space fenced after a failover (fence.py)
         self.repaired = 0
         self.soft_evictions = 0     # soft-pinned objects evicted because nothing else could go
         self.evicted_bytes = 0
@@ -137,7 +139,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
 
     def track(self) -> None:
         """Starts recording changes for durability (see the module's doc)."""
-        self.dirty_objects, self.dirty_segments = set(), set()
+        self.dirty_objects, self.dirty_segments, self.dirty_tasks, self.dirty_clients = set(), set(), set(), set()
         self.dirty_quotas = False
 
     @property
@@ -279,6 +281,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         c = self.clients.pop(client_id, None)
         if c is None:
             return 0
+        self._client_gone(client_id)        # its record leaves etcd; the fence waits no more for it
         for key in list(c.writing):
             obj = self.objects.get(key)
             if obj is not None and obj.state is State.ALLOCATED and obj.writer == client_id:
@@ -382,6 +385,8 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks):
         else:
             chosen = self._place(size, replica_num, preferred)
         if not chosen and self.release_quarantine(now):
+            chosen = self._place(size, replica_num, preferred)
+        if not chosen and self._fence_until and self._fenced_out(key, size, now):
             chosen = self._place(size, replica_num, preferred)
         while not chosen and self._evict_one(now):      # fragmentation: evict until one fits
             chosen = self._place(size, replica_num, preferred)

@@ -15,7 +15,8 @@ from kvflow.errors import InvalidArgumentError, KVFlowError
 
 from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout
 from .datapath import Moves, holders_of
-from .errors import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, SsdBusyError
+from .errors import (MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, SpaceFencedError,
+                     SsdBusyError)
 from .metrics import counted
 
 __all__ = ["Puts", "wire_pin"]
@@ -129,7 +130,7 @@ class Puts:
                 r = item_result(item, keys[i])
                 if isinstance(r, KVFlowError):
                     results[i] = r
-                    ssd_busy = ssd_busy or type(r) is SsdBusyError
+                    ssd_busy = ssd_busy or type(r) in (SsdBusyError, SpaceFencedError)     # both: wait
                 elif r is None:
                     results[i] = 0                      # exists already: immutable, nothing to write
                 else:
@@ -203,21 +204,27 @@ class Puts:
         """Puts that met SsdBusyError (the pool is full of objects an eager
         SSD tier is still copying) are put again, backing off, until they
         fit or the client's timeout has passed: the disk's pace is the
-        pool's, instead of objects lost."""
-        busy = [i for i, r in enumerate(results) if isinstance(r, SsdBusyError)]
-        deadline = time.monotonic() + self.timeout
+        pool's, instead of objects lost. Those that met SpaceFencedError
+        (only space fenced after a failover could hold them) the same, for
+        the client's write window: the fence lasts at most that long when
+        the pool's clients share this one's timeouts (fence.py)."""
+        busy = [i for i, r in enumerate(results) if isinstance(r, (SsdBusyError, SpaceFencedError))]
+        fenced = any(isinstance(results[i], SpaceFencedError) for i in busy)
+        deadline = time.monotonic() + (self.write_window if fenced else self.timeout)
         delay = 0.002
-        while busy and time.monotonic() + delay < deadline:
+        # the last try is at the deadline itself: a fence as long as this
+        # client's window has ended by then
+        while busy and (left := deadline - time.monotonic()) > 0:
             if self._ssd is not None:
                 self._ssd.wake()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.2 if fenced else 0.05)
             redo = await self.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
                                                    replica_num=rn, preferred_segment=preferred, pin=pin,
                                                    soft_pin=soft_pin, _wait=False)
             for i, r in zip(busy, redo):
                 results[i] = r
-            busy = [i for i in busy if isinstance(results[i], SsdBusyError)]
+            busy = [i for i in busy if isinstance(results[i], (SsdBusyError, SpaceFencedError))]
 
     async def _revoke(self, keys: list[str], token: int) -> None:
         try:

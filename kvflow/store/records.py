@@ -72,6 +72,7 @@ class Client:
     ssd_mode: str = ""          # "evict" or "eager"
     ssd_keys: set[str] = field(default_factory=set)    # objects it holds an SSD copy of
     ssd_pending: dict[str, None] = field(default_factory=dict)  # "eager": landed in its segment, not copied yet
+    window: float = 0.0         # its write window (fence.py), as it said at register
 
 
 @dataclass(eq=False)

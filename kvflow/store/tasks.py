@@ -16,7 +16,20 @@ time, so a copy to several targets is handed out one target per round.
 Status: PENDING until handed out, PROCESSING while copying, then SUCCESS or
 FAILED (with a message: no room on the target, the object or a segment
 gone, the copy failed). Finished tasks stay queryable until
-MAX_FINISHED_TASKS newer ones have finished."""
+MAX_FINISHED_TASKS newer ones have finished.
+
+Durability (a master given etcd): a task is recorded (`row()`, durable.py's
+`t/<id>`) when it is created (create_copy_task replies once it is in
+etcd), as each target's copy joins, and when it finishes; a finished one
+leaves etcd with its last queryable day. A new leader restores them
+(`restore_task`): finished ones answer query_task as before; unfinished
+ones start again from PENDING on the recovered object (the same put's:
+its writer, token and size), their targets holding a replica already
+skipped (the copy that joined before the crash is in the object's record,
+written in the same flush as the task's progress); a copy in flight at
+the crash is made again (its allocation was never recorded, and its late
+bytes fall in space the failover fence holds: fence.py). A task whose
+object is gone, or was put again, fails at recovery."""
 from __future__ import annotations
 
 import enum
@@ -58,7 +71,8 @@ class Task:
     client: str                 # the client holding the source replica: it copies
     source: int                 # segment id of the replica copied from
     targets: list[int]          # segment ids still to receive a replica, in order
-    obj: Object                 # the object copied: a new object of the same key is never touched
+    obj: Object | None          # the object copied: a new object of the same key is never touched
+                                # (None: a finished task restored from etcd)
     created_ms: int
     updated_ms: int = 0
     status: TaskStatus = TaskStatus.PENDING
@@ -70,6 +84,14 @@ class Task:
         ms, assigned client, message]."""
         return [list(self.id), int(self.type), int(self.status), self.created_ms, self.updated_ms or self.created_ms,
                 self.client, self.message]
+
+
+    def record(self) -> list:
+        """What etcd keeps of it (durable.py; restore_task reads it back)."""
+        obj = self.obj
+        return [int(self.type), self.key, self.client, self.source, self.targets, self.copied, int(self.status),
+                self.message, self.created_ms, self.updated_ms, obj.writer if obj else "", obj.token if obj else 0,
+                obj.size if obj else 0]
 
 
 def _ms() -> int:
@@ -89,6 +111,34 @@ class ReplicaTasks:
         # the new one's, and a counter
         self._task_epoch = random.SystemRandom().getrandbits(63) | 1
         self._task_seq = itertools.count(1)
+        self.dirty_tasks: set[tuple[int, int]] | None = None    # tasks to write to etcd (model.track())
+
+    def _task_changed(self, tid: tuple[int, int]) -> None:
+        if self.dirty_tasks is not None:
+            self.dirty_tasks.add(tid)
+
+    def restore_task(self, tid: tuple[int, int], rec: list) -> Task:
+        """A task recorded in etcd (Task.record()), after the objects: see
+        the module's doc. Restored in creation order, so each client's queue
+        keeps it."""
+        kind, key, client, source, targets, copied, status, message, created, updated, writer, token, size = rec[:13]
+        task = Task(tid, TaskType(kind), key, client, int(source), [int(t) for t in targets], None, int(created),
+                    int(updated), TaskStatus(status), str(message), [int(t) for t in copied])
+        self.tasks[tid] = task
+        if task.status in (TaskStatus.SUCCESS, TaskStatus.FAILED):
+            self._finished.append(tid)
+            return task
+        obj = self.objects.get(key)
+        seg = self.segments.get(task.source)
+        task.status = TaskStatus.PENDING           # a copy in flight died with the old master
+        if obj is None or obj.state is not State.COMPLETE or (obj.writer, obj.token, obj.size) != (writer, token, size):
+            self._finish(task, TaskStatus.FAILED, "the object was removed or evicted")
+        elif seg is None:
+            self._finish(task, TaskStatus.FAILED, "the source replica is gone")
+        else:
+            task.obj, task.client = obj, seg.client
+            self._task_queue.setdefault(seg.client, []).append(tid)
+        return task
 
     def segment_named(self, name: object) -> Segment | None:
         """The attached segment mounted under `name` (the newest, should an
@@ -162,6 +212,7 @@ class ReplicaTasks:
         client = self.segments[source].client
         task = self.tasks[tid] = Task(tid, kind, obj.key, client, source, targets, obj, _ms())
         self._task_queue.setdefault(client, []).append(tid)
+        self._task_changed(tid)
         if not self._skip_held(task):
             self._task_done(task)           # every target holds a replica already: nothing to copy
         return task.id
@@ -194,8 +245,11 @@ class ReplicaTasks:
             if not q:
                 del self._task_queue[task.client]
         self._finished.append(task.id)
+        self._task_changed(task.id)
         while len(self._finished) > MAX_FINISHED_TASKS:     # the oldest finished go first
-            self.tasks.pop(self._finished.popleft(), None)
+            gone = self._finished.popleft()
+            self.tasks.pop(gone, None)
+            self._task_changed(gone)                        # (its record is deleted)
 
     def _task_jobs(self, client_id: str, now: float, lease: int, limit: int) -> list:
         """repair_start's share of tasks: up to `limit` copies from this
@@ -226,10 +280,14 @@ class ReplicaTasks:
             self._task_done(task)
             return None
         seg = self.segments.get(task.targets[0])
-        if seg is None or not seg.attached:
+        if seg is None:
             self._finish(task, TaskStatus.FAILED, f"target segment {task.targets[0]} was unmounted")
             return None
+        if not seg.attached:
+            return None                     # recovered, its holder not back yet (lost after the grace)
         new = self._start_copy(task.client, obj, seg, now, lease, task)     # repair.py's
+        if new is None and seg.alloc.fenced:
+            return None                     # space fenced after a failover: tried again at its end (fence.py)
         if new is None:
             self._finish(task, TaskStatus.FAILED, f"no room for {obj.size} bytes on segment {seg.name!r}")
             return None
@@ -251,6 +309,7 @@ class ReplicaTasks:
         else:
             task.copied.append(task.targets.pop(0))
             task.updated_ms = _ms()
+            self._task_changed(task.id)
             if not self._skip_held(task):
                 self._task_done(task)
 
