@@ -130,3 +130,30 @@ async def test_callers_on_several_threads_each_get_a_connection():
         # what a's segment held went with it; what b's holds stays, nothing else
         assert all(r.segment == b.segment_id for o in master.model.objects.values() for r in o.replicas)
         _assert_no_leak(master, objects=len(master.model.objects))
+
+
+async def test_a_put_on_a_callers_thread_keeps_its_client_from_saying_its_writes_are_over():
+    """A client re-attaching to a new leader says none of its writes is in
+    progress (the leader's fence lifts on it, fence.py): a put on a caller's
+    thread counts from before its put_start is sent until its writes end."""
+    async with _pool(2, ("tcp",), master_tcp=True, segment_size=8 << 20) as (master, (a, b)):
+        src = _data(4 * 4096, 3)
+        b.register_buffer(src)
+        seen: list[bool] = []
+        writing = direct._move
+
+        def watched(client, op, by):
+            # the loop's idle() from inside the write: it must not see the client idle
+            seen.append(asyncio.run_coroutine_threadsafe(client._mover.idle(0.05), client._loop).result(5))
+            return writing(client, op, by)
+
+        direct._move = watched
+        try:
+            keys = [f"w/{i}" for i in range(4)]
+            addrs = [src.ctypes.data + i * 4096 for i in range(4)]
+            assert await asyncio.to_thread(direct.put_from, b, keys, addrs, [4096] * 4) == [1] * 4
+        finally:
+            direct._move = writing
+        assert seen == [False]
+        assert await b._mover.idle(0.05)            # over: idle again
+        assert await a.get("w/2") == src[2 * 4096:3 * 4096].tobytes()

@@ -12,8 +12,11 @@ lands afterwards and the space may be reused at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,22 +93,43 @@ class Mover:
     def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.engine = engine
         self.connect_timeout = connect_timeout
-        self.writing = 0                # write batches in progress (idle() waits for none)
+        self.writing = 0                # write batches in progress on the loop (idle() waits for none)
         self._idle: asyncio.Event | None = None
+        # puts on callers' threads (direct.py), counted from before their
+        # put_start is sent to after their writes: a reply the old leader
+        # sent is always inside the count, whichever thread reads it
+        self._threads = 0
+        self._threads_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def thread_put(self) -> Iterator[None]:
+        """Counts a put run on a caller's thread while it may write."""
+        with self._threads_lock:
+            self._threads += 1
+        try:
+            yield
+        finally:
+            with self._threads_lock:
+                self._threads -= 1
 
     async def idle(self, timeout: float) -> bool:
         """Waits until no write is in progress (True), at most `timeout` s
         (False). A client re-attaching to a new leader says its writes
         allowed by the old one are over (fence.py)."""
+        deadline = time.monotonic() + timeout
+        while self._threads:            # callers' threads cannot set the loop's event: polled (a failover's rare path)
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
         if not self.writing:
             return True
         if self._idle is None:
             self._idle = asyncio.Event()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             return False
-        return True
+        return await self.idle(max(0.0, deadline - time.monotonic())) if self._threads else True
 
     async def run(self, op: str, moves: Moves, *, timeout: float | None) -> dict[str, KVFlowError]:
         """Moves every entry (op "write": local -> remote, "read": remote ->

@@ -248,6 +248,15 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     pinned = wire_pin(pin, soft_pin)
     request = [[k, n, rn, preferred_segment, pinned] for k, n in zip(names, sizes)]
     token = next(client._put_tokens)
+    # counted while it may write: a client re-attaching to a new leader waits
+    # for none in progress before the leader lifts its fence (fence.py)
+    with client._mover.thread_put():
+        return _put_from(client, q, keys, names, addrs, sizes, request, token, rn, preferred_segment, pin, soft_pin)
+
+
+def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
+              request: list, token: int, rn: int, preferred_segment: Any, pin: bool,
+              soft_pin: float | bool | None) -> list:
     try:
         reply = _timed(client, q, "batch_put_start", request, token)
     except NotJoinedError:
