@@ -468,15 +468,21 @@ class StoreClient(Puts, Gets, TaskCalls):
             q = self._query = BlockingQuery(address, self.timeout)
         t0 = time.perf_counter()
         try:
-            items = q.call("batch_exists", list(keys))
+            items = q.call("batch_exists", keys)
         except KVFlowError:
             self.counters.round_trip("batch_exists", time.perf_counter() - t0, False)
             return None
         self.counters.round_trip("batch_exists", time.perf_counter() - t0, True)
-        if isinstance(items, list) and len(items) == len(keys) and set(map(type, items)) <= {bool}:
-            self.counters.done("exists", (), {}, items)
-            return items
-        return None
+        if type(items) is not list or len(items) != len(keys):
+            return None
+        # the master's items are bools, or [1, code, message] for a bad key:
+        # two counts (in C) tell them apart and are the metrics' hits and misses
+        hits = items.count(True)
+        misses = items.count(False)
+        if hits + misses != len(items):
+            return None
+        self.counters.exists_done(hits, misses)
+        return items
 
     @with_timeout
     async def size(self, key: str) -> int:
