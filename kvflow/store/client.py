@@ -454,8 +454,16 @@ class StoreClient(Puts, Gets, TaskCalls):
         link = self._link
         if self._closed or link is None or link.closed or not isinstance(link, (TcpMasterLink, FollowingLink)):
             return None
-        if type(keys) not in (list, tuple) or not plain_keys(keys, user=True):
+        if type(keys) not in (list, tuple):
             return None
+        try:
+            joined = "".join(keys)          # in C: TypeError unless each key is a str
+        except TypeError:
+            return None
+        if NS_SEP in joined:                # a key naming another namespace: refused on the loop's path
+            return None
+        # an empty or too long key is left to the master: its error item
+        # makes this return None, and the caller's batch_exists names it
         if self._prefix:
             keys = [self._prefix + k for k in keys]
         address = link.address
