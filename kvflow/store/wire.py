@@ -61,6 +61,10 @@ class FrameBuffer:
 
     def feed(self, data: bytes) -> list:
         buf = self._buf
+        if not buf and len(data) >= 4:
+            (n,) = HEAD.unpack_from(data)
+            if len(data) == 4 + n:      # one whole frame, a call's usual read: decoded in place, no copy
+                return [decode(memoryview(data)[4:])]
         buf += data
         out = []
         pos = 0
