@@ -109,18 +109,6 @@ def _serve_metrics(master: Master, host: str, port: int) -> None:
     start_http_server(port, addr=host, registry=registry)
 
 
-def _loop_factory():
-    """uvloop's loop when it is installed (the `store` extra): a round trip
-    to the master (a batch_exists, a put's start and end) costs the loop's
-    transport more than the master's own work, and uvloop's is about half
-    asyncio's. Without it, asyncio's default loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvflow.store")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -154,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(args))
+        asyncio.run(_serve(args))
     except DurabilityError as e:
         print(f"kvflow.store master: DurabilityError: {e}", file=sys.stderr)
         return 3 if getattr(args, "ready", False) else 1
