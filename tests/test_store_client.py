@@ -760,6 +760,19 @@ async def test_batch_exists_blocking_answers_from_another_thread_and_falls_back(
         ask = lambda keys: loop.run_in_executor(None, a.batch_exists_blocking, keys)  # noqa: E731
         assert await ask(["here", "absent"]) == [True, False]
         assert await ask(["here", ""]) is None                  # a bad key: batch_exists says why
+        # the master checks the lengths (the client only the types and the
+        # namespace separator): a too long key, found or not, falls back too
+        assert await ask(["here", "k" * 5000]) is None
+        assert await ask(["here", "a\x1fb"]) is None and await ask(["here", 7]) is None
+        assert await ask(("here",)) == [True]
+        # the master skips its key checks only when every key is found: a
+        # found key beside bad ones still gets the bad ones' errors
+        link = a._link
+        items = await link.call("batch_exists", ["here", "", "k" * 5000, 7, "absent"])
+        assert items[0] is True and items[4] is False
+        assert [it[:2] for it in items[1:4]] == [[1, "invalid_key"]] * 3, items
+        items = await link.call("batch_exists", [["unhashable"], "here"])
+        assert items[0][:2] == [1, "invalid_key"] and items[1] is True
         assert a.batch_exists_blocking(["here"]) is None       # the loop's own thread never blocks
         await a.remove("here")
         assert await ask(["here"]) == [False]

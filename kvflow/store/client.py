@@ -472,8 +472,16 @@ class StoreClient(Puts, Gets, TaskCalls):
         link = self._link
         if self._closed or link is None or link.closed or not isinstance(link, (TcpMasterLink, FollowingLink)):
             return None
-        if type(keys) not in (list, tuple) or not plain_keys(keys, user=True):
+        if type(keys) not in (list, tuple):
             return None
+        try:
+            joined = "".join(keys)          # in C: TypeError unless each key is a str
+        except TypeError:
+            return None
+        if NS_SEP in joined:                # a key naming another namespace: refused on the loop's path
+            return None
+        # an empty or too long key is left to the master: its error item
+        # makes this return None, and the caller's batch_exists names it
         if self._prefix:
             keys = [self._prefix + k for k in keys]
         address = link.address
@@ -486,15 +494,21 @@ class StoreClient(Puts, Gets, TaskCalls):
             q = self._query = BlockingQuery(address, self.timeout)
         t0 = time.perf_counter()
         try:
-            items = q.call("batch_exists", list(keys))
+            items = q.call("batch_exists", keys)
         except KVFlowError:
             self.counters.round_trip("batch_exists", time.perf_counter() - t0, False)
             return None
         self.counters.round_trip("batch_exists", time.perf_counter() - t0, True)
-        if isinstance(items, list) and len(items) == len(keys) and set(map(type, items)) <= {bool}:
-            self.counters.done("exists", (), {}, items)
-            return items
-        return None
+        if type(items) is not list or len(items) != len(keys):
+            return None
+        # the master's items are bools, or [1, code, message] for a bad key:
+        # two counts (in C) tell them apart and are the metrics' hits and misses
+        hits = items.count(True)
+        misses = items.count(False)
+        if hits + misses != len(items):
+            return None
+        self.counters.exists_done(hits, misses)
+        return items
 
     @with_timeout
     async def size(self, key: str) -> int:

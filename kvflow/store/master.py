@@ -488,12 +488,19 @@ class Master(SsdCalls):
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key
         # (an [1, code, message] item only for a bad key) keeps it small
-        if type(keys) is list and plain_keys(keys):
-            # valid keys all (the common case): no per-key call or try
-            found = self.model.exist_many(keys)
-            hits = found.count(True)
-            self.counters.looked_up("exists", hits, len(found) - hits)
-            return found
+        if type(keys) is list:
+            try:
+                found = self.model.exist_many(keys)
+            except TypeError:           # an unhashable key: the per-key path names it
+                found = None
+            if found is not None:
+                hits = found.count(True)
+                # only valid keys are ever stored, so a batch whose keys are
+                # all found needs no check of them (no per-key call or try);
+                # with misses, each must be a valid key (else its error)
+                if hits == len(found) or plain_keys(keys):
+                    self.counters.looked_up("exists", hits, len(found) - hits)
+                    return found
         return _per_item(keys, self.model.exists, wrap=None)
 
     def _batch_size(self, cid: str, now: float, keys: list) -> list:

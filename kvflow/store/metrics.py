@@ -128,6 +128,13 @@ class ClientCounters:
         """Round trips so far, every method but `skip` (a bench's per-call count)."""
         return sum(sum(h.counts) for m, h in list(self.round_trips.items()) if m not in skip)
 
+    def exists_done(self, hits: int, misses: int) -> None:
+        """done("exists") of a batch whose every item was found or not
+        (batch_exists_blocking has counted them already)."""
+        self.calls["exists"] += 1
+        self.hits["exists"] += hits
+        self.misses["exists"] += misses
+
     def done(self, op: str, args: tuple, kw: dict, results: list) -> None:
         """A batch call's per-key results (values or the errors they met)."""
         self.calls[op] += 1

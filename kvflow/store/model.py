@@ -510,8 +510,9 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
         return obj is not None and obj.state is State.COMPLETE
 
     def exist_many(self, keys: list[str]) -> list[bool]:
-        """exists() of each of `keys`, which the caller checked are valid
-        keys. The LRU order holds exactly the COMPLETE objects' keys."""
+        """exists() of each of `keys`, without checking them: a key that
+        is not a valid one is not found (TypeError for an unhashable one).
+        The LRU order holds exactly the COMPLETE objects' keys."""
         lru = self._lru
         if self._ssd_only:
             ssd = self._ssd_only

@@ -40,16 +40,25 @@ def plain_keys(keys: list, *, user: bool = False) -> bool:
     most MAX_KEY_BYTES in UTF-8), and, for `user` keys (before a client's
     namespace prefix), without NS_SEP. False sends the caller to the per-key
     path, which names what is wrong. The servers ask batch_exists before
-    every put and get, so this runs in C (map, min, max, one join) rather
-    than as a Python loop per key: about 5x faster for 128 keys."""
+    every put and get, and both ends of it check its keys, so this runs in
+    C: one join (TypeError unless every key is a str), all() (no empty
+    str), and the lengths only when the keys together are longer than one
+    key may be (about 2x faster than a set of types and a list of lengths
+    for 128 keys)."""
     if not keys:
         return True
-    if set(map(type, keys)) != {str}:
+    try:
+        joined = "".join(keys)
+    except TypeError:
         return False
-    lens = list(map(len, keys))
-    if min(lens) == 0 or max(lens) > MAX_KEY_BYTES // 4:
+    if not all(keys):
         return False
-    return not user or NS_SEP not in "".join(keys)
+    if len(joined) > _PLAIN_CHARS and max(map(len, keys)) > _PLAIN_CHARS:
+        return False
+    return not user or NS_SEP not in joined
+
+
+_PLAIN_CHARS = MAX_KEY_BYTES // 4
 
 
 class State(enum.Enum):

@@ -17,7 +17,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import MasterUnavailableError, error_from_code
 from .master import Master, Session
-from .wire import MAX_FRAME, FrameBuffer, encode
+from .wire import HEAD, MAX_FRAME, FrameBuffer, decode, encode
 
 __all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "HeartbeatThread", "BlockingQuery", "connect_master"]
 
@@ -203,22 +203,32 @@ class BlockingQuery:
         return result
 
     def _read(self) -> Any:
-        buf = bytearray()
-        need = 4
-        while len(buf) < need:
-            chunk = self._sock.recv(max(need - len(buf), 65536))
-            if not chunk:
-                raise ProtocolError("connection closed")
-            buf += chunk
-            if need == 4 and len(buf) >= 4:
-                n = int.from_bytes(buf[:4], "big")
-                if n > MAX_FRAME:
-                    raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-                need = 4 + n
-        if len(buf) != need:        # one call at a time: nothing may follow the reply
+        # a small reply (a batch_exists of a few hundred keys) comes whole in
+        # the first recv: decoded from it, no buffer to grow or copy
+        sock = self._sock
+        buf = sock.recv(65536)
+        while len(buf) < 4:
+            buf += self._more(sock)
+        (n,) = HEAD.unpack_from(buf)
+        if n > MAX_FRAME:
+            raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+        if len(buf) < 4 + n:
+            parts = [buf]
+            have = len(buf)
+            while have < 4 + n:
+                parts.append(self._more(sock, 4 + n - have))
+                have += len(parts[-1])
+            buf = b"".join(parts)
+        if len(buf) != 4 + n:       # one call at a time: nothing may follow the reply
             raise ProtocolError("unexpected bytes after the reply")
-        msgs = FrameBuffer().feed(bytes(buf))
-        return msgs[0]
+        return decode(memoryview(buf)[4:])
+
+    @staticmethod
+    def _more(sock: socket.socket, n: int = 65536) -> bytes:
+        chunk = sock.recv(max(n, 65536))
+        if not chunk:
+            raise ProtocolError("connection closed")
+        return chunk
 
     def close(self) -> None:
         if self._sock is not None:

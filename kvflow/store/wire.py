@@ -17,32 +17,36 @@ import msgpack
 
 from kvflow.errors import ProtocolError
 
-__all__ = ["MAX_FRAME", "FrameBuffer", "encode", "read_frame", "item_ok", "item_error"]
+__all__ = ["HEAD", "MAX_FRAME", "FrameBuffer", "decode", "encode", "read_frame", "item_ok", "item_error"]
 
 # A batch of 100k keys of 100 bytes is ~10 MiB; anything past this is a bug
 # or an attack, and is refused before its body is read.
 MAX_FRAME = 64 << 20
-_LEN = struct.Struct(">I")
+HEAD = struct.Struct(">I")          # a frame's length
 
 
 def encode(obj: object) -> bytes:
     body = msgpack.packb(obj, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
-    return _LEN.pack(len(body)) + body
+    return HEAD.pack(len(body)) + body
+
+
+def decode(body: bytes | memoryview) -> object:
+    """One frame's body (without its length) as its message."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:          # msgpack raises several unrelated types
+        raise ProtocolError(f"malformed frame: {e}") from None
 
 
 async def read_frame(reader: asyncio.StreamReader) -> object:
     """The next message; asyncio.IncompleteReadError at a clean end of stream."""
     head = await reader.readexactly(4)
-    (n,) = _LEN.unpack(head)
+    (n,) = HEAD.unpack(head)
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-    body = await reader.readexactly(n)
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except Exception as e:          # msgpack raises several unrelated types
-        raise ProtocolError(f"malformed frame: {e}") from None
+    return decode(await reader.readexactly(n))
 
 
 class FrameBuffer:
@@ -57,20 +61,20 @@ class FrameBuffer:
 
     def feed(self, data: bytes) -> list:
         buf = self._buf
+        if not buf and len(data) >= 4:
+            (n,) = HEAD.unpack_from(data)
+            if len(data) == 4 + n:      # one whole frame, a call's usual read: decoded in place, no copy
+                return [decode(memoryview(data)[4:])]
         buf += data
         out = []
         pos = 0
         while len(buf) - pos >= 4:
-            (n,) = _LEN.unpack_from(buf, pos)
+            (n,) = HEAD.unpack_from(buf, pos)
             if n > MAX_FRAME:
                 raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
             if len(buf) - pos - 4 < n:
                 break
-            try:
-                out.append(msgpack.unpackb(memoryview(buf)[pos + 4:pos + 4 + n], raw=False,
-                                           strict_map_key=False))
-            except Exception as e:      # msgpack raises several unrelated types
-                raise ProtocolError(f"malformed frame: {e}") from None
+            out.append(decode(memoryview(buf)[pos + 4:pos + 4 + n]))
             pos += 4 + n
         if pos:
             del buf[:pos]

@@ -650,14 +650,19 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
         return self.batch_is_exist([_key(key)])[0]
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
+        client = self._client
+        if client is not None and keys and type(keys) in (list, tuple):
+            # the hot case: batch_exists_blocking checks that every key is a
+            # plain str (else None, and _keys below says what is wrong) and
+            # asks from this thread, no hop to the loop thread
+            found = client.batch_exists_blocking(keys)
+            if found is not None:
+                return list(bytes(found))       # bools as 1 or 0, in C
         keys = _keys(keys)
-        if self._client is None:
+        if client is None:
             return self._fail_all(len(keys), self._not_ready(), STORE_INTERNAL_ERROR)
         if not keys:
             return []
-        found = self._client.batch_exists_blocking(keys)     # no hop to the loop thread
-        if found is not None:
-            return list(map(int, found))        # bools: 1 or 0
         try:
             found = self._call(self._client.batch_exists(keys))
         except KVFlowError as e:
