@@ -410,7 +410,8 @@ class CiRealClient:
     starts it, pointed at the test's master (run_tests.sh's are on the
     default ports); the port is the scripts' 50052."""
 
-    def __init__(self, impl: str, m: CiMaster, workdir: Path) -> None:
+    def __init__(self, impl: str, m: CiMaster, workdir: Path, port: int = REAL_CLIENT_PORT) -> None:
+        self.port = port
         env = _env(impl)
         exe = shutil.which("mooncake_client", path=env["PATH"])
         assert exe is not None
@@ -419,7 +420,7 @@ class CiRealClient:
         self.log = workdir / "mooncake_client.log"
         # a 1 GB segment, not the default 4 GB: this host is shared
         argv = [exe, f"--master_server_address={m.address}", f"--metadata_server={m.metadata}",
-                f"--port={REAL_CLIENT_PORT}", "--global_segment_size=1GB"]
+                f"--port={port}", "--global_segment_size=1GB"]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=log, text=True, start_new_session=True)
@@ -427,7 +428,7 @@ class CiRealClient:
             line = self.proc.stdout.readline()
             assert "kvflow mooncake_client ready on port" in line, (line, self.log.read_text()[-2000:])
         else:       # Mooncake's serves its RPC on the TCP port
-            _wait_port(REAL_CLIENT_PORT, self.proc, "mooncake_client")
+            _wait_port(port, self.proc, "mooncake_client")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

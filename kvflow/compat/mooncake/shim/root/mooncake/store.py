@@ -10,4 +10,5 @@ from kvflow.compat.mooncake.store import (BufferHandle, Descriptor, DiskDescript
 
 __all__ = ["BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor", "MooncakeDistributedStore",
            "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis", "QueryTaskResponse", "ReadTarget",
-           "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType", "TensorParallelism"]
+           "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
+           "TensorParallelism"]
