@@ -38,7 +38,7 @@ from kvflow.store import StoreClient
 from . import shm
 from .codes import PROTOCOLS
 from .dummy_wire import recv_frame, send_frame, socket_name
-from .master import parse_gflags
+from .master import gflags_help, parse_gflags
 from .store_setup import engine_thread, size_value, ssd_options
 from .waiting import run_blocking
 
@@ -313,17 +313,11 @@ class RealClient:
         return fn(s, *args, **kw)
 
 
-def _help() -> str:
-    lines = ["usage: mooncake_client [--flag=value | --flag value | --bool_flag | --nobool_flag] ...",
-             "kvflow's standalone real client for Mooncake dummy clients, with mooncake_client's flags:"]
-    lines += [f"  --{n} ({k}, default {d!r}): {h}" for n, (k, d, h) in FLAGS.items()]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
-        print(_help())
+    if usage := gflags_help(argv, "mooncake_client", "kvflow's standalone real client for Mooncake dummy "
+                            "clients, with mooncake_client's flags", FLAGS):
+        print(usage)
         return 0
     try:
         v = parse_client_flags(argv)

@@ -75,6 +75,15 @@ class LocalRegions:
     def regions(self) -> list[ShmRegion]:
         return sorted(self._regions.values(), key=lambda r: r.addr)
 
+    def add(self, region: ShmRegion) -> None:
+        self._regions[region.addr] = region
+
+    def discard(self, addr: int) -> None:
+        self._regions.pop(addr, None)
+
+    def clear(self) -> None:
+        self._regions.clear()
+
 
 class DummyThread(EngineThread):
     """The store's loop thread without an engine of its own (the real
@@ -242,11 +251,11 @@ class DummyClient:
                                        f"{seg.addr:#x}+{seg.size}, and is registered whole")
         self._rpc("map", [addr, size], fds=(seg.fd,))
         region = ShmRegion(addr, size, name or f"{addr:#x}")
-        self._local._regions[addr] = region
+        self._local.add(region)
         return region
 
     def unregister_buffer(self, region: ShmRegion) -> None:
-        self._local._regions.pop(region.addr, None)
+        self._local.discard(region.addr)
         self._rpc("unmap", [region.addr])
 
     async def close(self) -> None:
@@ -257,7 +266,7 @@ class DummyClient:
             socks, self._idle = self._idle + [self._anchor], []
         for s in socks:
             s.close()
-        self._local._regions.clear()
+        self._local.clear()
 
 
 def _port(server_address: str) -> int:

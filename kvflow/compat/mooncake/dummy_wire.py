@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import os
 import socket
 import struct
 from typing import Any
@@ -130,5 +131,10 @@ def recv_frame(sock: socket.socket) -> tuple[Any, list[int]]:
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
     body = bytearray(n)
-    _recv_into(sock, memoryview(body), fds)
-    return decode(body), fds
+    try:
+        _recv_into(sock, memoryview(body), fds)
+        return decode(body), fds
+    except BaseException:
+        for fd in fds:          # a frame that did not arrive whole keeps none
+            os.close(fd)
+        raise

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvflow.errors import InvalidArgumentError
 
-__all__ = ["FLAGS", "MasterOptions", "parse_flags", "parse_gflags", "store_argv", "main"]
+__all__ = ["FLAGS", "MasterOptions", "parse_flags", "gflags_help", "parse_gflags", "store_argv", "main"]
 
 # name -> (kind, default, what kvflow does with it). kind: "int", "float",
 # "str", "bool", "ms" (Mooncake's duration: a number of milliseconds or
@@ -218,17 +218,19 @@ def _serve_metadata(host: str, port: int) -> tuple[int, threading.Thread]:
     return int(bound[0]), thread
 
 
-def _help() -> str:
-    lines = ["usage: mooncake_master [--flag=value | --flag value | --bool_flag | --nobool_flag] ...",
-             "kvflow's store master with mooncake_master's flags:"]
-    lines += [f"  --{n} ({k}, default {d!r}): {h}" for n, (k, d, h) in FLAGS.items()]
+def gflags_help(argv: list[str], prog: str, what: str, flags: dict[str, tuple[str, object, str]]) -> str | None:
+    """The usage text when argv asks for help (-h, --help, ...), else None."""
+    if not any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
+        return None
+    lines = [f"usage: {prog} [--flag=value | --flag value | --bool_flag | --nobool_flag] ...", f"{what}:"]
+    lines += [f"  --{n} ({k}, default {d!r}): {h}" for n, (k, d, h) in flags.items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
-        print(_help())
+    if usage := gflags_help(argv, "mooncake_master", "kvflow's store master with mooncake_master's flags", FLAGS):
+        print(usage)
         return 0
     try:
         opts, _ = parse_flags(argv)
