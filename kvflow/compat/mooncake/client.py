@@ -129,7 +129,7 @@ class RealClient:
             "batch_put": self._batch_put, "batch_put_from": self._batch_put_from,
             "batch_put_from_parts": self._batch_put_from_parts, "batch_get_into_parts": self._batch_get_into_parts,
             "batch_get": lambda s, keys: self._run(self.client.batch_get(keys)),
-            "batch_exists": lambda s, keys: self._run(self.client.batch_exists(keys)),
+            "batch_exists": self._batch_exists,
             "batch_remove": lambda s, keys, force=False: self._run(self.client.batch_remove(keys, force=bool(force))),
             "size": lambda s, key: self._run(self.client.size(key)),
             "stats": lambda s: self._run(self.client.stats()),
@@ -145,6 +145,12 @@ class RealClient:
 
     def _run(self, coro: Any) -> Any:
         return run_blocking(self.thread, coro)
+
+    def _batch_exists(self, s: Session, keys: list) -> list:
+        # straight to the master from this thread when the client can (no
+        # hop to its loop), as a store of its own answers is_exist
+        found = self.client.batch_exists_blocking(keys)
+        return found if found is not None else self._run(self.client.batch_exists(keys))
 
     # ------------------------------------------------------------ memory
     def _map(self, s: Session, dummy_addr: int, size: int, *, fds: list[int]) -> int:

@@ -206,8 +206,16 @@ class DummyClient:
     async def batch_exists(self, keys: list[str]) -> list:
         return await self._call("batch_exists", list(keys))
 
-    def batch_exists_blocking(self, keys: list[str]) -> None:
-        return None         # the store then asks batch_exists (one round trip here too)
+    def batch_exists_blocking(self, keys: list[str]) -> list | None:
+        """batch_exists from the calling thread (no hop to the loop and a
+        worker): the answers, or None when one is an error or the real
+        client cannot be reached (then the store asks batch_exists, which
+        turns them into codes)."""
+        try:
+            found = self._rpc("batch_exists", [list(keys)])
+        except KVFlowError:
+            return None
+        return found if all(isinstance(f, bool) for f in found) else None
 
     async def batch_remove(self, keys: list[str], *, force: bool = False) -> list:
         return await self._call("batch_remove", list(keys), force=bool(force))
