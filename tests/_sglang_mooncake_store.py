@@ -14,6 +14,9 @@ with MOONCAKE_MASTER etc. in the environment.
    compared with what batch_set_v1 stored, the stored objects read back
    with the store's plain get(), a page set twice (exists: skipped), and
    batch_exists stopping at the first missing page.
+3. With --standalone: the byte checks of 2 on a store in SGLang's
+   standalone_storage mode (setup_dummy to a mooncake_client at
+   MOONCAKE_CLIENT, the host pool from MooncakeHostTensorAllocator).
 Prints one JSON line: what ran and what each check saw."""
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import uuid
 import torch
 
 from sglang.srt.mem_cache.storage.mooncake_store import test_mooncake_store as upstream
-from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeHostTensorAllocator, MooncakeStore
 
 
 def sglang_own_tests() -> list[str]:
@@ -56,10 +59,16 @@ class Counting:
         return call
 
 
-def byte_checks(mla: bool, pages: int = 9, page_elems: int = 512) -> dict:
+def byte_checks(mla: bool, pages: int = 9, page_elems: int = 512, standalone: bool = False) -> dict:
     entries = 2     # MHA: K and V, one key each; MLA: two buffers packed into one object
-    store = MooncakeStore(upstream.make_hicache_storage_config(is_mla_model=mla, tp_rank=0, tp_size=1))
     pool, buf = upstream.create_mock_host_kv_cache(4 << 20, entries_per_page=entries, page_elements=page_elems)
+    if standalone:
+        # the host pool in shared memory a standalone real client maps
+        # (SGLang's MooncakeHostTensorAllocator), as MooncakeStore requires then
+        pool.allocator = MooncakeHostTensorAllocator()
+        pool.kv_buffer = buf = pool.allocator.allocate((buf.numel(),), buf.dtype)
+    store = MooncakeStore(upstream.make_hicache_storage_config(is_mla_model=mla, tp_rank=0, tp_size=1),
+                          mem_pool=pool if standalone else None)
     torch.manual_seed(7)
     buf.copy_(torch.randn(buf.numel()))
     store.register_mem_pool_host(pool)
@@ -91,6 +100,16 @@ def byte_checks(mla: bool, pages: int = 9, page_elems: int = 512) -> dict:
 
 def main() -> int:
     report = {"store_module": sys.modules["mooncake.store"].__file__ if "mooncake.store" in sys.modules else None}
+    if "--standalone" in sys.argv[1:]:
+        # MOONCAKE_STANDALONE_STORAGE=true and MOONCAKE_CLIENT in the
+        # environment: the store is a dummy client of a mooncake_client
+        # (SGLang's own tests build stores without a host pool: not run)
+        report["sglang_own_tests"] = []
+        report["checks"] = [byte_checks(False, standalone=True), byte_checks(True, standalone=True)]
+        report["store_module"] = sys.modules["mooncake.store"].__file__
+        report["dummy"] = True
+        print(json.dumps(report), flush=True)
+        return 0
     report["sglang_own_tests"] = sglang_own_tests()
     report["store_module"] = sys.modules["mooncake.store"].__file__
     report["checks"] = [byte_checks(False), byte_checks(True)]

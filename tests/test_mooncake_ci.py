@@ -11,7 +11,9 @@
   checkout at the pinned commit (never kept here, as in
   test_compat_mooncake_store.py), started the way that CI starts it: a
   `mooncake_master` from PATH with the CI's flags (kvflow's executable
-  first on PATH, or the real wheel's), the CI's environment. On kvflow and,
+  first on PATH, or the real wheel's), the CI's environment, and for the
+  dummy clients' tests a `mooncake_client` from PATH (kvflow's:
+  kvflow.compat.mooncake.client) that they forward to. On kvflow and,
   where the wheel is installed, on the real Mooncake for reference. What
   kvflow does not pass yet is an xfail that says why (KVFLOW_GAPS).
 """
@@ -65,7 +67,19 @@ UPSTREAM = {
                             "1d7e081815c2c9cf445dc45713e70cec8faca78c18fd914902c2a15feb054f77", [], "script"),
     "test_copy_move_api.py": ("scripts/test_copy_move_api.py",
                               "02eb911eb52a851cea34730207684f3737b842bb0cdca452c63368830e150c58", [], "script"),
+    # run_tests.sh starts a bare `mooncake_client` beside the master, then
+    # these (the second as two processes at once, client1 and client2)
+    "test_dummy_client.py": ("mooncake-wheel/tests/test_dummy_client.py",
+                             "f728d16f1085241cee0e9c99565441f4331c961c6ee296015c25d02f1e0ce008", [], "wheel"),
+    "test_multi_dummy_clients.py": ("mooncake-wheel/tests/test_multi_dummy_clients.py",
+                                    "bc33aa89534ad4b3a9c62d6101bad7ac4f5bd7c495c27fcb054682740a162baa", [], "wheel"),
 }
+# Those that need `mooncake_client` (the standalone real client that dummy
+# clients, setup_dummy(..., "127.0.0.1:50052"), forward to), and the
+# processes run_tests.sh starts of each at once (their arguments).
+REAL_CLIENT = {"test_dummy_client.py": [[]],
+               "test_multi_dummy_clients.py": [["--client-id", "client1"], ["--client-id", "client2"]]}
+REAL_CLIENT_PORT = 50052        # the scripts' real_client_address
 # What kvflow does not pass yet, and why (an xfail, strict: a pass fails the
 # test until the entry goes).
 KVFLOW_GAPS: dict[str, str] = {}
@@ -77,11 +91,8 @@ KVFLOW_SKIPS: dict[str, tuple[int, str]] = {}
 # Cases a script skips on Mooncake as on kvflow, here: (how many, why).
 BOTH_SKIP: dict[str, tuple[int, str]] = {
     "test_put_get_tensor.py": (1, "its CUDA case: skipUnless(cuda_available()), and this host has no GPU"),
+    "test_dummy_client.py": (2, "its two CUDA IPC stream-readiness cases: skipped without CUDA"),
 }
-# Not run here: test_dummy_client.py and test_multi_dummy_clients.py need
-# `mooncake_client`, Mooncake's standalone real client that dummy clients
-# (setup_dummy) reach over shared memory at 127.0.0.1:50052; kvflow has no
-# such process (docs/mooncake.md).
 
 
 def _free_port() -> int:
@@ -394,19 +405,80 @@ def _ci_env(impl: str, m: CiMaster, step: str) -> dict:
                 LOCAL_HOSTNAME="127.0.0.1")
 
 
+class CiRealClient:
+    """`mooncake_client` from PATH (kvflow's or the wheel's), as run_tests.sh
+    starts it, pointed at the test's master (run_tests.sh's are on the
+    default ports); the port is the scripts' 50052."""
+
+    def __init__(self, impl: str, m: CiMaster, workdir: Path, port: int = REAL_CLIENT_PORT) -> None:
+        self.port = port
+        env = _env(impl)
+        exe = shutil.which("mooncake_client", path=env["PATH"])
+        assert exe is not None
+        if impl == "kvflow":
+            assert exe.startswith(bin_path()), exe
+        self.log = workdir / "mooncake_client.log"
+        # a 1 GB segment, not the default 4 GB: this host is shared
+        argv = [exe, f"--master_server_address={m.address}", f"--metadata_server={m.metadata}",
+                f"--port={port}", "--global_segment_size=1GB"]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, start_new_session=True)
+        if impl == "kvflow":
+            line = self.proc.stdout.readline()
+            assert "kvflow mooncake_client ready on port" in line, (line, self.log.read_text()[-2000:])
+        else:       # Mooncake's serves its RPC on the TCP port
+            _wait_port(port, self.proc, "mooncake_client")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _run_all(argvs: list[list[str]], workdir: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """Runs the processes at once: (the first failure's status or 0, their outputs)."""
+    procs = [subprocess.Popen(a, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, stdin=subprocess.DEVNULL) for a in argvs]
+    deadline = time.monotonic() + timeout
+    rcs, outs = [], []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            rcs.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0])
+            rcs.append(124)
+    return next((rc for rc in rcs if rc), 0), "".join(outs)
+
+
 def run_upstream(name: str, impl: str, workdir: Path, timeout: float = 900) -> tuple[int, str]:
     """Runs one of Mooncake's CI tests or scripts as its CI does, against
-    a fresh `mooncake_master` of `impl`: (exit status, output)."""
+    a fresh `mooncake_master` of `impl` (and `mooncake_client`, for the
+    dummy clients' tests): (exit status, output)."""
     test = _upstream_file(name, workdir)
     m = CiMaster(impl)
+    client = None
     try:
-        run = subprocess.run([sys.executable, test.name, *UPSTREAM[name][2]], cwd=workdir,
-                             env=_ci_env(impl, m, UPSTREAM[name][3]), capture_output=True, text=True,
-                             timeout=timeout, stdin=subprocess.DEVNULL)
+        env = _ci_env(impl, m, UPSTREAM[name][3])
+        if name in REAL_CLIENT:
+            client = CiRealClient(impl, m, workdir)
+            return _run_all([[sys.executable, test.name, *UPSTREAM[name][2], *a] for a in REAL_CLIENT[name]],
+                            workdir, env, timeout)
+        run = subprocess.run([sys.executable, test.name, *UPSTREAM[name][2]], cwd=workdir, env=env,
+                             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as e:
         out = e.stdout or b""
         return 124, (out.decode("utf-8", "replace") if isinstance(out, bytes) else out)
     finally:
+        if client is not None:
+            client.stop()
+            if impl == "kvflow":        # leaves on SIGTERM with status 0
+                assert client.proc.returncode == 0, client.log.read_text()[-2000:]
         m.stop()
     return run.returncode, run.stdout + run.stderr
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvflow.errors import InvalidArgumentError
 
-__all__ = ["FLAGS", "MasterOptions", "parse_flags", "store_argv", "main"]
+__all__ = ["FLAGS", "MasterOptions", "parse_flags", "gflags_help", "parse_gflags", "store_argv", "main"]
 
 # name -> (kind, default, what kvflow does with it). kind: "int", "float",
 # "str", "bool", "ms" (Mooncake's duration: a number of milliseconds or
@@ -84,8 +84,8 @@ def _duration_ms(text: str) -> float:
     return float(m.group(1)) * {None: 1, "ms": 1, "s": 1e3, "m": 60e3, "h": 3600e3}[m.group(2)]
 
 
-def _value(name: str, text: str) -> object:
-    kind = FLAGS[name][0]
+def _value(name: str, text: str, flags: dict[str, tuple[str, object, str]]) -> object:
+    kind = flags[name][0]
     try:
         if kind == "bool":
             if text.lower() in _TRUE:
@@ -100,9 +100,9 @@ def _value(name: str, text: str) -> object:
         raise InvalidArgumentError(f"--{name}: {e}") from None
 
 
-def _unknown(flag: str) -> InvalidArgumentError:
-    taken = ", ".join(f"--{n}" for n in FLAGS)
-    return InvalidArgumentError(f"unknown flag {flag!r}: kvflow's mooncake_master takes {taken} "
+def _unknown(flag: str, flags: dict[str, tuple[str, object, str]], prog: str) -> InvalidArgumentError:
+    taken = ", ".join(f"--{n}" for n in flags)
+    return InvalidArgumentError(f"unknown flag {flag!r}: kvflow's {prog} takes {taken} "
                                 "(both --flag=value and --flag value; see --help)")
 
 
@@ -110,32 +110,41 @@ def parse_flags(argv: list[str]) -> tuple[MasterOptions, dict[str, object]]:
     """mooncake_master's command line -> (kvflow's options, every flag's
     value). Raises InvalidArgumentError for an unknown flag, a missing or
     bad value, or a combination kvflow cannot serve."""
-    values = {name: default for name, (_, default, _) in FLAGS.items()}
+    values, given = parse_gflags(argv, FLAGS, "mooncake_master")
+    return _options(values, given), values
+
+
+def parse_gflags(argv: list[str], flags: dict[str, tuple[str, object, str]],
+                 prog: str) -> tuple[dict[str, object], set[str]]:
+    """A Mooncake program's gflags command line against its table `flags`
+    (name -> (kind, default, help)): (every flag's value, the names given).
+    Raises InvalidArgumentError for an unknown flag or a missing or bad value."""
+    values = {name: default for name, (_, default, _) in flags.items()}
     given: set[str] = set()
     i = 0
     while i < len(argv):
         arg = argv[i]
         i += 1
         if not arg.startswith("-") or arg in ("-", "--"):
-            raise InvalidArgumentError(f"unexpected argument {arg!r}: mooncake_master takes flags only")
+            raise InvalidArgumentError(f"unexpected argument {arg!r}: {prog} takes flags only")
         name, eq, text = arg.lstrip("-").partition("=")
-        if name not in FLAGS and name.startswith("no") and FLAGS.get(name[2:], ("",))[0] == "bool" and not eq:
+        if name not in flags and name.startswith("no") and flags.get(name[2:], ("",))[0] == "bool" and not eq:
             values[name[2:]] = False
             given.add(name[2:])
             continue
-        if name not in FLAGS:
-            raise _unknown(arg)
+        if name not in flags:
+            raise _unknown(arg, flags, prog)
         given.add(name)
         if not eq:
-            if FLAGS[name][0] == "bool":          # gflags: a bare bool flag is true, never takes the next word
+            if flags[name][0] == "bool":          # gflags: a bare bool flag is true, never takes the next word
                 values[name] = True
                 continue
             if i >= len(argv):
                 raise InvalidArgumentError(f"--{name} needs a value")
             text = argv[i]
             i += 1
-        values[name] = _value(name, text)
-    return _options(values, given), values
+        values[name] = _value(name, text, flags)
+    return values, given
 
 
 def _options(v: dict[str, object], given: set[str]) -> MasterOptions:
@@ -209,17 +218,19 @@ def _serve_metadata(host: str, port: int) -> tuple[int, threading.Thread]:
     return int(bound[0]), thread
 
 
-def _help() -> str:
-    lines = ["usage: mooncake_master [--flag=value | --flag value | --bool_flag | --nobool_flag] ...",
-             "kvflow's store master with mooncake_master's flags:"]
-    lines += [f"  --{n} ({k}, default {d!r}): {h}" for n, (k, d, h) in FLAGS.items()]
+def gflags_help(argv: list[str], prog: str, what: str, flags: dict[str, tuple[str, object, str]]) -> str | None:
+    """The usage text when argv asks for help (-h, --help, ...), else None."""
+    if not any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
+        return None
+    lines = [f"usage: {prog} [--flag=value | --flag value | --bool_flag | --nobool_flag] ...", f"{what}:"]
+    lines += [f"  --{n} ({k}, default {d!r}): {h}" for n, (k, d, h) in flags.items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
-        print(_help())
+    if usage := gflags_help(argv, "mooncake_master", "kvflow's store master with mooncake_master's flags", FLAGS):
+        print(usage)
         return 0
     try:
         opts, _ = parse_flags(argv)

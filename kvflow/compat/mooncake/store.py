@@ -52,8 +52,10 @@ from .codes import (PROTOCOLS, STORE_INTERNAL_ERROR, STORE_INVALID_PARAMS, STORE
                     STORE_NO_AVAILABLE_HANDLE, STORE_NOT_SUPPORTED, STORE_OBJECT_HAS_LEASE, STORE_OBJECT_NOT_FOUND,
                     STORE_RPC_FAIL, STORE_RPC_TIMEOUT, STORE_SEGMENT_NOT_FOUND, STORE_TASK_NOT_FOUND,
                     STORE_TRANSFER_FAIL, mooncake_flag)
+from .dummy import setup_dummy as _setup_dummy
 from .replica_tasks import (Descriptor, DiskDescriptor, MemoryDescriptor, QueryTaskResponse, ReplicaDescriptor,
                             ReplicaStatus, ReplicaTaskCalls, TaskStatus, TaskType)
+from .shm import MooncakeHostMemAllocator
 from .store_setup import PORT_RANGE, attach_root_fs, engine_thread, shutdown, size_value, ssd_options
 from .tensor import TensorCalls
 from .waiting import run_blocking
@@ -326,6 +328,17 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
                           ssd_offload_path=str(c.get("ssd_offload_path", "")),
                           tenant_id=str(c.get("tenant_id", "default")),
                           enable_client_http_server=flag(c.get("enable_client_http_server", False)))
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Mooncake's dummy client: every call forwarded to the standalone real
+        client at server_address (`python -m kvflow.compat.mooncake.client`,
+        `mooncake_client`), buffers shared with it (dummy.py): 0 or -1."""
+        return _setup_dummy(self, mem_pool_size, local_buffer_size, server_address)
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """`size` bytes of shared memory a real client can map (register_buffer
+        them whole before put_from/get_into); 0 when none could be had."""
+        return MooncakeHostMemAllocator().alloc(_uint(size, "size"))
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = DEFAULT_SIZE) -> int:
         """Mooncake's older entry point: setup() with its fixed defaults
