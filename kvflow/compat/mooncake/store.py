@@ -739,7 +739,11 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
     @staticmethod
     def _direct(fn: Callable[..., list | None], *args: Any) -> list | None:
         """A call on the calling thread (kvflow/store/direct.py): its results,
-        or None where that path does not serve it; raises only KVFlowError."""
+        or None where that path does not serve it; raises only KVFlowError.
+        A dummy's client (setup_dummy) forwards every call to its real client
+        instead: not served here."""
+        if not isinstance(args[0], StoreClient):
+            return None
         try:
             return fn(*args)
         except KVFlowError:
