@@ -138,6 +138,13 @@ async def test_prometheus_export_of_a_client_and_its_master():
         sid = str(master.metrics()["segments"][0]["id"])
         assert value("kvflow_store_segment_capacity_bytes", segment=sid, client=a.client_id, tier="dram") == 4 << 20
         assert value("kvflow_store_segment_used_bytes", segment=sid, client=a.client_id, tier="dram") >= 5000
+        assert value("kvflow_store_segment_fenced_bytes", segment=sid, client=a.client_id, tier="dram") == 0
+        seg = next(iter(master.model.segments.values()))
+        held = seg.alloc.fence()            # as a recovering leader does (fence.py): the free space held back
+        assert held == (4 << 20) - seg.alloc.used
+        assert value("kvflow_store_segment_fenced_bytes", segment=sid, client=a.client_id, tier="dram") == held
+        seg.alloc.unfence()
+        assert value("kvflow_store_segment_fenced_bytes", segment=sid, client=a.client_id, tier="dram") == 0
         assert value("kvflow_store_master_objects", tier="dram") == 1
         assert value("kvflow_store_master_clients") == 1
         assert value("kvflow_store_evictions_total", tier="dram") == 0

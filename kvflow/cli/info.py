@@ -562,6 +562,7 @@ def format_store(report: dict[str, Any]) -> str:
         use = f"{100 * s['used'] / s['capacity']:.1f}%" if s["capacity"] else "-"
         lines.append(f"  {s['id']:>4}  {s['tier']:<5} {_bytes(s['capacity']):>10} {_bytes(s['used']):>10} {use:>6} "
                      f"{s['replicas']:>8}  {s['client']:<16}  {s['engine']}"
+                     + (f"  (fenced {_bytes(s['fenced'])}: a failover's late writes)" if s.get("fenced") else "")
                      + ("" if s["attached"] else "  (detached: its owner has not come back)"))
     lines += ["", f"clients ({len(report['clients'])})"]
     for c in report["clients"]:

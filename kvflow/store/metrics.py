@@ -35,6 +35,7 @@ Master (labels said per row):
 | kvflow_store_master_leases | gauge | read leases not yet released or run out |
 | kvflow_store_master_quarantined_bytes | gauge | space of forced removals waiting for their readers |
 | kvflow_store_segment_capacity_bytes, kvflow_store_segment_used_bytes | gauge | per segment (segment, client, tier) |
+| kvflow_store_segment_fenced_bytes | gauge | per segment: free space a new leader holds back until the failover fence lifts (fence.py) |
 | kvflow_store_segment_replicas | gauge | replicas held per segment (segment, client, tier) |
 | kvflow_store_tier_capacity_bytes, kvflow_store_tier_used_bytes | gauge | per tier |
 | kvflow_store_evictions_total, kvflow_store_evicted_bytes_total | counter | objects evicted and their bytes (tier) |
@@ -251,7 +252,7 @@ def master_view(master: Any) -> dict[str, Any]:
         c = m.clients.get(seg.client)
         row = {"id": seg.id, "client": seg.client, "host": c.host if c else "", "engine": c.engine if c else "",
                "name": seg.name, "tier": tier, "capacity": seg.alloc.capacity, "used": seg.alloc.used,
-               "replicas": len(seg.keys), "attached": seg.attached}
+               "fenced": seg.alloc.fenced, "replicas": len(seg.keys), "attached": seg.attached}
         segments.append(row)
         t = tiers.setdefault(tier, {"capacity": 0, "used": 0, "segments": 0})
         t["capacity"] += row["capacity"]
@@ -375,13 +376,16 @@ def _master_families(m: dict[str, Any], name: str | None) -> Iterator[Any]:
     seg_labels = ("segment", "client", "tier")
     cap = family("gauge", "kvflow_store_segment_capacity_bytes", "segment size", seg_labels)
     used = family("gauge", "kvflow_store_segment_used_bytes", "segment bytes allocated", seg_labels)
+    fenced = family("gauge", "kvflow_store_segment_fenced_bytes",
+                    "free bytes a new leader holds back from late writes (fence.py)", seg_labels)
     reps = family("gauge", "kvflow_store_segment_replicas", "replicas held", seg_labels)
     for s in m["segments"]:
         labels = tag + [str(s["id"]), s["client"], s["tier"]]
         cap.add_metric(labels, s["capacity"])
         used.add_metric(labels, s["used"])
+        fenced.add_metric(labels, s["fenced"])
         reps.add_metric(labels, s["replicas"])
-    yield from (cap, used, reps)
+    yield from (cap, used, fenced, reps)
     tiers = sorted(set(m["tiers"]) | {DRAM})
     for metric, key, what in (("kvflow_store_tier_capacity_bytes", "capacity", "tier size"),
                               ("kvflow_store_tier_used_bytes", "used", "tier bytes allocated")):
