@@ -12,7 +12,7 @@ from typing import Any
 
 from kvflow.errors import InvalidArgumentError
 
-from .errors import StoreTimeoutError, error_from_code
+from .errors import LeaseExpiredError, ReplicaUnavailableError, StoreTimeoutError, error_from_code
 from .records import MAX_KEY_BYTES, plain_keys
 
 __all__ = ["Parts", "Replica", "all_ok", "item_result", "one_part", "replica_rows", "single_columns", "single_parts",
@@ -143,3 +143,15 @@ def item_result(item: Any, key: str) -> Any:
     if item[0] == 0:
         return item[1]
     return error_from_code(item[1], item[2], key)
+
+
+def writes_failed(key: str, reps: Sequence, segs: dict, failed: dict) -> ReplicaUnavailableError:
+    """A put whose every replica write failed (`reps`: its [segment,
+    address] rows; `failed`: holder -> error): each holder's error named."""
+    errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
+    return ReplicaUnavailableError(f"every replica write of {key!r} failed: {errs}", key=key)
+
+
+def lease_outlasted(key: str, ttl: float) -> LeaseExpiredError:
+    """A read that ended after its lease (the bytes may have been replaced)."""
+    return LeaseExpiredError(f"reading {key!r} outlasted its {ttl} s lease", key=key)

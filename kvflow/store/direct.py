@@ -31,9 +31,8 @@ import numpy as np
 
 from kvflow.errors import KVFlowError
 
-from .calls import all_ok, item_result, replica_rows, single_columns
-from .errors import (BufferTooSmallError, LeaseExpiredError, MasterUnavailableError, ReplicaUnavailableError,
-                     SsdBusyError)
+from .calls import all_ok, item_result, lease_outlasted, replica_rows, single_columns, writes_failed
+from .errors import BufferTooSmallError, MasterUnavailableError, SsdBusyError
 from .follow import FollowingLink
 from .gets import Gets
 from .puts import wire_pin
@@ -298,8 +297,7 @@ def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[s
         for j, (i, reps) in enumerate(writing):
             r = kept[j] if kept is not None else item_result(ended[j], keys[i])
             if r == 0:
-                errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
-                r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
+                r = writes_failed(keys[i], reps, segs, failed)
             results[i] = r
     busy = [i for i, r in enumerate(results) if type(r) is SsdBusyError]
     if busy:            # the loop's funnel waits for the SSD tiers and puts them again
@@ -373,8 +371,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
                 return None
             results = list(moves.length)
             if time.monotonic() - t0 >= client.lease_ttl:
-                results = [LeaseExpiredError(f"reading {k!r} outlasted its {client.lease_ttl} s lease", key=k)
-                           for k in keys]
+                results = [lease_outlasted(k, client.lease_ttl) for k in keys]
             return results
         results: list[Any] = [None] * len(names)
         holders = client._holders(segs)
@@ -410,8 +407,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
         if time.monotonic() - t0 >= client.lease_ttl:
             for i, _, _, _ in reading:
                 if isinstance(results[i], int):
-                    results[i] = LeaseExpiredError(f"reading {keys[i]!r} outlasted its {client.lease_ttl} s lease",
-                                                   key=keys[i])
+                    results[i] = lease_outlasted(keys[i], client.lease_ttl)
         if staged is not None:
             results = [bytes(client._staging_view(addrs[i], r)) if type(r) is int else r for i, r in
                        enumerate(results)]

@@ -12,9 +12,10 @@ from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout
+from .calls import (Parts, all_ok, item_result, lease_outlasted, one_part, replica_rows, single_parts,
+                    with_timeout)
 from .datapath import Moves, holders_of
-from .errors import BufferTooSmallError, LeaseExpiredError, ReplicaUnavailableError
+from .errors import BufferTooSmallError, ReplicaUnavailableError
 from .metrics import counted
 from .model import check_key
 from .ssd_agent import SsdCopies, promote, read_copies
@@ -197,8 +198,7 @@ class Gets:
         if time.monotonic() - t0 >= self.lease_ttl:
             for i, _, _ in reading:
                 if isinstance(results[i], int):
-                    results[i] = LeaseExpiredError(
-                        f"reading {keys[i]!r} outlasted its {self.lease_ttl} s lease", key=keys[i])
+                    results[i] = lease_outlasted(keys[i], self.lease_ttl)
 
     @with_timeout
     async def get(self, key: str) -> bytes:

@@ -13,10 +13,9 @@ import numpy as np
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout
+from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout, writes_failed
 from .datapath import Moves, holders_of
-from .errors import (MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, SpaceFencedError,
-                     SsdBusyError)
+from .errors import MasterUnavailableError, ObjectNotFoundError, SpaceFencedError, SsdBusyError
 from .metrics import counted
 
 __all__ = ["Puts", "wire_pin"]
@@ -181,8 +180,7 @@ class Puts:
         for (i, reps), item in zip(writing, ended):
             r = item_result(item, keys[i])
             if r == 0:
-                errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
-                r = ReplicaUnavailableError(f"every replica write of {keys[i]!r} failed: {errs}", key=keys[i])
+                r = writes_failed(keys[i], reps, segs, failed)
             elif isinstance(r, ObjectNotFoundError) and getattr(self._link, "reconnects", 0) != relinks \
                     and not _again:
                 again.append(i)
