@@ -228,7 +228,9 @@ class StoreClient(Puts, Gets, TaskCalls):
             if self._ssd is not None:
                 await self._ssd.open()          # adopts its files; reported in _attach
             if self._finder is not None:
-                self._link = await FollowingLink(self._finder, self._attach).open(self.timeout)
+                following = FollowingLink(self._finder, self._attach)
+                following.on_notice = self._notice
+                self._link = await following.open(self.timeout)
             else:
                 master = self._master_object()
                 if isinstance(master, Master):
@@ -236,6 +238,7 @@ class StoreClient(Puts, Gets, TaskCalls):
                     # embedded master also serves other processes over tcp
                     await master.start(self.master_listen if self._embedded is not None else None)
                 self._link = await connect_master(master, timeout=self.timeout)
+                self._link.on_notice = self._notice
                 await self._attach(self._link)
             hello = self._hello
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(float(hello["heartbeat"])))
@@ -249,6 +252,13 @@ class StoreClient(Puts, Gets, TaskCalls):
             await self.close()
             raise
         return self
+
+    def _notice(self, method: str, args: list) -> None:
+        """A notice the master pushed (on the loop's thread): "ssd_wake", a
+        reader elsewhere waits for this client to load an SSD copy into its
+        segment: the cleaner syncs now instead of at its next poll."""
+        if method == "ssd_wake" and self._ssd is not None:
+            self._ssd.wake()
 
     async def _attach(self, link: MasterLink) -> None:
         """Registers with the master on `link` and mounts the segment: at
