@@ -4,9 +4,10 @@ The stand-in (tests/cuda_standin/*.c, one library) is built here with cc
 against the CUDA toolkit's cuda.h, and tests/cuda_standin/cases.py (with
 store_cases.py, the pool's GPU callers) runs once, in a pytest of its own
 whose processes load it as libcuda.so.1 (this process never does: the
-rest of the suite checks kvflow where CUDA is not usable). Each case is then reported here as one test. A test double,
-never a GPU result: tools/gpu_check.sh on a GPU is the acceptance, and
-docs/gpu.md says which paths have run on one (none yet).
+rest of the suite checks kvflow where CUDA is not usable). Each case is
+then reported here as one test. A test double, never a GPU result:
+tools/gpu_check.sh on a GPU is the acceptance, and docs/gpu.md says which
+paths have run on one (none yet).
 """
 from __future__ import annotations
 
