@@ -131,12 +131,13 @@ async def test_store_moves_gpu_memory_to_another_processs_segment(gpu_mem):
         await master.close()
 
 
-async def test_store_moves_gpu_memory_to_its_own_segment(gpu_mem):
+@pytest.mark.parametrize("protocols", [("tcp",), None], ids=["tcp", "auto"])
+async def test_store_moves_gpu_memory_to_its_own_segment(gpu_mem, protocols):
     """The client's own segment (host memory of this process): device rows
     go through the engine's peer of itself (one cuMemcpyAsync each way),
     never the own segment's memmove (a CPU copy of a stand-in device address
     would fault here)."""
-    async with StoreClient(segment_size=8 << 20, protocols=("tcp",)) as c:
+    async with StoreClient(segment_size=8 << 20, protocols=protocols) as c:
         n = 4
         src, dst = gpu_mem(n * BLOCK), gpu_mem(n * BLOCK)
         src.host[:] = _pattern(n * BLOCK, 5)
