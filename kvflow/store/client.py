@@ -45,6 +45,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryE
 from .allocator import Allocator
 from .calls import Replica, item_result, replica_rows, with_timeout
 from .datapath import Mover, Moves
+from .device import DeviceRanges
 from .errors import InvalidKeyError, MasterUnavailableError
 from .fence import CLIENT_TIMEOUT, CONNECT_TIMEOUT, write_window
 from .follow import FollowingLink, finder_for
@@ -415,22 +416,38 @@ class StoreClient(Puts, Gets, TaskCalls):
         self.engine.deregister(region)
 
     def _regions(self) -> tuple[list[int], list[int]]:
-        """The engine's registered regions as sorted (starts, ends), read once
-        per call (Engine.regions builds a sorted list each time)."""
-        # host memory only: the own-segment path copies with memmove, and
-        # GPU memory through the store is not built yet
+        """The engine's registered host regions as sorted (starts, ends), read
+        once per call (Engine.regions builds a sorted list each time)."""
+        # host memory only: what the common case's inline checks and the
+        # caller's-thread path (direct.py, memmove to the own segment) take;
+        # GPU memory is admitted by _checked_parts alone (device.py)
         regions = [r for r in self.engine.regions if r.kind == "host"]
         return [r.addr for r in regions], [r.end for r in regions]
 
     def _checked_parts(self, key: Any, ps: Any, regions: tuple[list[int], list[int]]) -> int:
         """The whole check of one object's key and parts, where the funnels'
         inline check of the common case passed on: the object's size, or
-        the key's typed error raised."""
+        the key's typed error raised. A part outside registered host memory
+        may be registered GPU memory (device.py): then the mover is told to
+        keep GPU rows off its memmove."""
         check_key(key)
         pairs = self._parts(ps)
+        gpu: DeviceRanges | None = None
         for a, s in pairs:
-            self._check_local(a, s, regions)
+            try:
+                self._check_local(a, s, regions)
+            except UnregisteredMemoryError:
+                if gpu is None:
+                    gpu = DeviceRanges(self.engine)
+                if not gpu.holds(int(a), int(s)):
+                    raise
+                self._mover.device = True
         return sum(int(s) for _, s in pairs)
+
+    def _on_device(self, ps: Any) -> bool:
+        """Whether any part of an admitted object lies in GPU memory (what
+        the CPU may not touch: the SSD tier's file reads)."""
+        return self._mover.device and DeviceRanges(self.engine).touches(ps)
 
     @staticmethod
     def _parts(ps: Any) -> list:
@@ -457,7 +474,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         i = bisect.bisect_right(starts, addr) - 1     # regions never overlap
         if i < 0 or addr + size > ends[i]:
             raise UnregisteredMemoryError(f"[{addr:#x}, +{size}) is not inside memory registered with "
-                                          f"this client's engine (register_buffer; host memory)")
+                                          f"this client's engine (register_buffer: host or GPU memory)")
 
     # -- queries and removal ---------------------------------------------------
     @with_timeout
