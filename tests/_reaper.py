@@ -25,13 +25,18 @@ POLL_S = 0.5
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time in clock ticks) of a live process, or None."""
+    """(ppid, start time in clock ticks) of a live process, or None (gone,
+    or a zombie: pytest run by another process stays one until that one
+    waits for it, which it may do only once the pipes it reads close, and
+    the reaper holds pytest's stderr)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
     fields = data[data.rindex(b")") + 2:].split()     # after the command, which may hold spaces
+    if fields[0] in (b"Z", b"X"):
+        return None
     return int(fields[1]), int(fields[19])
 
 

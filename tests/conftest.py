@@ -113,7 +113,7 @@ def pytest_sessionstart(session):
         import subprocess
         session.config._kvflow_reaper = subprocess.Popen(
             [sys.executable, os.path.join(os.path.dirname(__file__), "_reaper.py"), str(os.getpid())],
-            start_new_session=True, stdin=subprocess.DEVNULL)
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
