@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from .metrics import TBT_THRESHOLDS_S, attainment
-from .bounds import capacity_bound, gated_ideal_rps, largest_speedup, pool_bound_rps
+from .bounds import capacity_bound, gated_ideal_rps, largest_speedup, pool_bound_rps, shared_work_bound
 from .policies import POLICIES
 from .pool import PoolConfig
 from .admission import AdmissionSpec
@@ -108,9 +108,12 @@ def _yardsticks(trace: list[TraceRequest], args: argparse.Namespace) -> dict[str
     """The bounds (`bounds.py`) for this trace and cluster; the gated
     ideal only behind a gate (it models the TTFT gate's refusals)."""
     bound, work = capacity_bound(trace, prefill=args.prefill, target=args.target, slo_ttft_s=args.slo_ttft)
+    shared, shared_work = shared_work_bound(trace, prefill=args.prefill, target=args.target,
+                                            slo_ttft_s=args.slo_ttft)
     out = {"bound_rps": bound, "bound_work_s": work,
            "pool_bound_rps": pool_bound_rps(trace, prefill=args.prefill, target=args.target,
-                                            slo_ttft_s=args.slo_ttft)}
+                                            slo_ttft_s=args.slo_ttft),
+           "shared_bound_rps": shared, "shared_work_s": shared_work}
     if args.rejection != "none":
         out["gated_ideal_rps"] = gated_ideal_rps(trace, prefill=args.prefill, target=args.target,
                                                  slo_ttft_s=args.slo_ttft, precision=args.precision)
@@ -122,14 +125,18 @@ def _print_yardsticks(y: dict[str, float], args: argparse.Namespace, best_other:
           f" of the prefills, each with every earlier request's blocks cached, take {y['bound_work_s']:.0f} s")
     print(f"bound given the pool (a block reused only once a prefill that holds it is over): "
           f"{y['pool_bound_rps']:.2f} rps")
+    print(f"bound with each block computed once, whoever computes it (a refused request leaves its blocks to the"
+          f" next that needs them): {y['shared_bound_rps']:.2f} rps; the least such work for {args.target:.0%}"
+          f" of the requests is {y['shared_work_s']:.0f} s")
     gated = y.get("gated_ideal_rps")
     if gated is not None:
         print(f"gated ideal (an estimate, not a bound: the same TTFT gate, one FIFO queue for all instances,"
               f" served blocks cached everywhere at once): {gated:.2f} rps")
     if best_other > 0:
         want = 1.2 * best_other
-        verdict = "above the bound: no router can reach it" if want > y["pool_bound_rps"] else \
-            "under the bound"
+        verdict = "above a bound: no router can reach it" if want > min(y["pool_bound_rps"],
+                                                                        y["shared_bound_rps"]) else \
+            "under the bounds"
         if gated is not None:
             verdict += "; above the gated ideal" if want > gated else "; under the gated ideal"
         print(f"1.2x the best other: {want:.2f} rps, {verdict}")
@@ -232,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"rejection": args.rejection,
                           "admission": None if args.admission is None else args.admission.describe(), "bound_rps": yardsticks["bound_rps"],
                           "pool_bound_rps": yardsticks["pool_bound_rps"],
+                          "shared_bound_rps": yardsticks["shared_bound_rps"],
                           "gated_ideal_rps": yardsticks.get("gated_ideal_rps"),
                           "pool": None if args.pool is None else [args.pool.dram_blocks, args.pool.ssd_blocks],
                           "capacity": rows}))
