@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     _print_yardsticks(yardsticks, args, best_other)
     if args.json:
         print(json.dumps({"rejection": args.rejection,
-                          "admission": None if args.admission is None else args.admission.describe(), "bound_rps": yardsticks["bound_rps"],
+                          "admission": None if args.admission is None else args.admission.describe(),
+                          "bound_rps": yardsticks["bound_rps"],
                           "pool_bound_rps": yardsticks["pool_bound_rps"],
                           "shared_bound_rps": yardsticks["shared_bound_rps"],
                           "gated_ideal_rps": yardsticks.get("gated_ideal_rps"),
