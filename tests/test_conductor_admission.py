@@ -190,3 +190,17 @@ def test_shared_work_bound_on_the_conversation_trace_is_above_every_capacity_mea
         cap = find_capacity(trace, policy, prefill=8, decode=8, thresholds=(0.1,), rejection="baseline",
                             precision=0.05, admission=adm)[0]
         assert cap.rate_rps <= bound, (policy, adm, cap, bound)
+
+
+def test_capacity_cli_names_the_admission_and_prints_the_shared_bound(capsys):
+    import json
+    from kvflow.conductor import capacity
+    assert capacity.main(["--trace", CONV, "--limit", "120", "--policy", "kvcache,round_robin", "--tbt", "100",
+                          "--jobs", "1", "--rejection", "baseline", "--admission", "cost:0.1,0.5@kvcache",
+                          "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "admission cost (budget 0.1, load 0.5) for kvcache" in out
+    assert "each block computed once" in out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["admission"] == "cost (budget 0.1, load 0.5) for kvcache"
+    assert all(c["rate_rps"] <= last["shared_bound_rps"] for c in last["capacity"])
