@@ -204,3 +204,20 @@ def test_capacity_cli_names_the_admission_and_prints_the_shared_bound(capsys):
     last = json.loads(out.strip().splitlines()[-1])
     assert last["admission"] == "cost (budget 0.1, load 0.5) for kvcache"
     assert all(c["rate_rps"] <= last["shared_bound_rps"] for c in last["capacity"])
+
+
+def test_gated_ideal_behind_the_cost_admission_by_hand():
+    """Four requests at once on one instance: cheap, dear, cheap, cheap,
+    with an SLO that fits the first two and not a third behind them. The
+    gate serves the first two; the cost rule (here refusing anything
+    dearer than the median so far, at any load) refuses the dear one and
+    serves the three cheap ones."""
+    from kvflow.conductor.bounds import gated_ideal_attainment
+    m = PrefillModel()
+    c, dear = m.time(B), m.time(24 * B)
+    slo = c + dear + c / 2
+    trace = [TraceRequest(0, 0.0, B, 4, (1,)), TraceRequest(1, 0.0, 24 * B, 4, tuple(range(10, 34))),
+             TraceRequest(2, 0.0, B, 4, (2,)), TraceRequest(3, 0.0, B, 4, (3,))]
+    assert gated_ideal_attainment(trace, 1.0, prefill=1, slo_ttft_s=slo, model=m) == 0.5
+    rule = lambda: CostAdmission(budget=0.5, load=0.0, warmup=1)      # noqa: E731
+    assert gated_ideal_attainment(trace, 1.0, prefill=1, slo_ttft_s=slo, model=m, admission=rule) == 0.75

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .admission import CostAdmission
 from .estimators import PrefillModel
 from .trace import TRACE_BLOCK_TOKENS, TraceRequest
 
@@ -266,10 +267,14 @@ def pool_bound_rps(trace: Sequence[TraceRequest], *, prefill: int, target: float
 
 
 def gated_ideal_attainment(trace: Sequence[TraceRequest], speedup: float, *, prefill: int,
-                           slo_ttft_s: float = 30.0, model: PrefillModel | None = None) -> float:
+                           slo_ttft_s: float = 30.0, model: PrefillModel | None = None,
+                           admission: Callable[[], CostAdmission] | None = None) -> float:
     """The share of requests the idealised gated router of the module's
-    docstring serves within the TTFT SLO at `speedup`."""
+    docstring serves within the TTFT SLO at `speedup`; with `admission` (a
+    maker of a fresh `CostAdmission`), that rule refuses before the gate,
+    as the conductor's does (on the instances' mean wait)."""
     model = model or PrefillModel()
+    rule = admission() if admission is not None else None
     t0 = trace[0].arrival_s
     held: set[int] = set()
     free = [0.0] * prefill              # when each instance is done with what it was given
@@ -282,6 +287,9 @@ def gated_ideal_attainment(trace: Sequence[TraceRequest], speedup: float, *, pre
                 break
             n += 1
         cost = model.time(r.tokens, min(r.tokens, n * TRACE_BLOCK_TOKENS))
+        if rule is not None and rule.refuse(cost, sum(max(0.0, f - now) for f in free) / prefill,
+                                            slo_ttft_s) is not None:
+            continue
         start = max(now, free[0])
         if start + cost - now <= slo_ttft_s:
             heapq.heapreplace(free, start + cost)
@@ -292,11 +300,12 @@ def gated_ideal_attainment(trace: Sequence[TraceRequest], speedup: float, *, pre
 
 def gated_ideal_rps(trace: Sequence[TraceRequest], *, prefill: int, target: float = 0.9,
                     slo_ttft_s: float = 30.0, model: PrefillModel | None = None,
-                    precision: float = 0.02) -> float:
+                    precision: float = 0.02, admission: Callable[[], CostAdmission] | None = None) -> float:
     """The idealised gated router's capacity, in requests/s, found as the
     policies' is (`largest_speedup`, with `capacity`'s precision)."""
     if len(trace) < 2:
         raise ValueError("a capacity needs at least two requests (a span)")
     s, _ = largest_speedup(lambda sp: gated_ideal_attainment(trace, sp, prefill=prefill, slo_ttft_s=slo_ttft_s,
-                                                             model=model) >= target, precision=precision)
+                                                             model=model, admission=admission) >= target,
+                           precision=precision)
     return len(trace) * s / _span(trace)

@@ -33,7 +33,7 @@ from .metrics import TBT_THRESHOLDS_S, attainment
 from .bounds import capacity_bound, gated_ideal_rps, largest_speedup, pool_bound_rps, shared_work_bound
 from .policies import POLICIES
 from .pool import PoolConfig
-from .admission import AdmissionSpec
+from .admission import AdmissionSpec, CostAdmission
 from .replay import _admission, _policies, parse_pool, replay_one
 from .trace import TraceRequest, load_trace
 from .types import RejectionMode
@@ -117,6 +117,11 @@ def _yardsticks(trace: list[TraceRequest], args: argparse.Namespace) -> dict[str
     if args.rejection != "none":
         out["gated_ideal_rps"] = gated_ideal_rps(trace, prefill=args.prefill, target=args.target,
                                                  slo_ttft_s=args.slo_ttft, precision=args.precision)
+        if args.admission is not None:
+            adm = args.admission
+            out["gated_ideal_cost_rps"] = gated_ideal_rps(
+                trace, prefill=args.prefill, target=args.target, slo_ttft_s=args.slo_ttft,
+                precision=args.precision, admission=lambda: CostAdmission(budget=adm.budget, load=adm.load))
     return out
 
 
@@ -132,6 +137,8 @@ def _print_yardsticks(y: dict[str, float], args: argparse.Namespace, best_other:
     if gated is not None:
         print(f"gated ideal (an estimate, not a bound: the same TTFT gate, one FIFO queue for all instances,"
               f" served blocks cached everywhere at once): {gated:.2f} rps")
+    if "gated_ideal_cost_rps" in y:
+        print(f"gated ideal behind the cost admission as well: {y['gated_ideal_cost_rps']:.2f} rps")
     if best_other > 0:
         want = 1.2 * best_other
         verdict = "above a bound: no router can reach it" if want > min(y["pool_bound_rps"],
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                           "pool_bound_rps": yardsticks["pool_bound_rps"],
                           "shared_bound_rps": yardsticks["shared_bound_rps"],
                           "gated_ideal_rps": yardsticks.get("gated_ideal_rps"),
+                          "gated_ideal_cost_rps": yardsticks.get("gated_ideal_cost_rps"),
                           "pool": None if args.pool is None else [args.pool.dram_blocks, args.pool.ssd_blocks],
                           "capacity": rows}))
     return 0
