@@ -221,3 +221,9 @@ def test_gated_ideal_behind_the_cost_admission_by_hand():
     assert gated_ideal_attainment(trace, 1.0, prefill=1, slo_ttft_s=slo, model=m) == 0.5
     rule = lambda: CostAdmission(budget=0.5, load=0.0, warmup=1)      # noqa: E731
     assert gated_ideal_attainment(trace, 1.0, prefill=1, slo_ttft_s=slo, model=m, admission=rule) == 0.75
+
+
+def test_least_shared_work_wants_chained_keys():
+    trace = [TraceRequest(0, 0.0, 2 * B, 4, (1, 2)), TraceRequest(1, 1.0, 2 * B, 4, (3, 2))]
+    with pytest.raises(ValueError, match="chained"):
+        least_shared_work(trace)

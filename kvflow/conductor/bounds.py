@@ -96,9 +96,12 @@ def least_shared_work(trace: Sequence[TraceRequest], model: PrefillModel | None 
     block that ends requests differently). The blocks form a tree (a
     path's parent is the path one block shorter) with requests ending at
     nodes; the least union over j requests is a knapsack over that tree,
-    solved exactly by merging the children's tables with (min, +)."""
+    solved exactly by merging the children's tables with (min, +).
+    ValueError if a key stands after two different prefixes (the Mooncake
+    traces' hash ids are chained: none does)."""
     model = model or PrefillModel()
     ids: dict[tuple[int, int], int] = {}
+    key_node: dict[int, int] = {}
     parent, length, depth, ends = [-1], [0], [0], [0]
     for r in trace:
         v = 0
@@ -106,7 +109,12 @@ def least_shared_work(trace: Sequence[TraceRequest], model: PrefillModel | None 
             n = min(TRACE_BLOCK_TOKENS, r.tokens - j * TRACE_BLOCK_TOKENS)
             node = ids.get((v, k))
             if node is None:
-                node = ids[(v, k)] = len(parent)
+                if k in key_node:
+                    # the replay matches a key wherever it stands; a tree of
+                    # paths would then charge twice what one compute serves
+                    raise ValueError(f"request {r.index}: key {k} follows another prefix than before;"
+                                     " the bound needs chained keys (a key names its prefix)")
+                node = ids[(v, k)] = key_node[k] = len(parent)
                 parent.append(v)
                 length.append(n)
                 depth.append(j)
