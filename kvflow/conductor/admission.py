@@ -7,7 +7,7 @@ dear. Capacity is measured as the rate at which `target` (90%) of the
 requests meet the SLOs, so a cluster may refuse up to a tenth of them; it
 serves the most when those are the ones that would cost the most prefill
 seconds (`bounds.pool_bound_rps` serves the cheapest `target` share). That
-is what Mooncake's early rejection is for ([FAST'25] §7: refuse before the
+is what Mooncake's early rejection is for ([FAST'25], overload: refuse before the
 prefill is spent, on the load predicted), here with the prefill cost as the
 measure of what a request takes from the others.
 
