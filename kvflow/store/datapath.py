@@ -90,8 +90,9 @@ def holders_of(sids: Sequence[int], segs: dict) -> list[str]:
 
 
 class Mover:
-    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = CONNECT_TIMEOUT, shm: Any = None) -> None:
         self.engine = engine
+        self.shm = shm                  # same-host holders' segments mapped here (shmseg.SameHost)
         self.connect_timeout = connect_timeout
         self.writing = 0                # write batches in progress on the loop (idle() waits for none)
         self._idle: asyncio.Event | None = None
@@ -161,6 +162,8 @@ class Mover:
                 else:
                     g.append(j)
         mine = groups.pop(own, None)
+        if self.shm is not None and op == "read" and groups:
+            await self.shm.read_groups(moves, groups)     # copies (and removes) the holders mapped here
         if mine and not groups:
             await self._copy_own(op, moves, mine)
             return {}
