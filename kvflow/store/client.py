@@ -55,7 +55,7 @@ from .model import check_key
 from .puts import Puts
 from .records import NS_SEP, plain_keys
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
-from .shmseg import ENABLED as SHM_ENABLED, SameHost
+from .shmseg import SameHost
 from .ssd_agent import SsdAgent
 from .task_calls import TaskCalls
 
@@ -147,8 +147,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         self._staging_alloc: Allocator | None = None
         self._staging_freed: asyncio.Condition | None = None
         self._mover: Mover | None = None
-        # its segment in shared memory, other holders' on this host mapped (shmseg.py)
-        self._shm: SameHost | None = SameHost() if SHM_ENABLED else None
+        self._shm: SameHost | None = None     # its segment in shared memory, same-host ones mapped
         self._heartbeat: asyncio.Task | None = None
         self._repair: asyncio.Task | None = None      # copying new replicas of objects that lost one
         self.replicas_made = 0          # replicas this client copied for objects that lost one
@@ -213,6 +212,7 @@ class StoreClient(Puts, Gets, TaskCalls):
             if self.engine is None:
                 self.engine = kvflow.Engine(self._listen, protocols=self._protocols)
                 await self.engine.start()
+            self._shm = SameHost.for_engine(self.engine)
             self._mover = Mover(self.engine, shm=self._shm)
             if self.local_buffer_size:
                 self._staging = np.empty(self.local_buffer_size, np.uint8)

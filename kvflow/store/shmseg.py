@@ -149,6 +149,17 @@ class SameHost:
         self._size = 0
         self._server: _Server | None = None
 
+    @classmethod
+    def for_engine(cls, engine: Any) -> "SameHost | None":
+        """One for a client of `engine`, or None: turned off, or the engine
+        may not use kvflow's same-host transport (`local` not among its
+        protocols: a client told to move its bytes over tcp only maps no
+        other process's memory and shares none of its own)."""
+        protocols = engine.protocols
+        if not ENABLED or (protocols is not None and "local" not in protocols):
+            return None
+        return cls()
+
     # -- the holder ------------------------------------------------------------
     def segment(self, size: int) -> np.ndarray:
         """`size` bytes of shared memory for this client's segment (zeroed,
