@@ -8,13 +8,15 @@ them and back).
 Holder: `segment()` allocates the memfd (sealed against shrinking, so a
 reader's mapping never faults past its end) and maps it read/write; it is
 registered with the engine as any segment, so every other path (tcp,
-local) still works on it. `serve()` listens on an abstract unix socket
-named after the holder's engine address (only a process in the same
-network namespace reaches it) and answers a peer of its own user
-(SO_PEERCRED) with the segment's base and size and a read-only descriptor
-of it (SCM_RIGHTS): the peer cannot map it writable. The connection stays
-open: when the holder goes (closed, killed), the reader sees it end and
-drops its mapping.
+local) still works on it. `serve()` hands a read-only descriptor of it
+to same-host peers of its own user (shmsock.py: an abstract unix socket,
+SO_PEERCRED, SCM_RIGHTS): a reader cannot map it writable. The
+connection stays open: when the holder goes (closed, killed), the reader
+sees it end and drops its mapping at once (the holder's memory is freed
+only when no mapping of it is left).
+
+Only where the engine may use kvflow's same-host transport (protocols
+None or with "local"), and KVFLOW_STORE_SHM is not 0.
 
 Reader: `read()` serves one holder's entries of a get from the mapping,
 or declines (False: the caller moves them the kvflow way): no server for
@@ -27,16 +29,11 @@ as the kvflow path does; nothing here decides what may be read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import fcntl
-import hashlib
-import json
 import mmap
 import os
-import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -47,8 +44,9 @@ import numpy as np
 from kvflow.errors import InvalidArgumentError
 
 from .datapath import COPY_INLINE, finish_before_cancel
+from .shmsock import Watcher, ask, serve
 
-__all__ = ["ENABLED", "SameHost", "map_fd", "socket_name", "unmap"]
+__all__ = ["ENABLED", "SameHost", "map_fd", "unmap"]
 
 # KVFLOW_STORE_SHM=0 turns it off (segments in private memory, gets the kvflow way)
 ENABLED = hasattr(os, "memfd_create") and os.environ.get("KVFLOW_STORE_SHM", "1") != "0"
@@ -62,8 +60,6 @@ _F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 _F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
 _F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 4)
-_HELLO = b"kvflow-store-shm/1\n"
-_PEERCRED = struct.Struct("3i")       # pid, uid, gid
 # a loop's copy from a mapping up to this many bytes runs on the loop's
 # thread (0.15-0.4 ms of memcpy here), more on a worker thread: the hop to a
 # worker and back costs about 0.3 ms on a loaded host, more than the copy
@@ -89,17 +85,6 @@ def map_fd(fd: int, size: int, *, writable: bool = True) -> int:
 
 def unmap(addr: int, size: int) -> None:
     _libc.munmap(addr, size)
-
-
-def socket_name(engine_address: str) -> bytes:
-    """The abstract socket a holder whose engine is at `engine_address`
-    serves its segment on (the address is unique on a host while the
-    engine lives)."""
-    return b"\0kvflow_store_shm_" + hashlib.sha1(engine_address.encode()).hexdigest()[:24].encode()
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
 
 
 def _runs(local: Sequence[int], remote: Sequence[int], length: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -147,7 +132,8 @@ class SameHost:
         self._fd = -1
         self._addr = 0
         self._size = 0
-        self._server: _Server | None = None
+        self._ro = -1           # the read-only descriptor readers are handed, once served
+        self._watcher: Watcher | None = None
 
     @classmethod
     def for_engine(cls, engine: Any) -> "SameHost | None":
@@ -180,14 +166,17 @@ class SameHost:
         """Serves the segment to same-host readers of this user; False when
         the socket's name is taken (another client of the same engine
         serves its own: readers then read this one the kvflow way)."""
-        if self._fd < 0 or self._server is not None:
+        if self._fd < 0 or self._ro >= 0:
             return False
         try:
-            self._server = _Server(socket_name(engine_address), self._fd, self._addr, self._size)
+            self._ro = serve(self._watching(), engine_address, self._fd, self._addr, self._size)
         except OSError:
             return False
-        self._server.start()
         return True
+
+    def _watching(self) -> Watcher:
+        with self._lock:
+            return self._watcher_locked()
 
     # -- the reader ------------------------------------------------------------
     def read(self, holder: str, local: Sequence[int], remote: Sequence[int], length: Sequence[int]) -> bool:
@@ -272,52 +261,65 @@ class SameHost:
         """Under the lock: forgets the mapping; unmapped now, or by the last
         copy still reading it."""
         self._maps.pop(holder, None)
-        m.sock.close()
+        if self._watcher is not None:
+            self._watcher.forget(m.sock)    # closed on its thread
+        else:
+            m.sock.close()
         m.dead = True
         self.maps_dropped += 1
         if not m.users:
             unmap(m.addr, m.size)
 
     def _map(self, holder: str) -> _Mapping | None:
-        """Asks `holder`'s server for its segment and maps it read-only;
-        None when there is none here or it cannot be used."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds: list[int] = []
+        """Under the lock: asks `holder`'s server for its segment and maps
+        it read-only; None when there is none here or it cannot be used.
+        The connection is watched: its end drops the mapping at once (a
+        dead holder's memory is freed only when no mapping is left)."""
         try:
-            sock.settimeout(2.0)
-            sock.connect(socket_name(holder))
-            if _peer_uid(sock) != os.getuid():
-                raise PermissionError("the segment's server is another user's")
-            sock.sendall(_HELLO)
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
-            info = json.loads(msg)
-            if len(fds) != 1 or "base" not in info:
-                raise PermissionError(f"refused: {info.get('error', 'no descriptor')}")
-            base, size = int(info["base"]), int(info["size"])
-            if not fcntl.fcntl(fds[0], _F_GET_SEALS) & _F_SEAL_SHRINK:
+            sock, fd, base, size = ask(holder)
+        except OSError:
+            return None
+        try:
+            if not fcntl.fcntl(fd, _F_GET_SEALS) & _F_SEAL_SHRINK:
                 raise PermissionError("the segment could shrink under the mapping")
-            addr = map_fd(fds[0], size, writable=False)
-            sock.setblocking(False)
-            return _Mapping(base, size, addr, sock)
-        except (OSError, ValueError, KeyError, InvalidArgumentError):
+            addr = map_fd(fd, size, writable=False)
+        except (OSError, InvalidArgumentError):
             sock.close()
             return None
         finally:
-            for fd in fds:          # the mapping keeps the memory; the descriptor is not needed
-                os.close(fd)
+            os.close(fd)            # the mapping keeps the memory
+        m = _Mapping(base, size, addr, sock)
+
+        def holder_went(_: socket.socket) -> bool:
+            with self._lock:
+                if self._maps.get(holder) is m:
+                    self._drop(holder, m)
+            return True
+
+        self._watcher_locked().watch(sock, holder_went)
+        return m
+
+    def _watcher_locked(self) -> Watcher:
+        if self._watcher is None:
+            self._watcher = Watcher()
+            self._watcher.start()
+        return self._watcher
 
     def close(self) -> None:
         """Stops serving (readers drop their mappings), drops every mapping
         here. The own segment is unmapped by `release_segment`, after the
         engine let go of it."""
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
         with self._lock:
+            watcher, self._watcher = self._watcher, None
             for holder, m in list(self._maps.items()):
                 if isinstance(m, _Mapping):
                     self._drop(holder, m)
             self._maps.clear()
+        if watcher is not None:
+            watcher.stop()          # closes the listener and every connection
+        if self._ro >= 0:
+            os.close(self._ro)
+            self._ro = -1
 
     def release_segment(self) -> None:
         """Unmaps and closes the own segment (the engine no longer has it
@@ -326,81 +328,3 @@ class SameHost:
             unmap(self._addr, self._size)
             os.close(self._fd)
             self._fd = -1
-
-
-class _Server(threading.Thread):
-    """The holder's socket: answers each peer of its own user with the
-    segment (a read-only descriptor), keeps the connection open until the
-    peer or this server closes it."""
-
-    def __init__(self, name: bytes, fd: int, addr: int, size: int) -> None:
-        super().__init__(name="kvflow-store-shm", daemon=True)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._listener.bind(name)
-            self._listener.listen(64)
-        except OSError:
-            self._listener.close()
-            raise
-        # a read-only descriptor of the same memory: a reader cannot map it writable
-        self._ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        self._info = json.dumps({"base": addr, "size": size}).encode()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._sel = selectors.DefaultSelector()
-        self._conns: set[socket.socket] = set()
-        self.refused = 0
-
-    def run(self) -> None:
-        self._listener.setblocking(False)
-        self._sel.register(self._listener, selectors.EVENT_READ)
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
-        while True:
-            for key, _ in self._sel.select():
-                s = key.fileobj
-                if s is self._wake_r:
-                    return self._shut()
-                if s is self._listener:
-                    with contextlib.suppress(BlockingIOError):
-                        self._accept(*self._listener.accept())
-                    continue
-                with contextlib.suppress(OSError):
-                    if s.recv(4096):        # nothing more is expected: a peer that talks is let be
-                        continue
-                self._forget(s)             # the peer went
-
-    def _accept(self, conn: socket.socket, _addr: object) -> None:
-        try:
-            conn.settimeout(1.0)
-            if _peer_uid(conn) != os.getuid():
-                self.refused += 1
-                conn.sendall(json.dumps({"error": "another user"}).encode())
-                conn.close()
-                return
-            if conn.recv(len(_HELLO)) != _HELLO:
-                conn.close()
-                return
-            socket.send_fds(conn, [self._info], [self._ro])
-            conn.setblocking(False)
-        except OSError:
-            conn.close()
-            return
-        self._conns.add(conn)
-        self._sel.register(conn, selectors.EVENT_READ)
-
-    def _forget(self, conn: socket.socket) -> None:
-        self._sel.unregister(conn)
-        self._conns.discard(conn)
-        conn.close()
-
-    def _shut(self) -> None:
-        for conn in list(self._conns):
-            self._forget(conn)
-        self._sel.close()
-        self._listener.close()
-        self._wake_r.close()
-        os.close(self._ro)
-
-    def stop(self) -> None:
-        self._wake_w.send(b"x")
-        self.join(5.0)
-        self._wake_w.close()
