@@ -15,8 +15,8 @@ connection stays open: when the holder goes (closed, killed), the reader
 sees it end and drops its mapping at once (the holder's memory is freed
 only when no mapping of it is left).
 
-Only where the engine may use kvflow's same-host transport (protocols
-None or with "local"), and KVFLOW_STORE_SHM is not 0.
+Only where the engine picks its transports itself (protocols=None), and
+KVFLOW_STORE_SHM is not 0.
 
 Reader: `read()` serves one holder's entries of a get from the mapping,
 or declines (False: the caller moves them the kvflow way): no server for
@@ -138,11 +138,11 @@ class SameHost:
     @classmethod
     def for_engine(cls, engine: Any) -> "SameHost | None":
         """One for a client of `engine`, or None: turned off, or the engine
-        may not use kvflow's same-host transport (`local` not among its
-        protocols: a client told to move its bytes over tcp only maps no
-        other process's memory and shares none of its own)."""
-        protocols = engine.protocols
-        if not ENABLED or (protocols is not None and "local" not in protocols):
+        was given its transports (`protocols`): a client told to move its
+        bytes over tcp (or any named list) moves them that way, maps no
+        other process's memory and shares none of its own. With
+        protocols=None kvflow picks the fastest way, and so does this."""
+        if not ENABLED or engine.protocols is not None:
             return None
         return cls()
 
