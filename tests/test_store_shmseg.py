@@ -1,6 +1,6 @@
 """kvflow.store's same-host segments (kvflow/store/shmseg.py): a holder in
-a process of its own, a reader here that maps its segment read-only and
-gets with one memcpy per object; the holder killed, an object's space
+a process of its own, a client here that maps its segment and puts and
+gets with one memcpy per object (or run of them); the holder killed, an object's space
 reused, a reader of another user, a segment not in shared memory."""
 from __future__ import annotations
 
@@ -66,6 +66,12 @@ async def test_gets_read_the_same_host_segment_through_the_mapping():
             src = await _put(c, keys, sizes, 1)
             offs = [int(o) for o in np.cumsum([0] + sizes[:-1])]
             total = sum(sizes)
+            # the put wrote through the mapping: a tcp-only client (no mapping)
+            # reads the holder's memory with kvflow, and finds every byte
+            assert (c.metrics()["shm_writes"], c.metrics()["shm_write_bytes"]) == (n, total)
+            async with StoreClient(address, segment_size=0, local_buffer_size=8 << 20, protocols=("tcp",)) as t:
+                assert b"".join(await t.batch_get(keys)) == src.tobytes()
+                assert "shm_reads" not in t.metrics()
             # the loop's get into registered memory, objects in reverse order
             # (no two consecutive: one copy each), every byte compared
             dst = np.zeros(total + 4096, np.uint8)

@@ -404,7 +404,8 @@ class StoreClient(Puts, Gets, TaskCalls):
         kvflow/store/metrics.py names them, docs/metrics.md too."""
         return {"kind": "client", "client_id": self.client_id, **self.counters.snapshot(),
                 "replica_fallbacks": self.replica_fallbacks, "local_buffer_in_use": self.local_buffer_in_use,
-                **({"shm_reads": self._shm.reads, "shm_read_bytes": self._shm.read_bytes,
+                **({"shm_reads": self._shm.reads, "shm_read_bytes": self._shm.read_bytes, "shm_writes":
+                    self._shm.writes, "shm_write_bytes": self._shm.write_bytes,
                     "shm_maps_dropped": self._shm.maps_dropped} if self._shm is not None else {})}
 
     # -- memory ----------------------------------------------------------------

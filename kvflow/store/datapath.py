@@ -162,8 +162,8 @@ class Mover:
                 else:
                     g.append(j)
         mine = groups.pop(own, None)
-        if self.shm is not None and op == "read" and groups:
-            await self.shm.read_groups(moves, groups)     # copies (and removes) the holders mapped here
+        if self.shm is not None and groups:
+            await self.shm.move_groups(op, moves, groups)     # copies (and removes) the holders mapped here
         if mine and not groups:
             await self._copy_own(op, moves, mine)
             return {}

@@ -219,7 +219,7 @@ def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]]) -> dict[
             for local, remote, n in zip(la, ra, ln):
                 ctypes.memmove(remote, local, n) if op == "write" else ctypes.memmove(local, remote, n)
             continue
-        if op == "read" and client._shm is not None and client._shm.read(holder, la, ra, ln):
+        if client._shm is not None and client._shm.copy(op, holder, la, ra, ln):
             continue                    # a same-host holder's segment mapped here (shmseg.py)
         try:
             peer = client.engine.peer(holder)

@@ -1,30 +1,33 @@
 """Same-host segments in shared memory: a holder's segment is a memfd,
-and a client on the same host (and of the same user) maps it read-only, so
-that its get of an object held there is one memcpy per object from the
-mapping into the caller's buffer, on the calling thread, instead of a
-kvflow read (process_vm_readv on the engine's worker threads and a hop to
-them and back).
+and a client on the same host (and of the same user) maps it, so that
+its get of an object held there is one memcpy per object from the mapping
+into the caller's buffer, on the calling thread, instead of a kvflow read
+(process_vm_readv on the engine's worker threads and a hop to them and
+back); a put's writes into it likewise.
 
 Holder: `segment()` allocates the memfd (sealed against shrinking, so a
 reader's mapping never faults past its end) and maps it read/write; it is
 registered with the engine as any segment, so every other path (tcp,
-local) still works on it. `serve()` hands a read-only descriptor of it
-to same-host peers of its own user (shmsock.py: an abstract unix socket,
-SO_PEERCRED, SCM_RIGHTS): a reader cannot map it writable. The
-connection stays open: when the holder goes (closed, killed), the reader
-sees it end and drops its mapping at once (the holder's memory is freed
-only when no mapping of it is left).
+local) still works on it. `serve()` hands its descriptor to same-host
+peers of its own user (shmsock.py: an abstract unix socket, SO_PEERCRED,
+SCM_RIGHTS; such a peer may write the holder's memory with
+process_vm_writev, kvflow's `local` provider, anyway). The connection
+stays open: when the holder goes (closed, killed), the reader sees it end
+and drops its mapping at once (the holder's memory is freed only when no
+mapping of it is left).
 
 Only where the engine picks its transports itself (protocols=None), and
 KVFLOW_STORE_SHM is not 0.
 
-Reader: `read()` serves one holder's entries of a get from the mapping,
-or declines (False: the caller moves them the kvflow way): no server for
-that engine (another host, a segment not in shared memory, a holder that
-went), a server of another user, a descriptor refused, a range outside
-the mapped segment. It copies only what the caller's get found COMPLETE
-under its read lease (the caller holds the lease until the copy returned),
-as the kvflow path does; nothing here decides what may be read.
+Reader: `copy()` moves one holder's entries of a get (or a put) through
+the mapping, or declines (False: the caller moves them the kvflow way): no
+server for that engine (another host, a segment not in shared memory, a
+holder that went), a server of another user, a descriptor refused, a
+range outside the mapped segment. It copies what the caller's call was
+given, as the kvflow path does: a get, only objects found COMPLETE under
+its read lease (held until the copy returned); a put, the space its
+put_start allocated, before its put_end (readers see nothing before).
+Nothing here decides what may be read or written.
 """
 from __future__ import annotations
 
@@ -55,7 +58,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 _F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
@@ -124,15 +129,17 @@ class SameHost:
     loop and callers' threads read through it at once."""
 
     def __init__(self) -> None:
-        self.reads = 0          # objects copied from a mapping (the metric that the path was taken)
+        self.reads = 0          # entries copied from a mapping (the metric that the path was taken)
         self.read_bytes = 0
+        self.writes = 0         # entries copied into a mapping
+        self.write_bytes = 0
         self.maps_dropped = 0   # mappings dropped because their holder went
         self._lock = threading.Lock()
         self._maps: dict[str, _Mapping | float] = {}     # engine -> mapping, or when to ask again
         self._fd = -1
         self._addr = 0
         self._size = 0
-        self._ro = -1           # the read-only descriptor readers are handed, once served
+        self._serving = False
         self._watcher: Watcher | None = None
 
     @classmethod
@@ -159,6 +166,11 @@ class SameHost:
         except BaseException:
             os.close(fd)
             raise
+        # huge pages where the host gives them to shared memory
+        # (transparent_hugepage/shmem_enabled "advise" or more): a private
+        # segment has them (numpy asks), and 4 KiB pages make large copies and
+        # kvflow's process_vm transfers of this segment slower
+        _libc.madvise(addr, size, _MADV_HUGEPAGE)
         self._fd, self._addr, self._size = fd, addr, size
         return np.frombuffer((ctypes.c_uint8 * size).from_address(addr), np.uint8)
 
@@ -166,12 +178,13 @@ class SameHost:
         """Serves the segment to same-host readers of this user; False when
         the socket's name is taken (another client of the same engine
         serves its own: readers then read this one the kvflow way)."""
-        if self._fd < 0 or self._ro >= 0:
+        if self._fd < 0 or self._serving:
             return False
         try:
-            self._ro = serve(self._watching(), engine_address, self._fd, self._addr, self._size)
+            serve(self._watching(), engine_address, self._fd, self._addr, self._size)
         except OSError:
             return False
+        self._serving = True
         return True
 
     def _watching(self) -> Watcher:
@@ -179,10 +192,12 @@ class SameHost:
             return self._watcher_locked()
 
     # -- the reader ------------------------------------------------------------
-    def read(self, holder: str, local: Sequence[int], remote: Sequence[int], length: Sequence[int]) -> bool:
-        """Copies each (remote -> local, length) entry of `holder`'s segment
-        from its mapping, on this thread: True; False (nothing copied) when
-        the mapping cannot serve all of them."""
+    def copy(self, op: str, holder: str, local: Sequence[int], remote: Sequence[int],
+             length: Sequence[int]) -> bool:
+        """Copies each (local, remote, length) entry, remote being in
+        `holder`'s segment, through its mapping on this thread (op "read":
+        remote -> local, "write": local -> remote): True; False (nothing
+        copied) when the mapping cannot serve all of them."""
         if not local:
             return True
         m = self._acquire(holder)
@@ -191,22 +206,28 @@ class SameHost:
         try:
             runs = _runs(local, remote, length)
             base, end, delta = m.base, m.base + m.size, m.addr - m.base
-            for _, src, n in runs:
-                if src < base or src + n > end:
+            for _, at, n in runs:
+                if at < base or at + n > end:
                     return False    # not this segment (another client of the same engine)
             memmove = ctypes.memmove        # releases the GIL while it copies
-            for dst, src, n in runs:
-                memmove(dst, src + delta, n)
-            self.reads += len(local)
-            self.read_bytes += sum(length)
+            if op == "read":
+                for dst, src, n in runs:
+                    memmove(dst, src + delta, n)
+                self.reads += len(local)
+                self.read_bytes += sum(length)
+            else:
+                for src, dst, n in runs:
+                    memmove(dst + delta, src, n)
+                self.writes += len(local)
+                self.write_bytes += sum(length)
             return True
         finally:
             self._let_go(m)
 
-    async def read_groups(self, moves: Any, groups: dict[str, Sequence[int]]) -> None:
-        """The loop's reads (datapath.Mover): each holder of `groups` (its
-        rows of `moves`) this process maps is copied from the mapping and
-        removed from `groups`; the rest is left to kvflow. Up to
+    async def move_groups(self, op: str, moves: Any, groups: dict[str, Sequence[int]]) -> None:
+        """The loop's reads or writes (datapath.Mover): each holder of
+        `groups` (its rows of `moves`) this process maps is copied through
+        the mapping and removed from `groups`; the rest is left to kvflow. Up to
         COPY_INLINE_MAPPED bytes on the loop's thread, more on a worker thread
         (a cancel waits for the copy, as for the own segment)."""
         for holder in list(groups):
@@ -216,10 +237,10 @@ class SameHost:
             else:
                 cols = tuple([c[j] for j in rows] for c in (moves.local, moves.remote, moves.length))
             if sum(cols[2]) <= COPY_INLINE_MAPPED:
-                done = self.read(holder, *cols)
+                done = self.copy(op, holder, *cols)
             else:
                 done = await finish_before_cancel(
-                    asyncio.get_running_loop().run_in_executor(None, self.read, holder, *cols))
+                    asyncio.get_running_loop().run_in_executor(None, self.copy, op, holder, *cols))
             if done:
                 del groups[holder]
 
@@ -272,7 +293,7 @@ class SameHost:
 
     def _map(self, holder: str) -> _Mapping | None:
         """Under the lock: asks `holder`'s server for its segment and maps
-        it read-only; None when there is none here or it cannot be used.
+        it; None when there is none here or it cannot be used.
         The connection is watched: its end drops the mapping at once (a
         dead holder's memory is freed only when no mapping is left)."""
         try:
@@ -282,7 +303,7 @@ class SameHost:
         try:
             if not fcntl.fcntl(fd, _F_GET_SEALS) & _F_SEAL_SHRINK:
                 raise PermissionError("the segment could shrink under the mapping")
-            addr = map_fd(fd, size, writable=False)
+            addr = map_fd(fd, size)
         except (OSError, InvalidArgumentError):
             sock.close()
             return None
@@ -317,9 +338,7 @@ class SameHost:
             self._maps.clear()
         if watcher is not None:
             watcher.stop()          # closes the listener and every connection
-        if self._ro >= 0:
-            os.close(self._ro)
-            self._ro = -1
+        self._serving = False
 
     def release_segment(self) -> None:
         """Unmaps and closes the own segment (the engine no longer has it

@@ -7,7 +7,7 @@ address (only a process in the same network namespace reaches it; the
 address is unique on a host while the engine lives). A reader connects,
 checks the server is a process of its own user (SO_PEERCRED), and says
 HELLO; the holder checks the same of the reader, and answers with one
-JSON message, {"base", "size"} with a read-only descriptor of the segment
+JSON message, {"base", "size"} with a descriptor of the segment
 (SCM_RIGHTS), or {"error"} and no descriptor. The connection then stays
 open, silent: its end tells the reader that the holder went (killed,
 closed), and the holder that the reader did.
@@ -119,18 +119,15 @@ class Watcher(threading.Thread):
         self._wake_w.close()
 
 
-def serve(watcher: Watcher, engine_address: str, fd: int, base: int, size: int) -> int:
+def serve(watcher: Watcher, engine_address: str, fd: int, base: int, size: int) -> None:
     """Listens for readers of the segment (`fd`, mapped at `base` here),
     answered on `watcher`'s thread (which closes the listener when it
-    stops); the read-only descriptor handed to readers, for the caller to
-    close after that. OSError when the socket's name is taken."""
+    stops). OSError when the socket's name is taken."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(socket_name(engine_address))
         listener.listen(64)
         listener.setblocking(False)
-        # a read-only descriptor of the same memory: a reader cannot map it writable
-        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         listener.close()
         raise
@@ -158,7 +155,7 @@ def serve(watcher: Watcher, engine_address: str, fd: int, base: int, size: int) 
                 conn.sendall(json.dumps({"error": "the segment is served to its own user only"}).encode())
                 conn.close()
                 return False
-            socket.send_fds(conn, [info], [ro])
+            socket.send_fds(conn, [info], [fd])
             conn.setblocking(False)
         except OSError:
             conn.close()
@@ -167,7 +164,6 @@ def serve(watcher: Watcher, engine_address: str, fd: int, base: int, size: int) 
         return False
 
     watcher.watch(listener, accept)
-    return ro
 
 
 def ask(engine_address: str) -> tuple[socket.socket, int, int, int]:
