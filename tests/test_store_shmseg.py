@@ -145,6 +145,13 @@ async def test_holder_killed_mapping_dropped_and_gets_fail_typed():
             assert c.metrics()["shm_reads"] == 8
             proc.send_signal(signal.SIGKILL)
             await proc.wait()
+            # the mapping goes as soon as the holder's end of its connection
+            # does (its memory is freed only then), before any call needs it
+            for _ in range(200):
+                if c.metrics()["shm_maps_dropped"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert c.metrics()["shm_maps_dropped"] == 1
             dst = np.full(50_000, 7, np.uint8)
             c.register_buffer(dst)
             for k in keys:

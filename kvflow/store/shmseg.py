@@ -133,7 +133,7 @@ class SameHost:
         self.read_bytes = 0
         self.writes = 0         # entries copied into a mapping
         self.write_bytes = 0
-        self.maps_dropped = 0   # mappings dropped because their holder went
+        self.maps_dropped = 0   # mappings dropped: their holder went (or this client closed)
         self._lock = threading.Lock()
         self._maps: dict[str, _Mapping | float] = {}     # engine -> mapping, or when to ask again
         self._fd = -1
@@ -227,9 +227,10 @@ class SameHost:
     async def move_groups(self, op: str, moves: Any, groups: dict[str, Sequence[int]]) -> None:
         """The loop's reads or writes (datapath.Mover): each holder of
         `groups` (its rows of `moves`) this process maps is copied through
-        the mapping and removed from `groups`; the rest is left to kvflow. Up to
-        COPY_INLINE_MAPPED bytes on the loop's thread, more on a worker thread
-        (a cancel waits for the copy, as for the own segment)."""
+        the mapping and removed from `groups`; the rest is left to
+        kvflow. Up to COPY_INLINE_MAPPED bytes on the loop's thread, more on
+        a worker thread (a cancel waits for the copy, as for the own
+        segment)."""
         for holder in list(groups):
             rows = groups[holder]
             if len(rows) == len(moves):
@@ -331,11 +332,11 @@ class SameHost:
         here. The own segment is unmapped by `release_segment`, after the
         engine let go of it."""
         with self._lock:
-            watcher, self._watcher = self._watcher, None
             for holder, m in list(self._maps.items()):
                 if isinstance(m, _Mapping):
                     self._drop(holder, m)
             self._maps.clear()
+            watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.stop()          # closes the listener and every connection
         self._serving = False
