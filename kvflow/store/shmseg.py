@@ -32,6 +32,7 @@ Nothing here decides what may be read or written.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import fcntl
 import mmap
@@ -70,6 +71,9 @@ _F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 4)
 # worker and back costs about 0.3 ms on a loaded host, more than the copy
 # (datapath's own-segment copies stop at 1 MiB: they are not the hot path)
 COPY_INLINE_MAPPED = 4 * COPY_INLINE
+# a copy past PARALLEL_MIN bytes is split over COPY_THREADS threads
+PARALLEL_MIN = 4 << 20
+COPY_THREADS = min(4, os.cpu_count() or 1)
 RETRY_AFTER = 2.0                     # seconds before asking again an engine that had no usable server
 
 
@@ -108,6 +112,56 @@ def _runs(local: Sequence[int], remote: Sequence[int], length: Sequence[int]) ->
         d0, s0, n0 = d, s, n
     runs.append((d0, s0, n0))
     return runs
+
+
+def _copy(pairs: list[tuple[int, int, int]], total: int) -> None:
+    """memmove of each (dst, src, n): on this thread, or, past
+    PARALLEL_MIN bytes, in COPY_THREADS pieces of about equal bytes at once
+    (this thread copies one): one thread's memcpy is memory bound well
+    below what the host's cores move together (kvflow's own transfers use
+    several worker threads too)."""
+    memmove = ctypes.memmove        # releases the GIL while it copies
+    if total <= PARALLEL_MIN or COPY_THREADS < 2:
+        for dst, src, n in pairs:
+            memmove(dst, src, n)
+        return
+    share = -(-total // COPY_THREADS)
+    pieces: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for dst, src, n in pairs:
+        while n:
+            k = min(n, room)
+            pieces[-1].append((dst, src, k))
+            dst, src, n, room = dst + k, src + k, n - k, room - k
+            if not room:
+                pieces.append([])
+                room = share
+
+    def run(piece: list[tuple[int, int, int]]) -> None:
+        for d, s, k in piece:
+            memmove(d, s, k)
+
+    pool = _pool()
+    futures = [pool.submit(run, p) for p in pieces[1:] if p]
+    try:
+        run(pieces[0])
+    finally:
+        for f in futures:           # every piece done before the caller may reuse the memory
+            f.result()
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The copy threads (its own pool: a copy run on the loop's default
+    executor waits for them, which must not wait for that executor)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvflow-store-copy")
+        return _POOL
 
 
 class _Mapping:
@@ -209,17 +263,18 @@ class SameHost:
             for _, at, n in runs:
                 if at < base or at + n > end:
                     return False    # not this segment (another client of the same engine)
-            memmove = ctypes.memmove        # releases the GIL while it copies
             if op == "read":
-                for dst, src, n in runs:
-                    memmove(dst, src + delta, n)
-                self.reads += len(local)
-                self.read_bytes += sum(length)
+                pairs = [(dst, src + delta, n) for dst, src, n in runs]
             else:
-                for src, dst, n in runs:
-                    memmove(dst + delta, src, n)
+                pairs = [(dst + delta, src, n) for src, dst, n in runs]
+            total = sum(length)
+            _copy(pairs, total)
+            if op == "read":
+                self.reads += len(local)
+                self.read_bytes += total
+            else:
                 self.writes += len(local)
-                self.write_bytes += sum(length)
+                self.write_bytes += total
             return True
         finally:
             self._let_go(m)
