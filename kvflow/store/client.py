@@ -56,6 +56,7 @@ from .model import check_key
 from .puts import Puts
 from .records import NS_SEP, plain_keys
 from .rpc import BlockingQuery, HeartbeatThread, MasterLink, TcpMasterLink, connect_master
+from .shmseg import SameHost
 from .ssd_agent import SsdAgent
 from .task_calls import TaskCalls
 
@@ -147,6 +148,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         self._staging_alloc: Allocator | None = None
         self._staging_freed: asyncio.Condition | None = None
         self._mover: Mover | None = None
+        self._shm: SameHost | None = None     # its segment in shared memory, same-host ones mapped
         self._heartbeat: asyncio.Task | None = None
         self._repair: asyncio.Task | None = None      # copying new replicas of objects that lost one
         self.replicas_made = 0          # replicas this client copied for objects that lost one
@@ -211,7 +213,8 @@ class StoreClient(Puts, Gets, TaskCalls):
             if self.engine is None:
                 self.engine = kvflow.Engine(self._listen, protocols=self._protocols)
                 await self.engine.start()
-            self._mover = Mover(self.engine)
+            self._shm = SameHost.for_engine(self.engine)
+            self._mover = Mover(self.engine, shm=self._shm)
             if self.local_buffer_size:
                 self._staging = np.empty(self.local_buffer_size, np.uint8)
                 self._staging.fill(0)
@@ -222,10 +225,13 @@ class StoreClient(Puts, Gets, TaskCalls):
                 # touched now, not by the first puts: np.zeros maps pages lazily,
                 # and a put landing on never-touched pages pays a page fault per
                 # 4 KiB (3-10x slower writes until the segment has been used once)
-                self._segment = np.empty(self.segment_size, np.uint8)
+                self._segment = (self._shm.segment(self.segment_size) if self._shm is not None
+                                 else np.empty(self.segment_size, np.uint8))
                 self._segment.fill(0)
                 name = f"kvflow-store/{self.client_id}/0"
                 self._segment_region = self.engine.register(self._segment, name=name)
+                if self._shm is not None:
+                    self._shm.serve(self.engine.address)
             if self._ssd is not None:
                 await self._ssd.open()          # adopts its files; reported in _attach
             if self._finder is not None:
@@ -335,6 +341,10 @@ class StoreClient(Puts, Gets, TaskCalls):
                 for r in (self._segment_region, self._staging_region):
                     if r is not None:
                         self.engine.deregister(r)
+        if self._shm is not None:
+            self._shm.close()
+            self._segment = None
+            self._shm.release_segment()
 
     async def __aenter__(self) -> "StoreClient":
         return await self.start()
@@ -404,7 +414,10 @@ class StoreClient(Puts, Gets, TaskCalls):
         tier, lease waits, master round trips (count, latency histogram);
         kvflow/store/metrics.py names them, docs/metrics.md too."""
         return {"kind": "client", "client_id": self.client_id, **self.counters.snapshot(),
-                "replica_fallbacks": self.replica_fallbacks, "local_buffer_in_use": self.local_buffer_in_use}
+                "replica_fallbacks": self.replica_fallbacks, "local_buffer_in_use": self.local_buffer_in_use,
+                **({"shm_reads": self._shm.reads, "shm_read_bytes": self._shm.read_bytes, "shm_writes":
+                    self._shm.writes, "shm_write_bytes": self._shm.write_bytes,
+                    "shm_maps_dropped": self._shm.maps_dropped} if self._shm is not None else {})}
 
     # -- memory ----------------------------------------------------------------
     def register_buffer(self, buffer: Any, *, name: str | None = None) -> kvflow.Region:

@@ -91,8 +91,9 @@ def holders_of(sids: Sequence[int], segs: dict) -> list[str]:
 
 
 class Mover:
-    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+    def __init__(self, engine: kvflow.Engine, *, connect_timeout: float = CONNECT_TIMEOUT, shm: Any = None) -> None:
         self.engine = engine
+        self.shm = shm                  # same-host holders' segments mapped here (shmseg.SameHost)
         self.connect_timeout = connect_timeout
         self.writing = 0                # write batches in progress on the loop (idle() waits for none)
         # set once a call named GPU memory (device.py): from then on the
@@ -171,6 +172,10 @@ class Mover:
             mine, gpu = split_rows(DeviceRanges(self.engine), moves.local, moves.length, mine)
             if gpu:
                 groups[own] = gpu
+        if self.shm is not None and groups and not self.device:
+            # (a memmove through the mapping: host memory only; a client that
+            # named GPU memory moves its bytes through the engine)
+            await self.shm.move_groups(op, moves, groups)     # copies (and removes) the holders mapped here
         if mine and not groups:
             await self._copy_own(op, moves, mine)
             return {}

@@ -219,6 +219,8 @@ def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]]) -> dict[
             for local, remote, n in zip(la, ra, ln):
                 ctypes.memmove(remote, local, n) if op == "write" else ctypes.memmove(local, remote, n)
             continue
+        if client._shm is not None and client._shm.copy(op, holder, la, ra, ln):
+            continue                    # a same-host holder's segment mapped here (shmseg.py)
         try:
             peer = client.engine.peer(holder)
             if peer is None:            # connected once, on the loop (its connections live there)

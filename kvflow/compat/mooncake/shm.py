@@ -8,21 +8,14 @@ is a singleton: `MooncakeHostMemAllocator` and a dummy store's
 finds its segment here."""
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import threading
 from dataclasses import dataclass
 
 from kvflow.errors import InvalidArgumentError
+from kvflow.store.shmseg import map_fd, unmap
 
 __all__ = ["MooncakeHostMemAllocator", "Segment", "allocate", "free", "map_fd", "segment_at", "unmap"]
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @dataclass
@@ -39,24 +32,6 @@ class Segment:
 
 _lock = threading.Lock()
 _segments: dict[int, Segment] = {}      # addr -> segment
-
-
-def map_fd(fd: int, size: int) -> int:
-    """Maps `size` bytes of `fd` read/write, shared; the address. The file
-    must hold them (a descriptor from another process is checked: mapping
-    past its end would fault on first touch, not here)."""
-    if size <= 0:
-        raise InvalidArgumentError(f"cannot map {size} bytes")
-    if os.fstat(fd).st_size < size:
-        raise InvalidArgumentError(f"the shared memory holds {os.fstat(fd).st_size} bytes, not {size}")
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, _MAP_FAILED):
-        raise InvalidArgumentError(f"mmap of {size} bytes: {os.strerror(ctypes.get_errno())}")
-    return addr
-
-
-def unmap(addr: int, size: int) -> None:
-    _libc.munmap(addr, size)
 
 
 def allocate(size: int) -> int:
