@@ -49,6 +49,7 @@ from .errors import InvalidKeyError, MasterUnavailableError
 from .fence import CLIENT_TIMEOUT, CONNECT_TIMEOUT, write_window
 from .follow import FollowingLink, finder_for
 from .gets import Gets
+from .leases import LeaseKeeper
 from .master import Master
 from .metrics import ClientCounters, counted
 from .model import check_key
@@ -152,6 +153,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         self._hello: dict = {}
         self._beat_thread: HeartbeatThread | None = None
         self.lease_ttl = 5.0
+        self._lease_keeper = LeaseKeeper(self)      # renews the leases of gets still reading (leases.py)
         self.replica_fallbacks = 0      # reads that went on to another replica
         self.counters = ClientCounters()    # metrics(): calls, hits, bytes, round trips (metrics.py)
         self._put_tokens = itertools.count(1)

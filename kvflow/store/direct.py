@@ -361,6 +361,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
         reply = _timed(client, q, "batch_get_replicas", list(names))
     except MasterUnavailableError:
         return None             # a lease it granted runs out by itself
+    held = client._lease_keeper.hold(reply.get("lease"), t0)      # renewed from the loop while the reads run
     try:
         found, segs = replica_rows(reply)
         fast = Gets._all_found(found, segs, (addrs, sizes)) if staged is None else None
@@ -370,7 +371,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
             if _move(client, "read", {moves.holder[0]: (moves.local, moves.remote, moves.length)}):
                 return None
             results = list(moves.length)
-            if time.monotonic() - t0 >= client.lease_ttl:
+            if held.lapsed():
                 results = [lease_outlasted(k, client.lease_ttl) for k in keys]
             return results
         results: list[Any] = [None] * len(names)
@@ -404,7 +405,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
             results[i] = n
         if by and _move(client, "read", by):
             return None         # a holder failed: the loop's funnel goes on to the other replicas
-        if time.monotonic() - t0 >= client.lease_ttl:
+        if held.lapsed():
             for i, _, _, _ in reading:
                 if isinstance(results[i], int):
                     results[i] = lease_outlasted(keys[i], client.lease_ttl)
@@ -414,6 +415,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
         return results
     finally:
         lease = reply.get("lease")
+        client._lease_keeper.drop(lease)
         if lease and not q.notify("release_lease", lease):
             try:
                 client._loop.call_soon_threadsafe(client._link.notify, "release_lease", lease)

@@ -137,7 +137,7 @@ async def _read_remote(client: Any, keys: Any, items: list, parts: Any, results:
                     i, _ = pending.pop(key)
                     results[i] = ReplicaUnavailableError(f"{key!r}: {item[2]}", key=key)
             if ready:
-                await client._read(keys, ready, parts, results, t0)
+                await client._read(keys, ready, parts, results, client._lease_keeper.hold(reply.get("lease"), t0))
         finally:
             client._release(reply)
     for key, (i, _) in pending.items():
