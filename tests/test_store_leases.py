@@ -14,13 +14,16 @@ import time
 import numpy as np
 import pytest
 
-from kvflow.store import NoSpaceError, ObjectBusyError, ObjectLeasedError, StoreClient, StoreModel
+from kvflow.store import (NoSpaceError, ObjectBusyError, ObjectLeasedError, ReplicaUnavailableError, StoreClient,
+                          StoreModel)
 from kvflow.store import direct
 from kvflow.store.calls import item_result
 from kvflow.store.datapath import Moves
 from kvflow.store.errors import PutRevokedError
+from kvflow.store.fence import CLIENT_TIMEOUT, DEFAULT_WRITE_WINDOW
 
 from _store_master import ROOT, standalone_master, store_env
+from test_store_client import _pool
 from test_store_process import _data, _member, _stop
 
 MiB = 1 << 20
@@ -209,3 +212,39 @@ def _raise_item(items: list, key: str) -> None:
     r = item_result(items[0], key)
     if isinstance(r, BaseException):
         raise r
+
+
+async def test_a_put_on_a_callers_thread_starts_no_write_past_its_window():
+    # direct.py writes its holders one after another: a holder whose turn
+    # comes after the put's write window is not written (the master may have
+    # revoked the put and given its space away), the others are
+    async with _pool(2, ("tcp",), master_tcp=True, segment_size=1 << 20) as (master, (a, b)):
+        src = _data(4096, 3)
+        b.register_buffer(src)
+        dst = a._segment_region.addr + 8192
+        by = {a.engine.address: ([src.ctypes.data], [dst], [4096])}
+        late = await asyncio.to_thread(direct._move, b, "write", by, time.monotonic() - 0.001)
+        assert isinstance(late[a.engine.address], PutRevokedError)
+        assert not a._segment[8192:8192 + 4096].any()
+        assert await asyncio.to_thread(direct._move, b, "write", by, time.monotonic() + 60) == {}
+        assert bytes(a._segment[8192:8192 + 4096]) == src.tobytes()
+
+
+async def test_a_client_without_a_timeout_bounds_its_writes_by_the_window_it_reports():
+    # timeout=None: its reads wait as long as they take, but its writes into
+    # space the master handed out end within the window it reports at
+    # register (the fence and the put timeout count on it): a put to a
+    # holder stopped for good fails after CLIENT_TIMEOUT instead of hanging
+    async with standalone_master() as (address, _):
+        h, _ = await _member(address, "first", 4096, 24)
+        try:
+            async with StoreClient(address, segment_size=0, protocols=("tcp",), timeout=None) as c:
+                assert c.write_timeout == CLIENT_TIMEOUT and c.write_window == DEFAULT_WRITE_WINDOW
+                await c.get("first")                    # connected to the holder
+                os.kill(h.pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                with pytest.raises(ReplicaUnavailableError):
+                    await asyncio.wait_for(c.put("k", b"x" * 50_000), CLIENT_TIMEOUT + 8)
+                assert CLIENT_TIMEOUT - 1 < time.monotonic() - t0 < CLIENT_TIMEOUT + 5
+        finally:
+            await _stop(h)

@@ -29,6 +29,7 @@ import asyncio
 import bisect
 import itertools
 import logging
+import math
 import socket
 import threading
 import time
@@ -192,7 +193,16 @@ class StoreClient(Puts, Gets, TaskCalls):
     def write_window(self) -> float:
         """Seconds its writes may still land after a put_start's reply: the
         connect to a holder, then the transfer's timeout (fence.py)."""
-        return write_window(self.timeout, self._mover.connect_timeout if self._mover else CONNECT_TIMEOUT)
+        return write_window(self.write_timeout, self._mover.connect_timeout if self._mover else CONNECT_TIMEOUT)
+
+    @property
+    def write_timeout(self) -> float:
+        """Seconds a write into space the master handed out may take: the
+        client's `timeout`, or CLIENT_TIMEOUT for a client without one
+        (timeout=None), so the write window it reports (the failover fence,
+        put_timeouts.py's revoke) bounds its writes too."""
+        t = self.timeout
+        return float(t) if isinstance(t, (int, float)) and 0 < t < math.inf else CLIENT_TIMEOUT
 
     @property
     def local_buffer_in_use(self) -> int:
@@ -365,7 +375,7 @@ class StoreClient(Puts, Gets, TaskCalls):
                     moves.add(src, segs[sid][1], dst, size)
                 failed: dict = {}
                 try:
-                    failed = await self._mover.run("write", moves, timeout=self.timeout)
+                    failed = await self._mover.run("write", moves, timeout=self.write_timeout)
                 finally:
                     ends = [[key, segs[sid][1] not in failed] for key, _, _, (sid, _) in items]
                     done = await asyncio.shield(self._call("batch_repair_end", ends, lease))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import math
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -31,7 +32,7 @@ import numpy as np
 
 from kvflow.errors import KVFlowError
 
-from .calls import all_ok, item_result, lease_outlasted, replica_rows, single_columns, writes_failed
+from .calls import all_ok, item_result, lease_outlasted, put_outlasted, replica_rows, single_columns, writes_failed
 from .errors import BufferTooSmallError, MasterUnavailableError, SsdBusyError
 from .follow import FollowingLink
 from .gets import Gets
@@ -208,13 +209,19 @@ def _columns(client: Any, keys: Any, addrs: Any, sizes: Any) -> tuple[list, list
     return (list(map(p.__add__, keys)) if p else keys), cols[0], cols[1]
 
 
-def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]]) -> dict[str, KVFlowError]:
+def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]],
+          start_by: float = math.inf) -> dict[str, KVFlowError]:
     """Each holder's entries (local, remote, length columns) moved on this
     thread (op "write": local -> remote); the holders that failed, with
-    their error. This client's own segment is this process's memory: memmove."""
+    their error. This client's own segment is this process's memory: memmove.
+    `start_by`: no holder's move starts later (a put's write window: the
+    holders are written one after another here)."""
     failed: dict[str, KVFlowError] = {}
     own = client.engine.address
     for holder, (la, ra, ln) in by.items():
+        if start_by < math.inf and time.monotonic() > start_by:
+            failed[holder] = put_outlasted(f"{len(la)} objects on {holder}", client.write_window)
+            continue
         if holder == own:
             for local, remote, n in zip(la, ra, ln):
                 ctypes.memmove(remote, local, n) if op == "write" else ctypes.memmove(local, remote, n)
@@ -223,8 +230,9 @@ def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]]) -> dict[
             peer = client.engine.peer(holder)
             if peer is None:            # connected once, on the loop (its connections live there)
                 peer = _on_loop(client, client.engine.connect(holder, timeout=client._mover.connect_timeout))
-            move = peer.write_blocking if op == "write" else peer.read_blocking
-            move(np.array(la, np.uint64), np.array(ra, np.uint64), np.array(ln, np.uint64), timeout=client.timeout)
+            move, t = (peer.write_blocking, client.write_timeout) if op == "write" else (peer.read_blocking,
+                                                                                        client.timeout)
+            move(np.array(la, np.uint64), np.array(ra, np.uint64), np.array(ln, np.uint64), timeout=t)
         except KVFlowError as e:
             failed[holder] = e
     return failed
@@ -256,6 +264,7 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
 def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
               request: list, token: int, rn: int, preferred_segment: Any, pin: bool,
               soft_pin: float | bool | None) -> list:
+    sent = time.monotonic()     # its writes may start until sent + write window (put_timeouts.py)
     try:
         reply = _timed(client, q, "batch_put_start", request, token)
     except NotJoinedError:
@@ -282,7 +291,7 @@ def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[s
     failed: dict[str, KVFlowError] = {}
     if writing:
         try:
-            failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs))
+            failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs), sent + client.write_window)
         except BaseException:
             _on_loop(client, client._revoke([names[i] for i, _ in writing], token))
             raise

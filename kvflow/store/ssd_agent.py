@@ -183,7 +183,7 @@ async def promote(client: Any, keys: Any, done: list[int], parts: Any) -> int:
             writing.append((i, item[1]))
         if not writing:
             return 0
-        failed = await client._mover.run("write", moves, timeout=client.timeout)
+        failed = await client._mover.run("write", moves, timeout=client.write_timeout)
         ends = [[keys[i], not any(segs[sid][1] in failed for sid, _ in reps)] for i, reps in writing]
         return sum(await client._call("batch_promote_end", ends))
     except KVFlowError as e:
