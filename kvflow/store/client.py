@@ -312,6 +312,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         if self._repair is not None:
             self._repair.cancel()
             await asyncio.gather(self._repair, return_exceptions=True)
+        await self._lease_keeper.close()
         if self._beat_thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
         if self._link is not None:

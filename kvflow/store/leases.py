@@ -68,7 +68,7 @@ class LeaseKeeper:
         if type(lease) is not int or not self.supported:
             return Held(lease, t0, client.lease_ttl)
         held = self.held[lease] = Held(lease, t0, client.lease_ttl)
-        if self._task is None and not self._starting:
+        if (self._task is None or self._task.done()) and not self._starting:
             self._starting = True
             loop = client._loop
             try:
@@ -89,35 +89,42 @@ class LeaseKeeper:
 
     def _start(self) -> None:
         self._starting = False
-        if self._task is None and not self._client._closed:
+        if (self._task is None or self._task.done()) and not self._client._closed:
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """The client is closing: renewals stop (its gets are over)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> None:
         client = self._client
         idle = 0
-        try:
-            while not client._closed and idle < _IDLE_TICKS:
-                tick = client.lease_ttl / 4     # a lease is renewed between 1/2 and 3/4 of its TTL
-                await asyncio.sleep(tick)
-                if not self.held:
-                    idle += 1
-                    continue
-                idle = 0
-                now = time.monotonic()
-                due = [h for h in list(self.held.values()) if h.renew_at <= now]
-                if due:
-                    await self._renew(due)
-        finally:
-            self._task = None
-            if self.held and not client._closed:    # a get held one as this task ended
-                self._start()
+        while not client._closed and idle < _IDLE_TICKS:
+            tick = client.lease_ttl / 4     # a lease is renewed between 1/2 and 3/4 of its TTL
+            await asyncio.sleep(tick)
+            if not self.held:
+                idle += 1
+                continue
+            idle = 0
+            now = time.monotonic()
+            # list(): one C call, atomic under the GIL while callers' threads add and drop
+            due = [h for h in list(self.held.values()) if h.renew_at <= now]
+            if due:
+                await self._renew(due)
+        self._task = None
+        if self.held and not client._closed:    # a get held one as this task was ending
+            self._start()
 
     async def _renew(self, due: list[Held]) -> None:
         sent = time.monotonic()
         try:
             left = await self._client._call("renew_leases", [h.lease for h in due])
         except KVFlowError as e:
-            if "renew_leases" in str(e):        # an older master: leases run their TTL, as before
+            # an older master ("unknown method 'renew_leases'"): leases run their TTL, as before
+            if "renew_leases" in str(e):
                 self.supported = False
                 self.held.clear()
             log.debug("kvflow.store: renewing %d read leases: %s", len(due), e)
