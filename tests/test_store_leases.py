@@ -129,6 +129,7 @@ async def test_a_get_slowed_past_its_lease_by_a_stopped_holder_returns_its_bytes
                 assert got == (50_000 if path == "loop" else [50_000])
                 assert bytes(buf) == _data(50_000, 21).tobytes()
                 assert c._lease_keeper.renewals >= 3 and not c._lease_keeper.held
+                assert (await c.stats(detail=True))["lease_renewals"] >= 3
                 await c.remove("held")                          # released: removable at once
         finally:
             await _stop(h)
@@ -202,6 +203,7 @@ async def test_a_put_never_committed_is_revoked_and_its_late_write_corrupts_no_o
                 assert rep.addr == addr
                 assert await v.get("k") == mine
                 assert late is not None and 6.0 < late < took
+                assert (await v.stats(detail=True))["puts_timed_out"] == 1
                 with pytest.raises(PutRevokedError):        # the writer's put_end, at last
                     _raise_item(await w._call("batch_put_end", [["k", []]]), "k")
         finally:
