@@ -6,8 +6,8 @@ a GPU result (docs/gpu.md).
 
 The stand-in is never loaded into the main pytest process: the rest of the
 suite checks what kvflow does where CUDA is not usable, and kvflow caches
-that answer. tests/test_cuda_standin.py runs tests/cuda_standin/cases.py in
-a pytest of its own under it.
+that answer. tests/test_cuda_standin.py runs tests/cuda_standin/cases.py
+(and store_cases.py) in a pytest of its own under it.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ STANDIN_DIR = os.path.join(TESTS_DIR, "cuda_standin")
 SOURCES = [os.path.join(STANDIN_DIR, f) for f in ("state.c", "devices.c", "memory.c", "streams.c", "kernels.c",
                                                    "hooks.c", "procaddr.c")]
 CASES = os.path.join(TESTS_DIR, "cuda_standin", "cases.py")
+# every file of cases run under it (store_cases.py: the pool's GPU callers)
+CASE_FILES = (CASES, os.path.join(TESTS_DIR, "cuda_standin", "store_cases.py"))
 HEADERS = os.path.join(ROOT, "kvflow", "_cuda")       # putring.cuh: the put ring's device side, for kvf_layer_put
 
 

@@ -106,6 +106,16 @@ def pytest_collection_modifyitems(config, items):
         config._kvflow_left_out = len(left)
 
 
+def pytest_sessionstart(session):
+    # the reaper (tests/_reaper.py): kills what this run started and left
+    # running, however the run ends (a watchdog's os._exit, a kill for memory)
+    if os.environ.get("KVFLOW_TEST_REAPER", "1") != "0" and sys.platform == "linux":
+        import subprocess
+        session.config._kvflow_reaper = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "_reaper.py"), str(os.getpid())],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     n = getattr(config, "_kvflow_left_out", 0)
     if n:

@@ -1,12 +1,13 @@
 """kvflow's GPU paths under the CUDA driver stand-in (marked cuda_standin).
 
 The stand-in (tests/cuda_standin/*.c, one library) is built here with cc
-against the CUDA toolkit's cuda.h, and tests/cuda_standin/cases.py runs
-once, in a pytest of its own whose processes load it as libcuda.so.1
-(this process never does: the rest of the suite checks kvflow where CUDA is
-not usable). Each case is then reported here as one test. A test double,
-never a GPU result: tools/gpu_check.sh on a GPU is the acceptance, and
-docs/gpu.md says which paths have run on one (none yet).
+against the CUDA toolkit's cuda.h, and tests/cuda_standin/cases.py (with
+store_cases.py, the pool's GPU callers) runs once, in a pytest of its own
+whose processes load it as libcuda.so.1 (this process never does: the
+rest of the suite checks kvflow where CUDA is not usable). Each case is
+then reported here as one test. A test double, never a GPU result:
+tools/gpu_check.sh on a GPU is the acceptance, and docs/gpu.md says which
+paths have run on one (none yet).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from _batches import TIME_SCALE
-from _cuda_standin import CASES, ROOT, build, env
+from _cuda_standin import CASE_FILES, ROOT, build, env
 
 pytestmark = pytest.mark.cuda_standin
 
@@ -30,9 +31,8 @@ RUN_TIMEOUT = 130 * TIME_SCALE
 
 
 def _cases() -> list[str]:
-    tree = ast.parse(open(CASES).read())
-    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and n.name.startswith("test_")]
+    return [n.name for f in CASE_FILES for n in ast.parse(open(f).read()).body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test_")]
 
 
 def _missing() -> str | None:
@@ -68,7 +68,7 @@ def standin_results(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
     xml = os.path.join(d, "cases.xml")
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-                          f"--junitxml={xml}", CASES], cwd=ROOT, env=env(d), capture_output=True, text=True,
+                          f"--junitxml={xml}", *CASE_FILES], cwd=ROOT, env=env(d), capture_output=True, text=True,
                          timeout=RUN_TIMEOUT)
     print(f"cases under the stand-in: {time.monotonic() - t0:.1f} s\n{out.stdout[-3000:]}")
     if not os.path.exists(xml):

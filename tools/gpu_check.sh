@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: one command, on a machine with a CUDA GPU (an H200 lent by
 # the device tool; docs/gpu.md), at most about 9 minutes. Builds
-# kvflow in place (with its CUDA module), runs the CUDA and staging tests and
+# kvflow in place (with its CUDA module), runs the CUDA, staging and pool
+# (put_from/get_into of CUDA tensors) tests and
 # the PD example with its model and KV pools on the GPU,
 # then tools/gpu_bench.py, tools/gpu_put.py and tools/gpu_relay.py, and writes into OUTDIR (default $OUT, else
 # ./gpu-check): gpu_check.json (the bench), tests.txt, gpu_check.md (a
@@ -26,7 +27,7 @@ KVFLOW_CUDA=on timeout 120 $PY setup.py -q build_ext --inplace > "$OUTDIR/build.
 echo "build rc=$?" >> "$OUTDIR/env.txt"
 $PY -c "import kvflow, kvflow.cuda; print(kvflow.features, kvflow.cuda.available(), kvflow.cuda.reason())" \
   >> "$OUTDIR/env.txt" 2>&1
-timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py \
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py tests/test_store_cuda.py \
   "tests/test_pd_e2e.py::test_disaggregated_generation_matches_single_process" > "$OUTDIR/tests.txt" 2>&1
 echo "tests rc=$?" >> "$OUTDIR/env.txt"
 timeout 180 $PY tools/gpu_bench.py --blocks 64,1024,16384 --rounds 5 --anchor-seconds 1 \

@@ -30,10 +30,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from .metrics import TBT_THRESHOLDS_S, attainment
-from .bounds import capacity_bound, gated_ideal_rps, largest_speedup, pool_bound_rps
+from .bounds import capacity_bound, gated_ideal_rps, largest_speedup, pool_bound_rps, shared_work_bound
 from .policies import POLICIES
 from .pool import PoolConfig
-from .replay import _policies, parse_pool, replay_one
+from .admission import AdmissionSpec, CostAdmission
+from .replay import _admission, _policies, parse_pool, replay_one
 from .trace import TraceRequest, load_trace
 from .types import RejectionMode
 
@@ -53,7 +54,7 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
                   slo_ttft_s: float = 30.0, thresholds: tuple[float, ...] = TBT_THRESHOLDS_S,
                   target: float = 0.9, precision: float = 0.02, lo: float = 0.25, hi: float = 64.0,
                   threshold: float | None = None, rejection: str = "none",
-                  pool: PoolConfig | None = None) -> list[Capacity]:
+                  pool: PoolConfig | None = None, admission: AdmissionSpec | None = None) -> list[Capacity]:
     """The capacity of `policy` at each TBT threshold: the largest speedup
     whose replay meets both SLOs for `target` of the requests, within a
     factor `1 + precision`. Attainment is taken to fall as the speedup
@@ -68,7 +69,7 @@ def find_capacity(trace: list[TraceRequest], policy: str, *, prefill: int, decod
             slo_tbt = min(thresholds) if rejection == "none" else thr
             _, res = replay_one(trace, policy, prefill=prefill, decode=decode, speedup=sp,
                                 slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt, threshold=threshold,
-                                rejection=rejection, pool=pool)
+                                rejection=rejection, pool=pool, admission=admission)
             for t in (thresholds if rejection == "none" else (thr,)):
                 memo[(sp, t)] = attainment(res.outcomes, slo_ttft_s, t)
         return memo[(sp, thr)]
@@ -107,12 +108,20 @@ def _yardsticks(trace: list[TraceRequest], args: argparse.Namespace) -> dict[str
     """The bounds (`bounds.py`) for this trace and cluster; the gated
     ideal only behind a gate (it models the TTFT gate's refusals)."""
     bound, work = capacity_bound(trace, prefill=args.prefill, target=args.target, slo_ttft_s=args.slo_ttft)
+    shared, shared_work = shared_work_bound(trace, prefill=args.prefill, target=args.target,
+                                            slo_ttft_s=args.slo_ttft)
     out = {"bound_rps": bound, "bound_work_s": work,
            "pool_bound_rps": pool_bound_rps(trace, prefill=args.prefill, target=args.target,
-                                            slo_ttft_s=args.slo_ttft)}
+                                            slo_ttft_s=args.slo_ttft),
+           "shared_bound_rps": shared, "shared_work_s": shared_work}
     if args.rejection != "none":
         out["gated_ideal_rps"] = gated_ideal_rps(trace, prefill=args.prefill, target=args.target,
                                                  slo_ttft_s=args.slo_ttft, precision=args.precision)
+        if args.admission is not None:
+            adm = args.admission
+            out["gated_ideal_cost_rps"] = gated_ideal_rps(
+                trace, prefill=args.prefill, target=args.target, slo_ttft_s=args.slo_ttft,
+                precision=args.precision, admission=lambda: CostAdmission(budget=adm.budget, load=adm.load))
     return out
 
 
@@ -121,25 +130,31 @@ def _print_yardsticks(y: dict[str, float], args: argparse.Namespace, best_other:
           f" of the prefills, each with every earlier request's blocks cached, take {y['bound_work_s']:.0f} s")
     print(f"bound given the pool (a block reused only once a prefill that holds it is over): "
           f"{y['pool_bound_rps']:.2f} rps")
+    print(f"bound with each block computed once, whoever computes it (a refused request leaves its blocks to the"
+          f" next that needs them): {y['shared_bound_rps']:.2f} rps; the least such work for {args.target:.0%}"
+          f" of the requests is {y['shared_work_s']:.0f} s")
     gated = y.get("gated_ideal_rps")
     if gated is not None:
         print(f"gated ideal (an estimate, not a bound: the same TTFT gate, one FIFO queue for all instances,"
               f" served blocks cached everywhere at once): {gated:.2f} rps")
+    if "gated_ideal_cost_rps" in y:
+        print(f"gated ideal behind the cost admission as well: {y['gated_ideal_cost_rps']:.2f} rps")
     if best_other > 0:
         want = 1.2 * best_other
-        verdict = "above the bound: no router can reach it" if want > y["pool_bound_rps"] else \
-            "under the bound"
+        verdict = "above a bound: no router can reach it" if want > min(y["pool_bound_rps"],
+                                                                        y["shared_bound_rps"]) else \
+            "under the bounds"
         if gated is not None:
             verdict += "; above the gated ideal" if want > gated else "; under the gated ideal"
         print(f"1.2x the best other: {want:.2f} rps, {verdict}")
 
 
 def _one(args: tuple) -> list[Capacity]:
-    path, limit, policy, prefill, decode, slo_ttft, target, threshold, rejection, precision, pool, tbt = args
+    path, limit, policy, prefill, decode, slo_ttft, target, threshold, rejection, precision, pool, tbt, adm = args
     trace = load_trace(path, limit)
     return find_capacity(trace, policy, prefill=prefill, decode=decode, slo_ttft_s=slo_ttft,
                          target=target, threshold=threshold, rejection=rejection, precision=precision,
-                         pool=pool, thresholds=tbt)
+                         pool=pool, thresholds=tbt, admission=adm)
 
 
 def _thresholds(s: str) -> tuple[float, ...]:
@@ -168,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--pool", type=parse_pool, default=None, metavar="DRAM_GB,SSD_GB",
                     help="give every policy the same global KVCache pool of that much DRAM and SSD")
+    ap.add_argument("--admission", type=_admission, default=None, metavar="cost[:BUDGET,LOAD][@POLICY,...]",
+                    help="also refuse the dearest prefills under load (admission.py); default for every policy")
     ap.add_argument("--tbt", type=_thresholds, default=TBT_THRESHOLDS_S, metavar="MS,...",
                     help="TBT thresholds in ms (default 100,200,300: I, II, III)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -192,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.precision < 1:
         ap.error("--precision must be in (0, 1)")
     jobs = [(args.trace, args.limit, p, args.prefill, args.decode, args.slo_ttft, args.target, args.threshold,
-             args.rejection, args.precision, args.pool, args.tbt) for p in args.policy]
+             args.rejection, args.precision, args.pool, args.tbt, args.admission) for p in args.policy]
     with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
         results = list(pool.map(_one, jobs))
     caps = {c.policy: c for r in results for c in r if c.tbt_s == args.tbt[0]}
@@ -200,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         f"pool {args.pool.dram_blocks} DRAM + {args.pool.ssd_blocks} SSD blocks"
     print(f"capacity on {args.trace}: {args.prefill} prefill + {args.decode} decode, >= {args.target:.0%}"
           f" of requests within TTFT {args.slo_ttft:g} s and TBT {'/'.join(f'{t * 1e3:g}' for t in args.tbt)} ms,"
-          f" rejection {args.rejection}, {pool} (requests/s; x speedup)")
+          f" rejection {args.rejection}, {pool},"
+          f" admission {'TTFT gate only' if args.admission is None else args.admission.describe()}"
+          f" (requests/s; x speedup)")
     rows = []
     for r in results:
         line = f"{r[0].policy:>20}"
@@ -224,9 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"kvcache / least_loaded: {ours / others['least_loaded']:.2f}x")
     _print_yardsticks(yardsticks, args, best_other)
     if args.json:
-        print(json.dumps({"rejection": args.rejection, "bound_rps": yardsticks["bound_rps"],
+        print(json.dumps({"rejection": args.rejection,
+                          "admission": None if args.admission is None else args.admission.describe(),
+                          "bound_rps": yardsticks["bound_rps"],
                           "pool_bound_rps": yardsticks["pool_bound_rps"],
+                          "shared_bound_rps": yardsticks["shared_bound_rps"],
                           "gated_ideal_rps": yardsticks.get("gated_ideal_rps"),
+                          "gated_ideal_cost_rps": yardsticks.get("gated_ideal_cost_rps"),
                           "pool": None if args.pool is None else [args.pool.dram_blocks, args.pool.ssd_blocks],
                           "capacity": rows}))
     return 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .admission import CostAdmission
 from .estimators import KV_BYTES_PER_TOKEN_70B, DecodeModel, LinkModel, PrefillModel, TransferModel
 from .index import PrefixIndex, add_counts, drop_counts
 from .policies import Candidate, KVCacheCentric, PrefillPolicy, RoutingView
@@ -109,7 +110,9 @@ class Conductor:
     `PeerTransferModel` over a kvflow peer's `estimate`);
     `pool`: the global KVCache pool as a source of prefixes (a `PoolView`:
     the replay's `PoolModel`; live, `route_with_pool` asks a
-    `StorePoolIndex`), with `pool_config` for its read bandwidths."""
+    `StorePoolIndex`), with `pool_config` for its read bandwidths;
+    `admission`: a `CostAdmission` that also refuses the dearest prefills
+    under load (`admission.py`), besides the gate of `rejection`."""
 
     def __init__(self, *, policy: PrefillPolicy | None = None,
                  rejection: RejectionMode = RejectionMode.NONE,
@@ -119,7 +122,8 @@ class Conductor:
                  link: TransferModel | None = None,
                  links: Callable[[str, str], TransferModel] | None = None,
                  expected_output_tokens: int = 256, predict_margin: float = 1.0,
-                 pool: PoolView | None = None, pool_config: PoolConfig | None = None) -> None:
+                 pool: PoolView | None = None, pool_config: PoolConfig | None = None,
+                 admission: CostAdmission | None = None) -> None:
         if not isinstance(rejection, RejectionMode):
             raise TypeError(f"rejection must be a RejectionMode, got {rejection!r}")
         if slo_ttft_s <= 0 or slo_tbt_s <= 0:
@@ -137,6 +141,7 @@ class Conductor:
         self.index = PrefixIndex()
         self.pool = pool
         self.pool_config = pool_config or PoolConfig(dram_blocks=None)
+        self.admission = admission
         self._prefill: dict[str, _Prefill] = {}
         self._decode: dict[str, _Decode] = {}
         self._flights: dict[str, _Flight] = {}
@@ -272,6 +277,13 @@ class Conductor:
         start = now + max(queue_s, transfer_s)
         ttft = start + prefill_s - now
 
+        if self.admission is not None:
+            # before the gate, so that the costs of the requests the gate
+            # refuses count in the admission's quantile too
+            behind = sum(max(0.0, q.free_at - now) for q in self._prefill.values()) / len(self._prefill)
+            why = self.admission.refuse(prefill_s, behind, self.slo_ttft_s)
+            if why is not None:
+                return self._reject(request, RejectReason.PREFILL_COST, why, d.spec.name)
         if self.rejection is not RejectionMode.NONE:
             if ttft > self.slo_ttft_s:
                 return self._reject(request, RejectReason.TTFT_SLO,

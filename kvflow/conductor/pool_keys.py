@@ -34,6 +34,8 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,6 +63,28 @@ def _pages(tokens: Sequence[int], block_tokens: int) -> list[Sequence[int]]:
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     return [tokens[i:i + block_tokens] for i in range(0, len(tokens) - block_tokens + 1, block_tokens)]
+
+
+class ChainMemo:
+    """A page's digest and its hex by (its parent's digest, its tokens), the
+    most recent `capacity` pages: the router computes keys for every
+    request, and the requests that matter to it share prefixes (a
+    conversation's turns, a system prompt), whose pages it then hashes
+    once. A hit costs a dict lookup on a tuple of ints; what it replaces, a
+    pickle and a sha256. The keys stay exact: the memo only returns what
+    the same (parent, tokens) hashed to. One lock per prompt, not per page
+    (the router's lookups may run on several threads)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self.pages: OrderedDict[tuple, tuple[bytes, str]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def trim(self) -> None:
+        """Drops the least recently used pages past `capacity` (under `lock`)."""
+        pages = self.pages
+        while len(pages) > self.capacity:
+            pages.popitem(last=False)
 
 
 def _vllm_sha256(obj: object) -> bytes:
@@ -92,11 +116,22 @@ class VllmMooncakeKeys:
     def object_keys(self, tokens: Sequence[int], block_tokens: int) -> list[str]:
         prefix = self.prefix
         parent = _vllm_sha256(self.hash_seed)
+        memo = _MEMOS.get((self.name, self.hash_seed))
+        pages = memo.pages
         out = []
-        for page in _pages(tokens, block_tokens):
-            # ints, as vLLM's token lists hold: a numpy integer pickles otherwise
-            parent = _vllm_sha256((parent, tuple(map(int, page)), None))
-            out.append(prefix + parent.hex())
+        with memo.lock:
+            for page in _pages(tokens, block_tokens):
+                # ints, as vLLM's token lists hold: a numpy integer pickles otherwise
+                ids = tuple(map(int, page))
+                hit = pages.get((parent, ids))
+                if hit is None:
+                    digest = _vllm_sha256((parent, ids, None))
+                    hit = pages[(parent, ids)] = (digest, digest.hex())
+                else:
+                    pages.move_to_end((parent, ids))
+                parent = hit[0]
+                out.append(prefix + hit[1])
+            memo.trim()
         return out
 
 
@@ -110,21 +145,36 @@ class SGLangHiCacheKeys:
 
     def object_keys(self, tokens: Sequence[int], block_tokens: int) -> list[str]:
         prior = b""
+        memo = _MEMOS.get((self.name, ""))
+        pages = memo.pages
         out = []
-        for page in _pages(tokens, block_tokens):
-            try:
-                payload = struct.pack(f"<{len(page)}I", *page)
-            except struct.error:
-                # SGLang's wide pages (an id past 32 bits): a tag byte, then u64 ids
-                try:
-                    payload = b"\xff" + struct.pack(f"<{len(page)}q", *page)
-                except struct.error as exc:
-                    raise ValueError(f"token ids must be integers in 0..2**63-1 ({exc})") from None
-                if any(t < 0 for t in page):
-                    raise ValueError("token ids must be >= 0")
-            prior = hashlib.sha256(prior + payload).digest()
-            out.append(f"{self.key_prefix}{prior.hex()}_{self.tail}")
+        with memo.lock:
+            for page in _pages(tokens, block_tokens):
+                ids = tuple(page)
+                hit = pages.get((prior, ids))
+                if hit is None:
+                    digest = hashlib.sha256(prior + _sglang_payload(page)).digest()
+                    hit = pages[(prior, ids)] = (digest, digest.hex())
+                else:
+                    pages.move_to_end((prior, ids))
+                prior = hit[0]
+                out.append(f"{self.key_prefix}{hit[1]}_{self.tail}")
+            memo.trim()
         return out
+
+
+def _sglang_payload(page: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(page)}I", *page)
+    except struct.error:
+        # SGLang's wide pages (an id past 32 bits): a tag byte, then u64 ids
+        try:
+            payload = b"\xff" + struct.pack(f"<{len(page)}q", *page)
+        except struct.error as exc:
+            raise ValueError(f"token ids must be integers in 0..2**63-1 ({exc})") from None
+        if any(t < 0 for t in page):
+            raise ValueError("token ids must be >= 0")
+        return payload
 
 
 @dataclass(frozen=True)
@@ -137,6 +187,18 @@ class ConductorKeys:
     def object_keys(self, tokens: Sequence[int], block_tokens: int) -> list[str]:
         return [f"{self.namespace}{k:016x}" for k in block_keys(tokens, block_tokens)]
 
+
+class _Memos(dict):
+    """One ChainMemo per (scheme, seed): a digest depends on both."""
+
+    def get(self, key: tuple) -> ChainMemo:       # type: ignore[override]
+        memo = super().get(key)
+        if memo is None:
+            memo = self.setdefault(key, ChainMemo())
+        return memo
+
+
+_MEMOS = _Memos()
 
 SCHEMES = ("vllm", "sglang", "kvflow")
 

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .admission import AdmissionSpec, parse_admission
 from .metrics import summarize
 from .policies import POLICIES, make_policy
 from .pool import PoolConfig
@@ -45,15 +46,18 @@ def replay_one(trace: Sequence[TraceRequest], policy: str, *, prefill: int, deco
                speedup: float = 1.0, slo_ttft_s: float = 30.0, slo_tbt_s: float = 0.1,
                rejection: str = "none", seed: int = 0, cache_blocks: int | None = -1,
                threshold: float | None = None, progress: bool = False,
-               pool: PoolConfig | None = None) -> tuple[dict[str, object], SimResult]:
-    """Replay once (with the global KVCache pool `pool`, if given);
-    returns (summary, raw result)."""
+               pool: PoolConfig | None = None,
+               admission: AdmissionSpec | None = None) -> tuple[dict[str, object], SimResult]:
+    """Replay once (with the global KVCache pool `pool`, if given, and the
+    cost admission of `admission` if it covers `policy`); returns (summary,
+    raw result)."""
     options = {} if threshold is None or policy != "kvcache" else {"kvcache_balancing_threshold": threshold}
     pol = make_policy(policy, seed=seed, **options)
     cfg = ClusterConfig(prefill=prefill, decode=decode, pool=pool) if cache_blocks == -1 else \
         ClusterConfig(prefill=prefill, decode=decode, cache_blocks=cache_blocks, pool=pool)
     sim = Simulation(trace, pol, cfg, speedup=speedup, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
-                     rejection=RejectionMode(rejection))
+                     rejection=RejectionMode(rejection),
+                     admission=admission.make(policy) if admission is not None else None)
     bar = _Progress(f"{policy} x{speedup:g}") if progress else None
     t0 = time.perf_counter()
     res = sim.run(bar.update if bar else None)
@@ -115,6 +119,13 @@ def _floats(s: str) -> list[float]:
     return vals
 
 
+def _admission(s: str) -> AdmissionSpec:
+    try:
+        return parse_admission(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _policies(s: str) -> list[str]:
     names = list(POLICIES) if s == "all" else [x for x in s.split(",") if x]
     for n in names:
@@ -139,6 +150,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--pool", type=parse_pool, default=None, metavar="DRAM_GB,SSD_GB",
                     help="a global KVCache pool of that much DRAM and SSD over the cluster")
+    ap.add_argument("--admission", type=_admission, default=None, metavar="cost[:BUDGET,LOAD][@POLICY,...]",
+                    help="also refuse the dearest prefills under load (admission.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     ap.add_argument("--plot", metavar="DIR", help="write PNG plots there")
@@ -165,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             summary, res = replay_one(trace, pol, prefill=args.prefill, decode=args.decode, speedup=sp,
                                       slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
                                       rejection=args.rejection, seed=args.seed, cache_blocks=args.cache_blocks,
-                                      threshold=args.threshold, progress=True, pool=args.pool)
+                                      threshold=args.threshold, progress=True, pool=args.pool,
+                                      admission=args.admission)
             rows.append(summary)
             results[(pol, sp)] = res
     print(f"trace {args.trace}: {len(trace)} requests, {args.prefill} prefill + {args.decode} decode,"

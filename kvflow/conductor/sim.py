@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .admission import CostAdmission
 from .conductor import Conductor
 from .estimators import (
     KV_BYTES_PER_TOKEN_70B, PAPER_DRAM_TOKENS, PAPER_LAYERS, DecodeModel, LinkModel, PrefillModel,
@@ -251,7 +252,7 @@ class Simulation:
 
     def __init__(self, trace: Sequence[TraceRequest], policy: PrefillPolicy, cluster: ClusterConfig,
                  *, speedup: float = 1.0, slo_ttft_s: float = 30.0, slo_tbt_s: float = 0.1,
-                 rejection: RejectionMode = RejectionMode.NONE) -> None:
+                 rejection: RejectionMode = RejectionMode.NONE, admission: CostAdmission | None = None) -> None:
         if not speedup > 0:
             raise ValueError(f"speedup must be positive, got {speedup}")
         self.trace = trace
@@ -262,7 +263,7 @@ class Simulation:
         self.conductor = Conductor(policy=policy, rejection=rejection, slo_ttft_s=slo_ttft_s,
                                    slo_tbt_s=slo_tbt_s, prefill_model=c.prefill_model,
                                    decode_model=c.decode_model, kv_bytes_per_token=c.kv_bytes_per_token,
-                                   link=c.link, pool=self.pool, pool_config=c.pool)
+                                   link=c.link, pool=self.pool, pool_config=c.pool, admission=admission)
         self.prefill = {f"p{i}": _PrefillServer(f"p{i}") for i in range(c.prefill)}
         self.decode = {f"d{i}": _DecodeServer(f"d{i}", c.decode_model, c.decode_model.kv_capacity_tokens)
                        for i in range(c.decode)}

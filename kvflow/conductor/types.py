@@ -43,6 +43,7 @@ class RejectReason(enum.Enum):
     DECODE_LOAD = "decode_load"                 # decode TBT would break the SLO now
     PREDICTED_DECODE_LOAD = "predicted_decode_load"
     DECODE_FULL = "decode_full"                 # at the decode instance (BASELINE)
+    PREFILL_COST = "prefill_cost"               # among the dearest prefills under load (admission.py)
     NO_INSTANCE = "no_instance"                 # no prefill or no decode instance registered
 
 

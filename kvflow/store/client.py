@@ -46,6 +46,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError, UnregisteredMemoryE
 from .allocator import Allocator
 from .calls import Replica, item_result, replica_rows, with_timeout
 from .datapath import Mover, Moves
+from .device import DeviceRanges
 from .errors import InvalidKeyError, MasterUnavailableError
 from .fence import CLIENT_TIMEOUT, CONNECT_TIMEOUT, write_window
 from .follow import FollowingLink, finder_for
@@ -240,7 +241,9 @@ class StoreClient(Puts, Gets, TaskCalls):
             if self._ssd is not None:
                 await self._ssd.open()          # adopts its files; reported in _attach
             if self._finder is not None:
-                self._link = await FollowingLink(self._finder, self._attach).open(self.timeout)
+                following = FollowingLink(self._finder, self._attach)
+                following.on_notice = self._notice
+                self._link = await following.open(self.timeout)
             else:
                 master = self._master_object()
                 if isinstance(master, Master):
@@ -248,6 +251,7 @@ class StoreClient(Puts, Gets, TaskCalls):
                     # embedded master also serves other processes over tcp
                     await master.start(self.master_listen if self._embedded is not None else None)
                 self._link = await connect_master(master, timeout=self.timeout)
+                self._link.on_notice = self._notice
                 await self._attach(self._link)
             hello = self._hello
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(float(hello["heartbeat"])))
@@ -261,6 +265,13 @@ class StoreClient(Puts, Gets, TaskCalls):
             await self.close()
             raise
         return self
+
+    def _notice(self, method: str, args: list) -> None:
+        """A notice the master pushed (on the loop's thread): "ssd_wake", a
+        reader elsewhere waits for this client to load an SSD copy into its
+        segment: the cleaner syncs now instead of at its next poll."""
+        if method == "ssd_wake" and self._ssd is not None:
+            self._ssd.wake()
 
     async def _attach(self, link: MasterLink) -> None:
         """Registers with the master on `link` and mounts the segment: at
@@ -418,22 +429,38 @@ class StoreClient(Puts, Gets, TaskCalls):
         self.engine.deregister(region)
 
     def _regions(self) -> tuple[list[int], list[int]]:
-        """The engine's registered regions as sorted (starts, ends), read once
-        per call (Engine.regions builds a sorted list each time)."""
-        # host memory only: the own-segment path copies with memmove, and
-        # GPU memory through the store is not built yet
+        """The engine's registered host regions as sorted (starts, ends), read
+        once per call (Engine.regions builds a sorted list each time)."""
+        # host memory only: what the common case's inline checks and the
+        # caller's-thread path (direct.py, memmove to the own segment) take;
+        # GPU memory is admitted by _checked_parts alone (device.py)
         regions = [r for r in self.engine.regions if r.kind == "host"]
         return [r.addr for r in regions], [r.end for r in regions]
 
     def _checked_parts(self, key: Any, ps: Any, regions: tuple[list[int], list[int]]) -> int:
         """The whole check of one object's key and parts, where the funnels'
         inline check of the common case passed on: the object's size, or
-        the key's typed error raised."""
+        the key's typed error raised. A part outside registered host memory
+        may be registered GPU memory (device.py): then the mover is told to
+        keep GPU rows off its memmove."""
         check_key(key)
         pairs = self._parts(ps)
+        gpu: DeviceRanges | None = None
         for a, s in pairs:
-            self._check_local(a, s, regions)
+            try:
+                self._check_local(a, s, regions)
+            except UnregisteredMemoryError:
+                if gpu is None:
+                    gpu = DeviceRanges(self.engine)
+                if not gpu.holds(int(a), int(s)):
+                    raise
+                self._mover.device = True
         return sum(int(s) for _, s in pairs)
+
+    def _on_device(self, ps: Any) -> bool:
+        """Whether any part of an admitted object lies in GPU memory (what
+        the CPU may not touch: the SSD tier's file reads)."""
+        return self._mover.device and DeviceRanges(self.engine).touches(ps)
 
     @staticmethod
     def _parts(ps: Any) -> list:
@@ -460,7 +487,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         i = bisect.bisect_right(starts, addr) - 1     # regions never overlap
         if i < 0 or addr + size > ends[i]:
             raise UnregisteredMemoryError(f"[{addr:#x}, +{size}) is not inside memory registered with "
-                                          f"this client's engine (register_buffer; host memory)")
+                                          f"this client's engine (register_buffer: host or GPU memory)")
 
     # -- queries and removal ---------------------------------------------------
     @with_timeout

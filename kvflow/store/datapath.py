@@ -24,6 +24,7 @@ import numpy as np
 import kvflow
 from kvflow.errors import KVFlowError, PeerLostError
 
+from .device import DeviceRanges, by_memory, split_rows
 from .fence import CONNECT_TIMEOUT
 
 __all__ = ["Moves", "Mover", "finish_before_cancel", "holders_of"]
@@ -94,6 +95,9 @@ class Mover:
         self.engine = engine
         self.connect_timeout = connect_timeout
         self.writing = 0                # write batches in progress on the loop (idle() waits for none)
+        # set once a call named GPU memory (device.py): from then on the
+        # own segment's rows are split, GPU ones off the memmove
+        self.device = False
         self._idle: asyncio.Event | None = None
         # puts on callers' threads (direct.py), counted from before their
         # put_start is sent to after their writes: a reply the old leader
@@ -161,6 +165,12 @@ class Mover:
                 else:
                     g.append(j)
         mine = groups.pop(own, None)
+        if mine and self.device:
+            # GPU rows of the own segment: a batch through the engine's Peer
+            # of itself (its one-process GPU copy), as any holder's
+            mine, gpu = split_rows(DeviceRanges(self.engine), moves.local, moves.length, mine)
+            if gpu:
+                groups[own] = gpu
         if mine and not groups:
             await self._copy_own(op, moves, mine)
             return {}
@@ -203,7 +213,8 @@ class Mover:
 
     async def _copy_own(self, op: str, moves: Moves, rows: list[int]) -> None:
         """The client's own segment is this process's memory (the caller
-        checked every local range is registered host memory, and the master
+        checked every local range is registered memory, _run kept GPU
+        memory out of `rows`, and the master
         gave remote ranges inside our segment): memmove. Up to COPY_INLINE
         bytes on the loop's thread; more on a worker thread (memmove
         through ctypes releases the GIL), and then, as kvflow's transfers
@@ -224,6 +235,23 @@ class Mover:
     async def _batch(self, op: str, holder: str, cols: tuple, rows: list[int] | None,
                      timeout: float | None) -> None:
         peer = await self.engine.connect(holder, timeout=self.connect_timeout)
+        if self.device:
+            groups = by_memory(DeviceRanges(self.engine), cols[0], range(len(cols[0])) if rows is None else rows)
+            if len(groups) > 1:
+                # host and GPU memory (or two GPUs) on the local side: one
+                # batch each, and every one over before the first error is
+                # raised (nothing of a failed call lands later)
+                done = await asyncio.gather(*(self._batch_of(op, peer, cols, g, timeout) for g in groups),
+                                            return_exceptions=True)
+                for r in done:
+                    if isinstance(r, BaseException):
+                        raise r
+                return
+        await self._batch_of(op, peer, cols, rows, timeout)
+
+    @staticmethod
+    async def _batch_of(op: str, peer: kvflow.Peer, cols: tuple, rows: list[int] | None,
+                        timeout: float | None) -> None:
         local, remote, lengths = cols if rows is None else (c[rows] for c in cols)
         if op == "write":
             await peer.write(local, remote, lengths, timeout=timeout)

@@ -115,6 +115,10 @@ class FollowingLink(MasterLink):
     def address(self) -> str | None:
         return self.link.address if self.link is not None else None
 
+    def _notice(self, method: str, args: list) -> None:
+        if self.on_notice is not None:
+            self.on_notice(method, args)
+
     async def open(self, timeout: float) -> "FollowingLink":
         await self._connect(time.monotonic() + timeout)
         return self
@@ -129,6 +133,7 @@ class FollowingLink(MasterLink):
                 except (MasterUnavailableError, InvalidArgumentError) as e:
                     last = e
                     continue
+                link.on_notice = self._notice       # whichever leader pushes, the client hears it
                 try:
                     await self.attach(link)
                 except KVFlowError as e:        # not taken (still lost on it, or it stepped down)

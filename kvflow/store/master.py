@@ -72,6 +72,8 @@ class Session:
         self.client_id: str | None = None
         self.joined = False         # another connection of a client (join): its closing loses no one
         self.closed = False
+        # sends the client a notice unasked, (method, args): set by the connection
+        self.push: Callable[[str, list], None] | None = None
 
     def __repr__(self) -> str:
         return f"<Session {self.client_id or '-'} from {self.peer}>"
@@ -233,6 +235,16 @@ class Master(SsdCalls):
         s = Session(self, peer)
         self.sessions.add(s)
         return s
+
+    def push(self, client_id: str, method: str, *args: Any) -> bool:
+        """A notice to a client on its own (registered) connection, unasked:
+        what it waits for otherwise until its next poll. False when it has
+        no such connection (it polls, as before)."""
+        for s in self.sessions:
+            if s.client_id == client_id and not s.joined and not s.closed and s.push is not None:
+                s.push(method, list(args))
+                return True
+        return False
 
     def _session_closed(self, s: Session) -> None:
         self.sessions.discard(s)
@@ -590,6 +602,7 @@ class _MasterProtocol(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.session = self.master.session(f"{peer[0]}:{peer[1]}" if peer else "?")
+        self.session.push = self._push
         self.master._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -645,6 +658,10 @@ class _MasterProtocol(asyncio.Protocol):
             if self.transport.get_write_buffer_size() > self.MAX_PENDING_REPLIES:
                 log.warning("dropping %s: it does not read its replies", self.session.peer)
                 self.transport.abort()
+
+    def _push(self, method: str, args: list) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(encode([0, method, args]))         # id 0: a notice, no reply wanted
 
     def _durable_reply(self, reply: list, fut: asyncio.Future) -> None:
         """A reply that waited for etcd: sent once its changes are durable;

@@ -13,6 +13,7 @@ import socket
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
@@ -30,6 +31,9 @@ __all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "HeartbeatThread", 
 
 class MasterLink:
     closed: bool
+    #: called with (method, args) for each notice the master pushes to this
+    #: client unasked (an SSD load a reader elsewhere waits for): set by the client
+    on_notice: Callable[[str, list], None] | None = None
 
     async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         raise NotImplementedError
@@ -49,7 +53,12 @@ class LocalMasterLink(MasterLink):
     def __init__(self, master: Master) -> None:
         self.master = master
         self.session: Session = master.session()
+        self.session.push = self._pushed
         self.closed = False
+
+    def _pushed(self, method: str, args: list) -> None:
+        if self.on_notice is not None and not self.closed:
+            self.on_notice(method, args)
 
     def __repr__(self) -> str:
         return f"<LocalMasterLink {self.master!r}>"
@@ -113,6 +122,10 @@ class TcpMasterLink(MasterLink, asyncio.Protocol):
                 if not (isinstance(msg, list) and len(msg) == 3):
                     raise ProtocolError("malformed reply from the master")
                 rid, failed, result = msg
+                if rid == 0 and type(failed) is str:        # a notice the master pushed: [0, method, args]
+                    if self.on_notice is not None:
+                        self.on_notice(failed, result)
+                    continue
                 fut = self._waiters.pop(rid, None)
                 if fut is None or fut.done():          # its caller timed out or was cancelled
                     continue

@@ -80,7 +80,9 @@ async def read_copies(client: Any, keys: Any, items: list, parts: Any, results: 
         key = keys[i]
         own = next((h for h in copies if h[0] == client.client_id), None)
         local = own or next((h for h in copies if h[2] == client.host and h[3]), None)
-        if local is None:
+        if local is None or client._on_device(parts[i]):
+            # a file is read by the CPU, which may not write GPU memory: the
+            # holder loads it into a DRAM replica, read then over kvflow
             remote.append((i, size))
             continue
         ps = [(int(a), int(s)) for a, s in parts[i]]

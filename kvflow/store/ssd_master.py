@@ -85,11 +85,19 @@ class SsdCalls:
 
     def _batch_ssd_request(self, cid: str, now: float, keys: list) -> list:
         out = []
+        holders = set()
         for key in keys:
             try:
-                out.append(self.model.ssd_request(key))
+                asked = self.model.ssd_request(key)
             except KVFlowError:
-                out.append(False)
+                asked = False
+            if asked:
+                holders.add(next(iter(self.model.objects[key].ssd)))
+            out.append(asked)
+        # the holders act now, not at their cleaner's next poll (up to
+        # ssd_agent.IDLE_POLL later): the reader waits for them
+        for holder in holders:
+            self.push(holder, "ssd_wake")
         return out
 
     def _batch_ssd_load_start(self, cid: str, now: float, keys: list) -> list:
