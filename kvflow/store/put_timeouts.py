@@ -3,15 +3,18 @@ ALLOCATED object whose writer stays connected but sends no put_end (a
 writer stuck for good) is revoked once it has been in progress for longer
 than its writer's write window, and its space comes back.
 
-Not at once, though. The writer may still be writing: its put_start's
-reply let it write into that space until its window (fence.py: the
-connect to a holder and the transfer's timeout) has passed since it got
-the reply, and a revoke does not reach it. So the revoked put's space is
-quarantined for one more window (as a forced removal's space is held
-while a reader's lease runs: model.py's quarantine), and only then handed
-out again; the key itself is free at once. The same bound as the
-failover fence's, for the same reason: late writes land in space no one
-else holds. The writer's late put_end gets PutRevokedError.
+Not at once, though. The writer may still be writing, and a revoke does
+not reach it. A StoreClient starts a put's writes only within its write
+window W (fence.py: the connect to a holder, then the transfer's timeout)
+of sending the put_start (puts.py, direct.py), and each write ends within
+W of its start (StoreClient.write_timeout, also for timeout=None), so
+every write of the put is over by put_start + 2W. The revoke comes at
+least W after the put_start reached the master, and the revoked put's
+space is quarantined for one more W (as a forced removal's space is held
+while a reader's lease runs: model.py's quarantine) before it is handed
+out again; the key itself is free at once. So late writes land in space
+no one else holds, the failover fence's guarantee for the same kind of
+writes. The writer's late put_end gets PutRevokedError.
 
 The master's monitor calls expire_puts each second; a put is timed from
 the first time the monitor saw it in progress (at most a period after
