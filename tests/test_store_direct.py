@@ -142,10 +142,10 @@ async def test_a_put_on_a_callers_thread_keeps_its_client_from_saying_its_writes
         seen: list[bool] = []
         writing = direct._move
 
-        def watched(client, op, by):
+        def watched(client, op, by, *start_by):
             # the loop's idle() from inside the write: it must not see the client idle
             seen.append(asyncio.run_coroutine_threadsafe(client._mover.idle(0.05), client._loop).result(5))
-            return writing(client, op, by)
+            return writing(client, op, by, *start_by)
 
         direct._move = watched
         try:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvflow.errors import InvalidArgumentError
 
-from .errors import LeaseExpiredError, ReplicaUnavailableError, StoreTimeoutError, error_from_code
+from .errors import LeaseExpiredError, PutRevokedError, ReplicaUnavailableError, StoreTimeoutError, error_from_code
 from .records import MAX_KEY_BYTES, plain_keys
 
 __all__ = ["Parts", "Replica", "all_ok", "item_result", "one_part", "replica_rows", "single_columns", "single_parts",
@@ -150,6 +150,13 @@ def writes_failed(key: str, reps: Sequence, segs: dict, failed: dict) -> Replica
     address] rows; `failed`: holder -> error): each holder's error named."""
     errs = "; ".join(f"{h}: {failed[h]}" for h in {segs[sid][1] for sid, _ in reps} if h in failed)
     return ReplicaUnavailableError(f"every replica write of {key!r} failed: {errs}", key=key)
+
+
+def put_outlasted(key: str, window: float) -> PutRevokedError:
+    """A put whose writes could not start within its write window of its
+    put_start: the master may have revoked it and given its space away
+    (put_timeouts.py), so nothing of it is written."""
+    return PutRevokedError(f"the writes of {key!r} could not start within its {window} s write window", key=key)
 
 
 def lease_outlasted(key: str, ttl: float) -> LeaseExpiredError:

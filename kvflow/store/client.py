@@ -29,6 +29,7 @@ import asyncio
 import bisect
 import itertools
 import logging
+import math
 import socket
 import threading
 import time
@@ -50,6 +51,7 @@ from .errors import InvalidKeyError, MasterUnavailableError
 from .fence import CLIENT_TIMEOUT, CONNECT_TIMEOUT, write_window
 from .follow import FollowingLink, finder_for
 from .gets import Gets
+from .leases import LeaseKeeper
 from .master import Master
 from .metrics import ClientCounters, counted
 from .model import check_key
@@ -155,6 +157,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         self._hello: dict = {}
         self._beat_thread: HeartbeatThread | None = None
         self.lease_ttl = 5.0
+        self._lease_keeper = LeaseKeeper(self)      # renews the leases of gets still reading (leases.py)
         self.replica_fallbacks = 0      # reads that went on to another replica
         self.counters = ClientCounters()    # metrics(): calls, hits, bytes, round trips (metrics.py)
         self._put_tokens = itertools.count(1)
@@ -193,7 +196,16 @@ class StoreClient(Puts, Gets, TaskCalls):
     def write_window(self) -> float:
         """Seconds its writes may still land after a put_start's reply: the
         connect to a holder, then the transfer's timeout (fence.py)."""
-        return write_window(self.timeout, self._mover.connect_timeout if self._mover else CONNECT_TIMEOUT)
+        return write_window(self.write_timeout, self._mover.connect_timeout if self._mover else CONNECT_TIMEOUT)
+
+    @property
+    def write_timeout(self) -> float:
+        """Seconds a write into space the master handed out may take: the
+        client's `timeout`, or CLIENT_TIMEOUT for a client without one
+        (timeout=None), so the write window it reports (the failover fence,
+        put_timeouts.py's revoke) bounds its writes too."""
+        t = self.timeout
+        return float(t) if isinstance(t, (int, float)) and 0 < t < math.inf else CLIENT_TIMEOUT
 
     @property
     def local_buffer_in_use(self) -> int:
@@ -317,6 +329,7 @@ class StoreClient(Puts, Gets, TaskCalls):
         if self._repair is not None:
             self._repair.cancel()
             await asyncio.gather(self._repair, return_exceptions=True)
+        await self._lease_keeper.close()
         if self._beat_thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._beat_thread.stop)
         if self._link is not None:
@@ -384,7 +397,7 @@ class StoreClient(Puts, Gets, TaskCalls):
                     moves.add(src, segs[sid][1], dst, size)
                 failed: dict = {}
                 try:
-                    failed = await self._mover.run("write", moves, timeout=self.timeout)
+                    failed = await self._mover.run("write", moves, timeout=self.write_timeout)
                 finally:
                     ends = [[key, segs[sid][1] not in failed] for key, _, _, (sid, _) in items]
                     done = await asyncio.shield(self._call("batch_repair_end", ends, lease))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import math
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -31,7 +32,7 @@ import numpy as np
 
 from kvflow.errors import KVFlowError
 
-from .calls import all_ok, item_result, lease_outlasted, replica_rows, single_columns, writes_failed
+from .calls import all_ok, item_result, lease_outlasted, put_outlasted, replica_rows, single_columns, writes_failed
 from .errors import BufferTooSmallError, MasterUnavailableError, SsdBusyError
 from .follow import FollowingLink
 from .gets import Gets
@@ -208,13 +209,19 @@ def _columns(client: Any, keys: Any, addrs: Any, sizes: Any) -> tuple[list, list
     return (list(map(p.__add__, keys)) if p else keys), cols[0], cols[1]
 
 
-def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]]) -> dict[str, KVFlowError]:
+def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]],
+          start_by: float = math.inf) -> dict[str, KVFlowError]:
     """Each holder's entries (local, remote, length columns) moved on this
     thread (op "write": local -> remote); the holders that failed, with
-    their error. This client's own segment is this process's memory: memmove."""
+    their error. This client's own segment is this process's memory: memmove.
+    `start_by`: no holder's move starts later (a put's write window: the
+    holders are written one after another here)."""
     failed: dict[str, KVFlowError] = {}
     own = client.engine.address
     for holder, (la, ra, ln) in by.items():
+        if start_by < math.inf and time.monotonic() > start_by:
+            failed[holder] = put_outlasted(f"{len(la)} objects on {holder}", client.write_window)
+            continue
         if holder == own:
             for local, remote, n in zip(la, ra, ln):
                 ctypes.memmove(remote, local, n) if op == "write" else ctypes.memmove(local, remote, n)
@@ -225,8 +232,9 @@ def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]]) -> dict[
             peer = client.engine.peer(holder)
             if peer is None:            # connected once, on the loop (its connections live there)
                 peer = _on_loop(client, client.engine.connect(holder, timeout=client._mover.connect_timeout))
-            move = peer.write_blocking if op == "write" else peer.read_blocking
-            move(np.array(la, np.uint64), np.array(ra, np.uint64), np.array(ln, np.uint64), timeout=client.timeout)
+            move, t = (peer.write_blocking, client.write_timeout) if op == "write" else (peer.read_blocking,
+                                                                                        client.timeout)
+            move(np.array(la, np.uint64), np.array(ra, np.uint64), np.array(ln, np.uint64), timeout=t)
         except KVFlowError as e:
             failed[holder] = e
     return failed
@@ -258,6 +266,7 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
 def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
               request: list, token: int, rn: int, preferred_segment: Any, pin: bool,
               soft_pin: float | bool | None) -> list:
+    sent = time.monotonic()     # its writes may start until sent + write window (put_timeouts.py)
     try:
         reply = _timed(client, q, "batch_put_start", request, token)
     except NotJoinedError:
@@ -284,7 +293,7 @@ def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[s
     failed: dict[str, KVFlowError] = {}
     if writing:
         try:
-            failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs))
+            failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs), sent + client.write_window)
         except BaseException:
             _on_loop(client, client._revoke([names[i] for i, _ in writing], token))
             raise
@@ -363,6 +372,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
         reply = _timed(client, q, "batch_get_replicas", list(names))
     except MasterUnavailableError:
         return None             # a lease it granted runs out by itself
+    held = client._lease_keeper.hold(reply.get("lease"), t0)      # renewed from the loop while the reads run
     try:
         found, segs = replica_rows(reply)
         fast = Gets._all_found(found, segs, (addrs, sizes)) if staged is None else None
@@ -372,7 +382,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
             if _move(client, "read", {moves.holder[0]: (moves.local, moves.remote, moves.length)}):
                 return None
             results = list(moves.length)
-            if time.monotonic() - t0 >= client.lease_ttl:
+            if held.lapsed():
                 results = [lease_outlasted(k, client.lease_ttl) for k in keys]
             return results
         results: list[Any] = [None] * len(names)
@@ -406,7 +416,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
             results[i] = n
         if by and _move(client, "read", by):
             return None         # a holder failed: the loop's funnel goes on to the other replicas
-        if time.monotonic() - t0 >= client.lease_ttl:
+        if held.lapsed():
             for i, _, _, _ in reading:
                 if isinstance(results[i], int):
                     results[i] = lease_outlasted(keys[i], client.lease_ttl)
@@ -416,6 +426,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
         return results
     finally:
         lease = reply.get("lease")
+        client._lease_keeper.drop(lease)
         if lease and not q.notify("release_lease", lease):
             try:
                 client._loop.call_soon_threadsafe(client._link.notify, "release_lease", lease)

@@ -7,8 +7,8 @@ from kvflow.errors import InvalidArgumentError, KVFlowError
 
 __all__ = [
     "StoreError", "InvalidKeyError", "BufferTooSmallError", "ObjectNotFoundError",
-    "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError", "SpaceFencedError",
-    "QuotaExceededError",
+    "PutRevokedError", "ObjectExistsError", "ObjectBusyError", "ObjectLeasedError", "NoSpaceError", "SsdBusyError",
+    "SpaceFencedError", "QuotaExceededError",
     "ReplicaUnavailableError", "LeaseExpiredError", "MasterUnavailableError", "StoreTimeoutError",
     "SegmentError", "DurabilityError", "TaskNotFoundError", "CODES", "error_code", "error_from_code",
 ]
@@ -36,6 +36,12 @@ class ObjectNotFoundError(StoreError, KeyError):
 
     def __str__(self) -> str:            # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class PutRevokedError(ObjectNotFoundError):
+    """The put's put_end came after the master revoked it: it was not
+    committed within its writer's write window (put_timeouts.py). Nothing
+    of it is stored; the key may be put again."""
 
 
 class ObjectExistsError(StoreError):
@@ -114,6 +120,7 @@ CODES: dict[str, type[KVFlowError]] = {
     "invalid_key": InvalidKeyError,
     "buffer_too_small": BufferTooSmallError,
     "not_found": ObjectNotFoundError,
+    "put_revoked": PutRevokedError,
     "exists": ObjectExistsError,
     "busy": ObjectBusyError,
     "leased": ObjectLeasedError,

@@ -39,8 +39,12 @@ mostly free should not be emptied by its first puts). Repairs and copy
 tasks that need fenced space wait for its end too. The fence is lifted by
 the master's monitor (each second) or by the first put that needs it.
 
-Not fenced: a client with no transfer timeout (`timeout=None`) is fenced
-as if it had the default one (its writes are not bounded at all).
+A client with no transfer timeout (`timeout=None`) reports the default
+client's window, and its writes are held to it (StoreClient.write_timeout:
+its reads alone wait as long as they take). A write is also started only
+within its window of its put_start (puts.py, direct.py), so a writer
+stalled between the reply and its writes does not start them late; the
+same window bounds how long a put may stay uncommitted (put_timeouts.py).
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from kvflow.errors import InvalidArgumentError, KVFlowError
 from .calls import (Parts, all_ok, item_result, lease_outlasted, one_part, replica_rows, single_parts,
                     with_timeout)
 from .datapath import Moves, holders_of
+from .leases import Held
 from .errors import BufferTooSmallError, ReplicaUnavailableError
 from .metrics import counted
 from .model import check_key
@@ -76,12 +77,13 @@ class Gets:
             asked = [keys[i] for i in todo]
         t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
         reply = await self._call("batch_get_replicas", asked)
+        held = self._lease_keeper.hold(reply.get("lease"), t0)     # renewed while the reads run
         try:
             found, segs = replica_rows(reply)
             if cols is not None:
                 reading = self._all_found(found, segs, cols)
                 if reading is not None:     # every object found in DRAM, one replica, fitting its buffer
-                    await self._read(keys, reading[0], parts, results, t0, first=reading[1])
+                    await self._read(keys, reading[0], parts, results, held, first=reading[1])
                     return results
             holders = self._holders(segs)
             reading = []
@@ -97,7 +99,7 @@ class Gets:
                                                      key=keys[i])
                     continue
                 reading.append((i, size, self._nearest(reps, holders) if reps or len(r) < 3 else SsdCopies(r[2])))
-            await self._read(keys, reading, parts, results, t0)
+            await self._read(keys, reading, parts, results, held)
         finally:
             self._release(reply)
         return results
@@ -107,6 +109,7 @@ class Gets:
         failed or cancelled batch before raising): its lease may go, so the
         objects can be removed and evicted again at once."""
         lease = reply.get("lease")
+        self._lease_keeper.drop(lease)
         if lease and self._link is not None:
             self._link.notify("release_lease", lease)
 
@@ -142,11 +145,12 @@ class Gets:
         return [(h[1], addr) for h, addr in out]
 
     async def _read(self, keys: Sequence[str], reading: list, parts: Sequence[Parts], results: list,
-                    t0: float, first: Moves | None = None) -> None:
+                    held: Held, first: Moves | None = None) -> None:
         """Reads each of `reading` ((index, size, [(holder, address), ...]
         nearest first, or SsdCopies)) into its parts, going on to the next
-        replica where a holder failed. `first`: the moves of the first
-        attempt, built already (then no entry is SsdCopies)."""
+        replica where a holder failed, under lease `held` (leases.py).
+        `first`: the moves of the first attempt, built already (then no
+        entry is SsdCopies)."""
         if first is None and any(type(e[2]) is SsdCopies for e in reading):
             ssd = [e for e in reading if type(e[2]) is SsdCopies]
             read = await read_copies(self, keys, ssd, parts, results)
@@ -195,7 +199,7 @@ class Gets:
                     results[i] = ReplicaUnavailableError(
                         f"no replica of {keys[i]!r} could be read ({'; '.join(last[i])})", key=keys[i])
             pending = again
-        if time.monotonic() - t0 >= self.lease_ttl:
+        if held.lapsed():
             for i, _, _ in reading:
                 if isinstance(results[i], int):
                     results[i] = lease_outlasted(keys[i], self.lease_ttl)
@@ -222,12 +226,12 @@ class Gets:
         t0 = time.monotonic()
         reply = await self._call("batch_get_replicas", [keys[i] for i in todo])
         try:
-            return await self._get_staged(keys, todo, reply, results, t0)
+            return await self._get_staged(keys, todo, reply, results, self._lease_keeper.hold(reply.get("lease"), t0))
         finally:
             self._release(reply)
 
     async def _get_staged(self, keys: Sequence[str], todo: list[int], reply: dict, results: list,
-                          t0: float) -> list:
+                          held: Held) -> list:
         found, segs = replica_rows(reply)
         holders = self._holders(segs)
         sized = []
@@ -243,7 +247,7 @@ class Gets:
             addrs = await self._stage([sizes[j] for j in chunk])
             try:
                 parts = {sized[j][0]: [(a, sizes[j])] for j, a in zip(chunk, addrs)}
-                await self._read(keys, [sized[j] for j in chunk], parts, results, t0)
+                await self._read(keys, [sized[j] for j in chunk], parts, results, held)
                 for j, a in zip(chunk, addrs):
                     i = sized[j][0]
                     if isinstance(results[i], int):

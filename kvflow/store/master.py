@@ -52,8 +52,8 @@ __all__ = ["Master", "Session", "METHODS"]
 
 # what a client may call (each is Master._<name>(client id, now, *args))
 METHODS = frozenset({"heartbeat", "mount", "unmount", "batch_put_start", "batch_put_end",
-                     "batch_put_revoke", "batch_get_replicas", "release_lease", "batch_exists", "batch_size",
-                     "batch_remove", "remove_all", "remove_by_regex", "stats",
+                     "batch_put_revoke", "batch_get_replicas", "release_lease", "renew_leases", "batch_exists",
+                     "batch_size", "batch_remove", "remove_all", "remove_by_regex", "stats",
                      "batch_repair_start", "batch_repair_end", "set_quota", "create_copy_task",
                      "create_move_task", "query_task", "replica_desc"}) | frozenset(SSD_METHODS)
 
@@ -268,6 +268,8 @@ class Master(SsdCalls):
                     c.last_seen = now
             last = now
             self.model.expire_leases(now)
+            for key in self.model.expire_puts(now):
+                log.warning("put of %r not committed within its writer's write window: revoked", key)
             self.model.release_quarantine(now)
             self.model.release_fence(now)
             for cid in self.model.expire_clients(now, self.client_grace):
@@ -496,6 +498,15 @@ class Master(SsdCalls):
 
     def _release_lease(self, cid: str, now: float, lease: int) -> None:
         self.model.release_lease(lease, now)
+
+    def _renew_leases(self, cid: str, now: float, leases: list) -> list:
+        """The client's gets are still reading: each lease's seconds from
+        now (0.0: gone, not renewed), bounded by the client's write window
+        (read_leases.py)."""
+        if type(leases) is not list:
+            raise InvalidArgumentError(f"renew_leases takes a list of lease ids, not {leases!r}")
+        bound = self.model.clients[cid].window
+        return [self.model.renew_lease(lid, now, bound) for lid in leases]
 
     def _batch_exists(self, cid: str | None, now: float, keys: list) -> list:
         # the servers ask this before every put and get: one bool per key

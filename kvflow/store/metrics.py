@@ -267,6 +267,8 @@ def master_view(master: Any) -> dict[str, Any]:
             "tiers": tiers, "capacity": m.capacity, "used": m.used,
             "objects": {DRAM: complete}, "puts_in_progress": len(m.objects) - complete,
             "leases": len(m._leases), "lease_ttl": m.lease_ttl,
+            # leases renewed for gets still reading (read_leases.py), puts revoked uncommitted (put_timeouts.py)
+            "lease_renewals": m.lease_renewals, "puts_timed_out": m.puts_timed_out,
             "quarantined_bytes": sum(r.length for _, reps in list(m._quarantine) for r in reps),
             "evictions": {DRAM: m.evictions}, "evicted_bytes": {DRAM: m.evicted_bytes},
             "lease_waits": dict(m.lease_waits), "calls": master.calls,

@@ -37,6 +37,8 @@ from .errors import (NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLea
                      QuotaExceededError, SegmentError, SsdBusyError, StoreError)
 from .fence import WriteFence
 from .placement import place
+from .put_timeouts import PutTimeouts
+from .read_leases import ReadLeases
 from .records import MAX_KEY_BYTES, NS_SEP, Client, Object, Replica, Segment, State, check_key, namespace_of
 from .repair import ReplicaRepair
 from .ssd_model import SsdState
@@ -57,7 +59,7 @@ def _soft_pin_seconds(pin: Any, default: float) -> float:
     return float(ttl)
 
 
-class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
+class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence, ReadLeases, PutTimeouts):
     """The pool's metadata. `high_watermark`/`low_watermark`: fractions of
     the pool's capacity; a put that would take the pool above the high one
     first evicts least-recently-used objects down to the low one.
@@ -111,9 +113,8 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
         # space is freed only when its leases end or are released, so a
         # reader still copying it never sees a new object's bytes
         self._quarantine: list[tuple[Object, list[Replica]]] = []
-        # live leases: id -> (until, the objects it covers)
-        self._leases: dict[int, tuple[float, list[Object]]] = {}
-        self._next_lease = 1
+        self._init_leases()         # read leases and their renewals (read_leases.py)
+        self._init_put_timeouts()   # puts never committed (put_timeouts.py)
         # what changed since the master last wrote to etcd (None: not tracked)
         self.dirty_objects: set[str] | None = None
         self.dirty_segments: set[int] | None = None
@@ -428,6 +429,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
         if obj is None or obj.state is not State.ALLOCATED or obj.writer != client_id:
             if obj is not None and obj.state is State.COMPLETE and obj.writer == client_id:
                 return len(obj.replicas)
+            self._revoked_put(client_id, key)       # revoked for lasting too long: says so
             obj = self._pending(client_id, key)     # raises the key's error
         if type(failed_segments) in (list, tuple) and not failed_segments:
             keep = obj.replicas             # every replica written (the common case)
@@ -463,16 +465,7 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
             raise ObjectNotFoundError(f"no put of {key!r} in progress by this call", key=key)
         self._delete(obj)
 
-    # -- reads -----------------------------------------------------------------
-    def new_lease(self, now: float) -> int:
-        """A lease id for one get call's objects, valid until now + lease_ttl."""
-        if len(self._leases) > 4096:
-            self.expire_leases(now)
-        lid = self._next_lease
-        self._next_lease += 1
-        self._leases[lid] = (now + self.lease_ttl, [])
-        return lid
-
+    # -- reads (the leases themselves: read_leases.py) ----------------------------
     def get_replicas(self, key: str, now: float, lease: int | None = None) -> Object:
         """The COMPLETE object (size, replicas), under read lease `lease`
         (a new one of its own if None) until now + lease_ttl.
@@ -489,20 +482,6 @@ class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence):
         if key in (lru := self._lru):       # _touch, inline
             lru.move_to_end(key)
         return obj
-
-    def release_lease(self, lease: int, now: float) -> None:
-        """The reader is done: its objects are no longer leased by it."""
-        entry = self._leases.pop(lease, None)
-        if entry is not None:
-            for obj in entry[1]:
-                obj.leases.pop(lease, None)
-            if self._quarantine:
-                self.release_quarantine(now)
-
-    def expire_leases(self, now: float) -> None:
-        for lid in [lid for lid, (until, _) in self._leases.items() if until <= now]:
-            for obj in self._leases.pop(lid)[1]:
-                obj.leases.pop(lid, None)
 
     def exists(self, key: str) -> bool:
         check_key(key)

@@ -13,7 +13,8 @@ import numpy as np
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout, writes_failed
+from .calls import (Parts, all_ok, item_result, one_part, put_outlasted, replica_rows, single_parts, with_timeout,
+                    writes_failed)
 from .datapath import Moves, holders_of
 from .errors import MasterUnavailableError, ObjectNotFoundError, SpaceFencedError, SsdBusyError
 from .metrics import counted
@@ -111,6 +112,7 @@ class Puts:
             request = [[keys[i], sizes[j], rn, preferred_segment, pinned] for j, i in enumerate(todo)]
         relinks = getattr(self._link, "reconnects", 0)
         token = next(self._put_tokens)
+        sent = time.monotonic()     # its writes may start until sent + write window (put_timeouts.py)
         try:
             reply = await self._call("batch_put_start", request, token)
         except (asyncio.CancelledError, MasterUnavailableError):
@@ -138,6 +140,12 @@ class Puts:
             if _wait and ssd_busy:
                 await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
             return results
+        if time.monotonic() - sent > self.write_window:
+            # too late to write: the master may have revoked the put and given its space away
+            await asyncio.shield(self._revoke([keys[i] for i, _ in writing], token))
+            for i, _ in writing:
+                results[i] = put_outlasted(keys[i], self.write_window)
+            return results
         try:
             if placed is not None and cols is not None and set(map(len, placed)) == {1}:
                 # one replica each of one-part objects: the columns at once
@@ -156,7 +164,7 @@ class Puts:
                         for a, s in ps:
                             moves.add(int(a), holder, addr + off, int(s))
                             off += int(s)
-            failed = await self._mover.run("write", moves, timeout=self.timeout)
+            failed = await self._mover.run("write", moves, timeout=self.write_timeout)
         except BaseException:
             # cancelled, or a bug: nothing of the writes is in flight any more
             # (kvflow drains before raising); give the space back

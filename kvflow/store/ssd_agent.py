@@ -139,7 +139,7 @@ async def _read_remote(client: Any, keys: Any, items: list, parts: Any, results:
                     i, _ = pending.pop(key)
                     results[i] = ReplicaUnavailableError(f"{key!r}: {item[2]}", key=key)
             if ready:
-                await client._read(keys, ready, parts, results, t0)
+                await client._read(keys, ready, parts, results, client._lease_keeper.hold(reply.get("lease"), t0))
         finally:
             client._release(reply)
     for key, (i, _) in pending.items():
@@ -185,7 +185,7 @@ async def promote(client: Any, keys: Any, done: list[int], parts: Any) -> int:
             writing.append((i, item[1]))
         if not writing:
             return 0
-        failed = await client._mover.run("write", moves, timeout=client.timeout)
+        failed = await client._mover.run("write", moves, timeout=client.write_timeout)
         ends = [[keys[i], not any(segs[sid][1] in failed for sid, _ in reps)] for i, reps in writing]
         return sum(await client._call("batch_promote_end", ends))
     except KVFlowError as e:
