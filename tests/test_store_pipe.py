@@ -14,6 +14,7 @@ import pytest
 
 from kvflow.errors import PeerLostError
 from kvflow.store import ObjectExistsError, ObjectNotFoundError, ReplicaUnavailableError, StoreClient, direct
+from kvflow.store.calls import pipe_spans
 from kvflow.store.records import State
 
 from test_store_client import _assert_no_leak, _data, _pool
@@ -42,7 +43,7 @@ async def _clients(segments: int = 1):
 
 
 def _chunks() -> list[range]:
-    spans = direct._spans(N, [SIZE] * N)
+    spans = pipe_spans(N, [SIZE] * N)
     assert len(spans) > 1 and spans[0].start > spans[-1].start      # pipelined, the tail first
     return spans
 

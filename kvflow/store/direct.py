@@ -22,7 +22,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
-import os
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
@@ -33,7 +32,8 @@ import numpy as np
 
 from kvflow.errors import KVFlowError
 
-from .calls import all_ok, item_result, lease_outlasted, replica_rows, single_columns, writes_failed
+from .calls import (item_result, lease_outlasted, pipe_spans, put_ended, put_ends, put_started, replica_rows,
+                    single_columns)
 from .errors import BufferTooSmallError, MasterUnavailableError, SsdBusyError
 from .follow import FollowingLink
 from .gets import Gets
@@ -44,13 +44,6 @@ from .rpc import BlockingQuery, TcpMasterLink
 from .wire import encode
 
 __all__ = ["JoinedPool", "JoinedQuery", "NotJoinedError", "put_from", "get_into", "put_bytes", "get_bytes"]
-
-# A batch of at least PIPE_MIN_KEYS keys per chunk and PIPE_MIN_BYTES in
-# all goes in up to PIPE_CHUNKS chunks whose master round trips overlap
-# the other chunks' bytes (_put_piped, _get_piped)
-PIPE_CHUNKS = int(os.environ.get("KVFLOW_STORE_PIPE_CHUNKS", "4"))
-PIPE_MIN_KEYS = 8
-PIPE_MIN_BYTES = 1 << 20
 
 
 class NotJoinedError(MasterUnavailableError):
@@ -280,7 +273,7 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     token = next(client._put_tokens)
     # counted while it may write: a client re-attaching to a new leader waits
     # for none in progress before the leader lifts its fence (fence.py)
-    spans = _spans(len(names), sizes)
+    spans = pipe_spans(len(names), sizes)
     with client._mover.thread_put():
         if len(spans) > 1 and len(set(names)) == len(names):
             results = _put_piped(client, q, keys, names, addrs, sizes, request, token, spans)
@@ -289,53 +282,6 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
         if results is None:
             return None
         return _put_done(client, keys, addrs, sizes, results, rn, preferred_segment, pin, soft_pin)
-
-
-def _spans(n: int, sizes: list) -> list[range]:
-    """A batch's chunks for a pipelined call, in the order they are sent:
-    the tail first, so that the head's commits (and lookups) come last and
-    the master's LRU ends with the head most recent, as one call's would
-    (eviction takes a chained prefix's tail before its head). One chunk
-    (no pipeline) for a batch too small to gain from it."""
-    k = min(PIPE_CHUNKS, n // PIPE_MIN_KEYS)
-    if k < 2 or sum(sizes) < PIPE_MIN_BYTES:
-        return [range(n)]
-    bounds = [n * j // k for j in range(k + 1)]
-    return [range(bounds[j], bounds[j + 1]) for j in reversed(range(k))]
-
-
-def _started(started: list, span: Sequence[int], keys: Sequence[str], results: list) -> list:
-    """A put_start reply's items (for the indexes `span`): the objects to
-    write, (index, [[segment, address], ...]); the others' results set
-    (their error, or 0: it exists already, immutable, nothing to write)."""
-    placed = all_ok(started)
-    if placed is not None:
-        return list(zip(span, placed))
-    writing = []
-    for i, item in zip(span, started):
-        r = item_result(item, keys[i])
-        if isinstance(r, KVFlowError):
-            results[i] = r
-        elif r is None:
-            results[i] = 0
-        else:
-            writing.append((i, r))
-    return writing
-
-
-def _ended(ended: list, writing: list, keys: Sequence[str], segs: dict, failed: dict, results: list) -> None:
-    kept = all_ok(ended)
-    for j, (i, reps) in enumerate(writing):
-        r = kept[j] if kept is not None else item_result(ended[j], keys[i])
-        if r == 0:
-            r = writes_failed(keys[i], reps, segs, failed)
-        results[i] = r
-
-
-def _ends(names: Sequence[str], writing: list, segs: dict, failed: dict) -> list:
-    none: list = []
-    return [[names[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else none]
-            for i, reps in writing]
 
 
 def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
@@ -351,19 +297,19 @@ def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[s
         return None
     started, segs = replica_rows(reply)
     results: list[Any] = [None] * len(names)
-    writing = _started(started, range(len(names)), keys, results)
+    writing = put_started(started, range(len(names)), keys, results)
     if writing:
         try:
             failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs))
         except BaseException:
             _on_loop(client, client._revoke([names[i] for i, _ in writing], token))
             raise
-        ends = _ends(names, writing, segs, failed)
+        ends = put_ends(names, writing, segs, failed)
         try:
             ended = _timed(client, q, "batch_put_end", ends)
         except MasterUnavailableError:
             ended = _on_loop(client, client._call("batch_put_end", ends))
-        _ended(ended, writing, keys, segs, failed, results)
+        put_ended(ended, writing, keys, segs, failed, results)
     return results
 
 
@@ -396,7 +342,7 @@ def _put_piped(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[
                     if k + 1 < len(spans):
                         start(k + 1)
                     started, segs = replica_rows(reply)
-                    writing = _started(started, span, keys, results)
+                    writing = put_started(started, span, keys, results)
                     if writing:
                         try:
                             failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs))
@@ -406,12 +352,12 @@ def _put_piped(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[
                             _revoke_piped(client, pipe, [names[i] for c in [k, *starting] for i in spans[c]],
                                           token)
                             raise
-                        ends = _ends(names, writing, segs, failed)
+                        ends = put_ends(names, writing, segs, failed)
                         ending.append((pipe.send("batch_put_end", ends), ends, writing, segs, failed))
                     settled.add(k)
                 while ending:
                     rid, ends, done, segs, failed = ending[0]
-                    _ended(pipe.result(rid), done, keys, segs, failed, results)
+                    put_ended(pipe.result(rid), done, keys, segs, failed, results)
                     ending.pop(0)
                 return results
             except MasterUnavailableError:
@@ -420,7 +366,7 @@ def _put_piped(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[
         return None             # nothing was sent
     # the connection broke: what each chunk needs, on the loop's link
     for _, ends, done, segs, failed in ending:          # written: committed (a put_end again is harmless)
-        _ended(_on_loop(client, client._call("batch_put_end", ends)), done, keys, segs, failed, results)
+        put_ended(_on_loop(client, client._call("batch_put_end", ends)), done, keys, segs, failed, results)
     unsure = [i for c in range(sent) if c not in settled for i in spans[c]]
     if unsure:          # allocated maybe, not written: only this call's allocations (its token) go
         _on_loop(client, client._revoke([names[i] for i in unsure], token))
@@ -503,7 +449,7 @@ def get_into(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     if cols is None:
         return None
     names, addrs, sizes = cols
-    spans = _spans(len(names), sizes)
+    spans = pipe_spans(len(names), sizes)
     if len(spans) > 1:
         results = _get_piped(client, q, keys, names, addrs, sizes, spans)
     else:
