@@ -247,3 +247,108 @@ def test_allocate_run_lays_a_batch_end_to_end_each_released_alone():
         a.check()
     assert a.used == 0 and a.extents == 1
     assert Allocator(4096).allocate_run([4000, 100]) is None
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+async def test_the_loops_pipelined_batch_matches_one_call(segments):
+    async with _clients(segments) as (master, a, b):
+        src, dst = _data(N * SIZE, 6), np.zeros(N * SIZE, np.uint8)
+        la, da, sizes = _columns(b, src, dst)
+        keys = [f"l/{i}" for i in range(N)]
+        before = b.metrics()["round_trips"].get("batch_put_start", {}).get("count", 0)
+        assert await b.batch_put_from(keys, la, sizes) == [1] * N
+        assert b.metrics()["round_trips"]["batch_put_start"]["count"] == before + len(_chunks())
+        assert list(master.model._lru)[-N:] == keys[::-1]
+        assert await b.batch_get_into(keys, da, sizes) == [SIZE] * N
+        assert np.array_equal(dst, src) and list(master.model._lru)[-N:] == keys[::-1]
+        mid = _chunks()[1].start
+        assert await a.put(f"m/{mid + 1}", b"x" * 10) == 1
+        keys2 = [f"m/{i}" for i in range(N)]
+        keys2[mid] = "l/0"
+        got = await b.batch_put_from(keys2, la, sizes)
+        assert got[mid] == 0 and isinstance(got[mid + 1], ObjectExistsError)
+        assert got[:mid] + got[mid + 2:] == [1] * (N - 2)
+        asked = list(keys)
+        asked[mid + 2] = "nope"
+        got = await b.batch_get_into(asked, da, sizes)
+        assert isinstance(got[mid + 2], ObjectNotFoundError) and got[:mid + 2] + got[mid + 3:] == [SIZE] * (N - 1)
+        gone = sorted(master.model.objects)
+        assert len(gone) == 2 * N - 1 and await b.batch_remove(gone) == [None] * len(gone)    # no lease left
+        _assert_no_leak(master)
+
+
+@pytest.mark.parametrize("fault", ["holder", "cancel"])
+async def test_the_loops_pipelined_put_whose_middle_chunk_fails(fault):
+    async with _clients() as (master, a, b):
+        src, dst = _data(N * SIZE, 7), np.zeros(N * SIZE, np.uint8)
+        la, da, sizes = _columns(b, src, dst)
+        keys = [f"c/{i}" for i in range(N)]
+        mid = _chunks()[1]
+        run, calls = b._mover.run, []
+
+        async def failing(op, moves, *, timeout):
+            calls.append(op)
+            chunk = [keys[(x - la[0]) // SIZE] for x in moves.local]
+            # not written yet: invisible to a reader; what is visible is whole
+            for k, r in zip(keys, await a.batch_get(keys)):
+                assert isinstance(r, ObjectNotFoundError) if k in chunk else (
+                    isinstance(r, ObjectNotFoundError) or r == src[keys.index(k) * SIZE:][:SIZE].tobytes()), k
+            if len(calls) == 2:
+                assert chunk == [keys[i] for i in mid]
+                if fault == "holder":
+                    return {h: PeerLostError(f"{h} lost (test)", peer=h) for h in set(moves.holder)}
+                put.cancel()
+            return await run(op, moves, timeout=timeout)
+
+        b._mover.run = failing
+        put = asyncio.ensure_future(b.batch_put_from(keys, la, sizes))
+        try:
+            if fault == "cancel":
+                with pytest.raises(asyncio.CancelledError):
+                    await put
+            else:
+                got = await put
+                assert all(isinstance(got[i], ReplicaUnavailableError) for i in mid)
+                assert [r for i, r in enumerate(got) if i not in mid] == [1] * (N - len(mid))
+        finally:
+            b._mover.run = run
+        await asyncio.sleep(0.05)
+        assert not any(o.state is State.ALLOCATED for o in master.model.objects.values())
+        assert not any(c.writing for c in master.model.clients.values())
+        done = [k for k in keys if k in master.model.objects]
+        expect = [k for i, k in enumerate(keys) if i not in mid] if fault == "holder" else \
+            [keys[i] for i in _chunks()[0]]
+        assert sorted(done) == sorted(expect)
+        got = await b.batch_get_into(done, [da[keys.index(k)] for k in done], [SIZE] * len(done))
+        assert got == [SIZE] * len(done)
+        assert all(np.array_equal(dst[keys.index(k) * SIZE:][:SIZE], src[keys.index(k) * SIZE:][:SIZE]) for k in done)
+        assert await b.batch_remove(done) == [None] * len(done)
+        assert await b._mover.idle(0.05)
+        _assert_no_leak(master)
+
+
+async def test_the_loops_pipelined_get_cancelled_releases_every_lease():
+    async with _clients() as (master, a, b):
+        src, dst = _data(N * SIZE, 8), np.zeros(N * SIZE, np.uint8)
+        la, da, sizes = _columns(b, src, dst)
+        keys = [f"r/{i}" for i in range(N)]
+        assert await b.batch_put_from(keys, la, sizes) == [1] * N
+        run, calls = b._mover.run, []
+
+        async def slow(op, moves, *, timeout):
+            calls.append(op)
+            if len(calls) == 2:
+                get.cancel()
+            return await run(op, moves, timeout=timeout)
+
+        b._mover.run = slow
+        get = asyncio.ensure_future(b.batch_get_into(keys, da, sizes))
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await get
+        finally:
+            b._mover.run = run
+        await asyncio.sleep(0.05)
+        assert not master.model._leases
+        assert await b.batch_remove(keys) == [None] * N
+        _assert_no_leak(master)
