@@ -6,31 +6,22 @@ import asyncio
 import bisect
 import functools
 import operator
-import os
 from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
-from kvflow.errors import InvalidArgumentError, KVFlowError
+from kvflow.errors import InvalidArgumentError
 
 from .errors import LeaseExpiredError, ReplicaUnavailableError, StoreTimeoutError, error_from_code
 from .records import MAX_KEY_BYTES, plain_keys
 
-__all__ = ["Parts", "Replica", "all_ok", "item_result", "one_part", "pipe_spans", "put_ended", "put_ends",
-           "put_started", "replica_rows", "single_columns", "single_parts", "with_timeout"]
+__all__ = ["Parts", "Replica", "all_ok", "item_result", "one_part", "replica_rows", "single_columns", "single_parts",
+           "with_timeout"]
 
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 
 Parts = Sequence[tuple[int, int]]
-
-# A batch of at least PIPE_MIN_KEYS keys per chunk and PIPE_MIN_BYTES in
-# all goes in up to PIPE_CHUNKS chunks whose master round trips overlap
-# the other chunks' bytes (direct.py's _put_piped and _get_piped, the
-# loop's Puts._put_piped and Gets._get_piped)
-PIPE_CHUNKS = int(os.environ.get("KVFLOW_STORE_PIPE_CHUNKS", "4"))
-PIPE_MIN_KEYS = 8
-PIPE_MIN_BYTES = 1 << 20
 
 
 class Replica(tuple):
@@ -164,54 +155,3 @@ def writes_failed(key: str, reps: Sequence, segs: dict, failed: dict) -> Replica
 def lease_outlasted(key: str, ttl: float) -> LeaseExpiredError:
     """A read that ended after its lease (the bytes may have been replaced)."""
     return LeaseExpiredError(f"reading {key!r} outlasted its {ttl} s lease", key=key)
-
-
-def pipe_spans(n: int, sizes: list) -> list[range]:
-    """A batch's chunks for a pipelined call, in the order they are sent:
-    the tail first, so that the head's commits (and lookups) come last and
-    the master's LRU ends with the head most recent, as one call's would
-    (eviction takes a chained prefix's tail before its head). One chunk
-    (no pipeline) for a batch too small to gain from it."""
-    k = min(PIPE_CHUNKS, n // PIPE_MIN_KEYS)
-    if k < 2 or sum(sizes) < PIPE_MIN_BYTES:
-        return [range(n)]
-    bounds = [n * j // k for j in range(k + 1)]
-    return [range(bounds[j], bounds[j + 1]) for j in reversed(range(k))]
-
-
-def put_started(started: list, span: Sequence[int], keys: Sequence[str], results: list) -> list:
-    """A put_start reply's items (for the indexes `span`): the objects to
-    write, (index, [[segment, address], ...]); the others' results set
-    (their error, or 0: it exists already, immutable, nothing to write)."""
-    placed = all_ok(started)
-    if placed is not None:
-        return list(zip(span, placed))
-    writing = []
-    for i, item in zip(span, started):
-        r = item_result(item, keys[i])
-        if isinstance(r, KVFlowError):
-            results[i] = r
-        elif r is None:
-            results[i] = 0
-        else:
-            writing.append((i, r))
-    return writing
-
-
-def put_ended(ended: list, writing: list, keys: Sequence[str], segs: dict, failed: dict, results: list) -> None:
-    """A put_end reply's items (for `writing`, as put_started gave it):
-    each object's replicas kept, or its error (every write failed: each
-    holder's error named)."""
-    kept = all_ok(ended)
-    for j, (i, reps) in enumerate(writing):
-        r = kept[j] if kept is not None else item_result(ended[j], keys[i])
-        if r == 0:
-            r = writes_failed(keys[i], reps, segs, failed)
-        results[i] = r
-
-
-def put_ends(names: Sequence[str], writing: list, segs: dict, failed: dict) -> list:
-    """batch_put_end's items: each object written, with its replicas' segments whose holder failed."""
-    none: list = []
-    return [[names[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else none]
-            for i, reps in writing]

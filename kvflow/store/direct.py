@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import ctypes
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -32,12 +31,10 @@ import numpy as np
 
 from kvflow.errors import KVFlowError
 
-from .calls import (item_result, lease_outlasted, pipe_spans, put_ended, put_ends, put_started, replica_rows,
-                    single_columns)
+from .calls import all_ok, item_result, lease_outlasted, replica_rows, single_columns, writes_failed
 from .errors import BufferTooSmallError, MasterUnavailableError, SsdBusyError
 from .follow import FollowingLink
 from .gets import Gets
-from .pipeline import Pipe
 from .puts import wire_pin
 from .records import plain_keys
 from .rpc import BlockingQuery, TcpMasterLink
@@ -143,27 +140,6 @@ class JoinedPool:
         try:
             return q.notify(method, *args)
         finally:
-            self._give(q)
-
-    @contextlib.contextmanager
-    def piped(self, counters: Any) -> Iterator[Pipe]:
-        """A joined connection held for one call's pipelined requests
-        (NotJoinedError when it cannot be joined: nothing was sent)."""
-        q = self._take()
-        pipe = None
-        try:
-            with q._outer:
-                if q._sock is None or not q._joined:
-                    try:
-                        q.join()
-                    except NotJoinedError as e:
-                        self.refused = self.refused or e.refused
-                        raise
-                pipe = Pipe(q, counters)
-                yield pipe
-        finally:
-            if pipe is not None:
-                pipe.finish()
             self._give(q)
 
     def close(self) -> None:
@@ -273,20 +249,13 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     token = next(client._put_tokens)
     # counted while it may write: a client re-attaching to a new leader waits
     # for none in progress before the leader lifts its fence (fence.py)
-    spans = pipe_spans(len(names), sizes)
     with client._mover.thread_put():
-        if len(spans) > 1 and len(set(names)) == len(names):
-            results = _put_piped(client, q, keys, names, addrs, sizes, request, token, spans)
-        else:
-            results = _put_from(client, q, keys, names, addrs, sizes, request, token)
-        if results is None:
-            return None
-        return _put_done(client, keys, addrs, sizes, results, rn, preferred_segment, pin, soft_pin)
+        return _put_from(client, q, keys, names, addrs, sizes, request, token, rn, preferred_segment, pin, soft_pin)
 
 
 def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
-              request: list, token: int) -> list | None:
-    """The put in one put_start, the writes, one put_end."""
+              request: list, token: int, rn: int, preferred_segment: Any, pin: bool,
+              soft_pin: float | bool | None) -> list:
     try:
         reply = _timed(client, q, "batch_put_start", request, token)
     except NotJoinedError:
@@ -297,109 +266,39 @@ def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[s
         return None
     started, segs = replica_rows(reply)
     results: list[Any] = [None] * len(names)
-    writing = put_started(started, range(len(names)), keys, results)
+    placed = all_ok(started)
+    if placed is not None:
+        writing = list(enumerate(placed))
+    else:
+        writing = []
+        for i, item in enumerate(started):
+            r = item_result(item, keys[i])
+            if isinstance(r, KVFlowError):
+                results[i] = r
+            elif r is None:
+                results[i] = 0                  # exists already: immutable, nothing to write
+            else:
+                writing.append((i, r))
+    failed: dict[str, KVFlowError] = {}
     if writing:
         try:
             failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs))
         except BaseException:
             _on_loop(client, client._revoke([names[i] for i, _ in writing], token))
             raise
-        ends = put_ends(names, writing, segs, failed)
+        none: list = []
+        ends = [[names[i], [sid for sid, _ in reps if segs[sid][1] in failed] if failed else none]
+                for i, reps in writing]
         try:
             ended = _timed(client, q, "batch_put_end", ends)
         except MasterUnavailableError:
             ended = _on_loop(client, client._call("batch_put_end", ends))
-        put_ended(ended, writing, keys, segs, failed, results)
-    return results
-
-
-def _put_piped(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
-               request: list, token: int, spans: list[range]) -> list | None:
-    """The put in chunks on one connection: chunk k+1's put_start is sent
-    before chunk k's bytes are written (the master allocates while this
-    thread is in the GIL-free write), chunk k's put_end right after them,
-    its reply read at the end. Each object still becomes visible only at
-    its own chunk's put_end, after its bytes were written. A lost
-    connection: chunks written are committed on the loop's link, the
-    others revoked there and put again by the loop's funnel."""
-    results: list[Any] = [None] * len(names)
-    starting: dict[int, int] = {}           # chunk -> its put_start's request id
-    ending: list[tuple[int, list, list, dict, dict]] = []   # (rid, ends, writing, segs, failed)
-    sent = 0                                # chunks whose put_start was (maybe) sent
-    settled: set[int] = set()               # chunks written and put_end sent, or with nothing to write
-
-    def start(c: int) -> None:
-        nonlocal sent
-        sent = c + 1
-        starting[c] = pipe.send("batch_put_start", [request[i] for i in spans[c]], token)
-
-    try:
-        with q.piped(client.counters) as pipe:
-            try:
-                start(0)
-                for k, span in enumerate(spans):
-                    reply = pipe.result(starting.pop(k))
-                    if k + 1 < len(spans):
-                        start(k + 1)
-                    started, segs = replica_rows(reply)
-                    writing = put_started(started, span, keys, results)
-                    if writing:
-                        try:
-                            failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs))
-                        except BaseException:
-                            # what is allocated and not written goes back, on this connection:
-                            # after its put_starts, whatever the master has done of them
-                            _revoke_piped(client, pipe, [names[i] for c in [k, *starting] for i in spans[c]],
-                                          token)
-                            raise
-                        ends = put_ends(names, writing, segs, failed)
-                        ending.append((pipe.send("batch_put_end", ends), ends, writing, segs, failed))
-                    settled.add(k)
-                while ending:
-                    rid, ends, done, segs, failed = ending[0]
-                    put_ended(pipe.result(rid), done, keys, segs, failed, results)
-                    ending.pop(0)
-                return results
-            except MasterUnavailableError:
-                pass            # below, with the connection given back
-    except NotJoinedError:
-        return None             # nothing was sent
-    # the connection broke: what each chunk needs, on the loop's link
-    for _, ends, done, segs, failed in ending:          # written: committed (a put_end again is harmless)
-        put_ended(_on_loop(client, client._call("batch_put_end", ends)), done, keys, segs, failed, results)
-    unsure = [i for c in range(sent) if c not in settled for i in spans[c]]
-    if unsure:          # allocated maybe, not written: only this call's allocations (its token) go
-        _on_loop(client, client._revoke([names[i] for i in unsure], token))
-    if not settled:
-        return None             # nothing of it is done: the loop's funnel runs it all
-    undone = unsure + [i for c in range(sent, len(spans)) for i in spans[c]]
-    if undone:
-        redo = _on_loop(client, client.batch_put_from_parts([keys[i] for i in undone],
-                                                            [[(addrs[i], sizes[i])] for i in undone],
-                                                            replica_num=request[0][2],
-                                                            preferred_segment=request[0][3],
-                                                            pin=request[0][4] is True, soft_pin=_soft(request[0][4])))
-        for i, r in zip(undone, redo):
+        kept = all_ok(ended)
+        for j, (i, reps) in enumerate(writing):
+            r = kept[j] if kept is not None else item_result(ended[j], keys[i])
+            if r == 0:
+                r = writes_failed(keys[i], reps, segs, failed)
             results[i] = r
-    return results
-
-
-def _soft(pinned: Any) -> float | bool | None:
-    """wire_pin's soft pin back as batch_put_from's soft_pin."""
-    if type(pinned) is list:
-        return True if pinned[1] is None else pinned[1]
-    return None
-
-
-def _revoke_piped(client: Any, pipe: Pipe, names: list, token: int) -> None:
-    try:
-        pipe.result(pipe.send("batch_put_revoke", names, token))
-    except MasterUnavailableError:
-        _on_loop(client, client._revoke(names, token))
-
-
-def _put_done(client: Any, keys: Sequence[str], addrs: list, sizes: list, results: list, rn: int,
-              preferred_segment: Any, pin: bool, soft_pin: float | bool | None) -> list:
     busy = [i for i, r in enumerate(results) if type(r) is SsdBusyError]
     if busy:            # the loop's funnel waits for the SSD tiers and puts them again
         redo = _on_loop(client, client.batch_put_from([keys[i] for i in busy], [addrs[i] for i in busy],
@@ -419,13 +318,9 @@ def _put_done(client: Any, keys: Sequence[str], addrs: list, sizes: list, result
 def _by_holder(writing: list, addrs: list, sizes: list, segs: dict) -> dict[str, tuple[list, list, list]]:
     """(index, [[segment, address], ...]) per object -> per holder engine
     the (local, remote, length) columns."""
-    if len(segs) == 1 and set(map(len, map(itemgetter(1), writing))) == {1}:
+    if len(segs) == 1 and len(writing) == len(addrs) and set(map(len, map(itemgetter(1), writing))) == {1}:
         ((_, (_, engine, _)),) = segs.items()       # one holder, one replica each (the common case)
-        remote = [reps[0][1] for _, reps in writing]
-        if len(writing) == len(addrs):
-            return {engine: (addrs, remote, sizes)}
-        at = list(map(itemgetter(0), writing))      # a chunk of the batch, or some existed
-        return {engine: (list(map(addrs.__getitem__, at)), remote, list(map(sizes.__getitem__, at)))}
+        return {engine: (addrs, [reps[0][1] for _, reps in writing], sizes)}
     by: dict[str, tuple[list, list, list]] = {}
     for i, reps in writing:
         for sid, remote in reps:
@@ -449,60 +344,10 @@ def get_into(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     if cols is None:
         return None
     names, addrs, sizes = cols
-    spans = pipe_spans(len(names), sizes)
-    if len(spans) > 1:
-        results = _get_piped(client, q, keys, names, addrs, sizes, spans)
-    else:
-        results = _read(client, q, keys, names, addrs, sizes)
+    results = _read(client, q, keys, names, addrs, sizes)
     if results is not None:
         client.counters.done("get", (keys,), {}, results)
     return results
-
-
-def _get_piped(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
-               spans: list[range]) -> list | None:
-    """The get in chunks on one connection: chunk k+1's lookup is sent
-    before chunk k's bytes are read; each chunk's lease is released (a
-    notice nobody waits for) once its reads are done. None (every lease
-    released) where a chunk is not served here: the loop's funnel then
-    reads the whole batch."""
-    results: list[Any] = [None] * len(names)
-    asked: dict[int, tuple[int, float]] = {}        # chunk -> (request id, when it was sent)
-
-    def ask(c: int) -> None:
-        t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
-        asked[c] = (pipe.send("batch_get_replicas", [names[i] for i in spans[c]]), t0)
-
-    try:
-        with q.piped(client.counters) as pipe:
-            try:
-                ask(0)
-                for k, span in enumerate(spans):
-                    rid, t0 = asked.pop(k)
-                    reply = pipe.result(rid)
-                    try:
-                        if k + 1 < len(spans):
-                            ask(k + 1)
-                        sub = _read_reply(client, [keys[i] for i in span], [addrs[i] for i in span],
-                                          [sizes[i] for i in span], reply, t0)
-                    finally:
-                        lease = reply.get("lease")
-                        if lease and not pipe.notify("release_lease", lease):
-                            _release_on_loop(client, lease)
-                    if sub is None:
-                        break
-                    results[span.start:span.stop] = sub
-                else:
-                    return results
-                for rid, _ in asked.values():       # a lookup in flight: its lease goes too
-                    lease = pipe.result(rid).get("lease")
-                    if lease:
-                        pipe.notify("release_lease", lease)
-            except MasterUnavailableError:
-                pass                # a lease granted and not released runs out by itself
-    except NotJoinedError:
-        pass
-    return None
 
 
 def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
@@ -517,76 +362,65 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
     except MasterUnavailableError:
         return None             # a lease it granted runs out by itself
     try:
-        return _read_reply(client, keys, addrs, sizes, reply, t0, staged)
+        found, segs = replica_rows(reply)
+        fast = Gets._all_found(found, segs, (addrs, sizes)) if staged is None else None
+        if fast is not None and len(set(fast[1].holder)) == 1:
+            # every object found with one DRAM replica fitting its buffer, on one holder (the common case)
+            moves = fast[1]
+            if _move(client, "read", {moves.holder[0]: (moves.local, moves.remote, moves.length)}):
+                return None
+            results = list(moves.length)
+            if time.monotonic() - t0 >= client.lease_ttl:
+                results = [lease_outlasted(k, client.lease_ttl) for k in keys]
+            return results
+        results: list[Any] = [None] * len(names)
+        holders = client._holders(segs)
+        reading = []            # (index, size, holder, remote)
+        for i, item in enumerate(found):
+            r = item_result(item, keys[i])
+            if isinstance(r, KVFlowError):
+                results[i] = r
+            elif not r[1]:
+                return None     # on SSD only: the loop's funnel reads it there
+            else:
+                holder, remote = Gets._nearest(r[1], holders)[0]
+                reading.append((i, r[0], holder, remote))
+        if staged is not None:
+            addrs = staged([n for _, n, _, _ in reading])
+            if addrs is None:
+                return None
+            addrs = {e[0]: a for e, a in zip(reading, addrs)}
+        by: dict[str, tuple[list, list, list]] = {}
+        for i, n, holder, remote in reading:
+            if staged is None and n > sizes[i]:
+                results[i] = BufferTooSmallError(f"{keys[i]!r} is {n} bytes, the buffer {sizes[i]}", key=keys[i])
+                continue
+            cols = by.get(holder)
+            if cols is None:
+                cols = by[holder] = ([], [], [])
+            cols[0].append(addrs[i])
+            cols[1].append(remote)
+            cols[2].append(n)
+            results[i] = n
+        if by and _move(client, "read", by):
+            return None         # a holder failed: the loop's funnel goes on to the other replicas
+        if time.monotonic() - t0 >= client.lease_ttl:
+            for i, _, _, _ in reading:
+                if isinstance(results[i], int):
+                    results[i] = lease_outlasted(keys[i], client.lease_ttl)
+        if staged is not None:
+            results = [bytes(client._staging_view(addrs[i], r)) if type(r) is int else r for i, r in
+                       enumerate(results)]
+        return results
     finally:
         lease = reply.get("lease")
         if lease and not q.notify("release_lease", lease):
-            _release_on_loop(client, lease)
+            try:
+                client._loop.call_soon_threadsafe(client._link.notify, "release_lease", lease)
+            except RuntimeError:
+                pass            # the client's loop is closed: the lease runs out by itself
         if staged is not None:
             staged(None)
-
-
-def _release_on_loop(client: Any, lease: int) -> None:
-    try:
-        client._loop.call_soon_threadsafe(client._link.notify, "release_lease", lease)
-    except RuntimeError:
-        pass            # the client's loop is closed: the lease runs out by itself
-
-
-def _read_reply(client: Any, keys: Sequence[str], addrs: list, sizes: list, reply: dict, t0: float,
-                staged: Any = None) -> list | None:
-    """_read's reads, from the master's batch_get_replicas `reply` (the
-    lease is the caller's to release)."""
-    found, segs = replica_rows(reply)
-    fast = Gets._all_found(found, segs, (addrs, sizes)) if staged is None else None
-    if fast is not None and len(set(fast[1].holder)) == 1:
-        # every object found with one DRAM replica fitting its buffer, on one holder (the common case)
-        moves = fast[1]
-        if _move(client, "read", {moves.holder[0]: (moves.local, moves.remote, moves.length)}):
-            return None
-        results = list(moves.length)
-        if time.monotonic() - t0 >= client.lease_ttl:
-            results = [lease_outlasted(k, client.lease_ttl) for k in keys]
-        return results
-    results: list[Any] = [None] * len(found)
-    holders = client._holders(segs)
-    reading = []            # (index, size, holder, remote)
-    for i, item in enumerate(found):
-        r = item_result(item, keys[i])
-        if isinstance(r, KVFlowError):
-            results[i] = r
-        elif not r[1]:
-            return None     # on SSD only: the loop's funnel reads it there
-        else:
-            holder, remote = Gets._nearest(r[1], holders)[0]
-            reading.append((i, r[0], holder, remote))
-    if staged is not None:
-        addrs = staged([n for _, n, _, _ in reading])
-        if addrs is None:
-            return None
-        addrs = {e[0]: a for e, a in zip(reading, addrs)}
-    by: dict[str, tuple[list, list, list]] = {}
-    for i, n, holder, remote in reading:
-        if staged is None and n > sizes[i]:
-            results[i] = BufferTooSmallError(f"{keys[i]!r} is {n} bytes, the buffer {sizes[i]}", key=keys[i])
-            continue
-        cols = by.get(holder)
-        if cols is None:
-            cols = by[holder] = ([], [], [])
-        cols[0].append(addrs[i])
-        cols[1].append(remote)
-        cols[2].append(n)
-        results[i] = n
-    if by and _move(client, "read", by):
-        return None         # a holder failed: the loop's funnel goes on to the other replicas
-    if time.monotonic() - t0 >= client.lease_ttl:
-        for i, _, _, _ in reading:
-            if isinstance(results[i], int):
-                results[i] = lease_outlasted(keys[i], client.lease_ttl)
-    if staged is not None:
-        results = [bytes(client._staging_view(addrs[i], r)) if type(r) is int else r for i, r in
-                   enumerate(results)]
-    return results
 
 
 def put_bytes(client: Any, keys: Sequence[str], values: Sequence[memoryview], **kw: Any) -> list | None:

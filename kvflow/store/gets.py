@@ -4,7 +4,6 @@ the nearest complete replica read, another one if its holder is gone, SSD
 copies), gets of bytes through the local buffer."""
 from __future__ import annotations
 
-import asyncio
 import operator
 import time
 from collections.abc import Sequence
@@ -13,7 +12,7 @@ from typing import Any
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .calls import (Parts, all_ok, item_result, lease_outlasted, one_part, pipe_spans, replica_rows, single_parts,
+from .calls import (Parts, all_ok, item_result, lease_outlasted, one_part, replica_rows, single_parts,
                     with_timeout)
 from .datapath import Moves, holders_of
 from .errors import BufferTooSmallError, ReplicaUnavailableError
@@ -75,80 +74,33 @@ class Gets:
             if not todo:
                 return results
             asked = [keys[i] for i in todo]
-        if cols is not None and len(spans := pipe_spans(len(keys), cols[1])) > 1:
-            return await self._get_piped(keys, parts, cols, spans)
         t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
         reply = await self._call("batch_get_replicas", asked)
         try:
-            await self._read_found(keys, todo, parts, reply, cols, results, t0)
+            found, segs = replica_rows(reply)
+            if cols is not None:
+                reading = self._all_found(found, segs, cols)
+                if reading is not None:     # every object found in DRAM, one replica, fitting its buffer
+                    await self._read(keys, reading[0], parts, results, t0, first=reading[1])
+                    return results
+            holders = self._holders(segs)
+            reading = []
+            for i, item in zip(todo, found):
+                r = item_result(item, keys[i])
+                if isinstance(r, KVFlowError):
+                    results[i] = r
+                    continue
+                size, reps = r[0], r[1]
+                room = sum(int(s) for _, s in parts[i])
+                if room < size:
+                    results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}",
+                                                     key=keys[i])
+                    continue
+                reading.append((i, size, self._nearest(reps, holders) if reps or len(r) < 3 else SsdCopies(r[2])))
+            await self._read(keys, reading, parts, results, t0)
         finally:
             self._release(reply)
         return results
-
-    async def _get_piped(self, keys: Sequence[str], parts: Sequence[Parts], cols: tuple[list, list],
-                         spans: list[range]) -> list:
-        """The funnel's common case in chunks: chunk k+1's lookup is sent
-        before chunk k's bytes are read; each chunk's lease is released
-        once its reads are done (a lookup whose call was cancelled: when
-        its reply comes)."""
-        results: list[Any] = [None] * len(keys)
-        asked: dict[int, tuple[asyncio.Future, float]] = {}
-
-        def ask(c: int) -> None:
-            t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
-            asked[c] = (asyncio.ensure_future(self._call("batch_get_replicas", [keys[i] for i in spans[c]])), t0)
-
-        try:
-            ask(0)
-            for k, span in enumerate(spans):
-                fut, t0 = asked.pop(k)
-                reply = await fut
-                try:
-                    if k + 1 < len(spans):
-                        ask(k + 1)
-                    sub: list[Any] = [None] * len(span)
-                    at = slice(span.start, span.stop)
-                    await self._read_found(keys[at], range(len(span)), parts[at], reply,
-                                           (cols[0][at], cols[1][at]), sub, t0)
-                    results[at] = sub
-                finally:
-                    self._release(reply)
-        except BaseException:
-            for fut, _ in asked.values():
-                fut.add_done_callback(self._release_when_done)
-            raise
-        return results
-
-    def _release_when_done(self, fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            self._release(fut.result())
-
-    async def _read_found(self, keys: Sequence[str], todo: Sequence[int], parts: Sequence[Parts], reply: dict,
-                          cols: tuple[list, list] | None, results: list, t0: float) -> None:
-        """The reads of `todo` (indexes into keys, parts and results) from
-        the master's batch_get_replicas `reply` (its lease is the
-        caller's to release)."""
-        found, segs = replica_rows(reply)
-        if cols is not None:
-            reading = self._all_found(found, segs, cols)
-            if reading is not None:     # every object found in DRAM, one replica, fitting its buffer
-                await self._read(keys, reading[0], parts, results, t0, first=reading[1])
-                return
-        holders = self._holders(segs)
-        reading = []
-        for i, item in zip(todo, found):
-            r = item_result(item, keys[i])
-            if isinstance(r, KVFlowError):
-                results[i] = r
-                continue
-            size, reps = r[0], r[1]
-            room = sum(int(s) for _, s in parts[i])
-            if room < size:
-                results[i] = BufferTooSmallError(f"{keys[i]!r} is {size} bytes, the buffer {room}",
-                                                 key=keys[i])
-                continue
-            reading.append((i, size, self._nearest(reps, holders) if reps or len(r) < 3 else SsdCopies(r[2])))
-        await self._read(keys, reading, parts, results, t0)
 
     def _release(self, reply: dict) -> None:
         """Nothing of the call's reads is in flight any more (kvflow drains a

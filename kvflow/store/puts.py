@@ -13,8 +13,7 @@ import numpy as np
 
 from kvflow.errors import InvalidArgumentError, KVFlowError
 
-from .calls import (Parts, all_ok, item_result, one_part, pipe_spans, put_ended, put_ends, put_started, replica_rows,
-                    single_parts, with_timeout, writes_failed)
+from .calls import Parts, all_ok, item_result, one_part, replica_rows, single_parts, with_timeout, writes_failed
 from .datapath import Moves, holders_of
 from .errors import MasterUnavailableError, ObjectNotFoundError, SpaceFencedError, SsdBusyError
 from .metrics import counted
@@ -31,28 +30,6 @@ def wire_pin(pin: bool, soft_pin: float | bool | None) -> bool | list:
                                  or not soft_pin > 0):
         raise InvalidArgumentError(f"soft_pin must be True or seconds > 0, not {soft_pin!r}")
     return ["soft", None if soft_pin is True else float(soft_pin)]
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    """A put_end nobody awaits any more (its call was cancelled): its
-    error, if any, is retrieved (the objects it commits are committed)."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _write_moves(writing: list, addrs: list, sizes: list, segs: dict) -> Moves:
-    """The writes of `writing` ((index, [[segment, address], ...])) from
-    one-part objects at `addrs`."""
-    if set(map(len, map(itemgetter(1), writing))) == {1}:       # one replica each: the columns at once
-        at = list(map(itemgetter(0), writing))
-        sids, remotes = zip(*(reps[0] for _, reps in writing))
-        return Moves.of(list(map(addrs.__getitem__, at)), holders_of(sids, segs), list(remotes),
-                        list(map(sizes.__getitem__, at)))
-    moves = Moves()
-    for i, reps in writing:
-        for sid, remote in reps:
-            moves.add(addrs[i], segs[sid][1], remote, sizes[i])
-    return moves
 
 
 class Puts:
@@ -132,9 +109,6 @@ class Puts:
             if not todo:
                 return results
             request = [[keys[i], sizes[j], rn, preferred_segment, pinned] for j, i in enumerate(todo)]
-        if cols is not None and _wait and not _again and len(spans := pipe_spans(len(keys), sizes)) > 1 \
-                and len(set(keys)) == len(keys):
-            return await self._put_piped(keys, parts, cols, request, spans, rn, preferred_segment, pin, soft_pin)
         relinks = getattr(self._link, "reconnects", 0)
         token = next(self._put_tokens)
         try:
@@ -221,71 +195,6 @@ class Puts:
                 results[i] = r
         if _wait and ssd_busy:
             await self._wait_for_ssd(keys, parts, results, rn, preferred_segment, pin, soft_pin)
-        return results
-
-    async def _put_piped(self, keys: Sequence[str], parts: Sequence[Parts], cols: tuple[list, list], request: list,
-                         spans: list[range], rn: int, preferred: Any, pin: bool,
-                         soft_pin: float | bool | None) -> list:
-        """The funnel's common case (every object one part of registered
-        memory, distinct keys) in chunks: chunk k+1's put_start is sent
-        before chunk k's bytes are written, chunk k's put_end right after
-        them; each object becomes visible only at its own chunk's put_end,
-        after its bytes. A cancel or a failure revokes what is allocated
-        and not written (on the same link: after its put_starts)."""
-        results: list[Any] = [None] * len(keys)
-        relinks = getattr(self._link, "reconnects", 0)
-        token = next(self._put_tokens)
-        addrs, sizes = cols
-        starting: dict[int, asyncio.Future] = {}
-        ending: list[tuple[asyncio.Future, list, dict, dict]] = []
-        current: Sequence[int] = ()         # the chunk allocated and not committed
-
-        def start(c: int) -> None:
-            starting[c] = asyncio.ensure_future(self._call("batch_put_start", [request[i] for i in spans[c]], token))
-
-        # counted from before the first put_start to after the last write: a
-        # chunk's allocation is held between the writes (idle() sees it)
-        with self._mover.thread_put():
-            try:
-                start(0)
-                for k, span in enumerate(spans):
-                    current = span
-                    reply = await starting.pop(k)
-                    if k + 1 < len(spans):
-                        start(k + 1)
-                    started, segs = replica_rows(reply)
-                    writing = put_started(started, span, keys, results)
-                    if writing:
-                        failed = await self._mover.run("write", _write_moves(writing, addrs, sizes, segs),
-                                                       timeout=self.timeout)
-                        ends = put_ends(keys, writing, segs, failed)
-                        ending.append((asyncio.ensure_future(self._call("batch_put_end", ends)), writing, segs,
-                                       failed))
-                    current = ()
-                for fut, writing, segs, failed in ending:
-                    put_ended(await fut, writing, keys, segs, failed, results)
-            except BaseException:
-                for fut in starting.values():
-                    fut.cancel()
-                for fut, *_ in ending:
-                    fut.add_done_callback(_retrieved)
-                undo = [*current, *(i for c in starting for i in spans[c])]
-                if undo:
-                    await asyncio.shield(self._revoke([keys[i] for i in undo], token))
-                raise
-        if self._ssd is not None and self._ssd.mode == "eager":
-            self._ssd.wake()
-        if getattr(self._link, "reconnects", 0) != relinks:
-            # a commit that reached a new leader that never saw its allocation: put again, once
-            again = [i for i, r in enumerate(results) if isinstance(r, ObjectNotFoundError)]
-            if again:
-                redo = await self.batch_put_from_parts([keys[i] for i in again], [parts[i] for i in again],
-                                                       replica_num=rn, preferred_segment=preferred, pin=pin,
-                                                       soft_pin=soft_pin, _again=True)
-                for i, r in zip(again, redo):
-                    results[i] = r
-        if any(isinstance(r, (SsdBusyError, SpaceFencedError)) for r in results):
-            await self._wait_for_ssd(keys, parts, results, rn, preferred, pin, soft_pin)
         return results
 
     async def _wait_for_ssd(self, keys: Sequence[str], parts: Sequence[Parts], results: list, rn: int,
