@@ -17,6 +17,7 @@ is neither free nor used.
 from __future__ import annotations
 
 import bisect
+from itertools import accumulate
 
 from kvflow.errors import InvalidArgumentError
 
@@ -104,6 +105,21 @@ class Allocator:
         self._used[start] = need
         self.used += need
         return start
+
+    def allocate_run(self, sizes: list[int]) -> list[int] | None:
+        """Offsets of a batch's allocations (positive int sizes) laid end
+        to end in one free extent, the best fit for their total: one
+        search and one split for the batch instead of one per object (each
+        is still an allocation of its own, released alone). None when no
+        extent holds them all (then allocate() each)."""
+        needs = [(n + ALIGN - 1) // ALIGN * ALIGN for n in sizes]
+        start = self.allocate(sum(needs))
+        if start is None:
+            return None
+        del self._used[start]
+        offsets = list(accumulate(needs[:-1], initial=start))
+        self._used.update(zip(offsets, needs))
+        return offsets
 
     def reserve(self, offset: int, length: int) -> None:
         """Marks [offset, offset + length) allocated, as an earlier allocate()

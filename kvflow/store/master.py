@@ -434,8 +434,15 @@ class Master(SsdCalls):
         put_start = self.model.put_start
         replicas = self._replicas
         out = []
+        fast = self._put_start_fast(cid, now, items, token)
         # _per_item's loop, inline: this is the hottest call of a batch put
-        for it in items:
+        for j, it in enumerate(items):
+            if fast is not None and (r := fast[j]) is not None:
+                sid = r.segment
+                if sid not in bases:
+                    self._replicas([r], segments, bases)
+                out.append([0, [[sid, bases[sid] + r.offset]]])
+                continue
             try:
                 key, size, replica_num, preferred, pin = it
                 if key in seen:     # a retried put_start returns its replicas again: not one key twice
@@ -452,6 +459,19 @@ class Master(SsdCalls):
             except KVFlowError as e:
                 out.append(item_error(error_code(e), str(e)))
         return {"segments": segments, "items": out}
+
+    def _put_start_fast(self, cid: str, now: float, items: list, token: int) -> list | None:
+        """The model's put_start_one_segment for a batch of distinct keys
+        (a key twice is the per-key loop's error), else None."""
+        if type(items) is not list or len(items) < 2 or set(map(type, items)) != {list} \
+                or set(map(len, items)) != {5}:
+            return None
+        try:
+            if len(set(map(itemgetter(0), items))) != len(items):
+                return None
+        except TypeError:           # an unhashable key: its own error, per key
+            return None
+        return self.model.put_start_one_segment(cid, items, now, token)
 
     def _batch_put_end(self, cid: str, now: float, items: list) -> list:
         put_end = self.model.put_end

@@ -33,6 +33,7 @@ from typing import Any
 from kvflow.errors import InvalidArgumentError
 
 from .allocator import ALIGN, Allocator
+from .batch_puts import BatchPuts
 from .errors import (NoSpaceError, ObjectBusyError, ObjectExistsError, ObjectLeasedError, ObjectNotFoundError,
                      QuotaExceededError, SegmentError, SsdBusyError, StoreError)
 from .fence import WriteFence
@@ -59,7 +60,7 @@ def _soft_pin_seconds(pin: Any, default: float) -> float:
     return float(ttl)
 
 
-class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence, ReadLeases, PutTimeouts):
+class StoreModel(SsdState, ReplicaRepair, ReplicaTasks, WriteFence, ReadLeases, PutTimeouts, BatchPuts):
     """The pool's metadata. `high_watermark`/`low_watermark`: fractions of
     the pool's capacity; a put that would take the pool above the high one
     first evicts least-recently-used objects down to the low one.
