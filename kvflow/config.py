@@ -63,6 +63,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("KVFLOW_STORE_MASTER", "the kvflow.store master kvflow's SGLang HiCache backend joins "
              "(host:port, a comma list, or etcd://host:port/cluster) when its extra config names none",
              "none (an embedded master)"),
+    Variable("KVFLOW_STORE_SPIN_US", "microseconds a kvflow.store call on the caller's own thread (the Mooncake "
+             "API's) polls for the master's reply before it sleeps in recv; 0: at once", "200"),
+    Variable("KVFLOW_STORE_SHM", "1: kvflow.store segments in shared memory, mapped by same-host readers of the "
+             "same user (clients whose engine picks its transports); 0: private memory", "0"),
     Variable("KVFLOW_SSD_OFFLOAD", "what the Mooncake API's SSD offload (enable_ssd_offload) copies to "
              "disk: eager (every object put, as Mooncake) or evict (those nearest eviction)", "eager"),
     Variable("KVFLOW_NIXL_PROTOCOLS", "comma-separated kvflow providers kvflow.compat.nixl agents may use "

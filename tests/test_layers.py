@@ -190,7 +190,9 @@ def test_outer_layers_use_public_names(outer):
     assert not bad, f"{outer}/ reaches into the engine's privates:\n" + "\n".join(bad)
 
 
-STORE_MAY_IMPORT = ("errors", "metadata", "store")
+# config: every KVFLOW_* variable is read through kvflow.config
+# (tests/test_config.py), the store's own knobs too; it imports nothing of kvflow's
+STORE_MAY_IMPORT = ("errors", "metadata", "store", "config")
 
 
 def test_store_uses_the_public_api_only():

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from kvflow.config import env_float
 from kvflow.errors import InvalidArgumentError, KVFlowError, ProtocolError
 
 from .errors import MasterUnavailableError, error_from_code
@@ -24,7 +24,8 @@ from .wire import HEAD, MAX_FRAME, FrameBuffer, decode, encode
 
 # How long a caller's-thread call polls for its reply before it sleeps in
 # recv (BlockingQuery._first); 0 turns the polling off.
-SPIN_S = float(os.environ.get("KVFLOW_STORE_SPIN_US", "200")) / 1e6
+_SPIN_US = env_float("KVFLOW_STORE_SPIN_US")
+SPIN_S = (200.0 if _SPIN_US is None else _SPIN_US) / 1e6
 
 __all__ = ["MasterLink", "TcpMasterLink", "LocalMasterLink", "HeartbeatThread", "BlockingQuery", "connect_master"]
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.config import env_bool
 from kvflow.errors import InvalidArgumentError
 
 from .datapath import COPY_INLINE, finish_before_cancel
@@ -58,7 +59,7 @@ from .shmsock import Watcher, ask, serve
 __all__ = ["ENABLED", "SameHost", "map_fd", "unmap"]
 
 # KVFLOW_STORE_SHM=1 turns it on (else segments in private memory, gets the kvflow way)
-ENABLED = hasattr(os, "memfd_create") and os.environ.get("KVFLOW_STORE_SHM", "0") == "1"
+ENABLED = hasattr(os, "memfd_create") and env_bool("KVFLOW_STORE_SHM") is True
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
