@@ -15,8 +15,8 @@ from kvflow.errors import InvalidArgumentError
 from .errors import LeaseExpiredError, PutRevokedError, ReplicaUnavailableError, StoreTimeoutError, error_from_code
 from .records import MAX_KEY_BYTES, plain_keys
 
-__all__ = ["Parts", "Replica", "all_ok", "item_result", "one_part", "replica_rows", "single_columns", "single_parts",
-           "with_timeout"]
+__all__ = ["Parts", "Replica", "all_ok", "in_regions", "item_result", "one_part", "replica_rows", "single_columns",
+           "single_parts", "with_timeout"]
 
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
@@ -113,18 +113,22 @@ def single_columns(keys: Any, addrs: Any, sizes: Any, starts: list[int], ends: l
         return None
     if not plain_keys(keys):
         return None
+    return (addrs, sizes) if in_regions(addrs, sizes, starts, ends) else None
+
+
+def in_regions(addrs: list, sizes: list, starts: list[int], ends: list[int]) -> bool:
+    """Whether every range (addrs[i], +sizes[i]) (positive ints) lies
+    inside one of the sorted, disjoint regions (starts, ends)."""
     # the whole span of the batch inside one region (the common case: one
     # registered buffer): every range is; no search per range
     ends_at = list(map(operator.add, addrs, sizes))
     i = bisect.bisect_right(starts, min(addrs)) - 1
     if i >= 0 and max(ends_at) <= ends[i]:
-        return addrs, sizes
+        return True
     # else each range inside the region that starts at or before it (regions
     # never overlap); bisect_right 0 (before every region) reads the 0 in front
     limits = map([0, *ends].__getitem__, map(bisect.bisect_right, repeat(starts), addrs))
-    if not all(map(operator.le, ends_at, limits)):
-        return None
-    return addrs, sizes
+    return all(map(operator.le, ends_at, limits))
 
 
 def all_ok(items: list) -> list | None:

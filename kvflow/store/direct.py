@@ -12,7 +12,9 @@ put_start, the writes, put_end (readers never see an object before its
 put_end); a get holds the read lease its batch_get_replicas granted until
 its reads are done. Only the common case goes this way: a started client
 on a tcp master, plain keys, every object one range of registered host
-memory, every replica in DRAM. Each entry returns None where it cannot
+memory (put_from, get_into) or several (put_from_parts, get_into_parts:
+consecutive offsets of its replica, as the loop's funnels map them), every
+replica in DRAM. Each entry returns None where it cannot
 serve a call before it changed anything (or after undoing what it did):
 the caller then runs the loop's funnel, which gives every case its error.
 """
@@ -25,6 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Coroutine, Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -32,7 +35,8 @@ import numpy as np
 
 from kvflow.errors import KVFlowError
 
-from .calls import all_ok, item_result, lease_outlasted, put_outlasted, replica_rows, single_columns, writes_failed
+from .calls import (all_ok, in_regions, item_result, lease_outlasted, put_outlasted, replica_rows, single_columns,
+                    writes_failed)
 from .errors import BufferTooSmallError, MasterUnavailableError, SsdBusyError
 from .follow import FollowingLink
 from .gets import Gets
@@ -41,7 +45,10 @@ from .records import plain_keys
 from .rpc import BlockingQuery, TcpMasterLink
 from .wire import encode
 
-__all__ = ["JoinedPool", "JoinedQuery", "NotJoinedError", "put_from", "get_into", "put_bytes", "get_bytes"]
+__all__ = ["JoinedPool", "JoinedQuery", "NotJoinedError", "put_from", "put_from_parts", "get_into", "get_into_parts",
+           "put_bytes", "get_bytes"]
+
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 class NotJoinedError(MasterUnavailableError):
@@ -209,6 +216,34 @@ def _columns(client: Any, keys: Any, addrs: Any, sizes: Any) -> tuple[list, list
     return (list(map(p.__add__, keys)) if p else keys), cols[0], cols[1]
 
 
+def _part_columns(client: Any, keys: Any, parts: Any) -> tuple[list, list, list] | None:
+    """_columns of objects given as parts: (the master's names, per object
+    its parts, per object its size: the sum of its parts) when every part
+    is an (int address, int size) range of registered host memory under a
+    plain key; None otherwise (the loop's funnel gives each its error)."""
+    if type(parts) not in (list, tuple) or type(keys) not in (list, tuple) or not parts or len(keys) != len(parts):
+        return None
+    if not set(map(type, parts)) <= {list, tuple} or not all(parts):
+        return None
+    flat = list(chain.from_iterable(parts))
+    if not set(map(type, flat)) <= {tuple, list} or set(map(len, flat)) != {2}:
+        return None
+    addrs, sizes = list(map(_first, flat)), list(map(_second, flat))
+    if set(map(type, addrs)) != {int} or set(map(type, sizes)) != {int} or min(addrs) <= 0 or min(sizes) <= 0:
+        return None
+    try:
+        starts, ends = client._regions()
+    except RuntimeError:            # the regions changed under this thread's read: the loop decides
+        return None
+    if not plain_keys(keys) or not in_regions(addrs, sizes, starts, ends):
+        return None
+    if client._prefix and not plain_keys(keys, user=True):
+        return None             # a key holding the namespace separator: the loop's funnel refuses it
+    p = client._prefix
+    totals = [sum(map(_second, ps)) for ps in parts]
+    return (list(map(p.__add__, keys)) if p else keys), list(parts), totals
+
+
 def _move(client: Any, op: str, by: dict[str, tuple[list, list, list]],
           start_by: float = math.inf) -> dict[str, KVFlowError]:
     """Each holder's entries (local, remote, length columns) moved on this
@@ -248,6 +283,27 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     (nothing of it was done: run batch_put_from on the loop)."""
     q = _query(client)
     cols = _columns(client, keys, addrs, sizes) if q is not None else None
+    return _put(client, q, keys, cols, None, replica_num, preferred_segment, pin, soft_pin)
+
+
+def put_from_parts(client: Any, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]], *,
+                   replica_num: int | None = None, preferred_segment: Any = None, pin: bool = False,
+                   soft_pin: float | bool | None = None) -> list | None:
+    """batch_put_from_parts on the calling thread: each object its parts
+    concatenated; put_from's results, None where it does not serve the
+    call (nothing of it was done: run batch_put_from_parts on the loop)."""
+    q = _query(client)
+    cols = _part_columns(client, keys, parts) if q is not None else None
+    if cols is None:
+        return None
+    names, parts, sizes = cols
+    return _put(client, q, keys, (names, None, sizes), parts, replica_num, preferred_segment, pin, soft_pin)
+
+
+def _put(client: Any, q: JoinedPool | None, keys: Sequence[str], cols: tuple | None, parts: list | None,
+         replica_num: int | None, preferred_segment: Any, pin: bool, soft_pin: float | bool | None) -> list | None:
+    """The put of put_from (`parts` None: `cols` holds each object's one
+    range) and of put_from_parts (`parts`: each object's ranges)."""
     rn = client.replica_num if replica_num is None else replica_num
     if cols is None or type(rn) is not int or rn < 1 or client._ssd is not None:
         return None
@@ -260,12 +316,13 @@ def put_from(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     # counted while it may write: a client re-attaching to a new leader waits
     # for none in progress before the leader lifts its fence (fence.py)
     with client._mover.thread_put():
-        return _put_from(client, q, keys, names, addrs, sizes, request, token, rn, preferred_segment, pin, soft_pin)
+        return _put_from(client, q, keys, names, addrs, sizes, parts, request, token, rn, preferred_segment, pin,
+                         soft_pin)
 
 
-def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
-              request: list, token: int, rn: int, preferred_segment: Any, pin: bool,
-              soft_pin: float | bool | None) -> list:
+def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list | None,
+              sizes: list, parts: list | None, request: list, token: int, rn: int, preferred_segment: Any,
+              pin: bool, soft_pin: float | bool | None) -> list:
     sent = time.monotonic()     # its writes may start until sent + write window (put_timeouts.py)
     try:
         reply = _timed(client, q, "batch_put_start", request, token)
@@ -293,7 +350,8 @@ def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[s
     failed: dict[str, KVFlowError] = {}
     if writing:
         try:
-            failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs), sent + client.write_window)
+            failed = _move(client, "write", _by_holder(writing, addrs, sizes, segs, parts),
+                           sent + client.write_window)
         except BaseException:
             _on_loop(client, client._revoke([names[i] for i, _ in writing], token))
             raise
@@ -310,25 +368,40 @@ def _put_from(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[s
             if r == 0:
                 r = writes_failed(keys[i], reps, segs, failed)
             results[i] = r
+    if parts is None:
+        parts = [[(a, n)] for a, n in zip(addrs, sizes)]
     busy = [i for i, r in enumerate(results) if type(r) is SsdBusyError]
     if busy:            # the loop's funnel waits for the SSD tiers and puts them again
-        redo = _on_loop(client, client.batch_put_from([keys[i] for i in busy], [addrs[i] for i in busy],
-                                                      [sizes[i] for i in busy], replica_num=rn,
-                                                      preferred_segment=preferred_segment, pin=pin,
-                                                      soft_pin=soft_pin))
+        redo = _on_loop(client, client.batch_put_from_parts([keys[i] for i in busy], [parts[i] for i in busy],
+                                                            replica_num=rn, preferred_segment=preferred_segment,
+                                                            pin=pin, soft_pin=soft_pin))
         for i, r in zip(busy, redo):
             results[i] = r
         done = [i for i in range(len(keys)) if i not in set(busy)]     # the busy ones: counted by that call
     else:
         done = range(len(keys))
-    client.counters.done("put", ([keys[i] for i in done], [[(addrs[i], sizes[i])] for i in done]), {},
+    client.counters.done("put", ([keys[i] for i in done], [parts[i] for i in done]), {},
                          [results[i] for i in done])
     return results
 
 
-def _by_holder(writing: list, addrs: list, sizes: list, segs: dict) -> dict[str, tuple[list, list, list]]:
+def _by_holder(writing: list, addrs: list | None, sizes: list, segs: dict,
+               parts: list | None = None) -> dict[str, tuple[list, list, list]]:
     """(index, [[segment, address], ...]) per object -> per holder engine
-    the (local, remote, length) columns."""
+    the (local, remote, length) columns. `parts`: each object's ranges,
+    written to consecutive offsets of each replica (else addrs, sizes: one
+    range each)."""
+    if parts is not None:
+        by: dict[str, tuple[list, list, list]] = {}
+        for i, reps in writing:
+            for sid, remote in reps:
+                cols = by.setdefault(segs[sid][1], ([], [], []))
+                for a, n in parts[i]:
+                    cols[0].append(a)
+                    cols[1].append(remote)
+                    cols[2].append(n)
+                    remote += n
+        return by
     if len(segs) == 1 and len(writing) == len(addrs) and set(map(len, map(itemgetter(1), writing))) == {1}:
         ((_, (_, engine, _)),) = segs.items()       # one holder, one replica each (the common case)
         return {engine: (addrs, [reps[0][1] for _, reps in writing], sizes)}
@@ -361,12 +434,29 @@ def get_into(client: Any, keys: Sequence[str], addrs: Sequence[int], sizes: Sequ
     return results
 
 
-def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list, sizes: list,
-          staged: Any = None) -> list | None:
+def get_into_parts(client: Any, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]]) -> list | None:
+    """batch_get_into_parts on the calling thread: each object read into
+    its parts in order (the last one filled as far as the object goes);
+    get_into's results, None where it does not serve the call."""
+    q = _query(client)
+    cols = _part_columns(client, keys, parts) if q is not None else None
+    if cols is None:
+        return None
+    names, parts, room = cols
+    results = _read(client, q, keys, names, None, room, parts=parts)
+    if results is not None:
+        client.counters.done("get", (keys,), {}, results)
+    return results
+
+
+def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str], addrs: list | None, sizes: list,
+          staged: Any = None, parts: list | None = None) -> list | None:
     """The get: replicas and a lease, the reads, the lease released.
     `staged`: called with the objects' sizes once known, gives the
     addresses to read into (the local buffer), or None when there is no
-    room (then no read: None is returned)."""
+    room (then no read: None is returned). `parts`: each object's ranges
+    (`sizes` their sums), filled in order from offset 0 of its replica
+    (else addrs, sizes: one range each)."""
     t0 = time.monotonic()       # before the lease is granted: a safe bound on its age
     try:
         reply = _timed(client, q, "batch_get_replicas", list(names))
@@ -375,7 +465,7 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
     held = client._lease_keeper.hold(reply.get("lease"), t0)      # renewed from the loop while the reads run
     try:
         found, segs = replica_rows(reply)
-        fast = Gets._all_found(found, segs, (addrs, sizes)) if staged is None else None
+        fast = Gets._all_found(found, segs, (addrs, sizes)) if staged is None and parts is None else None
         if fast is not None and len(set(fast[1].holder)) == 1:
             # every object found with one DRAM replica fitting its buffer, on one holder (the common case)
             moves = fast[1]
@@ -410,10 +500,21 @@ def _read(client: Any, q: JoinedPool, keys: Sequence[str], names: Sequence[str],
             cols = by.get(holder)
             if cols is None:
                 cols = by[holder] = ([], [], [])
+            results[i] = n
+            if parts is not None:       # the loop's mapping (gets.py _read): parts in order, the last cut short
+                for a, m in parts[i]:
+                    m = min(m, n)
+                    if m <= 0:
+                        break
+                    cols[0].append(a)
+                    cols[1].append(remote)
+                    cols[2].append(m)
+                    remote += m
+                    n -= m
+                continue
             cols[0].append(addrs[i])
             cols[1].append(remote)
             cols[2].append(n)
-            results[i] = n
         if by and _move(client, "read", by):
             return None         # a holder failed: the loop's funnel goes on to the other replicas
         if held.lapsed():

@@ -446,7 +446,8 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
         parts = self._multi(keys, all_buffer_ptrs, all_sizes)
         if parts is None:
             return self._fail_all(len(keys), "keys, all_buffer_ptrs and all_sizes differ in length")
-        return self._puts(lambda c, kw: c.batch_put_from_parts(keys, parts, **kw), len(keys), config)
+        return self._puts(lambda c, kw: c.batch_put_from_parts(keys, parts, **kw), len(keys), config,
+                          lambda c, kw: direct.put_from_parts(c, keys, parts, **kw))
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
         """put() that replaces an existing object (removed first, force)."""
@@ -592,17 +593,19 @@ class MooncakeDistributedStore(TensorCalls, ReplicaTaskCalls):
 
     def _reads(self, keys: list[str], parts: list[list[tuple[int, int]]],
                columns: tuple[list[int], list[int]] | None = None) -> list[int]:
-        """The funnel of every get into registered memory; `columns`: the
-        (addresses, sizes) of one-buffer objects, read on the calling thread
-        where kvflow/store/direct.py serves the call."""
+        """The funnel of every get into registered memory, read on the
+        calling thread where kvflow/store/direct.py serves the call;
+        `columns`: the (addresses, sizes) of one-buffer objects (its faster
+        entry), else `parts`."""
         if self._client is None:
             return self._fail_all(len(keys), self._not_ready(), STORE_INTERNAL_ERROR)
         if not keys:
             return []
         try:
-            results = None
             if columns is not None:
                 results = self._direct(direct.get_into, self._client, keys, *columns)
+            else:
+                results = self._direct(direct.get_into_parts, self._client, keys, parts)
             if results is None:
                 results = self._call(self._client.batch_get_into_parts(keys, parts))
         except KVFlowError as e:

@@ -13,9 +13,11 @@ the zero-copy batch_get_v1/batch_set_v1 (SGLang's Mooncake backend's path).
 How it maps (no Mooncake API layer in between: kvflow.store's StoreClient
 directly):
 - One kvflow Engine on an EngineThread (its own event loop on a daemon
-  thread) and one StoreClient on it; every SGLang call is one coroutine
-  handed to that loop while the calling thread (SGLang's prefetch or backup
-  thread) blocks on an eventfd.
+  thread) and one StoreClient on it. Page puts and gets run on SGLang's
+  calling thread (its prefetch or backup thread) where kvflow/store/direct.py
+  serves them (a tcp master, every page in registered host memory, in
+  DRAM): no hop to the loop. Any other call is one coroutine handed to that
+  loop while the calling thread blocks on an eventfd.
 - register_mem_pool_host registers the host pool's buffer(s) with the
   client's engine once; pages then move straight between the host pool and
   the pool's segments (put_from/get_into: no staging copy).
@@ -61,7 +63,7 @@ from kvflow.compat.mooncake.waiting import run_blocking
 from kvflow.config import env_str
 from kvflow.engine.thread import EngineThread
 from kvflow.errors import InvalidArgumentError, KVFlowError
-from kvflow.store import StoreClient, StoreTimeoutError
+from kvflow.store import StoreClient, StoreTimeoutError, direct
 
 __all__ = ["KVFlowHiCacheStorage", "HiCacheCounters"]
 
@@ -229,14 +231,31 @@ class KVFlowHiCacheStorage(HiCacheStorage):
             return []
         okeys = self.object_keys(keys)
         parts = self._page_parts(keys, host_indices)
+        return self._set_pages(okeys, parts)
+
+    def _set_pages(self, okeys: list[str], parts: list) -> list[bool]:
+        """The pages not yet in the pool put: on this thread where
+        kvflow/store/direct.py serves both steps, else on the loop."""
+        found = self.client.batch_exists_blocking(okeys)
+        if found is not None:
+            todo = [i for i, ok in enumerate(found) if ok is not True]
+            put = direct.put_from_parts(self.client, [okeys[i] for i in todo], [parts[i] for i in todo]) \
+                if todo else []
+            if put is not None:
+                return self._set_done(okeys, todo, put)
         return self._call(self._set(okeys, parts))
 
     async def _set(self, okeys: list[str], parts: list) -> list[bool]:
         found = await self.client.batch_exists(okeys)
         todo = [i for i, ok in enumerate(found) if ok is not True]
+        put = await self.client.batch_put_from_parts([okeys[i] for i in todo], [parts[i] for i in todo]) \
+            if todo else []
+        return self._set_done(okeys, todo, put)
+
+    def _set_done(self, okeys: list[str], todo: list[int], put: list) -> list[bool]:
+        """A set's per-page success list (and counters) from its put's results."""
         out = [True] * len(okeys)
         if todo:
-            put = await self.client.batch_put_from_parts([okeys[i] for i in todo], [parts[i] for i in todo])
             for i, r in zip(todo, put):
                 if isinstance(r, BaseException):
                     out[i] = False
@@ -253,7 +272,7 @@ class KVFlowHiCacheStorage(HiCacheStorage):
             return []
         okeys = self.object_keys(keys)
         parts = self._page_parts(keys, host_indices)
-        got = self._call(self.client.batch_get_into_parts(okeys, parts))
+        got = self._get_pages(okeys, parts)
         need = [sum(s for _, s in p) for p in parts]
         out = [type(r) is int and r == n for r, n in zip(got, need)]
         ok = sum(out)
@@ -262,6 +281,12 @@ class KVFlowHiCacheStorage(HiCacheStorage):
             if isinstance(r, BaseException):
                 log.debug("kvflow hicache: get %s: %s", k, r)
         return out
+
+    def _get_pages(self, okeys: list[str], parts: list) -> list:
+        """Per page its size or error: read on this thread where
+        kvflow/store/direct.py serves the call, else on the loop."""
+        got = direct.get_into_parts(self.client, okeys, parts)
+        return got if got is not None else self._call(self.client.batch_get_into_parts(okeys, parts))
 
     # ------------------------------------------------------------ the older interface
     def exists(self, key: str) -> bool:
@@ -279,7 +304,7 @@ class KVFlowHiCacheStorage(HiCacheStorage):
             raise InvalidArgumentError("KVFlowHiCacheStorage moves pages zero-copy: give target "
                                        "locations and sizes (or use batch_get_v1)")
         parts = [_parts(a, s) for a, s in zip(target_locations, target_sizes)]
-        got = self._call(self.client.batch_get_into_parts(self.object_keys(keys), parts))
+        got = self._get_pages(self.object_keys(keys), parts)
         for i, r in enumerate(got):
             if isinstance(r, BaseException):
                 return i
@@ -297,7 +322,7 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         if not keys:
             return False
         parts = [_parts(a, s) for a, s in zip(target_locations, target_sizes)]
-        return all(self._call(self._set(self.object_keys(keys), parts)))
+        return all(self._set_pages(self.object_keys(keys), parts))
 
     def pool_stats(self) -> dict:
         """The master's view of the pool (objects, space, evictions, calls
