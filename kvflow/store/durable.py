@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import logging
 import re
 import time
@@ -367,8 +368,22 @@ class Journal:
         order's best stand-in). Objects that cannot be restored (their
         segments are gone, their extents taken) leave their records at the
         first flush. Returns counts."""
+        kvs = await self.etcd.range_prefix(self.layout.root)
+        # the rebuild makes a few objects per recorded object and frees
+        # none: with the cyclic collector on, its collections scan the
+        # growing index again and again (0.5 of 1.2 s at 100k objects);
+        # nothing the rebuild makes is garbage, so it runs with it off
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._rebuild(kvs, now)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _rebuild(self, kvs: list[dict], now: float) -> dict:
+        """recover()'s work on the kvs read."""
         lay, model = self.layout, self.model
-        kvs = await self.etcd.range_prefix(lay.root)
         segs, records, tasks, clients, meta, quotas = [], [], [], [], {}, {}
         n = len(lay.root) + 2
         for kv in kvs:
