@@ -154,8 +154,11 @@ async def _read_back(master: str, n: int, sample: int, seed: int) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sys.stdin.readline)       # the leader is dead now
         probe, tries = rng.randrange(n), 0
+        give_up = time.monotonic() + 120
         while True:
             tries += 1
+            if time.monotonic() > give_up:
+                raise SystemExit(f"read: no get of {_key(probe)} within 120 s of the kill")
             try:
                 if await c.get(_key(probe)) == _value(probe):
                     break
@@ -315,6 +318,7 @@ def run_recovery(args) -> dict:
     spec = f"etcd://{where}/scale"
     masters: list = []
     loaders: list = []
+    readers: list = []
     try:
         log = os.path.join(logs, "m0.log")
         leader = _durable_master(where, args, log)
@@ -343,6 +347,7 @@ def run_recovery(args) -> dict:
                     masters.append(new)
                     _line(new, "standby")
                 rd = _spawn("read", spec, str(n), str(args.sample), str(n))
+                readers.append(rd)
                 assert json.loads(rd.stdout.readline())["ready"]
                 t_kill = time.monotonic()
                 leader.kill()
@@ -367,6 +372,10 @@ def run_recovery(args) -> dict:
                                                       if k not in ("objects", "takeover")),
                       file=sys.stderr, flush=True)
     finally:
+        for rd in readers:
+            if rd.poll() is None:
+                rd.kill()
+                rd.wait(30)
         for ld in loaders:
             ld.stdin.close()
             ld.wait(60)
