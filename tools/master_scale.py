@@ -265,15 +265,22 @@ def run(args) -> dict:
                           f"{cpu_us:.1f} us/call (ceiling {p['ceiling_calls_per_s']:.0f}/s)",
                           file=sys.stderr, flush=True)
     finally:
-        for ld in loaders:
-            ld.stdin.close()
-            ld.wait(30)
-        master.terminate()
-        master.wait(30)
-        for e in extra:
-            e.terminate()
-            e.wait(30)
+        _stop(loaders, [master], extra)
     return out
+
+
+def _stop(loaders: list, masters: list, extra: list) -> None:
+    """Loaders leave (stdin closed), then the masters and etcd stop."""
+    for ld in loaders:
+        ld.stdin.close()
+        ld.wait(60)
+    for m in masters:
+        if m.poll() is None:
+            m.terminate()
+            m.wait(30)
+    for e in extra:
+        e.terminate()
+        e.wait(30)
 
 
 # -- recovery --------------------------------------------------------------------------
@@ -376,16 +383,7 @@ def run_recovery(args) -> dict:
             if rd.poll() is None:
                 rd.kill()
                 rd.wait(30)
-        for ld in loaders:
-            ld.stdin.close()
-            ld.wait(60)
-        for m in masters:
-            if m.poll() is None:
-                m.terminate()
-                m.wait(30)
-        for e in extra:
-            e.terminate()
-            e.wait(30)
+        _stop(loaders, masters, extra)
     return out
 
 
