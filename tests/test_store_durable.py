@@ -554,3 +554,24 @@ async def test_a_quota_survives_a_restart(etcd):
                 assert sum(held) == 4 and all(held[-4:])
             # another namespace is not held to it
             assert await c.put("free", b"f" * (2 << 20)) == 1
+
+
+async def test_a_range_is_read_in_pages_sized_by_bytes(etcd):
+    """range_prefix: pages of about page_bytes (a first small one, then
+    sized from the bytes per key seen), every key once, in order."""
+    e = EtcdClient(etcd)
+    try:
+        values = {f"pg/{i:04d}".encode(): bytes([i % 251]) * (5000 + 300 * (i % 7)) for i in range(300)}
+        items = list(values.items())
+        for lo in range(0, len(items), 100):
+            await e.txn([], [{"request_put": {"key": b64(k), "value": b64(v)}} for k, v in items[lo:lo + 100]])
+        before = e.requests
+        kvs = await e.range_prefix(b"pg/", page_bytes=64 << 10)
+        pages = e.requests - before
+        assert [(kv["key"], kv["value"]) for kv in kvs] == items
+        total = sum(len(b64(v)) for v in values.values())      # about 2.4 MB in base64
+        # the first page is 64 keys whatever their size; the others about 64 KiB each
+        assert total // (64 << 10) // 2 <= pages <= 2 * total // (64 << 10) + 1
+        assert len(await e.range_prefix(b"pg/")) == 300         # the default: a few large pages
+    finally:
+        await e.close()

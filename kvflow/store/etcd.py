@@ -27,6 +27,7 @@ __all__ = ["EtcdClient", "b64", "unb64", "prefix_end", "parse_address"]
 
 MAX_ANSWER = 256 << 20       # a recovery range of a large index, in JSON and base64
 GRPC_NOT_FOUND = 5
+PAGE_BYTES = 4 << 20         # a recovery page's values, in base64 (range_prefix)
 
 
 def b64(b: bytes) -> str:
@@ -161,24 +162,34 @@ class EtcdClient:
     async def txn(self, compare: list, success: list, failure: list = ()) -> dict:
         return await self.post("/v3/kv/txn", {"compare": compare, "success": success, "failure": list(failure)})
 
-    async def range_prefix(self, prefix: bytes, *, page: int = 5000) -> list[dict]:
+    async def range_prefix(self, prefix: bytes, *, page: int = 5000, page_bytes: int = PAGE_BYTES) -> list[dict]:
         """Every kv under `prefix` ({key, value, create_revision,
-        mod_revision}, decoded), read in pages of `page` keys at one revision."""
+        mod_revision}, decoded), read in pages at one revision: at most
+        `page` keys, and about `page_bytes` of values. A master's records
+        are up to 1 MiB each (15 KiB for a batch of 256 small objects):
+        5,000 of them in one answer (80 MB of JSON at 1M objects) took the
+        gateway longer than a request's timeout, so each page's key count
+        is sized from the bytes per key seen so far, starting small."""
         out: list[dict] = []
         start, end, rev = prefix, prefix_end(prefix), 0
+        limit, seen_keys, seen_bytes = min(page, 64), 0, 0
         while True:
-            req: dict[str, Any] = {"key": b64(start), "range_end": b64(end), "limit": page}
+            req: dict[str, Any] = {"key": b64(start), "range_end": b64(end), "limit": limit}
             if rev:
                 req["revision"] = rev
             doc = await self.post("/v3/kv/range", req)
             rev = rev or int(doc.get("header", {}).get("revision", 0))
             kvs = doc.get("kvs") or []
             for kv in kvs:
-                out.append({"key": unb64(kv["key"]), "value": unb64(kv.get("value", "")),
+                value = kv.get("value", "")
+                seen_bytes += len(value) + len(kv["key"])
+                out.append({"key": unb64(kv["key"]), "value": unb64(value),
                             "create_revision": int(kv.get("create_revision", 0)),
                             "mod_revision": int(kv.get("mod_revision", 0))})
             if not doc.get("more") or not kvs:
                 return out
+            seen_keys += len(kvs)
+            limit = max(1, min(page, int(page_bytes * seen_keys / max(seen_bytes, 1))))
             start = out[-1]["key"] + b"\0"
 
     async def get(self, key: bytes) -> dict | None:
