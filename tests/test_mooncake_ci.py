@@ -131,6 +131,25 @@ def _env(impl: str, **extra: str) -> dict:
     return env
 
 
+def _wait_bindable(port: int, timeout: float = 30) -> None:
+    """Waits until `port` can be bound as a listener the way Mooncake's
+    client binds it (no SO_REUSEADDR); it is in the ephemeral range, so a
+    connection of another test may hold it as its source port for a while
+    (.ci/setup reserves it where it may)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as so:
+            try:
+                so.bind(("0.0.0.0", port))
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    held = subprocess.run(["ss", "-tanp"], capture_output=True, text=True).stdout
+                    pytest.fail(f"port {port} (the scripts' real client's) stays taken: {e}\n"
+                                + "\n".join(ln for ln in held.splitlines() if f":{port} " in ln))
+        time.sleep(0.5)
+
+
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -417,6 +436,7 @@ class CiRealClient:
         assert exe is not None
         if impl == "kvflow":
             assert exe.startswith(bin_path()), exe
+        _wait_bindable(port)
         self.log = workdir / "mooncake_client.log"
         # a 1 GB segment, not the default 4 GB: this host is shared
         argv = [exe, f"--master_server_address={m.address}", f"--metadata_server={m.metadata}",
