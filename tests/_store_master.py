@@ -36,3 +36,17 @@ async def standalone_master(*args: str):
         if proc.returncode is None:
             proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 10) in (0, -signal.SIGTERM)
+
+
+async def stop_member(proc) -> None:
+    """Ends a member process the tests started (its stdin closed: it leaves;
+    continued first, in case a test stopped it); killed after 10 s."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from _metadata_servers import MetadataServer, _unavailable, free_port
+from _store_master import stop_member
 from kvflow.errors import KVFlowError
 from kvflow.store import DurabilityError, MasterUnavailableError, ObjectNotFoundError, StoreClient
 from kvflow.store.errors import QuotaExceededError
@@ -110,14 +111,7 @@ async def _member(spec: str, key: str, size: int, seed: int, segment_size: int =
     return proc, info
 
 
-async def _stop_member(proc) -> None:
-    if proc.returncode is None:
-        proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+_stop_member = stop_member
 
 
 async def _until(cond, timeout: float = 20.0, step: float = 0.05) -> float:

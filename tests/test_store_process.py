@@ -4,7 +4,6 @@ SIGSTOP of a holder."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import pytest
 
 from kvflow.store import MasterUnavailableError, ObjectNotFoundError, ReplicaUnavailableError, StoreClient
 
-from _store_master import ROOT, standalone_master, store_env
+from _store_master import ROOT, standalone_master, stop_member, store_env
 
 
 
@@ -35,16 +34,7 @@ async def _member(master: str, key: str, size: int, seed: int, segment_size: int
     return proc, info
 
 
-async def _stop(proc) -> None:
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+_stop = stop_member
 
 
 async def test_holder_killed_replicas_survive_and_lost_objects_are_typed_errors():

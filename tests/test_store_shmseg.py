@@ -20,7 +20,7 @@ import pytest
 from kvflow.store import ObjectLeasedError, ObjectNotFoundError, ReplicaUnavailableError, StoreClient, direct
 from kvflow.store.shmsock import socket_name
 
-from _store_master import ROOT, standalone_master, store_env
+from _store_master import ROOT, standalone_master, stop_member, store_env
 
 
 @pytest.fixture(autouse=True)
@@ -46,13 +46,7 @@ async def _holder(master: str, *, shm: bool = True, segment_size: int = 64 << 20
         assert info["ready"]
         yield proc, info
     finally:
-        if proc.returncode is None:
-            proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await stop_member(proc)
 
 
 async def _put(c: StoreClient, keys: list[str], sizes: list[int], seed: int) -> np.ndarray:
