@@ -192,6 +192,21 @@ class VllmServer:
         except OSError:
             return ""
 
+    def problems(self, n: int = 60) -> str:
+        """The log's last `n` lines that say something went wrong (vLLM's
+        ERROR lines, tracebacks, kvflow's warnings): what a failed test
+        prints, since CI keeps no tmp dirs."""
+        bad = ("ERROR", "Traceback", "Error", "kvflow", "Exception", "  File ")
+        lines = [ln for ln in self.tail(1 << 20).splitlines() if any(b in ln for b in bad)]
+        return "\n".join(lines[-n:])
+
+    def handshake_failures(self) -> int:
+        """How many times this (decode) server's NixlConnector logged a failed
+        handshake: vLLM's own zmq exchange with the prefill server's
+        scheduler process, before any NIXL call (kvflow's or not), which
+        vLLM gives up after 5 s (its RCVTIMEO)."""
+        return self.tail(1 << 22).count("NIXL transfer failure: handshake_failed")
+
     async def wait_ready(self, session, deadline: float) -> None:
         import aiohttp
 
@@ -261,3 +276,38 @@ class VllmServer:
 def echo(msg: str) -> None:
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
+
+
+async def warm_up_pd(session, prefill: VllmServer, decode: VllmServer, model: str) -> int:
+    """One request through a prefill/decode pair (a proxy of its own), before
+    a test's own; returns the warm-up prompt's tokens. A fresh pair's first
+    request makes vLLM do its NIXL handshake: the decode worker asks the
+    prefill server's scheduler process for its metadata over vLLM's own zmq
+    side channel and gives up after 5 s (vLLM's RCVTIMEO), failing the
+    request (HTTP 500, `kv_load_failure_policy=fail`). With three vLLM
+    servers (nine processes) on this 2-core host that exchange alone took
+    13 s before its send in two of four loaded runs here (the request failed
+    in one of them, and once in a clean-clone CI run); no kvflow code runs
+    in it. A handshake failure, and only that, is tried again."""
+    from _pd_proxy import PDProxy
+
+    n = 3 * BLOCK_SIZE + 5
+    text = prompt(random.Random(prefill.port), n)
+    body = {"model": model, "prompt": text, "max_tokens": 2, "temperature": 0}
+    proxy = PDProxy([prefill.url], [decode.url])
+    await proxy.start()
+    try:
+        for attempt in range(4):
+            before = decode.handshake_failures()
+            async with session.post(proxy.url + "/v1/completions", json=body) as r:
+                raw = await r.text()
+                if r.status == 200:
+                    return n
+            if attempt == 3 or decode.handshake_failures() == before:
+                raise AssertionError(f"warm-up through {prefill.name} -> {decode.name}: HTTP {r.status}: "
+                                     f"{raw[:500]}\n{decode.problems()}")
+            echo(f"warm-up {prefill.name} -> {decode.name}: vLLM's NIXL handshake timed out "
+                 f"(try {attempt + 1}), again")
+    finally:
+        await proxy.close()
+    raise AssertionError("unreachable")

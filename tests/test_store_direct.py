@@ -123,7 +123,14 @@ async def test_callers_on_several_threads_each_get_a_connection():
                 assert direct.get_bytes(b, [f"t{t}/{i}"]) == [bytes([t]) * 1000]
         await asyncio.gather(*(asyncio.to_thread(worker, t) for t in range(4)))
         assert 1 <= len(a._joined._idle) <= 4
-        assert sum(s.joined for s in master.sessions) == len(a._joined._idle) + len(b._joined._idle)
+        # a connection broken by a late reply (a loaded host) is closed and
+        # made again by its next call: only the open ones act on the master
+        live = [q for c in (a, b) for q in c._joined._idle if q._sock is not None and q._joined]
+        for _ in range(100):        # a session closed by the client leaves the master when it reads the EOF
+            if sum(s.joined for s in master.sessions if not s.closed) == len(live):
+                break
+            await asyncio.sleep(0.02)
+        assert sum(s.joined for s in master.sessions if not s.closed) == len(live)
         await a.close()
         assert a._joined is None and not any(s.joined and s.client_id == a.client_id for s in master.sessions
                                              if not s.closed)

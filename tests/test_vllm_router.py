@@ -109,6 +109,8 @@ async def test_conductor_routes_vllm_pd_servers_by_their_caches_through_a_stop(t
             deadline = time.monotonic() + 900
             for srv in servers:
                 await srv.wait_ready(s, deadline)
+            for srv in (p0, p1):            # vLLM's own NIXL handshake of each pair, before the router's events
+                await _vllm.warm_up_pd(s, srv, dec, model)
             router, url = _start_router(
                 ["--block-tokens", str(B), "--calibrate", "--decode", f"d0={dec.url}", "--tokenizer", model,
                  *(a for srv in (p0, p1) for a in ("--prefill", f"{srv.name}={srv.url}@{events[srv.name]}"))],
