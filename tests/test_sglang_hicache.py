@@ -209,3 +209,41 @@ def test_one_master_round_trip_per_batch(built):
     # a get: one round trip for every page's replicas, then the lease's
     # release as a one-way notice (no reply waited for)
     assert _master_calls(backend, lambda: lambda: backend.batch_get_v1(keys, torch.arange(128, 128 + 12 * 8))) == 2
+
+
+def test_prefetch_and_backup_answer_while_the_engines_loop_is_held(sg, master):
+    """On a tcp master, batch_exists, batch_set_v1 and batch_get_v1 run on
+    the calling thread (StoreClient.batch_exists_blocking, direct.py): they
+    finish, with every byte and the prefix right, while the backend's
+    engine loop is held busy; a hop to the loop would wait for it."""
+    import threading
+    import time
+    import uuid
+    import torch
+    a = {"mla": False, "tokens": 256, "page": 8, "layers": 2, "heads": 2, "dim": 16, "backend": "dynamic",
+         "extra": {**KVFLOW, "global_segment_size": 16 << 20, "master_server_addr": master, "protocol": "tcp"}}
+    pool, backend = sg.build(a)
+    try:
+        src, dst = torch.arange(8, 8 + 4 * 8), torch.arange(64, 64 + 4 * 8)
+        sg.fill(pool, src, 7)
+        keys = [uuid.uuid4().hex for _ in range(4)]
+        assert backend.batch_set_v1(keys[:1], src[:8]) == [True]        # connections made, loop warm
+        released = threading.Event()
+        held = threading.Event()
+        backend._thread.loop.call_soon_threadsafe(lambda: (held.set(), released.wait(20)))
+        assert held.wait(10)
+        try:
+            t0 = time.monotonic()
+            assert backend.batch_set_v1(keys, src) == [True] * 4
+            assert backend.batch_exists(keys + [uuid.uuid4().hex]) == 4
+            assert backend.batch_exists([keys[0], uuid.uuid4().hex, keys[1]]) == 1
+            assert backend.batch_get_v1(keys, dst) == [True] * 4
+            took = time.monotonic() - t0
+            assert not released.is_set()
+        finally:
+            released.set()
+        assert took < 10
+        assert sg.page_bytes(pool, dst) == sg.page_bytes(pool, src)
+        assert backend.counters.exists_calls == 4 and backend.counters.pages_read == 4
+    finally:
+        backend.close()

@@ -13,11 +13,12 @@ the zero-copy batch_get_v1/batch_set_v1 (SGLang's Mooncake backend's path).
 How it maps (no Mooncake API layer in between: kvflow.store's StoreClient
 directly):
 - One kvflow Engine on an EngineThread (its own event loop on a daemon
-  thread) and one StoreClient on it. Page puts and gets run on SGLang's
-  calling thread (its prefetch or backup thread) where kvflow/store/direct.py
-  serves them (a tcp master, every page in registered host memory, in
-  DRAM): no hop to the loop. Any other call is one coroutine handed to that
-  loop while the calling thread blocks on an eventfd.
+  thread) and one StoreClient on it. Exists checks, page puts and gets run
+  on SGLang's calling thread (its prefetch or backup thread) where
+  StoreClient.batch_exists_blocking and kvflow/store/direct.py serve them (a
+  tcp master, every page in registered host memory, in DRAM): no hop to
+  the loop. Any other call is one coroutine handed to that loop while the
+  calling thread blocks on an eventfd.
 - register_mem_pool_host registers the host pool's buffer(s) with the
   client's engine once; pages then move straight between the host pool and
   the pool's segments (put_from/get_into: no staging copy).
@@ -215,7 +216,13 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         missing one ends the prefix). One master round trip."""
         if not keys:
             return 0
-        found = self._call(self.client.batch_exists(self.object_keys(keys)))
+        okeys = self.object_keys(keys)
+        # from this thread on a blocking socket of the client's (as
+        # _set_pages' exists): the loop's hop and back cost a prefetch about
+        # as much as the round trip itself (~0.5 ms each way on a loaded host)
+        found = self.client.batch_exists_blocking(okeys)
+        if found is None:               # a case only the loop serves (it names what went wrong)
+            found = self._call(self.client.batch_exists(okeys))
         self.counters.add(exists_calls=1)
         for i, ok in enumerate(found):
             if ok is not True:
