@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 from itertools import accumulate
 
+import numpy as np
+
 from kvflow.errors import InvalidArgumentError
 
 __all__ = ["ALIGN", "Allocator"]
@@ -142,6 +144,38 @@ class Allocator:
             self._add_extent(offset + length, start + size - offset - length)
         self._used[offset] = length
         self.used += length
+
+    def reserve_many(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """reserve() of every extent [offsets[i], +lengths[i]) of a fresh
+        allocator (nothing allocated or fenced yet) in one sorted pass: the
+        free list is the gaps between them, built at C speed (a recovering
+        master restores a million extents in tens of milliseconds instead
+        of ~6 us per reserve()). InvalidArgumentError, with the allocator
+        unchanged, when one is not aligned, not inside the segment, or two
+        overlap (reserve() one at a time says which)."""
+        if self.used or self.fenced or len(self._by_offset) != 1:
+            raise InvalidArgumentError("reserve_many needs an allocator with nothing allocated or fenced")
+        offs = np.asarray(offsets, dtype=np.int64)
+        lens = np.asarray(lengths, dtype=np.int64)
+        if offs.shape != lens.shape or offs.ndim != 1:
+            raise InvalidArgumentError("reserve_many: offsets and lengths differ in shape")
+        if not len(offs):
+            return
+        order = np.argsort(offs, kind="stable")
+        offs, lens = offs[order], lens[order]
+        ends = offs + lens
+        if (offs[0] < 0 or ends[-1] > self.capacity or (lens <= 0).any() or (offs % ALIGN).any()
+                or (lens % ALIGN).any() or (ends[:-1] > offs[1:]).any()):
+            raise InvalidArgumentError("reserve_many: an extent is not aligned, outside the segment, or overlaps")
+        starts = np.concatenate(([0], ends))
+        sizes = np.concatenate((offs, [self.capacity])) - starts
+        gap = sizes > 0
+        starts_l, sizes_l = starts[gap].tolist(), sizes[gap].tolist()
+        self._by_offset = starts_l
+        self._size = dict(zip(starts_l, sizes_l))
+        self._by_size = sorted(zip(sizes_l, starts_l))
+        self._used = dict(zip(offs.tolist(), lens.tolist()))
+        self.used = int(lens.sum())
 
     def release(self, offset: int) -> int:
         """Frees the allocation at `offset`; returns its (rounded) length.
