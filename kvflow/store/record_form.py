@@ -108,22 +108,24 @@ class Columns:
 
 
 class _Packed:
-    """What entry(i) of packed records needs beyond the checked columns."""
+    """What entry(i) of packed records needs beyond the checked columns
+    (read through memoryviews: a Python int per index, not a numpy scalar)."""
 
     def __init__(self, keys, nrep, sids, offs, lens, want, sizes, pinned, writer, writers, token, soft) -> None:
         self.keys, self.nrep, self.sids, self.offs, self.lens, self.want = keys, nrep, sids, offs, lens, want
-        self.sizes, self.pinned, self.writer, self.writers, self.token, self.soft = \
-            sizes, pinned, writer, writers, token, soft
-        self.first = np.concatenate(([0], np.cumsum(nrep)[:-1])) if len(nrep) else nrep
+        self.sizes, self.writers = sizes, writers
+        first = np.concatenate(([0], np.cumsum(nrep)[:-1])) if len(nrep) else nrep
+        self._cols = tuple(memoryview(np.ascontiguousarray(a, dtype=np.int64))
+                           for a in (first, nrep, sids, offs, lens, sizes, pinned, writer, token, want, soft))
 
     def entry(self, i: int) -> list:
-        j = int(self.first[i])
-        end = j + int(self.nrep[i])
-        reps = [[s, o, n] for s, o, n in zip(self.sids[j:end].tolist(), self.offs[j:end].tolist(),
-                                             self.lens[j:end].tolist())]
-        soft = int(self.soft[i])
-        return [self.keys[i], int(self.sizes[i]), reps, bool(self.pinned[i]), self.writers[int(self.writer[i])],
-                int(self.token[i]), int(self.want[i]), soft / 1000 if soft else 0]
+        first, nrep, sids, offs, lens, sizes, pinned, writer, token, want, soft = self._cols
+        j = first[i]
+        end = j + nrep[i]
+        reps = [[s, o, n] for s, o, n in zip(sids[j:end].tolist(), offs[j:end].tolist(), lens[j:end].tolist())]
+        ms = soft[i]
+        return [self.keys[i], sizes[i], reps, bool(pinned[i]), self.writers[writer[i]], token[i], want[i],
+                ms / 1000 if ms else 0]
 
 
 def _ints(col: list) -> np.ndarray | None:
@@ -170,39 +172,59 @@ def from_entries(records: list[tuple[int, list]]) -> Columns | None:
 _NAMES = ("size", "nrep", "pin", "w", "token", "want")
 
 
+def _column(bufs: list, counts: list[int]) -> np.ndarray:
+    """One column of many records (each's bytes, each's value count) as
+    int64: one numpy decode when every record used the same width (the
+    common case), else record by record. ValueError/TypeError when a
+    record's bytes are not its count of values."""
+    if not bufs:
+        return np.zeros(0, dtype=np.int64)
+    if set(map(type, bufs)) - {bytes}:
+        raise TypeError("a column is not bytes")
+    widths = {b[:1] for b in bufs}
+    if len(widths) != 1:
+        return np.concatenate([_uncol(b, n) for b, n in zip(bufs, counts)])
+    width = widths.pop()[0] if widths != {b""} else 0
+    if width not in (1, 2, 4, 8) or list(map(len, bufs)) != [1 + width * n for n in counts]:
+        raise ValueError("a column does not hold its record's values")
+    a = np.frombuffer(b"".join([b[1:] for b in bufs]), dtype=f"<u{width}")
+    if width == 8 and len(a) and int(a.max()) >= 1 << 63:
+        raise ValueError("a column value past 2**63")      # never written so (pack)
+    return a.astype(np.int64)
+
+
 def from_packed(records: list[tuple[int, dict]]) -> Columns | None:
-    """Records in the packed form as columns; None when one is malformed."""
-    keys: list[str] = []
-    per: dict[str, list] = {name: [] for name in _NAMES + ("seg", "off", "len", "soft")}
-    writers: list[str] = []
+    """Records in the packed form as columns, each column decoded for all
+    of them at once; None when one is malformed."""
+    docs = [doc for _, doc in records]
     try:
-        for _, doc in records:
-            k = doc["k"]
-            n = len(k)
-            if type(k) is not list or doc.get("v") != VERSION:
-                return None
-            cols = {name: _uncol(doc[name], n) for name in _NAMES}
-            nr = int(cols["nrep"].sum())
-            for name in ("seg", "off", "len"):
-                per[name].append(_uncol(doc[name], nr))
-            per["soft"].append(_uncol(doc["soft"], n) if "soft" in doc else np.zeros(n, dtype=np.int64))
-            w = doc["writers"]
-            if type(w) is not list or (n and int(cols["w"].max()) >= len(w)):
-                return None
-            cols["w"] = cols["w"] + len(writers)
-            writers += w
-            for name in _NAMES:
-                per[name].append(cols[name])
-            keys += k
+        if set(map(type, docs)) != {dict} or any(doc.get("v") != VERSION or type(doc["k"]) is not list
+                                                 or type(doc["writers"]) is not list for doc in docs):
+            return None
+        counts = [len(doc["k"]) for doc in docs]
+        c = {name: _column([doc[name] for doc in docs], counts) for name in _NAMES}
+        per_record = np.add.reduceat(c["nrep"], np.cumsum([0] + counts[:-1])) if c["nrep"].size else []
+        nreps = [int(x) if n else 0 for x, n in zip(np.asarray(per_record).tolist(), counts)]
+        for name in ("seg", "off", "len"):
+            c[name] = _column([doc[name] for doc in docs], nreps)
+        soft = [doc.get("soft", b"\x01" + bytes(n)) for doc, n in zip(docs, counts)]
+        c["soft"] = _column(soft, counts)
+        # each record's writer indexes into its own list: into all of them
+        nw = [len(doc["writers"]) for doc in docs]
+        first = np.repeat(np.cumsum([0] + nw[:-1]), counts)
+        if c["w"].size and (c["w"] >= np.repeat(nw, counts)).any():
+            return None
+        c["w"] = c["w"] + first
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         return None
+    keys = list(chain.from_iterable(doc["k"] for doc in docs))
+    writers = list(chain.from_iterable(doc["writers"] for doc in docs))
     if set(map(type, keys)) - {str} or set(map(type, writers)) - {str}:
         return None
-    c = {name: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for name, v in per.items()}
     p = _Packed(keys, c["nrep"], c["seg"], c["off"], c["len"], c["want"], c["size"], c["pin"], c["w"], writers,
                 c["token"], c["soft"])
-    return Columns(keys, p.nrep, p.sids, p.offs, p.lens, p.want, p.sizes,
-                   [(rid, len(doc["k"])) for rid, doc in records], p.entry)
+    return Columns(keys, p.nrep, p.sids, p.offs, p.lens, p.want, p.sizes, [(rid, n) for (rid, _), n in
+                                                                           zip(records, counts)], p.entry)
 
 
 def concat(parts: list[Columns]) -> tuple:
