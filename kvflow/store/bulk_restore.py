@@ -148,7 +148,12 @@ async def restore(model, parts: list[Columns], now: float, wall: float,
             if adopt and not m.isdisjoint(adopt):
                 m -= adopt.keys()
                 stale.add(rid)
-    record_of = dict(zip(keys, chain.from_iterable(repeat(rid, c) for p in parts for rid, c in p.records)))
+    record_of: dict[str, int] = {}
+    at = 0
+    for p in parts:
+        record_of.update(zip(keys[at:at + len(p.keys)], chain.from_iterable(repeat(rid, c) for rid, c in p.records)))
+        at += len(p.keys)
+        await pause()
     for k in adopt:
         del record_of[k]
     return Restored(len(index), len(ssd_only), members, record_of, stale)
