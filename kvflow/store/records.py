@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .allocator import Allocator
@@ -172,13 +172,23 @@ class Recovered(Object):
 
 
 def restored_class(places: dict, entry: Callable[[Any], list], now: float, wall: float) -> type[Recovered]:
-    return type("Recovered", (Recovered,), {"__slots__": (), "places": places, "entry": staticmethod(entry),
-                                            "now": now, "wall": wall})
+    cls = type("Recovered", (Recovered,), {"__slots__": (), "places": places, "entry": staticmethod(entry),
+                                           "now": now, "wall": wall})
+    # an instance's attributes live in a values array sized by its class's
+    # shared keys when it was made: one instance given every field, in
+    # Object.__init__'s order, makes the others' room for all of them (an
+    # object made whole held a full dict otherwise: 780 B an object, not 380)
+    proto = object.__new__(cls)
+    for f in fields(Object):
+        object.__setattr__(proto, f.name, None)
+    return cls
 
 
 def _materialise(obj: Recovered) -> None:
     cls = type(obj)
     e = cls.entry(cls.places.pop(obj))
+    if not cls.places:
+        cls.entry = None            # every one made: the records' columns can go
     object.__setattr__(obj, "__class__", Object)
     key, size, replicas, pinned, writer, token = e[:6]
     want = e[6] if len(e) > 6 else None             # None: a record from before want
