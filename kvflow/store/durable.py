@@ -375,7 +375,9 @@ class Journal:
         order's best stand-in). Objects that cannot be restored (their
         segments are gone, their extents taken) leave their records at the
         first flush. Returns counts."""
+        t0 = time.monotonic()
         kvs = await self.etcd.range_prefix(self.layout.root)
+        read_s = time.monotonic() - t0
         # the rebuild makes a few objects per recorded object and frees
         # none: with the cyclic collector on, its collections scan the
         # growing index again and again (0.5 of 1.2 s at 100k objects);
@@ -383,7 +385,9 @@ class Journal:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return await self._rebuild(kvs, now)
+            counts = await self._rebuild(kvs, now)
+            counts["read_s"] = read_s
+            return counts
         finally:
             if enabled:
                 gc.enable()
