@@ -38,6 +38,7 @@ import numpy as np
 __all__ = ["VERSION", "pack", "Columns", "from_entries", "from_packed", "concat"]
 
 VERSION = 2
+PACK_LEAST = 32         # records of fewer objects are written as entries (pack())
 _WIDTHS = ((1 << 8, 1, "B"), (1 << 16, 2, "H"), (1 << 32, 4, "I"), (1 << 63, 8, "Q"))     # int64 when read
 _KEY, _REPS = itemgetter(0), itemgetter(2)
 
@@ -66,11 +67,16 @@ def _uncol(b: bytes, n: int) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def pack(rows: list[tuple]) -> bytes:
+def pack(rows: list[tuple], *, least: int = PACK_LEAST) -> bytes:
     """A record of objects, each (key, size, [(segment, offset, length),
     ...], pinned, writer, token, want, soft deadline in wall seconds or
-    0), in the packed form, or in the entry form when a value does not
-    fit it."""
+    0), in the packed form; in the entry form when a value does not fit
+    it, or for fewer than `least` objects (a single put's record: 1.3 us
+    and 70 bytes as entries, 18 us and 146 bytes packed; the columns pay
+    from a few tens of objects on: 0.5 vs 0.8 us an object at 256, and
+    2.6x fewer bytes)."""
+    if len(rows) < least:
+        return _entries(rows)
     writers: dict[str, int] = {}
     reps = [r[2] for r in rows]
     flat = list(chain.from_iterable(reps))
@@ -85,10 +91,14 @@ def pack(rows: list[tuple]) -> bytes:
     for name, values in cols.items():
         b = _col(values)
         if b is None or not all(type(w) is str for w in writers):
-            return msgpack.packb([[r[0], r[1], [list(x) for x in r[2]], r[3], r[4], r[5], r[6], r[7]]
-                                  for r in rows], use_bin_type=True)
+            return _entries(rows)
         doc[name] = b
     return msgpack.packb(doc, use_bin_type=True)
+
+
+def _entries(rows: list[tuple]) -> bytes:
+    return msgpack.packb([[r[0], r[1], [list(x) for x in r[2]], r[3], r[4], r[5], r[6], r[7]] for r in rows],
+                         use_bin_type=True)
 
 
 class Columns:
