@@ -19,10 +19,11 @@ Layout, under `kvflow/store/<cluster>/`:
                     may have more fields than a reader knows (later ones are
                     ignored) or fewer: records written before want and
                     soft_until (6 fields) recover with want = the replicas
-                    they name and no soft pin. Written now in the
-                    packed form (record_form.py: a column per field,
-                    about half the bytes, decoded a column at a time);
-                    both forms are read
+                    they name and no soft pin. A record of 32 objects or
+                    more is written now in the packed form (record_form.py:
+                    a column per field, 40% of the bytes, decoded a column
+                    at a time); both forms are read. Masters before the
+                    packed form cannot read it: upgrade standbys first
     c/<id>          a registered client: [write window, host, engine],
                     written before its register's reply, deleted when it is
                     lost: who may have writes in flight at a failover
