@@ -21,7 +21,7 @@ import pytest
 from _metadata_servers import MetadataServer, _unavailable, free_port
 from _store_master import stop_member
 from kvflow.errors import KVFlowError
-from kvflow.store import DurabilityError, MasterUnavailableError, ObjectNotFoundError, StoreClient
+from kvflow.store import DurabilityError, MasterUnavailableError, ObjectNotFoundError, StoreClient, record_form
 from kvflow.store.errors import QuotaExceededError
 from kvflow.store.etcd import EtcdClient, b64
 from kvflow.store.rpc import TcpMasterLink
@@ -173,7 +173,16 @@ async def _recorded(etcd: str, cluster: str) -> set[str]:
         kvs = await e.range_prefix(f"kvflow/store/{cluster}/r/".encode())
     finally:
         await e.close()
-    return {entry[0] for kv in kvs for entry in msgpack.unpackb(kv["value"], raw=False)}
+    return {entry[0] for kv in kvs for entry in _record_entries(kv["value"])}
+
+
+def _record_entries(value: bytes) -> list[list]:
+    """A record's entries, whichever form it is in (record_form.py)."""
+    v = msgpack.unpackb(value, raw=False)
+    if isinstance(v, list):
+        return v
+    cols = record_form.from_packed([(0, v)])
+    return [cols.entry(i) for i in range(len(cols.keys))]
 
 
 async def _same(got, want) -> bool:
@@ -397,7 +406,7 @@ async def _entries(etcd: str, cluster: str) -> dict[str, list]:
         kvs = await e.range_prefix(f"kvflow/store/{cluster}/r/".encode())
     finally:
         await e.close()
-    return {entry[0]: entry for kv in kvs for entry in msgpack.unpackb(kv["value"], raw=False)}
+    return {entry[0]: entry for kv in kvs for entry in _record_entries(kv["value"])}
 
 
 async def _write_old_records(etcd: str, cluster: str, keys: set[str]) -> int:
@@ -407,7 +416,7 @@ async def _write_old_records(etcd: str, cluster: str, keys: set[str]) -> int:
     n = 0
     try:
         for kv in await e.range_prefix(f"kvflow/store/{cluster}/r/".encode()):
-            entries = msgpack.unpackb(kv["value"], raw=False)
+            entries = _record_entries(kv["value"])
             if any(entry[0] in keys for entry in entries):
                 old = [entry[:6] if entry[0] in keys else entry for entry in entries]
                 await e.txn([], [{"request_put": {"key": b64(kv["key"]),

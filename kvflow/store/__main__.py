@@ -57,9 +57,9 @@ async def _lead(master: Master, args: argparse.Namespace, stop: asyncio.Event) -
     journal.stage()
     journal.flush_recovered()       # records recovery found stale go now
     log.warning("leading cluster %s: recovered %d segments, %d objects (%d dropped), %d quotas, %d tasks in "
-                "%.3f s; %d free bytes fenced for %.1f s", args.cluster, counts["segments"], counts["objects"],
-                counts["dropped"], counts["quotas"], counts["tasks"], time.monotonic() - t0, counts["fenced"],
-                counts["fence_s"])
+                "%.3f s (etcd read %.3f s); %d free bytes fenced for %.1f s", args.cluster, counts["segments"],
+                counts["objects"], counts["dropped"], counts["quotas"], counts["tasks"], time.monotonic() - t0,
+                counts["read_s"], counts["fenced"], counts["fence_s"])
     election.lost.add_done_callback(
         lambda f: master.durability_lost(f.exception()) if f.exception() else None)
     return election

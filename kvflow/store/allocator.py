@@ -17,7 +17,10 @@ is neither free nor used.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from itertools import accumulate
+
+import numpy as np
 
 from kvflow.errors import InvalidArgumentError
 
@@ -142,6 +145,50 @@ class Allocator:
             self._add_extent(offset + length, start + size - offset - length)
         self._used[offset] = length
         self.used += length
+
+    def reserve_many(self, offsets: np.ndarray, lengths: np.ndarray, step: int = 1 << 16) -> Iterator[None]:
+        """reserve() of every extent [offsets[i], +lengths[i]) of a fresh
+        allocator (nothing allocated or fenced yet) in one sorted pass: the
+        free list is the gaps between them, built at C speed (a recovering
+        master restores a million extents in a fraction of a second
+        instead of ~6 us per reserve()). A generator: it yields after each
+        `step` extents, so that a caller on an event loop can let others
+        run (iterate it to the end; the allocator is complete then).
+        InvalidArgumentError, at the first step and with the allocator
+        unchanged, when one is not aligned, not inside the segment, or two
+        overlap (reserve() one at a time says which)."""
+        if self.used or self.fenced or len(self._by_offset) != 1:
+            raise InvalidArgumentError("reserve_many needs an allocator with nothing allocated or fenced")
+        offs = np.asarray(offsets, dtype=np.int64)
+        lens = np.asarray(lengths, dtype=np.int64)
+        if offs.shape != lens.shape or offs.ndim != 1:
+            raise InvalidArgumentError("reserve_many: offsets and lengths differ in shape")
+        if not len(offs):
+            return
+        order = np.argsort(offs, kind="stable")
+        offs, lens = offs[order], lens[order]
+        ends = offs + lens
+        if (offs[0] < 0 or ends[-1] > self.capacity or (lens <= 0).any() or (offs % ALIGN).any()
+                or (lens % ALIGN).any() or (ends[:-1] > offs[1:]).any()):
+            raise InvalidArgumentError("reserve_many: an extent is not aligned, outside the segment, or overlaps")
+        starts = np.concatenate(([0], ends))
+        sizes = np.concatenate((offs, [self.capacity])) - starts
+        gap = sizes > 0
+        starts, sizes = starts[gap], sizes[gap]
+        by_size = np.lexsort((starts, sizes))
+        by_offset: list[int] = []
+        size_of: dict[int, int] = {}
+        sized: list[tuple[int, int]] = []
+        used: dict[int, int] = {}
+        for lo in range(0, max(len(offs), len(starts)), step):
+            st, sz = starts[lo:lo + step].tolist(), sizes[lo:lo + step].tolist()
+            by_offset += st
+            size_of.update(zip(st, sz))
+            sized += zip(sizes[by_size[lo:lo + step]].tolist(), starts[by_size[lo:lo + step]].tolist())
+            used.update(zip(offs[lo:lo + step].tolist(), lens[lo:lo + step].tolist()))
+            yield
+        self._by_offset, self._size, self._by_size, self._used = by_offset, size_of, sized, used
+        self.used = int(lens.sum())
 
     def release(self, offset: int) -> int:
         """Frees the allocation at `offset`; returns its (rounded) length.

@@ -4,13 +4,15 @@ what makes a key valid."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .allocator import Allocator
 from .errors import InvalidKeyError
 
-__all__ = ["State", "Client", "Segment", "Replica", "Object", "check_key", "plain_keys", "namespace_of",
-           "MAX_KEY_BYTES", "NS_SEP"]
+__all__ = ["State", "Client", "Segment", "Replica", "Object", "Recovered", "restored_class", "check_key",
+           "plain_keys", "namespace_of", "MAX_KEY_BYTES", "NS_SEP"]
 
 MAX_KEY_BYTES = 4096
 # A namespaced key, as clients with a namespace send it: "<namespace>\x1f<key>"
@@ -138,3 +140,59 @@ class Object:
 
     def lease_end(self) -> float:
         return max(self.leases.values(), default=0.0)
+
+
+class Recovered(Object):
+    """An Object recovered from etcd and not yet touched: made whole from its
+    record's entry ([key, size, [[segment, offset, length], ...], pinned,
+    writer, token, want?, soft_until?], durable.py) at the first read or
+    write of any attribute, when it becomes a plain Object (its class
+    swapped, the same instance: dicts and sets holding it stay valid).
+    A recovery makes a million of these with one C-level call and serves
+    at once instead of spending ~2 us per object building Objects and
+    Replicas most of which no call will look at soon. Until then nothing
+    about the object can change without touching it, so the record is its
+    state. Each recovery makes a subclass of its own (restored_class)
+    that holds each instance's place in its records (`places`), what
+    makes that place an entry (`entry`), its model's clock at the
+    recovery (`now`) and the wall clock then (soft pins' deadlines)."""
+    __slots__ = ()
+    places: dict = {}
+    entry = staticmethod(lambda place: place)
+    now = 0.0
+    wall = 0.0
+
+    def __getattribute__(self, name: str):
+        _materialise(self)
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        _materialise(self)
+        object.__setattr__(self, name, value)
+
+
+def restored_class(places: dict, entry: Callable[[Any], list], now: float, wall: float) -> type[Recovered]:
+    cls = type("Recovered", (Recovered,), {"__slots__": (), "places": places, "entry": staticmethod(entry),
+                                           "now": now, "wall": wall})
+    # an instance's attributes live in a values array sized by its class's
+    # shared keys when it was made: one instance given every field, in
+    # Object.__init__'s order, makes the others' room for all of them (an
+    # object made whole held a full dict otherwise: 780 B an object, not 380)
+    proto = object.__new__(cls)
+    for f in fields(Object):
+        object.__setattr__(proto, f.name, None)
+    return cls
+
+
+def _materialise(obj: Recovered) -> None:
+    cls = type(obj)
+    e = cls.entry(cls.places.pop(obj))
+    if not cls.places:
+        cls.entry = None            # every one made: the records' columns can go
+    object.__setattr__(obj, "__class__", Object)
+    key, size, replicas, pinned, writer, token = e[:6]
+    want = e[6] if len(e) > 6 else None             # None: a record from before want
+    deadline = e[7] if len(e) > 7 else 0
+    Object.__init__(obj, key, size, [Replica(s, o, n) for s, o, n in replicas], State.COMPLETE, writer,
+                    pinned=bool(pinned), token=token, want=len(replicas) if want is None else max(1, int(want)),
+                    soft_until=float(cls.now + deadline - cls.wall) if deadline and deadline > cls.wall else 0.0)
