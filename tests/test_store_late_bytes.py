@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import signal
 import socket
+import sys
 import time
 
 import numpy as np
@@ -27,7 +29,7 @@ from kvflow.store import NoSpaceError, ObjectBusyError, StoreClient
 from kvflow.store.calls import all_ok, item_result
 from kvflow.store.datapath import Moves
 
-from _store_master import standalone_master
+from _store_master import ROOT, standalone_master, store_env
 from test_store_shmseg import _data, _holder
 
 MiB = 1 << 20
@@ -69,7 +71,7 @@ async def test_a_timed_out_writes_queued_bytes_land_on_no_later_object(end):
     # master revokes the put after its window (6 s) and holds the space one
     # more window. Either way the victim's put gets the same space while the
     # holder is still stopped, and the holder is resumed after that
-    async with standalone_master() as (address, _), _holder(address, shm=False, segment_size=MiB) as (h, _):
+    async with standalone_master() as (address, _), _holder(address, shm=False, segment_size=MiB + 65536) as (h, _):
         async with StoreClient(address, segment_size=0, protocols=("tcp",), timeout=1.0) as w, \
                 StoreClient(address, segment_size=0, protocols=("local",)) as v:
             await _warm(w, v)
@@ -108,6 +110,83 @@ async def test_a_timed_out_writes_queued_bytes_land_on_no_later_object(end):
             assert landed == 0, f"{landed} stale bytes landed on the victim ({took:.1f} s after the stop)"
             assert np.array_equal(got, victim)
             # the holder serves on: a tcp put and get through it still work
-            await v.remove("victim")
             await w.put("after", b"a" * 8192)
             assert await v.get("after") == b"a" * 8192
+
+
+@pytest.mark.parametrize("path", ["local", "mapped"])
+async def test_a_same_host_write_to_a_stopped_holder_is_over_when_its_call_returns(path, monkeypatch):
+    # the same-host paths copy on the writer's own threads, into the holder's
+    # memory, without the holder's process: cross-memory attach (the local
+    # provider, process_vm_writev) or a memcpy into the mapped segment
+    # (shmseg.py). A put to a stopped holder completes in its call, so there
+    # is nothing of it left to land when the holder runs again
+    from kvflow.store import shmseg
+    monkeypatch.setattr(shmseg, "ENABLED", path == "mapped" and hasattr(os, "memfd_create"))
+    protocols = ("local",) if path == "local" else None
+    async with standalone_master() as (address, _), \
+            _holder(address, shm=path == "mapped", segment_size=4 * MiB) as (h, _):
+        async with StoreClient(address, segment_size=0, protocols=protocols, timeout=1.0) as w:
+            await w.put("warm", b"w" * 4096)
+            assert await w.get("warm") == b"w" * 4096
+            if path == "mapped":
+                assert w._shm is not None and w._shm.writes > 0
+            data = _data(MiB, 42).tobytes()
+            os.kill(h.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                assert await w.put("k", data) == 1
+                assert time.monotonic() - t0 < 1.0             # within its transfer timeout
+                assert await w.get("k") == data                 # read back while the holder is stopped
+            finally:
+                os.kill(h.pid, signal.SIGCONT)
+            assert await w.get("k") == data
+
+
+async def test_a_killed_writers_queued_bytes_land_on_no_later_object():
+    # the writer's process is killed while its put to the stopped holder is
+    # in flight: the master drops its put at once (client_lost: its process,
+    # and with it its writes, gone), but its kernel closes its sockets, and
+    # what the holder's kernel had received of them is still queued there
+    async with standalone_master() as (address, _), _holder(address, shm=False, segment_size=MiB + 65536) as (h, _):
+        writer = await asyncio.create_subprocess_exec(
+            sys.executable, str(ROOT / "tests" / "_store_holder.py"), address, "0", str(MiB),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=store_env())
+        try:
+            assert json.loads(await asyncio.wait_for(writer.stdout.readline(), 30))["ready"]
+            async with StoreClient(address, segment_size=0, protocols=("local",)) as v:
+                writer.stdin.write(b'["warm"]\n')       # connected to the holder (bytes 0: its first key's)
+                await writer.stdin.drain()
+                assert json.loads(await asyncio.wait_for(writer.stdout.readline(), 30))["put"] == [1]
+                assert await v.get("warm") == bytes(MiB)
+                await v.remove("warm")
+                os.kill(h.pid, signal.SIGSTOP)
+                try:
+                    writer.stdin.write(b'["stale"]\n')
+                    await writer.stdin.drain()
+                    # its put_start's reply comes at once, its write stalls (its
+                    # timeout is 10 s); its first bytes reach the holder's kernel
+                    await asyncio.sleep(1.0)
+                    assert writer.returncode is None
+                    writer.kill()
+                    await writer.wait()
+                    victim = _data(MiB, 43)
+                    t0 = time.monotonic()
+                    while True:     # the master saw the writer go: the only room is its put's
+                        assert time.monotonic() - t0 < 10
+                        try:
+                            assert await v.put("victim", victim.tobytes()) == 1
+                            break
+                        except NoSpaceError:
+                            await asyncio.sleep(0.1)
+                finally:
+                    os.kill(h.pid, signal.SIGCONT)
+                await asyncio.sleep(1.0)
+                got = np.frombuffer(await v.get("victim"), np.uint8)
+                landed = int(np.count_nonzero(got != victim))
+                assert landed == 0, f"{landed} bytes of the killed writer landed on the victim"
+        finally:
+            if writer.returncode is None:
+                writer.kill()
+                await writer.wait()
+
