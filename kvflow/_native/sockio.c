@@ -127,11 +127,51 @@ static int sk_fill(sk_reader *r) {
     return 0;
 }
 
+/* Before bytes of r go into the caller's memory (r->fresh_ns set): 0 when
+ * the connection was seen not reset by its peer within fresh_ns (looked at
+ * again, with TCP_INFO, when the last look is older); -1 (ECONNRESET) once
+ * it is.
+ *
+ * Why: an initiator that gives a write up resets its connection
+ * (tcp_conn.c: conn_reset) and reports the write failed, and its caller
+ * gives the memory to someone else. Linux does not discard what the reset
+ * connection's receiver had already received: recv() returns those bytes
+ * first and reports the reset after them (tests/test_store_late_bytes.py
+ * shows it). A target that was not reading (stopped, starved) would land
+ * them on whatever the memory holds by the time it runs again. So bytes
+ * move into place only within fresh_ns of a look that found the
+ * connection open; a look that itself took longer than fresh_ns (the
+ * thread was stopped or descheduled around it) does not count. The look
+ * is timed from before the system call: the state it read is at least
+ * that recent. What remains: a copy that had started before the reset
+ * arrived (a thread stopped inside a memcpy from the staging buffer lands
+ * the rest of it, at most RD_BUF, when it runs again), one stopped in the
+ * few instructions between its last clock read here and the copy's start,
+ * and a reset that never reached this host (lost on the network: the
+ * connection looks open). A socket that cannot say (not tcp) counts as
+ * open. */
+static int sk_not_reset(sk_reader *r) {
+    for (;;) {
+        uint64_t t0 = sk_now_ns();
+        if (t0 - r->open_ns <= r->fresh_ns) return 0;
+        struct tcp_info ti;
+        socklen_t len = sizeof(ti);
+        memset(&ti, 0, sizeof(ti));
+        int known = getsockopt(r->fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0 &&
+                    len >= offsetof(struct tcp_info, tcpi_state) + sizeof(ti.tcpi_state);
+        /* TCP_CLOSE: the peer's reset was taken (tcp_reset -> tcp_done); a
+         * peer's orderly close (CLOSE_WAIT) leaves what it sent to land */
+        if (known && ti.tcpi_state == TCP_CLOSE) { errno = ECONNRESET; return -1; }
+        if (sk_now_ns() - t0 <= r->fresh_ns) { r->open_ns = t0; return 0; }
+    }
+}
+
 /* Reads exactly n bytes into dst (dst NULL: discard them). */
 int sk_read_exact(sk_reader *r, void *dst, size_t n) {
     char *d = dst;
     while (n > 0) {
         size_t avail = r->end - r->pos;
+        if (d && r->fresh_ns && sk_not_reset(r)) return -1;
         if (avail) {
             size_t k = avail < n ? avail : n;
             if (d) { memcpy(d, r->buf + r->pos, k); d += k; }

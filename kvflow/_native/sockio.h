@@ -32,6 +32,12 @@ typedef struct {
      * merely stopped or starved is waited for. 0: they always do. */
     uint32_t grace_ms;
     int unheard;           /* sk_heard's last look found the peer unanswered */
+    /* nonzero: bytes are read into the caller's memory (a payload, a
+     * header) only from a connection seen not reset by its peer within
+     * the last fresh_ns, looked at again (TCP_INFO) when that is older
+     * (sockio.c: sk_not_reset). 0: never looked at. */
+    uint64_t fresh_ns;
+    uint64_t open_ns;      /* CLOCK_MONOTONIC of the last look that found it open */
 } sk_reader;
 
 /* Waits until fd is readable/writable (`events`); -1 on error. */

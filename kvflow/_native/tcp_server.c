@@ -36,6 +36,14 @@
  * datacenter NIC; whatever is still moving after this is a peer that
  * stalled mid-frame, or a write racing the deregister, which may fail. */
 #define QUIESCE_GRACE_NS (20 * 1000000ull)
+/* A data connection lands bytes only within this long of a look that
+ * found it not reset by its initiator (sockio.c: sk_not_reset): an
+ * initiator that gave a write up reset the connection and reported the
+ * write failed, and the bytes this kernel had already queued must not land
+ * when this process runs again (stopped, starved) on memory given to
+ * someone else since. One TCP_INFO look per millisecond of a busy
+ * connection, one per batch of an idle one. */
+#define SRV_FRESH_NS 1000000ull
 /* Connections still before their hello: each holds a thread, so a flood
  * of idle or trickling clients is refused past this many. */
 #define MAX_PRE_AUTH 64
@@ -395,6 +403,7 @@ static void srv_loop(kvf_srv_conn *s) {
     sk_reader r = {s->fd, NULL, 0, 0, NULL, NULL, 0, 1, 0, 0, atomic_load(&ctx->srv_spin_ns), 0};
     r.buf = malloc(RD_BUF);
     r.grace_ms = atomic_load(&ctx->srv_grace_ms);
+    r.fresh_ns = SRV_FRESH_NS;
     r.flush = srv_flush;
     r.arg = s;
     if (!r.buf) return;

@@ -9,6 +9,7 @@ import errno as errno_mod
 import ipaddress
 import logging
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,9 @@ def tune_data_socket(s: socket.socket, keepalive: float) -> None:
     if keepalive > 0:
         keep_probing(s, keepalive)
 
+
+# struct linger {l_onoff 1, l_linger 0}: close() resets the connection
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 # Linux 4.2+; the socket module names it from Python 3.12 on
 IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)
@@ -104,6 +108,15 @@ async def open_data_connection(loop: asyncio.AbstractEventLoop, host: str, port:
     try:
         s.setblocking(False)
         tune_data_socket(s, keepalive)
+        # Ended with a reset, never an orderly close, also when this process
+        # dies and its kernel closes the socket: what is still queued to
+        # send is dropped, and the target drops what it has received and
+        # not landed (sockio.c: sk_not_reset). An orderly close would send
+        # the queue on after the process is gone, and a stopped target would
+        # land it when it runs again, on memory given to someone else since
+        # (tests/test_store_late_bytes.py: a killed writer's 1 MiB). The
+        # native side resets a connection it ends already (conn_reset).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
         if send_buffer:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
 

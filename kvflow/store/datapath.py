@@ -7,7 +7,11 @@ A holder's batch that fails (the holder was lost or is unreachable, its
 memory is gone, the timeout elapsed) fails only that holder's entries: the
 caller learns which holders failed and decides (another replica, or fewer
 replicas). kvflow drains a failed batch before raising, so nothing of it
-lands afterwards and the space may be reused at once.
+lands afterwards and the space may be reused at once: over tcp, what a
+holder stopped meanwhile still has queued of the batch is dropped when it
+runs again (kvflow/_native/sockio.c: sk_not_reset), and a writer's process
+that dies resets its connections (providers/tcp.py); the same-host paths
+copy on the writer's own threads (tests/test_store_late_bytes.py).
 """
 from __future__ import annotations
 
