@@ -101,7 +101,7 @@ async def _remove_refused(c: StoreClient, key: str) -> bool:
 
 @pytest.mark.parametrize("path", ["loop", "caller's thread"])
 async def test_a_get_slowed_past_its_lease_by_a_stopped_holder_returns_its_bytes(path):
-    # a 2 s lease (renewed at about half of it: a 1 s lease's renewals were
+    # a 2 s lease (renewed at about a third of it: a 1 s lease's renewals were
     # late under the suite's load); the holder stopped for 6 s while a get
     # reads from it: the reader renews its lease, so the object is kept
     # (remove refused) and the get returns the right bytes (before renewals:
@@ -138,7 +138,7 @@ async def test_a_get_slowed_past_its_lease_by_a_stopped_holder_returns_its_bytes
 
 
 async def test_a_reader_killed_mid_get_lets_its_object_go_within_a_ttl():
-    # a 2 s TTL: the reader renews at about half of it, which a loaded host
+    # a 2 s TTL: the reader renews at about a third of it, which a loaded host
     # (the suite beside other work on 2 cores) delays by up to a second
     async with standalone_master("--lease-ttl", "2.0") as (address, _):
         h, _ = await _member(address, "held", 50_000, 22)

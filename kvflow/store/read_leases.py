@@ -3,7 +3,7 @@ the objects its lookup found, so they are neither evicted nor removed
 while the call reads them.
 
 A lease lasts `lease_ttl` from its grant. A reader whose reads are still
-in progress renews it (leases.py, the client's side: at about half the
+in progress renews it (leases.py, the client's side: at about a third of the
 TTL, one call for every lease it holds), each renewal giving it the TTL
 again from the master's now, so a slow but live read keeps its objects.
 Renewals are bounded: a lease never lasts past its grant plus its
