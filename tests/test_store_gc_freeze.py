@@ -86,3 +86,20 @@ async def test_the_sweep_runs_on_the_loop():
         assert f.sweeps >= 1 and f.last_sweep_s > 0
     finally:
         f.uninstall()
+
+
+def test_master_stalls_tool_times_a_real_master_while_its_index_grows(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "stalls.json"
+    r = subprocess.run([sys.executable, str(root / "tools" / "master_stalls.py"), "--objects", "5000",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["objects"] == 5000 and row["probes"] > 0 and row["load_s"] > 0
+    assert 0 < row["p50_us"] <= row["p999_ms"] * 1000 <= row["max_ms"] * 1000
+    assert str(row["probes"]) in r.stdout.replace(",", "") and "| 5,000 |" in r.stdout
