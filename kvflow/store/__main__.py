@@ -25,6 +25,7 @@ from .durable import Journal, Layout
 from .election import Election
 from .errors import DurabilityError
 from .etcd import EtcdClient
+from .gc_freeze import GcFreezer
 from .master import Master
 
 log = logging.getLogger("kvflow.store.master")
@@ -77,6 +78,8 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     election = None
+    freezer = GcFreezer()       # this process is the master's own: its index kept off the collector
+    freezer.install()
     await master.start(args.listen, serving=args.etcd is None)
     if args.metrics_port is not None:
         _serve_metrics(master, args.listen.rpartition(":")[0], args.metrics_port)
@@ -85,6 +88,7 @@ async def _serve(args: argparse.Namespace) -> None:
             election = await _lead(master, args, stop)
             if election is None:
                 return
+            freezer.freeze_now()        # the recovered index, as it is (rebuilt with the collector off)
             await master.serve()
         print(f"kvflow.store master ready on {master.address}", flush=True)
         args.ready = True
@@ -94,6 +98,7 @@ async def _serve(args: argparse.Namespace) -> None:
         if master.failed.done() and master.failed.exception() is not None:
             raise master.failed.exception()
     finally:
+        freezer.uninstall()
         await master.close()
         if election is not None:
             await election.resign()         # the standby takes over at once
