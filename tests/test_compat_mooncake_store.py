@@ -331,16 +331,19 @@ def test_a_store_never_closed_is_closed_when_collected(kvflow_master):
     destructor): the engine thread and the master's record go with the object."""
     import gc
     import threading
-    before = threading.active_count()
+    # the threads this store started, by identity: an earlier test's thread
+    # that ends meanwhile (a loaded host) must not count
+    before = set(threading.enumerate())
     s = MooncakeDistributedStore()
     assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 1 << 20, "tcp", "", kvflow_master.address) == 0
-    assert s.put("collected", b"x") == 0 and threading.active_count() > before
+    assert s.put("collected", b"x") == 0
+    assert set(threading.enumerate()) - before, "the store started no thread?"
     del s
     gc.collect()
     deadline = time.monotonic() + 10
-    while threading.active_count() > before and time.monotonic() < deadline:
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert threading.active_count() == before
+    assert not set(threading.enumerate()) - before, set(threading.enumerate()) - before
 
 
 def test_rdma_protocol_works_with_or_without_a_device(kvflow_master):
