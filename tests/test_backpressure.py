@@ -101,6 +101,7 @@ async def test_a_failed_write_sends_nothing_after_it_raised(make_engine, make_ta
     base = peer.region("rw").addr
     await bounded(target.fill("rw", 17))
     os.kill(target.proc.pid, signal.SIGSTOP)
+    _until_stopped(target.proc.pid)         # else a thread still running lands its last recv's bytes
     try:
         t = peer.write_nowait([src.addr + k * MiB for k in range(8)], [base + k * MiB for k in range(8)],
                               [MiB] * 8)
@@ -121,6 +122,26 @@ async def test_a_failed_write_sends_nothing_after_it_raised(make_engine, make_ta
     late = int(np.count_nonzero(got != pattern(17, size)))
     assert late == 0, (f"{late} bytes of the write landed on the target after it failed; its sockets had "
                        f"received {received}")
+
+
+def _until_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Waits until every thread of process `pid` is stopped (state T):
+    kill(SIGSTOP) returns before a thread running on another core, or one
+    woken inside a recv, has stopped."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {states}"
+        time.sleep(0.001)
 
 
 def _receive_queue(pid: int) -> int:
