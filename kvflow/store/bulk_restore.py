@@ -32,7 +32,7 @@ from kvflow.errors import InvalidArgumentError
 
 from .allocator import Allocator
 from .record_form import Columns
-from .records import NS_SEP, namespace_of, plain_keys, restored_class
+from .records import NS_SEP, entry_pins, namespace_of, plain_keys, restored_class
 
 __all__ = ["Restored", "restore"]
 
@@ -85,10 +85,10 @@ async def restore(model, parts: list[Columns], now: float, wall: float,
         for i in np.flatnonzero(p.nrep == 0).tolist():
             # SSD-only when recorded: its holders' tiers report it again (restore_object)
             e = p.entry(i)
-            deadline = e[7] if len(e) > 7 else 0
             try:
-                adopt[e[0]] = (e[1], (bool(e[3]), e[4], e[5], max(1, int(p.want[i])) if len(e) > 6 else 1,
-                                      float(now + deadline - wall if deadline and deadline > wall else 0.0)))
+                want, soft_until = entry_pins(e, now, wall)
+                adopt[e[0]] = (e[1], (bool(e[3]), e[4], e[5], 1 if want is None else max(1, int(p.want[i])),
+                                      soft_until))
             except (TypeError, ValueError):
                 return None
             places.pop(index.pop(e[0]), None)

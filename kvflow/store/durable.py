@@ -98,6 +98,7 @@ from . import bulk_restore, record_form
 from .etcd import EtcdClient, b64
 from .fence import DEFAULT_WRITE_WINDOW
 from .model import State, StoreModel
+from .records import entry_pins
 
 __all__ = ["Layout", "Journal"]
 
@@ -479,9 +480,7 @@ class Journal:
             members = self._members[rid] = set()
             for entry in entries:
                 key, size, replicas, pinned, writer, token = entry[:6]
-                want = entry[6] if len(entry) > 6 else None          # None: a record from before want
-                deadline = entry[7] if len(entry) > 7 else 0
-                soft_until = now + deadline - wall if deadline and deadline > wall else 0.0
+                want, soft_until = entry_pins(entry, now, wall)    # want None: a record from before want
                 if model.restore_object(key, size, replicas, pinned=pinned, writer=writer, token=token,
                                         want=want, soft_until=soft_until):
                     members.add(key)

@@ -11,7 +11,7 @@ from typing import Any
 from .allocator import Allocator
 from .errors import InvalidKeyError
 
-__all__ = ["State", "Client", "Segment", "Replica", "Object", "Recovered", "restored_class", "check_key",
+__all__ = ["State", "Client", "Segment", "Replica", "Object", "Recovered", "restored_class", "entry_pins", "check_key",
            "plain_keys", "namespace_of", "MAX_KEY_BYTES", "NS_SEP"]
 
 MAX_KEY_BYTES = 4096
@@ -184,6 +184,15 @@ def restored_class(places: dict, entry: Callable[[Any], list], now: float, wall:
     return cls
 
 
+def entry_pins(e: list, now: float, wall: float) -> tuple[int | None, float]:
+    """A recorded entry's want (None: a record from before want) and its
+    soft pin's end on the model's clock (`now` then, `wall` the wall clock
+    then; 0.0: none, or a deadline already past)."""
+    want = e[6] if len(e) > 6 else None
+    deadline = e[7] if len(e) > 7 else 0
+    return want, (float(now + deadline - wall) if deadline and deadline > wall else 0.0)
+
+
 def _materialise(obj: Recovered) -> None:
     cls = type(obj)
     e = cls.entry(cls.places.pop(obj))
@@ -191,8 +200,7 @@ def _materialise(obj: Recovered) -> None:
         cls.entry = None            # every one made: the records' columns can go
     object.__setattr__(obj, "__class__", Object)
     key, size, replicas, pinned, writer, token = e[:6]
-    want = e[6] if len(e) > 6 else None             # None: a record from before want
-    deadline = e[7] if len(e) > 7 else 0
+    want, soft_until = entry_pins(e, cls.now, cls.wall)
     Object.__init__(obj, key, size, [Replica(s, o, n) for s, o, n in replicas], State.COMPLETE, writer,
                     pinned=bool(pinned), token=token, want=len(replicas) if want is None else max(1, int(want)),
-                    soft_until=float(cls.now + deadline - cls.wall) if deadline and deadline > cls.wall else 0.0)
+                    soft_until=soft_until)
